@@ -1,0 +1,25 @@
+# Two entry points: `make demo` and `make test`. Both create .venv on first use and are idempotent.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,examples]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/ppca_mpt_vs_elbo.py
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg $(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/ppca_speed.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,29 @@
+"""pyro_mpt: masked pre-training as a training objective and evidence estimator for Pyro.
+
+Public API::
+
+    from pyro_mpt import MaskedPretrainingLoss, Evidence, MPTCurve
+"""
+
+from .conditionals import ConditionalEngine, GaussianConditionals
+from .curve import MPTCurve
+from .evidence import Evidence, EvidenceResult
+from .loss import MaskedPretrainingLoss
+from .masks import AllSizes, Exhaustive, FixedRate, MaskSchedule, RandomOrders, UniformSizes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MaskedPretrainingLoss",
+    "Evidence",
+    "EvidenceResult",
+    "MPTCurve",
+    "ConditionalEngine",
+    "GaussianConditionals",
+    "MaskSchedule",
+    "AllSizes",
+    "UniformSizes",
+    "RandomOrders",
+    "Exhaustive",
+    "FixedRate",
+]

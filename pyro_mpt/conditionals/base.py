@@ -1,0 +1,117 @@
+r"""The interface every conditional engine implements.
+
+An engine answers one question: given a datapoint's tokens :math:`x`, a context
+set :math:`\mathcal R` and a target token :math:`j \notin \mathcal R`, what is
+:math:`\log p(x_j \mid x_{\mathcal R})` with the model's latents integrated out?
+
+It does so in two steps, so that the model-dependent work is done once per loss
+evaluation and shared by every block of queries:
+
+1. :meth:`ConditionalEngine.prepare` runs the Pyro model (and guide) on the
+   observed tokens and returns a *state* (a Gaussian marginal, a quadrature
+   table, ...), differentiable in the model's parameters.
+2. :meth:`ConditionalEngine.mask_log_prob` and
+   :meth:`ConditionalEngine.chain_log_prob` answer blocks of queries from the
+   state, vectorized over queries and datapoints.
+"""
+
+from abc import ABC, abstractmethod
+
+import torch
+
+__all__ = ["ConditionalEngine", "EngineNotApplicable"]
+
+
+class EngineNotApplicable(ValueError):
+    """Raised by :meth:`ConditionalEngine.prepare` when the model is outside what
+    the engine serves; the message names the site and what to use instead.
+    ``conditionals="auto"`` catches it and tries the next engine."""
+
+
+class ConditionalEngine(ABC):
+    """Base class of conditional engines.
+
+    Subclasses implement :meth:`prepare` and :meth:`mask_log_prob`; they may
+    override :meth:`chain_log_prob` with a faster path for complete orderings
+    and :meth:`log_evidence` when :math:`\\log p(x)` is available.
+
+    :param int max_elements: bound on the number of elements of the largest
+        intermediate tensor an engine creates per chunk; engines split blocks
+        further to stay under it.
+    """
+
+    #: name used by ``conditionals=<name>``
+    name = None
+
+    def __init__(self, *, max_elements=2**24):
+        self.max_elements = int(max_elements)
+
+    @classmethod
+    def check_model(cls, tokens, model, guide, args, kwargs):
+        """Return ``None`` when this engine can serve the model, else a reason (str)."""
+        return None
+
+    @abstractmethod
+    def prepare(self, tokens, model, guide, args, kwargs):
+        """Build the engine state for one evaluation.
+
+        :param ~pyro_mpt.sites.ObservedTokens tokens: the traced observed tokens.
+        :param callable model: the Pyro model.
+        :param callable guide: the Pyro guide or ``None``.
+        :param tuple args: model arguments.
+        :param dict kwargs: model keyword arguments.
+        :returns: an engine-specific state object.
+        """
+        raise NotImplementedError
+
+    @abstractmethod
+    def mask_log_prob(self, state, x, mask):
+        r"""Log-conditionals of the masked tokens given the unmasked ones.
+
+        :param state: the object returned by :meth:`prepare`.
+        :param torch.Tensor x: tokens, shape ``(n, D)``.
+        :param torch.Tensor mask: bool, shape ``(q, n, D)`` or ``(q, 1, D)``;
+            True marks a target, False a context token.
+        :returns: :math:`\log p(x_j \mid x_{\neg\text{mask}})` at every masked
+            ``j``, shape ``(q, n, D)``; entries at unmasked tokens are arbitrary
+            finite numbers.
+        """
+        raise NotImplementedError
+
+    def chain_log_prob(self, state, x, order):
+        r"""Chain-rule terms along complete orderings.
+
+        :param torch.Tensor order: long, shape ``(p, n, D)`` or ``(p, 1, D)``.
+        :returns: ``(p, n, D)`` whose entry ``[.., t]`` is
+            :math:`\log p(x_{\pi_t} \mid x_{\pi_{t+1}}, \dots, x_{\pi_D})`.
+
+        The default asks :meth:`mask_log_prob` one mask per position (the
+        first ``t + 1`` tokens of the ordering) and keeps the target's term;
+        engines with a sequential structure override it.
+        """
+        p, rows, D = order.shape
+        n = x.shape[0]
+        ranks = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(D, device=order.device).expand_as(order)
+        )
+        positions = torch.arange(D, device=order.device)
+        out = []
+        per_chunk = max(1, self.max_elements // (n * D))
+        for i in range(p):
+            terms = []
+            for start in range(0, D, per_chunk):
+                t = positions[start : start + per_chunk]
+                mask = ranks[i][None] <= t[:, None, None]  # (c, rows, D)
+                logc = self.mask_log_prob(state, x, mask)  # (c, n, D)
+                target = order[i][None, :, start : start + per_chunk].permute(2, 1, 0)
+                target = target.expand(-1, n, -1)
+                terms.append(logc.gather(-1, target).squeeze(-1))  # (c, n)
+            out.append(torch.cat(terms, 0).T)  # (n, D)
+        return torch.stack(out, 0)
+
+    def log_evidence(self, state, x):
+        """Per-datapoint :math:`\\log p(x)`, shape ``(n,)``, when the engine has it."""
+        raise NotImplementedError(f"{type(self).__name__} does not compute log p(x).")
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"

@@ -1,0 +1,403 @@
+r"""The Gaussian marginal :math:`p(x) = \mathcal N(\mu, \Sigma)` of a Pyro model.
+
+Two kinds of models have one:
+
+* models without latents whose observed site is Gaussian over its tokens
+  (``MultivariateNormal``, ``LowRankMultivariateNormal``,
+  ``Normal(...).to_event(k)``);
+* *linear-Gaussian* latent models written the ordinary way: Normal (or
+  MultivariateNormal) latents :math:`z_l = m_l + L_l \varepsilon_l` whose
+  location may be affine in earlier latents, and a Normal observation whose
+  location is affine in the latents and whose scale does not depend on them
+  (PPCA, factor analysis, models with covariates, hierarchies of such).
+
+For the second kind the marginal is derived from the model itself: with
+:math:`\varepsilon \in \mathbb R^K` the stacked standard-normal noises of all
+latents, the observed location is :math:`\mu + W\varepsilon`, so
+:math:`x \sim \mathcal N(\mu, W W^\top + \Psi)`. The model is run once on the
+:math:`K + 2` points :math:`\varepsilon \in \{0, e_1, \dots, e_K, \varepsilon_r\}`
+(vectorized in a plate): :math:`W_{:,k} = \text{loc}(e_k) - \text{loc}(0)`, and
+the random point :math:`\varepsilon_r` verifies that the location really is
+affine and that no scale depends on the latents.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import pyro
+import pyro.distributions as dist
+from pyro import poutine
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
+
+from .base import EngineNotApplicable
+
+__all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError"]
+
+
+class NotLinearGaussianError(EngineNotApplicable):
+    """The model has no closed-form Gaussian marginal."""
+
+
+@dataclass
+class GaussianMarginal:
+    r"""A batch of Gaussian marginals over ``D`` tokens.
+
+    Either low-rank, :math:`\Sigma = F F^\top + \operatorname{diag}(\psi)`, or
+    dense. The leading dim is the batch size ``n`` or 1 when shared by all
+    datapoints.
+
+    :param torch.Tensor loc: ``(n|1, D)``.
+    :param torch.Tensor cov_factor: ``(n|1, D, R)`` or None.
+    :param torch.Tensor cov_diag: ``(n|1, D)`` or None.
+    :param torch.Tensor covariance: ``(n|1, D, D)`` or None (dense form).
+    """
+
+    loc: torch.Tensor
+    cov_factor: Optional[torch.Tensor] = None
+    cov_diag: Optional[torch.Tensor] = None
+    covariance: Optional[torch.Tensor] = None
+
+    @property
+    def is_low_rank(self):
+        return self.covariance is None
+
+    @property
+    def num_tokens(self):
+        return self.loc.shape[-1]
+
+    @property
+    def rank(self):
+        return 0 if self.cov_factor is None else self.cov_factor.shape[-1]
+
+    def dense(self):
+        """The covariance matrix, ``(n|1, D, D)``."""
+        if self.covariance is not None:
+            return self.covariance
+        cov = torch.diag_embed(self.cov_diag)
+        if self.cov_factor is not None:
+            cov = cov + self.cov_factor @ self.cov_factor.transpose(-1, -2)
+        return cov
+
+    def distribution(self):
+        """The marginal as a torch distribution with batch shape ``(n|1,)``."""
+        if self.covariance is not None:
+            return dist.MultivariateNormal(self.loc, covariance_matrix=self.covariance)
+        if self.cov_factor is None or self.rank == 0:
+            return dist.Normal(self.loc, self.cov_diag.sqrt()).to_event(1)
+        return dist.LowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
+
+    def log_prob(self, x):
+        """Exact :math:`\\log \\mathcal N(x; \\mu, \\Sigma)` per datapoint; ``x`` is ``(n, D)``."""
+        return self.distribution().log_prob(x)
+
+
+def _unwrap(fn):
+    """Strip ``Independent`` wrappers; return the base distribution and event dims added."""
+    reinterpreted = 0
+    while isinstance(fn, (dist.Independent, torch.distributions.Independent)):
+        reinterpreted += fn.reinterpreted_batch_ndims
+        fn = fn.base_dist
+    return fn, reinterpreted
+
+
+def _compact(t):
+    """Narrow every stride-0 (expanded) dim to size 1: exact, and keeps gradients."""
+    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            t = t.narrow(d, 0, 1)
+    return t
+
+
+def _latent_layout(tokens):
+    """Check the latent sites and give each a slice of the stacked noise vector."""
+    obs = tokens.site
+    obs_frames = {f for f in obs["cond_indep_stack"] if f.vectorized and f.size > 1}
+    layout, offset = {}, 0
+    for site in tokens.latent_sites():
+        name = site["name"]
+        base, _ = _unwrap(site["fn"])
+        if not isinstance(base, (dist.Normal, dist.MultivariateNormal)) or isinstance(
+            base, dist.LowRankMultivariateNormal
+        ):
+            raise NotLinearGaussianError(
+                f"conditionals='gaussian' needs Normal or MultivariateNormal latents; "
+                f"latent site {name!r} is {type(base).__name__}. Use "
+                f"conditionals='quadrature' (low-dimensional latents) or "
+                f"'importance'."
+            )
+        frames = {f for f in site["cond_indep_stack"] if f.vectorized}
+        missing = obs_frames - frames
+        if missing:
+            plates = ", ".join(repr(f.name) for f in missing)
+            raise NotLinearGaussianError(
+                f"Latent site {name!r} is outside the plate(s) {plates} of observed "
+                f"site {tokens.name!r}: it is shared by all datapoints (a global "
+                f"latent), so log p(x_i) does not factorize over datapoints. Make it "
+                f"a pyro.param, or move it inside the data plate."
+            )
+        numel = site["fn"].event_shape.numel()
+        layout[name] = (offset, numel, site["fn"].event_shape)
+        offset += numel
+    return layout, offset
+
+
+class _AffineLatents(Messenger):
+    """Set each latent to ``loc + scale * eps`` for a batch of noise vectors ``eps``."""
+
+    def __init__(self, layout, eps, lead_dim, compact):
+        super().__init__()
+        self.layout = layout
+        self.eps = eps  # (B, K)
+        self.lead_dim = lead_dim  # dim of the basis batch, counted from the batch end
+        self.compact = compact
+        self.scales = {}
+
+    def _pyro_sample(self, msg):
+        name = msg["name"]
+        if msg["is_observed"] or site_is_subsample(msg) or name not in self.layout:
+            return
+        offset, numel, event_shape = self.layout[name]
+        base, _ = _unwrap(msg["fn"])
+        eps = self.eps[:, offset : offset + numel]
+        if self.lead_dim is None:
+            eps = eps.reshape(event_shape)
+        else:
+            eps = eps.reshape((eps.shape[0],) + (1,) * (self.lead_dim - 1) + event_shape)
+        if isinstance(base, dist.MultivariateNormal):
+            loc, scale = base.loc, base.scale_tril
+            if self.compact:
+                loc, scale = _compact(loc), _compact(scale)
+            value = loc + (scale @ eps.unsqueeze(-1)).squeeze(-1)
+        else:
+            loc, scale = base.loc, base.scale
+            if self.compact:
+                loc, scale = _compact(loc), _compact(scale)
+            value = loc + scale * eps
+        if not self.compact:
+            shape = torch.broadcast_shapes(value.shape, msg["fn"].shape())
+            value = value.expand(shape)
+        # keep the scale with the basis dim first, to check it does not vary with eps
+        event_nd = len(event_shape) + isinstance(base, dist.MultivariateNormal)
+        if self.lead_dim is not None:
+            bdim = scale.dim() - self.lead_dim - event_nd
+            scale = scale.movedim(bdim, 0) if bdim >= 0 else scale[None]
+        self.scales[name] = scale
+        msg["value"] = value
+        msg["done"] = True
+
+
+def _observation_parts(fn, name, D):
+    """Location, and noise as (cov_factor, cov_diag) or dense covariance, of the obs site."""
+    base, _ = _unwrap(fn)
+    if isinstance(base, dist.LowRankMultivariateNormal):
+        return base.loc, ("lowrank", base.cov_factor, base.cov_diag)
+    if isinstance(base, dist.MultivariateNormal):
+        if len(fn.event_shape) != 1:
+            raise NotLinearGaussianError(
+                f"Observed site {name!r}: a MultivariateNormal with extra event dims "
+                f"is not supported; use one MultivariateNormal over the D tokens."
+            )
+        return base.loc, ("dense", base.covariance_matrix)
+    if isinstance(base, dist.Normal):
+        shape = fn.batch_shape + fn.event_shape
+        loc = base.loc.expand(shape).reshape(fn.batch_shape + (D,))
+        scale = base.scale.expand(shape).reshape(fn.batch_shape + (D,))
+        return loc, ("diag", scale)
+    raise NotLinearGaussianError(
+        f"conditionals='gaussian' needs a Gaussian observed site; {name!r} is "
+        f"{type(base).__name__}. Use conditionals='quadrature' (low-dimensional "
+        f"latents) or 'importance'."
+    )
+
+
+def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
+    """Derive the Gaussian marginal of the observed tokens from a Pyro model.
+
+    :param ~pyro_mpt.sites.ObservedTokens tokens: from :func:`~pyro_mpt.sites.trace_tokens`.
+    :param callable model: the Pyro model.
+    :param tuple args: model arguments.
+    :param dict kwargs: model keyword arguments.
+    :param bool vectorize: run the :math:`K + 2` noise points in one vectorized
+        plate (the model must broadcast over an extra batch dim on the left);
+        with False the model is run once per point.
+    :returns: the marginal, with leading dim ``n``, or 1 when shared by the batch.
+    :rtype: GaussianMarginal
+    :raises NotLinearGaussianError: naming the site, when the model is not
+        linear-Gaussian.
+
+    Example::
+
+        >>> tokens = trace_tokens(ppca, None, (x,), {})
+        >>> gaussian_marginal(tokens, ppca, (x,), {}).log_prob(tokens.value)  # (n,)
+    """
+    D = tokens.num_tokens
+    layout, K = _latent_layout(tokens)
+    if K == 0:
+        fn = tokens.site["fn"]
+        loc, noise = _observation_parts(fn, tokens.name, D)
+        loc, noise = _basis_rows(loc, noise, fn.batch_shape, 1)
+        return _assemble(loc[0], tuple(t[0] for t in noise[1:]), noise[0], None)
+
+    value = tokens.value
+    # a fixed generator: the affinity check must not consume the user's random stream
+    gen = torch.Generator(device="cpu").manual_seed(20231207)
+    eps_r = torch.randn(1, K, generator=gen, dtype=value.dtype).to(value.device)
+    basis = torch.cat(
+        [
+            torch.zeros(1, K, dtype=value.dtype, device=value.device),
+            torch.eye(K, dtype=value.dtype, device=value.device),
+            eps_r,
+        ],
+        0,
+    )
+    replay = tokens.subsample_trace()
+    mpn = tokens.max_plate_nesting
+
+    def run(model_fn, handler):
+        # hide samples from outer handlers (e.g. SVI's param capture still sees params)
+        with poutine.block(hide_fn=lambda m: m["type"] == "sample"):
+            trace = poutine.trace(poutine.replay(model_fn, trace=replay)).get_trace(
+                *args, **kwargs
+            )
+        return trace.nodes[tokens.name]["fn"], handler.scales
+
+    def vectorized(compact):
+        handler = _AffineLatents(layout, basis, mpn + 1, compact)
+
+        def wrapped(*a, **k):
+            with pyro.plate("_mpt_basis", K + 2, dim=-(mpn + 1)), handler:
+                return model(*a, **k)
+
+        fn, scales = run(wrapped, handler)
+        loc, noise = _observation_parts(fn, tokens.name, D)
+        return _basis_rows(loc, noise, fn.batch_shape[1:], K + 2), scales
+
+    if vectorize:
+        try:
+            (loc, noise), scales = vectorized(compact=True)
+        except NotLinearGaussianError:
+            raise
+        except Exception:
+            # the model does not broadcast shared latents: give it full batch shapes
+            (loc, noise), scales = vectorized(compact=False)
+        for name, scale in scales.items():
+            _check_scale_rows(name, scale)
+    else:
+        locs, noises, all_scales = [], [], []
+        for b in range(K + 2):
+            handler = _AffineLatents(layout, basis[b : b + 1], None, False)
+            fn, scales = run(model, handler)
+            loc_b, noise_b = _observation_parts(fn, tokens.name, D)
+            loc_b, noise_b = _basis_rows(loc_b, noise_b, fn.batch_shape, 1)
+            locs.append(loc_b)
+            noises.append(noise_b)
+            all_scales.append(scales)
+        loc = torch.cat(_common_rows(*locs, dim=1), 0)
+        noise = (noises[0][0],) + tuple(
+            torch.cat(_common_rows(*[nz[i] for nz in noises], dim=1), 0)
+            for i in range(1, len(noises[0]))
+        )
+        for name in layout:
+            stacked = torch.stack(torch.broadcast_tensors(*[s[name] for s in all_scales]))
+            _check_scale_rows(name, stacked)
+
+    mu = loc[0]
+    W = loc[1 : K + 1] - mu  # (K, n|1, D)
+    _check_affine(loc[K + 1], mu, W, eps_r[0], tokens.name)
+    for t in noise[1:]:
+        if not _rows_equal(t):
+            raise NotLinearGaussianError(
+                f"The noise of observed site {tokens.name!r} depends on the latents, "
+                f"so its marginal is not Gaussian; use conditionals='quadrature' or "
+                f"'importance'."
+            )
+    return _assemble(mu, tuple(t[0] for t in noise[1:]), noise[0], W.permute(1, 2, 0))
+
+
+def _assemble(mu, noise, kind, W):
+    """Marginal from location, observation noise and the latent loading ``W``."""
+    if kind == "diag":
+        mu, var = _common_rows(mu, noise[0] ** 2)
+        if W is None:
+            return GaussianMarginal(mu, cov_diag=var)
+        mu, var, W = _common_rows(mu, var, W)
+        return GaussianMarginal(mu, cov_factor=W, cov_diag=var)
+    if kind == "lowrank":
+        F, psi = noise
+        factors = [F] if W is None else [W, F]
+        mu, psi, *factors = _common_rows(mu, psi, *factors)
+        return GaussianMarginal(mu, cov_factor=torch.cat(factors, -1), cov_diag=psi)
+    (cov,) = noise
+    if W is not None:
+        mu, cov, W = _common_rows(mu, cov, W)
+        cov = cov + W @ W.transpose(-1, -2)
+    mu, cov = _common_rows(mu, cov)
+    return GaussianMarginal(mu, covariance=cov)
+
+
+def _basis_rows(loc, noise, batch_shape, rows):
+    """Bring location and noise tensors to ``(rows, n|1, *event)``."""
+    event_ndims = {"diag": (1,), "lowrank": (2, 1), "dense": (2,)}[noise[0]]
+    loc = _to_rows(loc, batch_shape, 1, rows)
+    parts = tuple(_to_rows(t, batch_shape, e, rows) for t, e in zip(noise[1:], event_ndims))
+    return loc, (noise[0],) + parts
+
+
+def _to_rows(t, batch_shape, event_ndim, rows):
+    """``t`` broadcastable to ``(rows, *batch_shape, *event)`` -> ``(rows, n|1, *event)``.
+
+    Batch dims that are all expanded (stride 0) collapse to one shared row, so
+    parameters shared by the datapoints are stored (and differentiated) once.
+    """
+    event = t.shape[t.dim() - event_ndim :]
+    nb = len(batch_shape)
+    full = torch.Size((rows,) + tuple(batch_shape)) + event
+    t = t.expand(full)
+    c = _compact(t)
+    if all(s == 1 for s in c.shape[1 : 1 + nb]):
+        c = c.expand((rows,) + (1,) * nb + event)
+        return c.reshape((rows, 1) + event)
+    return t.reshape((rows, -1) + event)
+
+
+def _rows_equal(t):
+    t = _compact(t)
+    return t.shape[0] == 1 or bool(torch.equal(t, t[:1].expand_as(t)))
+
+
+def _check_scale_rows(name, scale):
+    if scale.dim() > 0 and not _rows_equal(scale):
+        raise NotLinearGaussianError(
+            f"The scale of latent site {name!r} depends on other latents, so the "
+            f"model is not linear-Gaussian; use conditionals='quadrature' or "
+            f"'importance'."
+        )
+
+
+def _check_affine(loc_r, mu, W, eps_r, name):
+    pred = mu + torch.einsum("knd,k->nd", W, eps_r)
+    scale = mu.abs().amax() + W.abs().amax() * eps_r.abs().sum() + 1.0
+    tol = torch.finfo(mu.dtype).eps ** 0.5 * scale
+    err = (loc_r - pred).abs().amax()
+    if not bool(err <= tol):
+        raise NotLinearGaussianError(
+            f"The location of observed site {name!r} is not affine in the latents "
+            f"(off by {float(err):.3g} at a random point), so the model is not "
+            f"linear-Gaussian; use conditionals='quadrature' (low-dimensional "
+            f"latents) or 'importance'."
+        )
+
+
+def _common_rows(*ts, dim=0):
+    """Broadcast the (n|1) dim ``dim`` of several tensors to a common size."""
+    rows = max(t.shape[dim] for t in ts)
+    out = []
+    for t in ts:
+        if t.shape[dim] != rows:
+            shape = list(t.shape)
+            shape[dim] = rows
+            t = t.expand(shape)
+        out.append(t)
+    return tuple(out)

@@ -1,0 +1,139 @@
+r"""The MPT curve: the masked pre-training score :math:`S(x; M)` per mask size.
+
+Proposition 1 reads the log-marginal likelihood as the area under this curve,
+:math:`\log p(x) = \sum_{M=1}^D S(x; M)`. :class:`MPTCurve` holds the mean over
+the data of the estimated :math:`S(x; M)` with its standard error, and is shared
+by the Pyro loss (:meth:`~pyro_mpt.MaskedPretrainingLoss.curve`) and the
+HuggingFace adapters.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+__all__ = ["MPTCurve", "CurveAccumulator"]
+
+
+@dataclass
+class MPTCurve:
+    r"""Mean masked-token log-probability per mask size.
+
+    :param numpy.ndarray sizes: mask sizes :math:`M`, shape ``(S,)``.
+    :param int num_tokens: :math:`D`, the number of tokens (so ``rates = sizes / D``).
+    :param numpy.ndarray score: mean of :math:`\hat S(x; M)` over data and masks,
+        shape ``(S,)``; NaN where a size received no query.
+    :param numpy.ndarray stderr: standard error of ``score``, shape ``(S,)``.
+    :param numpy.ndarray count: number of (datapoint, mask) values per size.
+    :param str label: legend label for :meth:`plot`.
+
+    Example::
+
+        >>> curve = loss.curve(model, None, x)
+        >>> curve.area()        # estimate of the mean log p(x_i)
+        >>> curve.plot()        # S(x; M) against the masking rate
+    """
+
+    sizes: np.ndarray
+    num_tokens: int
+    score: np.ndarray
+    stderr: np.ndarray
+    count: np.ndarray = field(default=None)
+    label: Optional[str] = None
+    rates_override: Optional[np.ndarray] = None
+
+    @property
+    def rates(self):
+        """Masking rates :math:`M / D`, shape ``(S,)``."""
+        if self.rates_override is not None:
+            return self.rates_override
+        return np.asarray(self.sizes, dtype=float) / float(self.num_tokens)
+
+    def area(self):
+        r"""The cumulative score :math:`\sum_M S(x; M)`: the LML estimate per datapoint.
+
+        :raises ValueError: when some sizes got no query (the area would be
+            incomplete); use a schedule that covers every size (``"all"``,
+            ``"order"``, ``"exhaustive"``).
+        """
+        if np.isnan(self.score).any():
+            missing = int(np.isnan(self.score).sum())
+            raise ValueError(
+                f"The curve has no value at {missing} mask size(s), so its area is "
+                f"incomplete; compute it with masks='all', 'order' or 'exhaustive'."
+            )
+        return float(np.sum(self.score))
+
+    def area_stderr(self):
+        """Standard error of :meth:`area`, treating sizes as independent."""
+        return float(np.sqrt(np.nansum(np.asarray(self.stderr) ** 2)))
+
+    def plot(self, ax=None, *, color=None, fill=True, annotate=True, **kwargs):
+        """Draw :math:`S(x; M)` against the masking rate (in %), like the paper's Fig. 4.
+
+        :param matplotlib.axes.Axes ax: axes to draw on; a new figure when None.
+        :param bool fill: shade the area under the curve.
+        :param bool annotate: write the area in the legend label.
+        :returns: the axes.
+        """
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(5, 3.5))
+        x = 100.0 * self.rates
+        label = self.label or "MPT curve"
+        if annotate and not np.isnan(self.score).any():
+            label = f"{label} (area {self.area():.2f})"
+        (line,) = ax.plot(x, self.score, color=color, label=label, **kwargs)
+        ok = ~np.isnan(self.score)
+        if fill:
+            ax.fill_between(x[ok], self.score[ok], np.nanmin(self.score), color=line.get_color(), alpha=0.15)
+        ax.fill_between(
+            x[ok],
+            (self.score - 2 * self.stderr)[ok],
+            (self.score + 2 * self.stderr)[ok],
+            color=line.get_color(),
+            alpha=0.3,
+            linewidth=0,
+        )
+        ax.set_xlabel("masking rate (%)")
+        ax.set_ylabel(r"$S(x; M)$: mean masked log-prob")
+        ax.legend(loc="lower left")
+        return ax
+
+
+class CurveAccumulator:
+    """Accumulate per-query scores into per-size sums for an :class:`MPTCurve`.
+
+    :param int num_tokens: D.
+    """
+
+    def __init__(self, num_tokens):
+        self.num_tokens = num_tokens
+        self._sum = None
+
+    def add(self, shat, size):
+        """Add scores ``shat`` with mask sizes ``size`` (same shape)."""
+        shat = shat.detach().reshape(-1).double()
+        idx = (size.reshape(-1) - 1).to(shat.device)
+        D = self.num_tokens
+        if self._sum is None:
+            self._sum = torch.zeros(D, dtype=torch.float64, device=shat.device)
+            self._sq = torch.zeros_like(self._sum)
+            self._n = torch.zeros_like(self._sum)
+        self._sum.index_add_(0, idx, shat)
+        self._sq.index_add_(0, idx, shat * shat)
+        self._n.index_add_(0, idx, torch.ones_like(shat))
+
+    def result(self, label=None):
+        n = self._n.cpu().numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = self._sum.cpu().numpy() / n
+            var = self._sq.cpu().numpy() / n - mean**2
+            var = np.maximum(var, 0.0) * n / np.maximum(n - 1, 1)
+            stderr = np.sqrt(var / n)
+        mean = np.where(n > 0, mean, np.nan)
+        stderr = np.where(n > 1, stderr, np.where(n > 0, 0.0, np.nan))
+        sizes = np.arange(1, self.num_tokens + 1)
+        return MPTCurve(sizes, self.num_tokens, mean, stderr, n.astype(int), label)

@@ -1,0 +1,399 @@
+r"""Mask schedules: which masked-token queries to make, and how to weight them.
+
+Proposition 1 of Moreno-Muñoz et al. (2023) writes the log-marginal likelihood
+of a datapoint with :math:`D` tokens as the cumulative masked pre-training score
+
+.. math::
+
+    \log p(x) = \sum_{M=1}^{D} S(x; M), \qquad
+    S(x; M) = \frac{1}{M}\,\mathbb{E}_{|\mathcal{M}|=M}
+        \Big[\sum_{j\in\mathcal{M}} \log p(x_j \mid x_{\mathcal{R}})\Big],
+
+where :math:`\mathcal{R}` is the complement of the mask :math:`\mathcal{M}`.
+A schedule chooses masks and weights :math:`w` so that
+:math:`\sum_q w_q \hat S_q` estimates :math:`\log p(x)` (or, for a fixed rate, a
+known biased version of it), with :math:`\hat S_q = \frac1M\sum_{j\in\mathcal M_q}
+\log p(x_j\mid x_{\mathcal R_q})` the score of query :math:`q`.
+
+Schedules emit queries in *blocks* whose size is bounded by an element budget,
+so that any schedule runs in bounded memory with any engine:
+
+* :class:`MaskBlock` -- ``mask`` of shape ``(q, n, D)`` (``n`` may be 1 when the
+  masks are shared across the batch); the masked tokens are the targets, the
+  others the context.
+* :class:`ChainBlock` -- ``order`` of shape ``(p, n, D)``; position ``t`` of an
+  ordering is a query whose target is ``order[..., t]`` and whose context is
+  ``order[..., t+1:]``. It is the chain rule :math:`\log p(x) =
+  \sum_t \log p(x_{\pi_t}\mid x_{\pi_{t+1:D}})`; engines may compute it with a
+  faster path than :math:`D` separate mask queries.
+
+Within a block, the term at size :math:`M` is an unbiased estimate of
+:math:`S(x; M)`, which is what :class:`~pyro_mpt.curve.MPTCurve` averages.
+"""
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+
+import torch
+
+__all__ = [
+    "MaskSchedule",
+    "AllSizes",
+    "UniformSizes",
+    "RandomOrders",
+    "Exhaustive",
+    "FixedRate",
+    "MaskBlock",
+    "ChainBlock",
+    "make_schedule",
+    "MAX_EXHAUSTIVE_TOKENS",
+]
+
+#: ``"exhaustive"`` enumerates :math:`2^D - 1` masks; beyond this D it refuses.
+MAX_EXHAUSTIVE_TOKENS = 16
+
+
+@dataclass
+class MaskBlock:
+    """A block of mask queries.
+
+    :param torch.Tensor mask: bool, ``(q, n, D)`` with ``n`` the batch size or 1;
+        True marks a masked (target) token.
+    :param torch.Tensor size: long, ``(q, n)`` or ``(q, 1)``; the mask size M.
+    :param torch.Tensor weight: ``(q, n)`` or ``(q, 1)``; the weight of each
+        query's score :math:`\\hat S_q` in the estimate.
+    """
+
+    mask: torch.Tensor
+    size: torch.Tensor
+    weight: torch.Tensor
+
+    def log_conditionals(self, engine, state, x):
+        return engine.mask_log_prob(state, x, self.mask)
+
+    def scores(self, logc, n):
+        """``(shat, size, weight)``, each ``(q, n)``, from engine output ``(q, n, D)``."""
+        logc = torch.where(self.mask, logc, torch.zeros((), dtype=logc.dtype, device=logc.device))
+        shat = logc.sum(-1) / self.size.to(logc.dtype)
+        q = shat.shape[0]
+        return shat, self.size.expand(q, n), self.weight.to(logc.dtype).expand(q, n)
+
+
+@dataclass
+class ChainBlock:
+    """A block of complete orderings for the chain rule.
+
+    :param torch.Tensor order: long, ``(p, n, D)`` or ``(p, 1, D)``; each row is a
+        permutation of the tokens.
+    :param torch.Tensor weight: ``(p, n)`` or ``(p, 1)``; weight of each ordering.
+    """
+
+    order: torch.Tensor
+    weight: torch.Tensor
+
+    def log_conditionals(self, engine, state, x):
+        return engine.chain_log_prob(state, x, self.order)
+
+    def scores(self, logc, n):
+        """Engine output ``(p, n, D)`` by position becomes ``p*D`` queries of size t+1."""
+        p, _, D = logc.shape
+        shat = logc.permute(0, 2, 1).reshape(p * D, n)
+        size = torch.arange(1, D + 1, device=logc.device).repeat(p)[:, None].expand(p * D, n)
+        weight = self.weight.to(logc.dtype).expand(p, n).repeat_interleave(D, dim=0)
+        return shat, size, weight
+
+
+def _random_ranks(shape, device):
+    """Ranks of i.i.d. uniforms: a uniformly random permutation's inverse per row."""
+    return torch.rand(shape, device=device).argsort(-1).argsort(-1)
+
+
+class MaskSchedule:
+    """Base class of mask schedules.
+
+    A schedule turns ``(n, D)`` into blocks of queries whose weighted scores sum
+    to an estimate of :math:`\\log p(x)` (or of its biased fixed-rate version).
+
+    :param int num_masks: number of random masks (or orderings) per datapoint
+        and per step; must be at least 1.
+    :param bool share_masks: draw one mask set for the whole batch instead of
+        independent masks per datapoint.
+    """
+
+    #: True when every mask size M = 1..D gets queries (so a curve is complete).
+    covers_all_sizes = False
+    #: True when the estimate is unbiased for :math:`\log p(x)`.
+    unbiased = True
+
+    def __init__(self, num_masks=1, *, share_masks=False):
+        if isinstance(num_masks, bool) or not isinstance(num_masks, int) or num_masks < 1:
+            raise ValueError(
+                f"num_masks must be a positive integer (masks per datapoint), got {num_masks!r}."
+            )
+        self.num_masks = num_masks
+        self.share_masks = share_masks
+
+    def check(self, D):
+        """Raise ``ValueError`` when the schedule cannot serve ``D`` tokens."""
+        if D < 1:
+            raise ValueError(f"Masked pre-training needs at least one token, got D={D}.")
+
+    def blocks(self, n, D, *, max_elements=2**22, device=None):
+        """Yield :class:`MaskBlock` or :class:`ChainBlock` objects.
+
+        :param int n: number of datapoints.
+        :param int D: number of tokens per datapoint.
+        :param int max_elements: bound on ``q * n * D`` per block.
+        """
+        raise NotImplementedError
+
+    def _rows(self, n):
+        return 1 if self.share_masks else n
+
+    def __repr__(self):
+        return f"{type(self).__name__}(num_masks={self.num_masks})"
+
+
+class AllSizes(MaskSchedule):
+    r"""Every mask size :math:`M = 1..D` with ``num_masks`` random masks each.
+
+    .. math:: \hat L = \frac{1}{P}\sum_{p=1}^P \sum_{M=1}^D \hat S_p(x; M)
+
+    This is the paper's cumulative MPT: unbiased for :math:`\log p(x)`. Within
+    one mask set, the masks of different sizes are nested (the first M tokens of
+    one random permutation), which keeps each mask uniform over subsets of its
+    size and costs one permutation per datapoint instead of D.
+    """
+
+    covers_all_sizes = True
+
+    def blocks(self, n, D, *, max_elements=2**22, device=None):
+        self.check(D)
+        rows = self._rows(n)
+        ranks = _random_ranks((self.num_masks, rows, D), device)
+        sizes = torch.arange(1, D + 1, device=device)
+        per_block = max(1, max_elements // (n * D))
+        weight = torch.full((1, 1), 1.0 / self.num_masks, device=device)
+        # queries enumerate (mask set p, size M) pairs
+        total = self.num_masks * D
+        for start in range(0, total, per_block):
+            idx = torch.arange(start, min(total, start + per_block), device=device)
+            p, m = idx // D, sizes[idx % D]
+            mask = ranks[p] < m[:, None, None]
+            q = idx.numel()
+            yield MaskBlock(mask, m[:, None].expand(q, 1), weight.expand(q, 1))
+
+
+class UniformSizes(MaskSchedule):
+    r"""One mask size per mask, drawn uniformly from :math:`1..D`, scaled by D.
+
+    .. math:: \hat L = \frac{1}{P}\sum_{p=1}^P D\,\hat S_p(x; M_p),
+        \quad M_p \sim \mathcal{U}\{1, \dots, D\}
+
+    Unbiased for :math:`\log p(x)`. With ``stratified=True`` the sizes of the
+    :math:`P` masks of every datapoint (or, with one mask, of the datapoints of
+    the batch) are stratified: slot :math:`s` of :math:`S` slots gets
+    :math:`M = \lfloor D (\sigma(s) + u_s)/S\rfloor + 1` with :math:`\sigma` a
+    random permutation and :math:`u_s \sim \mathcal U(0, 1)`, so each size is
+    still marginally uniform (the estimate stays unbiased) while the sizes
+    spread evenly over :math:`1..D`, lowering the variance.
+    """
+
+    def __init__(self, num_masks=1, *, stratified=False, share_masks=False):
+        super().__init__(num_masks, share_masks=share_masks)
+        self.stratified = stratified
+
+    def _sizes(self, rows, D, device):
+        P = self.num_masks
+        if not self.stratified:
+            return torch.randint(1, D + 1, (P, rows), device=device)
+        slots = P * rows
+        strata = torch.randperm(slots, device=device).reshape(P, rows)
+        u = torch.rand(P, rows, device=device, dtype=torch.float64)
+        return (D * (strata + u) / slots).floor().long().clamp_(max=D - 1) + 1
+
+    def blocks(self, n, D, *, max_elements=2**22, device=None):
+        self.check(D)
+        rows = self._rows(n)
+        sizes = self._sizes(rows, D, device)
+        ranks = _random_ranks((self.num_masks, rows, D), device)
+        per_block = max(1, max_elements // (n * D))
+        w = torch.full((1, 1), float(D) / self.num_masks, device=device)
+        for start in range(0, self.num_masks, per_block):
+            stop = min(self.num_masks, start + per_block)
+            m = sizes[start:stop]
+            yield MaskBlock(ranks[start:stop] < m[..., None], m, w.expand(stop - start, 1))
+
+    def __repr__(self):
+        return f"UniformSizes(num_masks={self.num_masks}, stratified={self.stratified})"
+
+
+class RandomOrders(MaskSchedule):
+    r"""The chain rule along ``num_masks`` random orderings of the tokens.
+
+    .. math:: \hat L = \frac1P\sum_{p=1}^P\sum_{t=1}^D
+        \log p(x_{\pi_p(t)} \mid x_{\pi_p(t+1)}, \dots, x_{\pi_p(D)})
+
+    Position :math:`t` is a query of mask size :math:`M = t` (its context holds
+    the :math:`D - t` tokens after it), so every size gets one query per ordering.
+    When the conditionals come from one joint distribution (Gaussian closed
+    form, exact quadrature) each ordering gives :math:`\log p(x)` exactly and the
+    estimate has zero variance.
+    """
+
+    covers_all_sizes = True
+
+    def blocks(self, n, D, *, max_elements=2**22, device=None):
+        self.check(D)
+        rows = self._rows(n)
+        order = torch.rand(self.num_masks, rows, D, device=device).argsort(-1)
+        per_block = max(1, max_elements // (n * D))
+        w = torch.full((1, 1), 1.0 / self.num_masks, device=device)
+        for start in range(0, self.num_masks, per_block):
+            stop = min(self.num_masks, start + per_block)
+            yield ChainBlock(order[start:stop], w.expand(stop - start, 1))
+
+
+class Exhaustive(MaskSchedule):
+    r"""Every non-empty subset of the tokens: the exact Proposition-1 sum.
+
+    .. math:: \hat L = \sum_{M=1}^D \binom{D}{M}^{-1}
+        \sum_{|\mathcal M| = M} \hat S(x; \mathcal M)
+
+    Deterministic; equals :math:`\log p(x)` when the conditionals come from one
+    joint. Enumerates :math:`2^D - 1` masks shared by the whole batch, so it
+    refuses :math:`D >` :data:`MAX_EXHAUSTIVE_TOKENS`. ``num_masks`` is unused.
+    """
+
+    covers_all_sizes = True
+
+    def __init__(self, num_masks=1, *, share_masks=True):
+        super().__init__(num_masks, share_masks=True)
+
+    def check(self, D):
+        super().check(D)
+        if D > MAX_EXHAUSTIVE_TOKENS:
+            raise ValueError(
+                f'masks="exhaustive" enumerates 2^D - 1 masks and supports '
+                f"D <= {MAX_EXHAUSTIVE_TOKENS} tokens, got D={D} ({2**D - 1} masks). "
+                f'Use masks="order" (exact for closed-form conditionals) or "all".'
+            )
+
+    def blocks(self, n, D, *, max_elements=2**22, device=None):
+        self.check(D)
+        codes = torch.arange(1, 2**D, device=device)
+        bits = (codes[:, None] >> torch.arange(D, device=device)) & 1
+        masks = bits.bool()
+        sizes = bits.sum(-1)
+        binom = torch.tensor(
+            [math.comb(D, m) for m in range(D + 1)], dtype=torch.float64, device=device
+        )
+        weights = 1.0 / binom[sizes]
+        per_block = max(1, max_elements // (n * D))
+        for start in range(0, codes.numel(), per_block):
+            sl = slice(start, start + per_block)
+            yield MaskBlock(masks[sl, None, :], sizes[sl, None], weights[sl, None])
+
+    def __repr__(self):
+        return "Exhaustive()"
+
+
+class FixedRate(MaskSchedule):
+    r"""A fixed masking rate :math:`r`, as in BERT (15 %) or the paper's 20 %.
+
+    .. math:: \hat L_r = \frac{1}{P}\sum_{p=1}^P D\,\hat S_p(x; M),\quad
+        M = \operatorname{round}(r D)
+
+    **Biased**: its expectation is :math:`D\,S(x; M)`, not :math:`\log p(x)`.
+    The bias :math:`D\,S(x;M) - \sum_{M'} S(x;M')` is constant in the data size
+    and can be computed exactly by enumeration for small D (``masks="exhaustive"``
+    gives every :math:`S(x; M)` through :meth:`MaskedPretrainingLoss.curve`).
+
+    :param float rate: the masking rate, in (0, 1).
+    """
+
+    unbiased = False
+
+    def __init__(self, rate, num_masks=1, *, share_masks=False):
+        super().__init__(num_masks, share_masks=share_masks)
+        if isinstance(rate, bool) or not isinstance(rate, Real) or not 0.0 < rate < 1.0:
+            raise ValueError(
+                f"A fixed masking rate must be a float in (0, 1), got {rate!r}; "
+                f'e.g. masks=0.15, or masks="uniform" for an unbiased schedule.'
+            )
+        self.rate = float(rate)
+
+    def size(self, D):
+        return int(math.floor(self.rate * D + 0.5))
+
+    def check(self, D):
+        super().check(D)
+        if D < 2:
+            raise ValueError(
+                f"A fixed masking rate needs D >= 2 tokens (some masked, some "
+                f"context), got D={D}. With one token use masks=\"all\"."
+            )
+        M = self.size(D)
+        if M < 1:
+            raise ValueError(
+                f"masks={self.rate} masks round({self.rate} * {D}) = 0 of D={D} tokens; "
+                f"use a rate of at least {0.5 / D:.3g}."
+            )
+
+    def blocks(self, n, D, *, max_elements=2**22, device=None):
+        self.check(D)
+        rows = self._rows(n)
+        M = self.size(D)
+        per_block = max(1, max_elements // (n * D))
+        for start in range(0, self.num_masks, per_block):
+            q = min(self.num_masks, start + per_block) - start
+            ranks = _random_ranks((q, rows, D), device)
+            size = torch.full((q, 1), M, device=device)
+            w = torch.full((q, 1), float(D) / self.num_masks, device=device)
+            yield MaskBlock(ranks < M, size, w)
+
+    def __repr__(self):
+        return f"FixedRate({self.rate}, num_masks={self.num_masks})"
+
+
+_NAMED = {
+    "all": AllSizes,
+    "uniform": UniformSizes,
+    "stratified": lambda num_masks, share_masks: UniformSizes(
+        num_masks, stratified=True, share_masks=share_masks
+    ),
+    "order": RandomOrders,
+    "exhaustive": Exhaustive,
+}
+
+
+def make_schedule(masks, num_masks=1, share_masks=False):
+    """Build a schedule from a name, a rate or a :class:`MaskSchedule`.
+
+    :param masks: ``"all"``, ``"uniform"``, ``"stratified"``, ``"order"``,
+        ``"exhaustive"``, a float rate in (0, 1), or a :class:`MaskSchedule`.
+    :param int num_masks: masks (or orderings) per datapoint.
+    :param bool share_masks: one mask set for the whole batch.
+    :rtype: MaskSchedule
+
+    Example::
+
+        >>> make_schedule("uniform", num_masks=4)
+        UniformSizes(num_masks=4, stratified=False)
+    """
+    if isinstance(masks, MaskSchedule):
+        return masks
+    if isinstance(masks, str):
+        if masks not in _NAMED:
+            names = ", ".join(repr(k) for k in _NAMED)
+            raise ValueError(
+                f"Unknown mask schedule masks={masks!r}; use one of {names}, a rate "
+                f"in (0, 1), or a MaskSchedule instance."
+            )
+        return _NAMED[masks](num_masks=num_masks, share_masks=share_masks)
+    if isinstance(masks, Real) and not isinstance(masks, bool):
+        return FixedRate(masks, num_masks, share_masks=share_masks)
+    raise TypeError(
+        f"masks must be a schedule name, a rate in (0, 1) or a MaskSchedule, got {masks!r}."
+    )
