@@ -191,13 +191,14 @@ class UniformSizes(MaskSchedule):
     .. math:: \hat L = \frac{1}{P}\sum_{p=1}^P D\,\hat S_p(x; M_p),
         \quad M_p \sim \mathcal{U}\{1, \dots, D\}
 
-    Unbiased for :math:`\log p(x)`. With ``stratified=True`` the sizes of the
-    :math:`P` masks of every datapoint (or, with one mask, of the datapoints of
-    the batch) are stratified: slot :math:`s` of :math:`S` slots gets
-    :math:`M = \lfloor D (\sigma(s) + u_s)/S\rfloor + 1` with :math:`\sigma` a
-    random permutation and :math:`u_s \sim \mathcal U(0, 1)`, so each size is
-    still marginally uniform (the estimate stays unbiased) while the sizes
-    spread evenly over :math:`1..D`, lowering the variance.
+    Unbiased for :math:`\log p(x)`. With ``stratified=True`` the sizes are
+    stratified: with :math:`P > 1` masks, mask :math:`p` of every datapoint gets
+    :math:`M = \lfloor D (p + u)/P\rfloor + 1`, :math:`u \sim \mathcal U(0, 1)`;
+    with one mask, the datapoints of the batch share the strata in a random
+    order (:math:`M_i = \lfloor D(\sigma(i) + u_i)/n\rfloor + 1`). Each size is
+    still marginally uniform, so the estimate stays unbiased, while the sizes
+    spread evenly over :math:`1..D`, lowering the variance of each datapoint's
+    estimate (or, with one mask, of the batch sum).
     """
 
     def __init__(self, num_masks=1, *, stratified=False, share_masks=False):
@@ -208,8 +209,14 @@ class UniformSizes(MaskSchedule):
         P = self.num_masks
         if not self.stratified:
             return torch.randint(1, D + 1, (P, rows), device=device)
-        slots = P * rows
-        strata = torch.randperm(slots, device=device).reshape(P, rows)
+        if P > 1:
+            # each datapoint's P masks take one stratum each
+            strata = torch.arange(P, device=device)[:, None].expand(P, rows)
+            slots = P
+        else:
+            # one mask per datapoint: stratify across the batch instead
+            strata = torch.randperm(rows, device=device)[None]
+            slots = rows
         u = torch.rand(P, rows, device=device, dtype=torch.float64)
         return (D * (strata + u) / slots).floor().long().clamp_(max=D - 1) + 1
 

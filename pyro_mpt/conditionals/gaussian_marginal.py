@@ -288,7 +288,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
         locs, noises, all_scales = [], [], []
         for b in range(K + 2):
             handler = _AffineLatents(layout, basis[b : b + 1], None, False)
-            fn, scales = run(model, handler)
+            fn, scales = run(handler(model), handler)
             loc_b, noise_b = _observation_parts(fn, tokens.name, D)
             loc_b, noise_b = _basis_rows(loc_b, noise_b, fn.batch_shape, 1)
             locs.append(loc_b)

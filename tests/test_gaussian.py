@@ -1,0 +1,332 @@
+"""The Gaussian closed-form engine and the marginal it derives from Pyro models."""
+
+import pytest
+import torch
+import pyro
+import pyro.distributions as dist
+
+from pyro_mpt import Evidence, GaussianConditionals, MaskedPretrainingLoss
+from pyro_mpt.conditionals import NotLinearGaussianError, gaussian_marginal
+from pyro_mpt.sites import trace_tokens
+
+from models import make_full_gaussian, make_ppca
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+@pytest.mark.parametrize("D", [2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("method", ["lowrank", "dense"])
+def test_exhaustive_equals_exact_ppca(D, method):
+    model, x, exact = make_ppca(D, K=2, N=7, seed=D)
+    loss = MaskedPretrainingLoss(masks="exhaustive", conditionals=GaussianConditionals(method=method))
+    est = loss.score(model, None, x)
+    assert est.shape == (7,)
+    assert torch.allclose(est, exact(x), atol=1e-8, rtol=0)
+
+
+@pytest.mark.parametrize("D", [2, 3, 4, 5, 6, 7])
+def test_exhaustive_equals_exact_full_covariance(D):
+    model, x, exact = make_full_gaussian(D, N=5, seed=D)
+    est = MaskedPretrainingLoss(masks="exhaustive").score(model, None, x)
+    assert torch.allclose(est, exact(x), atol=1e-8, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["lowrank", "dense"])
+@pytest.mark.parametrize("share", [False, True])
+def test_order_is_exact_with_zero_variance(method, share):
+    model, x, exact = make_ppca(12, K=3, N=9)
+    engine = GaussianConditionals(method=method)
+    draws = torch.stack(
+        [
+            MaskedPretrainingLoss(masks="order", conditionals=engine, share_masks=share).score(model, None, x)
+            for _ in range(20)
+        ]
+    )
+    assert draws.std(0).max() < 1e-10
+    assert torch.allclose(draws.mean(0), exact(x), atol=1e-9, rtol=0)
+
+
+def test_chain_fast_path_matches_mask_queries():
+    """The sequential low-rank/dense chain paths equal the generic one-mask-per-position path."""
+    model, x, _ = make_ppca(8, K=2, N=4)
+    tokens = trace_tokens(model, None, (x,), {})
+    order = torch.rand(3, 4, 8).argsort(-1)
+    for method in ["lowrank", "dense"]:
+        engine = GaussianConditionals(method=method)
+        state = engine.prepare(tokens, model, None, (x,), {})
+        fast = engine.chain_log_prob(state, tokens.value, order)
+        slow = super(GaussianConditionals, engine).chain_log_prob(state, tokens.value, order)
+        assert torch.allclose(fast, slow, atol=1e-10, rtol=0)
+
+
+def test_lowrank_and_dense_conditionals_agree():
+    model, x, _ = make_ppca(9, K=2, N=6)
+    tokens = trace_tokens(model, None, (x,), {})
+    mask = torch.rand(5, 6, 9) < 0.4
+    mask[..., 0] = True
+    out = []
+    for method in ["lowrank", "dense"]:
+        engine = GaussianConditionals(method=method)
+        state = engine.prepare(tokens, model, None, (x,), {})
+        out.append(torch.where(mask, engine.mask_log_prob(state, tokens.value, mask), 0.0))
+    assert torch.allclose(out[0], out[1], atol=1e-10, rtol=0)
+
+
+def test_conditional_matches_textbook_formula():
+    """One query against S_MR S_RR^-1 computed by hand (paper Eq. 7)."""
+    model, x, _ = make_ppca(6, K=2, N=1)
+    W, mu, s = pyro.param("W"), pyro.param("mu"), pyro.param("s")
+    S = W @ W.T + s**2 * torch.eye(6)
+    R, j = [0, 2, 5], 3
+    SRR_inv = torch.linalg.inv(S[R][:, R])
+    m = mu[j] + S[j, R] @ SRR_inv @ (x[0, R] - mu[R])
+    v = S[j, j] - S[j, R] @ SRR_inv @ S[R, j]
+    expected = torch.distributions.Normal(m, v.sqrt()).log_prob(x[0, j])
+    tokens = trace_tokens(model, None, (x,), {})
+    engine = GaussianConditionals()
+    state = engine.prepare(tokens, model, None, (x,), {})
+    mask = torch.ones(1, 1, 6, dtype=torch.bool)
+    mask[..., R] = False
+    got = engine.mask_log_prob(state, tokens.value, mask)[0, 0, j]
+    assert abs(float(got - expected)) < 1e-12
+
+
+@pytest.mark.parametrize("masks", ["exhaustive", "order"])
+def test_gradient_equals_exact_lml_gradient(masks):
+    model, x, exact = make_ppca(5, K=2, N=8)
+    loss = MaskedPretrainingLoss(masks=masks)
+    params = [pyro.param(n).unconstrained() for n in ["W", "mu", "s"]]
+    g_mpt = torch.autograd.grad(loss.differentiable_loss(model, None, x), params)
+    g_exact = torch.autograd.grad(-Evidence(model)(x).sum(), params)
+    for a, b in zip(g_mpt, g_exact):
+        assert torch.allclose(a, b, atol=1e-8, rtol=0)
+
+
+def test_chunked_equals_unchunked():
+    model, x, _ = make_ppca(10, K=2, N=13)
+    small = GaussianConditionals(max_elements=50)
+    for masks in ["all", "order", "uniform"]:
+        pyro.set_rng_seed(3)
+        a = MaskedPretrainingLoss(masks=masks, num_masks=3).score(model, None, x)
+        pyro.set_rng_seed(3)
+        b = MaskedPretrainingLoss(masks=masks, num_masks=3, conditionals=small, chunk_size=37).score(
+            model, None, x
+        )
+        assert torch.allclose(a, b, atol=1e-10, rtol=0), masks
+
+
+# ---------------------------------------------------------------- marginals of various models
+
+
+def _marginal(model, *args):
+    tokens = trace_tokens(model, None, args, {})
+    return gaussian_marginal(tokens, model, args, {}), tokens
+
+
+def test_factor_analysis_with_per_token_noise():
+    D, K, N = 6, 2, 5
+    W = torch.randn(D, K)
+    psi = torch.rand(D) + 0.2
+    x = torch.randn(N, D)
+
+    def fa(x):
+        with pyro.plate("data", N):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, psi.sqrt()).to_event(1), obs=x)
+
+    m, _ = _marginal(fa, x)
+    assert m.loc.shape == (1, D) and m.cov_factor.shape == (1, D, K)
+    exact = torch.distributions.LowRankMultivariateNormal(torch.zeros(D), W, psi).log_prob(x)
+    assert torch.allclose(Evidence(fa)(x), exact, atol=1e-12)
+    est = MaskedPretrainingLoss(masks="exhaustive").score(fa, None, x)
+    assert torch.allclose(est, exact, atol=1e-8)
+
+
+def test_model_with_covariates_has_per_datapoint_marginal():
+    D, K, N, C = 4, 2, 6, 3
+    c = torch.randn(N, C)
+    B = torch.randn(C, D)
+    W = torch.randn(D, K)
+
+    def reg(x, c):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            # the loading depends on the covariate: W_i = W * (1 + c_i0)
+            loc = c @ B + (1 + c[:, :1]) * (z @ W.T)
+            pyro.sample("x", dist.Normal(loc, 0.3).to_event(1), obs=x)
+
+    x = torch.randn(N, D)
+    m, _ = _marginal(reg, x, c)
+    assert m.loc.shape == (N, D) and m.cov_factor.shape == (N, D, K)
+    Wi = (1 + c[:, :1, None]) * W
+    exact = torch.distributions.LowRankMultivariateNormal(c @ B, Wi, torch.full((D,), 0.09)).log_prob(x)
+    assert torch.allclose(Evidence(reg)(x, c), exact, atol=1e-12)
+    est = MaskedPretrainingLoss(masks="exhaustive").score(reg, None, x, c)
+    assert torch.allclose(est, exact, atol=1e-8)
+
+
+def test_hierarchical_linear_gaussian_latents():
+    D, N = 5, 4
+    A = torch.randn(3, 2)
+    W = torch.randn(D, 3)
+
+    def hier(x):
+        with pyro.plate("data", N):
+            z1 = pyro.sample("z1", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            z2 = pyro.sample("z2", dist.Normal(z1 @ A.T, 0.5).to_event(1))
+            pyro.sample("x", dist.Normal(z2 @ W.T, 0.4).to_event(1), obs=x)
+
+    x = torch.randn(N, D)
+    cov_z2 = A @ A.T + 0.25 * torch.eye(3)
+    S = W @ cov_z2 @ W.T + 0.16 * torch.eye(D)
+    exact = torch.distributions.MultivariateNormal(torch.zeros(D), S).log_prob(x)
+    assert torch.allclose(Evidence(hier)(x), exact, atol=1e-12)
+    assert torch.allclose(MaskedPretrainingLoss(masks="order").score(hier, None, x), exact, atol=1e-9)
+
+
+def test_multivariate_normal_latent_and_mvn_observation_noise():
+    D, K, N = 4, 2, 3
+    Lz = torch.tensor([[1.0, 0.0], [0.5, 0.8]])
+    W = torch.randn(D, K)
+    A = torch.randn(D, D)
+    Sn = A @ A.T / D + 0.3 * torch.eye(D)
+
+    def model(x):
+        with pyro.plate("data", N):
+            z = pyro.sample("z", dist.MultivariateNormal(torch.zeros(K), scale_tril=Lz))
+            pyro.sample("x", dist.MultivariateNormal(z @ W.T, Sn), obs=x)
+
+    x = torch.randn(N, D)
+    S = W @ Lz @ Lz.T @ W.T + Sn
+    exact = torch.distributions.MultivariateNormal(torch.zeros(D), S).log_prob(x)
+    assert torch.allclose(Evidence(model)(x), exact, atol=1e-12)
+    assert torch.allclose(MaskedPretrainingLoss(masks="exhaustive").score(model, None, x), exact, atol=1e-8)
+
+
+@pytest.mark.parametrize("kind", ["lowrank", "diag", "mvn"])
+def test_latent_free_gaussian_observations(kind):
+    D, N = 5, 4
+    F = torch.randn(D, 2)
+    d = torch.rand(D) + 0.5
+    mu = torch.randn(D)
+    x = torch.randn(N, D)
+    fns = {
+        "lowrank": lambda: dist.LowRankMultivariateNormal(mu, F, d),
+        "diag": lambda: dist.Normal(mu, d.sqrt()).to_event(1),
+        "mvn": lambda: dist.MultivariateNormal(mu, F @ F.T + torch.diag(d)),
+    }
+
+    def model(x):
+        with pyro.plate("data", N):
+            pyro.sample("x", fns[kind](), obs=x)
+
+    exact = fns[kind]().log_prob(x)
+    assert torch.allclose(Evidence(model)(x), exact, atol=1e-12)
+    assert torch.allclose(MaskedPretrainingLoss(masks="exhaustive").score(model, None, x), exact, atol=1e-8)
+
+
+def test_image_event_shape_tokens_are_flattened():
+    C, H, Wd, K, N = 1, 2, 3, 2, 4
+    D = C * H * Wd
+    W = torch.randn(D, K)
+
+    def model(x):
+        with pyro.plate("data", N):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            loc = (z @ W.T).reshape(-1, C, H, Wd) if z.dim() == 2 else (z @ W.T).reshape(z.shape[:-1] + (C, H, Wd))
+            pyro.sample("x", dist.Normal(loc, 0.5).to_event(3), obs=x)
+
+    x = torch.randn(N, C, H, Wd)
+    exact = torch.distributions.LowRankMultivariateNormal(torch.zeros(D), W, torch.full((D,), 0.25)).log_prob(
+        x.reshape(N, D)
+    )
+    assert torch.allclose(Evidence(model)(x), exact, atol=1e-12)
+    assert torch.allclose(MaskedPretrainingLoss(masks="order").score(model, None, x), exact, atol=1e-9)
+
+
+def test_non_vectorizable_model_with_vectorize_false():
+    """A model that uses torch.mm cannot broadcast over the basis plate; vectorize=False works."""
+    D, K, N = 4, 2, 3
+    W = torch.randn(D, K)
+
+    def model(x):
+        with pyro.plate("data", N):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            loc = torch.mm(z.reshape(N, K), W.T)
+            pyro.sample("x", dist.Normal(loc, 0.5).to_event(1), obs=x)
+
+    x = torch.randn(N, D)
+    exact = torch.distributions.LowRankMultivariateNormal(torch.zeros(D), W, torch.full((D,), 0.25)).log_prob(x)
+    got = Evidence(model, vectorize=False)(x)
+    assert torch.allclose(got, exact, atol=1e-12)
+    loss = MaskedPretrainingLoss(masks="order", conditionals=GaussianConditionals(vectorize=False))
+    assert torch.allclose(loss.score(model, None, x), exact, atol=1e-9)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_nonlinear_model_is_refused_naming_the_site():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            pyro.sample("obs", dist.Normal(torch.tanh(z).sum(-1, keepdim=True).expand(-1, 3) if z.dim() == 2 else torch.tanh(z).sum(-1, keepdim=True).expand(z.shape[:-1] + (3,)), 0.5).to_event(1), obs=x)
+
+    x = torch.randn(4, 3)
+    with pytest.raises(NotLinearGaussianError, match="'obs' is not affine"):
+        MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, x)
+
+
+def test_latent_dependent_noise_is_refused():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(torch.zeros(3), z.exp()).to_event(1), obs=x)
+
+    with pytest.raises(NotLinearGaussianError, match="noise of observed site 'x' depends on the latents"):
+        Evidence(model)(torch.randn(4, 3))
+
+
+def test_non_gaussian_latent_is_refused():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Gamma(2.0, 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ torch.ones(2, 3), 1.0).to_event(1), obs=x)
+
+    with pytest.raises(NotLinearGaussianError, match="latent site 'z' is Gamma"):
+        MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, torch.randn(4, 3))
+
+
+def test_non_gaussian_observation_is_refused():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Bernoulli(logits=z @ torch.ones(2, 3)).to_event(1), obs=x)
+
+    with pytest.raises(NotLinearGaussianError, match="'x' is Bernoulli"):
+        MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, torch.ones(4, 3))
+
+
+def test_global_latent_is_refused():
+    def model(x):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.Normal(mu, 1.0).to_event(1), obs=x)
+
+    with pytest.raises(NotLinearGaussianError, match="'mu' is outside the plate"):
+        Evidence(model)(torch.randn(4, 3))
+
+
+def test_not_positive_definite_covariance_says_what_to_try():
+    D = 4
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.LowRankMultivariateNormal(torch.zeros(D), torch.ones(D, 1), torch.full((D,), 1e-30)), obs=x)
+
+    x = torch.randn(3, D)
+    loss = MaskedPretrainingLoss(masks="exhaustive", conditionals=GaussianConditionals(method="dense"))
+    with pytest.raises(ValueError, match="not positive definite.*float64.*jitter"):
+        loss.loss(model, None, x)
+    jittered = MaskedPretrainingLoss(masks="order", conditionals=GaussianConditionals(method="dense", jitter=1e-3))
+    assert torch.isfinite(torch.tensor(jittered.loss(model, None, x)))
