@@ -1,0 +1,93 @@
+"""MPTCurve and Evidence."""
+
+import numpy as np
+import pytest
+import torch
+import pyro
+import pyro.distributions as dist
+
+from pyro_mpt import Evidence, MaskedPretrainingLoss, MPTCurve
+from pyro_mpt.curve import CurveAccumulator
+
+from models import make_ppca
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+@pytest.mark.parametrize("masks", ["order", "exhaustive"])
+def test_curve_area_is_the_mean_lml(masks, tmp_path):
+    model, x, exact = make_ppca(8, 2, N=30)
+    curve = MaskedPretrainingLoss(masks=masks, num_masks=5).curve(model, None, x)
+    assert isinstance(curve, MPTCurve)
+    assert np.array_equal(curve.sizes, np.arange(1, 9))
+    assert np.allclose(curve.rates, np.arange(1, 9) / 8)
+    assert curve.score.shape == curve.stderr.shape == (8,)
+    assert abs(curve.area() - float(exact(x).mean())) < 1e-9
+    # the score is the mean of S(x_i; M) over the data: scores at small M are higher
+    # (more context) than at M = D (no context)
+    assert curve.score[0] > curve.score[-1]
+    assert (curve.stderr > 0).all()
+    ax = curve.plot()
+    path = tmp_path / "curve.png"
+    ax.figure.savefig(path)
+    assert path.stat().st_size > 1000
+
+
+def test_curve_of_uniform_loss_uses_all_sizes():
+    model, x, exact = make_ppca(6, 2, N=400)
+    curve = MaskedPretrainingLoss(masks="uniform").curve(model, None, x)
+    assert (curve.count == 400).all()
+    se = curve.area_stderr()
+    assert abs(curve.area() - float(exact(x).mean())) < 4 * se
+
+
+def test_curve_with_missing_sizes_refuses_area():
+    acc = CurveAccumulator(4)
+    acc.add(torch.tensor([[-1.0, -2.0]]), torch.tensor([[1, 3]]))
+    curve = acc.result()
+    assert np.isnan(curve.score[1]) and curve.score[0] == -1.0
+    with pytest.raises(ValueError, match="no value at 2 mask size"):
+        curve.area()
+
+
+def test_curve_stderr_matches_numpy():
+    acc = CurveAccumulator(2)
+    vals = torch.tensor([[-1.0, -2.0, -4.0]])
+    acc.add(vals, torch.tensor([[2, 2, 2]]))
+    curve = acc.result()
+    assert abs(curve.score[1] - (-7 / 3)) < 1e-12
+    assert abs(curve.stderr[1] - np.std([-1, -2, -4], ddof=1) / np.sqrt(3)) < 1e-12
+
+
+def test_exact_evidence_shape_and_gradient():
+    D, K = 5, 2
+    W0 = torch.randn(D, K)
+
+    def model(x):
+        W = pyro.param("W", W0.clone())
+        with pyro.plate("rows", x.shape[0], dim=-2), pyro.plate("cols", x.shape[1], dim=-1):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
+
+    x = torch.randn(3, 4, D)
+    ev = Evidence(model)(x)
+    assert ev.shape == (3, 4)
+    exact = torch.distributions.LowRankMultivariateNormal(torch.zeros(D), W0, torch.full((D,), 0.25)).log_prob(x)
+    assert torch.allclose(ev, exact, atol=1e-12)
+    (g,) = torch.autograd.grad(ev.sum(), pyro.param("W").unconstrained())
+    W = W0.clone().requires_grad_()
+    (g_ref,) = torch.autograd.grad(
+        torch.distributions.LowRankMultivariateNormal(torch.zeros(D), W, torch.full((D,), 0.25)).log_prob(x).sum(), W
+    )
+    assert torch.allclose(g, g_ref, atol=1e-10)
+    # nested plates: MPT works per datapoint of the (3, 4) batch too
+    est = MaskedPretrainingLoss(masks="order").score(model, None, x)
+    assert est.shape == (3, 4) and torch.allclose(est, exact, atol=1e-9)
+    result = Evidence(model).estimate(x)
+    assert result.stderr.shape == (3, 4) and float(result.stderr.abs().max()) == 0.0
+    assert abs(result.total() - float(exact.sum())) < 1e-9
+
+
+def test_unknown_evidence_method():
+    with pytest.raises(ValueError, match="Unknown evidence method='magic'"):
+        Evidence(lambda: None, method="magic")
