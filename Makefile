@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,examples]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,examples,hf]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -5,9 +5,11 @@ Public API::
     from pyro_mpt import MaskedPretrainingLoss, Evidence, MPTCurve
 """
 
-from .conditionals import ConditionalEngine, GaussianConditionals
+from .conditionals import ConditionalEngine, GaussianConditionals, QuadratureConditionals
+from .conditionals import EncodeDecodeConditionals, ImportanceConditionals
 from .curve import MPTCurve
 from .evidence import Evidence, EvidenceResult
+from .importance_evidence import ImportanceSamplingWarning, ImportanceWeightedELBO
 from .loss import MaskedPretrainingLoss
 from .masks import AllSizes, Exhaustive, FixedRate, MaskSchedule, RandomOrders, UniformSizes
 
@@ -20,6 +22,11 @@ __all__ = [
     "MPTCurve",
     "ConditionalEngine",
     "GaussianConditionals",
+    "QuadratureConditionals",
+    "EncodeDecodeConditionals",
+    "ImportanceConditionals",
+    "ImportanceWeightedELBO",
+    "ImportanceSamplingWarning",
     "MaskSchedule",
     "AllSizes",
     "UniformSizes",

@@ -6,6 +6,14 @@ returns one log-evidence per datapoint, with the observed site's batch shape:
 * ``"exact"`` -- the closed form :math:`\log\mathcal N(x_i; \mu, \Sigma)` for
   models with a Gaussian marginal (see
   :func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal`).
+* ``"quadrature"`` -- tensor-grid (optionally adaptive) Gauss–Hermite
+  integration over low-dimensional latents of any factorized-likelihood model,
+  with an error estimate from a second, coarser rule (see
+  :func:`~pyro_mpt.conditionals.quadrature.quadrature_evidence`).
+* ``"importance"`` -- importance sampling with the guide (or the prior) as
+  proposal, for any model with latents local to each datapoint, with standard
+  errors and PSIS :math:`\hat k` diagnostics (see
+  :func:`~pyro_mpt.importance_evidence.importance_evidence`).
 
 Each method is a function ``(evidence, tokens, args, kwargs) -> EvidenceResult``
 registered in :data:`METHODS`; :meth:`Evidence.estimate` returns the full result
@@ -19,6 +27,8 @@ import torch
 
 from .conditionals import GaussianConditionals
 from .conditionals.base import EngineNotApplicable
+from .conditionals.quadrature import quadrature_evidence
+from .importance_evidence import importance_evidence
 from .sites import trace_tokens
 
 __all__ = ["Evidence", "EvidenceResult", "METHODS"]
@@ -47,7 +57,7 @@ def _exact(evidence, tokens, args, kwargs):
     try:
         state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
     except EngineNotApplicable as e:
-        raise ValueError(
+        raise type(e)(
             f"Evidence(method='exact') needs a model with a Gaussian marginal. {e}"
         ) from e
     value = engine.log_evidence(state, tokens.value)
@@ -55,7 +65,7 @@ def _exact(evidence, tokens, args, kwargs):
 
 
 #: evidence methods by name
-METHODS = {"exact": _exact}
+METHODS = {"exact": _exact, "quadrature": quadrature_evidence, "importance": importance_evidence}
 
 
 class Evidence:

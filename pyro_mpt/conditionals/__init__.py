@@ -5,12 +5,40 @@ name               what the model needs
 =================  ==========================================================
 ``"gaussian"``     a Gaussian marginal: Gaussian observation without latents,
                    or Normal latents with a Normal observation affine in them
+``"quadrature"``   tokens independent given continuous latents local to each
+                   datapoint with at most 4 dims in all (any factorized
+                   observation: Bernoulli, Categorical, Poisson, Normal, ...)
 =================  ==========================================================
+
+Sampling engines, for latent models beyond closed forms and grids:
+
+====================  =======================================================
+name                  what the model needs
+====================  =======================================================
+``"encode_decode"``   tokens independent given latents local to each
+                      datapoint, and an amortized guide (encoder) that reads
+                      the data; recursive encoding--decoding (Rezende et al.
+                      2014, app. F)
+``"importance"``      tokens independent given latents local to each
+                      datapoint (any number, continuous or discrete);
+                      self-normalized importance sampling with the guide or
+                      the prior as proposal
+====================  =======================================================
+
+``"auto"`` tries them in this order: ``"encode_decode"`` only when a guide that
+reads the data is given, and ``"importance"`` (last) serves any model with
+local latents and factorized tokens, with the prior as proposal when there is
+no guide.
 """
+
+import inspect
 
 from .base import ConditionalEngine, EngineNotApplicable
 from .gaussian import GaussianConditionals
 from .gaussian_marginal import GaussianMarginal, NotLinearGaussianError, gaussian_marginal
+from .quadrature import NotQuadratureError, QuadratureConditionals, QuadratureState
+from .encode_decode import EncodeDecodeConditionals, EncodeDecodeState
+from .importance import ImportanceConditionals, ImportanceState
 
 __all__ = [
     "ConditionalEngine",
@@ -19,6 +47,13 @@ __all__ = [
     "GaussianMarginal",
     "NotLinearGaussianError",
     "gaussian_marginal",
+    "QuadratureConditionals",
+    "QuadratureState",
+    "NotQuadratureError",
+    "EncodeDecodeConditionals",
+    "EncodeDecodeState",
+    "ImportanceConditionals",
+    "ImportanceState",
     "ENGINES",
     "make_engine",
     "auto_engine",
@@ -27,6 +62,9 @@ __all__ = [
 #: engines by name, tried in this order by ``conditionals="auto"``
 ENGINES = {
     "gaussian": GaussianConditionals,
+    "quadrature": QuadratureConditionals,
+    "encode_decode": EncodeDecodeConditionals,
+    "importance": ImportanceConditionals,
 }
 
 #: what each engine needs, for error messages
@@ -34,6 +72,14 @@ REQUIREMENTS = {
     "gaussian": "Normal latents local to each datapoint and a Normal (or "
     "MultivariateNormal) observation whose location is affine in them, or a "
     "Gaussian observation without latents",
+    "quadrature": "an observation that factorizes over tokens given continuous "
+    "latents local to each datapoint (Normal/MultivariateNormal, or scalar "
+    "Gamma, Beta, Uniform, ...) with at most 4 latent dims per datapoint",
+    "encode_decode": "an amortized guide (encoder) that takes the data through "
+    "one argument, latents local to each datapoint, and tokens independent "
+    "given them",
+    "importance": "latents local to each datapoint and tokens independent given "
+    "them (any observation whose base distribution has no event dims)",
 }
 
 
@@ -62,9 +108,17 @@ def auto_engine(tokens, model, guide, args, kwargs, **options):
     :returns: ``(engine, state)`` with the state already prepared.
     :raises ValueError: listing the engines and what each needs, when none applies.
     """
+    accepted = {name: inspect.signature(cls.__init__).parameters for name, cls in ENGINES.items()}
+    unused = set(options).difference(*accepted.values())
+    if unused:
+        raise ValueError(
+            f"conditionals='auto': no engine takes the option(s) {sorted(unused)}; "
+            f"check their spelling, or choose the engine by name."
+        )
     reasons = {}
     for name, cls in ENGINES.items():
-        engine = cls(**options)
+        # each engine takes the options it knows; e.g. num_samples is only for sampling engines
+        engine = cls(**{k: v for k, v in options.items() if k in accepted[name]})
         try:
             return engine, engine.prepare(tokens, model, guide, args, kwargs)
         except EngineNotApplicable as e:

@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+r"""Speed and memory of :class:`pyro_mpt.adapters.MaskedLMScorer` on a real masked LM.
+
+The model is AntiBERTy (BERT, 8 layers, hidden 512, 26M parameters), shipped in
+``antiberty==0.1.3``; the data are antibody variable domains
+(:mod:`pyro_mpt.adapters.antibodies`). In one run it times
+
+1. a **full 99-rate MPT curve** (1 %..99 %, one mask per rate), and
+2. the **pseudo-log-likelihood** (one masked copy per token),
+
+with pyro_mpt (masked copies of equal-length sequences packed under a token
+budget, LM head on the scored positions only, ``torch.inference_mode``)
+against a **naive loop**: one ``model(input_ids).logits`` forward per masked
+copy, same masks (replayed from :meth:`~MaskedLMScorer.curve_masks`), same
+inference mode, same threads. Both must give the same numbers; the script
+prints the largest difference. The naive loop runs on the first
+``--naive-seqs`` sequences only (it is slow) and its rate is per sequence.
+
+3. **peak memory vs token budget**: each budget runs in a fresh process
+   (peak RSS above the loaded-model baseline on CPU,
+   ``torch.cuda.max_memory_allocated`` on GPU) on long sequences (heavy +
+   light chain, ~230 tokens).
+
+Usage::
+
+    .venv/bin/python benchmarks/mlm_speed.py                  # a few minutes on 2 cores
+    .venv/bin/python benchmarks/mlm_speed.py --quick          # short chains, < 1 min
+    .venv/bin/python benchmarks/mlm_speed.py --threads 2 --device cuda
+"""
+
+import argparse
+import multiprocessing as mp
+import os
+import resource
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+def _load():
+    from pyro_mpt.adapters.loading import load_masked_lm
+
+    return load_masked_lm("antiberty", quiet=True)
+
+
+def _sequences(n, max_residues, long=False):
+    from pyro_mpt.adapters.antibodies import HEAVY, LIGHT, spaced
+
+    seqs = [h + l for h, l in zip(HEAVY, LIGHT)] if long else [s for pair in zip(HEAVY, LIGHT) for s in pair]
+    return spaced(seqs[:n], max_residues)
+
+
+def _naive_curve(model, tok, scorer, seqs, device):
+    """One forward per masked copy, full logits, the masks pyro_mpt used."""
+    from pyro_mpt.adapters import PAPER_MLM_RATES
+
+    masks = scorer.curve_masks(seqs, rates=PAPER_MLM_RATES, num_masks=1)
+    out = np.zeros((len(seqs), len(PAPER_MLM_RATES)))
+    with torch.inference_mode():
+        for i, s in enumerate(seqs):
+            ids = torch.tensor(tok(s)["input_ids"], device=device)
+            for k in range(len(PAPER_MLM_RATES)):
+                m = masks[i][k, 0].to(device)
+                x = ids.masked_fill(m, tok.mask_token_id)
+                lp = model(input_ids=x[None]).logits[0].log_softmax(-1)
+                out[i, k] = lp[m].gather(-1, ids[m][:, None]).mean().item()
+    return out
+
+
+def _naive_pll(model, tok, seqs, device):
+    out = []
+    with torch.inference_mode():
+        for s in seqs:
+            ids = torch.tensor(tok(s)["input_ids"], device=device)
+            total = 0.0
+            for j in range(1, ids.numel() - 1):
+                x = ids.clone()
+                x[j] = tok.mask_token_id
+                total += model(input_ids=x[None]).logits[0, j].log_softmax(-1)[ids[j]].item()
+            out.append(total)
+    return np.array(out)
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    r = fn()
+    return r, time.perf_counter() - t
+
+
+def _memory_child(budget, n, threads, device, queue):
+    torch.set_num_threads(threads)
+    from pyro_mpt.adapters import MaskedLMScorer
+    from pyro_mpt.adapters.rates import rate_grid
+
+    model, tok = _load()
+    seqs = _sequences(n, None, long=True)
+    scorer = MaskedLMScorer(model, tok, max_tokens=budget, device=device)
+    scorer.pll([seqs[0][:9]])  # warm-up: allocator and kernels, tiny
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.max_memory_allocated()
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    scorer.curve(seqs, rates=rate_grid(0.02, 0.98, 0.02), num_masks=1)
+    sec = time.perf_counter() - t
+    if device.startswith("cuda"):
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024
+    queue.put((budget, peak, sec, np.mean([len(s.split()) for s in seqs])))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="MaskedLMScorer vs a naive loop on AntiBERTy")
+    p.add_argument("--seqs", type=int, default=4, help="sequences for pyro_mpt (default 4)")
+    p.add_argument("--naive-seqs", type=int, default=1, help="sequences for the naive loop (default 1)")
+    p.add_argument("--max-residues", type=int, default=None, help="truncate chains (default: full, ~110-120)")
+    p.add_argument("--max-tokens", type=int, default=8192, help="token budget of pyro_mpt (default 8192)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for both (default 1)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--memory-budgets", type=int, nargs="*", default=[512, 2048, 8192])
+    p.add_argument("--memory-seqs", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="32-residue chains, 4 sequences, 2 budgets")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.max_residues, args.memory_budgets = args.max_residues or 32, args.memory_budgets[:2]
+    torch.set_num_threads(args.threads)
+    from pyro_mpt.adapters import PAPER_MLM_RATES, MaskedLMScorer
+
+    model, tok = _load()
+    model.to(args.device)
+    seqs = _sequences(args.seqs, args.max_residues)
+    naive_seqs = seqs[: args.naive_seqs]
+    L = np.mean([len(s.split()) for s in seqs])
+    print(f"AntiBERTy, {args.device}, {args.threads} thread(s); {len(seqs)} chains of mean length {L:.0f} "
+          f"(+2 special tokens); token budget {args.max_tokens}")
+    scorer = MaskedLMScorer(model, tok, max_tokens=args.max_tokens)
+    scorer.pll([seqs[0]])  # warm-up
+
+    rows = []
+    curve, t_fast = _timed(lambda: scorer.curve(seqs, rates=PAPER_MLM_RATES, num_masks=1))
+    naive, t_naive = _timed(lambda: _naive_curve(model, tok, scorer, naive_seqs, args.device))
+    diff = np.abs(naive - curve.per_item[: len(naive_seqs)]).max()
+    rows.append(("99-rate curve", len(seqs) / t_fast, len(naive_seqs) / t_naive, diff))
+
+    pll, t_fast = _timed(lambda: scorer.pll(seqs))
+    naive, t_naive = _timed(lambda: _naive_pll(model, tok, naive_seqs, args.device))
+    diff = np.abs(naive - pll[: len(naive_seqs)].numpy()).max()
+    rows.append(("PLL", len(seqs) / t_fast, len(naive_seqs) / t_naive, diff))
+
+    print(f"\n{'task':15s} {'pyro_mpt seq/s':>15s} {'naive seq/s':>12s} {'speed-up':>9s} {'max |diff|':>11s}")
+    for task, fast, slow, d in rows:
+        print(f"{task:15s} {fast:15.4f} {slow:12.4f} {fast / slow:8.1f}x {d:11.2e}")
+
+    if args.memory_budgets:
+        print(f"\npeak memory vs token budget ({args.memory_seqs} heavy+light chain(s), 49 rates, fresh process each)")
+        print(f"{'max_tokens':>10s} {'peak MiB':>9s} {'seconds':>8s} {'tokens/s':>9s}")
+        ctx = mp.get_context("spawn")
+        for budget in args.memory_budgets:
+            q = ctx.Queue()
+            proc = ctx.Process(target=_memory_child, args=(budget, args.memory_seqs, args.threads, args.device, q))
+            proc.start()
+            budget, peak, sec, length = q.get()
+            proc.join()
+            tokens = args.memory_seqs * 49 * (length + 2)
+            print(f"{budget:10d} {peak:9.1f} {sec:8.1f} {tokens / sec:9.0f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

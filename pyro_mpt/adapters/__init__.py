@@ -1,0 +1,29 @@
+"""Adapters: MPT curves and likelihood-style scores for pre-trained networks.
+
+* :class:`MaskedLMScorer` -- HuggingFace masked LMs (BERT, RoBERTa, DistilBERT,
+  ALBERT, ...): MPT curve over masking rates, cumulative MPT score per
+  sequence, pseudo-log-likelihood.
+* :class:`MAEScorer` -- HuggingFace ``ViTMAEForPreTraining``: MSE and Gaussian
+  log-density curves over masking rates.
+* :class:`RateCurve`, :func:`table2_area` -- curves indexed by masking rate and
+  the paper's Table 2 area convention.
+
+``transformers`` is imported lazily: importing this package needs only torch.
+"""
+
+from .masked_lm import Encoded, MaskedLMScorer, masked_lm_head
+from .rates import PAPER_MAE_RATES, PAPER_MLM_RATES, RateCurve, parse_rates, rate_grid, table2_area
+from .vit_mae import MAEScorer
+
+__all__ = [
+    "MaskedLMScorer",
+    "MAEScorer",
+    "Encoded",
+    "masked_lm_head",
+    "RateCurve",
+    "table2_area",
+    "rate_grid",
+    "parse_rates",
+    "PAPER_MLM_RATES",
+    "PAPER_MAE_RATES",
+]

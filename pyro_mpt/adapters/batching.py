@@ -1,0 +1,103 @@
+"""Packing masked copies into forward passes, and sharding items across processes.
+
+Scoring a masked model means one forward pass per masked copy of an item. The
+adapters pack many copies into one batch under a *token budget* (copies x
+sequence length), so memory stays bounded whatever the input length, and never
+mix items of different lengths in one batch: there is no padding, so an item's
+numbers do not depend on its batch neighbours.
+
+For corpora that outgrow one machine, :func:`shard` splits the items across
+the processes of a HuggingFace ``accelerate`` launch and :func:`gather_rows`
+puts the per-item results back together on every process.
+"""
+
+import math
+from collections import defaultdict
+
+import torch
+
+__all__ = ["group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator"]
+
+
+def group_by_length(indices, lengths):
+    """``[(T, [items...]), ...]``, longest first; items keep their order.
+
+    :param indices: item indices to group.
+    :param lengths: ``lengths[i]`` is the sequence length of item ``i``.
+    """
+    groups = defaultdict(list)
+    for i in indices:
+        groups[int(lengths[i])].append(int(i))
+    return sorted(groups.items(), key=lambda kv: -kv[0])
+
+
+def pack(groups, num_jobs, max_tokens):
+    """Plan batches of masked copies under a token budget.
+
+    :param groups: ``[(T, [items])]`` from :func:`group_by_length`.
+    :param callable num_jobs: ``num_jobs(item)``, the number of copies of an item.
+    :param int max_tokens: bound on ``copies * T`` per batch; one copy per
+        batch when ``T > max_tokens``.
+    :returns: a generator of ``(T, [(item, start, stop), ...])``: copies
+        ``start:stop`` of ``item`` go into the batch, in order.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive token budget, got {max_tokens}.")
+    for T, items in groups:
+        cap = max(1, max_tokens // T)
+        pending, filled = [], 0
+        for item in items:
+            J, start = num_jobs(item), 0
+            while start < J:
+                take = min(J - start, cap - filled)
+                pending.append((item, start, start + take))
+                filled += take
+                start += take
+                if filled == cap:
+                    yield T, pending
+                    pending, filled = [], 0
+        if pending:
+            yield T, pending
+
+
+def resolve_accelerator(accelerator):
+    """``None`` stays ``None``; ``True`` builds an ``accelerate.Accelerator()``."""
+    if accelerator is None or accelerator is False:
+        return None
+    if accelerator is True:
+        from accelerate import Accelerator
+
+        return Accelerator()
+    return accelerator
+
+
+def shard(n, accelerator):
+    """Item indices this process scores: ``range(rank, n, world)``, or all."""
+    if accelerator is None:
+        return list(range(n))
+    return list(range(accelerator.process_index, n, accelerator.num_processes))
+
+
+def gather_rows(rows, index, n, accelerator, fill=float("nan")):
+    """Scatter per-item rows computed on each process into one ``(n, ...)`` tensor.
+
+    :param torch.Tensor rows: ``(n_local, ...)`` results of this process.
+    :param torch.Tensor index: ``(n_local,)`` global item indices of ``rows``.
+    :param int n: total number of items.
+    :param accelerator: ``accelerate.Accelerator`` or None.
+    :returns: ``(n, ...)`` CPU tensor; rows no process computed hold ``fill``.
+    """
+    rows = rows.detach().cpu()
+    index = torch.as_tensor(index, dtype=torch.long).cpu()
+    if accelerator is not None:
+        # gather wants equal shapes on every process: pad to ceil(n / world) rows
+        per = math.ceil(n / accelerator.num_processes)
+        pad = per - rows.shape[0]
+        rows = torch.cat([rows, rows.new_full((pad,) + rows.shape[1:], fill)])
+        index = torch.cat([index, index.new_full((pad,), -1)])
+        rows = accelerator.gather(rows.to(accelerator.device)).cpu()
+        index = accelerator.gather(index.to(accelerator.device)).cpu()
+    out = rows.new_full((n,) + rows.shape[1:], fill)
+    keep = index >= 0
+    out[index[keep]] = rows[keep]
+    return out

@@ -1,0 +1,290 @@
+"""``pyro-mpt mlm-curve`` and ``pyro-mpt mae-curve``: MPT curves from the command line.
+
+:func:`register` adds both subcommands to :data:`pyro_mpt.cli.SUBCOMMANDS`.
+Each writes a JSON file (rates, curve, standard errors, areas, per-item
+scores, settings) and a PNG plot. A model or dataset that cannot be reached
+fails at once with what was tried and how to use a local copy (exit code 2).
+
+Data-parallel runs shard the items across processes and gather the results::
+
+    accelerate launch --num_processes 4 -m pyro_mpt.cli mlm-curve bert-base-uncased \\
+        --dataset glue --dataset-config cola --split validation --column sentence --distributed
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+__all__ = ["register", "SUBCOMMANDS"]
+
+_MLM_EPILOG = """\
+examples:
+  pyro-mpt mlm-curve antiberty --text-file antibodies.txt --num-masks 4
+  pyro-mpt mlm-curve bert-base-uncased --dataset glue --dataset-config cola \\
+      --split validation --column sentence --limit 500 --json cola.json --plot cola.png
+  pyro-mpt mlm-curve ./my-local-bert --random-init --text-file sentences.txt
+
+MODEL is a local directory (config.json + weights), a hub name, or 'antiberty'
+(the masked LM shipped in the antiberty==0.1.3 package). Offline, point MODEL
+and --dataset at local copies; the command says what it tried when it cannot.
+The JSON holds the curve (mean masked-token log-probability per rate), its
+standard errors, the area L*sum_k w_k S(r_k) with L the mean number of maskable
+tokens, the paper's Table 2 area (sum_k S(r_k) * 0.01 * 512, on the 1..99% grid),
+and per-sequence scores.
+"""
+
+_MAE_EPILOG = """\
+examples:
+  pyro-mpt mae-curve facebook/vit-mae-base --dataset fashion_mnist --split test --limit 200
+  pyro-mpt mae-curve ./vit-mae-dir --image-folder ./images --sigma2 mle
+
+The JSON holds two curves per rate: the mean squared error of the masked
+patches (what ViT-MAE minimizes) and the Gaussian log-density
+-d/2 log(2 pi sigma2) - d/(2 sigma2) * MSE per patch, d = patch_size^2 * channels.
+"""
+
+
+def _common(p, default_rates):
+    g = p.add_argument_group("masking")
+    g.add_argument("--rates", default=default_rates, metavar="SPEC",
+                   help=f"masking rates: start:stop:step (inclusive) or a comma list (default {default_rates})")
+    g.add_argument("--num-masks", type=int, default=1, metavar="K", help="random masks per item and rate (default 1)")
+    g.add_argument("--seed", type=int, default=0, help="mask seed (default 0)")
+    c = p.add_argument_group("compute")
+    c.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
+    c.add_argument("--bf16", action="store_true", help="bfloat16 autocast (GPU)")
+    c.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    c.add_argument("--distributed", action="store_true",
+                   help="shard items across the processes of an `accelerate launch` run and gather the results")
+    c.add_argument("--progress", action="store_true", help="show a progress bar")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default=None, metavar="PATH", help="JSON output (default: <command>.json)")
+    o.add_argument("--plot", default=None, metavar="PATH", help="PNG plot (default: <command>.png)")
+    o.add_argument("--no-plot", action="store_true", help="skip the plot")
+    o.add_argument("--label", default=None, help="legend label (default: the model name)")
+    return g
+
+
+def _add_mlm_arguments(p):
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = _MLM_EPILOG
+    p.add_argument("model", metavar="MODEL", help="masked LM: local directory, hub name, or 'antiberty'")
+    m = p.add_argument_group("model")
+    m.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer directory, hub name or BERT vocab.txt (default: the model's)")
+    m.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=None,
+                   help="lowercase texts (default: the tokenizer's setting)")
+    m.add_argument("--random-init", action="store_true", help="same architecture, random weights (the paper's baseline)")
+    d = p.add_argument_group("data (one source)")
+    d.add_argument("--text-file", default=None, metavar="FILE", help="one sequence per line")
+    d.add_argument("--dataset", default=None, metavar="NAME",
+                   help="datasets hub name, a save_to_disk directory, or a csv/json/parquet file")
+    d.add_argument("--dataset-config", default=None, metavar="CFG", help="dataset configuration (e.g. cola)")
+    d.add_argument("--split", default="validation", help="dataset split (default validation)")
+    d.add_argument("--column", nargs="+", default=None, metavar="COL",
+                   help="text column, or two columns for sentence pairs (default: text/sentence)")
+    d.add_argument("--limit", type=int, default=None, metavar="N", help="score the first N sequences")
+    g = _common(p, "0.01:0.99:0.01")
+    g.add_argument("--scores", nargs="*", default=["uniform"], choices=["uniform", "order", "all", "pll", "pll-word-l2r"],
+                   help="per-sequence scores to add (default: uniform); none with an empty list")
+    g.add_argument("--score-masks", type=int, default=8, metavar="P", help="masks/orderings per sequence for --scores (default 8)")
+    c = [a for a in p._action_groups if a.title == "compute"][0]
+    c.add_argument("--max-tokens", type=int, default=8192, metavar="N", help="token budget per forward pass (default 8192)")
+
+
+def _add_mae_arguments(p):
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = _MAE_EPILOG
+    p.add_argument("model", metavar="MODEL", help="ViTMAEForPreTraining: local directory or hub name")
+    m = p.add_argument_group("model")
+    m.add_argument("--processor", default=None, metavar="PATH", help="image processor directory or hub name (default: the model's)")
+    m.add_argument("--random-init", action="store_true", help="same architecture, random weights")
+    d = p.add_argument_group("data (one source)")
+    d.add_argument("--image-folder", default=None, metavar="DIR", help="folder of png/jpg images (recursive)")
+    d.add_argument("--dataset", default=None, metavar="NAME", help="datasets hub name, save_to_disk directory or data file")
+    d.add_argument("--dataset-config", default=None, metavar="CFG")
+    d.add_argument("--split", default="test", help="dataset split (default test)")
+    d.add_argument("--column", default="image", metavar="COL", help="image column (default image)")
+    d.add_argument("--limit", type=int, default=None, metavar="N", help="score the first N images")
+    g = _common(p, "0.05:0.95:0.05")
+    g.add_argument("--sigma2", default="1.0", metavar="S2",
+                   help="variance of the Gaussian decoder: a positive number or 'mle' (default 1.0)")
+    c = [a for a in p._action_groups if a.title == "compute"][0]
+    c.add_argument("--batch-size", type=int, default=64, metavar="N", help="masked copies per forward pass (default 64)")
+
+
+def _fail(err):
+    print(f"pyro-mpt: error: {err}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _setup(args):
+    import torch
+
+    from .batching import resolve_accelerator
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    acc = resolve_accelerator(True) if args.distributed else None
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return acc, device
+
+
+def _write(args, command, payload, draw, acc):
+    if acc is not None and not acc.is_main_process:
+        return
+    path = args.json or f"{command}.json"
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    print(f"wrote {path}")
+    if not args.no_plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig = draw()
+        png = args.plot or f"{command}.png"
+        fig.savefig(png, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        print(f"wrote {png}")
+
+
+def _run_mlm(args):
+    from .loading import ResourceUnavailable, load_masked_lm, load_texts
+    from .rates import PAPER_MLM_RATES, parse_rates, table2_area
+
+    t0 = time.perf_counter()
+    try:
+        rates = parse_rates(args.rates)
+        texts = load_texts(args.text_file, args.dataset, args.dataset_config, args.split, args.column, args.limit)
+        model, tok = load_masked_lm(args.model, args.tokenizer, args.random_init, args.lowercase, args.seed,
+                                    quiet=not args.progress)
+    except (ResourceUnavailable, ValueError) as err:
+        _fail(err)
+    if not texts:
+        _fail("no sequences to score (empty input).")
+    acc, device = _setup(args)
+    from .masked_lm import MaskedLMScorer
+
+    label = args.label or (os.path.basename(os.path.normpath(args.model)) + (" (random init)" if args.random_init else ""))
+    scorer = MaskedLMScorer(model, tok, max_tokens=args.max_tokens, device=None if acc else device, bf16=args.bf16,
+                            seed=args.seed, progress=args.progress, accelerator=acc)
+    enc = scorer.encode(texts)
+    curve = scorer.curve(enc, rates=rates, num_masks=args.num_masks, label=label)
+    out = {
+        "command": "mlm-curve",
+        "model": args.model,
+        "random_init": args.random_init,
+        "data": {"text_file": args.text_file, "dataset": args.dataset, "config": args.dataset_config,
+                 "split": None if args.text_file else args.split, "column": args.column, "limit": args.limit},
+        "num_sequences": len(enc),
+        "num_masks": args.num_masks,
+        "seed": args.seed,
+        **curve.to_dict(),
+    }
+    on_paper_grid = rates.shape == PAPER_MLM_RATES.shape and (abs(rates - PAPER_MLM_RATES) < 1e-9).all()
+    out["table2_area"] = table2_area(curve) if on_paper_grid else None
+    per_seq = {"curve_area": out.pop("per_item_area"), "num_tokens": out.pop("lengths")}
+    for kind in args.scores or []:
+        if kind.startswith("pll"):
+            per_seq[kind] = scorer.pll(enc, word_l2r=kind == "pll-word-l2r").tolist()
+        else:
+            per_seq[f"score_{kind}"] = scorer.score(enc, masks=kind, num_masks=args.score_masks).tolist()
+    out["per_sequence"] = per_seq
+    out["seconds"] = time.perf_counter() - t0
+    print(f"{len(enc)} sequences, {len(rates)} rates: area {curve.area():.2f} +- {curve.area_stderr():.2f}"
+          + (f", Table 2 area {out['table2_area']:.2f}" if out["table2_area"] is not None else ""))
+
+    def draw():
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        curve.plot(ax)
+        ax.set_title(f"MPT curve: {args.model}")
+        return fig
+
+    _write(args, "mlm-curve", out, draw, acc)
+    return out
+
+
+def _run_mae(args):
+    from .loading import ResourceUnavailable, load_images, load_vit_mae
+    from .rates import parse_rates
+
+    t0 = time.perf_counter()
+    sigma2 = args.sigma2
+    try:
+        rates = parse_rates(args.rates)
+        if sigma2 != "mle":
+            try:
+                sigma2 = float(sigma2)
+            except ValueError:
+                raise ValueError(f"--sigma2 must be a positive number or 'mle', got {sigma2!r}.") from None
+        images = load_images(args.image_folder, args.dataset, args.dataset_config, args.split, args.column, args.limit)
+        model, proc = load_vit_mae(args.model, args.processor, args.random_init, args.seed, quiet=not args.progress)
+    except (ResourceUnavailable, ValueError) as err:
+        _fail(err)
+    acc, device = _setup(args)
+    from .vit_mae import MAEScorer
+
+    label = args.label or (os.path.basename(os.path.normpath(args.model)) + (" (random init)" if args.random_init else ""))
+    scorer = MAEScorer(model, proc, batch_size=args.batch_size, sigma2=sigma2, device=None if acc else device,
+                       bf16=args.bf16, image_column=args.column, seed=args.seed, progress=args.progress, accelerator=acc)
+    curves = scorer.curves(images, rates=rates, num_masks=args.num_masks, label=label)
+    mse, logd = curves["mse"].to_dict(), curves["log_density"].to_dict()
+    out = {
+        "command": "mae-curve",
+        "model": args.model,
+        "random_init": args.random_init,
+        "data": {"image_folder": args.image_folder, "dataset": args.dataset, "config": args.dataset_config,
+                 "split": None if args.image_folder else args.split, "column": args.column, "limit": args.limit},
+        "num_images": len(images),
+        "num_patches": scorer.num_patches,
+        "patch_dim": scorer.patch_dim,
+        "norm_pix_loss": bool(model.config.norm_pix_loss),
+        "sigma2": curves["sigma2"],
+        "num_masks": args.num_masks,
+        "seed": args.seed,
+        "rates": mse["rates"],
+        "mse": {k: mse[k] for k in ("score", "stderr", "count")},
+        "log_density": {k: logd[k] for k in ("score", "stderr", "count", "area", "area_stderr")},
+        "per_image": {"mse": curves["mse"].per_item.tolist(), "log_density_area": logd["per_item_area"]},
+        "seconds": time.perf_counter() - t0,
+    }
+    print(f"{len(images)} images, {len(rates)} rates: log-density area {logd['area']:.2f} +- {logd['area_stderr']:.2f} "
+          f"(sigma2={curves['sigma2']:.4g}); MSE {mse['score'][0]:.4f} at {100 * rates[0]:.0f}% .. "
+          f"{mse['score'][-1]:.4f} at {100 * rates[-1]:.0f}%")
+
+    def draw():
+        import matplotlib.pyplot as plt
+
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        r = 100 * curves["mse"].rates
+        a1.errorbar(r, curves["mse"].score, 2 * curves["mse"].stderr, label=label)
+        a1.set_xlabel("masking rate (%)")
+        a1.set_ylabel("MSE of masked patches")
+        a1.legend()
+        curves["log_density"].plot(a2)
+        a2.set_ylabel(f"Gaussian log-density per patch ($\\sigma^2$={curves['sigma2']:.3g})")
+        fig.suptitle(f"ViT-MAE MPT curves: {args.model}")
+        return fig
+
+    _write(args, "mae-curve", out, draw, acc)
+    return out
+
+
+#: subcommand name -> (add_arguments, run, help), the format of pyro_mpt.cli.SUBCOMMANDS
+SUBCOMMANDS = {
+    "mlm-curve": (_add_mlm_arguments, _run_mlm,
+                  "MPT curve (mean masked-token log-prob per masking rate) of a HuggingFace masked LM"),
+    "mae-curve": (_add_mae_arguments, _run_mae,
+                  "MPT curves (masked-patch MSE and Gaussian log-density per rate) of a ViT-MAE"),
+}
+
+
+def register(subcommands):
+    """Add ``mlm-curve`` and ``mae-curve`` to a ``name -> (add_arguments, run, help)`` registry."""
+    subcommands.update(SUBCOMMANDS)

@@ -1,0 +1,351 @@
+"""Loading models, tokenizers and data for the adapters, failing fast when offline.
+
+``transformers`` and ``datasets`` retry unreachable hosts for a while before
+giving up, with messages that do not say how to use a local copy. These
+loaders decide up front -- local path, hub cache, hub reachability (a 3 s
+probe) -- and raise :class:`ResourceUnavailable` with what was tried and how
+to point at a local copy.
+
+``"antiberty"`` names the pretrained AntiBERTy masked LM (26M parameters,
+BERT architecture, amino-acid vocabulary) shipped inside the
+``antiberty==0.1.3`` package: a real masked LM that works without network.
+"""
+
+import glob
+import os
+import socket
+import threading
+from urllib.parse import urlparse
+
+__all__ = [
+    "ResourceUnavailable",
+    "antiberty_paths",
+    "load_masked_lm",
+    "load_vit_mae",
+    "load_texts",
+    "load_images",
+    "hub_reachable",
+    "quiet_transformers",
+]
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+
+
+class ResourceUnavailable(OSError):
+    """A model or dataset could not be found locally nor reached on the hub."""
+
+
+def _truthy(name):
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _hub_offline():
+    return _truthy("HF_HUB_OFFLINE") or _truthy("TRANSFORMERS_OFFLINE")
+
+
+def hub_reachable(timeout=3.0):
+    """Whether a TCP connection to the hub endpoint opens within ``timeout`` s.
+
+    DNS lookups ignore socket timeouts, so the probe runs in a daemon thread.
+    """
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    result = []
+
+    def probe():
+        try:
+            socket.create_connection((host, 443), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout + 0.5)
+    return bool(result and result[0])
+
+
+def _in_hub_cache(repo_id, filename="config.json", repo_type="model"):
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(repo_id, filename, repo_type=repo_type)
+    except Exception:  # invalid repo ids raise; they are not cached either
+        return False
+    return isinstance(path, str)
+
+
+def _go_offline():
+    """Make huggingface_hub and datasets use their caches without network retries."""
+    try:
+        import huggingface_hub.constants as hc
+
+        hc.HF_HUB_OFFLINE = True
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import datasets.config as dc
+
+        dc.HF_HUB_OFFLINE = True
+        dc.HF_DATASETS_OFFLINE = True
+    except ImportError:
+        pass
+
+
+def _resolve_hub(name, what, hint, repo_type="model", filename="config.json"):
+    """``"local"``, ``"hub"`` or ``"cache"`` (hub unreachable, cached copy); else raise."""
+    if os.path.exists(name):
+        return "local"
+    offline = _hub_offline() if repo_type == "model" else (_hub_offline() or _truthy("HF_DATASETS_OFFLINE"))
+    if not offline and hub_reachable():
+        return "hub"
+    if repo_type == "model" and _in_hub_cache(name, filename):
+        return "cache"
+    if repo_type == "dataset":
+        return "cache"  # datasets resolves its own cache; its failure is reported by the caller
+    why = "HF_HUB_OFFLINE is set" if offline else "the HuggingFace hub cannot be reached (no network)"
+    raise ResourceUnavailable(
+        f"Could not load {what} {name!r}. Tried: (1) a local path {os.path.abspath(name)!r} -- it does "
+        f"not exist; (2) the HuggingFace hub -- {why}; (3) the hub cache -- no copy of {name!r}. "
+        f"{hint}"
+    )
+
+
+def quiet_transformers():
+    """Silence transformers' load reports and weight-loading progress bars.
+
+    AntiBERTy's checkpoint carries extra heads (species, chain, graft) that
+    BertForMaskedLM reports as unexpected keys; they are not used.
+    """
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def antiberty_paths():
+    """``(model_dir, vocab_file)`` of the AntiBERTy model shipped in ``antiberty==0.1.3``."""
+    try:
+        import antiberty
+    except ImportError:
+        raise ResourceUnavailable(
+            "The 'antiberty' model ships in the antiberty package: pip install antiberty==0.1.3"
+        ) from None
+    root = os.path.join(os.path.dirname(antiberty.__file__), "trained_models")
+    model_dir, vocab = os.path.join(root, "AntiBERTy_md_smooth"), os.path.join(root, "vocab.txt")
+    if not (os.path.isdir(model_dir) and os.path.isfile(vocab)):
+        raise ResourceUnavailable(f"The antiberty package at {root} lacks its trained model; reinstall antiberty==0.1.3.")
+    return model_dir, vocab
+
+
+_MODEL_HINT = (
+    "Point MODEL at a local directory holding config.json and the weights (e.g. written by "
+    "model.save_pretrained(DIR) / tokenizer.save_pretrained(DIR), or fetched with "
+    "`huggingface-cli download NAME --local-dir DIR` where the hub is reachable), or use "
+    "'antiberty', a masked LM that ships inside the antiberty==0.1.3 package."
+)
+
+
+def load_tokenizer(spec, model_dir=None, lowercase=None):
+    """A tokenizer from a ``vocab.txt`` file (BERT WordPiece), a directory or a hub name."""
+    from transformers import AutoTokenizer, BertTokenizer
+
+    if spec is not None and os.path.isfile(spec):
+        # transformers 5 ignores vocab_file=; the vocabulary goes in vocab=
+        return BertTokenizer(vocab=spec, do_lower_case=bool(lowercase))
+    name = spec or model_dir
+    where = _resolve_hub(name, "tokenizer", _MODEL_HINT + " A BERT vocab.txt file also works: --tokenizer PATH.", filename="tokenizer_config.json") if spec else "local"
+    kw = {"local_files_only": True} if where == "cache" else {}
+    if lowercase is not None:
+        kw["do_lower_case"] = lowercase
+    try:
+        return AutoTokenizer.from_pretrained(name, **kw)
+    except (OSError, ValueError) as err:
+        vocab = os.path.join(name, "vocab.txt") if os.path.isdir(name) else None
+        if vocab and os.path.isfile(vocab):
+            return BertTokenizer(vocab=vocab, do_lower_case=bool(lowercase))
+        raise ResourceUnavailable(
+            f"Could not load a tokenizer from {name!r} ({err}). Pass --tokenizer with a tokenizer "
+            f"directory or a BERT vocab.txt file."
+        ) from None
+
+
+def load_masked_lm(name, tokenizer=None, random_init=False, lowercase=None, seed=0, quiet=False):
+    """``(model, tokenizer)`` for a local directory, a hub name or ``"antiberty"``.
+
+    :param str name: model directory, hub id, or ``"antiberty"``.
+    :param str tokenizer: tokenizer directory / hub id / ``vocab.txt`` file;
+        default the model's.
+    :param bool random_init: same config, freshly initialized weights (seeded).
+    :param bool quiet: silence transformers' load report (:func:`quiet_transformers`).
+    :raises ResourceUnavailable: at once when nothing can be reached.
+    """
+    if name == "antiberty":
+        name, vocab = antiberty_paths()
+        tokenizer = tokenizer or vocab
+    where = _resolve_hub(name, "model", _MODEL_HINT)
+    if quiet:
+        quiet_transformers()
+    import torch
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    kw = {"local_files_only": True} if where == "cache" else {}
+    try:
+        if random_init:
+            config = AutoConfig.from_pretrained(name, **kw)
+            torch.manual_seed(seed)
+            model = AutoModelForMaskedLM.from_config(config)
+        else:
+            model = AutoModelForMaskedLM.from_pretrained(name, **kw)
+    except OSError as err:
+        raise ResourceUnavailable(f"Could not load model {name!r}: {err}. {_MODEL_HINT}") from None
+    tok = load_tokenizer(tokenizer, model_dir=name, lowercase=lowercase)
+    return model.eval(), tok
+
+
+def load_vit_mae(name, processor=None, random_init=False, seed=0, quiet=False):
+    """``(ViTMAEForPreTraining, image_processor)`` from a directory or hub name.
+
+    Falls back to a ``ViTImageProcessor`` with the config's image size and
+    ImageNet statistics (those of ``facebook/vit-mae-base``) when the model
+    directory has no processor file.
+    """
+    where = _resolve_hub(name, "model", _MODEL_HINT.replace(", or use 'antiberty', a masked LM that ships inside the antiberty==0.1.3 package", ""))
+    if quiet:
+        quiet_transformers()
+    import torch
+    from transformers import AutoConfig, AutoImageProcessor, ViTImageProcessor, ViTMAEForPreTraining
+
+    from .vit_mae import init_position_embeddings
+
+    kw = {"local_files_only": True} if where == "cache" else {}
+    try:
+        if random_init:
+            config = AutoConfig.from_pretrained(name, **kw)
+            torch.manual_seed(seed)
+            model = init_position_embeddings(ViTMAEForPreTraining(config))
+        else:
+            model = ViTMAEForPreTraining.from_pretrained(name, **kw)
+    except OSError as err:
+        raise ResourceUnavailable(f"Could not load ViT-MAE {name!r}: {err}. {_MODEL_HINT}") from None
+    try:
+        proc = AutoImageProcessor.from_pretrained(processor or name, **kw)
+    except (OSError, ValueError):
+        s = model.config.image_size
+        proc = ViTImageProcessor(
+            size={"height": s, "width": s}, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]
+        )
+    return model.eval(), proc
+
+
+_DATA_HINT = (
+    "Use a local copy instead: --text-file FILE (one sequence per line), a CSV/JSON/Parquet file or a "
+    "directory written by Dataset.save_to_disk() as --dataset PATH, or fetch the dataset where the hub "
+    "is reachable and copy its cache (HF_HOME) here."
+)
+
+
+def load_dataset_split(name, config=None, split="validation"):
+    """A ``datasets.Dataset``: a ``save_to_disk`` directory, a data file, or a hub dataset."""
+    import datasets
+
+    if os.path.isdir(name):
+        ds = datasets.load_from_disk(name)
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"Split {split!r} not in {name}; available: {list(ds)}. Pass --split.")
+            ds = ds[split]
+        return ds
+    if os.path.isfile(name):
+        ext = os.path.splitext(name)[1].lower().lstrip(".")
+        builder = {"csv": "csv", "tsv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet"}.get(ext)
+        if builder is None:
+            raise ValueError(f"Cannot read {name!r}: use .csv/.tsv/.json/.jsonl/.parquet, or --text-file for plain text.")
+        kw = {"delimiter": "\t"} if ext == "tsv" else {}
+        return datasets.load_dataset(builder, data_files=name, split="train", **kw)
+    offline = _truthy("HF_DATASETS_OFFLINE") or _hub_offline()
+    if offline or not hub_reachable():
+        _go_offline()
+        why = "offline mode is set (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE)" if offline else "the hub cannot be reached (no network)"
+    else:
+        why = None
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as err:  # datasets raises ConnectionError, FileNotFoundError, ValueError...
+        tried = f"(1) a local path {os.path.abspath(name)!r} -- it does not exist; (2) the hub"
+        tried += f" -- {why}, and the datasets cache has no copy" if why else f" -- {type(err).__name__}: {err}"
+        raise ResourceUnavailable(
+            f"Could not load dataset {name!r} (config={config!r}, split={split!r}). Tried: {tried}. {_DATA_HINT}"
+        ) from None
+
+
+def load_texts(text_file=None, dataset=None, config=None, split="validation", columns=None, limit=None):
+    """Texts (or ``(text, pair)`` tuples) from a file with one per line, or a dataset.
+
+    :param list columns: one column, or two for sentence pairs (e.g. QNLI's
+        ``question sentence``); default ``text``/``sentence``, the first string
+        column otherwise.
+    """
+    if (text_file is None) == (dataset is None):
+        raise ValueError("Give exactly one data source: --text-file FILE or --dataset NAME.")
+    if text_file is not None:
+        if not os.path.isfile(text_file):
+            raise ResourceUnavailable(f"Text file {text_file!r} does not exist.")
+        with open(text_file, encoding="utf-8") as f:
+            texts = [line.rstrip("\n") for line in f if line.strip()]
+        return texts[:limit] if limit else texts
+    ds = load_dataset_split(dataset, config, split)
+    if limit:
+        ds = ds.select(range(min(limit, len(ds))))
+    if not columns:
+        strings = [c for c, f in ds.features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
+        preferred = [c for c in ("text", "sentence", "premise") if c in strings]
+        if not strings:
+            raise ValueError(f"No text column in {dataset!r}: columns {ds.column_names}. Pass --column.")
+        columns = preferred[:1] or strings[:1]
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"Column(s) {missing} not in {dataset!r}; columns are {ds.column_names}. Pass --column.")
+    if len(columns) == 1:
+        return list(ds[columns[0]])
+    return list(zip(ds[columns[0]], ds[columns[1]]))
+
+
+class _ImageFiles:
+    """Lazily opened image files, indexable like a dataset."""
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        with Image.open(self.paths[i]) as im:
+            return im.convert("RGB")
+
+
+def load_images(image_folder=None, dataset=None, config=None, split="test", column="image", limit=None):
+    """Images from a folder (recursively; png/jpg/...) or an image dataset."""
+    if (image_folder is None) == (dataset is None):
+        raise ValueError("Give exactly one data source: --image-folder DIR or --dataset NAME.")
+    if image_folder is not None:
+        if not os.path.isdir(image_folder):
+            raise ResourceUnavailable(f"Image folder {image_folder!r} does not exist.")
+        paths = sorted(
+            p for p in glob.glob(os.path.join(image_folder, "**", "*"), recursive=True)
+            if p.lower().endswith(IMAGE_EXTENSIONS)
+        )
+        if not paths:
+            raise ValueError(f"No images ({', '.join(IMAGE_EXTENSIONS)}) under {image_folder!r}.")
+        return _ImageFiles(paths[:limit] if limit else paths)
+    ds = load_dataset_split(dataset, config, split)
+    if column not in ds.column_names:
+        guess = [c for c in ds.column_names if c in ("img", "image", "pixel_values")]
+        raise ValueError(
+            f"Image column {column!r} not in {dataset!r} (columns {ds.column_names}); pass --column {guess[0] if guess else '...'}."
+        )
+    if limit:
+        ds = ds.select(range(min(limit, len(ds))))
+    return ds

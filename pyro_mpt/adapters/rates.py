@@ -1,0 +1,281 @@
+r"""MPT curves over masking *rates*, for models whose inputs vary in length.
+
+The Pyro loss indexes its curve by the mask size :math:`M = 1..D`. A corpus of
+sentences or images has a different number of maskable tokens :math:`L_i` per
+item, so the network adapters index the curve by the masking rate :math:`r`
+instead and give item :math:`i` the exact mask count
+
+.. math:: M_i(r) = \max\big(1, \operatorname{round}(r L_i)\big)
+
+(``round`` halves away from zero, and :math:`M_i \le L_i`). Proposition 1 then
+reads as a Riemann sum over rates,
+
+.. math:: \log p(x_i) = \sum_{M=1}^{L_i} S(x_i; M)
+    \approx L_i \int_0^1 S(x_i; r L_i)\,dr
+    \approx L_i \sum_k w_k\, S(x_i; M_i(r_k)),
+
+with :math:`w_k` the width of the cell of rate :math:`r_k` (midpoints between
+neighbouring rates, the outer cells stretched to 0 and 1):
+:meth:`RateCurve.area`. The paper's Table 2 uses a different, fixed convention
+(:func:`table2_area`).
+
+Masks are drawn from one :class:`torch.Generator` per item, seeded from
+``(seed, item index)``, as ``num_masks`` random permutations per item; the mask
+of size :math:`M` is the first :math:`M` tokens of a permutation. The masks of
+different rates are thus *nested* (common random numbers across the curve) and
+do not depend on how items are batched, sharded or ordered.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..curve import CurveAccumulator, MPTCurve
+
+__all__ = [
+    "RateCurve",
+    "table2_area",
+    "rate_grid",
+    "parse_rates",
+    "mask_counts",
+    "rate_weights",
+    "item_seed",
+    "item_generator",
+    "nested_ranks",
+    "PAPER_MLM_RATES",
+    "PAPER_MAE_RATES",
+]
+
+#: The paper's BERT grid (section 3.2): 1 %, 2 %, ..., 99 %.
+PAPER_MLM_RATES = np.round(np.arange(1, 100) / 100.0, 10)
+#: The ViT-MAE grid of Fig. 6: 5 %, 10 %, ..., 95 %.
+PAPER_MAE_RATES = np.round(np.arange(5, 100, 5) / 100.0, 10)
+
+
+def rate_grid(start, stop, step):
+    """Rates ``start, start + step, ..., stop`` (inclusive), rounded to 1e-10.
+
+    Example::
+
+        >>> rate_grid(0.05, 0.95, 0.05).size
+        19
+    """
+    n = int(np.floor((stop - start) / step + 1e-9)) + 1
+    return np.round(start + step * np.arange(n), 10)
+
+
+def parse_rates(spec):
+    """Rates from a command-line string: ``"0.01:0.99:0.01"`` (start:stop:step,
+    inclusive) or a comma list ``"0.05,0.15,0.5"``; values in (0, 1).
+
+    :raises ValueError: naming the bad value.
+    """
+    spec = str(spec).strip()
+    try:
+        if ":" in spec:
+            start, stop, step = (float(v) for v in spec.split(":"))
+            if step <= 0 or stop < start:
+                raise ValueError
+            rates = rate_grid(start, stop, step)
+        else:
+            rates = np.array([float(v) for v in spec.split(",") if v.strip()])
+    except ValueError:
+        raise ValueError(
+            f"Cannot read rates {spec!r}; write start:stop:step (e.g. 0.01:0.99:0.01) "
+            f"or a comma list (e.g. 0.05,0.15,0.5)."
+        ) from None
+    return check_rates(rates)
+
+
+def check_rates(rates):
+    """Validate and return rates as a sorted float64 array in (0, 1)."""
+    rates = np.asarray(rates, dtype=np.float64).reshape(-1)
+    if rates.size == 0 or not np.all((rates > 0) & (rates < 1)):
+        raise ValueError(
+            f"rates must be a non-empty list of masking rates in (0, 1), got {rates.tolist()!r}; "
+            f"e.g. rates=np.arange(1, 100) / 100."
+        )
+    if np.any(np.diff(rates) <= 0):
+        raise ValueError(f"rates must be strictly increasing, got {rates.tolist()!r}.")
+    return rates
+
+
+def mask_counts(rates, lengths):
+    r"""Exact mask counts :math:`M = \min(L, \max(1, \lfloor rL + 1/2\rfloor))`.
+
+    :param rates: ``(R,)`` masking rates.
+    :param lengths: ``(n,)`` numbers of maskable tokens.
+    :returns: long tensor ``(n, R)``.
+    """
+    r = torch.as_tensor(np.asarray(rates, dtype=np.float64))
+    L = torch.as_tensor(np.asarray(lengths)).to(torch.int64)
+    m = torch.floor(r[None, :] * L[:, None].double() + 0.5).long()
+    return torch.minimum(m.clamp(min=1), L[:, None])
+
+
+def rate_weights(rates):
+    r"""Cell widths :math:`w_k` of a Riemann sum of :math:`\int_0^1 S(r)\,dr`.
+
+    Cell :math:`k` spans the midpoints to its neighbours; the first cell starts
+    at 0 and the last ends at 1, so :math:`\sum_k w_k = 1`. On the paper's grid
+    (1 %..99 %) every inner cell is 0.01 wide and the two outer ones 0.015.
+    """
+    r = check_rates(rates)
+    edges = np.concatenate([[0.0], (r[1:] + r[:-1]) / 2.0, [1.0]])
+    return np.diff(edges)
+
+
+def item_seed(seed, index):
+    """A 63-bit seed derived from ``(seed, index)`` (``numpy.random.SeedSequence``)."""
+    state = np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, int(index)]).generate_state(2, np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+def item_generator(seed, index):
+    """A CPU :class:`torch.Generator` seeded with :func:`item_seed`.
+
+    One stream per item makes an item's masks independent of batching,
+    sharding and of which other items are scored.
+    """
+    g = torch.Generator()
+    g.manual_seed(item_seed(seed, index))
+    return g
+
+
+def nested_ranks(generator, num_masks, length):
+    """Ranks of ``num_masks`` random permutations of ``length`` tokens.
+
+    Token ``j`` is in the mask of size ``M`` of permutation ``k`` iff
+    ``ranks[k, j] < M``, so masks of growing size are nested.
+
+    :returns: long tensor ``(num_masks, length)``.
+    """
+    return torch.rand((num_masks, length), generator=generator).argsort(-1).argsort(-1)
+
+
+@dataclass
+class RateCurve(MPTCurve):
+    r"""An :class:`~pyro_mpt.curve.MPTCurve` indexed by masking rate.
+
+    ``score[k]`` is the mean over items and masks of
+    :math:`\hat S(x_i; M_i(r_k))`, the mean masked-token log-probability at rate
+    :math:`r_k`; ``rates`` holds :math:`r_k`, ``sizes`` the mean mask count and
+    ``num_tokens`` the mean number :math:`\bar L` of maskable tokens.
+
+    :param numpy.ndarray per_item: ``(n, R)``, each item's score averaged over
+        its masks.
+    :param numpy.ndarray lengths: ``(n,)``, maskable tokens :math:`L_i` per item.
+
+    Example::
+
+        >>> curve = scorer.curve(texts)
+        >>> curve.area()             # mean-length LML approximation
+        >>> curve.per_item_area()    # one approximation per text
+        >>> table2_area(curve)       # the paper's Table 2 convention
+    """
+
+    per_item: Optional[np.ndarray] = None
+    lengths: Optional[np.ndarray] = None
+
+    def area(self, num_tokens=None):
+        r""":math:`D \sum_k w_k S(r_k)`, the Riemann sum of :math:`D\int_0^1 S(r)dr`.
+
+        :param float num_tokens: :math:`D`; default the mean number of maskable
+            tokens of the scored items.
+        """
+        D = self.num_tokens if num_tokens is None else num_tokens
+        if np.isnan(self.score).any():
+            raise ValueError("The curve has NaN values; its area is undefined.")
+        return float(D * np.sum(rate_weights(self.rates) * self.score))
+
+    def area_stderr(self, num_tokens=None):
+        """Standard error of :meth:`area`, treating rates as independent."""
+        D = self.num_tokens if num_tokens is None else num_tokens
+        return float(D * np.sqrt(np.sum((rate_weights(self.rates) * self.stderr) ** 2)))
+
+    def per_item_area(self):
+        r""":math:`L_i \sum_k w_k \bar S_i(r_k)` per item, shape ``(n,)``."""
+        if self.per_item is None:
+            raise ValueError("This curve was built without per-item scores.")
+        return self.lengths * (self.per_item @ rate_weights(self.rates))
+
+    def to_dict(self):
+        """JSON-ready summary: rates, curve, standard errors, areas."""
+        out = {
+            "rates": self.rates.tolist(),
+            "score": self.score.tolist(),
+            "stderr": self.stderr.tolist(),
+            "count": None if self.count is None else np.asarray(self.count).tolist(),
+            "mean_mask_size": np.asarray(self.sizes, dtype=float).tolist(),
+            "mean_num_tokens": float(self.num_tokens),
+            "area": self.area(),
+            "area_stderr": self.area_stderr(),
+            "label": self.label,
+        }
+        if self.per_item is not None:
+            out["per_item_area"] = self.per_item_area().tolist()
+            out["lengths"] = np.asarray(self.lengths).tolist()
+        return out
+
+
+def rate_curve(values, rates, lengths, label=None):
+    """Build a :class:`RateCurve` from per-query scores.
+
+    :param torch.Tensor values: ``(n, R, K)`` scores :math:`\\hat S` of item i,
+        rate k, mask p.
+    :param rates: ``(R,)``.
+    :param lengths: ``(n,)`` maskable tokens.
+    """
+    values = torch.as_tensor(values, dtype=torch.float64)
+    n, R, K = values.shape
+    acc = CurveAccumulator(R)
+    # one add in a fixed order: sums do not depend on how the values were computed
+    size = torch.arange(1, R + 1).view(1, R, 1).expand(n, R, K)
+    acc.add(values, size)
+    base = acc.result(label)
+    lengths = np.asarray(lengths, dtype=np.float64)
+    m = mask_counts(rates, lengths).double().mean(0).numpy()
+    return RateCurve(
+        sizes=m,
+        num_tokens=float(lengths.mean()),
+        score=base.score,
+        stderr=base.stderr,
+        count=base.count,
+        label=label,
+        rates_override=np.asarray(rates, dtype=np.float64),
+        per_item=values.mean(-1).numpy(),
+        lengths=lengths,
+    )
+
+
+def table2_area(curve, num_tokens=512, step=0.01, strict=True):
+    r"""The area convention of the paper's Table 2 (BERT on GLUE).
+
+    .. math:: A_{\text{Table 2}} = \sum_{k=1}^{99} \bar S(r_k) \times 0.01 \times 512,
+        \qquad r_k = k / 100,
+
+    i.e. the mean masked-token log-probability at each of the 99 rates, summed,
+    times the rate step and BERT's maximum sequence length 512, whatever the
+    actual sentence lengths. It is a scaled mean curve height, comparable with
+    the published numbers (e.g. random-init BERT: about
+    :math:`-\log 30522 \times 0.99 \times 512 \approx -5238`), but not a
+    per-sentence LML estimate: GLUE sentences have far fewer than 512 tokens.
+    Use :meth:`RateCurve.per_item_area` or
+    :meth:`~pyro_mpt.adapters.MaskedLMScorer.score` for those.
+
+    :param RateCurve curve: a curve on the 1 %..99 % grid.
+    :param float num_tokens: the 512 of the paper.
+    :param float step: the 0.01 of the paper.
+    :param bool strict: refuse curves on another rate grid.
+    :rtype: float
+    """
+    rates = np.asarray(curve.rates)
+    if strict and (rates.shape != PAPER_MLM_RATES.shape or not np.allclose(rates, PAPER_MLM_RATES)):
+        raise ValueError(
+            f"table2_area reproduces the paper's 99-rate grid (1%..99%); this curve has "
+            f"{rates.size} rates from {rates.min():.3g} to {rates.max():.3g}. Compute it with "
+            f"rates=PAPER_MLM_RATES, or pass strict=False to apply the formula anyway."
+        )
+    return float(np.sum(curve.score) * step * num_tokens)

@@ -1,0 +1,305 @@
+r"""MPT curves for HuggingFace ViT-MAE (``ViTMAEForPreTraining``).
+
+A masked autoencoder sees an image as :math:`N` patches of
+:math:`d = p^2 C` values, hides a random subset :math:`\mathcal M` of
+:math:`M` patches, and regresses their pixels (per-patch normalized when
+``config.norm_pix_loss``) from the visible ones. Fig. 6 of the paper draws,
+for masking rates 5 %..95 %, the mean reconstruction error of the masked
+patches; :class:`MAEScorer` computes that curve with exact masks.
+
+**Exact masks.** ``ViTMAEModel`` keeps ``int(N * (1 - config.mask_ratio))``
+patches, chosen by ``argsort(noise)``. The scorer sets the ratio so that the
+truncation yields exactly :math:`N - M` kept patches,
+:math:`M = \max(1, \operatorname{round}(rN))`, and passes ``noise`` built
+from seeded per-image permutations (nested across rates), then checks the
+returned ``mask``.
+
+**MSE is not a log-density.** The squared error is turned into one by the
+Gaussian decoder the MSE objective implies,
+:math:`p(x_j \mid x_{\mathcal R}) = \mathcal N(x_j; \hat x_j, \sigma^2 I_d)`
+for patch :math:`j`, whose log-density is
+
+.. math:: \log p(x_j\mid x_{\mathcal R}) = -\frac d2\log(2\pi\sigma^2)
+    - \frac{d}{2\sigma^2}\,e_j, \qquad
+    e_j = \frac1d\lVert x_j - \hat x_j\rVert^2 .
+
+The log-density curve is :math:`S(x; M) = \frac1M\sum_{j\in\mathcal M}
+\log p(x_j\mid x_{\mathcal R})` (per patch, in nats). :math:`\sigma^2` is a
+modelling choice the network does not provide: the default 1 matches the unit
+per-patch variance of ``norm_pix_loss`` targets; ``sigma2="mle"`` uses the
+pooled mean squared error over every scored patch, rate and image (one value
+for the whole curve, so rates stay comparable). With ``norm_pix_loss`` the
+density is over normalized patches, not raw pixels.
+"""
+
+import math
+import warnings
+from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from .batching import gather_rows, resolve_accelerator, shard
+from .rates import PAPER_MAE_RATES, check_rates, item_generator, mask_counts, nested_ranks, rate_curve
+
+__all__ = ["MAEScorer", "init_position_embeddings"]
+
+
+def init_position_embeddings(model):
+    """Give a freshly built ``ViTMAEForPreTraining`` its fixed 2-D sin-cos position embeddings.
+
+    ViT-MAE's position embeddings are frozen sin-cos tables (He et al., 2022),
+    stored in checkpoints. transformers 5 leaves them at zero when the model is
+    built from a config (``ViTMAEForPreTraining(config)``), so a "random init"
+    would also be blind to patch positions. This fills them as the
+    architecture specifies (and re-draws the patch projection and CLS token,
+    as the original initializer does). Returns the model.
+    """
+    emb = model.vit.embeddings
+    proj = emb.patch_embeddings.projection
+    # the initializer skips modules already flagged as initialized
+    flag = getattr(proj, "_is_hf_initialized", None)
+    proj._is_hf_initialized = False
+    with torch.no_grad():
+        emb.initialize_weights()
+        model.decoder.initialize_weights(emb.patch_embeddings.num_patches)
+    if flag is not None:
+        proj._is_hf_initialized = flag
+    return model
+
+
+class MAEScorer:
+    r"""Reconstruction-error and Gaussian log-density MPT curves of a ViT-MAE.
+
+    :param model: a ``transformers.ViTMAEForPreTraining``; put in eval mode.
+    :param image_processor: turns PIL images / arrays into ``pixel_values``
+        (e.g. ``AutoImageProcessor.from_pretrained(...)``); not needed for
+        tensors that are already preprocessed.
+    :param int batch_size: masked copies per forward pass.
+    :param sigma2: variance :math:`\sigma^2` of the Gaussian decoder: a
+        positive float, or ``"mle"``.
+    :param device: default the model's device.
+    :param bool bf16: autocast to bfloat16 (GPU); errors are computed in float32.
+    :param str image_column: image column of a ``datasets.Dataset``.
+    :param int chunk_images: images preprocessed and held at once.
+    :param int seed: default mask seed.
+    :param bool progress: tqdm progress bar.
+    :param accelerator: ``accelerate.Accelerator`` (or True): images are
+        sharded across processes and results gathered.
+
+    Example::
+
+        >>> from transformers import AutoImageProcessor, ViTMAEForPreTraining
+        >>> model = ViTMAEForPreTraining.from_pretrained("facebook/vit-mae-base")
+        >>> proc = AutoImageProcessor.from_pretrained("facebook/vit-mae-base")
+        >>> scorer = MAEScorer(model, proc, batch_size=64)
+        >>> curves = scorer.curves(dataset, num_masks=2)   # dataset: datasets.Dataset with "image"
+        >>> curves["mse"].score, curves["log_density"].area()
+    """
+
+    def __init__(
+        self,
+        model,
+        image_processor=None,
+        *,
+        batch_size=64,
+        sigma2=1.0,
+        device=None,
+        bf16=False,
+        image_column="image",
+        chunk_images=256,
+        seed=0,
+        progress=False,
+        accelerator=None,
+    ):
+        if not (sigma2 == "mle" or (isinstance(sigma2, (int, float)) and sigma2 > 0)):
+            raise ValueError(f'sigma2 must be a positive float or "mle", got {sigma2!r}.')
+        if int(batch_size) < 1 or int(chunk_images) < 1:
+            raise ValueError(f"batch_size and chunk_images must be positive, got {batch_size}, {chunk_images}.")
+        for attr in ("vit", "decoder", "patchify"):
+            if not hasattr(model, attr):
+                raise TypeError(
+                    f"MAEScorer needs a ViTMAEForPreTraining (with .vit, .decoder, .patchify); got {type(model).__name__}."
+                )
+        self.accelerator = resolve_accelerator(accelerator)
+        if self.accelerator is not None:
+            device = self.accelerator.device
+        if device is not None:
+            model = model.to(device)
+        self.model = model.eval()
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.image_processor = image_processor
+        self.batch_size = int(batch_size)
+        self.sigma2 = sigma2
+        self.bf16 = bool(bf16)
+        self.image_column = image_column
+        self.chunk_images = int(chunk_images)
+        self.seed = seed
+        self.progress = progress
+        cfg = model.config
+        self.num_patches = (cfg.image_size // cfg.patch_size) ** 2
+        if not model.vit.embeddings.position_embeddings.detach().any():
+            warnings.warn(
+                "This ViT-MAE has all-zero position embeddings (transformers 5 leaves them so when a model is "
+                "built from a config); call pyro_mpt.adapters.vit_mae.init_position_embeddings(model) first."
+            )
+        self.patch_dim = cfg.patch_size**2 * cfg.num_channels
+
+    # ------------------------------------------------------------------ inputs
+    def _len(self, inputs):
+        if isinstance(inputs, torch.Tensor):
+            if inputs.dim() != 4:
+                raise ValueError(
+                    f"Image tensors must be a batch (n, C, H, W), got shape {tuple(inputs.shape)}; "
+                    f"use images[None] for one image."
+                )
+            return inputs.shape[0]
+        return len(inputs)
+
+    def pixel_values(self, inputs, indices):
+        """Preprocessed ``pixel_values`` ``(len(indices), C, H, W)`` of some inputs.
+
+        :param inputs: a tensor ``(n, C, H, W)`` (used as is), a
+            ``datasets.Dataset`` with ``image_column``, a torchvision-style
+            dataset of ``(image, label)`` pairs, or a list of images (PIL,
+            arrays or ``(C, H, W)`` tensors).
+        """
+        indices = [int(i) for i in indices]
+        if isinstance(inputs, torch.Tensor):
+            return inputs[indices].float()
+        if hasattr(inputs, "column_names") and not isinstance(inputs, Mapping):
+            if self.image_column not in inputs.column_names:
+                raise ValueError(
+                    f"image_column {self.image_column!r} not in the dataset's columns {inputs.column_names}; "
+                    f"pass MAEScorer(..., image_column='...')."
+                )
+            images = inputs.select(indices)[self.image_column]
+        else:
+            images = [inputs[i] for i in indices]
+            images = [im[0] if isinstance(im, (tuple, list)) else im for im in images]
+        if self.image_processor is None:
+            if all(isinstance(im, torch.Tensor) and im.dim() == 3 for im in images):
+                return torch.stack(images).float()
+            raise ValueError(
+                "These images need preprocessing: pass image_processor=AutoImageProcessor.from_pretrained(...) "
+                "(or a ViTImageProcessor), or give preprocessed tensors (n, C, H, W)."
+            )
+        if self.model.config.num_channels == 3:
+            # Fashion-MNIST and other grayscale sets: the processor expects RGB
+            images = [im.convert("RGB") if hasattr(im, "convert") and getattr(im, "mode", "RGB") != "RGB" else im for im in images]
+        return self.image_processor(images=images, return_tensors="pt")["pixel_values"].float()
+
+    # ------------------------------------------------------------- forward
+    @contextmanager
+    def _keep_exactly(self, num_kept):
+        """Make ``int(N * (1 - mask_ratio))`` equal ``num_kept`` for one forward."""
+        cfg = self.model.vit.embeddings.config
+        old = cfg.mask_ratio
+        # the half-token offset makes the model's int() truncation land on num_kept
+        cfg.mask_ratio = 1.0 - (num_kept + 0.5) / self.num_patches
+        try:
+            yield
+        finally:
+            cfg.mask_ratio = old
+
+    def reconstruction(self, pixel_values, num_masked, ranks):
+        r"""One forward pass with exact masks; per-patch errors and the model's loss.
+
+        :param torch.Tensor pixel_values: ``(B, C, H, W)``.
+        :param int num_masked: :math:`M`, masked patches per image.
+        :param torch.Tensor ranks: long ``(B, N)``; patch ``j`` is masked iff
+            ``ranks[:, j] < num_masked``.
+        :returns: dict with ``patch_error`` ``(B, N)`` (:math:`e_j`, mean
+            squared error over the patch's :math:`d` values against the
+            normalized target when ``norm_pix_loss``), ``mask`` ``(B, N)``
+            (1 = masked, from the model) and ``loss`` (the model's own scalar).
+        """
+        N = self.num_patches
+        if not 1 <= num_masked <= N:
+            raise ValueError(f"num_masked must be in 1..{N} (patches per image), got {num_masked}.")
+        pv = pixel_values.to(self.device)
+        # argsort(noise) keeps the lowest noise: the highest ranks stay visible
+        noise = -ranks.to(self.device).float()
+        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
+        with torch.inference_mode(), self._keep_exactly(N - num_masked), amp:
+            out = self.model(pixel_values=pv, noise=noise)
+        target = self.model.patchify(pv).float()
+        if self.model.config.norm_pix_loss:
+            mean = target.mean(dim=-1, keepdim=True)
+            var = target.var(dim=-1, keepdim=True)
+            target = (target - mean) / (var + 1.0e-6) ** 0.5
+        err = ((out.logits.float() - target) ** 2).mean(-1)
+        mask = out.mask.float()
+        counts = mask.sum(-1)
+        if not torch.all(counts == num_masked):
+            raise RuntimeError(
+                f"The model masked {counts.tolist()} patches instead of {num_masked}; "
+                f"this ViT-MAE does not honour noise/mask_ratio as expected."
+            )
+        return {"patch_error": err, "mask": mask, "loss": out.loss.float()}
+
+    # ------------------------------------------------------------- curves
+    def curves(self, inputs, rates=PAPER_MAE_RATES, num_masks=1, seed=None, label=None):
+        r"""The MSE and Gaussian log-density MPT curves over masking rates.
+
+        For image :math:`i`, rate :math:`r_k` and mask :math:`p` with
+        :math:`M = \max(1, \operatorname{round}(r_k N))` masked patches,
+
+        .. math:: \hat e_{ikp} = \frac1M\sum_{j\in\mathcal M_{ikp}} e_{ij},\qquad
+            \hat S_{ikp} = -\frac d2\log(2\pi\sigma^2) - \frac{d}{2\sigma^2}\hat e_{ikp}.
+
+        :param inputs: see :meth:`pixel_values`.
+        :param rates: ``(R,)`` rates in (0, 1); default 5 %, 10 %, ..., 95 %.
+        :param int num_masks: masks per image and rate.
+        :returns: dict with ``"mse"`` and ``"log_density"``
+            :class:`~pyro_mpt.adapters.rates.RateCurve` (``per_item`` ``(n, R)``)
+            and ``"sigma2"``, the variance used.
+        """
+        from tqdm.auto import tqdm
+
+        rates = check_rates(rates)
+        if isinstance(num_masks, bool) or not isinstance(num_masks, int) or num_masks < 1:
+            raise ValueError(f"num_masks must be a positive integer, got {num_masks!r}.")
+        K = num_masks
+        seed = self.seed if seed is None else seed
+        n = self._len(inputs)
+        N = self.num_patches
+        counts = mask_counts(rates, [N])[0].tolist()
+        items = shard(n, self.accelerator)
+        values = torch.zeros((len(items), len(rates), K), dtype=torch.float64)
+        main = self.accelerator is None or self.accelerator.is_local_main_process
+        bar = tqdm(total=len(items) * len(rates) * K, desc="MAE curve", unit="copy", disable=not (self.progress and main))
+        for c0 in range(0, len(items), self.chunk_images):
+            chunk = items[c0 : c0 + self.chunk_images]
+            pixels = self.pixel_values(inputs, chunk)
+            ranks = torch.stack([nested_ranks(item_generator(seed, i), K, N) for i in chunk])  # (n_c, K, N)
+            # copies of the chunk, image-major: copy c is image c // K, mask c % K
+            img = torch.arange(len(chunk)).repeat_interleave(K)
+            ranks = ranks.reshape(-1, N)
+            for k, M in enumerate(counts):
+                for b0 in range(0, img.numel(), self.batch_size):
+                    sl = slice(b0, b0 + self.batch_size)
+                    rec = self.reconstruction(pixels[img[sl]], M, ranks[sl])
+                    per_copy = (rec["patch_error"] * rec["mask"]).sum(-1) / M
+                    flat = torch.arange(b0, min(b0 + self.batch_size, img.numel()))
+                    values[c0 + flat // K, k, flat % K] = per_copy.double().cpu()
+                    bar.update(flat.numel())
+        bar.close()
+        mse = gather_rows(values, items, n, self.accelerator)
+        sigma2 = float(mse.mean()) if self.sigma2 == "mle" else float(self.sigma2)
+        d = self.patch_dim
+        logd = -0.5 * d * math.log(2 * math.pi * sigma2) - d / (2 * sigma2) * mse
+        lengths = np.full(n, N)
+        base = label or "ViT-MAE"
+        return {
+            "mse": rate_curve(mse, rates, lengths, label=f"{base} MSE"),
+            "log_density": rate_curve(logd, rates, lengths, label=f"{base} log-density"),
+            "sigma2": sigma2,
+        }
+
+    def curve(self, inputs, rates=PAPER_MAE_RATES, num_masks=1, seed=None, label=None, kind="log_density"):
+        """One of :meth:`curves`: ``kind="log_density"`` (default) or ``"mse"``."""
+        if kind not in ("log_density", "mse"):
+            raise ValueError(f'kind must be "log_density" or "mse", got {kind!r}.')
+        return self.curves(inputs, rates, num_masks, seed, label)[kind]

@@ -1,0 +1,131 @@
+"""The ``pyro-mpt`` command line.
+
+Subcommands register themselves in :data:`SUBCOMMANDS` as
+``name -> (add_arguments(parser), run(args), help)``; :func:`main` builds one
+``argparse`` subparser per entry, so new subcommands are one function pair and
+one registry line (other modules add theirs through a ``register(SUBCOMMANDS)``
+hook, see :func:`_register_plugins`).
+
+``pyro-mpt compare`` trains a deep VAE (:class:`~pyro_mpt.vae.DeepVAE`) on a
+small image dataset with several losses for the same budget and prints the
+held-out log-likelihoods with standard errors and wall times
+(:func:`~pyro_mpt.compare.compare`)::
+
+    pyro-mpt compare --dataset digits --losses mpt:0.33 mpt:uniform elbo iwae:8 renyi:8 --epochs 30
+"""
+
+import argparse
+import json
+import sys
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+
+
+def _add_compare_arguments(p):
+    p.add_argument("--dataset", default="digits", choices=["digits", "mnist"], help="data (default: digits, bundled with scikit-learn)")
+    p.add_argument("--likelihood", default="bernoulli", choices=["bernoulli", "gaussian"], help="pixel likelihood; bernoulli binarizes the data")
+    p.add_argument("--latent-dim", type=int, default=4, help="K, latent dims of the VAE")
+    p.add_argument("--hidden", type=int, nargs="+", default=[128], help="hidden layer widths of encoder and decoder")
+    p.add_argument("--n-train", type=int, default=None, help="training images (default: all)")
+    p.add_argument("--n-test", type=int, default=None, help="held-out images")
+    p.add_argument(
+        "--losses", nargs="+", default=["mpt:0.33", "mpt:uniform", "elbo", "iwae:8"],
+        help="loss specs: elbo, iwae[:K], renyi[:K[:alpha]], mpt[:masks[:conditionals]]",
+    )
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-every", type=int, default=None, help="evaluate held-out evidence every this many epochs")
+    p.add_argument("--eval-samples", type=int, default=200, help="importance samples per held-out datapoint during training")
+    p.add_argument("--final-samples", type=int, default=1000, help="importance samples for the final numbers")
+    p.add_argument("--mpt-encoder", default="elbo", choices=["elbo", "mpt"], help="how MPT runs train the guide")
+    p.add_argument("--num-samples", type=int, default=None, help="S of the MPT conditional engine")
+    p.add_argument("--num-iterations", type=int, default=None, help="T of the encode-decode engine")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for small models)")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--quiet", action="store_true", help="print only the final table")
+
+
+def _run_compare(args):
+    import torch
+
+    from .compare import compare
+    from .datasets import load_dataset
+    from .vae import DeepVAE
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train, test = load_dataset(
+        args.dataset, binarize=args.likelihood == "bernoulli", n_train=args.n_train, n_test=args.n_test, seed=args.seed
+    )
+    D = train.shape[1]
+
+    def make_model():
+        return DeepVAE(D, args.latent_dim, tuple(args.hidden), args.likelihood)
+
+    engine_options = {}
+    if args.num_samples is not None:
+        engine_options["num_samples"] = args.num_samples
+    if args.num_iterations is not None:
+        engine_options["num_iterations"] = args.num_iterations
+    log = None if args.quiet else (lambda s: print(s, flush=True))
+    if log:
+        log(f"{args.dataset}: {train.shape[0]} training / {test.shape[0]} held-out images, D={D}, K={args.latent_dim}, {args.likelihood}")
+    result = compare(
+        make_model, train, test, args.losses,
+        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+        eval_samples=args.eval_samples, final_samples=args.final_samples, seed=args.seed,
+        mpt_encoder=args.mpt_encoder, engine_options=engine_options or None, log=log,
+    )
+    print(result.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_dict(), f, indent=2)
+    return result
+
+
+#: subcommand name -> (add_arguments, run, help)
+SUBCOMMANDS = {
+    "compare": (_add_compare_arguments, _run_compare, "train a deep VAE with several losses (MPT, ELBO, IWAE) and compare held-out evidence"),
+}
+
+# mlm-curve and mae-curve (HuggingFace masked LMs and ViT-MAE) live in pyro_mpt.adapters.cli
+from .adapters.cli import register as _register_adapters  # noqa: E402
+
+_register_adapters(SUBCOMMANDS)
+
+
+def _register_plugins():
+    """Subcommands defined elsewhere in the package (e.g. the HuggingFace adapters)."""
+    try:
+        from .adapters.cli import register
+    except ImportError:  # the adapters are optional
+        return
+    register(SUBCOMMANDS)
+
+
+def build_parser():
+    """The ``argparse`` parser with one subparser per :data:`SUBCOMMANDS` entry."""
+    _register_plugins()
+    parser = argparse.ArgumentParser(prog="pyro-mpt", description="Masked pre-training for Pyro models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (add_arguments, run, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv=None):
+    """Entry point of ``pyro-mpt``; returns the subcommand's result.
+
+    :param list argv: arguments (default ``sys.argv[1:]``).
+    """
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return args._run(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

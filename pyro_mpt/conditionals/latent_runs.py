@@ -1,0 +1,682 @@
+r"""Running a Pyro model and its guide at many latent values at once.
+
+The sampling engines (:mod:`~pyro_mpt.conditionals.encode_decode`,
+:mod:`~pyro_mpt.conditionals.importance`) and the importance-sampled evidence
+(:mod:`~pyro_mpt.importance_evidence`) need the same few operations on a
+Pyro model and guide:
+
+* **encode** -- run the guide on (possibly imputed) data and read the latent
+  values it draws (or their means) and :math:`\log q(z \mid \tilde x)` per
+  datapoint;
+* **decode** -- run the model with its latents set to given values and read
+  :math:`\log p(z)` per datapoint and the observation
+  :math:`p(x \mid z)` token by token (its log-density at the data, its mean, a
+  sample);
+* **sample the prior** -- run the model alone, its latents drawn from the prior.
+
+All runs are vectorized: the model (or guide) runs once inside an extra
+``pyro.plate("_mpt_particles", P, dim=-(max_plate_nesting + 1))``, with the
+subsample sites of the traced minibatch replayed, so every latent gets ``P``
+values per datapoint. Per-datapoint quantities are read off each site's
+unscaled ``fn.log_prob(value)``: dims of the observed site's plates are kept,
+dims of any other plate (e.g. a plate over a datapoint's latent dims) are
+summed, and the scale of subsampled plates is *not* applied (the caller applies
+it outside any log-sum-exp).
+
+**Which argument is the data.** To run the guide on imputed data the runner
+must know which argument of ``model(*args, **kwargs)`` / ``guide(...)`` holds
+the observed tokens. By default it is the argument that *is* the value passed
+to the observed site (``obs=x``), or else the only tensor argument equal to it;
+``data_arg=`` (a position or a keyword name) overrides. The argument must hold
+exactly the minibatch's tokens (not a full dataset indexed inside the model).
+
+**Many imputations per datapoint.** To encode ``B`` imputed versions of the
+batch (one per mask query and chain) in one guide call, the runner stacks them
+along the data argument's leading dim (``B * n`` rows), which works for the
+usual amortized guide that reads its plate size from the data
+(``pyro.plate("data", x.shape[0])``). When that fails (nested data plates,
+subsampled plates, other per-datapoint arguments) it falls back to one guide
+call per imputed version, each vectorized over particles and datapoints.
+"""
+
+import inspect
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import pyro
+from pyro import poutine
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.trace_struct import Trace
+from pyro.poutine.util import site_is_subsample
+
+from .base import EngineNotApplicable
+from .gaussian_marginal import _unwrap
+
+__all__ = [
+    "PARTICLE_PLATE",
+    "callable_key",
+    "guide_latents",
+    "DataArgument",
+    "locate_data_arg",
+    "LatentRunner",
+    "Decoded",
+    "Encoded",
+    "logmeanexp",
+]
+
+#: name of the vectorized particle plate the runs use
+PARTICLE_PLATE = "_mpt_particles"
+
+
+def logmeanexp(t, dim):
+    """:math:`\\log \\frac1S \\sum_s e^{t_s}` along ``dim``."""
+    return torch.logsumexp(t, dim) - math.log(t.shape[dim])
+
+
+# ---------------------------------------------------------------------- data argument
+@dataclass
+class DataArgument:
+    """Where the observed tokens enter ``model(*args, **kwargs)`` and the guide.
+
+    :param key: the position (int) in ``args`` or the keyword (str) in ``kwargs``.
+    :param torch.Tensor value: the original argument.
+    :param bool rows: True when the argument's leading dim holds the ``n``
+        datapoints, so that imputed copies can be stacked along it.
+    """
+
+    key: Union[int, str]
+    value: torch.Tensor
+    rows: bool
+
+    def substitute(self, args, kwargs, xt):
+        """``(args, kwargs)`` with the data replaced by imputed tokens.
+
+        :param torch.Tensor xt: ``(n, D)``, or ``(B, n, D)`` stacked along the
+            leading dim (needs :attr:`rows`).
+        """
+        shape = self.value.shape
+        if xt.dim() == 3:
+            new = xt.reshape((xt.shape[0] * shape[0],) + tuple(shape[1:]))
+        else:
+            new = xt.reshape(shape)
+        new = new.to(dtype=self.value.dtype, device=self.value.device)
+        if isinstance(self.key, int):
+            args = tuple(new if i == self.key else a for i, a in enumerate(args))
+        else:
+            kwargs = dict(kwargs)
+            kwargs[self.key] = new
+        return args, kwargs
+
+    def describe(self):
+        return f"positional argument {self.key}" if isinstance(self.key, int) else f"keyword argument {self.key!r}"
+
+
+def _matches(a, tokens):
+    n, D = tokens.value.shape
+    if not torch.is_tensor(a) or a.numel() != n * D:
+        return False
+    try:
+        return bool(torch.equal(a.detach().reshape(n, D).to(tokens.value), tokens.value))
+    except RuntimeError:
+        return False
+
+
+def locate_data_arg(tokens, fn, args, kwargs, data_arg=None, who="this engine"):
+    """Find the argument that holds the observed tokens.
+
+    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :param callable fn: the guide (used to map a keyword ``data_arg`` to a position).
+    :param tuple args: positional arguments of model and guide.
+    :param dict kwargs: keyword arguments.
+    :param data_arg: None (find it), an int position or a str keyword.
+    :param str who: engine name for error messages.
+    :rtype: DataArgument
+    :raises EngineNotApplicable: when no argument, or several different ones, hold the data.
+    """
+    n, D = tokens.value.shape
+    name = tokens.name
+    hint = (
+        f"Pass data_arg=<position or keyword> to say which argument holds the tokens "
+        f"of site {name!r}, and pass the minibatch itself (shape "
+        f"{tuple(tokens.batch_shape + tokens.event_shape)}) rather than a full "
+        f"dataset indexed inside the model."
+    )
+    if data_arg is not None:
+        if isinstance(data_arg, bool) or not isinstance(data_arg, (int, str)):
+            raise ValueError(f"{who}: data_arg must be an int position or a str keyword, got {data_arg!r}.")
+        key = data_arg
+        if isinstance(key, str) and key not in kwargs:
+            try:
+                params = list(inspect.signature(fn).parameters)
+            except (TypeError, ValueError):
+                params = []
+            if key in params and params.index(key) < len(args):
+                key = params.index(key)
+            else:
+                raise ValueError(
+                    f"{who}: data_arg={data_arg!r} is neither a keyword argument of this "
+                    f"call nor a positional parameter of the guide."
+                )
+        if isinstance(key, int):
+            if not -len(args) <= key < len(args):
+                raise ValueError(f"{who}: data_arg={data_arg} but the model got {len(args)} positional argument(s).")
+            key = key % len(args)
+            value = args[key]
+        else:
+            value = kwargs[key]
+        if not _matches(value, tokens):
+            raise ValueError(
+                f"{who}: data_arg={data_arg!r} does not hold the tokens of observed site "
+                f"{name!r} (expected a tensor with {n * D} elements equal to them). {hint}"
+            )
+    else:
+        target = tokens.site["value"]
+        items = list(enumerate(args)) + list(kwargs.items())
+        found = [(k, a) for k, a in items if a is target]
+        if not found:
+            found = [(k, a) for k, a in items if _matches(a, tokens)]
+        if not found:
+            raise EngineNotApplicable(
+                f"{who} runs the guide on imputed data, but no argument of the model "
+                f"equals the value of observed site {name!r}. {hint}"
+            )
+        if len({id(a) for _, a in found}) > 1:
+            keys = ", ".join(repr(k) for k, _ in found)
+            raise EngineNotApplicable(
+                f"{who}: several arguments ({keys}) equal the tokens of site {name!r}; "
+                f"pass data_arg=<position or keyword> to pick one."
+            )
+        key, value = found[0]
+    rows = (
+        len(tokens.batch_shape) == 1
+        and value.dim() >= 1
+        and value.shape[0] == n
+        and value.numel() == n * D
+    )
+    return DataArgument(key, value, rows)
+
+
+def callable_key(fn):
+    """A key that identifies a callable across calls (bound methods are recreated at each access)."""
+    owner = getattr(fn, "__self__", None)
+    return (id(owner), id(getattr(fn, "__func__", fn))) if owner is not None else (None, id(fn))
+
+
+def guide_latents(tokens):
+    """Names of the model's latents that the traced guide samples (empty for a no-op guide)."""
+    latent = set(tokens.latent_names)
+    return [
+        name
+        for name, site in tokens.guide_trace.nodes.items()
+        if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site) and name in latent
+    ]
+
+
+# ---------------------------------------------------------------------- messengers
+class _MeanValues(Messenger):
+    """Set latent sites to the mean of their distribution (mode when it has no finite mean)."""
+
+    def __init__(self, names=None):
+        super().__init__()
+        self.names = names
+
+    def _pyro_sample(self, msg):
+        if msg["is_observed"] or site_is_subsample(msg):
+            return
+        if self.names is not None and msg["name"] not in self.names:
+            return
+        fn = msg["fn"]
+        value = None
+        try:
+            value = fn.mean
+        except NotImplementedError:
+            pass
+        if value is None or not bool(torch.isfinite(value).all()):
+            try:
+                value = fn.mode
+            except NotImplementedError:
+                raise ValueError(
+                    f"Site {msg['name']!r} ({type(fn).__name__}) has neither a finite mean "
+                    f"nor a mode, so it cannot be set to its mean; use sampling instead "
+                    f"(encode='sample') or another init."
+                ) from None
+        msg["value"] = value.expand(fn.shape())
+        msg["done"] = True
+
+
+# ---------------------------------------------------------------------- helpers
+def _pad(t, rank):
+    """Left-pad a batch tensor with size-1 dims to ``rank`` dims."""
+    if t.dim() > rank:
+        raise ValueError(f"tensor of shape {tuple(t.shape)} has more than {rank} batch dims")
+    return t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
+
+
+def _frames(site, min_size=1):
+    return {(f.name, f.dim) for f in site["cond_indep_stack"] if f.vectorized and f.size >= min_size}
+
+
+def _site_log_prob(site):
+    lp = site["fn"].log_prob(site["value"])
+    mask = site.get("mask")
+    if torch.is_tensor(mask):
+        lp = torch.where(mask, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
+    return lp
+
+
+@dataclass
+class Encoded:
+    """Latent values drawn by the guide, laid out for :meth:`LatentRunner.decode`.
+
+    :param dict values: latent name -> value with leading dim ``P * B``
+        (particles outer, imputed versions inner) in the particle plate's layout.
+    :param torch.Tensor log_q: :math:`\\log q(z \\mid \\tilde x)` per datapoint,
+        ``(P, B, n)``; None for means.
+    """
+
+    values: dict
+    log_q: Optional[torch.Tensor]
+    num_particles: int
+    num_versions: int
+
+
+class Decoded:
+    """The model run at given latent values: a trace in a particle plate of size ``R``."""
+
+    def __init__(self, runner, trace, rows, names):
+        self.runner = runner
+        self.trace = trace
+        self.rows = rows
+        self.names = names  # latents whose values were given (their log p is counted)
+
+    @property
+    def obs_fn(self):
+        return self.trace.nodes[self.runner.tokens.name]["fn"]
+
+    def log_prior(self):
+        """:math:`\\sum_l \\log p(z_l)` over the given latents, per datapoint, ``(R, n)``."""
+        r = self.runner
+        total = None
+        for name in self.names:
+            lp = r.per_datapoint(_site_log_prob(self.trace.nodes[name]), self.rows)
+            total = lp if total is None else total + lp
+        if total is None:
+            total = r.tokens.value.new_zeros(self.rows, r.tokens.num_data)
+        return total
+
+    def obs_log_prob(self):
+        """:math:`\\log p(x \\mid z)` at the data, per datapoint, ``(R, n)``."""
+        r = self.runner
+        site = self.trace.nodes[r.tokens.name]
+        lp = site["fn"].log_prob(site["value"])
+        bs = r.tokens.batch_shape
+        expected = (self.rows,) + (1,) * (r.rank - 1 - len(bs)) + tuple(bs)
+        shape = _pad(lp, r.rank).shape
+        if any(a != b and a != 1 for a, b in zip(shape, expected)):
+            raise EngineNotApplicable(
+                f"Observed site {r.tokens.name!r} has batch shape {tuple(lp.shape)} when the "
+                f"model runs with {self.rows} latent values per datapoint in a pyro.plate at "
+                f"dim {-r.rank}; expected {expected}. The model does not broadcast over that "
+                f"dim: keep the latents' batch dims when computing the observation (e.g. "
+                f"unsqueeze the dim of a plate you reduce over), or set max_plate_nesting."
+            )
+        return r.per_datapoint(lp, self.rows)
+
+    def _token_tensor(self, t):
+        r = self.runner
+        fn = self.obs_fn
+        full = torch.broadcast_shapes(t.shape, fn.batch_shape + fn.event_shape)
+        t = t.expand(full)
+        n, D = r.tokens.num_data, r.tokens.num_tokens
+        if t.numel() != self.rows * n * D:
+            raise EngineNotApplicable(
+                f"Observed site {r.tokens.name!r} has shape {tuple(full)} when the model "
+                f"runs in a plate of {self.rows} particles; expected {self.rows} x {n} "
+                f"datapoints x {D} tokens. {r.who} needs every latent local to a datapoint."
+            )
+        return t.reshape(self.rows, n, D)
+
+    def _base(self):
+        r = self.runner
+        base, _ = _unwrap(self.obs_fn)
+        if len(base.event_shape) > 0:
+            raise EngineNotApplicable(
+                f"{r.who} needs the tokens of observed site {r.tokens.name!r} to be "
+                f"independent given the latents, but its distribution is "
+                f"{type(base).__name__} with event shape {tuple(base.event_shape)}. Write "
+                f"it as independent tokens, e.g. dist.Normal(loc, scale).to_event(1); "
+                f"for a Gaussian marginal use conditionals='gaussian'."
+            )
+        return base
+
+    def token_log_prob(self, x):
+        """:math:`\\log p(x_d \\mid z)` per token at tokens ``x`` ``(n, D)``: ``(R, n, D)``."""
+        r = self.runner
+        base = self._base()
+        xv = x.reshape(r.tokens.batch_shape + r.tokens.event_shape)
+        orig = self.trace.nodes[r.tokens.name]["value"]
+        if torch.is_tensor(orig) and not torch.is_floating_point(orig):
+            xv = xv.to(orig.dtype)  # integer tokens (Categorical, Poisson counts)
+        return self._token_tensor(base.log_prob(xv))
+
+    def mean(self):
+        """The observation's mean per token (mode where the mean is not finite), ``(R, n, D)``."""
+        base = self._base()
+        try:
+            m = base.mean
+        except NotImplementedError:
+            m = None
+        if m is None or not bool(torch.isfinite(m).all()):
+            m = base.mode
+        return self._token_tensor(m)
+
+    def sample(self):
+        """One draw of the tokens from :math:`p(x \\mid z)`, ``(R, n, D)``."""
+        return self._token_tensor(self._base().sample())
+
+
+# ---------------------------------------------------------------------- runner
+class LatentRunner:
+    """Runs a model (and guide) at many latent values at once; see the module docstring.
+
+    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :param callable model: the Pyro model.
+    :param callable guide: the guide or None.
+    :param tuple args: model/guide arguments.
+    :param dict kwargs: model/guide keyword arguments.
+    :param DataArgument data: where the tokens enter the guide (needed by
+        :meth:`encode` only).
+    :param str who: the caller's name, for error messages.
+    :param bool stacking: whether the guide accepts stacked copies of the data
+        (None: try on the first :meth:`encode` of several copies).
+    :raises EngineNotApplicable: when a latent is shared by several datapoints.
+    """
+
+    def __init__(self, tokens, model, guide, args, kwargs, data=None, who="this engine", stacking=None):
+        self.tokens = tokens
+        self.model = model
+        self.guide = guide
+        self.args = args
+        self.kwargs = kwargs
+        self.data = data
+        self.who = who
+        self.rank = tokens.max_plate_nesting + 1
+        self.data_dims = {f.dim for f in tokens.site["cond_indep_stack"] if f.vectorized}
+        self.replay = tokens.subsample_trace()
+        self.stacking = stacking  # decided on the first encode of several versions
+        obs_frames = _frames(tokens.site, 2)
+        for site in tokens.latent_sites():
+            missing = obs_frames - _frames(site)
+            if missing:
+                plates = ", ".join(repr(f[0]) for f in missing)
+                raise EngineNotApplicable(
+                    f"Latent site {site['name']!r} is outside the plate(s) {plates} of "
+                    f"observed site {tokens.name!r}: it is shared by all datapoints (a "
+                    f"global latent), so {who} cannot integrate it per datapoint. Make it "
+                    f"a pyro.param, or move it inside the data plate."
+                )
+
+    # ------------------------------------------------------------------ reductions
+    def per_datapoint(self, log_p, rows, batch_shape=None):
+        """Reduce a site's log-density to ``(rows, prod(batch_shape))``.
+
+        Dims of the observed site's plates are kept, other plate dims summed.
+
+        :param torch.Tensor log_p: a batch tensor with the particle dim at
+            ``-(max_plate_nesting + 1)``.
+        :param int rows: the particle plate's size.
+        :param torch.Size batch_shape: the observed site's batch shape (default:
+            the traced one).
+        """
+        rank = self.rank
+        if batch_shape is None:
+            batch_shape = self.tokens.batch_shape
+        log_p = _pad(log_p, rank)
+        dims = [i for i in range(1, rank) if (i - rank) not in self.data_dims and log_p.shape[i] > 1]
+        if dims:
+            log_p = log_p.sum(dims, keepdim=True)
+        full = (rows,) + (1,) * (rank - 1 - len(batch_shape)) + tuple(batch_shape)
+        return log_p.expand(full).reshape(rows, -1)
+
+    # ------------------------------------------------------------------ running
+    def _run(self, fn, rows, args, kwargs, replay, handler=None):
+        rank = self.rank
+
+        def wrapped(*a, **k):
+            with pyro.plate(PARTICLE_PLATE, rows, dim=-rank):
+                return fn(*a, **k)
+
+        run = wrapped if replay is None else poutine.replay(wrapped, trace=replay)
+        if handler is not None:
+            run = handler(run)
+        # hide the runs' samples from outer handlers (SVI still sees the params)
+        with poutine.block(hide_fn=lambda m: m["type"] == "sample"):
+            return poutine.trace(run).get_trace(*args, **kwargs)
+
+    def _model_failed(self, e):
+        return EngineNotApplicable(
+            f"{self.who} runs the model with many latent values at once, in a "
+            f"pyro.plate at dim {-self.rank}, and the model failed there "
+            f"({type(e).__name__}: {e}). Write the model so that it broadcasts over "
+            f"extra batch dims on the left (use '...' indexing, torch.matmul, .expand), "
+            f"or set max_plate_nesting correctly."
+        )
+
+    def decode(self, values, rows):
+        """Run the model in a particle plate of size ``rows`` with latents set to ``values``.
+
+        Latents missing from ``values`` are drawn from the prior (their
+        :math:`\\log p` is not counted in :meth:`Decoded.log_prior`).
+
+        :param dict values: latent name -> value with leading dim ``rows``.
+        :rtype: Decoded
+        """
+        replay = Trace()
+        for name, site in self.replay.nodes.items():
+            replay.add_node(name, **site)
+        for name, v in values.items():
+            replay.add_node(name, type="sample", name=name, is_observed=False, value=v, infer={})
+        try:
+            trace = self._run(self.model, rows, self.args, self.kwargs, replay)
+        except EngineNotApplicable:
+            raise
+        except Exception as e:
+            raise self._model_failed(e) from e
+        return Decoded(self, trace, rows, list(values))
+
+    def sample_prior(self, rows):
+        """Run the model with ``rows`` prior draws of its latents per datapoint.
+
+        :rtype: Decoded
+        """
+        try:
+            trace = self._run(self.model, rows, self.args, self.kwargs, self.replay)
+        except Exception as e:
+            raise self._model_failed(e) from e
+        return Decoded(self, trace, rows, [])
+
+    def prior_mean_tokens(self):
+        """The observation's mean per token with every latent at its prior mean, ``(n, D)``."""
+        handler = _MeanValues(set(self.tokens.latent_names))
+        try:
+            trace = self._run(self.model, 1, self.args, self.kwargs, self.replay, handler)
+        except ValueError:
+            raise
+        except Exception as e:
+            raise self._model_failed(e) from e
+        return Decoded(self, trace, 1, []).mean()[0]
+
+    # ------------------------------------------------------------------ guide
+    def _guide_values(self, trace, rows, versions, stacked):
+        """Latent values ``{name: (rows * versions, ...)}`` and ``log_q`` ``(rows, versions, n)``."""
+        tokens = self.tokens
+        n = tokens.num_data
+        rank = self.rank
+        latent = set(tokens.latent_names)
+        values, log_q = {}, None
+        batch = torch.Size((versions * n,)) if stacked else tokens.batch_shape
+        for name, site in trace.nodes.items():
+            if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
+                continue
+            if name not in latent:
+                raise ValueError(
+                    f"Guide site {name!r} has no latent counterpart in the model (latents: "
+                    f"{', '.join(repr(k) for k in tokens.latent_names) or 'none'}); "
+                    f"{self.who} needs a guide over the model's latents only."
+                )
+            fn = site["fn"]
+            E = len(fn.event_shape)
+            v = site["value"]
+            v = v.reshape((1,) * (rank + E - v.dim()) + tuple(v.shape))
+            v = v.expand((rows,) + tuple(v.shape[1:]))
+            if stacked:
+                (d,) = self.data_dims
+                i = rank + d
+                if v.shape[i] != versions * n:
+                    raise ValueError(
+                        f"guide site {name!r} has size {v.shape[i]} along the data plate, "
+                        f"expected {versions * n}"
+                    )
+                v = v.unflatten(i, (versions, n)).movedim(i, 1)
+            else:
+                v = v.unsqueeze(1)
+            values[name] = v.reshape((rows * versions,) + tuple(v.shape[2:]))
+            lq = self.per_datapoint(_site_log_prob(site), rows, batch).reshape(rows, versions, n)
+            log_q = lq if log_q is None else log_q + lq
+        if log_q is None:
+            log_q = tokens.value.new_zeros(rows, versions, n)
+        return values, log_q
+
+    def _guide_run(self, args, kwargs, rows, mean, replay):
+        handler = _MeanValues() if mean else None
+        return self._run(self.guide, rows, args, kwargs, replay, handler)
+
+    def encode(self, xt, num_particles, mean=False):
+        """Run the guide on imputed tokens.
+
+        :param torch.Tensor xt: ``(B, n, D)`` imputed versions of the batch.
+        :param int num_particles: draws per version and datapoint (``P``).
+        :param bool mean: set each latent to the mean of its guide distribution
+            instead of sampling (``P`` should be 1).
+        :rtype: Encoded
+        """
+        if self.guide is None or self.data is None:
+            raise ValueError(f"{self.who}: encoding needs a guide and its data argument.")
+        B = xt.shape[0]
+        P = int(num_particles)
+        if B > 1 and self.data.rows and self.stacking is not False:
+            args, kwargs = self.data.substitute(self.args, self.kwargs, xt)
+            try:
+                trace = self._guide_run(args, kwargs, P, mean, None)
+                values, log_q = self._guide_values(trace, P, B, stacked=True)
+                self.stacking = True
+                return Encoded(values, None if mean else log_q, P, B)
+            except Exception as e:
+                if self.stacking or "no latent counterpart" in str(e):
+                    raise
+                self.stacking = False
+                warnings.warn(
+                    f"{self.who}: the guide failed on {B} imputed copies of the batch "
+                    f"stacked along its {self.data.describe()} ({type(e).__name__}: {e}); "
+                    f"calling it once per copy instead, which is slower. Let the guide "
+                    f"take its plate size from the data (pyro.plate('data', x.shape[0])) "
+                    f"and no other per-datapoint argument to stack the copies.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        parts = []
+        for b in range(B):
+            args, kwargs = self.data.substitute(self.args, self.kwargs, xt[b])
+            try:
+                trace = self._guide_run(args, kwargs, P, mean, self.replay)
+            except Exception as e:
+                raise EngineNotApplicable(
+                    f"{self.who} runs the guide on imputed data with {P} particle(s) in "
+                    f"a pyro.plate at dim {-self.rank}, and the guide failed there "
+                    f"({type(e).__name__}: {e}). The guide must take the data through "
+                    f"{self.data.describe()} and broadcast over extra batch dims on the "
+                    f"left."
+                ) from e
+            parts.append(self._guide_values(trace, P, 1, stacked=False))
+        values = {}
+        for name in parts[0][0]:
+            v = torch.stack([p[0][name] for p in parts], 1)  # (P, B, ...)
+            values[name] = v.reshape((P * B,) + tuple(v.shape[2:]))
+        log_q = None if mean else torch.cat([p[1] for p in parts], 1)
+        return Encoded(values, log_q, P, B)
+
+    def guide_log_prob(self, xt, values, num_particles):
+        r"""Guide log-densities :math:`\log q(z_s \mid \tilde x_b)` of given latents under several inputs.
+
+        :param torch.Tensor xt: ``(B, n, D)`` inputs, ``B = C * Q``; input ``b``
+            belongs to query ``b % Q``.
+        :param dict values: latent name -> value ``(S * Q, ...)`` in the layout of
+            :attr:`Encoded.values` (draws outer, queries inner).
+        :param int num_particles: ``S``.
+        :returns: ``(S, C, Q, n)``: every draw of query ``j`` scored under each of
+            that query's ``C`` inputs.
+        """
+        B, n, _ = xt.shape
+        S = int(num_particles)
+        Q = next(iter(values.values())).shape[0] // S
+        C = B // Q
+        rank = self.rank
+        if self.stacking:
+            (d,) = self.data_dims
+            replay = Trace()
+            for name, v in values.items():
+                v = v.reshape((S, Q) + tuple(v.shape[1:]))
+                i = rank + d + 2  # the data dim, after (S, C, Q)
+                v = v.unsqueeze(1).expand((S, C) + tuple(v.shape[1:]))
+                v = v.movedim((1, 2), (i - 2, i - 1)).flatten(i - 2, i)
+                replay.add_node(name, type="sample", name=name, is_observed=False, value=v, infer={})
+            args, kwargs = self.data.substitute(self.args, self.kwargs, xt)
+            trace = self._run(self.guide, S, args, kwargs, replay)
+            _, log_q = self._guide_values(trace, S, B, stacked=True)
+            return log_q.reshape(S, C, Q, n)
+        out = []
+        for b in range(B):
+            j = b % Q
+            replay = Trace()
+            for name, site in self.replay.nodes.items():
+                replay.add_node(name, **site)
+            for name, v in values.items():
+                v = v.reshape((S, Q) + tuple(v.shape[1:]))[:, j]
+                replay.add_node(name, type="sample", name=name, is_observed=False, value=v, infer={})
+            args, kwargs = self.data.substitute(self.args, self.kwargs, xt[b])
+            trace = self._run(self.guide, S, args, kwargs, replay)
+            out.append(self._guide_values(trace, S, 1, stacked=False)[1][:, 0])
+        return torch.stack(out, 1).reshape(S, C, Q, n)
+
+    def encode_original(self, rows):
+        """Run the guide on the original data with ``rows`` particles.
+
+        :rtype: Encoded (with ``B = 1``)
+        """
+        try:
+            trace = self._guide_run(self.args, self.kwargs, rows, False, self.replay)
+        except Exception as e:
+            raise ValueError(
+                f"{self.who} runs the guide with {rows} particles in a pyro.plate at dim "
+                f"{-self.rank}, and it failed there ({type(e).__name__}: {e}). Write the "
+                f"guide so that it broadcasts over extra batch dims on the left."
+            ) from e
+        values, log_q = self._guide_values(trace, rows, 1, stacked=False)
+        return Encoded(values, log_q, rows, 1)
+
+    def log_weights(self, rows):
+        r"""Importance log-weights :math:`\log p(x, z_s) - \log q(z_s \mid x)` per datapoint, ``(rows, n)``.
+
+        The guide (when there is one) runs on the original data with ``rows``
+        particles, the model is replayed on its draws; latents the guide does
+        not cover are drawn from the prior and cancel. Without a guide the
+        weights are :math:`\log p(x \mid z_s)`, :math:`z_s` from the prior.
+        """
+        if self.guide is None:
+            return self.sample_prior(rows).obs_log_prob()
+        enc = self.encode_original(rows)
+        dec = self.decode(enc.values, rows)
+        return dec.log_prior() + dec.obs_log_prob() - enc.log_q[:, 0]

@@ -1,0 +1,124 @@
+"""MAEScorer on a tiny random ViT-MAE: exact masks, the model's own loss, curves end to end."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from pyro_mpt.adapters import MAEScorer, PAPER_MAE_RATES  # noqa: E402
+from pyro_mpt.adapters.rates import item_generator, mask_counts, nested_ranks  # noqa: E402
+from pyro_mpt.adapters.vit_mae import init_position_embeddings  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def tiny_mae(norm_pix_loss=False, image_size=16, patch_size=4):
+    torch.manual_seed(0)
+    cfg = transformers.ViTMAEConfig(
+        image_size=image_size, patch_size=patch_size, num_channels=3, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=64, decoder_hidden_size=16, decoder_num_hidden_layers=1,
+        decoder_num_attention_heads=2, decoder_intermediate_size=32, norm_pix_loss=norm_pix_loss,
+    )
+    return init_position_embeddings(transformers.ViTMAEForPreTraining(cfg)).eval()
+
+
+@pytest.mark.parametrize("norm_pix_loss", [False, True])
+def test_exact_masks_and_model_loss_at_each_rate(norm_pix_loss):
+    model = tiny_mae(norm_pix_loss)
+    scorer = MAEScorer(model)
+    N = scorer.num_patches
+    assert N == 16 and scorer.patch_dim == 48
+    x = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    ranks = nested_ranks(torch.Generator().manual_seed(2), 3, N)
+    ratio = model.config.mask_ratio
+    for M in mask_counts(PAPER_MAE_RATES, [N])[0].tolist() + [N]:
+        rec = scorer.reconstruction(x, M, ranks)
+        assert rec["mask"].sum(-1).tolist() == [M] * 3
+        # the masked patches are exactly those of lowest rank
+        assert torch.equal(rec["mask"].bool(), ranks < M)
+        recomputed = (rec["patch_error"] * rec["mask"]).sum() / rec["mask"].sum()
+        assert abs(recomputed.item() - rec["loss"].item()) < 1e-6
+    assert model.config.mask_ratio == ratio  # restored
+
+
+def test_curves_end_to_end():
+    model = tiny_mae(norm_pix_loss=True)
+    x = torch.randn(5, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    rates = [0.05, 0.25, 0.5, 0.75, 0.95]
+    scorer = MAEScorer(model, batch_size=4, seed=3)
+    out = scorer.curves(x, rates=rates, num_masks=2)
+    mse, logd = out["mse"], out["log_density"]
+    assert mse.score.shape == (5,) and mse.per_item.shape == (5, 5) and (mse.count == 10).all()
+    assert np.all(np.isfinite(mse.score)) and np.all(mse.score > 0)
+    np.testing.assert_allclose(mse.sizes, [1, 4, 8, 12, 15])  # round(r * 16), halves up
+    # sigma2 = 1: per-patch Gaussian log-density is affine in the MSE, d = 48
+    np.testing.assert_allclose(logd.score, -24 * math.log(2 * math.pi) - 24 * mse.score, rtol=1e-12)
+    assert logd.area() == pytest.approx(16 * np.sum(logd.score * np.diff([0, 0.15, 0.375, 0.625, 0.85, 1.0])))
+    # per image and rate, the value is the mean error over that image's masked patches
+    g = item_generator(3, 1)
+    ranks = nested_ranks(g, 2, 16)
+    rec = scorer.reconstruction(x[[1, 1]], 8, ranks)
+    direct = ((rec["patch_error"] * rec["mask"]).sum(-1) / 8).mean().item()
+    assert abs(direct - mse.per_item[1, 2]) < 1e-6
+    # batch size does not change the masks; values agree to float32 rounding
+    other = MAEScorer(model, batch_size=7, seed=3).curves(x, rates=rates, num_masks=2)
+    np.testing.assert_allclose(other["mse"].per_item, mse.per_item, rtol=0, atol=1e-6)
+    # sigma2="mle": the pooled MSE over every scored copy
+    mle = MAEScorer(model, batch_size=4, seed=3, sigma2="mle").curves(x, rates=rates, num_masks=2)
+    assert mle["sigma2"] == pytest.approx(mse.per_item.mean(), rel=1e-9)
+    assert mle["log_density"].area() > logd.area()  # a fitted variance beats sigma2=1 here (MSE < 1)
+
+
+def test_image_inputs_and_validation():
+    datasets = pytest.importorskip("datasets")
+    from PIL import Image
+
+    model = tiny_mae()
+    proc = transformers.ViTImageProcessor(size={"height": 16, "width": 16})
+    rng = np.random.default_rng(0)
+    pil = [Image.fromarray(rng.integers(0, 255, (20, 20), dtype=np.uint8), mode="L") for _ in range(3)]
+    scorer = MAEScorer(model, proc, seed=1)
+    rates = [0.25, 0.75]
+    ref = scorer.curve(pil, rates=rates, kind="mse")
+    # a datasets.Dataset with an image column, and a torchvision-style (image, label) list
+    ds = datasets.Dataset.from_dict({"image": pil, "label": [0, 1, 2]}).cast_column("image", datasets.Image())
+    np.testing.assert_allclose(scorer.curve(ds, rates=rates, kind="mse").per_item, ref.per_item, atol=1e-6)
+    pairs = [(im, 0) for im in pil]
+    np.testing.assert_allclose(scorer.curve(pairs, rates=rates, kind="mse").per_item, ref.per_item, atol=1e-6)
+    tensors = proc(images=[im.convert("RGB") for im in pil], return_tensors="pt")["pixel_values"]
+    np.testing.assert_allclose(MAEScorer(model, seed=1).curve(tensors, rates=rates, kind="mse").per_item, ref.per_item, atol=1e-6)
+    with pytest.raises(ValueError, match="image_processor"):
+        MAEScorer(model).curve(pil, rates=rates)
+    with pytest.raises(ValueError, match=r"\(n, C, H, W\)"):
+        MAEScorer(model).curve(tensors[0], rates=rates)
+    with pytest.raises(ValueError, match="sigma2"):
+        MAEScorer(model, sigma2=0)
+    with pytest.raises(ValueError, match="kind"):
+        scorer.curve(pil, kind="nll")
+
+
+def test_zero_position_embeddings_are_restored_and_flagged():
+    torch.manual_seed(0)
+    cfg = transformers.ViTMAEConfig(image_size=8, patch_size=2, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=32, decoder_hidden_size=16, decoder_num_hidden_layers=1,
+                                    decoder_num_attention_heads=2, decoder_intermediate_size=32)
+    model = transformers.ViTMAEForPreTraining(cfg)
+    if model.vit.embeddings.position_embeddings.any():
+        pytest.skip("this transformers version initializes the position embeddings itself")
+    with pytest.warns(UserWarning, match="position embeddings"):
+        MAEScorer(model)
+    init_position_embeddings(model)
+    pe = model.vit.embeddings.position_embeddings[0, 1:]
+    # the fixed 2-D sin-cos table: entries in [-1, 1], every patch distinct
+    assert pe.abs().max() <= 1 and torch.unique(pe, dim=0).shape[0] == 16
+    # encoder and decoder have the same width here, so the same table
+    torch.testing.assert_close(model.decoder.decoder_pos_embed, model.vit.embeddings.position_embeddings)

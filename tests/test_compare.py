@@ -1,0 +1,132 @@
+"""The MPT-vs-ELBO comparison utility, the pyro-mpt CLI and the deep VAE example (quick mode)."""
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+import torch
+from pyro.infer import RenyiELBO, Trace_ELBO
+
+from pyro_mpt import EncodeDecodeConditionals, ImportanceConditionals, ImportanceWeightedELBO, MaskedPretrainingLoss
+from pyro_mpt.cli import main as cli_main
+from pyro_mpt.compare import compare, make_loss
+from pyro_mpt.datasets import load_dataset
+from pyro_mpt.guide_elbo import WithGuideELBO
+from pyro_mpt.masks import FixedRate, UniformSizes
+from pyro_mpt.vae import DeepVAE
+
+from models import make_ppca
+from test_importance import exact_posterior_guide
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_make_loss_parses_specs():
+    loss = make_loss("mpt:0.33")
+    assert isinstance(loss, WithGuideELBO)
+    assert isinstance(loss.inner.schedule, FixedRate) and loss.inner.schedule.rate == 0.33
+    assert isinstance(loss.inner.engine, EncodeDecodeConditionals) and not loss.inner.engine.encoder_grad
+    loss = make_loss("mpt", mpt_encoder="mpt", engine_options={"num_samples": 3})
+    assert isinstance(loss, MaskedPretrainingLoss) and isinstance(loss.schedule, UniformSizes)
+    assert loss.engine.encoder_grad and loss.engine.num_samples == 3
+    assert isinstance(make_loss("mpt:uniform:importance").inner.engine, ImportanceConditionals)
+    assert isinstance(make_loss("elbo"), Trace_ELBO)
+    assert make_loss("iwae:5").num_particles == 5
+    renyi = make_loss("renyi:4:0.5")
+    assert isinstance(renyi, RenyiELBO) and renyi.alpha == 0.5 and renyi.num_particles == 4
+    custom = Trace_ELBO()
+    assert make_loss(custom) is custom
+    assert isinstance(make_loss(Trace_ELBO), Trace_ELBO)
+    assert isinstance(make_loss(lambda: ImportanceWeightedELBO(3)), ImportanceWeightedELBO)
+    with pytest.raises(ValueError, match="Unknown loss spec"):
+        make_loss("vi")
+    with pytest.raises(ValueError, match="not a valid int"):
+        make_loss("iwae:many")
+    with pytest.raises(ValueError, match="unknown conditionals"):
+        make_loss("mpt:0.2:magic")
+
+
+def test_our_iwae_equals_pyros_renyi_without_subsampling():
+    model, x, exact = make_ppca(5, 2, N=12)
+    guide = exact_posterior_guide(2)
+    ours = ImportanceWeightedELBO(num_particles=6).loss(model, guide, x)
+    pyros = RenyiELBO(alpha=0.0, num_particles=6).loss(model, guide, x)
+    assert ours == pytest.approx(-float(exact(x).sum()), abs=1e-6)
+    assert pyros == pytest.approx(ours, abs=1e-6)
+
+
+def test_compare_trains_each_loss_from_the_same_start_and_reports_errors():
+    train, test = load_dataset("digits", n_train=96, n_test=40)
+    D = train.shape[1]
+
+    def make_model():
+        return DeepVAE(D, latent_dim=3, hidden=(16,))
+
+    def broken():
+        raise RuntimeError("boom")
+
+    losses = {"mpt:0.5": "mpt:0.5", "elbo": "elbo", "iwae:4": "iwae:4", "renyi:4": "renyi:4", "broken": broken}
+    res = compare(
+        make_model, train, test, losses, epochs=2, batch_size=32, lr=1e-2, eval_every=1,
+        eval_samples=20, final_samples=50, engine_options={"num_samples": 2, "num_iterations": 1},
+    )
+    assert [r.name for r in res.results] == list(losses)
+    for r in res.results[:4]:
+        assert r.error is None, r.error
+        assert math.isfinite(r.heldout) and -64 * math.log(2) - 5 < r.heldout < 0
+        assert r.stderr > 0 and r.mc_stderr >= 0 and r.train_time > 0
+        assert [h["epoch"] for h in r.history] == [1, 2]
+        assert all("heldout" in h for h in r.history)
+    # same initialization: after one epoch of similar objectives the models are close
+    first = [r.history[0]["heldout"] for r in res.results[:4]]
+    assert max(first) - min(first) < 3.0
+    assert "RuntimeError: boom" in res["broken"].error
+    table = res.table()
+    assert "mpt:0.5" in table and "failed: RuntimeError: boom" in table and "vs elbo" in table
+    d, se = res.paired("iwae:4", "elbo")
+    assert d == pytest.approx(res["iwae:4"].heldout - res["elbo"].heldout, abs=1e-5)
+    assert 0 < se < res["elbo"].stderr
+    assert res.to_dict()["settings"]["epochs"] == 2
+
+
+def test_cli_compare_prints_a_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "cmp.json"
+    res = cli_main([
+        "compare", "--n-train", "64", "--n-test", "32", "--epochs", "1", "--hidden", "8",
+        "--latent-dim", "2", "--losses", "mpt:0.5", "elbo", "--final-samples", "20",
+        "--num-samples", "2", "--num-iterations", "1", "--json", str(out), "--quiet",
+    ])
+    printed = capsys.readouterr().out
+    assert "held-out log p(x)" in printed and "mpt:0.5" in printed and "elbo" in printed
+    data = json.loads(out.read_text())
+    assert [r["name"] for r in data["results"]] == ["mpt:0.5", "elbo"]
+    assert all(r["error"] is None for r in data["results"])
+    assert res["elbo"].heldout == pytest.approx(data["results"][1]["heldout"])
+    with pytest.raises(SystemExit):
+        cli_main([])  # a subcommand is required
+
+
+def test_deep_vae_example_quick(tmp_path):
+    spec = importlib.util.spec_from_file_location("deep_vae_example", os.path.join(ROOT, "examples", "deep_vae.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    png = tmp_path / "fig.png"
+    res = module.main(["--quick", "--out", str(png)])
+    assert png.exists() and png.stat().st_size > 10_000
+    names = [r.name for r in res.results]
+    assert names == ["mpt:0.33", "mpt:uniform", "elbo"]
+    for r in res.results:
+        assert r.error is None and math.isfinite(r.heldout)
+        # the held-out LML improved during training
+        lml = [h["heldout"] for h in r.history if "heldout" in h]
+        assert lml[-1] > lml[0]
