@@ -349,7 +349,6 @@ def compare_with_exact(D, K, dtype, args):
     """Time exact LML and pyro_mpt variants (loss + gradient)."""
     ppca, x, leaves = make_problem(args.N, D, K, dtype)
     N = args.N
-    none = lambda seed: None  # noqa: E731
     res = dict(dtype=str(dtype).replace("torch.", ""), D=D, K=K, path=path_of(D, K))
 
     def run_evidence(_):

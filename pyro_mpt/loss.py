@@ -119,8 +119,7 @@ class MaskedPretrainingLoss(ELBO):
             blocks = tqdm(blocks, desc=desc, leave=False)
         estimate = x.new_zeros(n)
         for block in blocks:
-            logc = block.log_conditionals(engine, state, x)
-            shat, size, weight = block.scores(logc, n)
+            shat, size, weight = block.evaluate(engine, state, x, per_size=accumulator is not None)
             estimate = estimate + (weight * shat).sum(0)
             if accumulator is not None:
                 accumulator.add(shat, size)

@@ -69,15 +69,17 @@ class MaskBlock:
     size: torch.Tensor
     weight: torch.Tensor
 
-    def log_conditionals(self, engine, state, x):
-        return engine.mask_log_prob(state, x, self.mask)
+    def evaluate(self, engine, state, x, per_size=False):
+        r"""Per-query scores :math:`\hat S_q`, sizes and weights, each ``(q, n)``.
 
-    def scores(self, logc, n):
-        """``(shat, size, weight)``, each ``(q, n)``, from engine output ``(q, n, D)``."""
-        logc = torch.where(self.mask, logc, torch.zeros((), dtype=logc.dtype, device=logc.device))
-        shat = logc.sum(-1) / self.size.to(logc.dtype)
+        ``per_size`` is accepted for symmetry with :class:`ChainBlock`; mask
+        queries always come one size per query.
+        """
+        n = x.shape[0]
+        sums = engine.mask_sums(state, x, self.mask)  # (q, n)
+        shat = sums / self.size.to(sums.dtype)
         q = shat.shape[0]
-        return shat, self.size.expand(q, n), self.weight.to(logc.dtype).expand(q, n)
+        return shat, self.size.expand(q, n), self.weight.to(sums.dtype).expand(q, n)
 
 
 @dataclass
@@ -92,14 +94,23 @@ class ChainBlock:
     order: torch.Tensor
     weight: torch.Tensor
 
-    def log_conditionals(self, engine, state, x):
-        return engine.chain_log_prob(state, x, self.order)
+    def evaluate(self, engine, state, x, per_size=False):
+        """Scores, sizes and weights of the block's queries.
 
-    def scores(self, logc, n):
-        """Engine output ``(p, n, D)`` by position becomes ``p*D`` queries of size t+1."""
-        p, _, D = logc.shape
+        With ``per_size`` (needed for curves) every position ``t`` is a query of
+        size ``t + 1`` and the result has ``p * D`` rows; otherwise each
+        ordering's chain-rule sum is one row of size D, which lets an engine use
+        a cheaper path for the sum (:meth:`ConditionalEngine.chain_sums`).
+        """
+        n, D = x.shape
+        p = self.order.shape[0]
+        if not per_size:
+            sums = engine.chain_sums(state, x, self.order)  # (p, n)
+            size = torch.full((p, n), D, device=x.device)
+            return sums, size, self.weight.to(sums.dtype).expand(p, n)
+        logc = engine.chain_log_prob(state, x, self.order)  # (p, n, D) by position
         shat = logc.permute(0, 2, 1).reshape(p * D, n)
-        size = torch.arange(1, D + 1, device=logc.device).repeat(p)[:, None].expand(p * D, n)
+        size = torch.arange(1, D + 1, device=x.device).repeat(p)[:, None].expand(p * D, n)
         weight = self.weight.to(logc.dtype).expand(p, n).repeat_interleave(D, dim=0)
         return shat, size, weight
 

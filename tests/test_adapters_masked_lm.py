@@ -173,20 +173,15 @@ def test_masked_head_matches_full_logits(tiny):
     torch.testing.assert_close(fast.pll(texts), full.pll(texts), rtol=0, atol=1e-5)
 
 
-def _log_probs(model, ids, masked):
-    """log p(x_j | x with `masked` replaced by [MASK]) at every position, one forward."""
-    x = ids.clone()
-    x[masked] = MASK_ID[0]
+def _log_probs(model, tok, ids, masked):
+    """log p(x_j | x with `masked` replaced by the mask token) at every position, one forward."""
+    x = ids.masked_fill(masked, tok.mask_token_id)
     with torch.no_grad():
         return model(input_ids=x[None]).logits[0].log_softmax(-1).gather(-1, ids[:, None])[:, 0].double()
 
 
-MASK_ID = [None]
-
-
 def test_pll_and_word_l2r_match_direct_computation(tmp_path_factory):
     model, tok = _tiny("roberta", tmp_path_factory)
-    MASK_ID[0] = tok.mask_token_id
     texts = ["abc de", "fgh ij a"]
     scorer = MaskedLMScorer(model, tok)
     total, per_tok = scorer.pll(texts, per_token=True)
@@ -199,10 +194,10 @@ def test_pll_and_word_l2r_match_direct_computation(tmp_path_factory):
         for j in range(1, ids.numel() - 1):
             only = torch.zeros(ids.numel(), dtype=torch.bool)
             only[j] = True
-            direct.append(_log_probs(model, ids, only)[j])
+            direct.append(_log_probs(model, tok, ids, only)[j])
             # within-word l2r: also mask the rest of the word to the right
             right = torch.tensor([k >= j and words[k] == words[j] for k in range(ids.numel())])
-            direct_l2r.append(_log_probs(model, ids, right)[j])
+            direct_l2r.append(_log_probs(model, tok, ids, right)[j])
         torch.testing.assert_close(per_tok[i], torch.stack(direct), rtol=0, atol=1e-5)
         assert abs(total_l2r[i].item() - sum(direct_l2r).item()) < 1e-5
     # multi-character words: the variant differs from plain PLL
@@ -211,7 +206,6 @@ def test_pll_and_word_l2r_match_direct_computation(tmp_path_factory):
 
 def test_exhaustive_score_matches_enumeration_and_schedules_agree(tmp_path_factory):
     model, tok = _tiny("bert", tmp_path_factory)
-    MASK_ID[0] = tok.mask_token_id
     text = "a b c d"
     ids = torch.tensor(tok(text)["input_ids"])
     L = ids.numel() - 2
@@ -221,16 +215,18 @@ def test_exhaustive_score_matches_enumeration_and_schedules_agree(tmp_path_facto
         for S in subsets:
             masked = torch.zeros(ids.numel(), dtype=torch.bool)
             masked[list(S)] = True
-            exact += _log_probs(model, ids, masked)[list(S)].sum().item() / M / len(subsets)
+            exact += _log_probs(model, tok, ids, masked)[list(S)].sum().item() / M / len(subsets)
     scorer = MaskedLMScorer(model, tok)
     assert abs(scorer.score([text], masks="exhaustive").item() - exact) < 1e-5
-    # unbiased schedules estimate the same number; measured spread with 300 masks is < 0.05 nats
+    # unbiased schedules estimate the same number: with 300 masks, measured |error| <= 0.019
+    # over seeds 0-4 (uniform), <= 0.009 (all), < 1e-4 (order: a near-uniform random init is
+    # almost consistent)
     for masks in ("uniform", "all", "order"):
         est = scorer.score([text], masks=masks, num_masks=300, seed=1).item()
-        assert abs(est - exact) < 0.15, (masks, est, exact)
+        assert abs(est - exact) < 0.05, (masks, est, exact)
     # the fixed-rate schedule is the known biased one: D * S(x; M) with M = round(0.5 * 4) = 2
     s2 = np.mean([
-        _log_probs(model, ids, torch.isin(torch.arange(ids.numel()), torch.tensor(S)))[list(S)].mean().item()
+        _log_probs(model, tok, ids, torch.isin(torch.arange(ids.numel()), torch.tensor(S)))[list(S)].mean().item()
         for S in itertools.combinations(range(1, L + 1), 2)
     ])
     assert abs(scorer.score([text], masks=0.5, num_masks=400).item() - L * s2) < 0.15
@@ -309,14 +305,13 @@ def antiberty():
 
 def test_antiberty_pll_matches_per_position_loop(antiberty):
     model, tok, seqs = antiberty
-    MASK_ID[0] = tok.mask_token_id
     seqs = [" ".join(s[:18]) for s in ANTIBODIES[:2]]
     scorer = MaskedLMScorer(model, tok, max_tokens=512)
     total, per_tok = scorer.pll(seqs, per_token=True)
     for i in range(2):
         ids = torch.tensor(tok(seqs[i])["input_ids"])
         direct = torch.stack([
-            _log_probs(model, ids, torch.arange(ids.numel()) == j)[j] for j in range(1, ids.numel() - 1)
+            _log_probs(model, tok, ids, torch.arange(ids.numel()) == j)[j] for j in range(1, ids.numel() - 1)
         ])
         torch.testing.assert_close(per_tok[i], direct, rtol=0, atol=1e-5)
         assert abs(total[i].item() - direct.sum().item()) < 1e-5

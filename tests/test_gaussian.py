@@ -59,6 +59,55 @@ def test_chain_fast_path_matches_mask_queries():
         assert torch.allclose(fast, slow, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_shared_chain_path_matches_generic(rows):
+    model, x, _ = make_ppca(8, K=3, N=4)
+    tokens = trace_tokens(model, None, (x,), {})
+    order = torch.rand(3, rows, 8).argsort(-1)
+    engine = GaussianConditionals(max_elements=64)
+    state = engine.prepare(tokens, model, None, (x,), {})
+    fast = engine.chain_log_prob(state, tokens.value, order)
+    slow = super(GaussianConditionals, engine).chain_log_prob(state, tokens.value, order)
+    assert torch.allclose(fast, slow, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 2e-4)])
+def test_shared_mask_sums_match_the_table_path(dtype, tol):
+    """The matrix-product path for shared masks equals summing the (q, n, D) table
+    computed in float64, also in float32 with small noise (where an uncentred
+    expansion would cancel)."""
+    model64, x64, _ = make_ppca(12, K=2, N=30, sigma=0.01)
+    mask = torch.rand(7, 1, 12) < 0.5
+    mask[:, :, 0] = True
+    reference = GaussianConditionals(method="lowrank")
+    tokens64 = trace_tokens(model64, None, (x64,), {})
+    state64 = reference.prepare(tokens64, model64, None, (x64,), {})
+    slow = super(GaussianConditionals, reference).mask_sums(state64, tokens64.value, mask).detach()
+    # the same parameters and data in the dtype under test
+    values = {n: pyro.param(n).detach().to(dtype) for n in ["W", "mu", "s"]}
+    pyro.clear_param_store()
+    model, _, _ = make_ppca(12, K=2, N=30, sigma=0.01, dtype=dtype)
+    for n, v in values.items():
+        pyro.get_param_store()[n] = v
+    x = x64.to(dtype)
+    tokens = trace_tokens(model, None, (x,), {})
+    engine = GaussianConditionals()
+    state = engine.prepare(tokens, model, None, (x,), {})
+    fast = engine.mask_sums(state, tokens.value, mask)
+    assert fast.shape == (7, 30)
+    err = float(((fast.double() - slow).abs() / slow.abs().max()).max())
+    assert err < tol, err
+
+
+def test_dense_path_gradients_are_finite_for_random_masks():
+    model, x, exact = make_ppca(5, K=6, N=8)  # K >= D: the dense path
+    for masks in ["all", "uniform", 0.4]:
+        loss = MaskedPretrainingLoss(masks=masks, num_masks=3)
+        value = loss.differentiable_loss(model, None, x)
+        grads = torch.autograd.grad(value, [pyro.param(n).unconstrained() for n in ["W", "mu", "s"]])
+        assert all(torch.isfinite(g).all() for g in grads), masks
+
+
 def test_lowrank_and_dense_conditionals_agree():
     model, x, _ = make_ppca(9, K=2, N=6)
     tokens = trace_tokens(model, None, (x,), {})

@@ -132,6 +132,11 @@ def _setup(args):
     return acc, device
 
 
+def _say(acc, text):
+    if acc is None or acc.is_main_process:
+        print(text)
+
+
 def _write(args, command, payload, draw, acc):
     if acc is not None and not acc.is_main_process:
         return
@@ -195,7 +200,7 @@ def _run_mlm(args):
             per_seq[f"score_{kind}"] = scorer.score(enc, masks=kind, num_masks=args.score_masks).tolist()
     out["per_sequence"] = per_seq
     out["seconds"] = time.perf_counter() - t0
-    print(f"{len(enc)} sequences, {len(rates)} rates: area {curve.area():.2f} +- {curve.area_stderr():.2f}"
+    _say(acc, f"{len(enc)} sequences, {len(rates)} rates: area {curve.area():.2f} +- {curve.area_stderr():.2f}"
           + (f", Table 2 area {out['table2_area']:.2f}" if out["table2_area"] is not None else ""))
 
     def draw():
@@ -254,7 +259,7 @@ def _run_mae(args):
         "per_image": {"mse": curves["mse"].per_item.tolist(), "log_density_area": logd["per_item_area"]},
         "seconds": time.perf_counter() - t0,
     }
-    print(f"{len(images)} images, {len(rates)} rates: log-density area {logd['area']:.2f} +- {logd['area_stderr']:.2f} "
+    _say(acc, f"{len(images)} images, {len(rates)} rates: log-density area {logd['area']:.2f} +- {logd['area_stderr']:.2f} "
           f"(sigma2={curves['sigma2']:.4g}); MSE {mse['score'][0]:.4f} at {100 * rates[0]:.0f}% .. "
           f"{mse['score'][-1]:.4f} at {100 * rates[-1]:.0f}%")
 

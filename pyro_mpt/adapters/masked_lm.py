@@ -229,7 +229,6 @@ class MaskedLMScorer:
                 )
             special_token_ids = tokenizer.all_special_ids
         self.special_token_ids = torch.tensor(sorted({int(i) for i in special_token_ids}), dtype=torch.long)
-        self.pad_token_id = int(getattr(tokenizer, "pad_token_id", None) or getattr(model.config, "pad_token_id", 0) or 0)
 
         split = None if head == "full" else masked_lm_head(model)
         if head == "masked" and split is None:

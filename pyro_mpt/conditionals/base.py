@@ -109,6 +109,24 @@ class ConditionalEngine(ABC):
             out.append(torch.cat(terms, 0).T)  # (n, D)
         return torch.stack(out, 0)
 
+    def mask_sums(self, state, x, mask):
+        r"""Summed log-conditionals of each mask's targets, shape ``(q, n)``.
+
+        :math:`\sum_{j \in \mathcal M_q} \log p(x_j \mid x_{\mathcal R_q})`, what the
+        schedules consume. The default sums :meth:`mask_log_prob`; engines can
+        override it to avoid forming the ``(q, n, D)`` table.
+        """
+        logc = self.mask_log_prob(state, x, mask)
+        zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
+        return torch.where(mask, logc, zero).sum(-1)
+
+    def chain_sums(self, state, x, order):
+        """Chain-rule sums along complete orderings, shape ``(p, n)``.
+
+        The default sums :meth:`chain_log_prob` over positions.
+        """
+        return self.chain_log_prob(state, x, order).sum(-1)
+
     def log_evidence(self, state, x):
         """Per-datapoint :math:`\\log p(x)`, shape ``(n,)``, when the engine has it."""
         raise NotImplementedError(f"{type(self).__name__} does not compute log p(x).")

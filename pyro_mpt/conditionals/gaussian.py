@@ -164,12 +164,32 @@ class GaussianConditionals(ConditionalEngine):
             return self._run_chunked(_lowrank_masks, state, x, mask, D * (R + 2))
         return self._run_chunked(_dense_masks, state, x, mask, D * D)
 
+    def mask_sums(self, state, x, mask):
+        if state.is_low_rank and mask.shape[1] == 1 and state.cov_factor.shape[0] == 1:
+            # masks and covariance shared by the batch: sums by matrix products
+            # over (q, D) x (D, n), never forming a (q, n, D) table
+            R = state.cov_factor.shape[-1]
+            n, D = x.shape
+            q_step = max(1, self.max_elements // max(1, (n + D) * (R + 1)))
+            return torch.cat(
+                [_lowrank_shared_sums(state, x, mask[i : i + q_step, 0]) for i in range(0, mask.shape[0], q_step)]
+            )
+        return super().mask_sums(state, x, mask)
+
     def chain_log_prob(self, state, x, order):
         D = x.shape[-1]
         if state.is_low_rank:
             R = state.cov_factor.shape[-1]
+            if order.shape[1] == 1 and state.cov_factor.shape[0] == 1:
+                return _lowrank_shared_chain(state, x, order, self.max_elements)
             return self._run_chunked(_lowrank_chain, state, x, order, D * R * (R + 2))
         return self._run_chunked(_dense_chain, state, x, order, D * D)
+
+    def chain_sums(self, state, x, order):
+        """Every complete ordering of one Gaussian joint telescopes to
+        :math:`\log\mathcal N(x; \mu, \Sigma)` (the chain rule), so the sums are
+        the exact log-density, at the cost of one exact evaluation."""
+        return self.log_evidence(state, x).expand(order.shape[0], x.shape[0])
 
 
 def _slice_marginal(m, idx):
@@ -212,7 +232,73 @@ def _dense_masks(m, x, mask):
     mean = (S @ alpha).squeeze(-1)
     B = torch.linalg.solve_triangular(L, cS, upper=False)
     var = torch.diagonal(S, dim1=-2, dim2=-1) - B.pow(2).sum(-2)
+    # context tokens have variance ~0 (they are known); keep them finite so that
+    # gradients through the caller's masking stay finite
+    var = torch.where(mask, var, torch.ones((), dtype=var.dtype, device=var.device))
+    mean = torch.where(mask, mean, resid)
     return _normal_log_prob(resid, mean, var)
+
+
+def _lowrank_shared_sums(m, x, mask):
+    r"""Summed Woodbury log-conditionals for masks ``(q, D)`` shared by the batch.
+
+    Returns ``(q, n)``. With :math:`r = x - \mu`, the full-data posterior mean
+    :math:`\hat z` and residual :math:`e = r - F\hat z`, the masked residual is
+    :math:`r - F\Lambda^{-1}\eta = e + F u` with
+    :math:`u = \Lambda^{-1}(\hat z - F^\top C\Psi^{-1} e)`, so
+    :math:`\sum_{j\in\mathcal M} (r_j - m_j)^2 / v_j` expands into matrix products
+    of small centred terms (no cancellation between large ones, which matters in
+    float32).
+    """
+    F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
+    R = F.shape[-1]
+    eye = torch.eye(R, dtype=x.dtype, device=x.device)
+    ctx, tgt = (~mask).to(x.dtype), mask.to(x.dtype)  # (q, D)
+    r = x - m.loc  # (n, D)
+    Fp = F / psi[:, None]
+    zhat = torch.cholesky_solve((r @ Fp).T, _cholesky(eye + F.T @ Fp, "posterior precision")).T
+    e = r - zhat @ F.T  # (n, D)
+    cw = ctx / psi  # (q, D)
+    FF = (F[:, :, None] * F[:, None, :]).reshape(-1, R * R)
+    L = _cholesky((cw @ FF).reshape(-1, R, R) + eye, "context precision I + F_R^T Psi_R^-1 F_R")
+    q = mask.shape[0]
+    P = torch.cholesky_solve(F.T.expand(q, R, -1), L)  # Lambda^-1 F^T, (q, R, D)
+    var = psi + (F.T * P).sum(-2)  # (q, D)
+    Ep = (e @ (cw[..., None] * F).permute(1, 0, 2).reshape(-1, q * R)).reshape(-1, q, R)
+    u = torch.cholesky_solve((zhat[:, None] - Ep).permute(1, 2, 0), L)  # (q, R, n)
+    w = tgt / var  # (q, D)
+    t1 = (e * e) @ w.T  # (n, q)
+    We = (e @ (w[..., None] * F).permute(1, 0, 2).reshape(-1, q * R)).reshape(-1, q, R)
+    t2 = (We * u.permute(2, 0, 1)).sum(-1)  # (n, q)
+    M = (F.T * w[:, None]) @ F  # (q, R, R)
+    t3 = ((M @ u) * u).sum(-2).T  # (n, q)
+    logdet = (tgt * (_LOG_2PI + var.log())).sum(-1)  # (q,)
+    return -0.5 * (logdet[:, None] + (t1 + 2 * t2 + t3).T)
+
+
+def _lowrank_shared_chain(m, x, order, max_elements):
+    """Chain rule along orderings shared by the batch: the ordering-only part
+    (precisions, factors, variances) is computed once, the data part in chunks."""
+    F, psi = m.cov_factor, m.cov_diag  # (1, D, R), (1, D)
+    R = F.shape[-1]
+    Fo = _gather_tokens(F, order)  # (p, 1, D, R)
+    psio = _gather_tokens(psi, order)  # (p, 1, D)
+    G = Fo.unsqueeze(-1) * Fo.unsqueeze(-2) / psio[..., None, None]
+    Lam = _reverse_exclusive_cumsum(G, 2) + torch.eye(R, dtype=x.dtype, device=x.device)
+    L = _cholesky(Lam, "context precision I + F_R^T Psi_R^-1 F_R")
+    v = torch.linalg.solve_triangular(L, Fo.unsqueeze(-1), upper=False)
+    var = psio + v.pow(2).sum((-1, -2))  # (p, 1, D)
+    g = torch.linalg.solve_triangular(L.transpose(-1, -2), v, upper=True).squeeze(-1)  # (p, 1, D, R)
+    n, D = x.shape
+    step = max(1, max_elements // max(1, order.shape[0] * D * (R + 2)))
+    out = []
+    for start in range(0, n, step):
+        rows = slice(start, start + step)
+        loc = m.loc if m.loc.shape[0] == 1 else m.loc[rows]
+        resid = _gather_tokens(x[rows] - loc, order)  # (p, c, D)
+        eta = _reverse_exclusive_cumsum(Fo * (resid / psio).unsqueeze(-1), 2)  # (p, c, D, R)
+        out.append(_normal_log_prob(resid, (g * eta).sum(-1), var))
+    return torch.cat(out, 1)
 
 
 def _gather_tokens(t, order):
