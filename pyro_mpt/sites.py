@@ -17,7 +17,7 @@ from pyro import poutine
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
-__all__ = ["ObservedTokens", "trace_tokens", "guess_max_plate_nesting"]
+__all__ = ["ObservedTokens", "trace_tokens", "guess_max_plate_nesting", "check_local_latent"]
 
 
 @dataclass
@@ -75,6 +75,38 @@ class ObservedTokens:
     def unflatten(self, values):
         """Reshape ``(..., n)`` per-datapoint values to ``(..., *batch_shape)``."""
         return values.reshape(values.shape[:-1] + self.batch_shape)
+
+
+def check_local_latent(tokens, site, error=ValueError):
+    """Raise ``error`` unless latent ``site`` is local to each datapoint.
+
+    Per-datapoint masked conditionals need every latent inside exactly the data
+    plates of the observed site: a latent outside them is shared by all
+    datapoints (``log p(x_i)`` no longer factorizes), and one in an extra plate
+    has batch dims the tokens lack.
+    """
+    def frames(s):
+        return {f for f in s["cond_indep_stack"] if f.vectorized and f.size > 1}
+
+    obs_frames, own = frames(tokens.site), frames(site)
+    name = site["name"]
+    missing = obs_frames - own
+    if missing:
+        plates = ", ".join(repr(f.name) for f in missing)
+        raise error(
+            f"Latent site {name!r} is outside the plate(s) {plates} of observed "
+            f"site {tokens.name!r}: it is shared by all datapoints (a global "
+            f"latent), so log p(x_i) does not factorize over datapoints. Make it "
+            f"a pyro.param, or move it inside the data plate."
+        )
+    extra = own - obs_frames
+    if extra:
+        plates = ", ".join(repr(f.name) for f in extra)
+        raise error(
+            f"Latent site {name!r} sits in plate(s) {plates} that observed site "
+            f"{tokens.name!r} lacks; declare a datapoint's latent dims as event "
+            f"dims instead, e.g. dist.Normal(0, 1).expand([K]).to_event(1)."
+        )
 
 
 def _sample_sites(trace):

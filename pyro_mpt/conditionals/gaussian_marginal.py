@@ -31,6 +31,7 @@ from pyro import poutine
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
+from ..sites import check_local_latent
 from .base import EngineNotApplicable
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError"]
@@ -112,8 +113,6 @@ def _compact(t):
 
 def _latent_layout(tokens):
     """Check the latent sites and give each a slice of the stacked noise vector."""
-    obs = tokens.site
-    obs_frames = {f for f in obs["cond_indep_stack"] if f.vectorized and f.size > 1}
     layout, offset = {}, 0
     for site in tokens.latent_sites():
         name = site["name"]
@@ -127,16 +126,7 @@ def _latent_layout(tokens):
                 f"conditionals='quadrature' (low-dimensional latents) or "
                 f"'importance'."
             )
-        frames = {f for f in site["cond_indep_stack"] if f.vectorized}
-        missing = obs_frames - frames
-        if missing:
-            plates = ", ".join(repr(f.name) for f in missing)
-            raise NotLinearGaussianError(
-                f"Latent site {name!r} is outside the plate(s) {plates} of observed "
-                f"site {tokens.name!r}: it is shared by all datapoints (a global "
-                f"latent), so log p(x_i) does not factorize over datapoints. Make it "
-                f"a pyro.param, or move it inside the data plate."
-            )
+        check_local_latent(tokens, site, NotLinearGaussianError)
         numel = site["fn"].event_shape.numel()
         layout[name] = (offset, numel, site["fn"].event_shape)
         offset += numel
