@@ -20,14 +20,13 @@ with synthetic data drawn from it (``W`` with standard-normal entries).
 
 Usage::
 
-    .venv/bin/python benchmarks/quadrature_speed.py               # full run (~15-25 min on 2 busy cores)
+    .venv/bin/python benchmarks/quadrature_speed.py               # full run (~4 min on 2 idle cores, ~15 busy)
     .venv/bin/python benchmarks/quadrature_speed.py --quick       # smoke test (< 1 min)
     .venv/bin/python benchmarks/quadrature_speed.py --out-md outputs/quadrature_benchmark.md
 """
 
 import argparse
 import json
-import math
 import os
 import resource
 import subprocess

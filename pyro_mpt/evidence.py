@@ -73,7 +73,8 @@ class Evidence:
 
     :param callable model: a Pyro model with one observed site (or ``obs_site``).
     :param callable guide: a guide (proposal for sampling methods), or None.
-    :param str method: ``"exact"``.
+    :param str method: ``"exact"``, ``"quadrature"`` (see
+        :func:`~pyro_mpt.conditionals.quadrature.quadrature_evidence`) or ``"importance"``.
     :param str obs_site: the observed site holding the tokens.
     :param int max_plate_nesting: plate dims of the model; guessed when None.
     :param options: method options (for ``"exact"``: ``jitter``, ``vectorize``).

@@ -24,6 +24,7 @@ from pyro.util import warn_if_nan
 from tqdm.auto import tqdm
 
 from .conditionals import auto_engine, make_engine
+from .conditionals.base import EngineNotApplicable
 from .curve import CurveAccumulator
 from .masks import AllSizes, make_schedule
 from .sites import trace_tokens
@@ -94,6 +95,7 @@ class MaskedPretrainingLoss(ELBO):
         self.schedule = make_schedule(masks, num_masks, share_masks)
         self.engine_options = engine_options
         self.engine = make_engine(conditionals, **engine_options)
+        self._auto_engines = {}
         self.obs_site = obs_site
         self.chunk_size = int(chunk_size)
         self.progress = progress
@@ -103,7 +105,17 @@ class MaskedPretrainingLoss(ELBO):
         mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
         tokens = trace_tokens(model, guide, args, kwargs, self.obs_site, mpn)
         if self.engine is None:
+            # keep the engine "auto" chose for this model: engines carry state
+            # across steps (e.g. warm-started adaptive quadrature grids)
+            key = (id(model), tokens.name)
+            engine = self._auto_engines.get(key)
+            if engine is not None:
+                try:
+                    return tokens, engine, engine.prepare(tokens, model, guide, args, kwargs)
+                except EngineNotApplicable:
+                    pass
             engine, state = auto_engine(tokens, model, guide, args, kwargs, **self.engine_options)
+            self._auto_engines[key] = engine
         else:
             engine = self.engine
             state = engine.prepare(tokens, model, guide, args, kwargs)

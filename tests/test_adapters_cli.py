@@ -106,6 +106,7 @@ def test_mae_curve_end_to_end(tmp_path):
     from pyro_mpt.adapters.vit_mae import init_position_embeddings
 
     init_position_embeddings(transformers.ViTMAEForPreTraining(cfg)).save_pretrained(model_dir)
+    transformers.ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(model_dir)
     images = tmp_path / "images" / "sub"
     images.mkdir(parents=True)
     rng = np.random.default_rng(0)

@@ -68,3 +68,40 @@ def test_mnist_without_torchvision_says_so(monkeypatch, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "torchvision" in err and "--dataset digits" in err
+
+
+def test_torchvision_path_with_a_stand_in(monkeypatch, tmp_path):
+    """MNIST / Fashion-MNIST go through torchvision.datasets (a stand-in here:
+    the real package and the network may be missing)."""
+    import sys
+    import types
+
+    import torch
+
+    calls = []
+
+    class FakeMNIST:
+        def __init__(self, root, train=True, download=False):
+            calls.append((type(self).__name__, root, train, download))
+            g = torch.Generator().manual_seed(0)
+            self.data = torch.randint(0, 256, (2500, 28, 28), generator=g, dtype=torch.uint8)
+
+    class FakeFashionMNIST(FakeMNIST):
+        pass
+
+    class Offline:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
+
+    fake = types.ModuleType("torchvision")
+    fake.datasets = types.SimpleNamespace(MNIST=FakeMNIST, FashionMNIST=FakeFashionMNIST)
+    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    example = _load_example()
+    x = example.load_images("mnist", None, 0, str(tmp_path))
+    assert x.shape == (2000, 784) and set(x.unique().tolist()) <= {0.0, 1.0}
+    assert calls[-1] == ("FakeMNIST", str(tmp_path), True, True)
+    x = example.load_images("fashion-mnist", 300, 0, str(tmp_path))
+    assert x.shape == (300, 784) and calls[-1][0] == "FakeFashionMNIST"
+    fake.datasets.MNIST = Offline
+    with pytest.raises(example.DataUnavailable, match="could not load mnist.*--dataset digits"):
+        example.load_images("mnist", None, 0, str(tmp_path))

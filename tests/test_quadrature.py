@@ -438,3 +438,27 @@ def test_evidence_is_differentiable(float64):
     assert set(ev.diagnostics) >= {"num_nodes", "error_nodes", "coarse", "ess"}
     ev.log_evidence.sum().backward()
     assert pyro.param("W").unconstrained().grad is not None
+
+
+def test_mask_sums_stay_exact_when_the_matrix_product_underflows(float64):
+    """The exp-space product underflows when a target is very unlikely under the
+    context's posterior; those entries are recomputed in log space."""
+    from pyro_mpt.conditionals.quadrature import _Chunk, _mask_partial
+
+    g = torch.Generator().manual_seed(12)
+    n, Q, D, q = 3, 5, 4, 6
+    T = -torch.rand(n, Q, D, generator=g) * 3
+    T[:, 0, 0] = 0.0  # token 0 is likely only at node 0 ...
+    T[:, 1:, 0] = -1500.0
+    T[:, 0, 1:] = -900.0  # ... where the other tokens are very unlikely
+    logw = torch.log_softmax(torch.randn(1, Q, generator=g), -1)
+    ctx = (torch.rand(q, n, D, generator=g) < 0.6).double()
+    ctx[:, :, 0] = 0.0
+    ctx[:, :, 1] = 1.0
+    num, den = _mask_partial(_Chunk(logw, T), ctx)
+    base = logw[:, None, :] + torch.einsum("qnd,nkd->nqk", ctx, T)  # (n, q, Q)
+    num_ref = torch.logsumexp(base[..., None] + T[:, None], 2).transpose(0, 1)
+    den_ref = torch.logsumexp(base, -1).T
+    assert torch.isfinite(num).all() and float(num[:, :, 0].max()) < -800
+    assert torch.allclose(num, num_ref, rtol=1e-12, atol=1e-9)
+    assert torch.allclose(den, den_ref, rtol=1e-12, atol=1e-9)

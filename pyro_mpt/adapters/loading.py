@@ -15,6 +15,7 @@ import glob
 import os
 import socket
 import threading
+import warnings
 from urllib.parse import urlparse
 
 __all__ = [
@@ -144,16 +145,24 @@ _MODEL_HINT = (
     "'antiberty', a masked LM that ships inside the antiberty==0.1.3 package."
 )
 
+_MAE_HINT = _MODEL_HINT.split(", or use 'antiberty'")[0] + "."
 
-def load_tokenizer(spec, model_dir=None, lowercase=None):
-    """A tokenizer from a ``vocab.txt`` file (BERT WordPiece), a directory or a hub name."""
+
+def load_tokenizer(spec, model_dir=None, lowercase=None, where="local"):
+    """A tokenizer from a ``vocab.txt`` file (BERT WordPiece), a directory or a hub name.
+
+    :param str spec: the tokenizer; None for the model's (``model_dir``).
+    :param str where: how ``model_dir`` resolved (``"local"``, ``"hub"``, ``"cache"``).
+    """
     from transformers import AutoTokenizer, BertTokenizer
 
     if spec is not None and os.path.isfile(spec):
         # transformers 5 ignores vocab_file=; the vocabulary goes in vocab=
         return BertTokenizer(vocab=spec, do_lower_case=bool(lowercase))
     name = spec or model_dir
-    where = _resolve_hub(name, "tokenizer", _MODEL_HINT + " A BERT vocab.txt file also works: --tokenizer PATH.", filename="tokenizer_config.json") if spec else "local"
+    if spec:
+        hint = _MODEL_HINT + " A BERT vocab.txt file also works: --tokenizer PATH."
+        where = _resolve_hub(name, "tokenizer", hint, filename="tokenizer_config.json")
     kw = {"local_files_only": True} if where == "cache" else {}
     if lowercase is not None:
         kw["do_lower_case"] = lowercase
@@ -198,7 +207,7 @@ def load_masked_lm(name, tokenizer=None, random_init=False, lowercase=None, seed
             model = AutoModelForMaskedLM.from_pretrained(name, **kw)
     except OSError as err:
         raise ResourceUnavailable(f"Could not load model {name!r}: {err}. {_MODEL_HINT}") from None
-    tok = load_tokenizer(tokenizer, model_dir=name, lowercase=lowercase)
+    tok = load_tokenizer(tokenizer, model_dir=name, lowercase=lowercase, where=where)
     return model.eval(), tok
 
 
@@ -209,7 +218,7 @@ def load_vit_mae(name, processor=None, random_init=False, seed=0, quiet=False):
     ImageNet statistics (those of ``facebook/vit-mae-base``) when the model
     directory has no processor file.
     """
-    where = _resolve_hub(name, "model", _MODEL_HINT.replace(", or use 'antiberty', a masked LM that ships inside the antiberty==0.1.3 package", ""))
+    where = _resolve_hub(name, "model", _MAE_HINT)
     if quiet:
         quiet_transformers()
     import torch
@@ -226,11 +235,15 @@ def load_vit_mae(name, processor=None, random_init=False, seed=0, quiet=False):
         else:
             model = ViTMAEForPreTraining.from_pretrained(name, **kw)
     except OSError as err:
-        raise ResourceUnavailable(f"Could not load ViT-MAE {name!r}: {err}. {_MODEL_HINT}") from None
+        raise ResourceUnavailable(f"Could not load ViT-MAE {name!r}: {err}. {_MAE_HINT}") from None
     try:
         proc = AutoImageProcessor.from_pretrained(processor or name, **kw)
     except (OSError, ValueError):
         s = model.config.image_size
+        warnings.warn(
+            f"No image processor found for {processor or name!r}; using ViTImageProcessor with size {s} "
+            f"and ImageNet mean/std (as facebook/vit-mae-base). Pass --processor / processor= to choose."
+        )
         proc = ViTImageProcessor(
             size={"height": s, "width": s}, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]
         )
