@@ -186,7 +186,7 @@ class GaussianConditionals(ConditionalEngine):
         return self._run_chunked(_dense_chain, state, x, order, D * D)
 
     def chain_sums(self, state, x, order):
-        """Every complete ordering of one Gaussian joint telescopes to
+        r"""Every complete ordering of one Gaussian joint telescopes to
         :math:`\log\mathcal N(x; \mu, \Sigma)` (the chain rule), so the sums are
         the exact log-density, at the cost of one exact evaluation."""
         return self.log_evidence(state, x).expand(order.shape[0], x.shape[0])
