@@ -50,8 +50,12 @@ class MaskedPretrainingLoss(ELBO):
     closed-form and quadrature engines: pass a no-op guide.
 
     :param conditionals: how :math:`\log p(x_j\mid x_{\mathcal R})` is computed:
-        ``"auto"`` (the first engine that serves the model), ``"gaussian"``, or
-        a :class:`~pyro_mpt.conditionals.ConditionalEngine`.
+        ``"auto"`` (the first engine that serves the model, in the order
+        below), ``"gaussian"`` (closed form), ``"quadrature"`` (grids over
+        low-dimensional latents), ``"encode_decode"`` (recursive
+        encoding-decoding with an amortized guide), ``"importance"``
+        (self-normalized importance sampling), or a
+        :class:`~pyro_mpt.conditionals.ConditionalEngine`.
     :param masks: the mask schedule: ``"uniform"`` (default; one uniform size
         per mask, unbiased), ``"stratified"``, ``"all"`` (every size, the
         paper's cumulative MPT), ``"order"`` (chain rule along random

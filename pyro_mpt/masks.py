@@ -324,6 +324,10 @@ class FixedRate(MaskSchedule):
         M = \operatorname{round}(r D)
 
     **Biased**: its expectation is :math:`D\,S(x; M)`, not :math:`\log p(x)`.
+    Training on it still raises :math:`\log p(x)`, but it need not reach the
+    maximum: with most tokens in context the objective is nearly flat in some
+    directions (for PPCA, the scale of :math:`W`), so the fit can stop short of
+    the maximum-likelihood solution.
     The bias :math:`D\,S(x;M) - \sum_{M'} S(x;M')` is constant in the data size
     and can be computed exactly by enumeration for small D (``masks="exhaustive"``
     gives every :math:`S(x; M)` through :meth:`MaskedPretrainingLoss.curve`).
