@@ -185,7 +185,7 @@ class AllSizes(MaskSchedule):
         ranks = _random_ranks((self.num_masks, rows, D), device)
         sizes = torch.arange(1, D + 1, device=device)
         per_block = max(1, max_elements // (n * D))
-        weight = torch.full((1, 1), 1.0 / self.num_masks, device=device)
+        weight = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
         # queries enumerate (mask set p, size M) pairs
         total = self.num_masks * D
         for start in range(0, total, per_block):
@@ -237,7 +237,7 @@ class UniformSizes(MaskSchedule):
         sizes = self._sizes(rows, D, device)
         ranks = _random_ranks((self.num_masks, rows, D), device)
         per_block = max(1, max_elements // (n * D))
-        w = torch.full((1, 1), float(D) / self.num_masks, device=device)
+        w = torch.full((1, 1), float(D) / self.num_masks, dtype=torch.float64, device=device)
         for start in range(0, self.num_masks, per_block):
             stop = min(self.num_masks, start + per_block)
             m = sizes[start:stop]
@@ -267,7 +267,7 @@ class RandomOrders(MaskSchedule):
         rows = self._rows(n)
         order = torch.rand(self.num_masks, rows, D, device=device).argsort(-1)
         per_block = max(1, max_elements // (n * D))
-        w = torch.full((1, 1), 1.0 / self.num_masks, device=device)
+        w = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
         for start in range(0, self.num_masks, per_block):
             stop = min(self.num_masks, start + per_block)
             yield ChainBlock(order[start:stop], w.expand(stop - start, 1))
@@ -372,7 +372,7 @@ class FixedRate(MaskSchedule):
             q = min(self.num_masks, start + per_block) - start
             ranks = _random_ranks((q, rows, D), device)
             size = torch.full((q, 1), M, device=device)
-            w = torch.full((q, 1), float(D) / self.num_masks, device=device)
+            w = torch.full((q, 1), float(D) / self.num_masks, dtype=torch.float64, device=device)
             yield MaskBlock(ranks < M, size, w)
 
     def __repr__(self):
