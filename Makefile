@@ -23,3 +23,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Paper-figure gallery (Fig. 1, Table 1, Fig. 4, Fig. 5 left): PNGs and RESULTS.md in docs/gallery/.
+.PHONY: gallery
+gallery: $(STAMP)
+	mkdir -p docs/gallery
+	MPLBACKEND=Agg $(PY) examples/gallery_convergence.py --out-dir docs/gallery
+	MPLBACKEND=Agg $(PY) examples/gallery_area.py --out-dir docs/gallery
