@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import torch
 
-__all__ = ["group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator"]
+__all__ = ["group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator", "place_model"]
 
 
 def group_by_length(indices, lengths):
@@ -69,6 +69,21 @@ def resolve_accelerator(accelerator):
 
         return Accelerator()
     return accelerator
+
+
+def place_model(model, device=None, accelerator=None):
+    """Put ``model`` in eval mode on its device; return ``(model, device, accelerator)``.
+
+    The device is the accelerator's when one is used (``accelerate`` assigns one
+    per process), else ``device``, else where the model's parameters already are.
+    """
+    accelerator = resolve_accelerator(accelerator)
+    if accelerator is not None:
+        device = accelerator.device
+    if device is not None:
+        model = model.to(device)
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    return model.eval(), device, accelerator
 
 
 def shard(n, accelerator):

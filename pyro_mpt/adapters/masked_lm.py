@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ..masks import ChainBlock, MaskBlock, make_schedule
-from .batching import gather_rows, group_by_length, pack, resolve_accelerator, shard
+from .batching import gather_rows, group_by_length, pack, place_model, shard
 from .rates import PAPER_MLM_RATES, check_rates, item_generator, item_seed, mask_counts, nested_ranks, rate_curve
 
 __all__ = ["MaskedLMScorer", "Encoded", "masked_lm_head"]
@@ -197,13 +197,7 @@ class MaskedLMScorer:
             raise ValueError(
                 f"max_tokens and max_logits must be positive budgets, got {max_tokens} and {max_logits}."
             )
-        self.accelerator = resolve_accelerator(accelerator)
-        if self.accelerator is not None:
-            device = self.accelerator.device
-        if device is not None:
-            model = model.to(device)
-        self.model = model.eval()
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model, self.device, self.accelerator = place_model(model, device, accelerator)
         self.tokenizer = tokenizer
         self.max_tokens = int(max_tokens)
         self.max_logits = int(max_logits)

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .batching import gather_rows, resolve_accelerator, shard
+from .batching import gather_rows, place_model, shard
 from .rates import PAPER_MAE_RATES, check_rates, item_generator, mask_counts, nested_ranks, rate_curve
 
 __all__ = ["MAEScorer", "init_position_embeddings"]
@@ -122,13 +122,7 @@ class MAEScorer:
                 raise TypeError(
                     f"MAEScorer needs a ViTMAEForPreTraining (with .vit, .decoder, .patchify); got {type(model).__name__}."
                 )
-        self.accelerator = resolve_accelerator(accelerator)
-        if self.accelerator is not None:
-            device = self.accelerator.device
-        if device is not None:
-            model = model.to(device)
-        self.model = model.eval()
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model, self.device, self.accelerator = place_model(model, device, accelerator)
         self.image_processor = image_processor
         self.batch_size = int(batch_size)
         self.sigma2 = sigma2
