@@ -109,6 +109,14 @@ class ConditionalEngine(ABC):
             out.append(torch.cat(terms, 0).T)  # (n, D)
         return torch.stack(out, 0)
 
+    def _check_x(self, state, x):
+        """Refuse tokens ``x`` whose shape differs from the ``(n, D)`` the state was prepared for."""
+        if x.dim() != 2 or x.shape[0] != state.num_data or x.shape[-1] != state.num_tokens:
+            raise ValueError(
+                f"{type(self).__name__}: x has shape {tuple(x.shape)} but the state was "
+                f"prepared for ({state.num_data}, {state.num_tokens}) tokens."
+            )
+
     def mask_sums(self, state, x, mask):
         r"""Summed log-conditionals of each mask's targets, shape ``(q, n)``.
 

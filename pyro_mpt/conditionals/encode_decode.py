@@ -277,13 +277,6 @@ class EncodeDecodeConditionals(ConditionalEngine):
                 f"use conditionals='importance'."
             )
 
-    def _check_x(self, state, x):
-        if x.shape != (state.num_data, state.num_tokens):
-            raise ValueError(
-                f"EncodeDecodeConditionals: x has shape {tuple(x.shape)} but the state was "
-                f"prepared for ({state.num_data}, {state.num_tokens}) tokens."
-            )
-
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
         S = self.num_samples

@@ -39,7 +39,7 @@ import math
 import torch
 
 from .base import ConditionalEngine
-from .gaussian_marginal import GaussianMarginal, NotLinearGaussianError, gaussian_marginal
+from .gaussian_marginal import GaussianMarginal, gaussian_marginal
 
 __all__ = ["GaussianConditionals"]
 

@@ -230,13 +230,6 @@ class ImportanceConditionals(ConditionalEngine):
         init = initial_tokens(runner, self.init, who) if data is not None else None
         return ImportanceState("guide", n, D, runner, init=init, imputed=data is not None)
 
-    def _check_x(self, state, x):
-        if x.shape != (state.num_data, state.num_tokens):
-            raise ValueError(
-                f"ImportanceConditionals: x has shape {tuple(x.shape)} but the state was "
-                f"prepared for ({state.num_data}, {state.num_tokens}) tokens."
-            )
-
     # ------------------------------------------------------------------ queries
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)

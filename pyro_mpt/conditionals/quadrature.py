@@ -821,13 +821,6 @@ class QuadratureConditionals(ConditionalEngine):
             )
 
     # ------------------------------------------------------------------ queries
-    def _check_x(self, state, x):
-        if x.shape[0] != state.num_data or x.shape[-1] != state.num_tokens:
-            raise ValueError(
-                f"QuadratureConditionals: x has shape {tuple(x.shape)} but the state was "
-                f"prepared for ({state.num_data}, {state.num_tokens}) tokens."
-            )
-
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
         ctx = (~mask).to(state.nodes.dtype)
