@@ -4,12 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench docs clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,examples,hf]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,examples,hf,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -21,8 +21,12 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/ppca_speed.py
 
+# The documentation site (Sphinx + MyST), warnings as errors; open docs/_build/html/index.html.
+docs: $(STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg $(PY) -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info docs/_build
 
 # Paper-figure gallery (Fig. 1, Table 1, Fig. 4, Fig. 5 left): PNGs and RESULTS.md in docs/gallery/.
 .PHONY: gallery

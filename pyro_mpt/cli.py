@@ -4,7 +4,7 @@ Subcommands register themselves in :data:`SUBCOMMANDS` as
 ``name -> (add_arguments(parser), run(args), help)``; :func:`main` builds one
 ``argparse`` subparser per entry, so new subcommands are one function pair and
 one registry line (other modules add theirs through a ``register(SUBCOMMANDS)``
-hook, see :func:`_register_plugins`).
+hook, see :func:`pyro_mpt.adapters.cli.register`).
 
 ``pyro-mpt compare`` trains a deep VAE (:class:`~pyro_mpt.vae.DeepVAE`) on a
 small image dataset with several losses for the same budget and prints the

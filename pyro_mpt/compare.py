@@ -10,20 +10,20 @@ proposal), with standard errors, PSIS :math:`\hat k` and training wall time.
 
 Loss specifications (strings, see :func:`make_loss`):
 
-=======================  ====================================================
-``"elbo"``               ``pyro.infer.Trace_ELBO()``
-``"iwae[:K]"``           :class:`~pyro_mpt.importance_evidence.ImportanceWeightedELBO`
-                         with ``K`` particles (default 8): the IWAE bound with
-                         the minibatch scale outside the log-mean-exp
-``"renyi[:K[:alpha]]"``  Pyro's ``RenyiELBO(alpha, num_particles=K)`` (default
-                         alpha 0, i.e. IWAE); correct only without subsampling
-                         scales, which holds here (the model sees minibatches
-                         as its whole data)
-``"mpt[:masks[:cond]]"`` :class:`~pyro_mpt.loss.MaskedPretrainingLoss` with
-                         ``masks`` (a name such as ``uniform`` or a rate such
-                         as ``0.33``; default ``uniform``) and conditional
-                         engine ``cond`` (default ``encode_decode``)
-=======================  ====================================================
+========================  ====================================================
+``"elbo"``                ``pyro.infer.Trace_ELBO()``
+``"iwae[:K]"``            :class:`~pyro_mpt.importance_evidence.ImportanceWeightedELBO`
+                          with ``K`` particles (default 8): the IWAE bound with
+                          the minibatch scale outside the log-mean-exp
+``"renyi[:K[:alpha]]"``   Pyro's ``RenyiELBO(alpha, num_particles=K)`` (default
+                          alpha 0, i.e. IWAE); correct only without subsampling
+                          scales, which holds here (the model sees minibatches
+                          as its whole data)
+``"mpt[:masks[:cond]]"``  :class:`~pyro_mpt.loss.MaskedPretrainingLoss` with
+                          ``masks`` (a name such as ``uniform`` or a rate such
+                          as ``0.33``; default ``uniform``) and conditional
+                          engine ``cond`` (default ``encode_decode``)
+========================  ====================================================
 
 MPT trains the model; the guide, which the sampling engines and the evaluation
 use as a posterior approximation, is trained by the ELBO alongside

@@ -95,7 +95,7 @@ class DataArgument:
         """``(args, kwargs)`` with the data replaced by imputed tokens.
 
         :param torch.Tensor xt: ``(n, D)``, or ``(B, n, D)`` stacked along the
-            leading dim (needs :attr:`rows`).
+            leading dim (needs ``rows``).
         """
         shape = self.value.shape
         if xt.dim() == 3:
@@ -614,7 +614,7 @@ class LatentRunner:
         :param torch.Tensor xt: ``(B, n, D)`` inputs, ``B = C * Q``; input ``b``
             belongs to query ``b % Q``.
         :param dict values: latent name -> value ``(S * Q, ...)`` in the layout of
-            :attr:`Encoded.values` (draws outer, queries inner).
+            ``values`` of :class:`Encoded` (draws outer, queries inner).
         :param int num_particles: ``S``.
         :returns: ``(S, C, Q, n)``: every draw of query ``j`` scored under each of
             that query's ``C`` inputs.

@@ -385,7 +385,7 @@ class QuadratureState:
         return [slice(s, min(Q, s + self.node_chunk)) for s in range(0, Q, self.node_chunk)]
 
     def compute_chunk(self, sl):
-        """Run the model on the nodes ``sl`` and return a :class:`_Chunk`."""
+        """Run the model on the nodes ``sl`` and return a ``_Chunk``."""
         u = self.nodes[:, sl].transpose(0, 1)  # (Qc, r, K)
         log_pi, logp = self.runner.run(u)
         logw = self.log_weights[:, sl] + log_pi.transpose(0, 1)
