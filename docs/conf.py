@@ -5,9 +5,13 @@ docs/_build/html``). The build needs no network: no intersphinx, no remote
 images. Warnings are errors in CI, so every reference below must resolve.
 """
 
+import argparse
 import importlib
 import os
 import sys
+
+from docutils import nodes
+from sphinx.util.docutils import SphinxDirective
 
 # autodoc imports the package from this checkout, not from an installed copy
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -29,7 +33,8 @@ extensions = [
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
+# RESULTS.md is included by gallery/index.md; snippets/ holds code shown by literalinclude
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "gallery/RESULTS.md", "snippets"]
 templates_path = []
 
 # MyST: $...$ / $$...$$ math in the Markdown pages, heading anchors for links
@@ -135,5 +140,55 @@ def _resolve_reexport(app, env, node, contnode):
     return None
 
 
+class CommandHelp(SphinxDirective):
+    """``.. pyro-mpt-help:: [SUBCOMMAND]``: the ``--help`` text of ``pyro-mpt``, read from the parser.
+
+    The CLI page shows the parser's own help, so it cannot drift from the code.
+    """
+
+    optional_arguments = 1
+
+    def run(self):
+        from pyro_mpt.cli import build_parser
+
+        old = os.environ.get("COLUMNS")
+        os.environ["COLUMNS"] = "88"  # argparse wraps at the terminal width
+        try:
+            parser = build_parser()
+            if self.arguments:
+                sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+                parser = sub.choices[self.arguments[0]]
+            text = parser.format_help()
+        finally:
+            if old is None:
+                del os.environ["COLUMNS"]
+            else:
+                os.environ["COLUMNS"] = old
+        node = nodes.literal_block(text, text)
+        node["language"] = "text"
+        return [node]
+
+
+class GalleryThumbnails(SphinxDirective):
+    """``.. gallery-thumbnails::``: every PNG next to the current page, as linked thumbnails.
+
+    Globbing keeps the gallery page complete when ``make gallery`` (or a new
+    gallery script) adds figures; each thumbnail links to the full image.
+    """
+
+    def run(self):
+        folder = os.path.dirname(self.env.doc2path(self.env.docname))
+        names = sorted(f for f in os.listdir(folder) if f.endswith(".png"))
+        para = nodes.paragraph()
+        for name in names:
+            self.env.note_dependency(os.path.join(folder, name))
+            para += nodes.image(uri=name, alt=name, width="32%")
+            para += nodes.Text(" ")
+        listing = nodes.paragraph(text="Figures: " + ", ".join(names) + ".")
+        return [para, listing]
+
+
 def setup(app):
+    app.add_directive("gallery-thumbnails", GalleryThumbnails)
     app.connect("missing-reference", _resolve_reexport)
+    app.add_directive("pyro-mpt-help", CommandHelp)
