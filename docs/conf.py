@@ -38,7 +38,7 @@ exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "gallery/RESULTS.md", "s
 templates_path = []
 
 # MyST: $...$ / $$...$$ math in the Markdown pages, heading anchors for links
-myst_enable_extensions = ["dollarmath", "amsmath"]
+myst_enable_extensions = ["dollarmath"]
 myst_heading_anchors = 3
 
 # autodoc: Pyro's reST docstrings (:param x:, :returns:, :math:), source order
