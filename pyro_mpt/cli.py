@@ -96,18 +96,8 @@ from .adapters.cli import register as _register_adapters  # noqa: E402
 _register_adapters(SUBCOMMANDS)
 
 
-def _register_plugins():
-    """Subcommands defined elsewhere in the package (e.g. the HuggingFace adapters)."""
-    try:
-        from .adapters.cli import register
-    except ImportError:  # the adapters are optional
-        return
-    register(SUBCOMMANDS)
-
-
 def build_parser():
     """The ``argparse`` parser with one subparser per :data:`SUBCOMMANDS` entry."""
-    _register_plugins()
     parser = argparse.ArgumentParser(prog="pyro-mpt", description="Masked pre-training for Pyro models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
