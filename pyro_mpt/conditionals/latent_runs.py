@@ -555,7 +555,12 @@ class LatentRunner:
         rank = self.rank
         latent = set(tokens.latent_names)
         values, log_q = {}, None
-        batch = torch.Size((versions * n,)) if stacked else tokens.batch_shape
+        batch = tokens.batch_shape
+        if stacked:
+            (d,) = self.data_dims
+            batch = list(batch)
+            batch[len(batch) + d] = versions * n
+            batch = torch.Size(batch)
         for name, site in trace.nodes.items():
             if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
                 continue
