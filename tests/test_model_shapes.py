@@ -553,3 +553,37 @@ def test_nested_data_plates_and_extra_batch_dims(float64):
             assert got.shape == (A, B)
             assert torch.allclose(got, exact, atol=1e-8), (engine, mpn)
     assert torch.allclose(Evidence(nested, max_plate_nesting=4)(x2), exact, atol=TOL)
+
+
+def test_latent_in_a_plate_the_observation_lacks_is_refused_by_the_closed_forms(float64):
+    """A datapoint's latent dims in a plate of their own: the Gaussian and quadrature engines
+    refuse it with the fix (importance sums it per datapoint, see
+    test_importance.py::test_latents_in_an_extra_plate_are_summed_per_datapoint)."""
+    W, b, x = _params()
+
+    def model(x):
+        with pyro.plate("data", x.shape[0], dim=-1):
+            with pyro.plate("k", K, dim=-2):
+                z = pyro.sample("z", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
+            loc = torch.einsum("dk,...kn->...nd", W, z).unsqueeze(-3) + b
+            pyro.sample("x", dist.Normal(loc, SIGMA).to_event(1), obs=x)
+
+    for engine in ["gaussian", "quadrature"]:
+        with pytest.raises(EngineNotApplicable, match="'z' sits in plate\\(s\\) 'k' that observed site 'x' lacks.*to_event"):
+            MaskedPretrainingLoss(conditionals=engine).loss(model, None, x)
+
+
+def test_missing_tokens_with_a_schedule_that_cannot_leave_them_out_is_refused(float64):
+    from pyro_mpt.masks import RandomOrders
+
+    class OldSchedule(RandomOrders):
+        def blocks(self, n, D, *, max_elements=2**22, device=None):
+            return super().blocks(n, D, max_elements=max_elements, device=device)
+
+    W, b, x = _params()
+    model = _missing_models(W, b, _mask())["dist.mask"]
+    with pytest.raises(ValueError, match="missing \\(masked\\) tokens, but the mask schedule .* takes no observed= argument"):
+        MaskedPretrainingLoss(masks=OldSchedule()).loss(model, None, x)
+    # without missing tokens it keeps working
+    twin, _ = _twin(W, b)
+    assert torch.allclose(MaskedPretrainingLoss(masks=OldSchedule()).score(twin, None, x), _exact(W, b, x), atol=1e-8)
