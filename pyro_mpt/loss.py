@@ -86,6 +86,8 @@ class MaskedPretrainingLoss(ELBO):
         >>> svi.step(x)
         >>> loss.score(ppca, None, x)        # (N,) estimates of log p(x_i)
         >>> loss.curve(ppca, None, x).plot() # S(x; M) against the masking rate
+        >>> # tokens in a plate: pyro.sample("x", dist.Normal(loc, s), obs=x) inside plate "tokens"
+        >>> MaskedPretrainingLoss(token_plates=("tokens",)).score(model, None, x)
     """
 
     def __init__(

@@ -258,15 +258,15 @@ def _token_frames(site, latents, token_plates):
         return candidates
     if not site["fn"].event_shape:
         hint = (
-            f"Declare the tokens of one datapoint as event dims, e.g. "
-            f"dist.Normal(loc, scale).to_event(1), inside a pyro.plate over datapoints"
+            "Declare the tokens of one datapoint as event dims, e.g. "
+            "dist.Normal(loc, scale).to_event(1), inside a pyro.plate over datapoints"
         )
         if len(big) > 1:
             raise ValueError(
                 f"Observed site {name!r} has no event dims and sits in the plates "
                 f"{_describe_plates(big)}; which of them run over tokens and which over "
-                f"datapoints is ambiguous (no latent local to each datapoint tells them "
-                f"apart). Pass token_plates=(<names>) to MaskedPretrainingLoss / Evidence, "
+                f"datapoints is ambiguous (the latent sites do not tell them apart). "
+                f"Pass token_plates=(<names>) to MaskedPretrainingLoss / Evidence, "
                 f"or: {hint}."
             )
         raise ValueError(
