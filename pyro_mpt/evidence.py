@@ -60,7 +60,11 @@ def _exact(evidence, tokens, args, kwargs):
         raise type(e)(
             f"Evidence(method='exact') needs a model with a Gaussian marginal. {e}"
         ) from e
-    value = engine.log_evidence(state, tokens.value)
+    if tokens.observed is None:
+        value = engine.log_evidence(state, tokens.value)
+    else:
+        # missing tokens: the density of each datapoint's observed sub-vector
+        value = state.log_prob(tokens.value, tokens.observed)
     return EvidenceResult(value, torch.zeros_like(value.detach()))
 
 
@@ -76,6 +80,8 @@ class Evidence:
     :param str method: ``"exact"``, ``"quadrature"`` (see
         :func:`~pyro_mpt.conditionals.quadrature.quadrature_evidence`) or ``"importance"``.
     :param str obs_site: the observed site holding the tokens.
+    :param tuple token_plates: the observed site's plates over tokens (see
+        :class:`~pyro_mpt.MaskedPretrainingLoss`); None detects them.
     :param int max_plate_nesting: plate dims of the model; guessed when None.
     :param options: method options (for ``"exact"``: ``jitter``, ``vectorize``).
 
@@ -85,7 +91,9 @@ class Evidence:
         >>> Evidence(ppca, method="exact")(x).sum()    # log p(x_1..N), differentiable
     """
 
-    def __init__(self, model, guide=None, method="exact", *, obs_site=None, max_plate_nesting=None, **options):
+    def __init__(
+        self, model, guide=None, method="exact", *, obs_site=None, token_plates=None, max_plate_nesting=None, **options
+    ):
         if method not in METHODS:
             names = ", ".join(repr(k) for k in METHODS)
             raise ValueError(f"Unknown evidence method={method!r}; use one of {names}.")
@@ -93,13 +101,14 @@ class Evidence:
         self.guide = guide
         self.method = method
         self.obs_site = obs_site
+        self.token_plates = token_plates
         self.max_plate_nesting = max_plate_nesting
         self.options = options
 
     def estimate(self, *args, **kwargs):
         """Run the estimator and return the full :class:`EvidenceResult`."""
         tokens = trace_tokens(
-            self.model, self.guide, args, kwargs, self.obs_site, self.max_plate_nesting
+            self.model, self.guide, args, kwargs, self.obs_site, self.max_plate_nesting, self.token_plates
         )
         result = METHODS[self.method](self, tokens, args, kwargs)
         result.log_evidence = tokens.unflatten(result.log_evidence)

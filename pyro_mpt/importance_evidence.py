@@ -44,7 +44,7 @@ from pyro.infer.util import torch_item
 from pyro.util import warn_if_nan
 
 from .conditionals.base import EngineNotApplicable
-from .conditionals.latent_runs import LatentRunner, logmeanexp
+from .conditionals.latent_runs import LatentRunner, logmeanexp, refuse_missing
 from .sites import trace_tokens
 
 __all__ = [
@@ -71,6 +71,8 @@ def importance_log_weights(tokens, model, guide, args, kwargs, num_samples, chun
         ``max(1, max_elements // (n * D))``.
     :raises ValueError: when a latent is shared by several datapoints.
     """
+    if guide is not None:
+        refuse_missing(tokens, who, ValueError)
     try:
         runner = LatentRunner(tokens, model, guide, args, kwargs, None, who)
     except EngineNotApplicable as e:
@@ -118,8 +120,8 @@ def importance_evidence(evidence, tokens, args, kwargs):
     * ``num_samples`` -- draws per datapoint (default 1000);
     * ``chunk_size`` -- draws per vectorized run (default from ``max_elements``);
     * ``max_elements`` -- bound on ``chunk_size * n * D`` (default ``2**24``);
-    * ``proposal`` -- ``"auto"`` (the guide, or the prior without one),
-      ``"guide"`` or ``"prior"``;
+    * ``proposal`` -- ``"auto"`` (the guide, or the prior without one or when
+      tokens are missing), ``"guide"`` or ``"prior"``;
     * ``khat_threshold`` -- warn when some :math:`\hat k` exceeds it (default 0.7);
     * ``psis`` -- compute :math:`\hat k` and the smoothed estimate (default True;
       needs ``num_samples >= 10``).
@@ -155,7 +157,9 @@ def importance_evidence(evidence, tokens, args, kwargs):
         raise ValueError(f"Evidence(method='importance', proposal={proposal!r}): use 'auto', 'guide' or 'prior'.")
     if proposal == "guide" and evidence.guide is None:
         raise ValueError("Evidence(method='importance', proposal='guide') needs a guide; pass one, or use proposal='prior'.")
-    guide = None if proposal == "prior" else evidence.guide
+    # with missing tokens "auto" uses the prior, which leaves them out exactly
+    auto_prior = proposal == "auto" and tokens.observed is not None
+    guide = None if proposal == "prior" or auto_prior else evidence.guide
     lw = importance_log_weights(
         tokens, evidence.model, guide, args, kwargs, num_samples, chunk_size, max_elements,
         who="Evidence(method='importance')",
@@ -214,6 +218,8 @@ class ImportanceWeightedELBO(ELBO):
 
     :param int num_particles: :math:`K`.
     :param str obs_site: the observed site (when the model observes several).
+    :param tuple token_plates: the observed site's plates over tokens (see
+        :class:`~pyro_mpt.MaskedPretrainingLoss`); None detects them.
     :param int max_plate_nesting: plate dims of the model (guessed when inf).
     :param int chunk_size: particles per vectorized run (default: all).
 
@@ -222,14 +228,17 @@ class ImportanceWeightedELBO(ELBO):
         >>> svi = SVI(vae.model, vae.guide, Adam({"lr": 1e-3}), ImportanceWeightedELBO(num_particles=8))
     """
 
-    def __init__(self, num_particles=8, *, obs_site=None, max_plate_nesting=float("inf"), chunk_size=None):
+    def __init__(
+        self, num_particles=8, *, obs_site=None, token_plates=None, max_plate_nesting=float("inf"), chunk_size=None
+    ):
         super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting)
         self.obs_site = obs_site
+        self.token_plates = token_plates
         self.chunk_size = chunk_size
 
     def _tokens(self, model, guide, args, kwargs):
         mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
-        return trace_tokens(model, guide, args, kwargs, self.obs_site, mpn)
+        return trace_tokens(model, guide, args, kwargs, self.obs_site, mpn, self.token_plates)
 
     def _get_trace(self, model, guide, args, kwargs):
         tokens = self._tokens(model, guide, args, kwargs)

@@ -17,6 +17,8 @@ in a subsampled ``pyro.plate`` of size ``N`` and batch ``B``, times any
 full-data loss whenever the schedule is unbiased.
 """
 
+import inspect
+
 import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
@@ -64,6 +66,10 @@ class MaskedPretrainingLoss(ELBO):
     :param int num_masks: masks (or orderings) per datapoint and step.
     :param str obs_site: the observed site holding the tokens; needed when the
         model observes several sites.
+    :param tuple token_plates: names of the observed site's ``pyro.plate`` s that
+        run over tokens rather than datapoints (their elements become tokens,
+        flattened with the event dims); None detects them when unambiguous,
+        ``()`` takes every plate as a datapoint plate (see :mod:`pyro_mpt.sites`).
     :param int max_plate_nesting: plate dims of the model; guessed when inf.
     :param bool share_masks: one mask set for the whole batch instead of
         independent masks per datapoint (cheaper, same expectation).
@@ -80,6 +86,8 @@ class MaskedPretrainingLoss(ELBO):
         >>> svi.step(x)
         >>> loss.score(ppca, None, x)        # (N,) estimates of log p(x_i)
         >>> loss.curve(ppca, None, x).plot() # S(x; M) against the masking rate
+        >>> # tokens in a plate: pyro.sample("x", dist.Normal(loc, s), obs=x) inside plate "tokens"
+        >>> MaskedPretrainingLoss(token_plates=("tokens",)).score(model, None, x)
     """
 
     def __init__(
@@ -89,6 +97,7 @@ class MaskedPretrainingLoss(ELBO):
         masks="uniform",
         num_masks=1,
         obs_site=None,
+        token_plates=None,
         max_plate_nesting=float("inf"),
         share_masks=False,
         chunk_size=2**22,
@@ -101,13 +110,17 @@ class MaskedPretrainingLoss(ELBO):
         self.engine = make_engine(conditionals, **engine_options)
         self._auto_engines = {}
         self.obs_site = obs_site
+        self.token_plates = token_plates
         self.chunk_size = int(chunk_size)
         self.progress = progress
 
     # ------------------------------------------------------------------ internals
-    def _prepare(self, model, guide, args, kwargs):
+    def _trace_tokens(self, model, guide, args, kwargs):
         mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
-        tokens = trace_tokens(model, guide, args, kwargs, self.obs_site, mpn)
+        return trace_tokens(model, guide, args, kwargs, self.obs_site, mpn, self.token_plates)
+
+    def _prepare(self, model, guide, args, kwargs):
+        tokens = self._trace_tokens(model, guide, args, kwargs)
         if self.engine is None:
             # keep the engine "auto" chose for this model: engines carry state
             # across steps (e.g. warm-started adaptive quadrature grids)
@@ -130,7 +143,16 @@ class MaskedPretrainingLoss(ELBO):
         x = tokens.value
         n, D = x.shape
         schedule.check(D)
-        blocks = schedule.blocks(n, D, max_elements=self.chunk_size, device=x.device)
+        extra = {}
+        if tokens.observed is not None:
+            if "observed" not in inspect.signature(schedule.blocks).parameters:
+                raise ValueError(
+                    f"Observed site {tokens.name!r} has missing (masked) tokens, but the "
+                    f"mask schedule {schedule!r} takes no observed= argument to leave them "
+                    f"out; use a built-in schedule, or impute the missing tokens."
+                )
+            extra["observed"] = tokens.observed
+        blocks = schedule.blocks(n, D, max_elements=self.chunk_size, device=x.device, **extra)
         if desc is not None and self.progress:
             blocks = tqdm(blocks, desc=desc, leave=False)
         estimate = x.new_zeros(n)
@@ -144,8 +166,7 @@ class MaskedPretrainingLoss(ELBO):
     # ------------------------------------------------------------------ Pyro's ELBO contract
     def _get_trace(self, model, guide, args, kwargs):
         """The model trace (replayed on the guide) and the guide trace."""
-        mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
-        tokens = trace_tokens(model, guide, args, kwargs, self.obs_site, mpn)
+        tokens = self._trace_tokens(model, guide, args, kwargs)
         return tokens.model_trace, tokens.guide_trace
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
@@ -191,7 +212,9 @@ class MaskedPretrainingLoss(ELBO):
 
         Uses this loss's schedule when it covers every mask size (``"all"``,
         ``"order"``, ``"exhaustive"``), else ``"all"`` with this loss's
-        ``num_masks``.
+        ``num_masks``. With missing tokens a datapoint with :math:`D_i`
+        observed tokens counts :math:`S(x_i; M) = 0` for :math:`M > D_i`, so
+        the area is the mean :math:`\log p(x_{O_i})`.
 
         :rtype: ~pyro_mpt.curve.MPTCurve
         """

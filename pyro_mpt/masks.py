@@ -29,11 +29,22 @@ so that any schedule runs in bounded memory with any engine:
 
 Within a block, the term at size :math:`M` is an unbiased estimate of
 :math:`S(x; M)`, which is what :class:`~pyro_mpt.curve.MPTCurve` averages.
+
+**Missing tokens.** With ``observed=`` (bool ``(n, D)``, from a masked
+observation), datapoint :math:`i` has :math:`D_i` observed tokens and
+Proposition 1 runs over them: :math:`\log p(x_{O_i}) = \sum_{M=1}^{D_i}
+S(x_{O_i}; M)`. Masks are drawn per datapoint among its observed tokens, the
+missing tokens are hidden from the engines as extra masked tokens (so they are
+never context) and left out of the sums (so they are never targets), and the
+weights use :math:`D_i`. Orderings put the missing tokens first, so that no
+observed token has them in its context. For curves, :math:`S(x_i; M) = 0` for
+:math:`M > D_i`, so the area stays the mean :math:`\log p(x_{O_i})`.
 """
 
 import math
 from dataclasses import dataclass
 from numbers import Real
+from typing import Optional
 
 import torch
 
@@ -63,11 +74,17 @@ class MaskBlock:
     :param torch.Tensor size: long, ``(q, n)`` or ``(q, 1)``; the mask size M.
     :param torch.Tensor weight: ``(q, n)`` or ``(q, 1)``; the weight of each
         query's score :math:`\\hat S_q` in the estimate.
+    :param torch.Tensor context: bool ``(1, n, D)``, the tokens that may be
+        context (the observed ones); None: every unmasked token.
+    :param torch.Tensor gain: ``(q, n)`` factor on each score; 0 where a
+        datapoint has no such query (a mask size above its :math:`D_i`).
     """
 
     mask: torch.Tensor
     size: torch.Tensor
     weight: torch.Tensor
+    context: Optional[torch.Tensor] = None
+    gain: Optional[torch.Tensor] = None
 
     def evaluate(self, engine, state, x, per_size=False):
         r"""Per-query scores :math:`\hat S_q`, sizes and weights, each ``(q, n)``.
@@ -76,8 +93,18 @@ class MaskBlock:
         queries always come one size per query.
         """
         n = x.shape[0]
-        sums = engine.mask_sums(state, x, self.mask)  # (q, n)
-        shat = sums / self.size.to(sums.dtype)
+        if self.context is None:
+            sums = engine.mask_sums(state, x, self.mask)  # (q, n)
+        else:
+            # tokens outside the context (missing ones) go to the engine as masked,
+            # so that none is conditioned on, and are left out of the sums
+            logc = engine.mask_log_prob(state, x, self.mask | ~self.context)
+            zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
+            sums = torch.where(self.mask, logc, zero).sum(-1)
+        shat = sums / self.size.to(sums.dtype).clamp_min(1)
+        if self.gain is not None:
+            gain = self.gain.to(sums.dtype)
+            shat = torch.where(gain > 0, shat * gain, torch.zeros((), dtype=shat.dtype, device=shat.device))
         q = shat.shape[0]
         return shat, self.size.expand(q, n), self.weight.to(sums.dtype).expand(q, n)
 
@@ -89,10 +116,13 @@ class ChainBlock:
     :param torch.Tensor order: long, ``(p, n, D)`` or ``(p, 1, D)``; each row is a
         permutation of the tokens.
     :param torch.Tensor weight: ``(p, n)`` or ``(p, 1)``; weight of each ordering.
+    :param torch.Tensor num_missing: long ``(n,)``, the number of missing tokens
+        of each datapoint, which the orderings put first; None when none is missing.
     """
 
     order: torch.Tensor
     weight: torch.Tensor
+    num_missing: Optional[torch.Tensor] = None
 
     def evaluate(self, engine, state, x, per_size=False):
         """Scores, sizes and weights of the block's queries.
@@ -104,6 +134,8 @@ class ChainBlock:
         """
         n, D = x.shape
         p = self.order.shape[0]
+        if self.num_missing is not None:
+            return self._evaluate_missing(engine, state, x, per_size)
         if not per_size:
             sums = engine.chain_sums(state, x, self.order)  # (p, n)
             size = torch.full((p, n), D, device=x.device)
@@ -114,10 +146,37 @@ class ChainBlock:
         weight = self.weight.to(logc.dtype).expand(p, n).repeat_interleave(D, dim=0)
         return shat, size, weight
 
+    def _evaluate_missing(self, engine, state, x, per_size):
+        # the first num_missing positions of each ordering hold the missing tokens:
+        # their terms are dropped, and position t >= m of the rest is a query of
+        # size t + 1 - m; the dropped positions stand for sizes D_i + 1..D, where
+        # S(x_i; M) = 0
+        n, D = x.shape
+        p = self.order.shape[0]
+        m = self.num_missing.to(x.device)[:, None]  # (n, 1)
+        pos = torch.arange(D, device=x.device)
+        valid = pos >= m  # (n, D)
+        logc = engine.chain_log_prob(state, x, self.order)  # (p, n, D)
+        logc = torch.where(valid, logc, torch.zeros((), dtype=logc.dtype, device=logc.device))
+        weight = self.weight.to(logc.dtype).expand(p, n)
+        if not per_size:
+            size = (D - m[:, 0]).expand(p, n)
+            return logc.sum(-1), size, weight
+        shat = logc.permute(0, 2, 1).reshape(p * D, n)
+        size = torch.where(valid, pos + 1 - m, D - pos).T.repeat(p, 1)  # (p * D, n)
+        return shat, size, weight.repeat_interleave(D, dim=0)
 
-def _random_ranks(shape, device):
-    """Ranks of i.i.d. uniforms: a uniformly random permutation's inverse per row."""
-    return torch.rand(shape, device=device).argsort(-1).argsort(-1)
+
+def _random_ranks(shape, device, observed=None):
+    """Ranks of i.i.d. uniforms: a uniformly random permutation's inverse per row.
+
+    With ``observed`` (bool ``(n, D)``) the observed tokens take the first ranks,
+    in uniformly random order, and the missing ones the last.
+    """
+    u = torch.rand(shape, device=device)
+    if observed is not None:
+        u = u + (~observed).to(u.dtype)
+    return u.argsort(-1).argsort(-1)
 
 
 class MaskSchedule:
@@ -150,12 +209,15 @@ class MaskSchedule:
         if D < 1:
             raise ValueError(f"Masked pre-training needs at least one token, got D={D}.")
 
-    def blocks(self, n, D, *, max_elements=2**22, device=None):
+    def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         """Yield :class:`MaskBlock` or :class:`ChainBlock` objects.
 
         :param int n: number of datapoints.
         :param int D: number of tokens per datapoint.
         :param int max_elements: bound on ``q * n * D`` per block.
+        :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens;
+            None when none is missing (see the module docstring). Masks are
+            then drawn per datapoint, whatever ``share_masks`` says.
         """
         raise NotImplementedError
 
@@ -179,13 +241,14 @@ class AllSizes(MaskSchedule):
 
     covers_all_sizes = True
 
-    def blocks(self, n, D, *, max_elements=2**22, device=None):
+    def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        rows = self._rows(n)
-        ranks = _random_ranks((self.num_masks, rows, D), device)
+        rows = n if observed is not None else self._rows(n)
+        ranks = _random_ranks((self.num_masks, rows, D), device, observed)
         sizes = torch.arange(1, D + 1, device=device)
         per_block = max(1, max_elements // (n * D))
         weight = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
+        counts = None if observed is None else observed.sum(-1)
         # queries enumerate (mask set p, size M) pairs
         total = self.num_masks * D
         for start in range(0, total, per_block):
@@ -193,7 +256,14 @@ class AllSizes(MaskSchedule):
             p, m = idx // D, sizes[idx % D]
             mask = ranks[p] < m[:, None, None]
             q = idx.numel()
-            yield MaskBlock(mask, m[:, None].expand(q, 1), weight.expand(q, 1))
+            if observed is None:
+                yield MaskBlock(mask, m[:, None].expand(q, 1), weight.expand(q, 1))
+            else:
+                # sizes above a datapoint's D_i have no mask: S(x_i; M) = 0 there
+                valid = m[:, None] <= counts
+                yield MaskBlock(
+                    mask & observed, m[:, None].expand(q, n), weight.expand(q, 1), observed[None], valid
+                )
 
 
 class UniformSizes(MaskSchedule):
@@ -217,8 +287,13 @@ class UniformSizes(MaskSchedule):
         self.stratified = stratified
 
     def _sizes(self, rows, D, device):
+        """Sizes ``(P, rows)``; ``D`` is an int or, with missing tokens, the counts ``(rows,)``."""
         P = self.num_masks
-        if not self.stratified:
+        if torch.is_tensor(D):
+            if not self.stratified:
+                u = torch.rand(P, rows, device=device, dtype=torch.float64)
+                return (u * D).floor().long().clamp_(max=(D - 1).clamp(min=0)) + 1
+        elif not self.stratified:
             return torch.randint(1, D + 1, (P, rows), device=device)
         if P > 1:
             # each datapoint's P masks take one stratum each
@@ -229,19 +304,31 @@ class UniformSizes(MaskSchedule):
             strata = torch.randperm(rows, device=device)[None]
             slots = rows
         u = torch.rand(P, rows, device=device, dtype=torch.float64)
-        return (D * (strata + u) / slots).floor().long().clamp_(max=D - 1) + 1
+        top = (D - 1).clamp(min=0) if torch.is_tensor(D) else D - 1
+        return (D * (strata + u) / slots).floor().long().clamp_(max=top) + 1
 
-    def blocks(self, n, D, *, max_elements=2**22, device=None):
+    def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        rows = self._rows(n)
-        sizes = self._sizes(rows, D, device)
-        ranks = _random_ranks((self.num_masks, rows, D), device)
+        rows = n if observed is not None else self._rows(n)
+        counts = None if observed is None else observed.sum(-1)
+        sizes = self._sizes(rows, D if counts is None else counts, device)
+        ranks = _random_ranks((self.num_masks, rows, D), device, observed)
         per_block = max(1, max_elements // (n * D))
-        w = torch.full((1, 1), float(D) / self.num_masks, dtype=torch.float64, device=device)
+        if counts is None:
+            w = torch.full((1, 1), float(D) / self.num_masks, dtype=torch.float64, device=device)
+        else:
+            w = (counts.to(torch.float64) / self.num_masks)[None]
         for start in range(0, self.num_masks, per_block):
             stop = min(self.num_masks, start + per_block)
             m = sizes[start:stop]
-            yield MaskBlock(ranks[start:stop] < m[..., None], m, w.expand(stop - start, 1))
+            if counts is None:
+                yield MaskBlock(ranks[start:stop] < m[..., None], m, w.expand(stop - start, 1))
+            else:
+                # a datapoint with no observed token has log p = 0: weight 0
+                yield MaskBlock(
+                    ranks[start:stop] < m[..., None], m, w.expand(stop - start, n),
+                    observed[None], (counts > 0)[None].expand(stop - start, n),
+                )
 
     def __repr__(self):
         return f"UniformSizes(num_masks={self.num_masks}, stratified={self.stratified})"
@@ -262,15 +349,21 @@ class RandomOrders(MaskSchedule):
 
     covers_all_sizes = True
 
-    def blocks(self, n, D, *, max_elements=2**22, device=None):
+    def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        rows = self._rows(n)
-        order = torch.rand(self.num_masks, rows, D, device=device).argsort(-1)
+        rows = n if observed is not None else self._rows(n)
+        keys = torch.rand(self.num_masks, rows, D, device=device)
+        missing = None
+        if observed is not None:
+            # missing tokens first: no observed token has one in its context
+            keys = keys - (~observed).to(keys.dtype)
+            missing = (~observed).sum(-1)
+        order = keys.argsort(-1)
         per_block = max(1, max_elements // (n * D))
         w = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
         for start in range(0, self.num_masks, per_block):
             stop = min(self.num_masks, start + per_block)
-            yield ChainBlock(order[start:stop], w.expand(stop - start, 1))
+            yield ChainBlock(order[start:stop], w.expand(stop - start, 1), missing)
 
 
 class Exhaustive(MaskSchedule):
@@ -298,20 +391,31 @@ class Exhaustive(MaskSchedule):
                 f'Use masks="order" (exact for closed-form conditionals) or "all".'
             )
 
-    def blocks(self, n, D, *, max_elements=2**22, device=None):
+    def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
         codes = torch.arange(1, 2**D, device=device)
         bits = (codes[:, None] >> torch.arange(D, device=device)) & 1
         masks = bits.bool()
         sizes = bits.sum(-1)
         binom = torch.tensor(
-            [math.comb(D, m) for m in range(D + 1)], dtype=torch.float64, device=device
-        )
-        weights = 1.0 / binom[sizes]
+            [[math.comb(c, m) for m in range(D + 1)] for c in range(D + 1)],
+            dtype=torch.float64,
+            device=device,
+        )  # binom[c, m] = C(c, m)
+        weights = 1.0 / binom[D, sizes]
         per_block = max(1, max_elements // (n * D))
+        counts = None if observed is None else observed.sum(-1)
         for start in range(0, codes.numel(), per_block):
             sl = slice(start, start + per_block)
-            yield MaskBlock(masks[sl, None, :], sizes[sl, None], weights[sl, None])
+            if observed is None:
+                yield MaskBlock(masks[sl, None, :], sizes[sl, None], weights[sl, None])
+                continue
+            # the subsets of each datapoint's observed tokens, weighted 1 / C(D_i, M):
+            # the gain C(D, M) / C(D_i, M) turns the shared weight 1 / C(D, M) into it
+            m, s = masks[sl], sizes[sl]
+            valid = ~(m[:, None, :] & ~observed).any(-1)  # (q, n)
+            gain = torch.where(valid, binom[D, s][:, None] / binom[counts][:, s].T, 0.0)
+            yield MaskBlock(m[:, None, :], s[:, None], weights[sl, None], observed[None], gain)
 
     def __repr__(self):
         return "Exhaustive()"
@@ -363,8 +467,11 @@ class FixedRate(MaskSchedule):
                 f"use a rate of at least {0.5 / D:.3g}."
             )
 
-    def blocks(self, n, D, *, max_elements=2**22, device=None):
+    def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
+        if observed is not None:
+            yield from self._blocks_missing(n, D, max_elements, device, observed)
+            return
         rows = self._rows(n)
         M = self.size(D)
         per_block = max(1, max_elements // (n * D))
@@ -374,6 +481,27 @@ class FixedRate(MaskSchedule):
             size = torch.full((q, 1), M, device=device)
             w = torch.full((q, 1), float(D) / self.num_masks, dtype=torch.float64, device=device)
             yield MaskBlock(ranks < M, size, w)
+
+    def _blocks_missing(self, n, D, max_elements, device, observed):
+        """Per datapoint ``M_i = round(rate D_i)`` of its ``D_i`` observed tokens, weight ``D_i``."""
+        counts = observed.sum(-1)
+        M = (self.rate * counts.to(torch.float64) + 0.5).floor().long()
+        short = (counts > 0) & (M < 1)
+        if bool(short.any()):
+            fewest = int(counts[short].min())
+            raise ValueError(
+                f"masks={self.rate} masks round({self.rate} * D_i) = 0 of the D_i observed "
+                f"tokens of {int(short.sum())} datapoint(s) with missing tokens (fewest: "
+                f"D_i = {fewest}); use a rate of at least {0.5 / fewest:.3g}, or "
+                f'masks="uniform".'
+            )
+        per_block = max(1, max_elements // (n * D))
+        w = (counts.to(torch.float64) / self.num_masks)[None]
+        for start in range(0, self.num_masks, per_block):
+            q = min(self.num_masks, start + per_block) - start
+            ranks = _random_ranks((q, n, D), device, observed)
+            size = M[None].expand(q, n)
+            yield MaskBlock(ranks < M[:, None], size, w.expand(q, n), observed[None], (counts > 0)[None].expand(q, n))
 
     def __repr__(self):
         return f"FixedRate({self.rate}, num_masks={self.num_masks})"

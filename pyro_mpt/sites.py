@@ -1,11 +1,30 @@
 """Finding the observed token site and the latent sites of a Pyro model.
 
 Everything in pyro_mpt sees data the same way: the *tokens* of a datapoint are
-the flattened event elements of one observed sample site, and the datapoints are
-the elements of that site's batch shape, which must come from ``pyro.plate``.
+the flattened event elements of one observed sample site, together with the
+elements of any *token plates* (``pyro.plate`` s over the tokens rather than over
+datapoints), and the datapoints are the elements of the site's other plates.
 :func:`trace_tokens` runs the guide and the model once and returns an
 :class:`ObservedTokens` record that the schedules, the conditional engines and
 the evidence estimators all share.
+
+**Token plates.** A site written ``with pyro.plate("tokens", D, dim=-1):
+pyro.sample("x", dist.Normal(loc, s), obs=x)`` inside a data plate has its
+tokens in a plate instead of in its event. ``token_plates=("tokens",)`` says so
+explicitly; without it a plate of the observed site is taken as a token plate
+when no latent site sits in it while every latent inside the other plates of
+the observed site sits in all of them (their elements are then the datapoints,
+and the token plate's elements share those latents, so they cannot be
+datapoints themselves). The flattened token order is the site's layout: the
+token-plate dims in their batch order, then the event dims.
+
+**Missing tokens.** Observed sites may carry a mask: ``obs_mask=`` (Pyro then
+records a ``<name>_observed`` site and a ``<name>_unobserved`` latent, which is
+dropped here: the missing tokens are integrated out), ``dist.mask(m)`` on the
+observation, or ``poutine.mask``. :attr:`ObservedTokens.observed` then marks
+the observed tokens; missing ones are never context and never targets, and the
+values they carry are replaced by an observed value of the same token (so that
+every engine sees finite numbers in the support).
 """
 
 import math
@@ -13,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import pyro.distributions as dist
 from pyro import poutine
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
@@ -25,9 +45,12 @@ class ObservedTokens:
     """The observed site of a model, flattened to a ``(n, D)`` token matrix.
 
     :param str name: name of the observed sample site.
-    :param torch.Tensor value: observed values of shape ``(n, D)``, where
-        ``n = prod(batch_shape)`` and ``D = prod(event_shape)``.
-    :param torch.Size batch_shape: the site's batch shape (from its plates).
+    :param torch.Tensor value: observed values of shape ``(n, D)``, where ``n``
+        is the number of datapoints and ``D`` the number of tokens (token-plate
+        sizes times event size); missing tokens hold a fill value.
+    :param torch.Size batch_shape: the datapoints' batch shape in the site's
+        plate layout: the site's batch shape with token-plate dims set to 1
+        (the batch shape of a latent local to each datapoint).
     :param torch.Size event_shape: the site's event shape.
     :param torch.Tensor scale: per-datapoint scale of shape ``(n,)``; carries the
         ``N / batch_size`` factor of subsampled plates and any ``poutine.scale``.
@@ -35,6 +58,14 @@ class ObservedTokens:
     :param guide_trace: the guide trace (empty when there is no guide).
     :param list latent_names: names of the model's latent sample sites.
     :param int max_plate_nesting: number of plate dims the model uses.
+    :param tuple token_dims: the batch dims (negative, from the right) of the
+        site's token plates; empty when the tokens are the event dims only.
+    :param tuple token_plates: the names of those plates.
+    :param torch.Size site_batch_shape: the site's own batch shape.
+    :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens;
+        None when no token is missing.
+    :param torch.Tensor site_value: the observed value in the site's layout and
+        dtype, with missing tokens filled.
     """
 
     name: str
@@ -46,6 +77,15 @@ class ObservedTokens:
     guide_trace: Trace
     latent_names: list = field(default_factory=list)
     max_plate_nesting: int = 0
+    token_dims: tuple = ()
+    token_plates: tuple = ()
+    site_batch_shape: Optional[torch.Size] = None
+    observed: Optional[torch.Tensor] = None
+    site_value: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.site_batch_shape is None:
+            self.site_batch_shape = self.batch_shape
 
     @property
     def num_tokens(self):
@@ -58,8 +98,27 @@ class ObservedTokens:
         return self.value.shape[0]
 
     @property
+    def num_observed(self):
+        """``D_i``, the number of observed tokens of each datapoint, long ``(n,)``."""
+        if self.observed is None:
+            return torch.full((self.num_data,), self.num_tokens, dtype=torch.long, device=self.value.device)
+        return self.observed.sum(-1)
+
+    @property
     def site(self):
         return self.model_trace.nodes[self.name]
+
+    @property
+    def site_shape(self):
+        """The observed site's shape, ``site_batch_shape + event_shape``."""
+        return self.site_batch_shape + self.event_shape
+
+    @property
+    def datapoint_shape(self):
+        """The site's batch shape without its token-plate dims: the shape of per-datapoint results."""
+        nb = len(self.site_batch_shape)
+        drop = {nb + d for d in self.token_dims}
+        return torch.Size(s for i, s in enumerate(self.site_batch_shape) if i not in drop)
 
     def latent_sites(self):
         return [self.model_trace.nodes[name] for name in self.latent_names]
@@ -73,8 +132,53 @@ class ObservedTokens:
         return trace
 
     def unflatten(self, values):
-        """Reshape ``(..., n)`` per-datapoint values to ``(..., *batch_shape)``."""
-        return values.reshape(values.shape[:-1] + self.batch_shape)
+        """Reshape ``(..., n)`` per-datapoint values to ``(..., *datapoint_shape)``."""
+        return values.reshape(values.shape[:-1] + self.datapoint_shape)
+
+    def to_tokens(self, t):
+        """Bring a tensor in the site's layout to token layout.
+
+        :param torch.Tensor t: broadcastable to ``(*lead, *site_batch_shape,
+            *event_shape)`` (any leading dims, e.g. a particle plate's).
+        :returns: ``(*lead, *datapoint_shape, D)``: the token-plate dims move
+            next to the event dims and are flattened with them. Dims that are
+            broadcast (stride 0) outside the tokens stay broadcast.
+        """
+        E = len(self.event_shape)
+        shape = torch.broadcast_shapes(t.shape, self.site_shape)
+        t = t.expand(shape)
+        nb = len(shape) - E
+        T = len(self.token_dims)
+        if T:
+            src = [nb + d for d in sorted(self.token_dims)]
+            t = t.movedim(src, list(range(nb - T, nb)))
+        keep = len(shape) - T - E
+        # narrow broadcast leading dims before flattening so they are not materialized
+        lead = t.shape[:keep]
+        for i in range(keep):
+            if t.stride(i) == 0 and t.shape[i] > 1:
+                t = t.narrow(i, 0, 1)
+        t = t.reshape(t.shape[:keep] + (-1,))
+        return t.expand(lead + (t.shape[-1],))
+
+    def to_site(self, x):
+        """Inverse of :meth:`to_tokens` for ``(*lead, n, D)`` token tensors.
+
+        :returns: ``(*lead, *site_batch_shape, *event_shape)``.
+        """
+        lead = x.shape[:-2]
+        sizes = [self.site_batch_shape[d] for d in sorted(self.token_dims)]
+        t = x.reshape(lead + self.datapoint_shape + tuple(sizes) + self.event_shape)
+        T = len(self.token_dims)
+        if T:
+            nd = len(lead) + len(self.datapoint_shape)
+            nb = len(lead) + len(self.site_batch_shape)
+            t = t.movedim(list(range(nd, nd + T)), [nb + d for d in sorted(self.token_dims)])
+        return t
+
+
+def _vectorized_frames(site, min_size=1):
+    return {f for f in site["cond_indep_stack"] if f.vectorized and f.size >= min_size}
 
 
 def check_local_latent(tokens, site, error=ValueError):
@@ -85,10 +189,9 @@ def check_local_latent(tokens, site, error=ValueError):
     datapoints (``log p(x_i)`` no longer factorizes), and one in an extra plate
     has batch dims the tokens lack.
     """
-    def frames(s):
-        return {f for f in s["cond_indep_stack"] if f.vectorized and f.size > 1}
-
-    obs_frames, own = frames(tokens.site), frames(site)
+    token_plates = set(tokens.token_plates)
+    obs_frames = {f for f in _vectorized_frames(tokens.site, 2) if f.name not in token_plates}
+    own = _vectorized_frames(site, 2)
     name = site["name"]
     missing = obs_frames - own
     if missing:
@@ -129,7 +232,98 @@ def guess_max_plate_nesting(*traces):
     return -min(dims) if dims else 0
 
 
-def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=None):
+def _describe_plates(frames):
+    return ", ".join(f"{f.name!r} (dim {f.dim}, size {f.size})" for f in sorted(frames, key=lambda f: f.dim))
+
+
+def _token_frames(site, latents, token_plates):
+    """The frames of observed ``site`` that are token plates (see the module docstring)."""
+    name = site["name"]
+    frames = _vectorized_frames(site)
+    if token_plates is not None:
+        names = (token_plates,) if isinstance(token_plates, str) else tuple(token_plates)
+        unknown = [p for p in names if p not in {f.name for f in frames}]
+        if unknown:
+            raise ValueError(
+                f"token_plates={names!r}: observed site {name!r} is in no plate named "
+                f"{', '.join(map(repr, unknown))}; its plates: {_describe_plates(frames) or 'none'}."
+            )
+        return {f for f in frames if f.name in names}
+    big = {f for f in frames if f.size > 1}
+    in_latents = [_vectorized_frames(s, 2) & big for s in latents]
+    holding = set().union(*in_latents) if in_latents else set()
+    candidates = big - holding
+    local = [fr for fr in in_latents if fr]
+    if candidates and local and all(fr == holding for fr in local):
+        return candidates
+    if not site["fn"].event_shape:
+        hint = (
+            "Declare the tokens of one datapoint as event dims, e.g. "
+            "dist.Normal(loc, scale).to_event(1), inside a pyro.plate over datapoints"
+        )
+        if len(big) > 1:
+            raise ValueError(
+                f"Observed site {name!r} has no event dims and sits in the plates "
+                f"{_describe_plates(big)}; which of them run over tokens and which over "
+                f"datapoints is ambiguous (the latent sites do not tell them apart). "
+                f"Pass token_plates=(<names>) to MaskedPretrainingLoss / Evidence, "
+                f"or: {hint}."
+            )
+        raise ValueError(
+            f"Observed site {name!r} has no event dims, so it has no tokens. {hint}; "
+            f"or, when a pyro.plate runs over the tokens, name it with token_plates=(<name>,)."
+        )
+    return set()
+
+
+def _observed_mask(site):
+    """The site's observation mask in its full shape (batch + event), or None when unmasked."""
+    fn = site["fn"]
+    shape = fn.batch_shape + fn.event_shape
+    masks = []
+    m = site.get("mask")
+    if m is not None and m is not True:
+        m = torch.as_tensor(m, dtype=torch.bool)
+        masks.append(m.reshape(m.shape + (1,) * len(fn.event_shape)))
+    remaining = len(fn.event_shape)  # event dims to the right of the current level's batch
+    level = fn
+    while True:
+        if isinstance(level, (dist.Independent, torch.distributions.Independent)):
+            remaining -= level.reinterpreted_batch_ndims
+            level = level.base_dist
+        elif isinstance(level, dist.MaskedDistribution):
+            m = level._mask
+            if m is not True and m is not None:
+                m = torch.as_tensor(m, dtype=torch.bool).expand(level.batch_shape)
+                masks.append(m.reshape(m.shape + (1,) * remaining))
+            level = level.base_dist
+        else:
+            break
+    if not masks:
+        return None
+    out = torch.ones(shape, dtype=torch.bool, device=masks[0].device)
+    for m in masks:
+        out = out & m.to(out.device)
+    return None if bool(out.all()) else out
+
+
+def _fill_missing(value, observed):
+    """``value`` ``(n, D)`` with each missing token set to an observed value of the same
+    token (of any token when none is observed in the batch), so it lies in the support."""
+    n = value.shape[0]
+    first = torch.where(observed, torch.arange(n, device=value.device)[:, None], n).amin(0)  # (D,)
+    seen = first < n
+    if bool(observed.any()):
+        i, j = observed.nonzero()[0]
+        fallback = value[i, j]
+    else:
+        fallback = torch.zeros((), dtype=value.dtype, device=value.device)
+    cols = torch.arange(value.shape[1], device=value.device)
+    per_token = torch.where(seen, value[first.clamp(max=n - 1), cols], fallback)
+    return torch.where(observed, value, per_token.expand_as(value))
+
+
+def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=None, token_plates=None):
     """Run ``guide`` then ``model`` (replayed on the guide) and locate the tokens.
 
     :param callable model: a Pyro model with one observed site (or ``obs_site``).
@@ -140,8 +334,16 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
         when the model observes more than one site.
     :param int max_plate_nesting: plate dims the model uses; guessed from the
         trace when ``None``.
+    :param token_plates: names of the observed site's plates that run over
+        tokens (see the module docstring); None detects them when unambiguous,
+        ``()`` takes every plate as a datapoint plate.
     :returns: the observed tokens and the traces.
     :rtype: ObservedTokens
+
+    Example::
+
+        >>> tokens = trace_tokens(model, None, (x,), {}, token_plates=("tokens",))
+        >>> tokens.value.shape          # (n, D)
     """
     if guide is None:
         guide_trace = Trace()
@@ -155,7 +357,8 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
         max_plate_nesting = guess_max_plate_nesting(model_trace, guide_trace)
 
     sites = _sample_sites(model_trace)
-    observed = [s for s in sites if s["is_observed"]]
+    # pyro.deterministic sites (and the combined site Pyro records for obs_mask) hold no data
+    observed = [s for s in sites if s["is_observed"] and not s["infer"].get("_deterministic")]
     if obs_site is None:
         if not observed:
             raise ValueError(
@@ -176,62 +379,112 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
                 f"obs_site={obs_site!r} is not a site of the model; observed sites: {names}."
             )
         site = model_trace.nodes[obs_site]
-        if site["type"] != "sample" or not site["is_observed"]:
+        if site["type"] == "sample" and site["infer"].get("_deterministic"):
+            # obs_mask=... records the data at '<name>_observed'
+            site = model_trace.nodes.get(f"{obs_site}_observed", site)
+        if site["type"] != "sample" or not site["is_observed"] or site["infer"].get("_deterministic"):
             raise ValueError(
                 f"obs_site={obs_site!r} is not an observed sample site; pass the data "
                 f"with pyro.sample({obs_site!r}, dist, obs=x)."
             )
     name = site["name"]
+    # obs_mask=m makes Pyro sample the missing values as '<base>_unobserved': integrating
+    # them out is exactly leaving the missing tokens out, so it is not a latent here
+    ignored = set()
+    if name.endswith("_observed") and site.get("mask") is not None:
+        companion = name[: -len("_observed")] + "_unobserved"
+        if companion in model_trace.nodes and not model_trace.nodes[companion]["is_observed"]:
+            ignored.add(companion)
+    latents = [s for s in sites if not s["is_observed"] and s["name"] not in ignored]
+
     fn = site["fn"]
     event_shape = fn.event_shape
-    batch_shape = fn.batch_shape
-    if len(event_shape) == 0:
+    site_batch_shape = fn.batch_shape
+    tframes = _token_frames(site, latents, token_plates)
+    if not tframes and not event_shape:
         raise ValueError(
-            f"Observed site {name!r} has no event dims, so it has no tokens. Declare "
-            f"the tokens of one datapoint as event dims, e.g. "
-            f"dist.Normal(loc, scale).to_event(1), inside a pyro.plate over datapoints."
+            f"Observed site {name!r} has no event dims and token_plates={token_plates!r} "
+            f"names none of its plates, so it has no tokens. Declare the tokens of one "
+            f"datapoint as event dims with .to_event(), or name the plate over tokens."
         )
+    token_names = {f.name for f in tframes}
+    for f in tframes:
+        if f.full_size is not None and f.size != f.full_size:
+            raise ValueError(
+                f"Token plate {f.name!r} of observed site {name!r} subsamples {f.size} of "
+                f"{f.full_size} tokens; masked pre-training needs every token of a "
+                f"datapoint. Subsample the datapoint plate instead."
+            )
+    for s in latents:
+        inside = sorted(f.name for f in _vectorized_frames(s) if f.name in token_names)
+        if inside:
+            raise ValueError(
+                f"Latent site {s['name']!r} sits in token plate(s) {', '.join(map(repr, inside))} "
+                f"of observed site {name!r}: one latent per token, which the conditional "
+                f"engines do not integrate. Integrate it out in the observation (e.g. a "
+                f"Normal per-token offset adds its variance to the noise), or make it one "
+                f"latent of the datapoint with event dims over the tokens (.to_event)."
+            )
+    token_dims = tuple(sorted(f.dim for f in tframes))
     plate_dims = {f.dim for f in site["cond_indep_stack"] if f.vectorized}
-    for i, size in enumerate(batch_shape):
-        dim = i - len(batch_shape)
+    for i, size in enumerate(site_batch_shape):
+        dim = i - len(site_batch_shape)
         if size > 1 and dim not in plate_dims:
             raise ValueError(
-                f"Observed site {name!r} has batch shape {tuple(batch_shape)} but its "
+                f"Observed site {name!r} has batch shape {tuple(site_batch_shape)} but its "
                 f"dim {dim} (size {size}) is not a pyro.plate: put the datapoints in "
                 f"a pyro.plate, or move token dims into the event with .to_event()."
             )
-    if site.get("mask") is not None and not (
-        site["mask"] is True or (torch.is_tensor(site["mask"]) and bool(site["mask"].all()))
-    ):
-        raise ValueError(
-            f"Observed site {name!r} carries a mask (missing data); masked "
-            f"pre-training with missing tokens is not supported yet. Drop the mask, "
-            f"or impute the missing tokens."
-        )
-    value = site["value"]
-    if not torch.is_floating_point(value):
-        value = value.to(torch.get_default_dtype())
-    value = value.expand(batch_shape + event_shape)
-    if not torch.isfinite(value).all():
-        bad = int((~torch.isfinite(value)).sum())
-        raise ValueError(
-            f"Observed site {name!r} contains {bad} NaN or infinite value(s); remove "
-            f"or impute them before computing masked pre-training scores."
-        )
-    n = math.prod(batch_shape)
-    D = math.prod(event_shape)
-    scale = site["scale"]
-    scale = torch.as_tensor(scale, dtype=value.dtype, device=value.device)
-    scale = scale.expand(batch_shape).reshape(n)
-    latent_names = [s["name"] for s in sites if not s["is_observed"]]
-    return ObservedTokens(
+    nb = len(site_batch_shape)
+    batch_shape = torch.Size(
+        1 if i - nb in token_dims else s for i, s in enumerate(site_batch_shape)
+    )
+    raw = site["value"]
+    value = raw if torch.is_floating_point(raw) else raw.to(torch.get_default_dtype())
+    tokens = ObservedTokens(
         name=name,
-        value=value.reshape(n, D),
+        value=value,  # replaced below
         batch_shape=batch_shape,
         event_shape=event_shape,
-        scale=scale,
+        scale=None,
         model_trace=model_trace,
         guide_trace=guide_trace,
-        latent_names=latent_names,
+        latent_names=[s["name"] for s in latents],
         max_plate_nesting=int(max_plate_nesting),
+        token_dims=token_dims,
+        token_plates=tuple(sorted(token_names)),
+        site_batch_shape=site_batch_shape,
     )
+    n = math.prod(tokens.datapoint_shape)
+    flat = tokens.to_tokens(value).reshape(n, -1)
+    mask = _observed_mask(site)
+    observed_tokens = None if mask is None else tokens.to_tokens(mask).reshape(n, -1)
+    finite = torch.isfinite(flat)
+    if observed_tokens is not None:
+        finite = finite | ~observed_tokens
+    if not finite.all():
+        bad = int((~finite).sum())
+        raise ValueError(
+            f"Observed site {name!r} contains {bad} NaN or infinite value(s)"
+            f"{' at observed tokens' if observed_tokens is not None else ''}; remove "
+            f"or impute them before computing masked pre-training scores"
+            f"{'' if observed_tokens is not None else ', or mark them missing with obs_mask='}."
+        )
+    site_value = raw.expand(tokens.site_shape)
+    if observed_tokens is not None:
+        flat = _fill_missing(flat, observed_tokens)
+        raw_flat = tokens.to_tokens(raw).reshape(n, -1)
+        site_value = tokens.to_site(_fill_missing(raw_flat, observed_tokens))
+    tokens.value = flat
+    tokens.observed = observed_tokens
+    tokens.site_value = site_value
+    scale = torch.as_tensor(site["scale"], dtype=value.dtype, device=value.device)
+    scale = tokens.to_tokens(scale.reshape(scale.shape + (1,) * len(event_shape)))
+    if scale.shape[-1] > 1 and not bool((scale == scale[..., :1]).all()):
+        raise ValueError(
+            f"Observed site {name!r} has a scale that varies over its tokens; masked "
+            f"pre-training scales whole datapoints. Apply poutine.scale outside the "
+            f"token plate(s) {', '.join(map(repr, tokens.token_plates))}."
+        )
+    tokens.scale = scale[..., 0].reshape(n)
+    return tokens

@@ -77,7 +77,7 @@ import torch
 
 from .base import ConditionalEngine, EngineNotApplicable
 from .gaussian_marginal import _unwrap
-from .latent_runs import LatentRunner, callable_key, guide_latents, locate_data_arg, logmeanexp
+from .latent_runs import LatentRunner, callable_key, guide_latents, locate_data_arg, logmeanexp, refuse_missing
 
 __all__ = ["EncodeDecodeConditionals", "EncodeDecodeState", "initial_tokens", "run_chains"]
 
@@ -97,7 +97,7 @@ class EncodeDecodeState:
 
 
 def _check_factorized(tokens, who):
-    base, _ = _unwrap(tokens.site["fn"])
+    base, _ = _unwrap(tokens.site["fn"], masks=True)
     if len(base.event_shape) > 0:
         raise EngineNotApplicable(
             f"{who} needs the tokens of observed site {tokens.name!r} to be independent "
@@ -252,6 +252,7 @@ class EncodeDecodeConditionals(ConditionalEngine):
                 f"or use conditionals='importance' (the prior as proposal)."
             )
         _check_factorized(tokens, who)
+        refuse_missing(tokens, who)
         data = locate_data_arg(tokens, guide, args, kwargs, self.data_arg, who)
         runner = LatentRunner(tokens, model, guide, args, kwargs, data, who, self._stacking.get(callable_key(guide)))
         if not tokens.latent_names:

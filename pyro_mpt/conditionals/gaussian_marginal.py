@@ -21,6 +21,7 @@ the random point :math:`\varepsilon_r` verifies that the location really is
 affine and that no scale depends on the latents.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -89,18 +90,50 @@ class GaussianMarginal:
             return dist.Normal(self.loc, self.cov_diag.sqrt()).to_event(1)
         return dist.LowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
 
-    def log_prob(self, x):
-        """Exact :math:`\\log \\mathcal N(x; \\mu, \\Sigma)` per datapoint; ``x`` is ``(n, D)``."""
-        return self.distribution().log_prob(x)
+    def log_prob(self, x, observed=None):
+        r"""Exact :math:`\log \mathcal N(x; \mu, \Sigma)` per datapoint; ``x`` is ``(n, D)``.
+
+        :param torch.Tensor observed: bool ``(n, D)``; when given, the density of
+            each datapoint's observed sub-vector,
+            :math:`\log \mathcal N(x_{O_i}; \mu_{O_i}, \Sigma_{O_i O_i})`.
+        """
+        if observed is None:
+            return self.distribution().log_prob(x)
+        # a missing token becomes an independent standard normal at its mean, which
+        # leaves the observed block untouched and adds log N(0; 0, 1) per missing token
+        o = observed.to(x.dtype)
+        resid = torch.where(observed, x - self.loc, torch.zeros((), dtype=x.dtype, device=x.device))
+        zero = torch.zeros_like(resid)
+        if self.covariance is not None:
+            oo = o.unsqueeze(-1) * o.unsqueeze(-2)
+            cov = self.covariance * oo + torch.diag_embed(1.0 - o)
+            lp = dist.MultivariateNormal(zero, covariance_matrix=cov).log_prob(resid)
+        else:
+            psi = torch.where(observed, self.cov_diag, torch.ones((), dtype=x.dtype, device=x.device))
+            if self.cov_factor is None or self.rank == 0:
+                lp = dist.Normal(zero, psi.sqrt()).to_event(1).log_prob(resid)
+            else:
+                F = self.cov_factor * o.unsqueeze(-1)
+                lp = dist.LowRankMultivariateNormal(zero, F, psi).log_prob(resid)
+        return lp + 0.5 * math.log(2 * math.pi) * (1.0 - o).sum(-1)
 
 
-def _unwrap(fn):
-    """Strip ``Independent`` wrappers; return the base distribution and event dims added."""
+def _unwrap(fn, masks=False):
+    """Strip ``Independent`` wrappers; return the base distribution and event dims added.
+
+    With ``masks=True`` ``MaskedDistribution`` wrappers are stripped too: for the
+    observed site, whose mask :func:`~pyro_mpt.sites.trace_tokens` has read into
+    ``tokens.observed``.
+    """
     reinterpreted = 0
-    while isinstance(fn, (dist.Independent, torch.distributions.Independent)):
-        reinterpreted += fn.reinterpreted_batch_ndims
-        fn = fn.base_dist
-    return fn, reinterpreted
+    while True:
+        if isinstance(fn, (dist.Independent, torch.distributions.Independent)):
+            reinterpreted += fn.reinterpreted_batch_ndims
+            fn = fn.base_dist
+        elif masks and isinstance(fn, dist.MaskedDistribution):
+            fn = fn.base_dist
+        else:
+            return fn, reinterpreted
 
 
 def _compact(t):
@@ -178,23 +211,35 @@ class _AffineLatents(Messenger):
         msg["done"] = True
 
 
-def _observation_parts(fn, name, D):
-    """Location, and noise as (cov_factor, cov_diag) or dense covariance, of the obs site."""
-    base, _ = _unwrap(fn)
+def _observation_parts(fn, tokens):
+    """Location, noise as (cov_factor, cov_diag) or dense covariance, and batch shape of the obs site.
+
+    Location and noise come in token layout, ``(*batch_shape, D, ...)``, with the
+    token-plate dims of ``fn.batch_shape`` flattened into ``D``.
+    """
+    name = tokens.name
+    base, _ = _unwrap(fn, masks=True)
+    if isinstance(base, dist.MultivariateNormal) and tokens.token_dims:
+        raise NotLinearGaussianError(
+            f"Observed site {name!r} is a {type(base).__name__} inside the token "
+            f"plate(s) {', '.join(map(repr, tokens.token_plates))}; conditionals="
+            f"'gaussian' serves Normal observations there. Use one multivariate "
+            f"normal over all D tokens (no token plate), or a Normal."
+        )
     if isinstance(base, dist.LowRankMultivariateNormal):
-        return base.loc, ("lowrank", base.cov_factor, base.cov_diag)
+        return base.loc, ("lowrank", base.cov_factor, base.cov_diag), fn.batch_shape
     if isinstance(base, dist.MultivariateNormal):
         if len(fn.event_shape) != 1:
             raise NotLinearGaussianError(
                 f"Observed site {name!r}: a MultivariateNormal with extra event dims "
                 f"is not supported; use one MultivariateNormal over the D tokens."
             )
-        return base.loc, ("dense", base.covariance_matrix)
+        return base.loc, ("dense", base.covariance_matrix), fn.batch_shape
     if isinstance(base, dist.Normal):
         shape = fn.batch_shape + fn.event_shape
-        loc = base.loc.expand(shape).reshape(fn.batch_shape + (D,))
-        scale = base.scale.expand(shape).reshape(fn.batch_shape + (D,))
-        return loc, ("diag", scale)
+        loc = tokens.to_tokens(base.loc.expand(shape))
+        scale = tokens.to_tokens(base.scale.expand(shape))
+        return loc, ("diag", scale), loc.shape[:-1]
     raise NotLinearGaussianError(
         f"conditionals='gaussian' needs a Gaussian observed site; {name!r} is "
         f"{type(base).__name__}. Use conditionals='quadrature' (low-dimensional "
@@ -222,12 +267,11 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
         >>> tokens = trace_tokens(ppca, None, (x,), {})
         >>> gaussian_marginal(tokens, ppca, (x,), {}).log_prob(tokens.value)  # (n,)
     """
-    D = tokens.num_tokens
     layout, K = _latent_layout(tokens)
     if K == 0:
         fn = tokens.site["fn"]
-        loc, noise = _observation_parts(fn, tokens.name, D)
-        loc, noise = _basis_rows(loc, noise, fn.batch_shape, 1)
+        loc, noise, batch_shape = _observation_parts(fn, tokens)
+        loc, noise = _basis_rows(loc, noise, batch_shape, 1)
         return _assemble(loc[0], tuple(t[0] for t in noise[1:]), noise[0], None)
 
     value = tokens.value
@@ -261,8 +305,8 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
                 return model(*a, **k)
 
         fn, scales = run(wrapped, handler)
-        loc, noise = _observation_parts(fn, tokens.name, D)
-        return _basis_rows(loc, noise, fn.batch_shape[1:], K + 2), scales
+        loc, noise, batch_shape = _observation_parts(fn, tokens)
+        return _basis_rows(loc, noise, batch_shape[1:], K + 2), scales
 
     if vectorize:
         try:
@@ -279,8 +323,8 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
         for b in range(K + 2):
             handler = _AffineLatents(layout, basis[b : b + 1], None, False)
             fn, scales = run(handler(model), handler)
-            loc_b, noise_b = _observation_parts(fn, tokens.name, D)
-            loc_b, noise_b = _basis_rows(loc_b, noise_b, fn.batch_shape, 1)
+            loc_b, noise_b, batch_shape = _observation_parts(fn, tokens)
+            loc_b, noise_b = _basis_rows(loc_b, noise_b, batch_shape, 1)
             locs.append(loc_b)
             noises.append(noise_b)
             all_scales.append(scales)

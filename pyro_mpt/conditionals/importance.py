@@ -53,7 +53,9 @@ Two proposals (``proposal=``):
   proposal, if a narrower one.
 * ``"auto"`` (default) -- ``"guide"`` when a guide that samples the model's
   latents is given, else ``"prior"`` (e.g. with the no-op guide
-  ``lambda x: None`` usual for MPT).
+  ``lambda x: None`` usual for MPT). With missing (masked) tokens ``"auto"``
+  is ``"prior"``: the prior proposal leaves missing tokens out exactly, and the
+  guide proposal refuses them.
 
 **Diagnostics.** After each call, :attr:`ImportanceConditionals.last_diagnostics`
 holds (detached) ``"ess"`` -- the effective sample size
@@ -77,7 +79,7 @@ import torch
 
 from .base import ConditionalEngine, EngineNotApplicable
 from .encode_decode import _check_factorized, initial_tokens, run_chains
-from .latent_runs import LatentRunner, callable_key, guide_latents, locate_data_arg, logmeanexp
+from .latent_runs import LatentRunner, callable_key, guide_latents, locate_data_arg, logmeanexp, refuse_missing
 from .quadrature import _Chunk, _chain_partial, _joint_partial, _mask_partial
 
 __all__ = ["ImportanceConditionals", "ImportanceState"]
@@ -199,7 +201,9 @@ class ImportanceConditionals(ConditionalEngine):
         proposal = self.proposal
         covered = guide is not None and bool(guide_latents(tokens))
         if proposal == "auto":
-            proposal = "guide" if covered else "prior"
+            proposal = "guide" if covered and tokens.observed is None else "prior"
+        if proposal == "guide":
+            refuse_missing(tokens, f"{who} with proposal='guide'")
         n, D = tokens.num_data, tokens.num_tokens
         if proposal == "prior":
             runner = LatentRunner(tokens, model, None, args, kwargs, None, who)

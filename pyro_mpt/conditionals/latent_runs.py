@@ -65,6 +65,7 @@ __all__ = [
     "Decoded",
     "Encoded",
     "logmeanexp",
+    "refuse_missing",
 ]
 
 #: name of the vectorized particle plate the runs use
@@ -90,6 +91,7 @@ class DataArgument:
     key: Union[int, str]
     value: torch.Tensor
     rows: bool
+    tokens: object = None
 
     def substitute(self, args, kwargs, xt):
         """``(args, kwargs)`` with the data replaced by imputed tokens.
@@ -98,10 +100,11 @@ class DataArgument:
             leading dim (needs ``rows``).
         """
         shape = self.value.shape
+        site = xt if self.tokens is None else self.tokens.to_site(xt)  # the site's layout
         if xt.dim() == 3:
-            new = xt.reshape((xt.shape[0] * shape[0],) + tuple(shape[1:]))
+            new = site.reshape((xt.shape[0] * shape[0],) + tuple(shape[1:]))
         else:
-            new = xt.reshape(shape)
+            new = site.reshape(shape)
         new = new.to(dtype=self.value.dtype, device=self.value.device)
         if isinstance(self.key, int):
             args = tuple(new if i == self.key else a for i, a in enumerate(args))
@@ -119,7 +122,8 @@ def _matches(a, tokens):
     if not torch.is_tensor(a) or a.numel() != n * D:
         return False
     try:
-        return bool(torch.equal(a.detach().reshape(n, D).to(tokens.value), tokens.value))
+        flat = tokens.to_tokens(a.detach().reshape(tokens.site_shape)).reshape(n, D)
+        return bool(torch.equal(flat.to(tokens.value), tokens.value))
     except RuntimeError:
         return False
 
@@ -141,7 +145,7 @@ def locate_data_arg(tokens, fn, args, kwargs, data_arg=None, who="this engine"):
     hint = (
         f"Pass data_arg=<position or keyword> to say which argument holds the tokens "
         f"of site {name!r}, and pass the minibatch itself (shape "
-        f"{tuple(tokens.batch_shape + tokens.event_shape)}) rather than a full "
+        f"{tuple(tokens.site_shape)}) rather than a full "
         f"dataset indexed inside the model."
     )
     if data_arg is not None:
@@ -190,13 +194,33 @@ def locate_data_arg(tokens, fn, args, kwargs, data_arg=None, who="this engine"):
                 f"pass data_arg=<position or keyword> to pick one."
             )
         key, value = found[0]
+    # copies stack along the leading dim only when it is the one datapoint dim
+    # and every token plate sits to its right
     rows = (
-        len(tokens.batch_shape) == 1
+        len(tokens.datapoint_shape) == 1
+        and all(d > -len(tokens.site_batch_shape) for d in tokens.token_dims)
         and value.dim() >= 1
         and value.shape[0] == n
         and value.numel() == n * D
     )
-    return DataArgument(key, value, rows)
+    return DataArgument(key, value, rows, tokens)
+
+
+def refuse_missing(tokens, who, error=EngineNotApplicable):
+    """Raise ``error`` when some tokens of the observed site are missing (masked).
+
+    For the paths that run the guide on the data: the guide would read the
+    missing tokens' placeholder values as data.
+    """
+    if tokens.observed is not None:
+        k = int((~tokens.observed).sum())
+        raise error(
+            f"{who} runs the guide on the data, which does not support missing tokens: "
+            f"observed site {tokens.name!r} has {k} missing (masked) token(s). Use "
+            f"conditionals='gaussian', 'quadrature' or 'importance' with "
+            f"proposal='prior' (each leaves missing tokens out exactly), or impute the "
+            f"missing tokens, or drop the datapoints that have them."
+        )
 
 
 def callable_key(fn):
@@ -308,11 +332,16 @@ class Decoded:
         return total
 
     def obs_log_prob(self):
-        """:math:`\\log p(x \\mid z)` at the data, per datapoint, ``(R, n)``."""
+        """:math:`\\log p(x \\mid z)` at the data, per datapoint, ``(R, n)``.
+
+        With missing tokens, the sum of :meth:`token_log_prob` over the observed ones.
+        """
         r = self.runner
+        if r.tokens.observed is not None:
+            return self.token_log_prob(r.tokens.value).sum(-1)
         site = self.trace.nodes[r.tokens.name]
         lp = site["fn"].log_prob(site["value"])
-        bs = r.tokens.batch_shape
+        bs = r.tokens.site_batch_shape
         expected = (self.rows,) + (1,) * (r.rank - 1 - len(bs)) + tuple(bs)
         shape = _pad(lp, r.rank).shape
         if any(a != b and a != 1 for a, b in zip(shape, expected)):
@@ -329,7 +358,7 @@ class Decoded:
         r = self.runner
         fn = self.obs_fn
         full = torch.broadcast_shapes(t.shape, fn.batch_shape + fn.event_shape)
-        t = t.expand(full)
+        t = r.tokens.to_tokens(t.expand(full))
         n, D = r.tokens.num_data, r.tokens.num_tokens
         if t.numel() != self.rows * n * D:
             raise EngineNotApplicable(
@@ -341,7 +370,7 @@ class Decoded:
 
     def _base(self):
         r = self.runner
-        base, _ = _unwrap(self.obs_fn)
+        base, _ = _unwrap(self.obs_fn, masks=True)
         if len(base.event_shape) > 0:
             raise EngineNotApplicable(
                 f"{r.who} needs the tokens of observed site {r.tokens.name!r} to be "
@@ -353,14 +382,20 @@ class Decoded:
         return base
 
     def token_log_prob(self, x):
-        """:math:`\\log p(x_d \\mid z)` per token at tokens ``x`` ``(n, D)``: ``(R, n, D)``."""
+        """:math:`\\log p(x_d \\mid z)` per token at tokens ``x`` ``(n, D)``: ``(R, n, D)``.
+
+        Missing tokens (``tokens.observed``) get 0.
+        """
         r = self.runner
         base = self._base()
-        xv = x.reshape(r.tokens.batch_shape + r.tokens.event_shape)
+        xv = r.tokens.to_site(x)
         orig = self.trace.nodes[r.tokens.name]["value"]
         if torch.is_tensor(orig) and not torch.is_floating_point(orig):
             xv = xv.to(orig.dtype)  # integer tokens (Categorical, Poisson counts)
-        return self._token_tensor(base.log_prob(xv))
+        out = self._token_tensor(base.log_prob(xv))
+        if r.tokens.observed is not None:
+            out = torch.where(r.tokens.observed, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return out
 
     def mean(self):
         """The observation's mean per token (mode where the mean is not finite), ``(R, n, D)``."""
@@ -404,10 +439,13 @@ class LatentRunner:
         self.data = data
         self.who = who
         self.rank = tokens.max_plate_nesting + 1
-        self.data_dims = {f.dim for f in tokens.site["cond_indep_stack"] if f.vectorized}
+        token_plates = set(tokens.token_plates)
+        self.data_dims = {
+            f.dim for f in tokens.site["cond_indep_stack"] if f.vectorized and f.name not in token_plates
+        }
         self.replay = tokens.subsample_trace()
         self.stacking = stacking  # decided on the first encode of several versions
-        obs_frames = _frames(tokens.site, 2)
+        obs_frames = {f for f in _frames(tokens.site, 2) if f[0] not in token_plates}
         for site in tokens.latent_sites():
             missing = obs_frames - _frames(site)
             if missing:
@@ -517,7 +555,12 @@ class LatentRunner:
         rank = self.rank
         latent = set(tokens.latent_names)
         values, log_q = {}, None
-        batch = torch.Size((versions * n,)) if stacked else tokens.batch_shape
+        batch = tokens.batch_shape
+        if stacked:
+            (d,) = self.data_dims
+            batch = list(batch)
+            batch[len(batch) + d] = versions * n
+            batch = torch.Size(batch)
         for name, site in trace.nodes.items():
             if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
                 continue

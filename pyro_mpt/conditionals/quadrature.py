@@ -168,7 +168,7 @@ def _latent_layout(tokens):
 
 def _check_observation(tokens):
     fn = tokens.site["fn"]
-    base, _ = _unwrap(fn)
+    base, _ = _unwrap(fn, masks=True)
     if len(base.event_shape) > 0:
         raise NotQuadratureError(
             f"Observed site {tokens.name!r} is {type(base).__name__} with event shape "
@@ -305,10 +305,13 @@ class _ModelRunner:
         trace, handler = self._trace(u, compact)
         site = trace.nodes[tokens.name]
         fn = site["fn"]
-        base, _ = _unwrap(fn)
-        logp = base.log_prob(site["value"])
+        base, _ = _unwrap(fn, masks=True)
+        # missing tokens are evaluated at a filled-in value and then zeroed: they
+        # then add nothing to any context, joint or posterior of the table
+        value = site["value"] if tokens.observed is None else tokens.site_value
+        logp = base.log_prob(value)
         full = torch.broadcast_shapes(logp.shape, fn.batch_shape + fn.event_shape)
-        logp = logp.expand(full)
+        logp = tokens.to_tokens(logp.expand(full))
         if logp.numel() != P * n * D:
             raise ValueError(
                 f"Observed site {tokens.name!r} has shape {tuple(full)} when the model "
@@ -316,6 +319,8 @@ class _ModelRunner:
                 f"tokens."
             )
         logp = logp.reshape(P, n, D)
+        if tokens.observed is not None:
+            logp = torch.where(tokens.observed, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
         log_pi = handler.log_pi
         if log_pi is None:
             log_pi = logp.new_zeros(P, 1)

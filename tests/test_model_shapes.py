@@ -1,0 +1,589 @@
+"""Model shapes users bring (issue 7, item 1): each is supported with the right number or refused clearly.
+
+Supported shapes are checked against the exact log-marginal likelihood or against an
+equivalent simpler model (the ``.to_event`` twin of a token-plate model); refused ones by
+the error type and message. docs/model_shapes.md lists every shape and its test.
+"""
+
+import math
+
+import pytest
+import torch
+import pyro
+import pyro.distributions as dist
+from pyro import poutine
+from pyro.nn import PyroModule, PyroParam, PyroSample
+
+from pyro_mpt import Evidence, MaskedPretrainingLoss
+from pyro_mpt.conditionals import EncodeDecodeConditionals, EngineNotApplicable, NotLinearGaussianError
+from pyro_mpt.importance_evidence import ImportanceWeightedELBO
+from pyro_mpt.sites import trace_tokens
+
+N, D, K, SIGMA = 6, 4, 2, 0.5
+TOL = 1e-10
+
+
+def _params(D=D, K=K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(D, K, generator=g, dtype=torch.float64)
+    b = torch.randn(D, generator=g, dtype=torch.float64)
+    x = torch.randn(N, D, generator=g, dtype=torch.float64)
+    return W, b, x
+
+
+def _exact(W, b, x, observed=None):
+    """log N(x_i; b, W W^T + s^2 I) per datapoint, over the observed tokens of each."""
+    S = W @ W.T + SIGMA**2 * torch.eye(W.shape[0], dtype=W.dtype)
+    if observed is None:
+        return torch.distributions.MultivariateNormal(b, S).log_prob(x)
+    out = []
+    for i in range(x.shape[0]):
+        o = observed[i]
+        lp = torch.distributions.MultivariateNormal(b[o], S[o][:, o]).log_prob(x[i, o]) if o.any() else x.new_zeros(())
+        out.append(lp)
+    return torch.stack(out)
+
+
+def _twin(W, b):
+    """PPCA with the tokens as event dims."""
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T + b, SIGMA).to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(x @ W / 4, 0.7).to_event(1))
+
+    return model, guide
+
+
+def _plated(W, b, obs_mask=None):
+    """The same PPCA with the tokens in a pyro.plate (and an optional obs_mask)."""
+
+    def model(x):
+        with pyro.plate("data", x.shape[0], dim=-2):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))  # (n, 1, K)
+            with pyro.plate("tokens", D, dim=-1):
+                pyro.sample("x", dist.Normal((z * W).sum(-1) + b, SIGMA), obs=x, obs_mask=obs_mask)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0], dim=-2):
+            pyro.sample("z", dist.Normal((x @ W / 4).unsqueeze(-2), 0.7).to_event(1))
+
+    return model, guide
+
+
+def _same_seed(fn, seed=1):
+    torch.manual_seed(seed)
+    return fn()
+
+
+# ---------------------------------------------------------------------- token plates
+@pytest.mark.parametrize("token_plates", [None, ("tokens",)])
+@pytest.mark.parametrize("engine", ["gaussian", "quadrature"])
+@pytest.mark.parametrize("masks", ["exhaustive", "order", "all", "uniform"])
+def test_token_plate_equals_to_event_twin(float64, engine, masks, token_plates):
+    """Loss, score and curve of the plate-over-tokens model equal those of its .to_event(1)
+    twin (same seed), whether the token plate is named or detected."""
+    W, b, x = _params()
+    twin, _ = _twin(W, b)
+    plated, _ = _plated(W, b)
+    loss_t = MaskedPretrainingLoss(conditionals=engine, masks=masks)
+    loss_p = MaskedPretrainingLoss(conditionals=engine, masks=masks, token_plates=token_plates)
+    a = _same_seed(lambda: loss_t.score(twin, None, x))
+    c = _same_seed(lambda: loss_p.score(plated, None, x))
+    assert c.shape == (N,)
+    assert torch.allclose(a, c, atol=TOL, rtol=0)
+    lt = _same_seed(lambda: loss_t.loss(twin, None, x))
+    lp = _same_seed(lambda: loss_p.loss(plated, None, x))
+    assert abs(lt - lp) < TOL
+    if masks in ("exhaustive", "order"):
+        assert torch.allclose(c, _exact(W, b, x), atol=1e-8, rtol=0)
+        ct = _same_seed(lambda: loss_t.curve(twin, None, x))
+        cp = _same_seed(lambda: loss_p.curve(plated, None, x))
+        assert abs(ct.area() - cp.area()) < TOL
+        assert float(abs(ct.score - cp.score).max()) < TOL
+
+
+@pytest.mark.parametrize("method", ["exact", "quadrature"])
+def test_token_plate_evidence_equals_twin(float64, method):
+    W, b, x = _params()
+    twin, _ = _twin(W, b)
+    plated, _ = _plated(W, b)
+    a = Evidence(twin, method=method)(x)
+    c = Evidence(plated, method=method, token_plates=("tokens",))(x)
+    assert c.shape == (N,)
+    assert torch.allclose(a, c, atol=TOL, rtol=0)
+    assert torch.allclose(c, _exact(W, b, x), atol=1e-8, rtol=0)
+
+
+def test_token_plates_in_any_layout_equal_the_to_event_twin(float64):
+    """A token plate left of the data plate (with an event dim), and two token plates,
+    flatten in the site's layout and give the numbers of the .to_event(2) twin."""
+    C, H = 2, 3
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(C, H, K, generator=g, dtype=torch.float64)
+    b = torch.randn(C, H, generator=g, dtype=torch.float64)
+    x = torch.randn(N, C, H, generator=g, dtype=torch.float64)
+
+    def twin(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            loc = (z[..., None, None, :] * W).sum(-1) + b
+            pyro.sample("x", dist.Normal(loc, SIGMA).to_event(2), obs=x)
+
+    def channel_plate(xt):  # xt: (C, n, H): the channel plate at dim -2, datapoints at -1
+        with pyro.plate("data", xt.shape[1], dim=-1):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=xt.dtype), 1.0).to_event(1))
+            with pyro.plate("channels", C, dim=-2):
+                loc = (z[..., :, None, :] * W[:, None]).sum(-1) + b[:, None]
+                pyro.sample("x", dist.Normal(loc, SIGMA).to_event(1), obs=xt)
+
+    def two_plates(x):
+        with pyro.plate("data", x.shape[0], dim=-3):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            with pyro.plate("c", C, dim=-2), pyro.plate("h", H, dim=-1):
+                pyro.sample("x", dist.Normal((z * W).sum(-1) + b, SIGMA), obs=x)
+
+    xt = x.permute(1, 0, 2).contiguous()
+    ref = Evidence(twin)(x)
+    for model, data in [(channel_plate, xt), (two_plates, x)]:
+        assert torch.allclose(Evidence(model)(data), ref, atol=TOL, rtol=0)
+        for engine, masks in [("gaussian", "exhaustive"), ("quadrature", "order")]:
+            got = MaskedPretrainingLoss(conditionals=engine, masks=masks).score(model, None, data)
+            assert torch.allclose(got, ref, atol=1e-8, rtol=0)
+    tokens = trace_tokens(channel_plate, None, (xt,), {})
+    assert tokens.token_plates == ("channels",) and tokens.token_dims == (-2,)
+    assert torch.equal(tokens.value, x.reshape(N, C * H))
+    assert torch.equal(tokens.to_site(tokens.value), xt)
+
+
+@pytest.mark.parametrize("kind", ["importance_prior", "importance_guide", "encode_decode", "evidence", "iwae"])
+def test_token_plate_sampling_engines_equal_the_twin_with_the_same_seed(float64, kind):
+    W, b, x = _params()
+    twin, twin_guide = _twin(W, b)
+    plated, plated_guide = _plated(W, b)
+
+    def run(model, guide):
+        if kind == "importance_prior":
+            return MaskedPretrainingLoss(conditionals="importance", masks="all", num_samples=40).score(model, None, x)
+        if kind == "importance_guide":
+            loss = MaskedPretrainingLoss(conditionals="importance", proposal="guide", masks="all", num_samples=12)
+            return loss.score(model, guide, x)
+        if kind == "encode_decode":
+            loss = MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(4, 2), masks=0.5, num_masks=2)
+            return loss.score(model, guide, x)
+        if kind == "evidence":
+            return Evidence(model, guide, method="importance", num_samples=50, psis=False)(x)
+        return torch.tensor(ImportanceWeightedELBO(5).loss(model, guide, x))
+
+    a = _same_seed(lambda: run(twin, twin_guide))
+    c = _same_seed(lambda: run(plated, plated_guide))
+    assert torch.allclose(a, c, atol=TOL, rtol=0)
+
+
+def test_token_plate_with_subsampled_data_plate_scales_by_N_over_B(float64):
+    W, b, x = _params()
+
+    def model(x, idx):
+        with pyro.plate("data", N, subsample=idx, dim=-2) as i:
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            with pyro.plate("tokens", D, dim=-1):
+                pyro.sample("x", dist.Normal((z * W).sum(-1) + b, SIGMA), obs=x[i])
+
+    idx = torch.tensor([1, 4])
+    value = MaskedPretrainingLoss(masks="order").loss(model, None, x, idx)
+    assert abs(value + N / 2 * float(_exact(W, b, x)[idx].sum())) < 1e-9
+
+
+def test_plate_of_items_inside_groups_is_detected_as_tokens(float64):
+    """A latent per group, items in a plate without latents: the items are the group's tokens
+    (they share its latent), so log p(x_g) is the marginal of the flattened items x event."""
+    G, I = 4, 3
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(D, K, generator=g, dtype=torch.float64)
+    x = torch.randn(G, I, D, generator=g, dtype=torch.float64)
+
+    def model(x):
+        with pyro.plate("groups", G, dim=-2):
+            u = pyro.sample("u", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))  # (G, 1, K)
+            with pyro.plate("items", I, dim=-1):
+                pyro.sample("x", dist.Normal(u @ W.T, SIGMA).to_event(1), obs=x)
+
+    WI = W.repeat(I, 1)  # (I * D, K): every item loads on the group's latent
+    S = WI @ WI.T + SIGMA**2 * torch.eye(I * D, dtype=torch.float64)
+    exact = torch.distributions.MultivariateNormal(torch.zeros(I * D, dtype=torch.float64), S).log_prob(x.reshape(G, -1))
+    assert trace_tokens(model, None, (x,), {}).token_plates == ("items",)
+    assert torch.allclose(Evidence(model)(x), exact, atol=TOL, rtol=0)
+    assert torch.allclose(MaskedPretrainingLoss(masks="order").score(model, None, x), exact, atol=1e-8, rtol=0)
+    # token_plates=() takes every plate as a datapoint plate: u is then shared by the items
+    with pytest.raises(NotLinearGaussianError, match="'u' is outside the plate\\(s\\) 'items'"):
+        Evidence(model, token_plates=())(x)
+
+
+def test_token_plate_refusals_name_the_plates_and_the_option(float64):
+    x = torch.randn(N, D)
+
+    def latent_free(x):
+        with pyro.plate("data", N, dim=-2), pyro.plate("tokens", D, dim=-1):
+            pyro.sample("x", dist.Normal(0.0, 1.0), obs=x)
+
+    with pytest.raises(ValueError, match=r"(?s)no event dims and sits in the plates 'data' \(dim -2, size 6\), 'tokens'.*ambiguous.*token_plates="):
+        MaskedPretrainingLoss().loss(latent_free, None, x)
+    # naming the plate resolves it: independent standard normal tokens
+    exact = torch.distributions.Normal(0.0, 1.0).log_prob(x).sum(-1)
+    assert torch.allclose(Evidence(latent_free, token_plates="tokens")(x), exact, atol=TOL)
+    with pytest.raises(ValueError, match="token_plates=\\('toks',\\): observed site 'x' is in no plate named 'toks'"):
+        Evidence(latent_free, token_plates=("toks",))(x)
+    with pytest.raises(ValueError, match="token_plates=\\(\\) names none of its plates"):
+        Evidence(latent_free, token_plates=())(x)
+
+    def per_token_latent(x):
+        with pyro.plate("data", N, dim=-2):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            with pyro.plate("tokens", D, dim=-1):
+                e = pyro.sample("e", dist.Normal(0.0, 1.0))
+                pyro.sample("x", dist.Normal(z + e, 1.0), obs=x)
+
+    with pytest.raises(ValueError, match="Latent site 'e' sits in token plate\\(s\\) 'tokens'.*one latent per token"):
+        MaskedPretrainingLoss(token_plates=("tokens",)).loss(per_token_latent, None, x)
+
+    def subsampled_tokens(x):
+        with pyro.plate("data", N, dim=-2):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            with pyro.plate("tokens", D, subsample_size=2, dim=-1) as j:
+                pyro.sample("x", dist.Normal(z, 1.0), obs=x[:, j])
+
+    with pytest.raises(ValueError, match="Token plate 'tokens' of observed site 'x' subsamples 2 of 4 tokens"):
+        MaskedPretrainingLoss().loss(subsampled_tokens, None, x)
+
+    def token_scale(x):
+        with pyro.plate("data", N, dim=-2):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            with pyro.plate("tokens", D, dim=-1), poutine.scale(scale=torch.arange(1.0, D + 1)):
+                pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+    with pytest.raises(ValueError, match="scale that varies over its tokens"):
+        MaskedPretrainingLoss().loss(token_scale, None, x)
+
+    def mvn_in_token_plate(x):
+        with pyro.plate("data", N, dim=-2):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            with pyro.plate("tokens", 2, dim=-1):
+                loc = z.unsqueeze(-1).expand(z.shape[:-1] + (2, 2))
+                pyro.sample("x", dist.MultivariateNormal(loc, torch.eye(2)), obs=x.reshape(N, 2, 2))
+
+    with pytest.raises(NotLinearGaussianError, match="MultivariateNormal inside the token plate\\(s\\) 'tokens'"):
+        Evidence(mvn_in_token_plate)(x)
+
+
+# ---------------------------------------------------------------------- missing tokens
+def _mask(seed=2):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(N, D, generator=g) > 0.35
+    m[0] = False  # nothing observed: log p = 0
+    m[1] = True  # everything observed
+    return m
+
+
+def _missing_models(W, b, m):
+    """The same PPCA with missing tokens declared three ways."""
+    obs_mask, _ = _plated(W, b, obs_mask=m)
+
+    def dist_mask(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T + b, SIGMA).mask(m).to_event(1), obs=x)
+
+    def poutine_mask(x):
+        with pyro.plate("data", x.shape[0], dim=-2):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            with pyro.plate("tokens", D, dim=-1), poutine.mask(mask=m):
+                pyro.sample("x", dist.Normal((z * W).sum(-1) + b, SIGMA), obs=x)
+
+    return {"obs_mask": obs_mask, "dist.mask": dist_mask, "poutine.mask": poutine_mask}
+
+
+@pytest.mark.parametrize("how", ["obs_mask", "dist.mask", "poutine.mask"])
+@pytest.mark.parametrize("engine", ["gaussian", "quadrature"])
+def test_missing_tokens_proposition_1_over_the_observed_tokens(float64, how, engine):
+    """Exhaustive and ordering MPT over each datapoint's D_i observed tokens equal the exact
+    log-density of its observed sub-vector; so do Evidence and the curve's area."""
+    W, b, x = _params()
+    m = _mask()
+    exact = _exact(W, b, x, m)
+    model = _missing_models(W, b, m)[how]
+    data = torch.where(m, x, torch.full_like(x, math.nan)) if how == "obs_mask" else x
+    tokens = trace_tokens(model, None, (data,), {})
+    assert torch.equal(tokens.observed, m) and "x_unobserved" not in tokens.latent_names
+    for masks in ["exhaustive", "order"]:
+        got = MaskedPretrainingLoss(conditionals=engine, masks=masks).score(model, None, data)
+        assert torch.allclose(got, exact, atol=TOL, rtol=0), masks
+        curve = MaskedPretrainingLoss(conditionals=engine, masks=masks).curve(model, None, data)
+        assert abs(curve.area() - float(exact.mean())) < TOL
+    method = "exact" if engine == "gaussian" else "quadrature"
+    assert torch.allclose(Evidence(model, method=method)(data), exact, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("masks", ["all", "uniform", "stratified"])
+def test_missing_tokens_random_schedules_are_unbiased(float64, masks):
+    W, b, x = _params()
+    m = _mask()
+    model = _missing_models(W, b, m)["dist.mask"]
+    loss = MaskedPretrainingLoss(masks=masks)
+    draws = torch.stack([loss.score(model, None, x) for _ in range(300)])
+    err = (draws.mean(0) - _exact(W, b, x, m))[1:]
+    se = draws.std(0)[1:] / math.sqrt(draws.shape[0])
+    assert float((err.abs() / se).max()) < 4.0, (err, se)
+    assert torch.equal(draws[:, 0], torch.zeros_like(draws[:, 0]))  # no observed token: log p = 0
+
+
+def test_missing_tokens_fixed_rate_masks_round_rate_times_D_i(float64):
+    """A rate that masks every observed token leaves no context: D_i S(x_i; D_i) is the sum
+    of the observed tokens' marginals. A rate that masks none of some D_i is refused."""
+    W, b, x = _params()
+    m = _mask()
+    model = _missing_models(W, b, m)["dist.mask"]
+    var = (W**2).sum(-1) + SIGMA**2
+    lp = torch.distributions.Normal(b, var.sqrt()).log_prob(x)
+    expected = torch.where(m, lp, torch.zeros_like(lp)).sum(-1)
+    got = MaskedPretrainingLoss(masks=0.99).score(model, None, x)
+    assert torch.allclose(got, expected, atol=TOL, rtol=0)
+    m2 = m.clone()
+    m2[2] = torch.tensor([True, False, False, False])
+    model2 = _missing_models(W, b, m2)["dist.mask"]
+    with pytest.raises(ValueError, match=r"masks=0\.2 masks round\(0\.2 \* D_i\) = 0 .*fewest: D_i = 1"):
+        MaskedPretrainingLoss(masks=0.2).loss(model2, None, x)
+
+
+def test_missing_tokens_prior_importance_telescopes_and_evidence_is_within_stderr(float64):
+    W, b, x = _params()
+    m = _mask()
+    model = _missing_models(W, b, m)["obs_mask"]
+    data = torch.where(m, x, torch.full_like(x, math.nan))
+    order = _same_seed(lambda: MaskedPretrainingLoss(conditionals="importance", masks="order", num_samples=500).score(model, None, data))
+    exh = _same_seed(lambda: MaskedPretrainingLoss(conditionals="importance", masks="exhaustive", num_samples=500).score(model, None, data))
+    assert torch.allclose(order, exh, atol=1e-9, rtol=0)  # the prior draws form one joint
+    res = Evidence(model, method="importance", num_samples=4000).estimate(data)
+    exact = _exact(W, b, x, m)
+    assert float(res.log_evidence[0]) == 0.0
+    assert float(((res.log_evidence - exact)[1:] / res.stderr[1:]).abs().max()) < 4.5
+
+
+def test_missing_tokens_gradients_match_the_exact_gradient(float64):
+    """NaN placeholders at missing tokens never reach a gradient."""
+    _, b, x = _params()
+    m = _mask()
+    W = torch.nn.Parameter(_params()[0])
+    model, _ = _plated(W, b, obs_mask=m)
+    data = torch.where(m, x, torch.full_like(x, math.nan))
+    (g_exact,) = torch.autograd.grad(_exact(W, b, x, m).sum(), W)
+    for engine in ["gaussian", "quadrature"]:
+        loss = MaskedPretrainingLoss(conditionals=engine, masks="order").differentiable_loss(model, None, data)
+        (g,) = torch.autograd.grad(loss, W)
+        assert torch.allclose(-g, g_exact, atol=1e-8), engine
+
+
+def test_missing_tokens_refused_where_the_guide_reads_the_data(float64):
+    W, b, x = _params()
+    m = _mask()
+    model, guide = _plated(W, b, obs_mask=m)
+    data = torch.where(m, x, torch.zeros_like(x))
+    msg = f"does not support missing tokens: observed site 'x_observed' has {int((~m).sum())} missing"
+    with pytest.raises(EngineNotApplicable, match=msg):
+        MaskedPretrainingLoss(conditionals="encode_decode").loss(model, guide, data)
+    with pytest.raises(EngineNotApplicable, match=msg):
+        MaskedPretrainingLoss(conditionals="importance", proposal="guide").loss(model, guide, data)
+    with pytest.raises(ValueError, match=msg):
+        ImportanceWeightedELBO(4).loss(model, guide, data)
+    with pytest.raises(ValueError, match=msg):
+        Evidence(model, guide, method="importance", proposal="guide")(data)
+    # "auto" picks what leaves the missing tokens out exactly
+    exact = _exact(W, b, x, m)
+    assert torch.allclose(MaskedPretrainingLoss(masks="order").score(model, guide, data), exact, atol=1e-9)
+
+
+def test_masked_datapoints_count_zero_and_nan_at_observed_tokens_is_refused(float64):
+    W, b, x = _params()
+    keep = torch.tensor([True, False, True, True, False, True])
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]), poutine.mask(mask=keep):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T + b, SIGMA).to_event(1), obs=x)
+
+    expected = torch.where(keep, _exact(W, b, x), torch.zeros(N, dtype=x.dtype))
+    assert torch.allclose(MaskedPretrainingLoss(masks="order").score(model, None, x), expected, atol=1e-9)
+    m = _mask()
+    plated, _ = _plated(W, b, obs_mask=m)
+    bad = torch.where(m, x, torch.full_like(x, math.nan))
+    bad[1, 0] = math.nan  # datapoint 1 observes every token
+    with pytest.raises(ValueError, match="'x_observed' contains 1 NaN or infinite value\\(s\\) at observed tokens"):
+        MaskedPretrainingLoss().loss(plated, None, bad)
+
+
+# ---------------------------------------------------------------------- other shapes
+def test_pyro_module_with_pyro_sample_prior_on_a_local_latent(float64):
+    W, b, x = _params()
+
+    class PPCA(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.W = PyroParam(W.clone())
+            self.z = PyroSample(lambda self: dist.Normal(torch.zeros(K, dtype=torch.float64), 1.0).to_event(1))
+
+        def forward(self, x):
+            with pyro.plate("data", x.shape[0]):
+                z = self.z  # a local latent: sampled inside the data plate
+                return pyro.sample("x", dist.Normal(z @ self.W.T + b, SIGMA).to_event(1), obs=x)
+
+    model = PPCA()
+    exact = _exact(W, b, x)
+    assert torch.allclose(Evidence(model)(x), exact, atol=TOL)
+    assert torch.allclose(MaskedPretrainingLoss(masks="exhaustive").score(model, None, x), exact, atol=1e-8)
+    assert torch.allclose(MaskedPretrainingLoss(conditionals="quadrature", masks="order").score(model, None, x), exact, atol=1e-8)
+
+
+def test_pyro_module_with_pyro_sample_weight_priors_is_refused_as_global(float64):
+    """PyroSample priors on weights (a Bayesian layer) are latents shared by all datapoints."""
+    x = torch.randn(N, D)
+
+    class BayesianDecoder(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.linear = PyroModule[torch.nn.Linear](K, D)
+            self.linear.weight = PyroSample(dist.Normal(0.0, 1.0).expand([D, K]).to_event(2))
+
+        def forward(self, x):
+            weight = self.linear.weight  # sampled once, outside the data plate
+            with pyro.plate("data", x.shape[0]):
+                z = pyro.sample("z", dist.Normal(torch.zeros(K), 1.0).to_event(1))
+                return pyro.sample("x", dist.Normal(z @ weight.T + self.linear.bias, SIGMA).to_event(1), obs=x)
+
+    model = BayesianDecoder()
+    with pytest.raises(ValueError, match="(?s)'linear.weight' is outside the plate\\(s\\) 'data'.*global latent"):
+        MaskedPretrainingLoss().loss(model, None, x)
+
+
+@pytest.mark.parametrize("engine", ["gaussian", "quadrature"])
+def test_covariates_enter_the_location(float64, engine):
+    W, b, x = _params()
+    c = torch.linspace(-1.0, 1.0, N, dtype=torch.float64)[:, None]
+    B = torch.randn(1, D, dtype=torch.float64)
+
+    def model(x, c):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(c @ B + z @ W.T + b, SIGMA).to_event(1), obs=x)
+
+    exact = _exact(W, b, x - c @ B)
+    got = MaskedPretrainingLoss(conditionals=engine, masks="order").score(model, None, x, c)
+    assert torch.allclose(got, exact, atol=1e-8)
+
+
+def test_poutine_scale_and_subsampling_multiply_each_datapoint(float64):
+    W, b, x = _params()
+
+    def model(x, idx):
+        with pyro.plate("data", N, subsample=idx) as i:
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T + b, SIGMA).to_event(1), obs=x[i])
+
+    idx = torch.tensor([0, 3, 5])
+    scaled = poutine.scale(model, scale=0.25)
+    expected = -0.25 * N / 3 * float(_exact(W, b, x)[idx].sum())
+    for engine in ["gaussian", "quadrature"]:
+        got = MaskedPretrainingLoss(conditionals=engine, masks="order").loss(scaled, None, x, idx)
+        assert abs(got - expected) < 1e-9, engine
+
+
+@pytest.mark.parametrize("engine", ["gaussian", "quadrature"])
+def test_image_to_event_3_tokens_are_the_flattened_pixels(float64, engine):
+    C, H, Wd = 2, 2, 2
+    Dimg = C * H * Wd
+    W, b, _ = _params(D=Dimg, seed=4)
+    x = torch.randn(N, C, H, Wd, dtype=torch.float64)
+
+    def image(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            loc = (z @ W.T + b).reshape(z.shape[:-1] + (C, H, Wd))
+            pyro.sample("x", dist.Normal(loc, SIGMA).to_event(3), obs=x)
+
+    exact = _exact(W, b, x.reshape(N, Dimg))
+    got = MaskedPretrainingLoss(conditionals=engine, masks="order").score(image, None, x)
+    assert torch.allclose(got, exact, atol=1e-8)
+
+
+def test_several_local_latent_sites_equal_the_stacked_latent(float64):
+    W, b, x = _params(K=3)
+
+    def two_sites(x):
+        with pyro.plate("data", x.shape[0]):
+            z1 = pyro.sample("z1", dist.Normal(torch.zeros(1, dtype=x.dtype), 1.0).to_event(1))
+            z2 = pyro.sample("z2", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z1 @ W[:, :1].T + z2 @ W[:, 1:].T + b, SIGMA).to_event(1), obs=x)
+
+    exact = _exact(W, b, x)
+    assert torch.allclose(Evidence(two_sites)(x), exact, atol=TOL)
+    for engine in ["gaussian", "quadrature"]:
+        got = MaskedPretrainingLoss(conditionals=engine, masks="exhaustive").score(two_sites, None, x)
+        assert torch.allclose(got, exact, atol=1e-8), engine
+
+
+def test_nested_data_plates_and_extra_batch_dims(float64):
+    """Datapoints in two nested plates keep their batch shape; a larger max_plate_nesting
+    (extra, unused batch dims on the left) changes nothing."""
+    W, b, x = _params()
+    A, B = 2, 3
+    x2 = x.reshape(A, B, D)
+
+    def nested(x):
+        with pyro.plate("a", A, dim=-2), pyro.plate("b", B, dim=-1):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T + b, SIGMA).to_event(1), obs=x)
+
+    exact = _exact(W, b, x).reshape(A, B)
+    for mpn in [float("inf"), 4]:
+        for engine in ["gaussian", "quadrature"]:
+            loss = MaskedPretrainingLoss(conditionals=engine, masks="order", max_plate_nesting=mpn)
+            got = loss.score(nested, None, x2)
+            assert got.shape == (A, B)
+            assert torch.allclose(got, exact, atol=1e-8), (engine, mpn)
+    assert torch.allclose(Evidence(nested, max_plate_nesting=4)(x2), exact, atol=TOL)
+
+
+def test_latent_in_a_plate_the_observation_lacks_is_refused_by_the_closed_forms(float64):
+    """A datapoint's latent dims in a plate of their own: the Gaussian and quadrature engines
+    refuse it with the fix (importance sums it per datapoint, see
+    test_importance.py::test_latents_in_an_extra_plate_are_summed_per_datapoint)."""
+    W, b, x = _params()
+
+    def model(x):
+        with pyro.plate("data", x.shape[0], dim=-1):
+            with pyro.plate("k", K, dim=-2):
+                z = pyro.sample("z", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
+            loc = torch.einsum("dk,...kn->...nd", W, z).unsqueeze(-3) + b
+            pyro.sample("x", dist.Normal(loc, SIGMA).to_event(1), obs=x)
+
+    for engine in ["gaussian", "quadrature"]:
+        with pytest.raises(EngineNotApplicable, match="'z' sits in plate\\(s\\) 'k' that observed site 'x' lacks.*to_event"):
+            MaskedPretrainingLoss(conditionals=engine).loss(model, None, x)
+
+
+def test_missing_tokens_with_a_schedule_that_cannot_leave_them_out_is_refused(float64):
+    from pyro_mpt.masks import RandomOrders
+
+    class OldSchedule(RandomOrders):
+        def blocks(self, n, D, *, max_elements=2**22, device=None):
+            return super().blocks(n, D, max_elements=max_elements, device=device)
+
+    W, b, x = _params()
+    model = _missing_models(W, b, _mask())["dist.mask"]
+    with pytest.raises(ValueError, match="missing \\(masked\\) tokens, but the mask schedule .* takes no observed= argument"):
+        MaskedPretrainingLoss(masks=OldSchedule()).loss(model, None, x)
+    # without missing tokens it keeps working
+    twin, _ = _twin(W, b)
+    assert torch.allclose(MaskedPretrainingLoss(masks=OldSchedule()).score(twin, None, x), _exact(W, b, x), atol=1e-8)
