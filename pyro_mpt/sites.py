@@ -21,7 +21,7 @@ token-plate dims in their batch order, then the event dims.
 **Missing tokens.** Observed sites may carry a mask: ``obs_mask=`` (Pyro then
 records a ``<name>_observed`` site and a ``<name>_unobserved`` latent, which is
 dropped here: the missing tokens are integrated out), ``dist.mask(m)`` on the
-observation, or ``poutine.mask``. :attr:`ObservedTokens.observed` then marks
+observation, or ``poutine.mask``. The ``observed`` field of :class:`ObservedTokens` marks
 the observed tokens; missing ones are never context and never targets, and the
 values they carry are replaced by an observed value of the same token (so that
 every engine sees finite numbers in the support).
