@@ -19,13 +19,28 @@ from abc import ABC, abstractmethod
 
 import torch
 
-__all__ = ["ConditionalEngine", "EngineNotApplicable"]
+__all__ = ["ConditionalEngine", "EngineNotApplicable", "NumericalWarning"]
 
 
 class EngineNotApplicable(ValueError):
     """Raised by :meth:`ConditionalEngine.prepare` when the model is outside what
     the engine serves; the message names the site and what to use instead.
     ``conditionals="auto"`` catches it and tries the next engine."""
+
+
+class NumericalWarning(UserWarning):
+    """A numerical rescue changed the computation, e.g. jitter added to a
+    near-singular covariance; the message names the site and the amount.
+
+    :param str message: the warning text.
+    :param str site: the observed site concerned.
+    :param float jitter: the amount added to the covariance diagonal.
+    """
+
+    def __init__(self, message, *, site=None, jitter=None):
+        super().__init__(message)
+        self.site = site
+        self.jitter = jitter
 
 
 class ConditionalEngine(ABC):

@@ -53,12 +53,14 @@ class GaussianMarginal:
     :param torch.Tensor cov_factor: ``(n|1, D, R)`` or None.
     :param torch.Tensor cov_diag: ``(n|1, D)`` or None.
     :param torch.Tensor covariance: ``(n|1, D, D)`` or None (dense form).
+    :param str site: the observed site, for error messages.
     """
 
     loc: torch.Tensor
     cov_factor: Optional[torch.Tensor] = None
     cov_diag: Optional[torch.Tensor] = None
     covariance: Optional[torch.Tensor] = None
+    site: Optional[str] = None
 
     @property
     def is_low_rank(self):
