@@ -51,58 +51,37 @@ def _normal_log_prob(x, mean, var):
     return -0.5 * (_LOG_2PI + var.log() + (x - mean) ** 2 / var)
 
 
+class _NotPositiveDefinite(ValueError):
+    """A Cholesky factorization failed; :meth:`GaussianConditionals._rescued` catches it."""
+
+
 def _cholesky(A, what, site=None):
+    """Cholesky factor of ``A``; raises :class:`_NotPositiveDefinite` when it fails
+    or when a pivot :math:`L_{kk}^2` falls below ``10 eps`` times its diagonal
+    entry: rounding errors in a pivot are of order ``eps`` times the diagonal,
+    so such a pivot (and the log-determinant and solves built on it) has lost
+    all its digits even where the factorization happens to succeed."""
     L, info = torch.linalg.cholesky_ex(A)
-    if bool((info != 0).any()):
+    bad = bool((info != 0).any())
+    if not bad:
+        with torch.no_grad():
+            pivots = torch.diagonal(L, dim1=-2, dim2=-1).pow(2)
+            diag = torch.diagonal(A, dim1=-2, dim2=-1)
+            bad = bool((pivots < 10 * torch.finfo(A.dtype).eps * diag).any())
+    if bad:
         where = "" if site is None else f" of site {site!r}"
-        raise ValueError(
-            f"The {what}{where} is not positive definite (Cholesky failed); the model's "
-            f"covariance is singular or ill-conditioned. Try float64 data and "
-            f"parameters, or GaussianConditionals(jitter=1e-6) to add a small "
-            f"diagonal."
+        raise _NotPositiveDefinite(
+            f"The {what}{where} is not positive definite to working precision (its "
+            f"Cholesky factorization failed or lost all digits)"
         )
     return L
 
 
 def _first_jitter(dtype):
-    """The first relative jitter of the rescue: 1e-8 in float64, 1e-6 in float32
-    (a power of ten a few rounding units above ``eps``, so that it survives the
-    addition to the diagonal)."""
-    return 10.0 ** math.ceil(math.log10(max(1e-8, 4 * torch.finfo(dtype).eps)))
-
-
-def _rescue(factors, scale, dtype, site, max_jitter):
-    r"""The smallest jitter :math:`\tau` of the ladder ``0, s t, 10 s t, ...`` for which
-    ``factors(tau)`` succeeds, with ``s`` the mean diagonal of the covariance and
-    ``t`` :func:`_first_jitter`; warns with :class:`NumericalWarning` when
-    :math:`\tau > 0`.
-
-    :param callable factors: ``tau -> bool``, whether the covariance plus
-        ``tau * I`` factorizes.
-    :returns: :math:`\tau`, or None when even ``max_jitter * s`` fails.
-    """
-    if factors(0.0):
-        return 0.0
-    k = round(math.log10(_first_jitter(dtype)))
-    while 10.0**k <= max_jitter * (1 + 1e-9):
-        rel = 10.0**k
-        tau = rel * scale
-        if factors(tau):
-            warnings.warn(
-                NumericalWarning(
-                    f"GaussianConditionals: the covariance of site {site!r} is not positive "
-                    f"definite in {str(dtype).replace('torch.', '')} (Cholesky failed: it is "
-                    f"singular or nearly so); added jitter {tau:.3g} ({rel:.0e} x its mean "
-                    f"diagonal {scale:.3g}) to its diagonal. Pass GaussianConditionals(jitter=...) "
-                    f"to choose the amount, or give the model more observation noise.",
-                    site=site,
-                    jitter=tau,
-                ),
-                stacklevel=4,
-            )
-            return tau
-        k += 1
-    return None
+    """The first relative jitter of the rescue: 1e-8 in float64, 1e-5 in float32
+    (a power of ten well above the ``10 eps`` pivot floor of :func:`_cholesky`,
+    so that the blocks of the jittered covariance clear it too)."""
+    return 10.0 ** math.ceil(math.log10(max(1e-8, 50 * torch.finfo(dtype).eps)))
 
 
 def _take(t, idx):
@@ -123,10 +102,11 @@ class GaussianConditionals(ConditionalEngine):
     :param str method: ``"auto"`` (low-rank when the marginal has rank below
         D, else dense), ``"lowrank"`` or ``"dense"``.
     :param float jitter: added to the marginal's diagonal; 0 by default.
-    :param float max_jitter: when the covariance does not factorize (singular
-        or nearly so), retry with jitter :math:`10^{-8}` (float64;
-        :math:`10^{-6}` in float32) times its mean diagonal, ten times more
-        at each retry up to ``max_jitter`` times it, and warn
+    :param float max_jitter: when a Cholesky factorization fails (the
+        covariance is singular or nearly so), add jitter :math:`10^{-8}`
+        (float64; :math:`10^{-5}` in float32) times the covariance's mean
+        diagonal to its diagonal and retry, ten times more at each retry up
+        to ``max_jitter`` times it, warning
         (:class:`~pyro_mpt.conditionals.base.NumericalWarning`) with the
         amount; 0 disables the rescue.
     :param bool vectorize: derive the marginal with one vectorized model run.
@@ -163,73 +143,112 @@ class GaussianConditionals(ConditionalEngine):
             self.method == "auto" and (not marginal.is_low_rank or marginal.rank >= D)
         )
         site = tokens.name
-        # the rescue jitter is decided once per evaluation and added to the
-        # covariance itself, so every query's conditionals still come from one
-        # joint (the jittered model); principal blocks of a covariance that
-        # factorizes are no worse conditioned, so the queries factorize too
         if dense:
             cov = marginal.dense()
-            eye = torch.eye(D, dtype=cov.dtype, device=cov.device)
             if self.jitter:
-                cov = cov + self.jitter * eye
-            with torch.no_grad():
-                c = cov.detach()
-                scale = float(torch.diagonal(c, dim1=-2, dim2=-1).mean())
-                tau = _rescue(
-                    lambda t: _factorizes(c + t * eye), scale, cov.dtype, site, self.max_jitter
-                )
-            if tau is None:
+                cov = cov + self.jitter * torch.eye(D, dtype=cov.dtype, device=cov.device)
+            state = GaussianMarginal(marginal.loc, covariance=cov, site=site)
+        else:
+            if not marginal.is_low_rank:
                 raise ValueError(
-                    f"The covariance of site {site!r} is not positive definite (Cholesky "
-                    f"failed) even with jitter up to {self.max_jitter:g} x its mean diagonal "
-                    f"{scale:.3g}: it is singular or ill-conditioned. Try float64 data and "
-                    f"parameters, more observation noise, or GaussianConditionals(jitter=...) "
-                    f"with a larger value."
+                    f"GaussianConditionals(method='lowrank'): the marginal of site "
+                    f"{site!r} has a dense covariance; use method='dense' or 'auto'."
                 )
-            if tau:
-                cov = cov + tau * eye
-            return GaussianMarginal(marginal.loc, covariance=cov, site=site)
-        if not marginal.is_low_rank:
-            raise ValueError(
-                f"GaussianConditionals(method='lowrank'): the marginal of site "
-                f"{site!r} has a dense covariance; use method='dense' or 'auto'."
-            )
-        F, psi = marginal.cov_factor, marginal.cov_diag
-        if F is None:
-            F = psi.new_zeros(psi.shape + (1,))
-        if self.jitter:
-            psi = psi + self.jitter
-        if bool((psi < 0).any()):
-            raise ValueError(
-                f"The noise variance of site {site!r} has negative entries (min "
-                f"{float(psi.min()):.3g}), so its covariance is not positive definite. "
-                f"Use a positive scale (e.g. constrain it with constraints.positive)."
-            )
+            F, psi = marginal.cov_factor, marginal.cov_diag
+            if F is None:
+                F = psi.new_zeros(psi.shape + (1,))
+            if self.jitter:
+                psi = psi + self.jitter
+            if bool((psi < 0).any()):
+                raise ValueError(
+                    f"The noise variance of site {site!r} has negative entries (min "
+                    f"{float(psi.min()):.3g}), so its covariance is not positive definite. "
+                    f"Use a positive scale (e.g. a pyro.param with constraint=constraints.positive)."
+                )
+            state = GaussianMarginal(marginal.loc, cov_factor=F, cov_diag=psi, site=site)
+        # factor the whole covariance once, so that a near-singular one is
+        # rescued before any query; its principal blocks are no worse conditioned
+        self._rescued(state, lambda: self._factor_whole(state))
+        return state
+
+    # ------------------------------------------------------------------ jitter rescue
+    @staticmethod
+    def _factor_whole(state):
         with torch.no_grad():
-            Fd, pd = F.detach(), psi.detach()
+            if not state.is_low_rank:
+                _cholesky(state.covariance, "covariance", state.site)
+                return
+            F, psi = state.cov_factor, state.cov_diag
+            if bool((psi <= 0).any()):
+                raise _NotPositiveDefinite(
+                    f"The covariance of site {state.site!r} is not positive definite (its "
+                    f"noise variance has {int((psi <= 0).sum())} zero entries)"
+                )
             eye = torch.eye(F.shape[-1], dtype=F.dtype, device=F.device)
-            scale = float((pd + Fd.pow(2).sum(-1)).mean())
+            _cholesky(eye + F.transpose(-1, -2) @ (F / psi.unsqueeze(-1)), "posterior precision I + F^T Psi^-1 F", state.site)
 
-            def factors(t):
-                p = pd + t
-                if bool((p <= 0).any()):
-                    return False
-                return _factorizes(eye + Fd.transpose(-1, -2) @ (Fd / p.unsqueeze(-1)))
+    def _rescued(self, state, compute):
+        r"""``compute()``, retried with more jitter on the state's covariance while a
+        Cholesky factorization fails.
 
-            tau = _rescue(factors, scale, psi.dtype, site, self.max_jitter)
-        if tau is None:
+        The jitter goes into the model's covariance (the state), not into the
+        one matrix that failed, so all conditionals keep coming from one joint
+        :math:`\mathcal N(\mu, \Sigma + \tau I)`; it grows tenfold per retry
+        from :func:`_first_jitter` times the mean diagonal of :math:`\Sigma` up
+        to ``max_jitter`` times it, and each increase warns with the total.
+        """
+        while True:
+            try:
+                return compute()
+            except _NotPositiveDefinite as error:
+                self._add_jitter(state, error)
+
+    def _add_jitter(self, state, error):
+        with torch.no_grad():
+            if state.is_low_rank:
+                diag = state.cov_diag + state.cov_factor.pow(2).sum(-1)
+            else:
+                diag = torch.diagonal(state.covariance, dim1=-2, dim2=-1)
+            scale = float(diag.mean()) - state.jitter
+        dtype = state.loc.dtype
+        if state.jitter:
+            k = round(math.log10(state.jitter / scale)) + 1
+        else:
+            k = round(math.log10(_first_jitter(dtype)))
+        rel = 10.0**k
+        if not (scale > 0 and math.isfinite(scale)) or rel > self.max_jitter * (1 + 1e-9):
             raise ValueError(
-                f"The covariance of site {site!r} is not positive definite (its noise "
-                f"variance has {int((psi <= 0).sum())} zero entries, or the context "
-                f"precision I + F^T Psi^-1 F does not factorize) even with jitter up to "
-                f"{self.max_jitter:g} x its mean diagonal {scale:.3g}. Use a positive "
-                f"noise scale, float64, or GaussianConditionals(jitter=...) with a larger value."
-            )
-        if tau:
-            psi = psi + tau
-        return GaussianMarginal(marginal.loc, cov_factor=F, cov_diag=psi, site=site)
+                f"{error} even with jitter up to {self.max_jitter:g} x the mean diagonal "
+                f"{scale:.3g} of its covariance: the covariance is singular or ill-conditioned. "
+                f"Try float64 data and parameters, more observation noise, or "
+                f"GaussianConditionals(jitter=...) with a larger value."
+            ) from None
+        tau = rel * scale
+        delta = tau - state.jitter
+        if state.is_low_rank:
+            state.cov_diag = state.cov_diag + delta
+        else:
+            D = state.num_tokens
+            state.covariance = state.covariance + delta * torch.eye(D, dtype=dtype, device=state.loc.device)
+        state.jitter = tau
+        warnings.warn(
+            NumericalWarning(
+                f"GaussianConditionals: the covariance of site {state.site!r} is not positive "
+                f"definite in {str(dtype).replace('torch.', '')} (Cholesky failed: it is "
+                f"singular or nearly so); added jitter {tau:.3g} ({rel:.0e} x its mean "
+                f"diagonal {scale:.3g}) to its diagonal. Pass GaussianConditionals(jitter=...) "
+                f"to choose the amount, or give the model more observation noise.",
+                site=state.site,
+                jitter=tau,
+            ),
+            stacklevel=4,
+        )
 
     def log_evidence(self, state, x):
+        return self._rescued(state, lambda: self._log_evidence(state, x))
+
+    @staticmethod
+    def _log_evidence(state, x):
         if state.is_low_rank:
             return _lowrank_log_prob(state, x)
         L = _cholesky(state.covariance, "covariance", state.site)
@@ -261,6 +280,9 @@ class GaussianConditionals(ConditionalEngine):
 
     # ------------------------------------------------------------------ masks
     def mask_log_prob(self, state, x, mask):
+        return self._rescued(state, lambda: self._mask_log_prob(state, x, mask))
+
+    def _mask_log_prob(self, state, x, mask):
         D = x.shape[-1]
         if state.is_low_rank:
             R = state.cov_factor.shape[-1]
@@ -274,12 +296,15 @@ class GaussianConditionals(ConditionalEngine):
             R = state.cov_factor.shape[-1]
             n, D = x.shape
             q_step = max(1, self.max_elements // max(1, (n + D) * (R + 1)))
-            return torch.cat(
+            return self._rescued(state, lambda: torch.cat(
                 [_lowrank_shared_sums(state, x, mask[i : i + q_step, 0]) for i in range(0, mask.shape[0], q_step)]
-            )
+            ))
         return super().mask_sums(state, x, mask)
 
     def chain_log_prob(self, state, x, order):
+        return self._rescued(state, lambda: self._chain_log_prob(state, x, order))
+
+    def _chain_log_prob(self, state, x, order):
         D = x.shape[-1]
         if state.is_low_rank:
             R = state.cov_factor.shape[-1]
@@ -295,10 +320,6 @@ class GaussianConditionals(ConditionalEngine):
         return self.log_evidence(state, x).expand(order.shape[0], x.shape[0])
 
 
-def _factorizes(A):
-    return not bool((torch.linalg.cholesky_ex(A)[1] != 0).any())
-
-
 def _slice_marginal(m, idx):
     return GaussianMarginal(
         _take(m.loc, idx),
@@ -306,6 +327,7 @@ def _slice_marginal(m, idx):
         cov_diag=None if m.cov_diag is None else _take(m.cov_diag, idx),
         covariance=None if m.covariance is None else _take(m.covariance, idx),
         site=m.site,
+        jitter=m.jitter,
     )
 
 

@@ -54,6 +54,8 @@ class GaussianMarginal:
     :param torch.Tensor cov_diag: ``(n|1, D)`` or None.
     :param torch.Tensor covariance: ``(n|1, D, D)`` or None (dense form).
     :param str site: the observed site, for error messages.
+    :param float jitter: jitter already added to the diagonal by
+        :class:`~pyro_mpt.conditionals.GaussianConditionals`' rescue.
     """
 
     loc: torch.Tensor
@@ -61,6 +63,7 @@ class GaussianMarginal:
     cov_diag: Optional[torch.Tensor] = None
     covariance: Optional[torch.Tensor] = None
     site: Optional[str] = None
+    jitter: float = 0.0
 
     @property
     def is_low_rank(self):
