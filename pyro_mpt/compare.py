@@ -97,7 +97,8 @@ class Comparison:
         for r in self.results:
             if r.name == name:
                 return r
-        raise KeyError(name)
+        names = ", ".join(repr(r.name) for r in self.results)
+        raise KeyError(f"No loss named {name!r} in this comparison; its losses are {names}.")
 
     def paired(self, a, b):
         """Mean held-out difference ``a - b`` over the same datapoints, and its standard error.
@@ -305,7 +306,10 @@ def compare(
                 result.train_time += time.perf_counter() - start
                 entry = {"epoch": epoch, "loss": total / N}
                 if not math.isfinite(entry["loss"]):
-                    raise FloatingPointError(f"the loss became {entry['loss']} at epoch {epoch}")
+                    raise FloatingPointError(
+                        f"the loss became {entry['loss']} at epoch {epoch}; lower the learning "
+                        f"rate (lr=...) or check the model's scales"
+                    )
                 if eval_every and (epoch % eval_every == 0 or epoch == epochs):
                     ev = heldout_evidence(model, guide, test, eval_samples)
                     entry.update(heldout=ev["mean"], stderr=ev["stderr"])

@@ -22,7 +22,10 @@ def _split(x, n_train, n_test, seed):
     if n_test is None:
         n_test = max(1, x.shape[0] // 6)
     if n_test >= x.shape[0]:
-        raise ValueError(f"n_test={n_test} leaves no training data out of {x.shape[0]} images.")
+        raise ValueError(
+            f"n_test={n_test} leaves no training data out of {x.shape[0]} images; pass "
+            f"n_test < {x.shape[0]}."
+        )
     test, train = x[:n_test], x[n_test:]
     if n_train is not None:
         train = train[:n_train]

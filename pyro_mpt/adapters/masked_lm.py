@@ -329,7 +329,8 @@ class MaskedLMScorer:
             keep = torch.ones_like(x, dtype=torch.bool) if attn is None else torch.as_tensor(attn[i]).reshape(-1).bool()
             if keep.shape != x.shape:
                 raise ValueError(
-                    f"attention_mask[{i}] has {keep.numel()} entries but input_ids[{i}] has {x.numel()}."
+                    f"attention_mask[{i}] has {keep.numel()} entries but input_ids[{i}] has {x.numel()}; "
+                    f"give one mask entry per token (1 = keep, 0 = padding)."
                 )
             x = x[keep]
             maskable = torch.nonzero(~torch.isin(x, self.special_token_ids)).reshape(-1)

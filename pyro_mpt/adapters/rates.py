@@ -187,7 +187,11 @@ class RateCurve(MPTCurve):
         """
         D = self.num_tokens if num_tokens is None else num_tokens
         if np.isnan(self.score).any():
-            raise ValueError("The curve has NaN values; its area is undefined.")
+            bad = np.asarray(self.rates)[np.isnan(self.score)].tolist()
+            raise ValueError(
+                f"The curve is NaN at rate(s) {bad}, so its area is undefined; check the "
+                f"per-item scores (curve.per_item) for NaN values, or drop those rates."
+            )
         return float(D * np.sum(rate_weights(self.rates) * self.score))
 
     def area_stderr(self, num_tokens=None):
@@ -198,7 +202,10 @@ class RateCurve(MPTCurve):
     def per_item_area(self):
         r""":math:`L_i \sum_k w_k \bar S_i(r_k)` per item, shape ``(n,)``."""
         if self.per_item is None:
-            raise ValueError("This curve was built without per-item scores.")
+            raise ValueError(
+                "This curve was built without per-item scores (per_item=None); build it with "
+                "rate_curve(values, rates, lengths), as the scorers do."
+            )
         return self.lengths * (self.per_item @ rate_weights(self.rates))
 
     def to_dict(self):

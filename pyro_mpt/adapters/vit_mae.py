@@ -116,7 +116,10 @@ class MAEScorer:
         if not (sigma2 == "mle" or (isinstance(sigma2, (int, float)) and sigma2 > 0)):
             raise ValueError(f'sigma2 must be a positive float or "mle", got {sigma2!r}.')
         if int(batch_size) < 1 or int(chunk_images) < 1:
-            raise ValueError(f"batch_size and chunk_images must be positive, got {batch_size}, {chunk_images}.")
+            raise ValueError(
+                f"MAEScorer(batch_size={batch_size}, chunk_images={chunk_images}): both must be "
+                f"positive (masked copies per forward pass, images preprocessed at once)."
+            )
         for attr in ("vit", "decoder", "patchify"):
             if not hasattr(model, attr):
                 raise TypeError(
@@ -229,7 +232,8 @@ class MAEScorer:
         if not torch.all(counts == num_masked):
             raise RuntimeError(
                 f"The model masked {counts.tolist()} patches instead of {num_masked}; "
-                f"this ViT-MAE does not honour noise/mask_ratio as expected."
+                f"this ViT-MAE does not honour noise/mask_ratio as expected. Use a "
+                f"transformers ViTMAEForPreTraining, whose random masking reads both."
             )
         return {"patch_error": err, "mask": mask, "loss": out.loss.float()}
 

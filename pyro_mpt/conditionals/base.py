@@ -129,7 +129,8 @@ class ConditionalEngine(ABC):
         if x.dim() != 2 or x.shape[0] != state.num_data or x.shape[-1] != state.num_tokens:
             raise ValueError(
                 f"{type(self).__name__}: x has shape {tuple(x.shape)} but the state was "
-                f"prepared for ({state.num_data}, {state.num_tokens}) tokens."
+                f"prepared for ({state.num_data}, {state.num_tokens}) tokens; pass the "
+                f"tokens the state was prepared with, or prepare() a state for these."
             )
 
     def mask_sums(self, state, x, mask):

@@ -276,10 +276,17 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
             raise
         except Exception:
             # the model does not broadcast shared latents: give it full batch shapes
-            (loc, noise), scales = vectorized(compact=False)
-        for name, scale in scales.items():
-            _check_scale_rows(name, scale)
-    else:
+            try:
+                (loc, noise), scales = vectorized(compact=False)
+            except NotLinearGaussianError:
+                raise
+            except Exception:
+                # nor over an extra batch dim on the left: one run per noise point
+                vectorize = False
+        if vectorize:
+            for name, scale in scales.items():
+                _check_scale_rows(name, scale)
+    if not vectorize:
         locs, noises, all_scales = [], [], []
         for b in range(K + 2):
             handler = _AffineLatents(layout, basis[b : b + 1], None, False)
