@@ -106,8 +106,8 @@ class Comparison:
         Both models are scored on the same held-out images, so the paired
         standard error is much smaller than either model's own.
         """
-        va = torch.tensor(self[a].values, dtype=torch.float64)
-        vb = torch.tensor(self[b].values, dtype=torch.float64)
+        va = torch.tensor(self[a].values, dtype=torch.float64, device="cpu")
+        vb = torch.tensor(self[b].values, dtype=torch.float64, device="cpu")
         d = va - vb
         return float(d.mean()), float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else math.nan
 
@@ -298,7 +298,7 @@ def compare(
             svi = SVI(model, guide, Adam({"lr": lr}), loss)
             order = torch.Generator().manual_seed(seed)
             for epoch in range(1, epochs + 1):
-                perm = torch.randperm(N, generator=order)
+                perm = torch.randperm(N, generator=order, device="cpu")
                 total = 0.0
                 start = time.perf_counter()
                 for i in range(0, N, batch_size):

@@ -109,8 +109,8 @@ def mask_counts(rates, lengths):
     :param lengths: ``(n,)`` numbers of maskable tokens.
     :returns: long tensor ``(n, R)``.
     """
-    r = torch.as_tensor(np.asarray(rates, dtype=np.float64))
-    L = torch.as_tensor(np.asarray(lengths)).to(torch.int64)
+    r = torch.as_tensor(np.asarray(rates, dtype=np.float64), device="cpu")
+    L = torch.as_tensor(np.asarray(lengths), device="cpu").to(torch.int64)
     m = torch.floor(r[None, :] * L[:, None].double() + 0.5).long()
     return torch.minimum(m.clamp(min=1), L[:, None])
 
@@ -152,7 +152,7 @@ def nested_ranks(generator, num_masks, length):
 
     :returns: long tensor ``(num_masks, length)``.
     """
-    return torch.rand((num_masks, length), generator=generator).argsort(-1).argsort(-1)
+    return torch.rand((num_masks, length), generator=generator, device=generator.device).argsort(-1).argsort(-1)
 
 
 @dataclass
@@ -235,11 +235,11 @@ def rate_curve(values, rates, lengths, label=None):
     :param rates: ``(R,)``.
     :param lengths: ``(n,)`` maskable tokens.
     """
-    values = torch.as_tensor(values, dtype=torch.float64)
+    values = torch.as_tensor(values, dtype=torch.float64, device="cpu")
     n, R, K = values.shape
     acc = CurveAccumulator(R)
     # one add in a fixed order: sums do not depend on how the values were computed
-    size = torch.arange(1, R + 1).view(1, R, 1).expand(n, R, K)
+    size = torch.arange(1, R + 1, device="cpu").view(1, R, 1).expand(n, R, K)
     acc.add(values, size)
     base = acc.result(label)
     lengths = np.asarray(lengths, dtype=np.float64)

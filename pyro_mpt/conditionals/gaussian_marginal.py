@@ -238,7 +238,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
     value = tokens.value
     # a fixed generator: the affinity check must not consume the user's random stream
     gen = torch.Generator(device="cpu").manual_seed(20231207)
-    eps_r = torch.randn(1, K, generator=gen, dtype=value.dtype).to(value.device)
+    eps_r = torch.randn(1, K, generator=gen, dtype=value.dtype, device="cpu").to(value.device)
     basis = torch.cat(
         [
             torch.zeros(1, K, dtype=value.dtype, device=value.device),
