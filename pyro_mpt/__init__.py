@@ -6,7 +6,7 @@ Public API::
 """
 
 from .conditionals import ConditionalEngine, GaussianConditionals, QuadratureConditionals
-from .conditionals import EncodeDecodeConditionals, ImportanceConditionals
+from .conditionals import EncodeDecodeConditionals, ImportanceConditionals, NumericalWarning
 from .curve import MPTCurve
 from .evidence import Evidence, EvidenceResult
 from .importance_evidence import ImportanceSamplingWarning, ImportanceWeightedELBO
@@ -27,6 +27,7 @@ __all__ = [
     "ImportanceConditionals",
     "ImportanceWeightedELBO",
     "ImportanceSamplingWarning",
+    "NumericalWarning",
     "MaskSchedule",
     "AllSizes",
     "UniformSizes",

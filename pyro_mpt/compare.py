@@ -97,7 +97,8 @@ class Comparison:
         for r in self.results:
             if r.name == name:
                 return r
-        raise KeyError(name)
+        names = ", ".join(repr(r.name) for r in self.results)
+        raise KeyError(f"No loss named {name!r} in this comparison; its losses are {names}.")
 
     def paired(self, a, b):
         """Mean held-out difference ``a - b`` over the same datapoints, and its standard error.
@@ -105,8 +106,8 @@ class Comparison:
         Both models are scored on the same held-out images, so the paired
         standard error is much smaller than either model's own.
         """
-        va = torch.tensor(self[a].values, dtype=torch.float64)
-        vb = torch.tensor(self[b].values, dtype=torch.float64)
+        va = torch.tensor(self[a].values, dtype=torch.float64, device="cpu")
+        vb = torch.tensor(self[b].values, dtype=torch.float64, device="cpu")
         d = va - vb
         return float(d.mean()), float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else math.nan
 
@@ -297,7 +298,7 @@ def compare(
             svi = SVI(model, guide, Adam({"lr": lr}), loss)
             order = torch.Generator().manual_seed(seed)
             for epoch in range(1, epochs + 1):
-                perm = torch.randperm(N, generator=order)
+                perm = torch.randperm(N, generator=order, device="cpu")
                 total = 0.0
                 start = time.perf_counter()
                 for i in range(0, N, batch_size):
@@ -305,7 +306,10 @@ def compare(
                 result.train_time += time.perf_counter() - start
                 entry = {"epoch": epoch, "loss": total / N}
                 if not math.isfinite(entry["loss"]):
-                    raise FloatingPointError(f"the loss became {entry['loss']} at epoch {epoch}")
+                    raise FloatingPointError(
+                        f"the loss became {entry['loss']} at epoch {epoch}; lower the learning "
+                        f"rate (lr=...) or check the model's scales"
+                    )
                 if eval_every and (epoch % eval_every == 0 or epoch == epochs):
                     ev = heldout_evidence(model, guide, test, eval_samples)
                     entry.update(heldout=ev["mean"], stderr=ev["stderr"])

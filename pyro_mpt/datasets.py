@@ -17,12 +17,15 @@ DATASETS = ("digits", "mnist")
 
 def _split(x, n_train, n_test, seed):
     g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(x.shape[0], generator=g)
+    perm = torch.randperm(x.shape[0], generator=g, device="cpu")
     x = x[perm]
     if n_test is None:
         n_test = max(1, x.shape[0] // 6)
     if n_test >= x.shape[0]:
-        raise ValueError(f"n_test={n_test} leaves no training data out of {x.shape[0]} images.")
+        raise ValueError(
+            f"n_test={n_test} leaves no training data out of {x.shape[0]} images; pass "
+            f"n_test < {x.shape[0]}."
+        )
     test, train = x[:n_test], x[n_test:]
     if n_train is not None:
         train = train[:n_train]
@@ -73,8 +76,8 @@ def load_dataset(name="digits", *, binarize=True, n_train=None, n_test=None, see
             ds = torchvision.datasets.MNIST(root, train=train_split, download=True)
             sets.append(ds.data.reshape(ds.data.shape[0], -1).to(dtype) / 255.0)
         g = torch.Generator().manual_seed(seed)
-        train = sets[0][torch.randperm(sets[0].shape[0], generator=g)]
-        test = sets[1][torch.randperm(sets[1].shape[0], generator=g)]
+        train = sets[0][torch.randperm(sets[0].shape[0], generator=g, device="cpu")]
+        test = sets[1][torch.randperm(sets[1].shape[0], generator=g, device="cpu")]
         if n_train is not None:
             train = train[:n_train]
         test = test[: (n_test if n_test is not None else 10000)]

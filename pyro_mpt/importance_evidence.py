@@ -102,9 +102,9 @@ def psis_khat(log_weights):
         import arviz as az
 
         smoothed, khat = az.psislw(lw.T.cpu().numpy(), normalize=False)  # samples last
-    smoothed = torch.as_tensor(np.asarray(smoothed)).T.to(log_weights)
+    smoothed = torch.as_tensor(np.asarray(smoothed), device=log_weights.device).T.to(log_weights)
     smoothed = smoothed + top
-    khat = torch.as_tensor(np.asarray(khat)).reshape(-1).to(log_weights)
+    khat = torch.as_tensor(np.asarray(khat), device=log_weights.device).reshape(-1).to(log_weights)
     # equal weights (a zero-variance proposal) have no tail: k-hat is -inf
     tol = 100 * torch.finfo(log_weights.dtype).eps * top.abs().clamp_min(1.0).double()
     flat = lw.amin(0) > -tol

@@ -456,6 +456,13 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
         site_batch_shape=site_batch_shape,
     )
     n = math.prod(tokens.datapoint_shape)
+    num_tokens = math.prod(tokens.site_shape) // max(n, 1)
+    if num_tokens == 0:
+        # caught here, before any per-token bookkeeping indexes an empty token axis
+        raise ValueError(
+            f"Masked pre-training needs at least one token, got D=0 at observed site "
+            f"{name!r} (shape {tuple(tokens.site_shape)}). Give each datapoint at least one token."
+        )
     flat = tokens.to_tokens(value).reshape(n, -1)
     mask = _observed_mask(site)
     observed_tokens = None if mask is None else tokens.to_tokens(mask).reshape(n, -1)

@@ -1,11 +1,13 @@
 """The Gaussian closed-form engine and the marginal it derives from Pyro models."""
 
+import math
+
 import pytest
 import torch
 import pyro
 import pyro.distributions as dist
 
-from pyro_mpt import Evidence, GaussianConditionals, MaskedPretrainingLoss
+from pyro_mpt import Evidence, GaussianConditionals, MaskedPretrainingLoss, NumericalWarning
 from pyro_mpt.conditionals import NotLinearGaussianError, gaussian_marginal
 from pyro_mpt.sites import trace_tokens
 
@@ -366,7 +368,7 @@ def test_global_latent_is_refused():
         Evidence(model)(torch.randn(4, 3))
 
 
-def test_not_positive_definite_covariance_says_what_to_try():
+def test_not_positive_definite_covariance_is_rescued_or_says_what_to_try():
     D = 4
 
     def model(x):
@@ -374,8 +376,11 @@ def test_not_positive_definite_covariance_says_what_to_try():
             pyro.sample("x", dist.LowRankMultivariateNormal(torch.zeros(D), torch.ones(D, 1), torch.full((D,), 1e-30)), obs=x)
 
     x = torch.randn(3, D)
-    loss = MaskedPretrainingLoss(masks="exhaustive", conditionals=GaussianConditionals(method="dense"))
-    with pytest.raises(ValueError, match="not positive definite.*float64.*jitter"):
+    loss = MaskedPretrainingLoss(masks="exhaustive", conditionals=GaussianConditionals(method="dense", max_jitter=0))
+    with pytest.raises(ValueError, match="site 'x' is not positive definite.*float64.*jitter"):
         loss.loss(model, None, x)
+    rescued = MaskedPretrainingLoss(masks="exhaustive", conditionals=GaussianConditionals(method="dense"))
+    with pytest.warns(NumericalWarning, match="site 'x' .*added jitter 1e-08 "):
+        assert math.isfinite(rescued.loss(model, None, x))
     jittered = MaskedPretrainingLoss(masks="order", conditionals=GaussianConditionals(method="dense", jitter=1e-3))
     assert torch.isfinite(torch.tensor(jittered.loss(model, None, x)))

@@ -103,7 +103,7 @@ def gather_rows(rows, index, n, accelerator, fill=float("nan")):
     :returns: ``(n, ...)`` CPU tensor; rows no process computed hold ``fill``.
     """
     rows = rows.detach().cpu()
-    index = torch.as_tensor(index, dtype=torch.long).cpu()
+    index = torch.as_tensor(index, dtype=torch.long, device="cpu")
     if accelerator is not None:
         # gather wants equal shapes on every process: pad to ceil(n / world) rows
         per = math.ceil(n / accelerator.num_processes)

@@ -205,8 +205,8 @@ def load_masked_lm(name, tokenizer=None, random_init=False, lowercase=None, seed
             model = AutoModelForMaskedLM.from_config(config)
         else:
             model = AutoModelForMaskedLM.from_pretrained(name, **kw)
-    except OSError as err:
-        raise ResourceUnavailable(f"Could not load model {name!r}: {err}. {_MODEL_HINT}") from None
+    except (OSError, ValueError) as err:  # missing files; a config transformers cannot read
+        raise ResourceUnavailable(f"Could not load model {name!r}: {str(err).rstrip('.')}. {_MODEL_HINT}") from None
     tok = load_tokenizer(tokenizer, model_dir=name, lowercase=lowercase, where=where)
     return model.eval(), tok
 
@@ -234,8 +234,8 @@ def load_vit_mae(name, processor=None, random_init=False, seed=0, quiet=False):
             model = init_position_embeddings(ViTMAEForPreTraining(config))
         else:
             model = ViTMAEForPreTraining.from_pretrained(name, **kw)
-    except OSError as err:
-        raise ResourceUnavailable(f"Could not load ViT-MAE {name!r}: {err}. {_MAE_HINT}") from None
+    except (OSError, ValueError) as err:
+        raise ResourceUnavailable(f"Could not load ViT-MAE {name!r}: {str(err).rstrip('.')}. {_MAE_HINT}") from None
     try:
         proc = AutoImageProcessor.from_pretrained(processor or name, **kw)
     except (OSError, ValueError):
@@ -302,7 +302,10 @@ def load_texts(text_file=None, dataset=None, config=None, split="validation", co
         raise ValueError("Give exactly one data source: --text-file FILE or --dataset NAME.")
     if text_file is not None:
         if not os.path.isfile(text_file):
-            raise ResourceUnavailable(f"Text file {text_file!r} does not exist.")
+            raise ResourceUnavailable(
+                f"Text file {text_file!r} does not exist; pass --text-file with an existing "
+                f"file (one sequence per line)."
+            )
         with open(text_file, encoding="utf-8") as f:
             texts = [line.rstrip("\n") for line in f if line.strip()]
         return texts[:limit] if limit else texts
@@ -345,7 +348,10 @@ def load_images(image_folder=None, dataset=None, config=None, split="test", colu
         raise ValueError("Give exactly one data source: --image-folder DIR or --dataset NAME.")
     if image_folder is not None:
         if not os.path.isdir(image_folder):
-            raise ResourceUnavailable(f"Image folder {image_folder!r} does not exist.")
+            raise ResourceUnavailable(
+                f"Image folder {image_folder!r} does not exist; pass --image-folder with an "
+                f"existing directory of images."
+            )
         paths = sorted(
             p for p in glob.glob(os.path.join(image_folder, "**", "*"), recursive=True)
             if p.lower().endswith(IMAGE_EXTENSIONS)

@@ -222,7 +222,7 @@ class MaskedLMScorer:
                     "e.g. CLS, SEP, PAD)."
                 )
             special_token_ids = tokenizer.all_special_ids
-        self.special_token_ids = torch.tensor(sorted({int(i) for i in special_token_ids}), dtype=torch.long)
+        self.special_token_ids = torch.tensor(sorted({int(i) for i in special_token_ids}), dtype=torch.long, device="cpu")
 
         split = None if head == "full" else masked_lm_head(model)
         if head == "masked" and split is None:
@@ -325,11 +325,13 @@ class MaskedLMScorer:
         words = data.get("word_ids")
         out_ids, out_types, out_mask, out_words = [], [] if types is not None else None, [], []
         for i in range(n):
-            x = torch.as_tensor(ids[i], dtype=torch.long).reshape(-1)
-            keep = torch.ones_like(x, dtype=torch.bool) if attn is None else torch.as_tensor(attn[i]).reshape(-1).bool()
+            # inputs are kept on the host; each packed batch moves to the model's device
+            x = torch.as_tensor(ids[i], dtype=torch.long, device="cpu").reshape(-1)
+            keep = torch.ones_like(x, dtype=torch.bool) if attn is None else torch.as_tensor(attn[i], device="cpu").reshape(-1).bool()
             if keep.shape != x.shape:
                 raise ValueError(
-                    f"attention_mask[{i}] has {keep.numel()} entries but input_ids[{i}] has {x.numel()}."
+                    f"attention_mask[{i}] has {keep.numel()} entries but input_ids[{i}] has {x.numel()}; "
+                    f"give one mask entry per token (1 = keep, 0 = padding)."
                 )
             x = x[keep]
             maskable = torch.nonzero(~torch.isin(x, self.special_token_ids)).reshape(-1)
@@ -340,9 +342,9 @@ class MaskedLMScorer:
             out_ids.append(x)
             out_mask.append(maskable)
             if types is not None:
-                out_types.append(torch.as_tensor(types[i], dtype=torch.long).reshape(-1)[keep])
+                out_types.append(torch.as_tensor(types[i], dtype=torch.long, device="cpu").reshape(-1)[keep])
             if words is not None:
-                w = torch.tensor([-1 if v is None else int(v) for v in words[i]], dtype=torch.long)
+                w = torch.tensor([-1 if v is None else int(v) for v in words[i]], dtype=torch.long, device="cpu")
                 out_words.append(w[keep][maskable])
         return Encoded(out_ids, out_types, out_mask, out_words if words is not None else None)
 
@@ -405,7 +407,7 @@ class MaskedLMScorer:
 
         def num_jobs(i):
             jobs[i] = make_jobs(i)
-            results[i] = torch.zeros(jobs[i][0].shape[0], dtype=torch.float64)
+            results[i] = torch.zeros(jobs[i][0].shape[0], dtype=torch.float64, device="cpu")
             return jobs[i][0].shape[0]
 
         groups = group_by_length(items, [x.numel() for x in enc.ids])
@@ -414,10 +416,11 @@ class MaskedLMScorer:
         with torch.inference_mode():
             for T, pieces in pack(groups, num_jobs, self.max_tokens):
                 B = sum(stop - start for _, start, stop in pieces)
-                ids = torch.empty((B, T), dtype=torch.long)
-                masked = torch.zeros((B, T), dtype=torch.bool)
-                weight = torch.zeros((B, T), dtype=torch.float64)
-                types = None if enc.token_type_ids is None else torch.empty((B, T), dtype=torch.long)
+                # packed on the host, moved to the model's device in one copy per batch
+                ids = torch.empty((B, T), dtype=torch.long, device="cpu")
+                masked = torch.zeros((B, T), dtype=torch.bool, device="cpu")
+                weight = torch.zeros((B, T), dtype=torch.float64, device="cpu")
+                types = None if enc.token_type_ids is None else torch.empty((B, T), dtype=torch.long, device="cpu")
                 r = 0
                 for i, start, stop in pieces:
                     m, w = jobs[i]
@@ -438,7 +441,7 @@ class MaskedLMScorer:
                     inp.to(dev), sel.to(dev), targets.to(dev), None if types is None else types.to(dev)
                 )
                 row = torch.nonzero(sel)[:, 0]
-                sums = torch.zeros(B, dtype=torch.float64).index_add_(0, row, lp.double().cpu() * weight[sel])
+                sums = torch.zeros(B, dtype=torch.float64, device="cpu").index_add_(0, row, lp.double().cpu() * weight[sel])
                 r = 0
                 for i, start, stop in pieces:
                     j = stop - start
@@ -470,7 +473,7 @@ class MaskedLMScorer:
             L = enc.maskable[i].numel()
             ranks = nested_ranks(item_generator(seed, i), num_masks, L)
             M = mask_counts(rates, [L])[0]
-            full = torch.zeros((len(rates), num_masks, enc.ids[i].numel()), dtype=torch.bool)
+            full = torch.zeros((len(rates), num_masks, enc.ids[i].numel()), dtype=torch.bool, device="cpu")
             full[..., enc.maskable[i]] = ranks[None] < M[:, None, None]
             out.append(full)
         return out
@@ -518,7 +521,7 @@ class MaskedLMScorer:
         res = self._run(enc, items, make_jobs, "MPT curve")
         rows = torch.stack(
             [res[i].view(K, plan[i][0])[:, plan[i][1]].T for i in items]
-        ) if items else torch.zeros((0, len(rates), K), dtype=torch.float64)
+        ) if items else torch.zeros((0, len(rates), K), dtype=torch.float64, device="cpu")
         values = gather_rows(rows, items, len(enc), self.accelerator)
         return rate_curve(values, rates, lengths, label=label)
 
@@ -554,7 +557,7 @@ class MaskedLMScorer:
             L = int(lengths[i])
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(item_seed(seed, i))
-                blocks = list(schedule.blocks(1, L, max_elements=max(2**22, 4 * L * L)))
+                blocks = list(schedule.blocks(1, L, max_elements=max(2**22, 4 * L * L), device="cpu"))
             masks_, weights = [], []
             for b in blocks:
                 if isinstance(b, MaskBlock):
@@ -565,9 +568,9 @@ class MaskedLMScorer:
                 elif isinstance(b, ChainBlock):
                     order = b.order[:, 0, :]  # (p, L)
                     rank = order.argsort(-1)  # position of each token in its ordering
-                    t = torch.arange(L)
+                    t = torch.arange(L, device="cpu")
                     m = rank[:, None, :] <= t[None, :, None]  # (p, t, L): tokens pi_0..pi_t masked
-                    w = torch.zeros(order.shape[0], L, L, dtype=torch.float64)
+                    w = torch.zeros(order.shape[0], L, L, dtype=torch.float64, device="cpu")
                     w.scatter_(2, order[:, :, None], b.weight.double().reshape(-1, 1, 1).expand(-1, L, 1))
                     masks_.append(m.reshape(-1, L))
                     weights.append(w.reshape(-1, L))
@@ -577,7 +580,7 @@ class MaskedLMScorer:
 
         items = shard(len(enc), self.accelerator)
         res = self._run(enc, items, make_jobs, f"MPT score ({masks})")
-        rows = torch.stack([res[i].sum() for i in items]) if items else torch.zeros(0, dtype=torch.float64)
+        rows = torch.stack([res[i].sum() for i in items]) if items else torch.zeros(0, dtype=torch.float64, device="cpu")
         return gather_rows(rows, items, len(enc), self.accelerator)
 
     def pll(self, inputs, word_l2r=False, per_token=False, text_column=None):
@@ -606,18 +609,18 @@ class MaskedLMScorer:
 
         def make_jobs(i):
             L = int(lengths[i])
-            eye = torch.eye(L, dtype=torch.bool)
+            eye = torch.eye(L, dtype=torch.bool, device="cpu")
             mask = eye
             if word_l2r:
                 w = enc.word_ids[i]
                 same = (w[:, None] == w[None, :]) & (w[:, None] >= 0)
-                mask = eye | (same & torch.ones(L, L, dtype=torch.bool).triu(1))
+                mask = eye | (same & torch.ones(L, L, dtype=torch.bool, device="cpu").triu(1))
             return mask, eye.double()
 
         items = shard(len(enc), self.accelerator)
         res = self._run(enc, items, make_jobs, "PLL")
         width = int(lengths.max())
-        rows = torch.full((len(items), width), float("nan"), dtype=torch.float64)
+        rows = torch.full((len(items), width), float("nan"), dtype=torch.float64, device="cpu")
         for r, i in enumerate(items):
             rows[r, : res[i].numel()] = res[i]
         tokens = gather_rows(rows, items, len(enc), self.accelerator)

@@ -109,8 +109,8 @@ def mask_counts(rates, lengths):
     :param lengths: ``(n,)`` numbers of maskable tokens.
     :returns: long tensor ``(n, R)``.
     """
-    r = torch.as_tensor(np.asarray(rates, dtype=np.float64))
-    L = torch.as_tensor(np.asarray(lengths)).to(torch.int64)
+    r = torch.as_tensor(np.asarray(rates, dtype=np.float64), device="cpu")
+    L = torch.as_tensor(np.asarray(lengths), device="cpu").to(torch.int64)
     m = torch.floor(r[None, :] * L[:, None].double() + 0.5).long()
     return torch.minimum(m.clamp(min=1), L[:, None])
 
@@ -152,7 +152,7 @@ def nested_ranks(generator, num_masks, length):
 
     :returns: long tensor ``(num_masks, length)``.
     """
-    return torch.rand((num_masks, length), generator=generator).argsort(-1).argsort(-1)
+    return torch.rand((num_masks, length), generator=generator, device=generator.device).argsort(-1).argsort(-1)
 
 
 @dataclass
@@ -187,7 +187,11 @@ class RateCurve(MPTCurve):
         """
         D = self.num_tokens if num_tokens is None else num_tokens
         if np.isnan(self.score).any():
-            raise ValueError("The curve has NaN values; its area is undefined.")
+            bad = np.asarray(self.rates)[np.isnan(self.score)].tolist()
+            raise ValueError(
+                f"The curve is NaN at rate(s) {bad}, so its area is undefined; check the "
+                f"per-item scores (curve.per_item) for NaN values, or drop those rates."
+            )
         return float(D * np.sum(rate_weights(self.rates) * self.score))
 
     def area_stderr(self, num_tokens=None):
@@ -198,7 +202,10 @@ class RateCurve(MPTCurve):
     def per_item_area(self):
         r""":math:`L_i \sum_k w_k \bar S_i(r_k)` per item, shape ``(n,)``."""
         if self.per_item is None:
-            raise ValueError("This curve was built without per-item scores.")
+            raise ValueError(
+                "This curve was built without per-item scores (per_item=None); build it with "
+                "rate_curve(values, rates, lengths), as the scorers do."
+            )
         return self.lengths * (self.per_item @ rate_weights(self.rates))
 
     def to_dict(self):
@@ -228,11 +235,11 @@ def rate_curve(values, rates, lengths, label=None):
     :param rates: ``(R,)``.
     :param lengths: ``(n,)`` maskable tokens.
     """
-    values = torch.as_tensor(values, dtype=torch.float64)
+    values = torch.as_tensor(values, dtype=torch.float64, device="cpu")
     n, R, K = values.shape
     acc = CurveAccumulator(R)
     # one add in a fixed order: sums do not depend on how the values were computed
-    size = torch.arange(1, R + 1).view(1, R, 1).expand(n, R, K)
+    size = torch.arange(1, R + 1, device="cpu").view(1, R, 1).expand(n, R, K)
     acc.add(values, size)
     base = acc.result(label)
     lengths = np.asarray(lengths, dtype=np.float64)

@@ -116,7 +116,10 @@ class MAEScorer:
         if not (sigma2 == "mle" or (isinstance(sigma2, (int, float)) and sigma2 > 0)):
             raise ValueError(f'sigma2 must be a positive float or "mle", got {sigma2!r}.')
         if int(batch_size) < 1 or int(chunk_images) < 1:
-            raise ValueError(f"batch_size and chunk_images must be positive, got {batch_size}, {chunk_images}.")
+            raise ValueError(
+                f"MAEScorer(batch_size={batch_size}, chunk_images={chunk_images}): both must be "
+                f"positive (masked copies per forward pass, images preprocessed at once)."
+            )
         for attr in ("vit", "decoder", "patchify"):
             if not hasattr(model, attr):
                 raise TypeError(
@@ -212,7 +215,9 @@ class MAEScorer:
         N = self.num_patches
         if not 1 <= num_masked <= N:
             raise ValueError(f"num_masked must be in 1..{N} (patches per image), got {num_masked}.")
-        pv = pixel_values.to(self.device)
+        # the model's own dtype (float32 processors feed float64 or half models too)
+        dtype = next(self.model.parameters()).dtype
+        pv = pixel_values.to(self.device, dtype=dtype if dtype.is_floating_point else pixel_values.dtype)
         # argsort(noise) keeps the lowest noise: the highest ranks stay visible
         noise = -ranks.to(self.device).float()
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
@@ -229,7 +234,8 @@ class MAEScorer:
         if not torch.all(counts == num_masked):
             raise RuntimeError(
                 f"The model masked {counts.tolist()} patches instead of {num_masked}; "
-                f"this ViT-MAE does not honour noise/mask_ratio as expected."
+                f"this ViT-MAE does not honour noise/mask_ratio as expected. Use a "
+                f"transformers ViTMAEForPreTraining, whose random masking reads both."
             )
         return {"patch_error": err, "mask": mask, "loss": out.loss.float()}
 
@@ -261,7 +267,7 @@ class MAEScorer:
         N = self.num_patches
         counts = mask_counts(rates, [N])[0].tolist()
         items = shard(n, self.accelerator)
-        values = torch.zeros((len(items), len(rates), K), dtype=torch.float64)
+        values = torch.zeros((len(items), len(rates), K), dtype=torch.float64, device="cpu")
         main = self.accelerator is None or self.accelerator.is_local_main_process
         bar = tqdm(total=len(items) * len(rates) * K, desc="MAE curve", unit="copy", disable=not (self.progress and main))
         for c0 in range(0, len(items), self.chunk_images):
@@ -269,14 +275,14 @@ class MAEScorer:
             pixels = self.pixel_values(inputs, chunk)
             ranks = torch.stack([nested_ranks(item_generator(seed, i), K, N) for i in chunk])  # (n_c, K, N)
             # copies of the chunk, image-major: copy c is image c // K, mask c % K
-            img = torch.arange(len(chunk)).repeat_interleave(K)
+            img = torch.arange(len(chunk), device="cpu").repeat_interleave(K)
             ranks = ranks.reshape(-1, N)
             for k, M in enumerate(counts):
                 for b0 in range(0, img.numel(), self.batch_size):
                     sl = slice(b0, b0 + self.batch_size)
                     rec = self.reconstruction(pixels[img[sl]], M, ranks[sl])
                     per_copy = (rec["patch_error"] * rec["mask"]).sum(-1) / M
-                    flat = torch.arange(b0, min(b0 + self.batch_size, img.numel()))
+                    flat = torch.arange(b0, min(b0 + self.batch_size, img.numel()), device="cpu")
                     values[c0 + flat // K, k, flat % K] = per_copy.double().cpu()
                     bar.update(flat.numel())
         bar.close()

@@ -33,7 +33,7 @@ no guide.
 
 import inspect
 
-from .base import ConditionalEngine, EngineNotApplicable
+from .base import ConditionalEngine, EngineNotApplicable, NumericalWarning
 from .gaussian import GaussianConditionals
 from .gaussian_marginal import GaussianMarginal, NotLinearGaussianError, gaussian_marginal
 from .quadrature import NotQuadratureError, QuadratureConditionals, QuadratureState
@@ -43,6 +43,7 @@ from .importance import ImportanceConditionals, ImportanceState
 __all__ = [
     "ConditionalEngine",
     "EngineNotApplicable",
+    "NumericalWarning",
     "GaussianConditionals",
     "GaussianMarginal",
     "NotLinearGaussianError",

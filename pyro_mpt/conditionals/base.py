@@ -19,13 +19,28 @@ from abc import ABC, abstractmethod
 
 import torch
 
-__all__ = ["ConditionalEngine", "EngineNotApplicable"]
+__all__ = ["ConditionalEngine", "EngineNotApplicable", "NumericalWarning"]
 
 
 class EngineNotApplicable(ValueError):
     """Raised by :meth:`ConditionalEngine.prepare` when the model is outside what
     the engine serves; the message names the site and what to use instead.
     ``conditionals="auto"`` catches it and tries the next engine."""
+
+
+class NumericalWarning(UserWarning):
+    """A numerical rescue changed the computation, e.g. jitter added to a
+    near-singular covariance; the message names the site and the amount.
+
+    :param str message: the warning text.
+    :param str site: the observed site concerned.
+    :param float jitter: the amount added to the covariance diagonal.
+    """
+
+    def __init__(self, message, *, site=None, jitter=None):
+        super().__init__(message)
+        self.site = site
+        self.jitter = jitter
 
 
 class ConditionalEngine(ABC):
@@ -114,7 +129,8 @@ class ConditionalEngine(ABC):
         if x.dim() != 2 or x.shape[0] != state.num_data or x.shape[-1] != state.num_tokens:
             raise ValueError(
                 f"{type(self).__name__}: x has shape {tuple(x.shape)} but the state was "
-                f"prepared for ({state.num_data}, {state.num_tokens}) tokens."
+                f"prepared for ({state.num_data}, {state.num_tokens}) tokens; pass the "
+                f"tokens the state was prepared with, or prepare() a state for these."
             )
 
     def mask_sums(self, state, x, mask):

@@ -255,8 +255,6 @@ class EncodeDecodeConditionals(ConditionalEngine):
         refuse_missing(tokens, who)
         data = locate_data_arg(tokens, guide, args, kwargs, self.data_arg, who)
         runner = LatentRunner(tokens, model, guide, args, kwargs, data, who, self._stacking.get(callable_key(guide)))
-        if not tokens.latent_names:
-            raise EngineNotApplicable(f"{who}: the model of site {tokens.name!r} has no latents to encode.")
         init = initial_tokens(runner, self.init, who)
         if self.check_amortized and callable_key(guide) not in self._checked:
             self._check_amortized(runner, init, who)

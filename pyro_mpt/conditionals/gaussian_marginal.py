@@ -54,12 +54,17 @@ class GaussianMarginal:
     :param torch.Tensor cov_factor: ``(n|1, D, R)`` or None.
     :param torch.Tensor cov_diag: ``(n|1, D)`` or None.
     :param torch.Tensor covariance: ``(n|1, D, D)`` or None (dense form).
+    :param str site: the observed site, for error messages.
+    :param float jitter: jitter already added to the diagonal by
+        :class:`~pyro_mpt.conditionals.GaussianConditionals`' rescue.
     """
 
     loc: torch.Tensor
     cov_factor: Optional[torch.Tensor] = None
     cov_diag: Optional[torch.Tensor] = None
     covariance: Optional[torch.Tensor] = None
+    site: Optional[str] = None
+    jitter: float = 0.0
 
     @property
     def is_low_rank(self):
@@ -277,7 +282,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
     value = tokens.value
     # a fixed generator: the affinity check must not consume the user's random stream
     gen = torch.Generator(device="cpu").manual_seed(20231207)
-    eps_r = torch.randn(1, K, generator=gen, dtype=value.dtype).to(value.device)
+    eps_r = torch.randn(1, K, generator=gen, dtype=value.dtype, device="cpu").to(value.device)
     basis = torch.cat(
         [
             torch.zeros(1, K, dtype=value.dtype, device=value.device),
@@ -315,10 +320,17 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
             raise
         except Exception:
             # the model does not broadcast shared latents: give it full batch shapes
-            (loc, noise), scales = vectorized(compact=False)
-        for name, scale in scales.items():
-            _check_scale_rows(name, scale)
-    else:
+            try:
+                (loc, noise), scales = vectorized(compact=False)
+            except NotLinearGaussianError:
+                raise
+            except Exception:
+                # nor over an extra batch dim on the left: one run per noise point
+                vectorize = False
+        if vectorize:
+            for name, scale in scales.items():
+                _check_scale_rows(name, scale)
+    if not vectorize:
         locs, noises, all_scales = [], [], []
         for b in range(K + 2):
             handler = _AffineLatents(layout, basis[b : b + 1], None, False)

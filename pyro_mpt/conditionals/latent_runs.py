@@ -275,7 +275,11 @@ class _MeanValues(Messenger):
 def _pad(t, rank):
     """Left-pad a batch tensor with size-1 dims to ``rank`` dims."""
     if t.dim() > rank:
-        raise ValueError(f"tensor of shape {tuple(t.shape)} has more than {rank} batch dims")
+        raise ValueError(
+            f"A log-density of shape {tuple(t.shape)} has more than the {rank} batch dims "
+            f"expected (max_plate_nesting + 1 for the particle plate); set max_plate_nesting "
+            f"to the number of plate dims the model uses."
+        )
     return t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
 
 

@@ -130,7 +130,11 @@ def _latent_layout(tokens):
         fn = site["fn"]
         base, _ = _unwrap(fn)
         kind_name = type(base).__name__
-        if fn.support.is_discrete or getattr(base, "has_enumerate_support", False):
+        try:
+            discrete = fn.support.is_discrete
+        except NotImplementedError:  # a dependent support: decided by biject_to below
+            discrete = False
+        if discrete or getattr(base, "has_enumerate_support", False):
             raise NotQuadratureError(
                 f"conditionals='quadrature' integrates continuous latents; latent site "
                 f"{name!r} is discrete ({kind_name}). Sum it out in the model, or use "
@@ -316,7 +320,9 @@ class _ModelRunner:
             raise ValueError(
                 f"Observed site {tokens.name!r} has shape {tuple(full)} when the model "
                 f"runs at {P} quadrature nodes; expected {P} x {n} datapoints x {D} "
-                f"tokens."
+                f"tokens. The observation must broadcast over the node plate at dim "
+                f"{-self.node_dim} and keep one value per datapoint and token; check "
+                f"max_plate_nesting."
             )
         logp = logp.reshape(P, n, D)
         if tokens.observed is not None:
@@ -548,13 +554,12 @@ class QuadratureConditionals(ConditionalEngine):
         max_elements=2**24,
     ):
         super().__init__(max_elements=max_elements)
-        if num_nodes is not None and (
-            isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1
-        ):
-            raise ValueError(
-                f"QuadratureConditionals(num_nodes={num_nodes!r}): give a positive "
-                f"integer (nodes per latent dimension) or None for the default."
-            )
+        for label, value in (("num_nodes", num_nodes), ("init_nodes", init_nodes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"QuadratureConditionals({label}={value!r}): give a positive "
+                    f"integer (nodes per latent dimension) or None for the default."
+                )
         if not 0 <= int(max_latent_dim) <= MAX_LATENT_DIM:
             raise ValueError(
                 f"QuadratureConditionals(max_latent_dim={max_latent_dim}): tensor grids "
@@ -653,7 +658,7 @@ class QuadratureConditionals(ConditionalEngine):
             if include_lik:
                 lj = lj + logp.sum(-1)
             out.append(lj)
-        return torch.nan_to_num(torch.cat(out, 0), nan=-math.inf)
+        return torch.nan_to_num(torch.cat(out, 0), nan=-math.inf, neginf=-math.inf, posinf=math.inf)
 
     def _derivatives(self, runner, u, include_lik, hessian=True):
         """Log joint ``(n,)``, its gradient ``(n, K)`` and (with ``hessian``) its

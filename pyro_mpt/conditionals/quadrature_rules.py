@@ -73,7 +73,7 @@ def hermite_rule(num_nodes):
         of degree :math:`\le 2m-1`. Weights that underflow are dropped.
     """
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, (int, np.integer)) or num_nodes < 1:
-        raise ValueError(f"num_nodes must be a positive integer, got {num_nodes!r}.")
+        raise ValueError(f"num_nodes must be a positive integer (nodes per dimension), got {num_nodes!r}.")
     if num_nodes == 1:
         return np.zeros(1), np.zeros(1)
     nodes, weights = roots_hermitenorm(int(num_nodes))

@@ -1,0 +1,1303 @@
+"""Every user-facing error and warning of pyro_mpt: one row each in docs/errors.md, one trigger each here.
+
+``docs/errors.md`` is the source of truth for the expected exception type and
+message: each row's message cell holds fragments of the real message,
+separated by `` … ``, that must appear in it in order. :func:`test_table_and_triggers_are_in_sync`
+keeps the table and :data:`TRIGGERS` one-to-one.
+"""
+
+import contextlib
+import io
+import math
+import re
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import pyro
+import pyro.distributions as dist
+from pyro.distributions import constraints
+
+import pyro_mpt
+import pyro_mpt.compare
+import pyro_mpt.datasets
+import pyro_mpt.vae
+from pyro_mpt import (
+    EncodeDecodeConditionals,
+    Evidence,
+    GaussianConditionals,
+    ImportanceConditionals,
+    MaskedPretrainingLoss,
+    MPTCurve,
+    QuadratureConditionals,
+)
+from pyro_mpt.conditionals.quadrature_rules import hermite_rule
+
+from models import make_full_gaussian, make_ppca
+from test_importance import exact_posterior_guide
+
+ERRORS_MD = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+
+TRIGGERS = {}
+
+
+def trigger(row_id):
+    """Register the function that triggers row ``row_id`` of docs/errors.md."""
+
+    def register(fn):
+        assert row_id not in TRIGGERS, row_id
+        TRIGGERS[row_id] = fn
+        return fn
+
+    return register
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+# ---------------------------------------------------------------------- models
+def _x(n=4, D=3):
+    return torch.randn(n, D, generator=torch.Generator().manual_seed(0))
+
+
+def _ppca(D=3, K=1, n=4):
+    model, x, _ = make_ppca(D, K, n)
+    return model, x
+
+
+def _bernoulli_model(K=1, D=3):
+    W = torch.ones(D, K)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K), 1.0).to_event(1))
+            pyro.sample("x", dist.Bernoulli(logits=z @ W.T).to_event(1), obs=x)
+
+    return model
+
+
+def _global_latent_model(x):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("x", dist.Normal(mu, 1.0).to_event(1), obs=x)
+
+
+def _score(loss, model, x, guide=None):
+    return loss.loss(model, guide, x)
+
+
+# ---------------------------------------------------------------------- sites.py
+@trigger("sites-no-observed-site")
+def _():
+    def model(x):
+        pyro.sample("z", dist.Normal(0.0, 1.0))
+
+    MaskedPretrainingLoss().loss(model, None, _x())
+
+
+@trigger("sites-several-observed-sites")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("a", dist.Normal(0.0, 1.0).expand([3]).to_event(1), obs=x)
+            pyro.sample("b", dist.Normal(0.0, 1.0).expand([3]).to_event(1), obs=x)
+
+    MaskedPretrainingLoss().loss(model, None, _x())
+
+
+@trigger("sites-obs-site-unknown")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(obs_site="y").loss(model, None, x)
+
+
+@trigger("sites-obs-site-not-observed")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(obs_site="z").loss(model, None, x)
+
+
+@trigger("sites-non-finite-data")
+def _():
+    model, x = _ppca()
+    x = x.clone()
+    x[0, 0] = math.nan
+    with pyro.validation_enabled(False):
+        MaskedPretrainingLoss().loss(model, None, x)
+
+
+@trigger("sites-global-latent")
+def _():
+    MaskedPretrainingLoss(conditionals="gaussian").loss(_global_latent_model, None, _x())
+
+
+@trigger("sites-latent-extra-plate")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            with pyro.plate("k", 2):
+                z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal(z.sum(0, keepdim=True).T.expand(-1, 3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, _x())
+
+
+# ---------------------------------------------------------------------- masks.py
+@trigger("masks-num-masks")
+def _():
+    MaskedPretrainingLoss(num_masks=0)
+
+
+@trigger("masks-no-tokens")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss().loss(model, None, torch.zeros(4, 0))
+
+
+@trigger("masks-exhaustive-too-many-tokens")
+def _():
+    model, x = _ppca(D=17)
+    MaskedPretrainingLoss(masks="exhaustive").loss(model, None, x)
+
+
+@trigger("masks-rate-out-of-range")
+def _():
+    MaskedPretrainingLoss(masks=1.5)
+
+
+@trigger("masks-rate-one-token")
+def _():
+    model, x = _ppca(D=1)
+    MaskedPretrainingLoss(masks=0.5).loss(model, None, x)
+
+
+@trigger("masks-rate-rounds-to-zero")
+def _():
+    model, x = _ppca(D=3)
+    MaskedPretrainingLoss(masks=0.1).loss(model, None, x)
+
+
+@trigger("masks-unknown-name")
+def _():
+    MaskedPretrainingLoss(masks="random")
+
+
+@trigger("masks-wrong-type")
+def _():
+    MaskedPretrainingLoss(masks=[1, 2])
+
+
+# ---------------------------------------------------------------------- engine choice
+@trigger("engine-unknown-name")
+def _():
+    MaskedPretrainingLoss(conditionals="exact")
+
+
+@trigger("engine-auto-unknown-option")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(num_sample=8).loss(model, None, x)
+
+
+@trigger("engine-auto-none-applies")
+def _():
+    MaskedPretrainingLoss().loss(_global_latent_model, None, _x())
+
+
+@trigger("engine-x-shape")
+def _():
+    from pyro_mpt.sites import trace_tokens
+
+    model, x = _ppca()
+    tokens = trace_tokens(model, None, (x,), {})
+    engine = QuadratureConditionals()
+    state = engine.prepare(tokens, model, None, (x,), {})
+    engine.mask_log_prob(state, x[:2], torch.ones(1, 2, 3, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------- gaussian
+@trigger("gaussian-method")
+def _():
+    GaussianConditionals(method="woodbury")
+
+
+@trigger("gaussian-jitter")
+def _():
+    GaussianConditionals(jitter=-1e-6)
+
+
+@trigger("gaussian-lowrank-of-dense")
+def _():
+    model, x, _ = make_full_gaussian(3, 4)
+    MaskedPretrainingLoss(conditionals=GaussianConditionals(method="lowrank")).loss(model, None, x)
+
+
+@trigger("gaussian-negative-noise")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            fn = dist.LowRankMultivariateNormal(torch.zeros(3), torch.ones(3, 1), torch.tensor([1.0, -1.0, 1.0]))
+            pyro.sample("x", fn, obs=x)
+
+    with pyro.validation_enabled(False):
+        MaskedPretrainingLoss(conditionals=GaussianConditionals(method="lowrank")).loss(model, None, _x())
+
+
+def _singular_model():
+    w = torch.tensor([1.0, 2.0, -1.0, 0.5], dtype=torch.float64)
+    W = torch.stack([w, w], 1)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, torch.tensor(1e-9, dtype=torch.float64)).to_event(1), obs=x)
+
+    return model, torch.randn(5, 1, dtype=torch.float64) * w
+
+
+@trigger("gaussian-not-positive-definite")
+def _():
+    model, x = _singular_model()
+    MaskedPretrainingLoss(conditionals=GaussianConditionals(method="dense", max_jitter=0.0)).loss(model, None, x)
+
+
+@trigger("gaussian-jitter-rescue")
+def _():
+    model, x = _singular_model()
+    MaskedPretrainingLoss(conditionals=GaussianConditionals(method="dense")).loss(model, None, x)
+
+
+@trigger("gaussian-latent-kind")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Gamma(2.0, 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ torch.ones(2, 3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, _x())
+
+
+@trigger("gaussian-mvn-extra-event-dims")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            fn = dist.MultivariateNormal(torch.zeros(3), torch.eye(3)).expand([2]).to_event(1)
+            pyro.sample("x", fn, obs=x.reshape(-1, 2, 3))
+
+    MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, torch.zeros(4, 6))
+
+
+@trigger("gaussian-observation-kind")
+def _():
+    MaskedPretrainingLoss(conditionals="gaussian").loss(_bernoulli_model(), None, torch.ones(4, 3))
+
+
+@trigger("gaussian-noise-depends-on-latents")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(torch.zeros(3), z.exp()).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, _x())
+
+
+@trigger("gaussian-latent-scale-depends")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            a = pyro.sample("a", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            b = pyro.sample("b", dist.Normal(0.0, a.exp()).to_event(1))
+            pyro.sample("x", dist.Normal((a + b) * torch.ones(3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, _x())
+
+
+@trigger("gaussian-not-affine")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(z.sin() * torch.ones(3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, _x())
+
+
+# ---------------------------------------------------------------------- quadrature
+@trigger("quadrature-num-nodes")
+def _():
+    QuadratureConditionals(num_nodes=0)
+
+
+@trigger("quadrature-max-latent-dim")
+def _():
+    QuadratureConditionals(max_latent_dim=5)
+
+
+@trigger("quadrature-rule-num-nodes")
+def _():
+    hermite_rule(0)
+
+
+@trigger("quadrature-discrete-latent")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Bernoulli(0.5).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(c.expand(-1, 3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, _x())
+
+
+@trigger("quadrature-latent-kind")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            p = pyro.sample("p", dist.Dirichlet(torch.ones(3)))
+            pyro.sample("x", dist.Normal(p, 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, _x())
+
+
+class _NoBijection(dist.Gamma):
+    """A continuous scalar latent whose support has no bijection to the real line."""
+
+    support = constraints.dependent
+
+
+@trigger("quadrature-no-bijection")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            s = pyro.sample("s", _NoBijection(2.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(s.expand(-1, 3), 1.0).to_event(1), obs=x)
+
+    with pyro.validation_enabled(False):
+        MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, _x())
+
+
+@trigger("quadrature-too-many-latent-dims")
+def _():
+    model, x = _ppca(D=6, K=5)
+    MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, x)
+
+
+@trigger("quadrature-observation-not-factorized")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.MultivariateNormal(z.expand(-1, 3), torch.eye(3)), obs=x)
+
+    MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, _x())
+
+
+def _mm_model(x):
+    W = torch.ones(3, 1)
+    with pyro.plate("data", x.shape[0]):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+        pyro.sample("x", dist.Normal(torch.mm(z, W.T), 1.0).to_event(1), obs=x)  # 2-D only
+
+
+@trigger("quadrature-model-does-not-broadcast")
+def _():
+    MaskedPretrainingLoss(conditionals="quadrature").loss(_mm_model, None, _x())
+
+
+@trigger("quadrature-laplace-not-finite")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Uniform(torch.zeros(3), z.exp() * torch.ones(3) + 1).to_event(1), obs=x)
+
+    with pyro.validation_enabled(False):
+        MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, -torch.ones(4, 3))
+
+
+@trigger("quadrature-grid-too-coarse")
+def _():
+    model, x, _ = make_ppca(12, 2, 4, sigma=0.05)
+    engine = QuadratureConditionals(3, adaptive=False)
+    MaskedPretrainingLoss(conditionals=engine).loss(model, None, x)
+
+
+@trigger("evidence-quadrature-tol")
+def _():
+    model, x, _ = make_ppca(12, 2, 4, sigma=0.05)
+    Evidence(model, method="quadrature", num_nodes=3, adaptive=False, tol=1e-9)(x)
+
+
+@trigger("evidence-quadrature-not-applicable")
+def _():
+    Evidence(_global_latent_model, method="quadrature")(_x())
+
+
+# ---------------------------------------------------------------------- encode_decode / importance
+def _guided_ppca():
+    model, x = _ppca(D=3, K=1)
+    return model, exact_posterior_guide(1), x
+
+
+@trigger("engine-tokens-not-independent")
+def _():
+    model, x, _ = make_full_gaussian(3, 4)
+
+    def guide(x):
+        pass
+
+    MaskedPretrainingLoss(conditionals="importance").loss(model, guide, x)
+
+
+@trigger("encode-decode-init")
+def _():
+    model, guide, x = _guided_ppca()
+    MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(init="zeros")).loss(model, guide, x)
+
+
+@trigger("encode-decode-counts")
+def _():
+    EncodeDecodeConditionals(num_samples=0)
+
+
+@trigger("encode-decode-mode")
+def _():
+    EncodeDecodeConditionals(encode="mode")
+
+
+@trigger("encode-decode-needs-guide")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model, None, x)
+
+
+@trigger("encode-decode-not-amortized")
+def _():
+    model, x = _ppca()
+    z_loc = torch.zeros(4, 1, dtype=torch.float64)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(z_loc, 1.0).to_event(1))
+
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model, guide, x)
+
+
+@trigger("latent-mean-undefined")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Stable(0.5, 0.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(z.expand(-1, 3), 1.0).to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(x[:, :1], 1.0).to_event(1))
+
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model, guide, _x())
+
+
+@trigger("importance-num-samples")
+def _():
+    ImportanceConditionals(num_samples=0)
+
+
+@trigger("importance-proposal")
+def _():
+    ImportanceConditionals(proposal="posterior")
+
+
+@trigger("importance-num-iterations")
+def _():
+    ImportanceConditionals(num_iterations=-1)
+
+
+@trigger("importance-prior-weight")
+def _():
+    ImportanceConditionals(prior_weight=1.0)
+
+
+@trigger("importance-num-chains")
+def _():
+    ImportanceConditionals(num_chains=0)
+
+
+@trigger("importance-guide-needed")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(conditionals=ImportanceConditionals(proposal="guide")).loss(model, None, x)
+
+
+# ---------------------------------------------------------------------- latent_runs.py
+@trigger("data-arg-type")
+def _():
+    model, guide, x = _guided_ppca()
+    MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(data_arg=0.5)).loss(model, guide, x)
+
+
+@trigger("data-arg-unknown-keyword")
+def _():
+    model, guide, x = _guided_ppca()
+    MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(data_arg="data")).loss(model, guide, x)
+
+
+@trigger("data-arg-position")
+def _():
+    model, guide, x = _guided_ppca()
+    MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(data_arg=2)).loss(model, guide, x)
+
+
+def _two_arg_models():
+    model, x = _ppca()
+    guide = exact_posterior_guide(1)
+
+    def model2(x, y):
+        model(x)
+
+    def guide2(x, y):
+        guide(x)
+
+    return model2, guide2, x
+
+
+@trigger("data-arg-not-the-data")
+def _():
+    model, guide, x = _two_arg_models()
+    loss = MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(data_arg=1))
+    loss.loss(model, guide, x, torch.zeros(4, 3))
+
+
+@trigger("data-arg-not-found")
+def _():
+    model, x = _ppca()
+    guide = exact_posterior_guide(1)
+
+    def model0():
+        model(x)
+
+    def guide0():
+        guide(x)
+
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model0, guide0)
+
+
+@trigger("data-arg-ambiguous")
+def _():
+    model, x = _ppca()
+    guide = exact_posterior_guide(1)
+
+    def model2(x, y):
+        model(x + 0)  # the observed value is a new tensor, equal to both arguments
+
+    def guide2(x, y):
+        guide(x)
+
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model2, guide2, x, x.clone())
+
+
+@trigger("runner-global-latent")
+def _():
+    MaskedPretrainingLoss(conditionals="importance").loss(_global_latent_model, None, _x())
+
+
+@trigger("runner-model-does-not-broadcast")
+def _():
+    MaskedPretrainingLoss(conditionals="importance").loss(_mm_model, None, _x())
+
+
+@trigger("runner-guide-extra-site")
+def _():
+    model, x = _ppca()
+
+    def guide(x):
+        pyro.sample("w", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(x[:, :1], 1.0).to_event(1))
+
+    engine = ImportanceConditionals(proposal="guide", impute=False)
+    MaskedPretrainingLoss(conditionals=engine).loss(model, guide, x)
+
+
+def _mm_guide(x):
+    with pyro.plate("data", x.shape[0]):
+        z = pyro.sample("z", dist.Normal(x[:, :1], 1.0).to_event(1))
+    torch.mm(z, torch.ones(1, 1, dtype=z.dtype))  # 2-D only: fails with a particle dim on the left
+
+
+@trigger("runner-guide-does-not-broadcast")
+def _():
+    model, x = _ppca()
+    engine = ImportanceConditionals(proposal="guide", impute=False)
+    MaskedPretrainingLoss(conditionals=engine).loss(model, _mm_guide, x)
+
+
+@trigger("runner-guide-fails-on-imputed-data")
+def _():
+    model, x = _ppca()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        MaskedPretrainingLoss(conditionals="encode_decode").loss(model, _mm_guide, x)
+
+
+@trigger("runner-guide-stacking-fallback")
+def _():
+    model, x = _ppca()
+
+    def guide(x):
+        with pyro.plate("data", 4):  # a fixed plate size: stacked copies do not fit
+            pyro.sample("z", dist.Normal(x[:, :1], 1.0).to_event(1))
+
+    MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(4, 1), num_masks=2).loss(model, guide, x)
+
+
+# ---------------------------------------------------------------------- evidence
+@trigger("evidence-unknown-method")
+def _():
+    Evidence(lambda x: None, method="laplace")
+
+
+@trigger("evidence-exact-not-gaussian")
+def _():
+    Evidence(_bernoulli_model(), method="exact")(torch.ones(4, 3))
+
+
+@trigger("evidence-importance-unknown-option")
+def _():
+    model, x = _ppca()
+    Evidence(model, method="importance", samples=10)(x)
+
+
+@trigger("evidence-importance-num-samples")
+def _():
+    model, x = _ppca()
+    Evidence(model, method="importance", num_samples=0)(x)
+
+
+@trigger("evidence-importance-proposal")
+def _():
+    model, x = _ppca()
+    Evidence(model, method="importance", proposal="posterior")(x)
+
+
+@trigger("evidence-importance-needs-guide")
+def _():
+    model, x = _ppca()
+    Evidence(model, method="importance", proposal="guide")(x)
+
+
+@trigger("evidence-importance-global-latent")
+def _():
+    Evidence(_global_latent_model, method="importance")(_x())
+
+
+@trigger("evidence-importance-khat")
+def _():
+    model, x, _ = make_ppca(20, 2, 4, sigma=0.1)
+    Evidence(model, method="importance", num_samples=50)(x)
+
+
+# ---------------------------------------------------------------------- curve, compare, vae, datasets
+@trigger("curve-area-incomplete")
+def _():
+    MPTCurve(np.arange(1, 4), 3, np.array([-1.0, np.nan, -2.0]), np.zeros(3)).area()
+
+
+@trigger("compare-spec-number")
+def _():
+    pyro_mpt.compare.make_loss("iwae:eight")
+
+
+@trigger("compare-spec-type")
+def _():
+    pyro_mpt.compare.make_loss(3)
+
+
+@trigger("compare-mpt-encoder")
+def _():
+    pyro_mpt.compare.make_loss("elbo", mpt_encoder="guide")
+
+
+@trigger("compare-spec-conditionals")
+def _():
+    pyro_mpt.compare.make_loss("mpt:0.3:exact")
+
+
+@trigger("compare-spec-unknown")
+def _():
+    pyro_mpt.compare.make_loss("kl")
+
+
+@trigger("compare-unknown-loss-name")
+def _():
+    pyro_mpt.compare.Comparison([pyro_mpt.compare.RunResult("elbo")])["iwae"]
+
+
+@trigger("compare-loss-diverged")
+def _():
+    from pyro.infer import Trace_ELBO
+
+    class NaNLoss(Trace_ELBO):
+        def loss_and_grads(self, model, guide, *args, **kwargs):
+            return math.nan
+
+    vae = pyro_mpt.vae.DeepVAE(3, 1, (4,))
+    result = pyro_mpt.compare.compare(
+        lambda: vae, torch.ones(4, 3), torch.ones(2, 3), {"nan": NaNLoss()}, epochs=1, eval_samples=2
+    )
+    raise FloatingPointError(result["nan"].error.split(": ", 1)[1])  # recorded, not raised
+
+
+@trigger("vae-likelihood")
+def _():
+    pyro_mpt.vae.DeepVAE(3, likelihood="poisson")
+
+
+@trigger("datasets-n-test")
+def _():
+    pytest.importorskip("sklearn")
+    pyro_mpt.datasets.load_dataset("digits", n_test=5000)
+
+
+@trigger("datasets-unknown")
+def _():
+    pyro_mpt.datasets.load_dataset("cifar")
+
+
+@trigger("datasets-needs-sklearn")
+def _():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "sklearn.datasets", None)
+        pyro_mpt.datasets.load_dataset("digits")
+
+
+@trigger("datasets-needs-torchvision")
+def _():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "torchvision", None)
+        pyro_mpt.datasets.load_dataset("mnist")
+
+
+# ---------------------------------------------------------------------- adapters: rates, batching
+@trigger("rates-unreadable")
+def _():
+    from pyro_mpt.adapters import parse_rates
+
+    parse_rates("0.1:x:0.1")
+
+
+@trigger("rates-out-of-range")
+def _():
+    from pyro_mpt.adapters.rates import check_rates
+
+    check_rates([0.0, 0.5])
+
+
+@trigger("rates-not-increasing")
+def _():
+    from pyro_mpt.adapters.rates import check_rates
+
+    check_rates([0.5, 0.2])
+
+
+def _rate_curve(values):
+    from pyro_mpt.adapters.rates import rate_curve
+
+    return rate_curve(torch.tensor(values, dtype=torch.float64)[:, :, None], [0.25, 0.5], [4])
+
+
+@trigger("rates-area-nan")
+def _():
+    _rate_curve([[-1.0, math.nan]]).area()
+
+
+@trigger("rates-no-per-item")
+def _():
+    curve = _rate_curve([[-1.0, -2.0]])
+    curve.per_item = None
+    curve.per_item_area()
+
+
+@trigger("rates-table2-grid")
+def _():
+    from pyro_mpt.adapters import table2_area
+
+    table2_area(_rate_curve([[-1.0, -2.0]]))
+
+
+@trigger("batching-max-tokens")
+def _():
+    from pyro_mpt.adapters.batching import pack
+
+    list(pack([(3, [0])], lambda i: 1, 0))
+
+
+# ---------------------------------------------------------------------- adapters: masked LM
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("abcdefghij")
+
+
+def _bert(tmp=None, tokenizer=True):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=len(VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32,
+    )
+    model = transformers.BertForMaskedLM(cfg).eval()
+    if not tokenizer:
+        return model, None
+    path = Path(tmp or _tmpdir()) / "vocab.txt"
+    path.write_text("\n".join(VOCAB) + "\n")
+    return model, transformers.BertTokenizer(vocab=str(path), do_lower_case=False)
+
+
+_TMP = {}
+
+
+@pytest.fixture(autouse=True)
+def _tmp_base(tmp_path):
+    _TMP["base"] = tmp_path  # triggers take no arguments; their files go under pytest's tmp_path
+    yield
+    _TMP.clear()
+
+
+def _tmpdir():
+    import tempfile
+
+    return tempfile.mkdtemp(dir=_TMP.get("base"))
+
+
+def _scorer(**kw):
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    model, tok = _bert()
+    return MaskedLMScorer(model, tok, **kw)
+
+
+@trigger("mlm-head-argument")
+def _():
+    _scorer(head="lm")
+
+
+@trigger("mlm-budgets")
+def _():
+    _scorer(max_tokens=0)
+
+
+@trigger("mlm-no-mask-token")
+def _():
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    MaskedLMScorer(_bert(tokenizer=False)[0])
+
+
+@trigger("mlm-no-special-ids")
+def _():
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    MaskedLMScorer(_bert(tokenizer=False)[0], mask_token_id=4)
+
+
+@trigger("mlm-head-masked-unknown-class")
+def _():
+    transformers = pytest.importorskip("transformers")
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    _, tok = _bert()
+    cfg = transformers.BertConfig(
+        vocab_size=len(VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+
+    class MyMaskedLM(transformers.BertForMaskedLM):
+        pass
+
+    MaskedLMScorer(MyMaskedLM(cfg), tok, head="masked")
+
+
+@trigger("mlm-text-column")
+def _():
+    datasets = pytest.importorskip("datasets")
+    _scorer().curve(datasets.Dataset.from_dict({"sentence": ["a b"]}), rates=[0.5])
+
+
+@trigger("mlm-mapping-without-input-ids")
+def _():
+    _scorer().curve({"ids": [[2, 5, 3]]}, rates=[0.5])
+
+
+@trigger("mlm-one-string")
+def _():
+    _scorer().curve("a b c", rates=[0.5])
+
+
+@trigger("mlm-empty-inputs")
+def _():
+    _scorer().curve([], rates=[0.5])
+
+
+@trigger("mlm-inputs-type")
+def _():
+    _scorer().curve([1, 2], rates=[0.5])
+
+
+@trigger("mlm-text-needs-tokenizer")
+def _():
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    MaskedLMScorer(_bert(tokenizer=False)[0], mask_token_id=4, special_token_ids=[0, 2, 3, 4]).curve(["a b"])
+
+
+@trigger("mlm-attention-mask-length")
+def _():
+    _scorer().curve({"input_ids": [[2, 5, 6, 3]], "attention_mask": [[1, 1, 1]]}, rates=[0.5])
+
+
+@trigger("mlm-no-maskable-token")
+def _():
+    _scorer().curve({"input_ids": [[2, 3]]}, rates=[0.5])
+
+
+@trigger("mlm-word-l2r-needs-words")
+def _():
+    _scorer().pll({"input_ids": [[2, 5, 6, 3]]}, word_l2r=True)
+
+
+@trigger("mlm-positive-int")
+def _():
+    _scorer().curve(["a b"], rates=[0.5], num_masks=0)
+
+
+@trigger("mlm-truncation")
+def _():
+    _scorer(max_length=4).encode(["a b c d e f"])
+
+
+# ---------------------------------------------------------------------- adapters: ViT-MAE
+def _mae(**kw):
+    transformers = pytest.importorskip("transformers")
+    from pyro_mpt.adapters import MAEScorer
+    from pyro_mpt.adapters.vit_mae import init_position_embeddings
+
+    torch.manual_seed(0)
+    cfg = transformers.ViTMAEConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, decoder_hidden_size=8, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
+        decoder_intermediate_size=16,
+    )
+    model = transformers.ViTMAEForPreTraining(cfg).eval()
+    if kw.pop("init", True):
+        init_position_embeddings(model)
+    return MAEScorer(model, **kw)
+
+
+@trigger("mae-sigma2")
+def _():
+    _mae(sigma2=0.0)
+
+
+@trigger("mae-batch-size")
+def _():
+    _mae(batch_size=0)
+
+
+@trigger("mae-model-type")
+def _():
+    from pyro_mpt.adapters import MAEScorer
+
+    MAEScorer(torch.nn.Linear(2, 2))
+
+
+@trigger("mae-zero-position-embeddings")
+def _():
+    _mae(init=False)
+
+
+@trigger("mae-image-batch-shape")
+def _():
+    _mae().curves(torch.zeros(3, 8, 8), rates=[0.5])
+
+
+@trigger("mae-image-column")
+def _():
+    datasets = pytest.importorskip("datasets")
+    _mae().curves(datasets.Dataset.from_dict({"img": [[0.0]]}), rates=[0.5])
+
+
+@trigger("mae-needs-processor")
+def _():
+    _mae().curves([np.zeros((8, 8, 3))], rates=[0.5])
+
+
+@trigger("mae-num-masked")
+def _():
+    scorer = _mae()
+    scorer.reconstruction(torch.zeros(1, 3, 8, 8), 0, torch.arange(4)[None])
+
+
+@trigger("mae-masks-not-honoured")
+def _():
+    scorer = _mae()
+    scorer._keep_exactly = lambda num_kept: contextlib.nullcontext()  # a model that ignores the ratio
+    scorer.reconstruction(torch.zeros(1, 3, 8, 8), 2, torch.arange(4)[None])
+
+
+@trigger("mae-num-masks")
+def _():
+    _mae().curves(torch.zeros(1, 3, 8, 8), rates=[0.5], num_masks=0)
+
+
+@trigger("mae-curve-kind")
+def _():
+    _mae().curve(torch.zeros(1, 3, 8, 8), rates=[0.5], kind="nll")
+
+
+# ---------------------------------------------------------------------- adapters: loading and CLI
+def _offline():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("HF_DATASETS_OFFLINE", "1")
+    return mp
+
+
+def _loading():
+    pytest.importorskip("transformers")
+    from pyro_mpt.adapters import loading
+
+    return loading
+
+
+@trigger("load-unreachable")
+def _():
+    loading = _loading()
+    mp = _offline()
+    try:
+        loading.load_masked_lm("no-such-org/no-such-model")
+    finally:
+        mp.undo()
+
+
+@trigger("load-antiberty-not-installed")
+def _():
+    loading = _loading()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "antiberty", None)
+        loading.antiberty_paths()
+
+
+@trigger("load-antiberty-incomplete")
+def _():
+    loading = _loading()
+    fake = types.ModuleType("antiberty")
+    fake.__file__ = str(Path(_tmpdir()) / "__init__.py")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "antiberty", fake)
+        loading.antiberty_paths()
+
+
+@trigger("load-tokenizer")
+def _():
+    _loading().load_tokenizer(None, model_dir=_tmpdir())
+
+
+@trigger("load-model")
+def _():
+    loading = _loading()
+    d = Path(_tmpdir())
+    (d / "config.json").write_text("{}")
+    loading.load_masked_lm(str(d))
+
+
+@trigger("load-vit-mae")
+def _():
+    loading = _loading()
+    d = Path(_tmpdir())
+    (d / "config.json").write_text('{"model_type": "vit_mae"}')
+    loading.load_vit_mae(str(d))
+
+
+@trigger("load-image-processor-fallback")
+def _():
+    loading = _loading()
+    d = _tmpdir()
+    _mae().model.config.save_pretrained(d)
+    loading.load_vit_mae(d, random_init=True)
+
+
+@trigger("load-split-missing")
+def _():
+    datasets = pytest.importorskip("datasets")
+    loading = _loading()
+    d = str(Path(_tmpdir()) / "ds")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(d)
+    loading.load_texts(dataset=d, split="validation")
+
+
+@trigger("load-file-type")
+def _():
+    loading = _loading()
+    path = Path(_tmpdir()) / "data.xml"
+    path.write_text("<a/>")
+    loading.load_texts(dataset=str(path))
+
+
+@trigger("load-dataset-unreachable")
+def _():
+    loading = _loading()
+    mp = _offline()
+    try:
+        loading.load_texts(dataset="no-such-org/no-such-dataset")
+    finally:
+        mp.undo()
+
+
+@trigger("load-one-text-source")
+def _():
+    _loading().load_texts()
+
+
+@trigger("load-text-file-missing")
+def _():
+    _loading().load_texts(text_file=str(Path(_tmpdir()) / "missing.txt"))
+
+
+def _csv(text):
+    path = Path(_tmpdir()) / "data.csv"
+    path.write_text(text)
+    return str(path)
+
+
+@trigger("load-no-text-column")
+def _():
+    _loading().load_texts(dataset=_csv("label,score\n1,2\n"))
+
+
+@trigger("load-column-missing")
+def _():
+    _loading().load_texts(dataset=_csv("text,label\na,1\n"), columns=["sentence"])
+
+
+@trigger("load-one-image-source")
+def _():
+    _loading().load_images()
+
+
+@trigger("load-image-folder-missing")
+def _():
+    _loading().load_images(image_folder=str(Path(_tmpdir()) / "missing"))
+
+
+@trigger("load-no-images")
+def _():
+    _loading().load_images(image_folder=_tmpdir())
+
+
+@trigger("load-image-column")
+def _():
+    datasets = pytest.importorskip("datasets")
+    d = str(Path(_tmpdir()) / "ds")
+    datasets.Dataset.from_dict({"img": [0]}).save_to_disk(d)
+    _loading().load_images(dataset=d)
+
+
+def _cli(argv):
+    """Run ``pyro-mpt argv``; turn its exit (status 2, message on stderr) into SystemExit(message)."""
+    pytest.importorskip("transformers")
+    from pyro_mpt.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as e:
+            assert e.code == 2, e.code
+            raise SystemExit(err.getvalue()) from None
+
+
+@trigger("cli-sigma2")
+def _():
+    _cli(["mae-curve", "model", "--image-folder", _tmpdir(), "--sigma2", "big"])
+
+
+@trigger("cli-resource-unavailable")
+def _():
+    text = Path(_tmpdir()) / "t.txt"
+    text.write_text("a b\n")
+    mp = _offline()
+    try:
+        _cli(["mlm-curve", "no-such-org/no-such-model", "--text-file", str(text), "--no-plot"])
+    finally:
+        mp.undo()
+
+
+@trigger("cli-empty-input")
+def _():
+    d = Path(_tmpdir())
+    model, tok = _bert(d)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    text = d / "t.txt"
+    text.write_text("\n\n")
+    _cli(["mlm-curve", str(d), "--text-file", str(text), "--no-plot"])
+
+
+# ---------------------------------------------------------------------- the table
+def _table_rows():
+    """Rows ``(id, type, message)`` of the tables in docs/errors.md whose first cell is an id."""
+    rows = []
+    for line in ERRORS_MD.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if not re.fullmatch(r"`[a-z0-9-]+`", cells[0]):
+            continue  # e.g. the internal errors, listed by where they are raised
+        row_id = cells[0].strip("`")
+        kind = cells[1].strip("`")
+        message = cells[-1].strip().strip("`").replace("\\|", "|")
+        rows.append((row_id, kind, message))
+    return rows
+
+
+ROWS = _table_rows()
+
+
+def test_table_and_triggers_are_in_sync():
+    ids = [r[0] for r in ROWS]
+    assert len(ids) == len(set(ids)), "duplicate ids in docs/errors.md"
+    assert set(ids) - set(TRIGGERS) == set(), "rows of docs/errors.md without a trigger here"
+    assert set(TRIGGERS) - set(ids) == set(), "triggers here without a row in docs/errors.md"
+
+
+def _fragments_pattern(message):
+    return ".*".join(re.escape(f.strip()) for f in message.split("…"))
+
+
+@pytest.mark.parametrize("row_id,kind,message", ROWS, ids=[r[0] for r in ROWS])
+def test_error_row(row_id, kind, message):
+    """The row's trigger raises (or warns) with the row's type and message fragments."""
+    fn = TRIGGERS[row_id]
+    pattern = _fragments_pattern(message)
+    if kind.endswith("Warning"):
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            fn()
+        found = [str(w.message) for w in rec if w.category.__name__ == kind]
+        assert found, f"{row_id}: no {kind}; got {[(w.category.__name__, str(w.message)) for w in rec]}"
+        assert any(re.search(pattern, m, re.S) for m in found), (row_id, found)
+        return
+    with pytest.raises(BaseException) as info:
+        fn()
+    err = info.value
+    text = err.args[0] if err.args and isinstance(err.args[0], str) else str(err)
+    assert type(err).__name__ == kind, (row_id, type(err).__name__, text)
+    assert re.search(pattern, text, re.S), (row_id, text)
