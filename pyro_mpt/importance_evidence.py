@@ -60,7 +60,10 @@ class ImportanceSamplingWarning(UserWarning):
     """Importance weights with a heavy tail (PSIS :math:`\\hat k > 0.7`)."""
 
 
-def importance_log_weights(tokens, model, guide, args, kwargs, num_samples, chunk_size=None, max_elements=2**24, who="importance sampling"):
+def importance_log_weights(
+    tokens, model, guide, args, kwargs, num_samples, chunk_size=None, max_elements=2**24, who="importance sampling",
+    instead=None,
+):
     r"""Log-weights :math:`\log p(x_i, z_s) - \log r(z_s \mid x_i)`, ``(S, n)``.
 
     :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
@@ -69,10 +72,14 @@ def importance_log_weights(tokens, model, guide, args, kwargs, num_samples, chun
     :param int num_samples: ``S``.
     :param int chunk_size: draws per vectorized run; default
         ``max(1, max_elements // (n * D))``.
-    :raises ValueError: when a latent is shared by several datapoints.
+    :param str who: the caller, named in error messages.
+    :param str instead: what to use instead when a guide meets missing tokens,
+        named in the message.
+    :raises ValueError: when a latent is shared by several datapoints, or when
+        a guide would read missing tokens.
     """
     if guide is not None:
-        refuse_missing(tokens, who, ValueError)
+        refuse_missing(tokens, who, ValueError, instead)
     try:
         runner = LatentRunner(tokens, model, guide, args, kwargs, None, who)
     except EngineNotApplicable as e:
@@ -163,6 +170,7 @@ def importance_evidence(evidence, tokens, args, kwargs):
     lw = importance_log_weights(
         tokens, evidence.model, guide, args, kwargs, num_samples, chunk_size, max_elements,
         who="Evidence(method='importance')",
+        instead="method='exact', 'quadrature' or proposal='prior' (each leaves missing tokens out exactly)",
     )
     S = num_samples
     value = logmeanexp(lw, 0)
@@ -249,7 +257,8 @@ class ImportanceWeightedELBO(ELBO):
         tokens = self._tokens(model, guide, args, kwargs)
         K = self.num_particles
         lw = importance_log_weights(
-            tokens, model, guide, args, kwargs, K, self.chunk_size or K, who="ImportanceWeightedELBO"
+            tokens, model, guide, args, kwargs, K, self.chunk_size or K, who="ImportanceWeightedELBO",
+            instead="MaskedPretrainingLoss, which leaves missing tokens out exactly",
         )
         loss = -(tokens.scale * logmeanexp(lw, 0)).sum()
         warn_if_nan(loss, "loss")

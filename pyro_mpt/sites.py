@@ -405,7 +405,8 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
         raise ValueError(
             f"Observed site {name!r} has no event dims and token_plates={token_plates!r} "
             f"names none of its plates, so it has no tokens. Declare the tokens of one "
-            f"datapoint as event dims with .to_event(), or name the plate over tokens."
+            f"datapoint as event dims with .to_event(), or name the plate that runs over "
+            f"the tokens in token_plates=(<name>,)."
         )
     token_names = {f.name for f in tframes}
     for f in tframes:

@@ -20,6 +20,7 @@ import pytest
 import torch
 import pyro
 import pyro.distributions as dist
+from pyro import poutine
 from pyro.distributions import constraints
 
 import pyro_mpt
@@ -150,6 +151,102 @@ def _():
 
     MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, _x())
 
+def _plates_only(x):
+    """Tokens in a plate, no latent: the plates alone do not say which runs over tokens."""
+    with pyro.plate("data", x.shape[0], dim=-2), pyro.plate("tokens", x.shape[1], dim=-1):
+        pyro.sample("x", dist.Normal(0.0, 1.0), obs=x)
+
+
+def _token_plate_model(x, latent_in_tokens=False, subsample_size=None, token_scale=None):
+    """A datapoint latent z, the tokens in a plate; optionally a latent per token, a
+    subsampled token plate, or a scale that varies over the tokens."""
+    with pyro.plate("data", x.shape[0], dim=-2):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        with pyro.plate("tokens", x.shape[1], subsample_size=subsample_size, dim=-1) as j:
+            loc = z + pyro.sample("e", dist.Normal(0.0, 1.0)) if latent_in_tokens else z
+            with poutine.scale(scale=token_scale if token_scale is not None else 1.0):
+                pyro.sample("x", dist.Normal(loc, 1.0), obs=x[:, j])
+
+
+@trigger("sites-token-plates-unknown")
+def _():
+    Evidence(_plates_only, token_plates=("toks",))(_x())
+
+
+@trigger("sites-token-plates-ambiguous")
+def _():
+    MaskedPretrainingLoss().loss(_plates_only, None, _x())
+
+
+@trigger("sites-no-event-dims")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.Normal(0.0, 1.0), obs=x)
+
+    MaskedPretrainingLoss().loss(model, None, _x()[:, 0])
+
+
+@trigger("sites-token-plates-none")
+def _():
+    Evidence(_plates_only, token_plates=())(_x())
+
+
+@trigger("sites-token-plate-subsampled")
+def _():
+    MaskedPretrainingLoss().loss(lambda x: _token_plate_model(x, subsample_size=2), None, _x())
+
+
+@trigger("sites-latent-in-token-plate")
+def _():
+    model = lambda x: _token_plate_model(x, latent_in_tokens=True)  # noqa: E731
+    MaskedPretrainingLoss(token_plates=("tokens",)).loss(model, None, _x())
+
+
+@trigger("sites-batch-dim-not-a-plate")
+def _():
+    def model(x):
+        pyro.sample("x", dist.Normal(torch.zeros(4, 3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss().loss(model, None, _x())
+
+
+@trigger("sites-token-scale-varies")
+def _():
+    model = lambda x: _token_plate_model(x, token_scale=torch.arange(1.0, 4.0))  # noqa: E731
+    MaskedPretrainingLoss().loss(model, None, _x())
+
+
+def _missing_ppca(observed):
+    """PPCA whose tokens are missing where ``observed`` is False (via dist.mask), with an
+    amortized guide."""
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(z.expand(-1, 3), 1.0).mask(observed).to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(x[:, :1], 1.0).to_event(1))
+
+    return model, guide
+
+
+def _observed(n=4, D=3):
+    m = torch.ones(n, D, dtype=torch.bool)
+    m[0, 1:] = False  # datapoint 0 observes one token of three
+    return m
+
+
+@trigger("sites-non-finite-observed-tokens")
+def _():
+    model, _ = _missing_ppca(_observed())
+    x = _x()
+    x[0, 1] = math.nan  # a missing token: ignored
+    x[2, 0] = math.nan  # an observed one: refused
+    MaskedPretrainingLoss().loss(model, None, x)
+
 
 # ---------------------------------------------------------------------- masks.py
 @trigger("masks-num-masks")
@@ -187,6 +284,26 @@ def _():
 def _():
     model, x = _ppca(D=3)
     MaskedPretrainingLoss(masks=0.1).loss(model, None, x)
+
+
+@trigger("masks-rate-rounds-to-zero-missing")
+def _():
+    model, _ = _missing_ppca(_observed())
+    MaskedPretrainingLoss(masks=0.2).loss(model, None, _x())
+
+
+@trigger("loss-schedule-without-observed")
+def _():
+    from pyro_mpt.masks import RandomOrders
+
+    class OldSchedule(RandomOrders):
+        """A schedule written before missing tokens: its blocks take no observed=."""
+
+        def blocks(self, n, D, *, max_elements=2**22, device=None):
+            return super().blocks(n, D, max_elements=max_elements, device=device)
+
+    model, _ = _missing_ppca(_observed())
+    MaskedPretrainingLoss(masks=OldSchedule()).loss(model, None, _x())
 
 
 @trigger("masks-unknown-name")
@@ -297,6 +414,18 @@ def _():
             pyro.sample("x", fn, obs=x.reshape(-1, 2, 3))
 
     MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, torch.zeros(4, 6))
+
+
+@trigger("gaussian-mvn-in-token-plate")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0], dim=-2):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            with pyro.plate("tokens", 2, dim=-1):
+                loc = z.unsqueeze(-1).expand(z.shape[:-1] + (2, 2))
+                pyro.sample("x", dist.MultivariateNormal(loc, torch.eye(2)), obs=x.reshape(-1, 2, 2))
+
+    Evidence(model)(torch.zeros(4, 4))
 
 
 @trigger("gaussian-observation-kind")
@@ -662,6 +791,12 @@ def _():
     MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(4, 1), num_masks=2).loss(model, guide, x)
 
 
+@trigger("missing-tokens-guide-engine")
+def _():
+    model, guide = _missing_ppca(_observed())
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model, guide, _x())
+
+
 # ---------------------------------------------------------------------- evidence
 @trigger("evidence-unknown-method")
 def _():
@@ -706,6 +841,20 @@ def _():
 def _():
     model, x, _ = make_ppca(20, 2, 4, sigma=0.1)
     Evidence(model, method="importance", num_samples=50)(x)
+
+
+@trigger("missing-tokens-guide-evidence")
+def _():
+    model, guide = _missing_ppca(_observed())
+    Evidence(model, guide, method="importance", proposal="guide")(_x())
+
+
+@trigger("missing-tokens-iwelbo")
+def _():
+    from pyro_mpt.importance_evidence import ImportanceWeightedELBO
+
+    model, guide = _missing_ppca(_observed())
+    ImportanceWeightedELBO(4).loss(model, guide, _x())
 
 
 # ---------------------------------------------------------------------- curve, compare, vae, datasets

@@ -206,19 +206,27 @@ def locate_data_arg(tokens, fn, args, kwargs, data_arg=None, who="this engine"):
     return DataArgument(key, value, rows, tokens)
 
 
-def refuse_missing(tokens, who, error=EngineNotApplicable):
+_LEAVE_OUT = (
+    "conditionals='gaussian', 'quadrature' or 'importance' with proposal='prior' "
+    "(each leaves missing tokens out exactly)"
+)
+
+
+def refuse_missing(tokens, who, error=EngineNotApplicable, instead=_LEAVE_OUT):
     """Raise ``error`` when some tokens of the observed site are missing (masked).
 
     For the paths that run the guide on the data: the guide would read the
     missing tokens' placeholder values as data.
+
+    :param str instead: the options that leave missing tokens out exactly, named
+        in the message (None when the caller has none).
     """
     if tokens.observed is not None:
         k = int((~tokens.observed).sum())
+        fix = "Impute" if instead is None else f"Use {instead}, or impute"
         raise error(
             f"{who} runs the guide on the data, which does not support missing tokens: "
-            f"observed site {tokens.name!r} has {k} missing (masked) token(s). Use "
-            f"conditionals='gaussian', 'quadrature' or 'importance' with "
-            f"proposal='prior' (each leaves missing tokens out exactly), or impute the "
+            f"observed site {tokens.name!r} has {k} missing (masked) token(s). {fix} the "
             f"missing tokens, or drop the datapoints that have them."
         )
 
