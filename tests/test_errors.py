@@ -3,9 +3,12 @@
 ``docs/errors.md`` is the source of truth for the expected exception type and
 message: each row's message cell holds fragments of the real message,
 separated by `` … ``, that must appear in it in order. :func:`test_table_and_triggers_are_in_sync`
-keeps the table and :data:`TRIGGERS` one-to-one.
+keeps the table and :data:`TRIGGERS` one-to-one, and :func:`test_every_message_in_the_code_has_a_row`
+checks that every exception or warning message written in pyro_mpt/ is produced by some
+trigger, or is an internal one listed in :data:`INTERNAL`.
 """
 
+import ast
 import contextlib
 import io
 import math
@@ -26,6 +29,7 @@ from pyro.distributions import constraints
 import pyro_mpt
 import pyro_mpt.compare
 import pyro_mpt.datasets
+import pyro_mpt.masks
 import pyro_mpt.vae
 from pyro_mpt import (
     EncodeDecodeConditionals,
@@ -261,6 +265,11 @@ def _():
             pyro.sample("x", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1), obs=x)
 
     MaskedPretrainingLoss().loss(model, None, torch.zeros(4, 0))
+
+
+@trigger("masks-check-no-tokens")
+def _():
+    pyro_mpt.masks.make_schedule("uniform").check(0)
 
 
 @trigger("masks-exhaustive-too-many-tokens")
@@ -1431,22 +1440,133 @@ def _fragments_pattern(message):
     return ".*".join(re.escape(f.strip()) for f in message.split("…"))
 
 
+_OUTCOMES = {}
+
+
+def _outcome(row_id):
+    """Run the trigger of ``row_id`` once per session.
+
+    :returns: ``(raised, warned)``: the exception as ``(type name, message)`` or
+        None, and the warnings as a list of ``(category name, message)``.
+    """
+    if row_id not in _OUTCOMES:
+        raised = None
+        pyro.clear_param_store()  # as conftest does per test: a trigger may run inside another's test
+        pyro.set_rng_seed(0)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            try:
+                TRIGGERS[row_id]()
+            except (pytest.skip.Exception, pytest.fail.Exception, KeyboardInterrupt):
+                raise
+            except BaseException as err:  # SystemExit too: the command line's errors
+                text = err.args[0] if err.args and isinstance(err.args[0], str) else str(err)
+                raised = (type(err).__name__, text)
+        _OUTCOMES[row_id] = (raised, [(w.category.__name__, str(w.message)) for w in rec])
+    return _OUTCOMES[row_id]
+
+
 @pytest.mark.parametrize("row_id,kind,message", ROWS, ids=[r[0] for r in ROWS])
 def test_error_row(row_id, kind, message):
     """The row's trigger raises (or warns) with the row's type and message fragments."""
-    fn = TRIGGERS[row_id]
+    raised, warned = _outcome(row_id)
     pattern = _fragments_pattern(message)
     if kind.endswith("Warning"):
-        with warnings.catch_warnings(record=True) as rec:
-            warnings.simplefilter("always")
-            fn()
-        found = [str(w.message) for w in rec if w.category.__name__ == kind]
-        assert found, f"{row_id}: no {kind}; got {[(w.category.__name__, str(w.message)) for w in rec]}"
+        found = [m for k, m in warned if k == kind]
+        assert found, f"{row_id}: no {kind}; got {warned}"
         assert any(re.search(pattern, m, re.S) for m in found), (row_id, found)
         return
-    with pytest.raises(BaseException) as info:
-        fn()
-    err = info.value
-    text = err.args[0] if err.args and isinstance(err.args[0], str) else str(err)
-    assert type(err).__name__ == kind, (row_id, type(err).__name__, text)
+    assert raised is not None, f"{row_id}: the trigger raised nothing; warnings: {warned}"
+    name, text = raised
+    assert name == kind, (row_id, name, text)
     assert re.search(pattern, text, re.S), (row_id, text)
+
+
+# ---------------------------------------------------------------------- the code
+SOURCE = Path(pyro_mpt.__file__).resolve().parent
+_EXCEPTION_NAME = re.compile(r"_?[A-Z]\w*(Error|Exception|Warning|NotApplicable|Unavailable|Definite)$")
+
+# Messages in pyro_mpt/ that no trigger produces, by "file::function": each guards an
+# invariant that user input does not reach (docs/errors.md, "Internal errors").
+INTERNAL = {
+    "adapters/masked_lm.py::MaskedLMScorer.score.make_jobs": "a MaskBlock type not wired into the adapter",
+    "conditionals/base.py::ConditionalEngine.log_evidence": "the default of engines without log p(x)",
+    "conditionals/gaussian.py::GaussianConditionals._factor_whole": "caught by the jitter rescue",
+    "conditionals/latent_runs.py::_pad": "Pyro's plate checks fire first",
+    "conditionals/latent_runs.py::Decoded.obs_log_prob": "models that do not broadcast fail earlier",
+    "conditionals/latent_runs.py::Decoded._token_tensor": "models that do not broadcast fail earlier",
+    "conditionals/latent_runs.py::LatentRunner._guide_values": "caught by encode, which falls back",
+    "conditionals/latent_runs.py::LatentRunner.encode": "engines encode only after locate_data_arg",
+    "conditionals/quadrature.py::_ModelRunner._run": "models that do not broadcast fail earlier",
+}
+
+
+def _message_template(node):
+    """The literal parts of a message expression, with None for each computed part."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        return [v.value if isinstance(v, ast.Constant) else None for v in node.values]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _message_template(node.left) + _message_template(node.right)
+    return [None]
+
+
+def _message_sites():
+    """``(file::function, line, pattern)`` for every exception or warning built with a
+    literal message in pyro_mpt/: ``raise E(...)``, ``E(...)`` for a class named like an
+    exception, ``warnings.warn(...)`` and the command line's ``_fail(...)``. The pattern
+    matches the messages it can produce (each computed part matches anything)."""
+    sites = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        raised = {id(n.exc) for n in ast.walk(tree) if isinstance(n, ast.Raise)}
+
+        def visit(node, qualname):
+            for child in ast.iter_child_nodes(node):
+                name = qualname
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    name = f"{qualname}.{child.name}" if qualname else child.name
+                if isinstance(child, ast.Call) and child.args:
+                    fn = child.func
+                    called = fn.id if isinstance(fn, ast.Name) else getattr(fn, "attr", "")
+                    warn = called == "warn" and isinstance(fn, ast.Attribute) and getattr(fn.value, "id", "") == "warnings"
+                    fail = called == "_fail"  # the command line's error exit
+                    if warn or fail or id(child) in raised or _EXCEPTION_NAME.match(called):
+                        parts = _message_template(child.args[0])
+                        # at least a few words of literal text: not a re-raise of str(e)
+                        if sum(len(p) for p in parts if p) >= 10:
+                            pattern = "".join(".*?" if p is None else re.escape(p) for p in parts)
+                            key = f"{path.relative_to(SOURCE).as_posix()}::{name}"
+                            sites.append((key, child.lineno, re.compile(pattern, re.S)))
+                visit(child, name)
+
+        visit(tree, "")
+    return sites
+
+
+def test_every_message_in_the_code_has_a_row():
+    """Each exception or warning message written in pyro_mpt/ is produced by some row's
+    trigger (so it has a row in docs/errors.md), or is listed in INTERNAL."""
+    texts, skipped = [], []
+    for row_id in TRIGGERS:
+        try:
+            raised, warned = _outcome(row_id)
+        except pytest.skip.Exception:
+            skipped.append(row_id)
+            continue
+        texts += ([raised[1]] if raised else []) + [m for _, m in warned]
+    if skipped:
+        pytest.skip(f"triggers skipped (optional dependencies missing): {skipped}")
+    sites = _message_sites()
+    assert len(sites) > 100  # the scan sees the code
+    missing = [
+        f"pyro_mpt/{key.split('::')[0]}:{line} ({key.split('::')[1]})"
+        for key, line, pattern in sites
+        if key not in INTERNAL and not any(pattern.search(t) for t in texts)
+    ]
+    assert not missing, "messages with no row in docs/errors.md (or entry in INTERNAL): " + ", ".join(missing)
+    assert set(INTERNAL) <= {key for key, _, _ in sites}, "INTERNAL names functions without messages"
+    internal_table = ERRORS_MD.read_text(encoding="utf-8").split("## Internal errors", 1)[1]
+    unlisted = [key for key in INTERNAL if key.split("::")[1].rsplit(".", 1)[-1] not in internal_table]
+    assert not unlisted, f"INTERNAL entries missing from the internal errors of docs/errors.md: {unlisted}"
