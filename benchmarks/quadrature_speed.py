@@ -168,7 +168,7 @@ def speed_table(rows):
 def accuracy_table(results, N, reference_nodes):
     sizes = list(results)
     lines = [
-        f"| grid | nodes/dim | " + " | ".join(f"D={D}: mean / max abs error (nats)" for D in sizes) + " |",
+        "| grid | nodes/dim | " + " | ".join(f"D={D}: mean / max abs error (nats)" for D in sizes) + " |",
         "|---|---|" + "---|" * len(sizes),
     ]
     keys = sorted({k for col in results.values() for k in col if k != "reference_check"}, key=lambda k: (not k[0], k[1]))

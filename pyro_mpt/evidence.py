@@ -21,7 +21,6 @@ registered in :data:`METHODS`; :meth:`Evidence.estimate` returns the full result
 """
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 

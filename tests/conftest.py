@@ -23,3 +23,13 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Pin torch to one thread for a module: its tensors are small, and on a shared
+    2-core machine a second thread only adds oversubscription stalls."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

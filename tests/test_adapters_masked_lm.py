@@ -15,13 +15,7 @@ from pyro_mpt.adapters.rates import mask_counts, rate_weights  # noqa: E402
 LETTERS = "abcdefghij"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # small forwards on a shared 2-core machine: one thread avoids oversubscription stalls
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _bert_tokenizer(tmp_path_factory):

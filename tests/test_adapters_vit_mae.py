@@ -13,12 +13,7 @@ from pyro_mpt.adapters.rates import item_generator, mask_counts, nested_ranks  #
 from pyro_mpt.adapters.vit_mae import init_position_embeddings  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_mae(norm_pix_loss=False, image_size=16, patch_size=4):

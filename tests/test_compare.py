@@ -6,7 +6,6 @@ import math
 import os
 
 import pytest
-import torch
 from pyro.infer import RenyiELBO, Trace_ELBO
 
 from pyro_mpt import EncodeDecodeConditionals, ImportanceConditionals, ImportanceWeightedELBO, MaskedPretrainingLoss
@@ -23,12 +22,7 @@ from test_importance import exact_posterior_guide
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_make_loss_parses_specs():

@@ -23,10 +23,8 @@ The test models pass ``device=`` to their plates and build every constant
 from tensors on the data's device, as a model meant to run on a GPU does.
 """
 
-import math
 import warnings
 
-import numpy as np
 import pytest
 import torch
 import pyro
@@ -50,12 +48,7 @@ cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 D, K, N = 5, 2, 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ppca(device, dtype=torch.float64):

@@ -17,12 +17,7 @@ from models import make_ppca
 from test_importance import exact_posterior_guide
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _setup(seed=0, D=6, K=2, N=8, q=4, rate=0.4):

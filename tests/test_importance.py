@@ -15,12 +15,7 @@ from pyro_mpt.sites import trace_tokens
 from models import make_ppca
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads only add overhead
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def exact_posterior_guide(K, dtype=torch.float64):
@@ -89,8 +84,7 @@ def test_heavy_tailed_weights_warn_with_khat():
 
 def test_minibatch_scale_is_applied_outside_the_log_mean_exp():
     """A subsampled plate: per-datapoint values are unscaled, the loss scales them by N / B."""
-    model_full, x, exact = make_ppca(4, 2, N=40)
-    guide_full = exact_posterior_guide(2)
+    _, x, exact = make_ppca(4, 2, N=40)
     N, B = 40, 8
     idx = torch.arange(8, 16)
 

@@ -1,7 +1,6 @@
 """Numerics: float32 against float64 at D = 512, the jitter rescue, log-space sums, empty contexts and targets."""
 
 import contextlib
-import math
 import warnings
 
 import pytest
@@ -28,12 +27,7 @@ from models import make_ppca
 from test_importance import exact_posterior_guide
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @contextlib.contextmanager
