@@ -26,7 +26,7 @@ def make_ppca(W_init, mu_init, s_init):
         mu = pyro.param("mu", mu_init.clone())
         s = pyro.param("s", s_init.clone(), constraint=dist.constraints.positive)
         with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            z = pyro.sample("z", dist.Normal(x.new_zeros(()), 1.0).expand([K]).to_event(1))  # in the data's dtype
             pyro.sample("x", dist.Normal(z @ W.T + mu, s).to_event(1), obs=x)
 
     return ppca
