@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling examples
 
-from gallery_common import update_results  # noqa: E402
+from gallery_common import compact_png, update_results  # noqa: E402
 
 #: the paper's Fig. 2 and Fig. 3 give curves, not numbers: what they show
 PAPER_FIG2 = {
@@ -157,6 +157,8 @@ def main(argv=None):
           "![Fig. 3 bottom](fig3_deep_vae.png)", "",
           deep_vae_markdown(out["deep_vae"], vars(deep_vae.parse_args(deep_args)))]
     update_results(results_md, "fig3", "\n".join(md))
+    for png in out["png"]:
+        compact_png(png)  # the examples save at 120 dpi in full colour
     print(f"wrote {', '.join(out['png'])} and {results_md}")
     return out
 

@@ -231,6 +231,8 @@ def test_fig6_offline_fallback(adapters):
 # ---------------------------------------------------------------------- gallery_training (plumbing)
 def test_gallery_training_runs_the_examples(tmp_path, monkeypatch):
     """The examples themselves are tested elsewhere; here stand-ins record the calls."""
+    from PIL import Image
+
     from pyro_mpt.compare import Comparison, RunResult
 
     calls = {}
@@ -239,7 +241,7 @@ def test_gallery_training_runs_the_examples(tmp_path, monkeypatch):
         def main(argv):
             calls[name] = argv
             path = argv[argv.index("--out") + 1]
-            open(path, "wb").write(b"\x89PNG stand-in")
+            Image.new("RGB", (8, 8), "white").save(path)
             return result
 
         module = types.SimpleNamespace(main=main)
