@@ -25,7 +25,7 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # Paper-figure gallery: Fig. 1-6, Table 1-2 and two figures beyond the paper, PNGs and RESULTS.md in
-# docs/gallery/. Offline on CPU (about 10-15 minutes on 2 cores); each script takes --quick and --out-dir.
+# docs/gallery/. Offline on CPU (about 7 minutes on 2 shared cores); each script takes --quick, --out-dir, --seed.
 .PHONY: gallery
 gallery: $(STAMP)
 	mkdir -p docs/gallery

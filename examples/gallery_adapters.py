@@ -27,7 +27,7 @@ pattern is (random initialization: a flat, low curve; pre-training lifts the
 low-rate end and the area). ``--online`` tries the paper's models and data
 from the HuggingFace hub first (falling back offline when unreachable).
 
-Run ``python examples/gallery_adapters.py`` (about 5 minutes on 2 CPU cores) or
+Run ``python examples/gallery_adapters.py`` (about 2 minutes on 2 CPU cores) or
 ``--quick`` (a few sequences and training steps, CI).
 """
 

@@ -20,7 +20,7 @@ Runs three examples in-process and records their numbers in RESULTS.md:
   ELBO, held-out LML by importance sampling; on binarized digits (the paper:
   MNIST, Gaussian likelihood). -> ``fig3_deep_vae.png``
 
-Run ``python examples/gallery_training.py`` (about 5 minutes on 2 CPU cores) or
+Run ``python examples/gallery_training.py`` (3-4 minutes on 2 CPU cores) or
 ``--quick`` (each example's reduced setting).
 """
 
