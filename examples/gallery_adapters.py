@@ -107,7 +107,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--online", action="store_true",
                    help="try the paper's models and data on the HuggingFace hub first (BERT on GLUE, ViT-MAE)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; raise it on an idle machine)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1; raise it on an idle machine)")
     args = p.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     import bert_glue_curves

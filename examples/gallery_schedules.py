@@ -278,7 +278,8 @@ def report(out, args):
           "axis floor).", "",
           "| schedule | P | token-queries | std | std x sqrt(token-queries) | mean - exact LML |",
           "|---|---|---|---|---|---|"]
-    md += [f"| {r['masks']} | {r['P']} | {r['compute']:.0f} | {r['std']:.3g} | {r['std'] * np.sqrt(r['compute']):.3g} | "
+    md += [f"| {r['masks']} | {r['P']} | {r['compute']:.0f} | {r['std']:.3g} | "
+           f"{r['std'] * np.sqrt(r['compute']):.3g} | "
            f"{r['mean_error']:+.4f} ± {r['mean_error_se']:.4f} |" for r in v]
     md += ["", "![fixed-rate bias](fixed_rate_bias.png)", "",
            "(b) Bias of a fixed rate, D S(x; round(rD)) - log p(x), mean per datapoint (positive: the fixed rate "
@@ -292,10 +293,11 @@ def report(out, args):
         how = "exhaustive (exact)" if pn["exact"] else f"all, P={pn['P']}"
         for r, pt in pn["points"].items():
             md.append(f"| {pn['D']} | {pn['N']} | {pn['lml']:.3f} | {how} | {100 * r:.0f}% | {pt['M']} | "
-                      f"{pt['bias']:+.3f} ± {pt['bias_se']:.3f} | {pt['estimator']:+.3f} ± {pt['estimator_se']:.3f} | "
-                      f"{pt['bias'] / abs(pn['lml']):+.4f} |")
+                      f"{pt['bias']:+.3f} ± {pt['bias_se']:.3f} | "
+                      f"{pt['estimator']:+.3f} ± {pt['estimator_se']:.3f} | {pt['bias'] / abs(pn['lml']):+.4f} |")
     md.append("")
-    md.append("± values: standard errors over datapoints (and masks, where estimated).")
+    md.append("± values: for D S(x; M) - LML, the standard error over datapoints (and masks, where estimated); for "
+              "the estimator, the standard error of its masks alone (the data are the same).")
     update_results(os.path.join(args.out_dir, "RESULTS.md"), "schedules", "\n".join(md))
     print(f"wrote {', '.join(out['png'])} and RESULTS.md in {out['seconds']:.1f} s")
 

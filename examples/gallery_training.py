@@ -96,7 +96,8 @@ def deep_vae_markdown(result, args):
           f"{s['num_train']} training / {s['num_test']} held-out images, K={args['latent_dim']}, {s['epochs']} epochs, "
           f"minibatches of {s['batch_size']}; held-out LML by importance sampling with the encoder as proposal "
           f"({s['final_samples']} samples at the end).", "",
-          "| loss | held-out LML at first evaluation | final held-out LML (± s.e.) | minus ELBO's (paired s.e.) | paper |",
+          "| loss | held-out LML at first evaluation | final held-out LML (± s.e.) | minus ELBO's (paired s.e.) "
+          "| paper |",
           "|---|---|---|---|---|"]
     paper = {"mpt:0.33": "33 % masks: held-out LML maximized along with the MPT objective (MNIST, Gaussian)"}
     ok = {r.name for r in result.results if r.error is None and r.values}
