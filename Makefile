@@ -28,9 +28,13 @@ docs: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info docs/_build
 
-# Paper-figure gallery (Fig. 1, Table 1, Fig. 4, Fig. 5 left): PNGs and RESULTS.md in docs/gallery/.
+# Paper-figure gallery: Fig. 1-6, Table 1-2 and two figures beyond the paper, PNGs and RESULTS.md in
+# docs/gallery/. Offline on CPU (about 7 minutes on 2 shared cores); each script takes --quick, --out-dir, --seed.
 .PHONY: gallery
 gallery: $(STAMP)
 	mkdir -p docs/gallery
 	MPLBACKEND=Agg $(PY) examples/gallery_convergence.py --out-dir docs/gallery
 	MPLBACKEND=Agg $(PY) examples/gallery_area.py --out-dir docs/gallery
+	MPLBACKEND=Agg $(PY) examples/gallery_schedules.py --out-dir docs/gallery
+	MPLBACKEND=Agg $(PY) examples/gallery_training.py --out-dir docs/gallery
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg $(PY) examples/gallery_adapters.py --out-dir docs/gallery

@@ -165,7 +165,7 @@ def main(argv=None):
     md = ["## Fig. 1 and Table 1: convergence of the cumulative MPT score (`examples/gallery_convergence.py`)", ""]
     md.append(f"Settings: {'--quick' if q else 'default'}; PPCA at the generating parameters (noise std 0.5, "
               f"W, mu ~ N(0, 1)); masks shared across the batch; seed {args.seed}; {out['seconds']:.0f} s.")
-    md += ["", f"![Fig. 1](fig1_convergence.png)", "",
+    md += ["", "![Fig. 1](fig1_convergence.png)", "",
            f"Fig. 1 (N={n_fig} datapoints, K=2, P=1..{p_max}, {n_seeds} mask seeds):", "",
            "| D | masks | true LML | mean abs rel. diff P=1 | mean abs rel. diff P=%d | note |" % p_max,
            "|---|---|---|---|---|---|"]

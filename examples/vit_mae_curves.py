@@ -108,7 +108,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--progress", action="store_true")
     p.add_argument("--plot", default="vit_mae_curves.png")
-    p.add_argument("--json", default="vit_mae_curves.json")
+    p.add_argument("--json", default="vit_mae_curves.json", help="where to save the curves ('' to skip)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -147,11 +147,13 @@ def main(argv=None):
         a.legend(fontsize=7)
     fig.suptitle(mode, fontsize=9)
     fig.savefig(args.plot, dpi=130, bbox_inches="tight")
-    with open(args.json, "w") as f:
-        json.dump({"mode": mode, "curves": {k: {"mse": v["mse"].to_dict(), "log_density": v["log_density"].to_dict(),
-                                                 "sigma2": v["sigma2"]} for k, v in results.items()}}, f, indent=1)
-    print(f"wrote {args.plot} and {args.json}")
-    return results
+    plt.close(fig)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mode": mode, "curves": {k: {"mse": v["mse"].to_dict(), "log_density": v["log_density"].to_dict(),
+                                                     "sigma2": v["sigma2"]} for k, v in results.items()}}, f, indent=1)
+    print(f"wrote {args.plot}" + (f" and {args.json}" if args.json else ""))
+    return {"mode": mode, "curves": results}
 
 
 if __name__ == "__main__":

@@ -124,3 +124,10 @@ def test_deep_vae_example_quick(tmp_path):
         # the held-out LML improved during training
         lml = [h["heldout"] for h in r.history if "heldout" in h]
         assert lml[-1] > lml[0]
+    # examples/gallery_training.py writes these numbers into docs/gallery/RESULTS.md
+    spec = importlib.util.spec_from_file_location("gallery_training", os.path.join(ROOT, "examples", "gallery_training.py"))
+    gallery = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gallery)
+    text = gallery.deep_vae_markdown(res, vars(module.parse_args(["--quick"])))
+    for r in res.results:
+        assert f"| {r.name} | " in text and f"{r.heldout:.3f} ± {r.stderr:.3f}" in text

@@ -105,3 +105,16 @@ def test_torchvision_path_with_a_stand_in(monkeypatch, tmp_path):
     fake.datasets.MNIST = Offline
     with pytest.raises(example.DataUnavailable, match="could not load mnist.*--dataset digits"):
         example.load_images("mnist", None, 0, str(tmp_path))
+
+
+def test_gallery_fig3_section(demo):
+    """examples/gallery_training.py writes this run's numbers into docs/gallery/RESULTS.md."""
+    spec = importlib.util.spec_from_file_location("gallery_training", EXAMPLE.parent / "gallery_training.py")
+    gallery = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gallery)
+    results, _ = demo
+    text = gallery.linear_vae_markdown(results)
+    for name, r in results["methods"].items():
+        row = next(line for line in text.splitlines() if line.startswith(f"| {name} |"))
+        assert f"{r['lml'][0]:.3f}" in row and f"{r['lml'][-1]:.3f}" in row
+    assert "not comparable" in text  # digits, not the paper's MNIST

@@ -107,3 +107,17 @@ def test_fixed_rate_objective_is_biased(demo):
     # estimates) only scatters around the LML: measured |difference| <= 0.20
     u = results["methods"]["MPT uniform"]
     assert (np.abs(u["final_objective"] - u["final_lml"]) < 0.5).all()
+
+
+def test_gallery_fig2_section(demo):
+    """examples/gallery_training.py writes this run's numbers into docs/gallery/RESULTS.md."""
+    spec = importlib.util.spec_from_file_location("gallery_training", EXAMPLE.parent / "gallery_training.py")
+    gallery = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gallery)
+    results, _ = demo
+    text = gallery.fig2_markdown(results, seconds=1.0)
+    assert f"{results['true_lml']:.4f}" in text and f"{results['ml_lml']:.4f}" in text
+    for name, r in results["methods"].items():
+        row = next(line for line in text.splitlines() if line.startswith(f"| {name} |"))
+        assert f"{r['final_lml'].mean():.4f}" in row
+    assert "biased value" in text and "--quick" in text
