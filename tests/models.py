@@ -1,5 +1,7 @@
 """Small Pyro models shared by the tests."""
 
+import os
+
 import torch
 import pyro
 import pyro.distributions as dist
@@ -50,3 +52,40 @@ def make_full_gaussian(D, N, seed=0, dtype=torch.float64):
 
     model(x)  # register the params
     return model, x, exact
+
+
+#: the vocabulary of the tiny BERT tokenizers: special tokens, then ten letters
+TINY_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("abcdefghij")
+
+
+def tiny_bert(vocab_dir=None, seed=0, **config):
+    """A randomly initialized one-layer ``BertForMaskedLM`` over :data:`TINY_VOCAB` and,
+    when ``vocab_dir`` is given, its ``BertTokenizer`` (the vocab file is written there)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=len(TINY_VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=32, max_position_embeddings=32)
+    cfg.update(config)
+    model = transformers.BertForMaskedLM(transformers.BertConfig(**cfg)).eval()
+    if vocab_dir is None:
+        return model, None
+    path = os.path.join(str(vocab_dir), "vocab.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(TINY_VOCAB) + "\n")
+    return model, transformers.BertTokenizer(vocab=path, do_lower_case=False)
+
+
+def tiny_vit_mae(init=True, seed=0, **config):
+    """A randomly initialized one-layer ``ViTMAEForPreTraining`` on 8x8 RGB images of 4x4 patches;
+    ``init`` fills its (otherwise uninitialized) fixed sin-cos position embeddings."""
+    import transformers
+    from pyro_mpt.adapters.vit_mae import init_position_embeddings
+
+    torch.manual_seed(seed)
+    cfg = dict(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+               num_attention_heads=2, intermediate_size=32, decoder_hidden_size=8, decoder_num_hidden_layers=1,
+               decoder_num_attention_heads=2, decoder_intermediate_size=16)
+    cfg.update(config)
+    model = transformers.ViTMAEForPreTraining(transformers.ViTMAEConfig(**cfg)).eval()
+    return init_position_embeddings(model) if init else model

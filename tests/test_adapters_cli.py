@@ -5,11 +5,12 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
 from pyro_mpt.cli import main  # noqa: E402
+
+from models import tiny_bert, tiny_vit_mae  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,12 +19,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_bert")
-    (d / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("abcdefghij")) + "\n")
-    tok = transformers.BertTokenizer(vocab=str(d / "vocab.txt"), do_lower_case=False)
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=15, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=64)
-    transformers.BertForMaskedLM(cfg).save_pretrained(d)
+    model, tok = tiny_bert(d, hidden_size=32, num_hidden_layers=2, intermediate_size=64, max_position_embeddings=64)
+    model.save_pretrained(d)
     tok.save_pretrained(d)
     texts = d / "texts.txt"
     texts.write_text("a b c d e\n\nj i h g\nc c c\n")  # the blank line is skipped
@@ -91,16 +88,9 @@ def test_offline_errors_are_fast_and_clear(bert_dir, tmp_path, capsys, monkeypat
 def test_mae_curve_end_to_end(tmp_path):
     from PIL import Image
 
-    torch.manual_seed(0)
-    cfg = transformers.ViTMAEConfig(
-        image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, decoder_hidden_size=16, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
-        decoder_intermediate_size=32,
-    )
     model_dir = tmp_path / "mae"
-    from pyro_mpt.adapters.vit_mae import init_position_embeddings
-
-    init_position_embeddings(transformers.ViTMAEForPreTraining(cfg)).save_pretrained(model_dir)
+    tiny_vit_mae(image_size=16, hidden_size=32, intermediate_size=64, decoder_hidden_size=16,
+                 decoder_intermediate_size=32).save_pretrained(model_dir)
     transformers.ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(model_dir)
     images = tmp_path / "images" / "sub"
     images.mkdir(parents=True)

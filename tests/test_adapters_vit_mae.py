@@ -12,18 +12,16 @@ from pyro_mpt.adapters import MAEScorer, PAPER_MAE_RATES  # noqa: E402
 from pyro_mpt.adapters.rates import item_generator, mask_counts, nested_ranks  # noqa: E402
 from pyro_mpt.adapters.vit_mae import init_position_embeddings  # noqa: E402
 
+from models import tiny_vit_mae  # noqa: E402
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_mae(norm_pix_loss=False, image_size=16, patch_size=4):
-    torch.manual_seed(0)
-    cfg = transformers.ViTMAEConfig(
-        image_size=image_size, patch_size=patch_size, num_channels=3, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=2, intermediate_size=64, decoder_hidden_size=16, decoder_num_hidden_layers=1,
-        decoder_num_attention_heads=2, decoder_intermediate_size=32, norm_pix_loss=norm_pix_loss,
-    )
-    return init_position_embeddings(transformers.ViTMAEForPreTraining(cfg)).eval()
+    return tiny_vit_mae(image_size=image_size, patch_size=patch_size, hidden_size=32, num_hidden_layers=2,
+                        intermediate_size=64, decoder_hidden_size=16, decoder_intermediate_size=32,
+                        norm_pix_loss=norm_pix_loss)
 
 
 @pytest.mark.parametrize("norm_pix_loss", [False, True])
@@ -102,11 +100,7 @@ def test_image_inputs_and_validation():
 
 
 def test_zero_position_embeddings_are_restored_and_flagged():
-    torch.manual_seed(0)
-    cfg = transformers.ViTMAEConfig(image_size=8, patch_size=2, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                    intermediate_size=32, decoder_hidden_size=16, decoder_num_hidden_layers=1,
-                                    decoder_num_attention_heads=2, decoder_intermediate_size=32)
-    model = transformers.ViTMAEForPreTraining(cfg)
+    model = tiny_vit_mae(init=False, patch_size=2, decoder_hidden_size=16, decoder_intermediate_size=32)
     if model.vit.embeddings.position_embeddings.any():
         pytest.skip("this transformers version initializes the position embeddings itself")
     with pytest.warns(UserWarning, match="position embeddings"):

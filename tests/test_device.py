@@ -42,6 +42,8 @@ from pyro_mpt import (
     QuadratureConditionals,
 )
 
+from models import tiny_bert, tiny_vit_mae
+
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
@@ -212,36 +214,19 @@ def test_cuda_sampling_engines_are_exact_with_the_exact_posterior():
 
 
 # ---------------------------------------------------------------------- adapters
-VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("abcdefghij")
 TEXTS = ["a b c d e", "f g", "h i j a"]
 
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
-    path.write_text("\n".join(VOCAB) + "\n")
-    tok = transformers.BertTokenizer(vocab=str(path), do_lower_case=False)
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(
-        vocab_size=len(VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, max_position_embeddings=32,
-    )
-    return transformers.BertForMaskedLM(cfg).eval(), tok
+    pytest.importorskip("transformers")
+    return tiny_bert(tmp_path_factory.mktemp("vocab"))
 
 
 @pytest.fixture(scope="module")
 def mae():
-    transformers = pytest.importorskip("transformers")
-    from pyro_mpt.adapters.vit_mae import init_position_embeddings
-
-    torch.manual_seed(0)
-    cfg = transformers.ViTMAEConfig(
-        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, decoder_hidden_size=8, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
-        decoder_intermediate_size=16,
-    )
-    return init_position_embeddings(transformers.ViTMAEForPreTraining(cfg)).eval()
+    pytest.importorskip("transformers")
+    return tiny_vit_mae()
 
 
 IMAGES = torch.rand(3, 3, 8, 8, generator=torch.Generator().manual_seed(0))

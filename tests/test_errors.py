@@ -42,7 +42,7 @@ from pyro_mpt import (
 )
 from pyro_mpt.conditionals.quadrature_rules import hermite_rule
 
-from models import make_full_gaussian, make_ppca
+from models import TINY_VOCAB, make_full_gaussian, make_ppca, tiny_bert, tiny_vit_mae
 from test_importance import exact_posterior_guide
 
 ERRORS_MD = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -997,22 +997,9 @@ def _():
 
 
 # ---------------------------------------------------------------------- adapters: masked LM
-VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("abcdefghij")
-
-
 def _bert(tmp=None, tokenizer=True):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(
-        vocab_size=len(VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, max_position_embeddings=32,
-    )
-    model = transformers.BertForMaskedLM(cfg).eval()
-    if not tokenizer:
-        return model, None
-    path = Path(tmp or _tmpdir()) / "vocab.txt"
-    path.write_text("\n".join(VOCAB) + "\n")
-    return model, transformers.BertTokenizer(vocab=str(path), do_lower_case=False)
+    pytest.importorskip("transformers")
+    return tiny_bert((tmp or _tmpdir()) if tokenizer else None)
 
 
 _TMP = {}
@@ -1069,7 +1056,7 @@ def _():
 
     _, tok = _bert()
     cfg = transformers.BertConfig(
-        vocab_size=len(VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        vocab_size=len(TINY_VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
     )
 
     class MyMaskedLM(transformers.BertForMaskedLM):
@@ -1138,20 +1125,10 @@ def _():
 
 # ---------------------------------------------------------------------- adapters: ViT-MAE
 def _mae(**kw):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from pyro_mpt.adapters import MAEScorer
-    from pyro_mpt.adapters.vit_mae import init_position_embeddings
 
-    torch.manual_seed(0)
-    cfg = transformers.ViTMAEConfig(
-        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, decoder_hidden_size=8, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
-        decoder_intermediate_size=16,
-    )
-    model = transformers.ViTMAEForPreTraining(cfg).eval()
-    if kw.pop("init", True):
-        init_position_embeddings(model)
-    return MAEScorer(model, **kw)
+    return MAEScorer(tiny_vit_mae(init=kw.pop("init", True)), **kw)
 
 
 @trigger("mae-sigma2")
