@@ -18,7 +18,17 @@ prints the largest difference. The naive loop runs on the first
 two alternate for ``--repeats`` rounds and each keeps its best time, which
 tames the noise of a shared machine.
 
-3. **peak memory vs token budget**: each budget runs in a fresh process
+3. **how close each runs to the machine's matrix-product peak**: the encoder
+   FLOPs of each task (counted from the model config) over its best time,
+   against a large float32 GEMM timed in the same run with the same threads.
+   pyro_mpt does fewer FLOPs only where rates share a mask size (short
+   sequences: one pass serves every rate with the same M); otherwise both do
+   the same encoder passes. ``FLOP ratio x peak / naive rate`` is then the
+   most any implementation of those passes can gain over the naive loop on
+   this machine: when it is below the speed-up asked for, only less
+   arithmetic, not better packing, could reach it.
+
+4. **peak memory vs token budget**: each budget runs in a fresh process
    (peak resident memory above the loaded-model baseline, sampled every 2 ms, on CPU;
    ``torch.cuda.max_memory_allocated`` on GPU) on long sequences (heavy +
    light chain, ~230 tokens).
@@ -85,6 +95,24 @@ def _naive_pll(model, tok, seqs, device):
                 total += model(input_ids=x[None]).logits[0, j].log_softmax(-1)[ids[j]].item()
             out.append(total)
     return np.array(out)
+
+
+def _encoder_flops(cfg, tokens):
+    """Multiply-add FLOPs (x2) of one BERT encoder pass over a sequence of ``tokens`` tokens."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    dense = 2 * tokens * (4 * d * d + 2 * d * f)  # Q, K, V, output projections and the two FFN matrices
+    attention = 2 * 2 * tokens * tokens * d  # scores and the weighted sum of values
+    return cfg.num_hidden_layers * (dense + attention)
+
+
+def _gemm_peak(cfg, threads, repeats=5):
+    """GFLOP/s of a large float32 matrix product shaped like the FFN's (best of ``repeats``)."""
+    torch.set_num_threads(threads)
+    a = torch.randn(4096, cfg.hidden_size)
+    b = torch.randn(cfg.hidden_size, cfg.intermediate_size)
+    a @ b  # warm-up
+    best = min(_timed(lambda: a @ b)[1] for _ in range(repeats))
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1] / best / 1e9
 
 
 def _timed(fn):
@@ -160,6 +188,7 @@ def main(argv=None):
         args.max_residues, args.memory_budgets, args.repeats = args.max_residues or 32, args.memory_budgets[:2], 1
     torch.set_num_threads(args.threads)
     from pyro_mpt.adapters import PAPER_MLM_RATES, MaskedLMScorer
+    from pyro_mpt.adapters.rates import mask_counts
 
     model, tok = _load()
     model.to(args.device)
@@ -172,6 +201,13 @@ def main(argv=None):
     scorer.pll([seqs[0]])  # warm-up
 
     rows = []
+    lengths = [len(tok(s)["input_ids"]) for s in seqs]  # with the special tokens
+    passes = mask_counts(PAPER_MLM_RATES, [t - 2 for t in lengths])
+    flops = {  # encoder FLOPs per sequence, (pyro_mpt, naive): one pass per distinct mask vs one per rate
+        "99-rate curve": [(len(torch.unique(m)) * _encoder_flops(model.config, t),
+                           len(PAPER_MLM_RATES) * _encoder_flops(model.config, t)) for m, t in zip(passes, lengths)],
+        "PLL": [((t - 2) * _encoder_flops(model.config, t),) * 2 for t in lengths],
+    }
     # the machine is shared: alternate the two implementations and keep each one's best time
     tasks = {
         "99-rate curve": (lambda: scorer.curve(seqs, rates=PAPER_MLM_RATES, num_masks=1).per_item,
@@ -186,11 +222,26 @@ def main(argv=None):
             naive, t = _timed(naive_fn)
             t_naive.append(t)
         diff = np.abs(naive - fast[: len(naive_seqs)]).max()
-        rows.append((task, len(seqs) / min(t_fast), len(naive_seqs) / min(t_naive), diff))
+        fast_flops = sum(f for f, _ in flops[task])
+        naive_flops = sum(f for _, f in flops[task][: len(naive_seqs)])
+        # naive FLOPs per pyro_mpt FLOP on the same sequences
+        ratio = naive_flops / sum(f for f, _ in flops[task][: len(naive_seqs)])
+        rows.append((task, len(seqs) / min(t_fast), len(naive_seqs) / min(t_naive), diff,
+                     fast_flops / min(t_fast) / 1e9, naive_flops / min(t_naive) / 1e9, ratio))
 
     print(f"\n{'task':15s} {'pyro_mpt seq/s':>15s} {'naive seq/s':>12s} {'speed-up':>9s} {'max |diff|':>11s}")
-    for task, fast, slow, d in rows:
+    for task, fast, slow, d, *_ in rows:
         print(f"{task:15s} {fast:15.4f} {slow:12.4f} {fast / slow:8.1f}x {d:11.2e}")
+
+    if args.device == "cpu":
+        peak = _gemm_peak(model.config, args.threads)
+        print(f"\nencoder GFLOP/s against a 4096x{model.config.hidden_size}x{model.config.intermediate_size} "
+              f"float32 GEMM ({peak:.1f} GFLOP/s, {args.threads} thread(s), same run)")
+        print(f"{'task':15s} {'pyro_mpt':>9s} {'naive':>9s} {'pyro_mpt/peak':>14s} {'naive/peak':>11s} "
+              f"{'FLOP ratio':>11s} {'ceiling':>8s}")
+        for task, _, _, _, gf, gn, ratio in rows:
+            print(f"{task:15s} {gf:9.1f} {gn:9.1f} {gf / peak:14.0%} {gn / peak:11.0%} {ratio:10.2f}x "
+                  f"{ratio * peak / gn:7.1f}x")
 
     if args.memory_budgets:
         print(f"\npeak memory vs token budget ({args.memory_seqs} heavy+light chain(s), 49 rates, fresh process each)")
