@@ -27,6 +27,9 @@ class MPTCurve:
     :param numpy.ndarray stderr: standard error of ``score``, shape ``(S,)``.
     :param numpy.ndarray count: number of (datapoint, mask) values per size.
     :param str label: legend label for :meth:`plot`.
+    :param numpy.ndarray item_areas: ``(n,)`` per-datapoint areas
+        :math:`\sum_M \hat S(x_i; M)`, whose mean is :meth:`area`; they give
+        :meth:`area_stderr`.
 
     Example::
 
@@ -42,6 +45,7 @@ class MPTCurve:
     count: np.ndarray = field(default=None)
     label: Optional[str] = None
     rates_override: Optional[np.ndarray] = None
+    item_areas: Optional[np.ndarray] = None
 
     @property
     def rates(self):
@@ -66,7 +70,26 @@ class MPTCurve:
         return float(np.sum(self.score))
 
     def area_stderr(self):
-        """Standard error of :meth:`area`, treating sizes as independent."""
+        r"""Standard error of :meth:`area`.
+
+        From the per-datapoint areas when the curve has them (the loss's
+        :meth:`~pyro_mpt.MaskedPretrainingLoss.curve` records them):
+        :math:`\operatorname{sd}_i(a_i)/\sqrt n`. This is right although the
+        sizes are correlated: the masks of ``"all"`` and ``"order"`` are nested
+        (prefixes of one ordering), so one datapoint's :math:`\hat S(x_i; M)`
+        move together over :math:`M`, and adding the per-size errors in
+        quadrature would understate the error about twofold. It is the error of
+        the area as an estimate of the mean log-likelihood of the population the
+        data are drawn from: it counts the spread of :math:`\log p(x_i)` over
+        the data as well as the mask noise, so it bounds the mask noise alone
+        from above (tightly when one mask set per datapoint dominates, loosely
+        with many). With masks shared by the batch (``share_masks=True``) the
+        mask draw is common to all datapoints and is not counted. Without
+        per-datapoint areas, the per-size errors are added as if independent.
+        """
+        if self.item_areas is not None and len(self.item_areas) > 1:
+            a = np.asarray(self.item_areas, dtype=np.float64)
+            return float(a.std(ddof=1) / np.sqrt(len(a)))
         return float(np.sqrt(np.nansum(np.asarray(self.stderr) ** 2)))
 
     def plot(self, ax=None, *, color=None, fill=True, annotate=True, **kwargs):
@@ -112,6 +135,12 @@ class CurveAccumulator:
     def __init__(self, num_tokens):
         self.num_tokens = num_tokens
         self._sum = None
+        self._items = []
+
+    def add_items(self, areas):
+        r"""Record per-datapoint areas :math:`\sum_M \hat S(x_i; M)`, shape ``(n,)``,
+        for :meth:`MPTCurve.area_stderr`."""
+        self._items.append(areas.detach().reshape(-1).double().cpu())
 
     def add(self, shat, size):
         """Add scores ``shat`` with mask sizes ``size`` (same shape)."""
@@ -136,4 +165,5 @@ class CurveAccumulator:
         mean = np.where(n > 0, mean, np.nan)
         stderr = np.where(n > 1, stderr, np.where(n > 0, 0.0, np.nan))
         sizes = np.arange(1, self.num_tokens + 1)
-        return MPTCurve(sizes, self.num_tokens, mean, stderr, n.astype(int), label)
+        items = torch.cat(self._items).numpy() if self._items else None
+        return MPTCurve(sizes, self.num_tokens, mean, stderr, n.astype(int), label, item_areas=items)

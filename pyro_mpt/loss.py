@@ -224,5 +224,5 @@ class MaskedPretrainingLoss(ELBO):
         with torch.no_grad():
             tokens, engine, state = self._prepare(model, guide, args, kwargs)
             acc = CurveAccumulator(tokens.num_tokens)
-            self._estimate(schedule, tokens, engine, state, acc, desc="MPT curve")
+            acc.add_items(self._estimate(schedule, tokens, engine, state, acc, desc="MPT curve"))
         return acc.result(label=f"{type(schedule).__name__}")

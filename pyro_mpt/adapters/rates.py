@@ -195,9 +195,21 @@ class RateCurve(MPTCurve):
         return float(D * np.sum(rate_weights(self.rates) * self.score))
 
     def area_stderr(self, num_tokens=None):
-        """Standard error of :meth:`area`, treating rates as independent."""
+        r"""Standard error of :meth:`area`.
+
+        The area is the mean over items of :math:`a_i = D\sum_k w_k \bar
+        S_i(r_k)`, so its error is :math:`\operatorname{sd}_i(a_i)/\sqrt n`; an
+        item's masks are nested across rates, so its scores at different
+        rates are correlated and adding per-rate errors in quadrature would
+        understate it. Without per-item scores, the per-rate errors are added
+        as if independent.
+        """
         D = self.num_tokens if num_tokens is None else num_tokens
-        return float(D * np.sqrt(np.sum((rate_weights(self.rates) * self.stderr) ** 2)))
+        w = rate_weights(self.rates)
+        if self.per_item is not None and len(self.per_item) > 1:
+            a = D * (np.asarray(self.per_item, dtype=np.float64) @ w)
+            return float(a.std(ddof=1) / np.sqrt(len(a)))
+        return float(D * np.sqrt(np.sum((w * self.stderr) ** 2)))
 
     def per_item_area(self):
         r""":math:`L_i \sum_k w_k \bar S_i(r_k)` per item, shape ``(n,)``."""
