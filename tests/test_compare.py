@@ -16,8 +16,7 @@ from pyro_mpt.guide_elbo import WithGuideELBO
 from pyro_mpt.masks import FixedRate, UniformSizes
 from pyro_mpt.vae import DeepVAE
 
-from models import make_ppca
-from test_importance import exact_posterior_guide
+from models import exact_posterior_guide, make_ppca
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,7 +51,7 @@ def test_make_loss_parses_specs():
 
 def test_our_iwae_equals_pyros_renyi_without_subsampling():
     model, x, exact = make_ppca(5, 2, N=12)
-    guide = exact_posterior_guide(2)
+    guide = exact_posterior_guide
     ours = ImportanceWeightedELBO(num_particles=6).loss(model, guide, x)
     pyros = RenyiELBO(alpha=0.0, num_particles=6).loss(model, guide, x)
     assert ours == pytest.approx(-float(exact(x).sum()), abs=1e-6)
