@@ -1,20 +1,10 @@
 """The engine guide's worked example (docs/snippets/latent_class_engine.py) runs and is exact."""
 
-import importlib.util
-from pathlib import Path
-
-SNIPPET = Path(__file__).resolve().parents[1] / "docs" / "snippets" / "latent_class_engine.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("latent_class_engine", SNIPPET)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from models import load_script
 
 
 def test_latent_class_engine_is_exact_and_trains():
-    result = _load().main(steps=40)
+    result = load_script("docs/snippets/latent_class_engine.py").main(steps=40)
     # the chain rule and the exhaustive Proposition-1 sum reproduce Pyro's
     # enumerated log p(x) (300 datapoints, float64)
     assert result["gaps"]["order"] < 1e-8

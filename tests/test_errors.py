@@ -44,7 +44,6 @@ from pyro_mpt import (
 from pyro_mpt.conditionals.quadrature_rules import hermite_rule
 
 from models import (
-    TINY_VOCAB,
     exact_posterior_guide,
     make_full_gaussian,
     make_ppca,
@@ -1055,15 +1054,12 @@ def _():
     transformers = pytest.importorskip("transformers")
     from pyro_mpt.adapters import MaskedLMScorer
 
-    _, tok = _bert()
-    cfg = transformers.BertConfig(
-        vocab_size=len(TINY_VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
-    )
+    model, tok = _bert()
 
     class MyMaskedLM(transformers.BertForMaskedLM):
         pass
 
-    MaskedLMScorer(MyMaskedLM(cfg), tok, head="masked")
+    MaskedLMScorer(MyMaskedLM(model.config), tok, head="masked")
 
 
 @trigger("mlm-text-column")

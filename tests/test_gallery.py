@@ -9,7 +9,6 @@ test_example_linear_vae.py and test_compare.py (which also check the RESULTS.md
 sections built from them); here its plumbing runs with stand-in examples.
 """
 
-import importlib.util
 import itertools
 import math
 import os
@@ -20,14 +19,13 @@ import numpy as np
 import pytest
 import torch
 
+from models import load_script
+
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"examples/{name}.py")
 
 
 @pytest.fixture(scope="module")
