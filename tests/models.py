@@ -20,7 +20,8 @@ def make_ppca(D, K, N, seed=0, sigma=0.5, dtype=torch.float64, device="cpu"):
     Parameters and data are drawn in float64 on the CPU, then cast to ``dtype`` and moved
     to ``device``: one seed gives the same model in every dtype (up to rounding) and on
     every device. The model builds its constants on the data's device, as a model meant
-    to run on a GPU does.
+    to run on a GPU does. Its params keep the values already in the param store: clear
+    the store before building a second model in one test.
     """
     g = torch.Generator().manual_seed(seed)
     host = dict(generator=g, dtype=torch.float64, device="cpu")  # explicit: the default device may be another
@@ -35,7 +36,8 @@ def make_ppca(D, K, N, seed=0, sigma=0.5, dtype=torch.float64, device="cpu"):
         mu = pyro.param("mu", mu0.clone())
         s = pyro.param("s", torch.tensor(sigma, dtype=dtype, device=device), constraint=dist.constraints.positive)
         with pyro.plate("data", x.shape[0], device=x.device):
-            z = pyro.sample("z", dist.Normal(torch.zeros((), dtype=dtype, device=x.device), 1.0).expand([K]).to_event(1))
+            prior = dist.Normal(torch.zeros((), dtype=dtype, device=x.device), 1.0).expand([K]).to_event(1)
+            z = pyro.sample("z", prior)
             pyro.sample("x", dist.Normal(z @ W.T + mu, s).to_event(1), obs=x)
 
     def exact(x):
