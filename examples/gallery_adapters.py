@@ -88,9 +88,15 @@ def fig6_markdown(res, seconds=None):
                "and Tiny-ImageNet. The numbers are not comparable with the paper's (which gives curves, no numbers); "
                "the pattern is: a flat curve at random initialization, and training lowers the error most at low "
                "masking rates, as in the paper's figure.", ""]
-    s2 = next(iter(curves.values()))["sigma2"]
-    md += [f"Log-density per patch: Gaussian with sigma^2={s2:.3g} (pixels standardized); area = sum over the "
-           "19 rates of the mean log-density.", "",
+    from pyro_mpt.adapters.rates import rate_weights
+
+    first = next(iter(curves.values()))
+    s2, logd = first["sigma2"], first["log_density"]
+    w = rate_weights(logd.rates)
+    md += [f"Log-density per patch: Gaussian with sigma^2={s2:.3g} (pixels standardized); area = "
+           f"{logd.num_tokens:g} patches x sum_k w_k S(r_k) over the {len(w)} rates, with S(r_k) the mean "
+           f"log-density at rate r_k and w_k the widths of the Riemann-sum cells of the integral over r in "
+           f"(0, 1) ({w[0]:.3g} at the two ends, {w[1]:.3g} between).", "",
            "| curve | MSE at 5 % | MSE at 50 % | MSE at 95 % | log-density area |", "|---|---|---|---|---|"]
     for name, c in curves.items():
         mse = c["mse"]

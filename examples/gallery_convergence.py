@@ -34,7 +34,7 @@ import numpy as np
 import pyro
 import torch
 
-from pyro_mpt import Evidence, MaskedPretrainingLoss
+from pyro_mpt import Evidence, FixedRate, MaskedPretrainingLoss
 
 import sys
 
@@ -107,7 +107,7 @@ def main(argv=None):
                 curve = MaskedPretrainingLoss(masks="exhaustive").curve(model, None, x)
             panel["exhaustive_area"] = curve.area()
         if not isinstance(masks, str):
-            M = int(round(rate * D))
+            M = FixedRate(rate).size(D)  # the size masks=rate uses: round(rate * D), halves up
             # D * S(x; M): fixed-size estimate averaged over many independent masks per datapoint
             expected = mpt_mean(model, x, masks, bias_masks, seed=12345, share_masks=False)
             panel.update(M=M, biased_value=expected, bias=expected - lml, rel_bias=(expected - lml) / abs(lml))

@@ -1,35 +1,85 @@
-"""Small Pyro models shared by the tests."""
+"""Small Pyro models and helpers shared by the tests."""
 
+import functools
+import importlib.util
 import os
+from pathlib import Path
 
 import torch
 import pyro
 import pyro.distributions as dist
 
+from pyro_mpt import Evidence, MaskedPretrainingLoss
 
-def make_ppca(D, K, N, seed=0, sigma=0.5, dtype=torch.float64):
-    """A PPCA model with fixed parameters as pyro.params, data from the model, exact marginal."""
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_ppca(D, K, N, seed=0, sigma=0.5, dtype=torch.float64, device="cpu"):
+    """A PPCA model with fixed parameters as pyro.params, data from the model, exact marginal.
+
+    Parameters and data are drawn in float64 on the CPU, then cast to ``dtype`` and moved
+    to ``device``: one seed gives the same model in every dtype (up to rounding) and on
+    every device. The model builds its constants on the data's device, as a model meant
+    to run on a GPU does. Its params keep the values already in the param store: clear
+    the store before building a second model in one test.
+    """
     g = torch.Generator().manual_seed(seed)
-    W0 = torch.randn(D, K, generator=g, dtype=dtype)
-    mu0 = torch.randn(D, generator=g, dtype=dtype)
-    z = torch.randn(N, K, generator=g, dtype=dtype)
-    x = z @ W0.T + mu0 + sigma * torch.randn(N, D, generator=g, dtype=dtype)
+    host = dict(generator=g, dtype=torch.float64, device="cpu")  # explicit: the default device may be another
+    W0 = torch.randn(D, K, **host)
+    mu0 = torch.randn(D, **host)
+    z = torch.randn(N, K, **host)
+    x = z @ W0.T + mu0 + sigma * torch.randn(N, D, **host)
+    W0, mu0, x = (t.to(dtype=dtype, device=device) for t in (W0, mu0, x))
 
     def model(x):
         W = pyro.param("W", W0.clone())
         mu = pyro.param("mu", mu0.clone())
-        s = pyro.param("s", torch.tensor(sigma, dtype=dtype), constraint=dist.constraints.positive)
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(torch.zeros((), dtype=dtype), 1.0).expand([K]).to_event(1))
+        s = pyro.param("s", torch.tensor(sigma, dtype=dtype, device=device), constraint=dist.constraints.positive)
+        with pyro.plate("data", x.shape[0], device=x.device):
+            prior = dist.Normal(torch.zeros((), dtype=dtype, device=x.device), 1.0).expand([K]).to_event(1)
+            z = pyro.sample("z", prior)
             pyro.sample("x", dist.Normal(z @ W.T + mu, s).to_event(1), obs=x)
 
     def exact(x):
         W, mu, s = pyro.param("W"), pyro.param("mu"), pyro.param("s")
-        S = W @ W.T + s**2 * torch.eye(D, dtype=dtype)
+        S = W @ W.T + s**2 * torch.eye(D, dtype=dtype, device=W.device)
         return torch.distributions.MultivariateNormal(mu, S).log_prob(x)
 
     model(x)  # register the params
     return model, x, exact
+
+
+def exact_posterior_guide(x):
+    """The exact posterior q(z | x) = p(z | x) of :func:`make_ppca`'s model, computed from
+    its current params (in their dtype, on their device): a zero-variance proposal."""
+    W, mu, s = pyro.param("W"), pyro.param("mu"), pyro.param("s")
+    cov = torch.linalg.inv(torch.eye(W.shape[1], dtype=W.dtype, device=W.device) + W.T @ W / s**2)
+    loc = ((x - mu) @ W / s**2) @ cov
+    with pyro.plate("data", x.shape[0], device=x.device):
+        pyro.sample("z", dist.MultivariateNormal(loc, covariance_matrix=cov))
+
+
+def make_singular_ppca(noise, w=None, N=5, dtype=torch.float64):
+    """PPCA whose loading W = [w, w] has two equal columns (rank 1) and a tiny noise scale:
+    its covariance W W^T + noise^2 I is singular to working precision.
+
+    :param w: the column, D values (default: 8 standard normal draws).
+    :returns: the model, the data (drawn from the noise-free model) and W in float64.
+    """
+    g = torch.Generator().manual_seed(0)
+    if w is None:
+        w = torch.randn(8, generator=g, dtype=torch.float64)
+    w = torch.as_tensor(w, dtype=torch.float64).reshape(-1, 1)
+    W64 = torch.cat([w, w], 1)
+    x = (torch.randn(N, 1, generator=g, dtype=torch.float64) @ w.T).to(dtype)
+    W, s = W64.to(dtype), torch.tensor(noise, dtype=dtype)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, s).to_event(1), obs=x)
+
+    return model, x, W64
 
 
 def make_full_gaussian(D, N, seed=0, dtype=torch.float64):
@@ -89,3 +139,36 @@ def tiny_vit_mae(init=True, seed=0, **config):
     cfg.update(config)
     model = transformers.ViTMAEForPreTraining(transformers.ViTMAEConfig(**cfg)).eval()
     return init_position_embeddings(model) if init else model
+
+
+# ---------------------------------------------------------------------- estimators as cases
+def score_case(engine, masks="uniform", num_masks=2, guide=False, **loss_options):
+    """A case ``run(model, guide, x)``: the MPT score of each datapoint with a fresh ``engine()``
+    (the guide is passed on only when ``guide`` is true)."""
+
+    def run(model, g, x):
+        loss = MaskedPretrainingLoss(conditionals=engine(), masks=masks, num_masks=num_masks, **loss_options)
+        return loss.score(model, g if guide else None, x)
+
+    return run
+
+
+def evidence_case(method, guide=False, **options):
+    """A case ``run(model, guide, x)``: ``Evidence(method=method, **options)`` of each datapoint."""
+
+    def run(model, g, x):
+        return Evidence(model, g if guide else None, method=method, **options)(x)
+
+    return run
+
+
+# ---------------------------------------------------------------------- scripts
+@functools.cache
+def load_script(path):
+    """The module of the script at ``path``, relative to the repository root (e.g.
+    ``"examples/gallery_training.py"``), executed once per session and cached."""
+    path = ROOT / path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -12,16 +12,12 @@ transformers = pytest.importorskip("transformers")
 from pyro_mpt.adapters import MaskedLMScorer, PAPER_MLM_RATES, table2_area  # noqa: E402
 from pyro_mpt.adapters.rates import mask_counts, rate_weights  # noqa: E402
 
-LETTERS = "abcdefghij"
+from models import TINY_VOCAB, tiny_bert  # noqa: E402
+
+LETTERS = "".join(TINY_VOCAB[5:])  # the letters after the special tokens
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _bert_tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bert_vocab") / "vocab.txt"
-    path.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(LETTERS)) + "\n")
-    return transformers.BertTokenizer(vocab=str(path), do_lower_case=False)
 
 
 def _roberta_tokenizer():
@@ -35,19 +31,14 @@ def _roberta_tokenizer():
 
 
 def _tiny(kind, tmp_path_factory):
-    torch.manual_seed(0)
     common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
     if kind == "bert":
-        tok = _bert_tokenizer(tmp_path_factory)
-        cfg = transformers.BertConfig(vocab_size=len(tok), max_position_embeddings=64, **common)
-        model = transformers.BertForMaskedLM(cfg)
-    else:
-        tok = _roberta_tokenizer()
-        cfg = transformers.RobertaConfig(
-            vocab_size=26, max_position_embeddings=66, pad_token_id=1, bos_token_id=0, eos_token_id=2, **common
-        )
-        model = transformers.RobertaForMaskedLM(cfg)
-    return model.eval(), tok
+        return tiny_bert(tmp_path_factory.mktemp("bert_vocab"), max_position_embeddings=64, **common)
+    torch.manual_seed(0)
+    cfg = transformers.RobertaConfig(
+        vocab_size=26, max_position_embeddings=66, pad_token_id=1, bos_token_id=0, eos_token_id=2, **common
+    )
+    return transformers.RobertaForMaskedLM(cfg).eval(), _roberta_tokenizer()
 
 
 @pytest.fixture(scope="module", params=["bert", "roberta"])

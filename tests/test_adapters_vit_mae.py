@@ -71,6 +71,30 @@ def test_curves_end_to_end():
     assert mle["log_density"].area() > logd.area()  # a fitted variance beats sigma2=1 here (MSE < 1)
 
 
+def test_log_density_is_the_gaussian_log_prob_of_the_reconstruction():
+    """Independently of the adapter's formula: the log-density curve of an image at a rate
+    is the mean, over its masked patches, of Normal(reconstruction, sigma).log_prob of the
+    patch's pixels, summed over the patch."""
+    model = tiny_mae()  # raw pixels as the regression targets
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    sigma2, N, M = 0.7, 16, 8
+    logd = MAEScorer(model, seed=5, sigma2=sigma2).curve(x, rates=[0.25, 0.5])  # the rate 0.5 masks M = 8
+    old = model.config.mask_ratio
+    model.config.mask_ratio = 0.5  # ViTMAE keeps int(16 * (1 - 0.5)) = 8 patches, those of highest rank
+    try:
+        for i in range(2):
+            ranks = nested_ranks(item_generator(5, i), 1, N)  # the scorer's masks for image i
+            with torch.no_grad():
+                out = model(pixel_values=x[i : i + 1], noise=-ranks.float())
+            masked = out.mask.bool()
+            assert torch.equal(masked, ranks < M)
+            patch_lp = torch.distributions.Normal(out.logits, math.sqrt(sigma2)).log_prob(model.patchify(x[i : i + 1]))
+            expected = float(patch_lp.sum(-1)[masked].mean())
+            assert logd.per_item[i, 1] == pytest.approx(expected, rel=1e-5)
+    finally:
+        model.config.mask_ratio = old
+
+
 def test_image_inputs_and_validation():
     datasets = pytest.importorskip("datasets")
     from PIL import Image

@@ -1,9 +1,7 @@
 """The MPT-vs-ELBO comparison utility, the pyro-mpt CLI and the deep VAE example (quick mode)."""
 
-import importlib.util
 import json
 import math
-import os
 
 import pytest
 from pyro.infer import RenyiELBO, Trace_ELBO
@@ -16,10 +14,7 @@ from pyro_mpt.guide_elbo import WithGuideELBO
 from pyro_mpt.masks import FixedRate, UniformSizes
 from pyro_mpt.vae import DeepVAE
 
-from models import make_ppca
-from test_importance import exact_posterior_guide
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from models import exact_posterior_guide, load_script, make_ppca
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,7 +47,7 @@ def test_make_loss_parses_specs():
 
 def test_our_iwae_equals_pyros_renyi_without_subsampling():
     model, x, exact = make_ppca(5, 2, N=12)
-    guide = exact_posterior_guide(2)
+    guide = exact_posterior_guide
     ours = ImportanceWeightedELBO(num_particles=6).loss(model, guide, x)
     pyros = RenyiELBO(alpha=0.0, num_particles=6).loss(model, guide, x)
     assert ours == pytest.approx(-float(exact(x).sum()), abs=1e-6)
@@ -111,9 +106,7 @@ def test_cli_compare_prints_a_table_and_writes_json(tmp_path, capsys):
 
 
 def test_deep_vae_example_quick(tmp_path):
-    spec = importlib.util.spec_from_file_location("deep_vae_example", os.path.join(ROOT, "examples", "deep_vae.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("examples/deep_vae.py")
     png = tmp_path / "fig.png"
     res = module.main(["--quick", "--out", str(png)])
     assert png.exists() and png.stat().st_size > 10_000
@@ -125,9 +118,7 @@ def test_deep_vae_example_quick(tmp_path):
         lml = [h["heldout"] for h in r.history if "heldout" in h]
         assert lml[-1] > lml[0]
     # examples/gallery_training.py writes these numbers into docs/gallery/RESULTS.md
-    spec = importlib.util.spec_from_file_location("gallery_training", os.path.join(ROOT, "examples", "gallery_training.py"))
-    gallery = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gallery)
+    gallery = load_script("examples/gallery_training.py")
     text = gallery.deep_vae_markdown(res, vars(module.parse_args(["--quick"])))
     for r in res.results:
         assert f"| {r.name} | " in text and f"{r.heldout:.3f} ± {r.stderr:.3f}" in text

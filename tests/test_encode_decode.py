@@ -13,8 +13,7 @@ from pyro_mpt.guide_elbo import WithGuideELBO
 from pyro_mpt.sites import trace_tokens
 from pyro_mpt.vae import DeepVAE
 
-from models import make_ppca
-from test_importance import exact_posterior_guide
+from models import exact_posterior_guide, make_ppca
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _setup(seed=0, D=6, K=2, N=8, q=4, rate=0.4):
     pyro.set_rng_seed(seed)
     model, x, exact = make_ppca(D, K, N, seed=seed)
-    guide = exact_posterior_guide(K)
+    guide = exact_posterior_guide
     tokens = trace_tokens(model, guide, (x,), {})
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(q, N, D, generator=g) < rate
@@ -91,7 +90,7 @@ def test_guides_that_cannot_stack_fall_back_to_one_call_per_query():
             pyro.sample("z", dist.MultivariateNormal(loc, covariance_matrix=cov))
 
     outs = []
-    for m, g, args in [(model, exact_posterior_guide(K), (x,)), (model2, guide2, (x, c))]:
+    for m, g, args in [(model, exact_posterior_guide, (x,)), (model2, guide2, (x, c))]:
         tokens2 = trace_tokens(m, g, args, {})
         engine = EncodeDecodeConditionals(2000, 30, encode="mean", decode="mean")
         state = engine.prepare(tokens2, m, g, args, {})

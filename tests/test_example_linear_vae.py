@@ -7,20 +7,15 @@ objective tracks the LML. Thresholds are measured values with a margin.
 """
 
 import builtins
-import importlib.util
-import pathlib
 
 import numpy as np
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "linear_vae.py"
+from models import load_script
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("linear_vae_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/linear_vae.py")
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +104,7 @@ def test_torchvision_path_with_a_stand_in(monkeypatch, tmp_path):
 
 def test_gallery_fig3_section(demo):
     """examples/gallery_training.py writes this run's numbers into docs/gallery/RESULTS.md."""
-    spec = importlib.util.spec_from_file_location("gallery_training", EXAMPLE.parent / "gallery_training.py")
-    gallery = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gallery)
+    gallery = load_script("examples/gallery_training.py")
     results, _ = demo
     text = gallery.linear_vae_markdown(results)
     for name, r in results["methods"].items():

@@ -9,20 +9,15 @@ paper's bias). Tolerances come from measurements of the quick setting over data
 seeds 0-4 (see the comments), with a margin.
 """
 
-import importlib.util
-import pathlib
 
 import numpy as np
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "ppca_mpt_vs_elbo.py"
+from models import load_script
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("ppca_mpt_vs_elbo", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/ppca_mpt_vs_elbo.py")
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +106,7 @@ def test_fixed_rate_objective_is_biased(demo):
 
 def test_gallery_fig2_section(demo):
     """examples/gallery_training.py writes this run's numbers into docs/gallery/RESULTS.md."""
-    spec = importlib.util.spec_from_file_location("gallery_training", EXAMPLE.parent / "gallery_training.py")
-    gallery = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gallery)
+    gallery = load_script("examples/gallery_training.py")
     results, _ = demo
     text = gallery.fig2_markdown(results, seconds=1.0)
     assert f"{results['true_lml']:.4f}" in text and f"{results['ml_lml']:.4f}" in text

@@ -12,30 +12,17 @@ from pyro_mpt import Evidence, ImportanceConditionals, ImportanceSamplingWarning
 from pyro_mpt.conditionals import EngineNotApplicable, GaussianConditionals, QuadratureConditionals
 from pyro_mpt.sites import trace_tokens
 
-from models import make_ppca
+from models import exact_posterior_guide, make_ppca
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def exact_posterior_guide(K, dtype=torch.float64):
-    """The exact PPCA posterior q(z | x) = p(z | x), from the model's params."""
-
-    def guide(x):
-        W, mu, s = pyro.param("W"), pyro.param("mu"), pyro.param("s")
-        cov = torch.linalg.inv(torch.eye(K, dtype=dtype) + W.T @ W / s**2)
-        loc = ((x - mu) @ W / s**2) @ cov
-        with pyro.plate("data", x.shape[0]):
-            pyro.sample("z", dist.MultivariateNormal(loc, covariance_matrix=cov))
-
-    return guide
 
 
 # ---------------------------------------------------------------------- evidence
 @pytest.mark.parametrize("S", [1, 2, 17])
 def test_exact_posterior_proposal_gives_the_exact_lml_for_any_S(S):
     model, x, exact = make_ppca(6, 2, N=15)
-    guide = exact_posterior_guide(2)
+    guide = exact_posterior_guide
     res = Evidence(model, guide, method="importance", num_samples=S, chunk_size=5).estimate(x)
     assert torch.allclose(res.log_evidence, exact(x), atol=1e-6, rtol=0)
     if S >= 2:
@@ -45,7 +32,7 @@ def test_exact_posterior_proposal_gives_the_exact_lml_for_any_S(S):
 
 def test_exact_posterior_gives_zero_variance_khat_and_exact_gradients():
     model, x, exact = make_ppca(5, 2, N=8)
-    guide = exact_posterior_guide(2)
+    guide = exact_posterior_guide
     res = Evidence(model, guide, method="importance", num_samples=50).estimate(x)
     assert bool((res.diagnostics["khat"] == -math.inf).all())
     params = [pyro.param(k).unconstrained() for k in ("W", "mu", "s")]
@@ -156,7 +143,7 @@ def test_prior_importance_conditionals_match_the_gaussian_closed_form_within_std
 def test_guide_importance_conditionals_match_the_closed_form_within_stderr():
     pyro.set_rng_seed(0)
     model, x, exact = make_ppca(6, 2, N=5)
-    guide = exact_posterior_guide(2)
+    guide = exact_posterior_guide
     tokens = trace_tokens(model, guide, (x,), {})
     mask = _masks(3, 5, 6, seed=1)
     gauss = GaussianConditionals()
