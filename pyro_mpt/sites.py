@@ -249,13 +249,15 @@ def _token_frames(site, latents, token_plates):
                 f"{', '.join(map(repr, unknown))}; its plates: {_describe_plates(frames) or 'none'}."
             )
         return {f for f in frames if f.name in names}
-    big = {f for f in frames if f.size > 1}
-    in_latents = [_vectorized_frames(s, 2) & big for s in latents]
+    # latents are matched to plates by identity, whatever their size (a data plate
+    # of one datapoint still holds the latents); only token candidates need size > 1
+    in_latents = [_vectorized_frames(s) & frames for s in latents]
     holding = set().union(*in_latents) if in_latents else set()
-    candidates = big - holding
+    candidates = {f for f in frames - holding if f.size > 1}
     local = [fr for fr in in_latents if fr]
     if candidates and local and all(fr == holding for fr in local):
         return candidates
+    big = {f for f in frames if f.size > 1}
     if not site["fn"].event_shape:
         hint = (
             "Declare the tokens of one datapoint as event dims, e.g. "
