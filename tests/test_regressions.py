@@ -47,3 +47,44 @@ def test_token_plate_is_detected_with_a_single_datapoint():
     assert abs(float(one[0] - exact(x[:1])[0])) < 1e-10
     score = MaskedPretrainingLoss(conditionals="gaussian", masks="order").score(model, None, x[:1])
     assert abs(float(score[0] - full[0])) < 1e-10
+
+
+# ---------------------------------------------------------------------- Gaussian refusals
+def _low_rank_observation(layout):
+    """A latent-free LowRankMultivariateNormal over E = 2 dims of T = 3 tokens, either
+    inside a token plate or with an extra event dim (.to_event(1))."""
+    g = torch.Generator().manual_seed(0)
+    loc = torch.randn(3, 2, generator=g, dtype=torch.float64)
+    F = torch.randn(2, 1, generator=g, dtype=torch.float64)
+    psi = torch.rand(2, generator=g, dtype=torch.float64) + 0.5
+    x = torch.randn(5, 3, 2, generator=g, dtype=torch.float64)
+
+    def model(x):
+        if layout == "token-plate":
+            with pyro.plate("data", x.shape[0], dim=-2), pyro.plate("tokens", 3, dim=-1):
+                pyro.sample("x", dist.LowRankMultivariateNormal(loc, F, psi), obs=x)
+        else:
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("x", dist.LowRankMultivariateNormal(loc, F, psi).to_event(1), obs=x)
+
+    return model, x
+
+
+@pytest.mark.parametrize(
+    "layout,message",
+    [
+        ("token-plate", r"Observed site 'x' is a LowRankMultivariateNormal inside the token plate\(s\) 'tokens'"),
+        ("to-event", r"Observed site 'x': a LowRankMultivariateNormal with extra event dims is not supported"),
+    ],
+    ids=["token-plate", "to-event"],
+)
+def test_low_rank_normal_in_a_token_plate_or_with_extra_event_dims_is_refused(layout, message):
+    """Refused like a MultivariateNormal there, not a RuntimeError from a shape mismatch."""
+    from pyro_mpt.conditionals import NotLinearGaussianError
+
+    model, x = _low_rank_observation(layout)
+    plates = ("tokens",) if layout == "token-plate" else None
+    with pytest.raises(NotLinearGaussianError, match=message):
+        Evidence(model, token_plates=plates)(x)
+    with pytest.raises(NotLinearGaussianError, match=message):
+        MaskedPretrainingLoss(conditionals="gaussian", masks="order", token_plates=plates).score(model, None, x)

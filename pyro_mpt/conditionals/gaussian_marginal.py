@@ -224,21 +224,23 @@ def _observation_parts(fn, tokens):
     """
     name = tokens.name
     base, _ = _unwrap(fn, masks=True)
-    if isinstance(base, dist.MultivariateNormal) and tokens.token_dims:
+    # LowRankMultivariateNormal is no subclass of MultivariateNormal: name both
+    multivariate = isinstance(base, (dist.MultivariateNormal, dist.LowRankMultivariateNormal))
+    if multivariate and tokens.token_dims:
         raise NotLinearGaussianError(
             f"Observed site {name!r} is a {type(base).__name__} inside the token "
             f"plate(s) {', '.join(map(repr, tokens.token_plates))}; conditionals="
             f"'gaussian' serves Normal observations there. Use one multivariate "
             f"normal over all D tokens (no token plate), or a Normal."
         )
+    if multivariate and len(fn.event_shape) != 1:
+        raise NotLinearGaussianError(
+            f"Observed site {name!r}: a {type(base).__name__} with extra event dims "
+            f"is not supported; use one {type(base).__name__} over the D tokens."
+        )
     if isinstance(base, dist.LowRankMultivariateNormal):
         return base.loc, ("lowrank", base.cov_factor, base.cov_diag), fn.batch_shape
     if isinstance(base, dist.MultivariateNormal):
-        if len(fn.event_shape) != 1:
-            raise NotLinearGaussianError(
-                f"Observed site {name!r}: a MultivariateNormal with extra event dims "
-                f"is not supported; use one MultivariateNormal over the D tokens."
-            )
         return base.loc, ("dense", base.covariance_matrix), fn.batch_shape
     if isinstance(base, dist.Normal):
         shape = fn.batch_shape + fn.event_shape
