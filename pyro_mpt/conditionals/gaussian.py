@@ -244,15 +244,16 @@ class GaussianConditionals(ConditionalEngine):
             stacklevel=4,
         )
 
-    def log_evidence(self, state, x):
-        return self._rescued(state, lambda: self._log_evidence(state, x))
+    def log_evidence(self, state, x, observed=None):
+        r"""Exact :math:`\log\mathcal N(x_i; \mu, \Sigma)` per datapoint, ``(n,)``.
 
-    @staticmethod
-    def _log_evidence(state, x):
+        :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens; when
+            given, the density of each datapoint's observed sub-vector,
+            :math:`\log\mathcal N(x_{O_i}; \mu_{O_i}, \Sigma_{O_i O_i})`.
+        """
         if state.is_low_rank:
-            return _lowrank_log_prob(state, x)
-        L = _cholesky(state.covariance, "covariance", state.site)
-        return torch.distributions.MultivariateNormal(state.loc, scale_tril=L).log_prob(x)
+            return self._rescued(state, lambda: _lowrank_log_prob(state, x, observed))
+        return self._rescued(state, lambda: _dense_log_prob(state, x, observed))
 
     # ------------------------------------------------------------------ chunking
     def _run_chunked(self, fn, state, x, index, per_item):
@@ -331,7 +332,14 @@ def _slice_marginal(m, idx):
     )
 
 
-def _lowrank_log_prob(m, x):
+def _missing_as_standard_normal(observed, x):
+    """``(o, missing_term)``: the observed tokens as 0/1 weights, and the log-density
+    ``0.5 log(2 pi)`` per missing token that undoes their stand-in ``N(0; 0, 1)``."""
+    o = observed.to(x.dtype)
+    return o, 0.5 * _LOG_2PI * (1.0 - o).sum(-1)
+
+
+def _lowrank_log_prob(m, x, observed=None):
     r""":math:`\log\mathcal N(x; \mu, FF^\top + \Psi)` per datapoint, ``(n,)``, in centred form.
 
     With :math:`r = x - \mu`, the posterior mean :math:`\hat z = \Lambda^{-1}
@@ -342,10 +350,20 @@ def _lowrank_log_prob(m, x):
     Woodbury form subtracts two large ones, and stationary in :math:`\hat z`, so
     rounding in :math:`\hat z` does not reach it (100 times more accurate in
     float32 at D = 512).
+
+    With ``observed`` (bool ``(n, D)``), the density of each observed sub-vector:
+    a missing token gets :math:`r_j = 0`, :math:`f_j = 0`, :math:`\psi_j = 1`, an
+    independent standard normal at its mean, which leaves the observed block
+    untouched and adds :math:`\log\mathcal N(0; 0, 1)`, taken off again.
     """
     F, psi = m.cov_factor, m.cov_diag  # (r, D, R), (r, D)
     R = F.shape[-1]
     r = x - m.loc  # (n, D)
+    if observed is not None:
+        o, missing = _missing_as_standard_normal(observed, x)
+        r = r * o
+        F = F * o.unsqueeze(-1)  # (n, D, R)
+        psi = torch.where(observed, psi, torch.ones((), dtype=psi.dtype, device=psi.device))
     Fp = F / psi.unsqueeze(-1)
     eye = torch.eye(R, dtype=F.dtype, device=F.device)
     L = _cholesky(eye + F.transpose(-1, -2) @ Fp, "posterior precision I + F^T Psi^-1 F", m.site)
@@ -354,7 +372,25 @@ def _lowrank_log_prob(m, x):
     e = r - (F @ zhat).squeeze(-1)
     maha = (e * e / psi).sum(-1) + zhat.pow(2).sum((-1, -2))
     logdet = psi.log().sum(-1) + 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)
-    return -0.5 * (x.shape[-1] * _LOG_2PI + logdet + maha)
+    out = -0.5 * (x.shape[-1] * _LOG_2PI + logdet + maha)
+    return out if observed is None else out + missing
+
+
+def _dense_log_prob(m, x, observed=None):
+    r""":math:`\log\mathcal N(x; \mu, \Sigma)` per datapoint, ``(n,)``, from a Cholesky
+    factor of :math:`\Sigma`; with ``observed`` the density of each observed
+    sub-vector (the missing tokens as in :func:`_lowrank_log_prob`)."""
+    S = m.covariance  # (r, D, D)
+    r = x - m.loc  # (n, D)
+    if observed is not None:
+        o, missing = _missing_as_standard_normal(observed, x)
+        r = r * o
+        S = S * (o.unsqueeze(-1) * o.unsqueeze(-2)) + torch.diag_embed(1.0 - o)  # (n, D, D)
+    L = _cholesky(S, "covariance", m.site)
+    u = torch.linalg.solve_triangular(L, r.unsqueeze(-1), upper=False).squeeze(-1)
+    logdet = 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)
+    out = -0.5 * (x.shape[-1] * _LOG_2PI + logdet + u.pow(2).sum(-1))
+    return out if observed is None else out + missing
 
 
 def _lowrank_masks(m, x, mask):

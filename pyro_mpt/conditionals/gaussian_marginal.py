@@ -21,7 +21,6 @@ the random point :math:`\varepsilon_r` verifies that the location really is
 affine and that no scale depends on the latents.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -86,41 +85,6 @@ class GaussianMarginal:
         if self.cov_factor is not None:
             cov = cov + self.cov_factor @ self.cov_factor.transpose(-1, -2)
         return cov
-
-    def distribution(self):
-        """The marginal as a torch distribution with batch shape ``(n|1,)``."""
-        if self.covariance is not None:
-            return dist.MultivariateNormal(self.loc, covariance_matrix=self.covariance)
-        if self.cov_factor is None or self.rank == 0:
-            return dist.Normal(self.loc, self.cov_diag.sqrt()).to_event(1)
-        return dist.LowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
-
-    def log_prob(self, x, observed=None):
-        r"""Exact :math:`\log \mathcal N(x; \mu, \Sigma)` per datapoint; ``x`` is ``(n, D)``.
-
-        :param torch.Tensor observed: bool ``(n, D)``; when given, the density of
-            each datapoint's observed sub-vector,
-            :math:`\log \mathcal N(x_{O_i}; \mu_{O_i}, \Sigma_{O_i O_i})`.
-        """
-        if observed is None:
-            return self.distribution().log_prob(x)
-        # a missing token becomes an independent standard normal at its mean, which
-        # leaves the observed block untouched and adds log N(0; 0, 1) per missing token
-        o = observed.to(x.dtype)
-        resid = torch.where(observed, x - self.loc, torch.zeros((), dtype=x.dtype, device=x.device))
-        zero = torch.zeros_like(resid)
-        if self.covariance is not None:
-            oo = o.unsqueeze(-1) * o.unsqueeze(-2)
-            cov = self.covariance * oo + torch.diag_embed(1.0 - o)
-            lp = dist.MultivariateNormal(zero, covariance_matrix=cov).log_prob(resid)
-        else:
-            psi = torch.where(observed, self.cov_diag, torch.ones((), dtype=x.dtype, device=x.device))
-            if self.cov_factor is None or self.rank == 0:
-                lp = dist.Normal(zero, psi.sqrt()).to_event(1).log_prob(resid)
-            else:
-                F = self.cov_factor * o.unsqueeze(-1)
-                lp = dist.LowRankMultivariateNormal(zero, F, psi).log_prob(resid)
-        return lp + 0.5 * math.log(2 * math.pi) * (1.0 - o).sum(-1)
 
 
 def _unwrap(fn, masks=False):
@@ -272,7 +236,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
     Example::
 
         >>> tokens = trace_tokens(ppca, None, (x,), {})
-        >>> gaussian_marginal(tokens, ppca, (x,), {}).log_prob(tokens.value)  # (n,)
+        >>> gaussian_marginal(tokens, ppca, (x,), {}).dense()  # covariance, (n|1, D, D)
     """
     layout, K = _latent_layout(tokens)
     if K == 0:
