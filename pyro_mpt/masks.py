@@ -116,13 +116,14 @@ class ChainBlock:
     :param torch.Tensor order: long, ``(p, n, D)`` or ``(p, 1, D)``; each row is a
         permutation of the tokens.
     :param torch.Tensor weight: ``(p, n)`` or ``(p, 1)``; weight of each ordering.
-    :param torch.Tensor num_missing: long ``(n,)``, the number of missing tokens
-        of each datapoint, which the orderings put first; None when none is missing.
+    :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens; the
+        orderings list each datapoint's missing tokens first. None when none is
+        missing.
     """
 
     order: torch.Tensor
     weight: torch.Tensor
-    num_missing: Optional[torch.Tensor] = None
+    observed: Optional[torch.Tensor] = None
 
     def evaluate(self, engine, state, x, per_size=False):
         """Scores, sizes and weights of the block's queries.
@@ -134,7 +135,7 @@ class ChainBlock:
         """
         n, D = x.shape
         p = self.order.shape[0]
-        if self.num_missing is not None:
+        if self.observed is not None:
             return self._evaluate_missing(engine, state, x, per_size)
         if not per_size:
             sums = engine.chain_sums(state, x, self.order)  # (p, n)
@@ -147,21 +148,23 @@ class ChainBlock:
         return shat, size, weight
 
     def _evaluate_missing(self, engine, state, x, per_size):
-        # the first num_missing positions of each ordering hold the missing tokens:
+        # the first m positions of each ordering hold the m missing tokens:
         # their terms are dropped, and position t >= m of the rest is a query of
         # size t + 1 - m; the dropped positions stand for sizes D_i + 1..D, where
         # S(x_i; M) = 0
         n, D = x.shape
         p = self.order.shape[0]
-        m = self.num_missing.to(x.device)[:, None]  # (n, 1)
+        m = (~self.observed).sum(-1, keepdim=True).to(x.device)  # (n, 1) missing tokens
+        if not per_size:
+            # the sum over the observed targets is log p(x_O) for exact engines,
+            # which chain_sums may compute without the per-position terms
+            sums = engine.chain_sums(state, x, self.order, observed=self.observed)  # (p, n)
+            return sums, (D - m[:, 0]).expand(p, n), self.weight.to(sums.dtype).expand(p, n)
         pos = torch.arange(D, device=x.device)
         valid = pos >= m  # (n, D)
         logc = engine.chain_log_prob(state, x, self.order)  # (p, n, D)
         logc = torch.where(valid, logc, torch.zeros((), dtype=logc.dtype, device=logc.device))
         weight = self.weight.to(logc.dtype).expand(p, n)
-        if not per_size:
-            size = (D - m[:, 0]).expand(p, n)
-            return logc.sum(-1), size, weight
         shat = logc.permute(0, 2, 1).reshape(p * D, n)
         size = torch.where(valid, pos + 1 - m, D - pos).T.repeat(p, 1)  # (p * D, n)
         return shat, size, weight.repeat_interleave(D, dim=0)
@@ -356,17 +359,15 @@ class RandomOrders(MaskSchedule):
         self.check(D)
         rows = n if observed is not None else self._rows(n)
         keys = torch.rand(self.num_masks, rows, D, device=device)
-        missing = None
         if observed is not None:
             # missing tokens first: no observed token has one in its context
             keys = keys - (~observed).to(keys.dtype)
-            missing = (~observed).sum(-1)
         order = keys.argsort(-1)
         per_block = max(1, max_elements // (n * D))
         w = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
         for start in range(0, self.num_masks, per_block):
             stop = min(self.num_masks, start + per_block)
-            yield ChainBlock(order[start:stop], w.expand(stop - start, 1), missing)
+            yield ChainBlock(order[start:stop], w.expand(stop - start, 1), observed)
 
 
 class Exhaustive(MaskSchedule):

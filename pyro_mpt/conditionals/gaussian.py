@@ -314,11 +314,13 @@ class GaussianConditionals(ConditionalEngine):
             return self._run_chunked(_lowrank_chain, state, x, order, D * R * (R + 2))
         return self._run_chunked(_dense_chain, state, x, order, D * D)
 
-    def chain_sums(self, state, x, order):
+    def chain_sums(self, state, x, order, observed=None):
         r"""Every complete ordering of one Gaussian joint telescopes to
         :math:`\log\mathcal N(x; \mu, \Sigma)` (the chain rule), so the sums are
-        the exact log-density, at the cost of one exact evaluation."""
-        return self.log_evidence(state, x).expand(order.shape[0], x.shape[0])
+        the exact log-density, at the cost of one exact evaluation; with
+        ``observed`` (missing tokens first in every ordering) the terms of the
+        observed targets telescope to the density of the observed sub-vector."""
+        return self.log_evidence(state, x, observed).expand(order.shape[0], x.shape[0])
 
 
 def _slice_marginal(m, idx):
