@@ -62,12 +62,11 @@ def _cholesky(A, what, site=None):
     so such a pivot (and the log-determinant and solves built on it) has lost
     all its digits even where the factorization happens to succeed."""
     L, info = torch.linalg.cholesky_ex(A)
-    bad = bool((info != 0).any())
-    if not bad:
-        with torch.no_grad():
-            pivots = torch.diagonal(L, dim1=-2, dim2=-1).pow(2)
-            diag = torch.diagonal(A, dim1=-2, dim2=-1)
-            bad = bool((pivots < 10 * torch.finfo(A.dtype).eps * diag).any())
+    with torch.no_grad():
+        pivots = torch.diagonal(L, dim1=-2, dim2=-1).pow(2)
+        diag = torch.diagonal(A, dim1=-2, dim2=-1)
+        # one host sync for both checks (the pivots of a failed factor are junk, but then info says so)
+        bad = bool(((info != 0) | (pivots < 10 * torch.finfo(A.dtype).eps * diag).any(-1)).any())
     if bad:
         where = "" if site is None else f" of site {site!r}"
         raise _NotPositiveDefinite(
@@ -159,27 +158,30 @@ class GaussianConditionals(ConditionalEngine):
                 F = psi.new_zeros(psi.shape + (1,))
             if self.jitter:
                 psi = psi + self.jitter
-            if bool((psi < 0).any()):
+            psi_min = float(psi.min())  # one host sync for both checks of psi
+            if psi_min < 0:
                 raise ValueError(
                     f"The noise variance of site {site!r} has negative entries (min "
-                    f"{float(psi.min()):.3g}), so its covariance is not positive definite. "
+                    f"{psi_min:.3g}), so its covariance is not positive definite. "
                     f"Use a positive scale (e.g. a pyro.param with constraint=constraints.positive)."
                 )
             state = GaussianMarginal(marginal.loc, cov_factor=F, cov_diag=psi, site=site)
         # factor the whole covariance once, so that a near-singular one is
         # rescued before any query; its principal blocks are no worse conditioned
-        self._rescued(state, lambda: self._factor_whole(state))
+        self._rescued(state, lambda: self._factor_whole(state, None if dense else psi_min))
         return state
 
     # ------------------------------------------------------------------ jitter rescue
     @staticmethod
-    def _factor_whole(state):
+    def _factor_whole(state, psi_min=None):
+        """Factor the state's covariance; ``psi_min`` is the smallest noise variance
+        before the rescue's jitter (low-rank), which the jitter then raises."""
         with torch.no_grad():
             if not state.is_low_rank:
                 _cholesky(state.covariance, "covariance", state.site)
                 return
             F, psi = state.cov_factor, state.cov_diag
-            if bool((psi <= 0).any()):
+            if psi_min + state.jitter <= 0:
                 raise _NotPositiveDefinite(
                     f"The covariance of site {state.site!r} is not positive definite (its "
                     f"noise variance has {int((psi <= 0).sum())} zero entries)"
