@@ -169,3 +169,29 @@ def test_order_with_missing_tokens_uses_one_exact_evaluation(method):
     value = loss.loss(model, None, x, observed)
     assert calls == []
     assert abs(value + float(truth.sum())) < 1e-9
+
+
+# ---------------------------------------------------------------------- Gaussian factorizations
+@pytest.mark.parametrize("method", ["lowrank", "dense"])
+def test_exact_log_density_reuses_the_factor_of_prepare(method, monkeypatch):
+    """prepare factors the whole covariance once (to rescue it early); the exact
+    log-density behind masks="order" and Evidence reuses that factor."""
+    from pyro_mpt import GaussianConditionals
+
+    model, x, exact = _token_plate_ppca()
+    truth = exact(x)
+    shapes = []
+    cholesky_ex = torch.linalg.cholesky_ex
+
+    def spy(A, **kw):
+        shapes.append(tuple(A.shape))
+        return cholesky_ex(A, **kw)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", spy)
+    loss = MaskedPretrainingLoss(conditionals=GaussianConditionals(method), masks="order", num_masks=3)
+    value = loss.differentiable_loss(model, None, x)
+    assert shapes == [(1, K, K) if method == "lowrank" else (1, D, D)]
+    assert abs(float(value) + float(truth.sum())) < 1e-10
+    shapes.clear()
+    assert float((Evidence(model, method="exact")(x) - truth).abs().max()) < 1e-10
+    assert len(shapes) == 1

@@ -174,20 +174,19 @@ class GaussianConditionals(ConditionalEngine):
     # ------------------------------------------------------------------ jitter rescue
     @staticmethod
     def _factor_whole(state, psi_min=None):
-        """Factor the state's covariance; ``psi_min`` is the smallest noise variance
-        before the rescue's jitter (low-rank), which the jitter then raises."""
-        with torch.no_grad():
-            if not state.is_low_rank:
-                _cholesky(state.covariance, "covariance", state.site)
-                return
-            F, psi = state.cov_factor, state.cov_diag
-            if psi_min + state.jitter <= 0:
-                raise _NotPositiveDefinite(
-                    f"The covariance of site {state.site!r} is not positive definite (its "
-                    f"noise variance has {int((psi <= 0).sum())} zero entries)"
-                )
-            eye = torch.eye(F.shape[-1], dtype=F.dtype, device=F.device)
-            _cholesky(eye + F.transpose(-1, -2) @ (F / psi.unsqueeze(-1)), "posterior precision I + F^T Psi^-1 F", state.site)
+        """Factor the state's covariance and keep the factor on the state (with its
+        gradient, for the exact log-density); ``psi_min`` is the smallest noise
+        variance before the rescue's jitter (low-rank), which the jitter then raises."""
+        if not state.is_low_rank:
+            state.factor = _cholesky(state.covariance, "covariance", state.site)
+            return
+        F, psi = state.cov_factor, state.cov_diag
+        if psi_min + state.jitter <= 0:
+            raise _NotPositiveDefinite(
+                f"The covariance of site {state.site!r} is not positive definite (its "
+                f"noise variance has {int((psi <= 0).sum())} zero entries)"
+            )
+        state.factor = _posterior_precision_factor(F, psi, state.site)
 
     def _rescued(self, state, compute):
         r"""``compute()``, retried with more jitter on the state's covariance while a
@@ -227,6 +226,7 @@ class GaussianConditionals(ConditionalEngine):
             ) from None
         tau = rel * scale
         delta = tau - state.jitter
+        state.factor = None  # the factor of the old covariance
         if state.is_low_rank:
             state.cov_diag = state.cov_diag + delta
         else:
@@ -333,7 +333,14 @@ def _slice_marginal(m, idx):
         covariance=None if m.covariance is None else _take(m.covariance, idx),
         site=m.site,
         jitter=m.jitter,
+        factor=None if m.factor is None else _take(m.factor, idx),
     )
+
+
+def _posterior_precision_factor(F, psi, site):
+    r"""Cholesky factor of :math:`I + F^\top\Psi^{-1}F`, ``(..., R, R)``."""
+    eye = torch.eye(F.shape[-1], dtype=F.dtype, device=F.device)
+    return _cholesky(eye + F.transpose(-1, -2) @ (F / psi.unsqueeze(-1)), "posterior precision I + F^T Psi^-1 F", site)
 
 
 def _missing_as_standard_normal(observed, x):
@@ -361,16 +368,17 @@ def _lowrank_log_prob(m, x, observed=None):
     untouched and adds :math:`\log\mathcal N(0; 0, 1)`, taken off again.
     """
     F, psi = m.cov_factor, m.cov_diag  # (r, D, R), (r, D)
-    R = F.shape[-1]
     r = x - m.loc  # (n, D)
+    L = m.factor
     if observed is not None:
         o, missing = _missing_as_standard_normal(observed, x)
         r = r * o
         F = F * o.unsqueeze(-1)  # (n, D, R)
         psi = torch.where(observed, psi, torch.ones((), dtype=psi.dtype, device=psi.device))
+        L = None  # the observed block has its own posterior precision
+    if L is None:
+        L = _posterior_precision_factor(F, psi, m.site)
     Fp = F / psi.unsqueeze(-1)
-    eye = torch.eye(R, dtype=F.dtype, device=F.device)
-    L = _cholesky(eye + F.transpose(-1, -2) @ Fp, "posterior precision I + F^T Psi^-1 F", m.site)
     eta = (r.unsqueeze(-2) @ Fp).transpose(-1, -2)  # (n, R, 1)
     zhat = torch.cholesky_solve(eta, L)  # (n, R, 1)
     e = r - (F @ zhat).squeeze(-1)
@@ -384,13 +392,14 @@ def _dense_log_prob(m, x, observed=None):
     r""":math:`\log\mathcal N(x; \mu, \Sigma)` per datapoint, ``(n,)``, from a Cholesky
     factor of :math:`\Sigma`; with ``observed`` the density of each observed
     sub-vector (the missing tokens as in :func:`_lowrank_log_prob`)."""
-    S = m.covariance  # (r, D, D)
     r = x - m.loc  # (n, D)
-    if observed is not None:
+    if observed is None:
+        L = m.factor if m.factor is not None else _cholesky(m.covariance, "covariance", m.site)
+    else:
         o, missing = _missing_as_standard_normal(observed, x)
         r = r * o
-        S = S * (o.unsqueeze(-1) * o.unsqueeze(-2)) + torch.diag_embed(1.0 - o)  # (n, D, D)
-    L = _cholesky(S, "covariance", m.site)
+        S = m.covariance * (o.unsqueeze(-1) * o.unsqueeze(-2)) + torch.diag_embed(1.0 - o)  # (n, D, D)
+        L = _cholesky(S, "covariance", m.site)
     u = torch.linalg.solve_triangular(L, r.unsqueeze(-1), upper=False).squeeze(-1)
     logdet = 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)
     out = -0.5 * (x.shape[-1] * _LOG_2PI + logdet + u.pow(2).sum(-1))
@@ -452,7 +461,8 @@ def _lowrank_shared_sums(m, x, mask):
     ctx, tgt = (~mask).to(x.dtype), mask.to(x.dtype)  # (q, D)
     r = x - m.loc  # (n, D)
     Fp = F / psi[:, None]
-    zhat = torch.cholesky_solve((r @ Fp).T, _cholesky(eye + F.T @ Fp, "posterior precision", m.site)).T
+    L0 = m.factor[0] if m.factor is not None else _posterior_precision_factor(F, psi, m.site)
+    zhat = torch.cholesky_solve((r @ Fp).T, L0).T
     e = r - zhat @ F.T  # (n, D)
     cw = ctx / psi  # (q, D)
     FF = (F[:, :, None] * F[:, None, :]).reshape(-1, R * R)

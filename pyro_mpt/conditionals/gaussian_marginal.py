@@ -56,6 +56,12 @@ class GaussianMarginal:
     :param str site: the observed site, for error messages.
     :param float jitter: jitter already added to the diagonal by
         :class:`~pyro_mpt.conditionals.GaussianConditionals`' rescue.
+    :param torch.Tensor factor: the Cholesky factor of the covariance (dense,
+        ``(n|1, D, D)``) or of the posterior precision
+        :math:`I + F^\top\Psi^{-1}F` (low-rank, ``(n|1, R, R)``), kept by
+        :meth:`GaussianConditionals.prepare <pyro_mpt.conditionals.GaussianConditionals.prepare>`
+        for the exact log-density; None when not computed (or stale after a
+        change of the jitter).
     """
 
     loc: torch.Tensor
@@ -64,6 +70,7 @@ class GaussianMarginal:
     covariance: Optional[torch.Tensor] = None
     site: Optional[str] = None
     jitter: float = 0.0
+    factor: Optional[torch.Tensor] = None
 
     @property
     def is_low_rank(self):
