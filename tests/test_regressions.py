@@ -195,3 +195,44 @@ def test_exact_log_density_reuses_the_factor_of_prepare(method, monkeypatch):
     shapes.clear()
     assert float((Evidence(model, method="exact")(x) - truth).abs().max()) < 1e-10
     assert len(shapes) == 1
+
+
+def _singular_ppca(noise=1e-9, D=8, n=5):
+    """PPCA (float64) whose loading has two equal columns and a tiny noise scale:
+    W W^T + noise^2 I is singular to working precision, so the rescue adds jitter."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(D, 1, generator=g, dtype=torch.float64)
+    W = torch.cat([w, w], 1)
+    x = torch.randn(n, 1, generator=g, dtype=torch.float64) @ w.T
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, noise).to_event(1), obs=x)
+
+    return model, x
+
+
+@pytest.mark.parametrize("method", ["lowrank", "dense"])
+def test_jitter_rescue_is_remembered_across_steps_and_warns_once(method):
+    """The relative jitter the rescue reached is the starting point of the next
+    calls of the same engine: one warning over five loss evaluations (every call
+    is counted, whatever the warning filters), and the same value each time."""
+    import warnings
+
+    from pyro_mpt import GaussianConditionals, NumericalWarning
+
+    model, x = _singular_ppca()
+    loss = MaskedPretrainingLoss(conditionals=GaussianConditionals(method), masks="order")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        values = [loss.loss(model, None, x) for _ in range(5)]
+    found = [r.message for r in rec if issubclass(r.category, NumericalWarning)]
+    assert len(found) == 1 and found[0].site == "x"
+    assert found[0].jitter > 0 and f"added jitter {found[0].jitter:.3g} " in str(found[0])
+    assert values == [values[0]] * 5
+    # the value is that of the jittered model, the same as the jitter passed explicitly
+    explicit = MaskedPretrainingLoss(
+        conditionals=GaussianConditionals(method, jitter=found[0].jitter, max_jitter=0.0), masks="order"
+    )
+    assert abs(explicit.loss(model, None, x) - values[0]) < 1e-9 * abs(values[0])

@@ -107,7 +107,9 @@ class GaussianConditionals(ConditionalEngine):
         diagonal to its diagonal and retry, ten times more at each retry up
         to ``max_jitter`` times it, warning
         (:class:`~pyro_mpt.conditionals.base.NumericalWarning`) with the
-        amount; 0 disables the rescue.
+        amount; 0 disables the rescue. The engine keeps the relative jitter
+        it reached per observed site and dtype: later calls (the next
+        training steps) start from it and warn only when it grows.
     :param bool vectorize: derive the marginal with one vectorized model run.
     :param int max_elements: bound on the elements of intermediate tensors.
 
@@ -134,6 +136,7 @@ class GaussianConditionals(ConditionalEngine):
         self.jitter = float(jitter)
         self.max_jitter = float(max_jitter)
         self.vectorize = vectorize
+        self._rel_jitter = {}  # (site, dtype) -> relative jitter the rescue reached
 
     def prepare(self, tokens, model, guide, args, kwargs):
         marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize)
@@ -166,6 +169,12 @@ class GaussianConditionals(ConditionalEngine):
                     f"Use a positive scale (e.g. a pyro.param with constraint=constraints.positive)."
                 )
             state = GaussianMarginal(marginal.loc, cov_factor=F, cov_diag=psi, site=site)
+        rel = self._rel_jitter.get((site, state.loc.dtype))
+        if rel is not None:
+            # start from the jitter an earlier call reached (it warned then)
+            scale = self._mean_diagonal(state)
+            if scale > 0 and math.isfinite(scale):
+                self._set_jitter(state, rel * scale)
         # factor the whole covariance once, so that a near-singular one is
         # rescued before any query; its principal blocks are no worse conditioned
         self._rescued(state, lambda: self._factor_whole(state, None if dense else psi_min))
@@ -204,13 +213,30 @@ class GaussianConditionals(ConditionalEngine):
             except _NotPositiveDefinite as error:
                 self._add_jitter(state, error)
 
-    def _add_jitter(self, state, error):
+    @staticmethod
+    def _mean_diagonal(state):
+        """The mean diagonal of the state's covariance without the rescue's jitter."""
         with torch.no_grad():
             if state.is_low_rank:
                 diag = state.cov_diag + state.cov_factor.pow(2).sum(-1)
             else:
                 diag = torch.diagonal(state.covariance, dim1=-2, dim2=-1)
-            scale = float(diag.mean()) - state.jitter
+            return float(diag.mean()) - state.jitter
+
+    @staticmethod
+    def _set_jitter(state, tau):
+        """Make the rescue's jitter on the state's diagonal ``tau`` in total."""
+        delta = tau - state.jitter
+        state.factor = None  # the factor of the old covariance
+        if state.is_low_rank:
+            state.cov_diag = state.cov_diag + delta
+        else:
+            eye = torch.eye(state.num_tokens, dtype=state.loc.dtype, device=state.loc.device)
+            state.covariance = state.covariance + delta * eye
+        state.jitter = tau
+
+    def _add_jitter(self, state, error):
+        scale = self._mean_diagonal(state)
         dtype = state.loc.dtype
         if state.jitter:
             k = round(math.log10(state.jitter / scale)) + 1
@@ -225,14 +251,8 @@ class GaussianConditionals(ConditionalEngine):
                 f"GaussianConditionals(jitter=...) with a larger value."
             ) from None
         tau = rel * scale
-        delta = tau - state.jitter
-        state.factor = None  # the factor of the old covariance
-        if state.is_low_rank:
-            state.cov_diag = state.cov_diag + delta
-        else:
-            D = state.num_tokens
-            state.covariance = state.covariance + delta * torch.eye(D, dtype=dtype, device=state.loc.device)
-        state.jitter = tau
+        self._set_jitter(state, tau)
+        self._rel_jitter[(state.site, dtype)] = rel
         warnings.warn(
             NumericalWarning(
                 f"GaussianConditionals: the covariance of site {state.site!r} is not positive "
