@@ -43,6 +43,13 @@ class NumericalWarning(UserWarning):
         self.jitter = jitter
 
 
+def callable_key(fn):
+    """A key that identifies a callable across calls (bound methods are recreated at
+    each access), for what engines remember per model or guide."""
+    owner = getattr(fn, "__self__", None)
+    return (id(owner), id(getattr(fn, "__func__", fn))) if owner is not None else (None, id(fn))
+
+
 class ConditionalEngine(ABC):
     """Base class of conditional engines.
 

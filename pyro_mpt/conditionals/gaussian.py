@@ -137,9 +137,10 @@ class GaussianConditionals(ConditionalEngine):
         self.max_jitter = float(max_jitter)
         self.vectorize = vectorize
         self._rel_jitter = {}  # (site, dtype) -> relative jitter the rescue reached
+        self._run_modes = {}  # model key -> how gaussian_marginal could run it
 
     def prepare(self, tokens, model, guide, args, kwargs):
-        marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize)
+        marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize, run_modes=self._run_modes)
         D = marginal.num_tokens
         dense = self.method == "dense" or (
             self.method == "auto" and (not marginal.is_low_rank or marginal.rank >= D)

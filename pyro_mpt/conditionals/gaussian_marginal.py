@@ -32,9 +32,14 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from ..sites import check_local_latent
-from .base import EngineNotApplicable
+from .base import EngineNotApplicable, callable_key
 
-__all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError"]
+__all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
+
+#: the ways :func:`gaussian_marginal` runs the model on the noise points, in the
+#: order it tries them: one vectorized run with the shared latent parameters
+#: kept at size 1, one with full batch shapes, one run per point
+RUN_MODES = ("compact", "full", "per_point")
 
 
 class NotLinearGaussianError(EngineNotApplicable):
@@ -225,7 +230,7 @@ def _observation_parts(fn, tokens):
     )
 
 
-def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
+def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, run_modes=None):
     """Derive the Gaussian marginal of the observed tokens from a Pyro model.
 
     :param ~pyro_mpt.sites.ObservedTokens tokens: from :func:`~pyro_mpt.sites.trace_tokens`.
@@ -235,6 +240,11 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
     :param bool vectorize: run the :math:`K + 2` noise points in one vectorized
         plate (the model must broadcast over an extra batch dim on the left);
         with False the model is run once per point.
+    :param dict run_modes: a memory kept across calls (by
+        :class:`~pyro_mpt.conditionals.GaussianConditionals`): the entry of
+        :data:`RUN_MODES` that worked for each model, tried first next time, so
+        that a model that does not broadcast is not run in the failing modes at
+        every step.
     :returns: the marginal, with leading dim ``n``, or 1 when shared by the batch.
     :rtype: GaussianMarginal
     :raises NotLinearGaussianError: naming the site, when the model is not
@@ -284,26 +294,11 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
 
         fn, scales = run(wrapped, handler)
         loc, noise, batch_shape = _observation_parts(fn, tokens)
-        return _basis_rows(loc, noise, batch_shape[1:], K + 2), scales
+        for name, scale in scales.items():
+            _check_scale_rows(name, scale)
+        return _basis_rows(loc, noise, batch_shape[1:], K + 2)
 
-    if vectorize:
-        try:
-            (loc, noise), scales = vectorized(compact=True)
-        except NotLinearGaussianError:
-            raise
-        except Exception:
-            # the model does not broadcast shared latents: give it full batch shapes
-            try:
-                (loc, noise), scales = vectorized(compact=False)
-            except NotLinearGaussianError:
-                raise
-            except Exception:
-                # nor over an extra batch dim on the left: one run per noise point
-                vectorize = False
-        if vectorize:
-            for name, scale in scales.items():
-                _check_scale_rows(name, scale)
-    if not vectorize:
+    def per_point():
         locs, noises, all_scales = [], [], []
         for b in range(K + 2):
             handler = _AffineLatents(layout, basis[b : b + 1], None, False)
@@ -321,6 +316,33 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
         for name in layout:
             stacked = torch.stack(torch.broadcast_tensors(*[s[name] for s in all_scales]))
             _check_scale_rows(name, stacked)
+        return loc, noise
+
+    runs = {"compact": lambda: vectorized(True), "full": lambda: vectorized(False), "per_point": per_point}
+    modes = RUN_MODES if vectorize else ("per_point",)
+    key = callable_key(model)
+    known = None if run_modes is None else run_modes.get(key)
+    if known in modes:
+        modes = (known,) + tuple(m for m in modes if m != known)
+    errors = []
+    for mode in modes:
+        try:
+            loc, noise = runs[mode]()
+        except NotLinearGaussianError:
+            raise
+        except Exception as e:
+            # e.g. the model does not broadcast shared latents, or not over an
+            # extra batch dim on the left: the next mode asks less of it
+            errors.append(e)
+            continue
+        if run_modes is not None:
+            run_modes[key] = mode
+        break
+    else:
+        # every mode failed: the model itself fails; keep the first failure too
+        if len(errors) > 1:
+            raise errors[-1] from errors[0]
+        raise errors[0]
 
     mu = loc[0]
     W = loc[1 : K + 1] - mu  # (K, n|1, D)

@@ -52,7 +52,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
-from .base import EngineNotApplicable
+from .base import EngineNotApplicable, callable_key
 from .gaussian_marginal import _unwrap
 
 __all__ = [
@@ -229,12 +229,6 @@ def refuse_missing(tokens, who, error=EngineNotApplicable, instead=_LEAVE_OUT):
             f"observed site {tokens.name!r} has {k} missing (masked) token(s). {fix} the "
             f"missing tokens, or drop the datapoints that have them."
         )
-
-
-def callable_key(fn):
-    """A key that identifies a callable across calls (bound methods are recreated at each access)."""
-    owner = getattr(fn, "__self__", None)
-    return (id(owner), id(getattr(fn, "__func__", fn))) if owner is not None else (None, id(fn))
 
 
 def guide_latents(tokens):
