@@ -98,13 +98,6 @@ class ObservedTokens:
         return self.value.shape[0]
 
     @property
-    def num_observed(self):
-        """``D_i``, the number of observed tokens of each datapoint, long ``(n,)``."""
-        if self.observed is None:
-            return torch.full((self.num_data,), self.num_tokens, dtype=torch.long, device=self.value.device)
-        return self.observed.sum(-1)
-
-    @property
     def site(self):
         return self.model_trace.nodes[self.name]
 
