@@ -436,10 +436,10 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
         1 if i - nb in token_dims else s for i, s in enumerate(site_batch_shape)
     )
     raw = site["value"]
-    value = raw if torch.is_floating_point(raw) else raw.to(torch.get_default_dtype())
+    dtype = raw.dtype if torch.is_floating_point(raw) else torch.get_default_dtype()
     tokens = ObservedTokens(
         name=name,
-        value=value,  # replaced below
+        value=raw,  # replaced below
         batch_shape=batch_shape,
         event_shape=event_shape,
         scale=None,
@@ -459,7 +459,8 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
             f"Masked pre-training needs at least one token, got D=0 at observed site "
             f"{name!r} (shape {tuple(tokens.site_shape)}). Give each datapoint at least one token."
         )
-    flat = tokens.to_tokens(value).reshape(n, -1)
+    raw_flat = tokens.to_tokens(raw).reshape(n, -1)
+    flat = raw_flat.to(dtype)
     mask = _observed_mask(site)
     observed_tokens = None if mask is None else tokens.to_tokens(mask).reshape(n, -1)
     finite = torch.isfinite(flat)
@@ -475,13 +476,14 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
         )
     site_value = raw.expand(tokens.site_shape)
     if observed_tokens is not None:
-        flat = _fill_missing(flat, observed_tokens)
-        raw_flat = tokens.to_tokens(raw).reshape(n, -1)
-        site_value = tokens.to_site(_fill_missing(raw_flat, observed_tokens))
+        # fill the raw values once (integer tokens stay integers at the site) and cast
+        raw_flat = _fill_missing(raw_flat, observed_tokens)
+        site_value = tokens.to_site(raw_flat)
+        flat = raw_flat.to(dtype)
     tokens.value = flat
     tokens.observed = observed_tokens
     tokens.site_value = site_value
-    scale = torch.as_tensor(site["scale"], dtype=value.dtype, device=value.device)
+    scale = torch.as_tensor(site["scale"], dtype=dtype, device=raw.device)
     scale = tokens.to_tokens(scale.reshape(scale.shape + (1,) * len(event_shape)))
     if scale.shape[-1] > 1 and not bool((scale == scale[..., :1]).all()):
         raise ValueError(

@@ -291,3 +291,24 @@ def test_gaussian_marginal_raises_a_genuine_model_error_with_the_first_failure_c
     # failure, and chained to it the first (vectorized) run's, each so wrapped
     runs_failed = [e for e in chain if "boom" in str(e) and "Trace Shapes" in str(e)]
     assert len(runs_failed) == 2, chain
+
+
+# ---------------------------------------------------------------------- trace_tokens
+def test_missing_integer_tokens_are_filled_once_for_both_layouts():
+    """Missing tokens get an observed value of the same token; the token matrix is
+    the float cast of the site's (integer) value, filled the same way."""
+    from pyro_mpt.sites import trace_tokens
+
+    x = torch.tensor([[0, 1, 2], [2, 0, 1], [1, 2, 0], [2, 2, 2]])
+    observed = torch.tensor([[False, True, True], [True, False, True], [True, True, True], [False, False, True]])
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.Categorical(logits=torch.zeros(3, 3)).mask(observed).to_event(1), obs=x)
+
+    tokens = trace_tokens(model, None, (x,), {})
+    assert torch.equal(tokens.observed, observed)
+    assert tokens.site_value.dtype == torch.long and torch.is_floating_point(tokens.value)
+    expected = torch.tensor([[2, 1, 2], [2, 1, 1], [1, 2, 0], [2, 1, 2]])  # first observed value per token
+    assert torch.equal(tokens.site_value, expected)
+    assert torch.equal(tokens.value, expected.to(tokens.value.dtype))
