@@ -484,12 +484,20 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
     tokens.observed = observed_tokens
     tokens.site_value = site_value
     scale = torch.as_tensor(site["scale"], dtype=dtype, device=raw.device)
-    scale = tokens.to_tokens(scale.reshape(scale.shape + (1,) * len(event_shape)))
-    if scale.shape[-1] > 1 and not bool((scale == scale[..., :1]).all()):
-        raise ValueError(
-            f"Observed site {name!r} has a scale that varies over its tokens; masked "
-            f"pre-training scales whole datapoints. Apply poutine.scale outside the "
-            f"token plate(s) {', '.join(map(repr, tokens.token_plates))}."
-        )
-    tokens.scale = scale[..., 0].reshape(n)
+    if token_dims and scale.numel() > 1:
+        # a scale is batch-shaped, so only token plates can make it vary over tokens;
+        # compare it with its first entry along each token dim it has, unexpanded
+        first = scale
+        for d in token_dims:
+            if scale.dim() >= -d and scale.shape[d] > 1:
+                first = first.narrow(d, 0, 1)
+        if first.shape != scale.shape:
+            if not bool((scale == first).all()):
+                raise ValueError(
+                    f"Observed site {name!r} has a scale that varies over its tokens; masked "
+                    f"pre-training scales whole datapoints. Apply poutine.scale outside the "
+                    f"token plate(s) {', '.join(map(repr, tokens.token_plates))}."
+                )
+            scale = first
+    tokens.scale = scale.expand(tokens.batch_shape).reshape(n)
     return tokens

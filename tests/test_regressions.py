@@ -312,3 +312,18 @@ def test_missing_integer_tokens_are_filled_once_for_both_layouts():
     expected = torch.tensor([[2, 1, 2], [2, 1, 1], [1, 2, 0], [2, 1, 2]])  # first observed value per token
     assert torch.equal(tokens.site_value, expected)
     assert torch.equal(tokens.value, expected.to(tokens.value.dtype))
+
+
+def test_token_plate_scale_per_datapoint_is_read_without_expanding_over_tokens():
+    """poutine.scale with one weight per datapoint (shape (n, 1), broadcast over the
+    token plate) weights each datapoint; a weight per token is refused."""
+    from pyro import poutine
+
+    model, x, exact = _token_plate_ppca()
+    weights = torch.arange(1.0, N + 1, dtype=torch.float64)
+    scaled = poutine.scale(model, scale=weights[:, None])
+    loss = MaskedPretrainingLoss(conditionals="gaussian", masks="order")
+    assert abs(loss.loss(scaled, None, x) + float((weights * exact(x)).sum())) < 1e-9
+    per_token = poutine.scale(model, scale=torch.arange(1.0, D + 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="has a scale that varies over its tokens"):
+        loss.loss(per_token, None, x)
