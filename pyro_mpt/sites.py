@@ -107,6 +107,12 @@ class ObservedTokens:
         return self.site_batch_shape + self.event_shape
 
     @property
+    def data_frames(self):
+        """The plate frames of the observed site that run over datapoints (all but the token plates)."""
+        token_plates = set(self.token_plates)
+        return {f for f in _vectorized_frames(self.site) if f.name not in token_plates}
+
+    @property
     def datapoint_shape(self):
         """The site's batch shape without its token-plate dims: the shape of per-datapoint results."""
         nb = len(self.site_batch_shape)
@@ -171,6 +177,7 @@ class ObservedTokens:
 
 
 def _vectorized_frames(site, min_size=1):
+    """The vectorized plate frames of a trace site with at least ``min_size`` elements."""
     return {f for f in site["cond_indep_stack"] if f.vectorized and f.size >= min_size}
 
 
@@ -182,8 +189,7 @@ def check_local_latent(tokens, site, error=ValueError):
     datapoints (``log p(x_i)`` no longer factorizes), and one in an extra plate
     has batch dims the tokens lack.
     """
-    token_plates = set(tokens.token_plates)
-    obs_frames = {f for f in _vectorized_frames(tokens.site, 2) if f.name not in token_plates}
+    obs_frames = {f for f in tokens.data_frames if f.size > 1}
     own = _vectorized_frames(site, 2)
     name = site["name"]
     missing = obs_frames - own
