@@ -211,8 +211,8 @@ class MaskSchedule:
         """Raise ``ValueError`` when the schedule cannot serve ``D`` tokens."""
         if D < 1:
             raise ValueError(
-                f"Masked pre-training needs at least one token, got D={D}: the observed "
-                f"site's event shape has no elements. Give each datapoint at least one token."
+                f"Masked pre-training needs at least one token, got D={D} tokens per "
+                f"datapoint. Give each datapoint at least one token."
             )
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):

@@ -235,8 +235,15 @@ def _describe_plates(frames):
     return ", ".join(f"{f.name!r} (dim {f.dim}, size {f.size})" for f in sorted(frames, key=lambda f: f.dim))
 
 
+_EVENT_DIMS_HINT = (
+    "Declare the tokens of one datapoint as event dims, e.g. dist.Normal(loc, scale).to_event(1), "
+    "inside a pyro.plate over datapoints"
+)
+
+
 def _token_frames(site, latents, token_plates):
-    """The frames of observed ``site`` that are token plates (see the module docstring)."""
+    """The frames of observed ``site`` that are token plates (see the module docstring);
+    empty when none is."""
     name = site["name"]
     frames = _vectorized_frames(site)
     if token_plates is not None:
@@ -257,22 +264,13 @@ def _token_frames(site, latents, token_plates):
     if candidates and local and all(fr == holding for fr in local):
         return candidates
     big = {f for f in frames if f.size > 1}
-    if not site["fn"].event_shape:
-        hint = (
-            "Declare the tokens of one datapoint as event dims, e.g. "
-            "dist.Normal(loc, scale).to_event(1), inside a pyro.plate over datapoints"
-        )
-        if len(big) > 1:
-            raise ValueError(
-                f"Observed site {name!r} has no event dims and sits in the plates "
-                f"{_describe_plates(big)}; which of them run over tokens and which over "
-                f"datapoints is ambiguous (the latent sites do not tell them apart). "
-                f"Pass token_plates=(<names>) to MaskedPretrainingLoss / Evidence, "
-                f"or: {hint}."
-            )
+    if not site["fn"].event_shape and len(big) > 1:
         raise ValueError(
-            f"Observed site {name!r} has no event dims, so it has no tokens. {hint}; "
-            f"or, when a pyro.plate runs over the tokens, name it with token_plates=(<name>,)."
+            f"Observed site {name!r} has no event dims and sits in the plates "
+            f"{_describe_plates(big)}; which of them run over tokens and which over "
+            f"datapoints is ambiguous (the latent sites do not tell them apart). "
+            f"Pass token_plates=(<names>) to MaskedPretrainingLoss / Evidence, "
+            f"or: {_EVENT_DIMS_HINT}."
         )
     return set()
 
@@ -403,11 +401,11 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
     site_batch_shape = fn.batch_shape
     tframes = _token_frames(site, latents, token_plates)
     if not tframes and not event_shape:
+        named = "" if token_plates is None else f" and token_plates={token_plates!r} names none of its plates"
         raise ValueError(
-            f"Observed site {name!r} has no event dims and token_plates={token_plates!r} "
-            f"names none of its plates, so it has no tokens. Declare the tokens of one "
-            f"datapoint as event dims with .to_event(), or name the plate that runs over "
-            f"the tokens in token_plates=(<name>,)."
+            f"Observed site {name!r} has no event dims{named}, so it has no tokens. "
+            f"{_EVENT_DIMS_HINT}; or, when a pyro.plate runs over the tokens, name it "
+            f"with token_plates=(<name>,)."
         )
     token_names = {f.name for f in tframes}
     for f in tframes:
