@@ -170,16 +170,31 @@ class ChainBlock:
         return shat, size, weight.repeat_interleave(D, dim=0)
 
 
+def _random_order(shape, device, observed=None):
+    """Uniformly random orderings of the tokens (argsort of i.i.d. uniforms).
+
+    With ``observed`` (bool ``(n, D)``) each row lists its missing tokens first
+    and then its observed ones, both in uniformly random order: the chain rule
+    conditions each position on the positions after it, so no observed token
+    has a missing one in its context.
+    """
+    u = torch.rand(shape, device=device)
+    if observed is not None:
+        u = u - (~observed).to(u.dtype)
+    return u.argsort(-1)
+
+
 def _random_ranks(shape, device, observed=None):
-    """Ranks of i.i.d. uniforms: a uniformly random permutation's inverse per row.
+    """Ranks of the tokens in a uniformly random order, for masks ``ranks < M``.
 
     With ``observed`` (bool ``(n, D)``) the observed tokens take the first ranks,
     in uniformly random order, and the missing ones the last.
     """
-    u = torch.rand(shape, device=device)
+    ranks = _random_order(shape, device, observed).argsort(-1)
     if observed is not None:
-        u = u + (~observed).to(u.dtype)
-    return u.argsort(-1).argsort(-1)
+        # the order lists the missing tokens first: rotate them to the last ranks
+        ranks = (ranks - (~observed).sum(-1, keepdim=True)) % shape[-1]
+    return ranks
 
 
 class MaskSchedule:
@@ -227,8 +242,10 @@ class MaskSchedule:
         """
         raise NotImplementedError
 
-    def _rows(self, n):
-        return 1 if self.share_masks else n
+    def _rows(self, n, observed=None):
+        """The rows masks are drawn for: 1 when shared by the batch, else ``n``
+        (always ``n`` with missing tokens, whose masks are per datapoint)."""
+        return 1 if self.share_masks and observed is None else n
 
     def __repr__(self):
         return f"{type(self).__name__}(num_masks={self.num_masks})"
@@ -249,7 +266,7 @@ class AllSizes(MaskSchedule):
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        rows = n if observed is not None else self._rows(n)
+        rows = self._rows(n, observed)
         ranks = _random_ranks((self.num_masks, rows, D), device, observed)
         sizes = torch.arange(1, D + 1, device=device)
         per_block = max(1, max_elements // (n * D))
@@ -295,13 +312,12 @@ class UniformSizes(MaskSchedule):
     def _sizes(self, rows, D, device):
         """Sizes ``(P, rows)``; ``D`` is an int or, with missing tokens, the counts ``(rows,)``."""
         P = self.num_masks
-        if torch.is_tensor(D):
-            if not self.stratified:
-                u = torch.rand(P, rows, device=device, dtype=torch.float64)
-                return (u * D).floor().long().clamp_(max=(D - 1).clamp(min=0)) + 1
-        elif not self.stratified:
-            return torch.randint(1, D + 1, (P, rows), device=device)
-        if P > 1:
+        if not self.stratified:
+            if not torch.is_tensor(D):
+                return torch.randint(1, D + 1, (P, rows), device=device)
+            # per-datapoint D_i: M_i = floor(D_i u) + 1, one stratum of one slot
+            strata, slots = 0, 1
+        elif P > 1:
             # each datapoint's P masks take one stratum each
             strata = torch.arange(P, device=device)[:, None].expand(P, rows)
             slots = P
@@ -315,7 +331,7 @@ class UniformSizes(MaskSchedule):
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        rows = n if observed is not None else self._rows(n)
+        rows = self._rows(n, observed)
         counts = None if observed is None else observed.sum(-1)
         sizes = self._sizes(rows, D if counts is None else counts, device)
         ranks = _random_ranks((self.num_masks, rows, D), device, observed)
@@ -357,12 +373,8 @@ class RandomOrders(MaskSchedule):
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        rows = n if observed is not None else self._rows(n)
-        keys = torch.rand(self.num_masks, rows, D, device=device)
-        if observed is not None:
-            # missing tokens first: no observed token has one in its context
-            keys = keys - (~observed).to(keys.dtype)
-        order = keys.argsort(-1)
+        rows = self._rows(n, observed)
+        order = _random_order((self.num_masks, rows, D), device, observed)  # missing tokens first
         per_block = max(1, max_elements // (n * D))
         w = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
         for start in range(0, self.num_masks, per_block):
