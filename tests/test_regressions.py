@@ -349,3 +349,22 @@ def test_random_ranks_put_missing_tokens_last_and_orders_put_them_first():
     # each token of a complete datapoint leads some ordering (a miss has probability 5e-10)
     lead = block.order[:, 1, 0]
     assert set(lead.tolist()) == set(range(9))
+
+
+def test_schedule_whose_blocks_takes_kwargs_serves_missing_tokens():
+    """A schedule forwarding **kwargs to a built-in one receives observed=."""
+    from pyro_mpt.masks import MaskSchedule, RandomOrders
+
+    class Forwarding(MaskSchedule):
+        covers_all_sizes = True
+
+        def blocks(self, n, D, **kwargs):
+            return RandomOrders(2).blocks(n, D, **kwargs)
+
+    model, x, exact = _token_plate_ppca()
+    observed = torch.ones(N, D, dtype=torch.bool)
+    observed[1, 2] = observed[4, :2] = False
+    loss = MaskedPretrainingLoss(conditionals="gaussian", masks=Forwarding())
+    for _ in range(2):
+        score = loss.score(model, None, x, observed)
+        assert float((score - exact(x, observed)).abs().max()) < 1e-10
