@@ -256,12 +256,13 @@ def _token_frames(site, latents, token_plates):
             )
         return {f for f in frames if f.name in names}
     # latents are matched to plates by identity, whatever their size (a data plate
-    # of one datapoint still holds the latents); only token candidates need size > 1
+    # of one datapoint still holds the latents); only token candidates need size > 1,
+    # and plates of size 1 cannot tell the latents' layouts apart
     in_latents = [_vectorized_frames(s) & frames for s in latents]
     holding = set().union(*in_latents) if in_latents else set()
     candidates = {f for f in frames - holding if f.size > 1}
-    local = [fr for fr in in_latents if fr]
-    if candidates and local and all(fr == holding for fr in local):
+    local = [{f for f in fr if f.size > 1} for fr in in_latents if fr]
+    if candidates and local and all(fr == {f for f in holding if f.size > 1} for fr in local):
         return candidates
     big = {f for f in frames if f.size > 1}
     if not site["fn"].event_shape and len(big) > 1:

@@ -54,6 +54,30 @@ def test_token_plate_is_detected_with_a_single_datapoint():
     assert abs(float(score[0] - full[0])) < 1e-10
 
 
+def test_token_plate_detection_ignores_size_one_plates_of_the_latents():
+    """Latents in the data plate, one of them also in a plate of size 1: their layouts
+    agree on every plate that has more than one element, so "tokens" is detected."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(D, K, generator=g, dtype=torch.float64)
+    x = torch.randn(N, D, generator=g, dtype=torch.float64)
+
+    def model(x):
+        data = pyro.plate("data", x.shape[0], dim=-2)
+        with data:
+            c = pyro.sample("c", dist.Normal(torch.zeros((), dtype=torch.float64), 1.0))
+        with pyro.plate("groups", 1, dim=-3), data:
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=torch.float64), 1.0).to_event(1))
+            with pyro.plate("tokens", D, dim=-1):
+                pyro.sample("x", dist.Normal((z * W).sum(-1) + c, SIGMA), obs=x)
+
+    S = W @ W.T + torch.ones(D, D, dtype=torch.float64) + SIGMA**2 * torch.eye(D, dtype=torch.float64)
+    truth = torch.distributions.MultivariateNormal(torch.zeros(D, dtype=torch.float64), S).log_prob(x)
+    for n in (N, 1):
+        value = Evidence(model)(x[:n])
+        assert value.shape == (1, n)
+        assert float((value[0] - truth[:n]).abs().max()) < 1e-10
+
+
 # ---------------------------------------------------------------------- Gaussian refusals
 def _low_rank_observation(layout):
     """A latent-free LowRankMultivariateNormal over E = 2 dims of T = 3 tokens, either
