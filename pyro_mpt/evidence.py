@@ -59,11 +59,8 @@ def _exact(evidence, tokens, args, kwargs):
         raise type(e)(
             f"Evidence(method='exact') needs a model with a Gaussian marginal. {e}"
         ) from e
-    if tokens.observed is None:
-        value = engine.log_evidence(state, tokens.value)
-    else:
-        # missing tokens: the density of each datapoint's observed sub-vector
-        value = state.log_prob(tokens.value, tokens.observed)
+    # with missing tokens, the density of each datapoint's observed sub-vector
+    value = engine.log_evidence(state, tokens.value, tokens.observed)
     return EvidenceResult(value, torch.zeros_like(value.detach()))
 
 

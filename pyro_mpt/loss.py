@@ -17,6 +17,7 @@ in a subsampled ``pyro.plate`` of size ``N`` and batch ``B``, times any
 full-data loss whenever the schedule is unbiased.
 """
 
+import functools
 import inspect
 
 import torch
@@ -32,6 +33,15 @@ from .masks import AllSizes, make_schedule
 from .sites import trace_tokens
 
 __all__ = ["MaskedPretrainingLoss"]
+
+
+@functools.lru_cache(maxsize=None)
+def _accepts_observed(blocks):
+    """Whether a schedule's ``blocks`` function takes ``observed=`` (by name or ``**kwargs``)."""
+    return any(
+        p.name == "observed" or p.kind is inspect.Parameter.VAR_KEYWORD
+        for p in inspect.signature(blocks).parameters.values()
+    )
 
 
 class MaskedPretrainingLoss(ELBO):
@@ -145,7 +155,8 @@ class MaskedPretrainingLoss(ELBO):
         schedule.check(D)
         extra = {}
         if tokens.observed is not None:
-            if "observed" not in inspect.signature(schedule.blocks).parameters:
+            # checked once per blocks function (the class's, for bound methods)
+            if not _accepts_observed(getattr(schedule.blocks, "__func__", schedule.blocks)):
                 raise ValueError(
                     f"Observed site {tokens.name!r} has missing (masked) tokens, but the "
                     f"mask schedule {schedule!r} takes no observed= argument to leave them "

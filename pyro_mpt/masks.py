@@ -116,13 +116,14 @@ class ChainBlock:
     :param torch.Tensor order: long, ``(p, n, D)`` or ``(p, 1, D)``; each row is a
         permutation of the tokens.
     :param torch.Tensor weight: ``(p, n)`` or ``(p, 1)``; weight of each ordering.
-    :param torch.Tensor num_missing: long ``(n,)``, the number of missing tokens
-        of each datapoint, which the orderings put first; None when none is missing.
+    :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens; the
+        orderings list each datapoint's missing tokens first. None when none is
+        missing.
     """
 
     order: torch.Tensor
     weight: torch.Tensor
-    num_missing: Optional[torch.Tensor] = None
+    observed: Optional[torch.Tensor] = None
 
     def evaluate(self, engine, state, x, per_size=False):
         """Scores, sizes and weights of the block's queries.
@@ -134,7 +135,7 @@ class ChainBlock:
         """
         n, D = x.shape
         p = self.order.shape[0]
-        if self.num_missing is not None:
+        if self.observed is not None:
             return self._evaluate_missing(engine, state, x, per_size)
         if not per_size:
             sums = engine.chain_sums(state, x, self.order)  # (p, n)
@@ -147,36 +148,53 @@ class ChainBlock:
         return shat, size, weight
 
     def _evaluate_missing(self, engine, state, x, per_size):
-        # the first num_missing positions of each ordering hold the missing tokens:
+        # the first m positions of each ordering hold the m missing tokens:
         # their terms are dropped, and position t >= m of the rest is a query of
         # size t + 1 - m; the dropped positions stand for sizes D_i + 1..D, where
         # S(x_i; M) = 0
         n, D = x.shape
         p = self.order.shape[0]
-        m = self.num_missing.to(x.device)[:, None]  # (n, 1)
+        m = (~self.observed).sum(-1, keepdim=True).to(x.device)  # (n, 1) missing tokens
+        if not per_size:
+            # the sum over the observed targets is log p(x_O) for exact engines,
+            # which chain_sums may compute without the per-position terms
+            sums = engine.chain_sums(state, x, self.order, observed=self.observed)  # (p, n)
+            return sums, (D - m[:, 0]).expand(p, n), self.weight.to(sums.dtype).expand(p, n)
         pos = torch.arange(D, device=x.device)
         valid = pos >= m  # (n, D)
         logc = engine.chain_log_prob(state, x, self.order)  # (p, n, D)
         logc = torch.where(valid, logc, torch.zeros((), dtype=logc.dtype, device=logc.device))
         weight = self.weight.to(logc.dtype).expand(p, n)
-        if not per_size:
-            size = (D - m[:, 0]).expand(p, n)
-            return logc.sum(-1), size, weight
         shat = logc.permute(0, 2, 1).reshape(p * D, n)
         size = torch.where(valid, pos + 1 - m, D - pos).T.repeat(p, 1)  # (p * D, n)
         return shat, size, weight.repeat_interleave(D, dim=0)
 
 
+def _random_order(shape, device, observed=None):
+    """Uniformly random orderings of the tokens (argsort of i.i.d. uniforms).
+
+    With ``observed`` (bool ``(n, D)``) each row lists its missing tokens first
+    and then its observed ones, both in uniformly random order: the chain rule
+    conditions each position on the positions after it, so no observed token
+    has a missing one in its context.
+    """
+    u = torch.rand(shape, device=device)
+    if observed is not None:
+        u = u - (~observed).to(u.dtype)
+    return u.argsort(-1)
+
+
 def _random_ranks(shape, device, observed=None):
-    """Ranks of i.i.d. uniforms: a uniformly random permutation's inverse per row.
+    """Ranks of the tokens in a uniformly random order, for masks ``ranks < M``.
 
     With ``observed`` (bool ``(n, D)``) the observed tokens take the first ranks,
     in uniformly random order, and the missing ones the last.
     """
-    u = torch.rand(shape, device=device)
+    ranks = _random_order(shape, device, observed).argsort(-1)
     if observed is not None:
-        u = u + (~observed).to(u.dtype)
-    return u.argsort(-1).argsort(-1)
+        # the order lists the missing tokens first: rotate them to the last ranks
+        ranks = (ranks - (~observed).sum(-1, keepdim=True)) % shape[-1]
+    return ranks
 
 
 class MaskSchedule:
@@ -208,8 +226,8 @@ class MaskSchedule:
         """Raise ``ValueError`` when the schedule cannot serve ``D`` tokens."""
         if D < 1:
             raise ValueError(
-                f"Masked pre-training needs at least one token, got D={D}: the observed "
-                f"site's event shape has no elements. Give each datapoint at least one token."
+                f"Masked pre-training needs at least one token, got D={D} tokens per "
+                f"datapoint. Give each datapoint at least one token."
             )
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
@@ -224,8 +242,10 @@ class MaskSchedule:
         """
         raise NotImplementedError
 
-    def _rows(self, n):
-        return 1 if self.share_masks else n
+    def _rows(self, n, observed=None):
+        """The rows masks are drawn for: 1 when shared by the batch, else ``n``
+        (always ``n`` with missing tokens, whose masks are per datapoint)."""
+        return 1 if self.share_masks and observed is None else n
 
     def __repr__(self):
         return f"{type(self).__name__}(num_masks={self.num_masks})"
@@ -246,7 +266,7 @@ class AllSizes(MaskSchedule):
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        rows = n if observed is not None else self._rows(n)
+        rows = self._rows(n, observed)
         ranks = _random_ranks((self.num_masks, rows, D), device, observed)
         sizes = torch.arange(1, D + 1, device=device)
         per_block = max(1, max_elements // (n * D))
@@ -292,13 +312,12 @@ class UniformSizes(MaskSchedule):
     def _sizes(self, rows, D, device):
         """Sizes ``(P, rows)``; ``D`` is an int or, with missing tokens, the counts ``(rows,)``."""
         P = self.num_masks
-        if torch.is_tensor(D):
-            if not self.stratified:
-                u = torch.rand(P, rows, device=device, dtype=torch.float64)
-                return (u * D).floor().long().clamp_(max=(D - 1).clamp(min=0)) + 1
-        elif not self.stratified:
-            return torch.randint(1, D + 1, (P, rows), device=device)
-        if P > 1:
+        if not self.stratified:
+            if not torch.is_tensor(D):
+                return torch.randint(1, D + 1, (P, rows), device=device)
+            # per-datapoint D_i: M_i = floor(D_i u) + 1, one stratum of one slot
+            strata, slots = 0, 1
+        elif P > 1:
             # each datapoint's P masks take one stratum each
             strata = torch.arange(P, device=device)[:, None].expand(P, rows)
             slots = P
@@ -312,7 +331,7 @@ class UniformSizes(MaskSchedule):
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        rows = n if observed is not None else self._rows(n)
+        rows = self._rows(n, observed)
         counts = None if observed is None else observed.sum(-1)
         sizes = self._sizes(rows, D if counts is None else counts, device)
         ranks = _random_ranks((self.num_masks, rows, D), device, observed)
@@ -354,19 +373,13 @@ class RandomOrders(MaskSchedule):
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        rows = n if observed is not None else self._rows(n)
-        keys = torch.rand(self.num_masks, rows, D, device=device)
-        missing = None
-        if observed is not None:
-            # missing tokens first: no observed token has one in its context
-            keys = keys - (~observed).to(keys.dtype)
-            missing = (~observed).sum(-1)
-        order = keys.argsort(-1)
+        rows = self._rows(n, observed)
+        order = _random_order((self.num_masks, rows, D), device, observed)  # missing tokens first
         per_block = max(1, max_elements // (n * D))
         w = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
         for start in range(0, self.num_masks, per_block):
             stop = min(self.num_masks, start + per_block)
-            yield ChainBlock(order[start:stop], w.expand(stop - start, 1), missing)
+            yield ChainBlock(order[start:stop], w.expand(stop - start, 1), observed)
 
 
 class Exhaustive(MaskSchedule):

@@ -98,13 +98,6 @@ class ObservedTokens:
         return self.value.shape[0]
 
     @property
-    def num_observed(self):
-        """``D_i``, the number of observed tokens of each datapoint, long ``(n,)``."""
-        if self.observed is None:
-            return torch.full((self.num_data,), self.num_tokens, dtype=torch.long, device=self.value.device)
-        return self.observed.sum(-1)
-
-    @property
     def site(self):
         return self.model_trace.nodes[self.name]
 
@@ -112,6 +105,12 @@ class ObservedTokens:
     def site_shape(self):
         """The observed site's shape, ``site_batch_shape + event_shape``."""
         return self.site_batch_shape + self.event_shape
+
+    @property
+    def data_frames(self):
+        """The plate frames of the observed site that run over datapoints (all but the token plates)."""
+        token_plates = set(self.token_plates)
+        return {f for f in _vectorized_frames(self.site) if f.name not in token_plates}
 
     @property
     def datapoint_shape(self):
@@ -178,6 +177,7 @@ class ObservedTokens:
 
 
 def _vectorized_frames(site, min_size=1):
+    """The vectorized plate frames of a trace site with at least ``min_size`` elements."""
     return {f for f in site["cond_indep_stack"] if f.vectorized and f.size >= min_size}
 
 
@@ -189,8 +189,7 @@ def check_local_latent(tokens, site, error=ValueError):
     datapoints (``log p(x_i)`` no longer factorizes), and one in an extra plate
     has batch dims the tokens lack.
     """
-    token_plates = set(tokens.token_plates)
-    obs_frames = {f for f in _vectorized_frames(tokens.site, 2) if f.name not in token_plates}
+    obs_frames = {f for f in tokens.data_frames if f.size > 1}
     own = _vectorized_frames(site, 2)
     name = site["name"]
     missing = obs_frames - own
@@ -236,8 +235,15 @@ def _describe_plates(frames):
     return ", ".join(f"{f.name!r} (dim {f.dim}, size {f.size})" for f in sorted(frames, key=lambda f: f.dim))
 
 
+_EVENT_DIMS_HINT = (
+    "Declare the tokens of one datapoint as event dims, e.g. dist.Normal(loc, scale).to_event(1), "
+    "inside a pyro.plate over datapoints"
+)
+
+
 def _token_frames(site, latents, token_plates):
-    """The frames of observed ``site`` that are token plates (see the module docstring)."""
+    """The frames of observed ``site`` that are token plates (see the module docstring);
+    empty when none is."""
     name = site["name"]
     frames = _vectorized_frames(site)
     if token_plates is not None:
@@ -249,29 +255,23 @@ def _token_frames(site, latents, token_plates):
                 f"{', '.join(map(repr, unknown))}; its plates: {_describe_plates(frames) or 'none'}."
             )
         return {f for f in frames if f.name in names}
-    big = {f for f in frames if f.size > 1}
-    in_latents = [_vectorized_frames(s, 2) & big for s in latents]
+    # latents are matched to plates by identity, whatever their size (a data plate
+    # of one datapoint still holds the latents); only token candidates need size > 1,
+    # and plates of size 1 cannot tell the latents' layouts apart
+    in_latents = [_vectorized_frames(s) & frames for s in latents]
     holding = set().union(*in_latents) if in_latents else set()
-    candidates = big - holding
-    local = [fr for fr in in_latents if fr]
-    if candidates and local and all(fr == holding for fr in local):
+    candidates = {f for f in frames - holding if f.size > 1}
+    local = [{f for f in fr if f.size > 1} for fr in in_latents if fr]
+    if candidates and local and all(fr == {f for f in holding if f.size > 1} for fr in local):
         return candidates
-    if not site["fn"].event_shape:
-        hint = (
-            "Declare the tokens of one datapoint as event dims, e.g. "
-            "dist.Normal(loc, scale).to_event(1), inside a pyro.plate over datapoints"
-        )
-        if len(big) > 1:
-            raise ValueError(
-                f"Observed site {name!r} has no event dims and sits in the plates "
-                f"{_describe_plates(big)}; which of them run over tokens and which over "
-                f"datapoints is ambiguous (the latent sites do not tell them apart). "
-                f"Pass token_plates=(<names>) to MaskedPretrainingLoss / Evidence, "
-                f"or: {hint}."
-            )
+    big = {f for f in frames if f.size > 1}
+    if not site["fn"].event_shape and len(big) > 1:
         raise ValueError(
-            f"Observed site {name!r} has no event dims, so it has no tokens. {hint}; "
-            f"or, when a pyro.plate runs over the tokens, name it with token_plates=(<name>,)."
+            f"Observed site {name!r} has no event dims and sits in the plates "
+            f"{_describe_plates(big)}; which of them run over tokens and which over "
+            f"datapoints is ambiguous (the latent sites do not tell them apart). "
+            f"Pass token_plates=(<names>) to MaskedPretrainingLoss / Evidence, "
+            f"or: {_EVENT_DIMS_HINT}."
         )
     return set()
 
@@ -402,11 +402,11 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
     site_batch_shape = fn.batch_shape
     tframes = _token_frames(site, latents, token_plates)
     if not tframes and not event_shape:
+        named = "" if token_plates is None else f" and token_plates={token_plates!r} names none of its plates"
         raise ValueError(
-            f"Observed site {name!r} has no event dims and token_plates={token_plates!r} "
-            f"names none of its plates, so it has no tokens. Declare the tokens of one "
-            f"datapoint as event dims with .to_event(), or name the plate that runs over "
-            f"the tokens in token_plates=(<name>,)."
+            f"Observed site {name!r} has no event dims{named}, so it has no tokens. "
+            f"{_EVENT_DIMS_HINT}; or, when a pyro.plate runs over the tokens, name it "
+            f"with token_plates=(<name>,)."
         )
     token_names = {f.name for f in tframes}
     for f in tframes:
@@ -441,10 +441,10 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
         1 if i - nb in token_dims else s for i, s in enumerate(site_batch_shape)
     )
     raw = site["value"]
-    value = raw if torch.is_floating_point(raw) else raw.to(torch.get_default_dtype())
+    dtype = raw.dtype if torch.is_floating_point(raw) else torch.get_default_dtype()
     tokens = ObservedTokens(
         name=name,
-        value=value,  # replaced below
+        value=raw,  # replaced below
         batch_shape=batch_shape,
         event_shape=event_shape,
         scale=None,
@@ -464,7 +464,8 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
             f"Masked pre-training needs at least one token, got D=0 at observed site "
             f"{name!r} (shape {tuple(tokens.site_shape)}). Give each datapoint at least one token."
         )
-    flat = tokens.to_tokens(value).reshape(n, -1)
+    raw_flat = tokens.to_tokens(raw).reshape(n, -1)
+    flat = raw_flat.to(dtype)
     mask = _observed_mask(site)
     observed_tokens = None if mask is None else tokens.to_tokens(mask).reshape(n, -1)
     finite = torch.isfinite(flat)
@@ -480,19 +481,28 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
         )
     site_value = raw.expand(tokens.site_shape)
     if observed_tokens is not None:
-        flat = _fill_missing(flat, observed_tokens)
-        raw_flat = tokens.to_tokens(raw).reshape(n, -1)
-        site_value = tokens.to_site(_fill_missing(raw_flat, observed_tokens))
+        # fill the raw values once (integer tokens stay integers at the site) and cast
+        raw_flat = _fill_missing(raw_flat, observed_tokens)
+        site_value = tokens.to_site(raw_flat)
+        flat = raw_flat.to(dtype)
     tokens.value = flat
     tokens.observed = observed_tokens
     tokens.site_value = site_value
-    scale = torch.as_tensor(site["scale"], dtype=value.dtype, device=value.device)
-    scale = tokens.to_tokens(scale.reshape(scale.shape + (1,) * len(event_shape)))
-    if scale.shape[-1] > 1 and not bool((scale == scale[..., :1]).all()):
-        raise ValueError(
-            f"Observed site {name!r} has a scale that varies over its tokens; masked "
-            f"pre-training scales whole datapoints. Apply poutine.scale outside the "
-            f"token plate(s) {', '.join(map(repr, tokens.token_plates))}."
-        )
-    tokens.scale = scale[..., 0].reshape(n)
+    scale = torch.as_tensor(site["scale"], dtype=dtype, device=raw.device)
+    if token_dims and scale.numel() > 1:
+        # a scale is batch-shaped, so only token plates can make it vary over tokens;
+        # compare it with its first entry along each token dim it has, unexpanded
+        first = scale
+        for d in token_dims:
+            if scale.dim() >= -d and scale.shape[d] > 1:
+                first = first.narrow(d, 0, 1)
+        if first.shape != scale.shape:
+            if not bool((scale == first).all()):
+                raise ValueError(
+                    f"Observed site {name!r} has a scale that varies over its tokens; masked "
+                    f"pre-training scales whole datapoints. Apply poutine.scale outside the "
+                    f"token plate(s) {', '.join(map(repr, tokens.token_plates))}."
+                )
+            scale = first
+    tokens.scale = scale.expand(tokens.batch_shape).reshape(n)
     return tokens

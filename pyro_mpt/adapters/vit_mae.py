@@ -126,6 +126,9 @@ class MAEScorer:
                     f"MAEScorer needs a ViTMAEForPreTraining (with .vit, .decoder, .patchify); got {type(model).__name__}."
                 )
         self.model, self.device, self.accelerator = place_model(model, device, accelerator)
+        # the model's own dtype for the pixels (float32 processors feed float64 or half models too)
+        dtype = next(self.model.parameters()).dtype
+        self._pixel_dtype = dtype if dtype.is_floating_point else None
         self.image_processor = image_processor
         self.batch_size = int(batch_size)
         self.sigma2 = sigma2
@@ -215,9 +218,7 @@ class MAEScorer:
         N = self.num_patches
         if not 1 <= num_masked <= N:
             raise ValueError(f"num_masked must be in 1..{N} (patches per image), got {num_masked}.")
-        # the model's own dtype (float32 processors feed float64 or half models too)
-        dtype = next(self.model.parameters()).dtype
-        pv = pixel_values.to(self.device, dtype=dtype if dtype.is_floating_point else pixel_values.dtype)
+        pv = pixel_values.to(self.device, dtype=self._pixel_dtype or pixel_values.dtype)
         # argsort(noise) keeps the lowest noise: the highest ranks stay visible
         noise = -ranks.to(self.device).float()
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()

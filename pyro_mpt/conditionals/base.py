@@ -43,6 +43,13 @@ class NumericalWarning(UserWarning):
         self.jitter = jitter
 
 
+def callable_key(fn):
+    """A key that identifies a callable across calls (bound methods are recreated at
+    each access), for what engines remember per model or guide."""
+    owner = getattr(fn, "__self__", None)
+    return (id(owner), id(getattr(fn, "__func__", fn))) if owner is not None else (None, id(fn))
+
+
 class ConditionalEngine(ABC):
     """Base class of conditional engines.
 
@@ -144,12 +151,23 @@ class ConditionalEngine(ABC):
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
         return torch.where(mask, logc, zero).sum(-1)
 
-    def chain_sums(self, state, x, order):
-        """Chain-rule sums along complete orderings, shape ``(p, n)``.
+    def chain_sums(self, state, x, order, observed=None):
+        r"""Chain-rule sums along complete orderings, shape ``(p, n)``.
+
+        :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens,
+            or None. The orderings then list each datapoint's missing tokens
+            first, so that no observed token is conditioned on one, and the sums
+            leave out the terms whose target is missing: they estimate
+            :math:`\log p(x_{O_i})`.
 
         The default sums :meth:`chain_log_prob` over positions.
         """
-        return self.chain_log_prob(state, x, order).sum(-1)
+        logc = self.chain_log_prob(state, x, order)  # (p, n, D)
+        if observed is not None:
+            shape = logc.shape
+            target_observed = observed.expand(shape).gather(-1, order.expand(shape))
+            logc = torch.where(target_observed, logc, torch.zeros((), dtype=logc.dtype, device=logc.device))
+        return logc.sum(-1)
 
     def log_evidence(self, state, x):
         """Per-datapoint :math:`\\log p(x)`, shape ``(n,)``, when the engine has it."""

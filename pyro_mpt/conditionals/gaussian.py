@@ -62,12 +62,11 @@ def _cholesky(A, what, site=None):
     so such a pivot (and the log-determinant and solves built on it) has lost
     all its digits even where the factorization happens to succeed."""
     L, info = torch.linalg.cholesky_ex(A)
-    bad = bool((info != 0).any())
-    if not bad:
-        with torch.no_grad():
-            pivots = torch.diagonal(L, dim1=-2, dim2=-1).pow(2)
-            diag = torch.diagonal(A, dim1=-2, dim2=-1)
-            bad = bool((pivots < 10 * torch.finfo(A.dtype).eps * diag).any())
+    with torch.no_grad():
+        pivots = torch.diagonal(L, dim1=-2, dim2=-1).pow(2)
+        diag = torch.diagonal(A, dim1=-2, dim2=-1)
+        # one host sync for both checks (the pivots of a failed factor are junk, but then info says so)
+        bad = bool(((info != 0) | (pivots < 10 * torch.finfo(A.dtype).eps * diag).any(-1)).any())
     if bad:
         where = "" if site is None else f" of site {site!r}"
         raise _NotPositiveDefinite(
@@ -108,7 +107,9 @@ class GaussianConditionals(ConditionalEngine):
         diagonal to its diagonal and retry, ten times more at each retry up
         to ``max_jitter`` times it, warning
         (:class:`~pyro_mpt.conditionals.base.NumericalWarning`) with the
-        amount; 0 disables the rescue.
+        amount; 0 disables the rescue. The engine keeps the relative jitter
+        it reached per observed site and dtype: later calls (the next
+        training steps) start from it and warn only when it grows.
     :param bool vectorize: derive the marginal with one vectorized model run.
     :param int max_elements: bound on the elements of intermediate tensors.
 
@@ -135,9 +136,11 @@ class GaussianConditionals(ConditionalEngine):
         self.jitter = float(jitter)
         self.max_jitter = float(max_jitter)
         self.vectorize = vectorize
+        self._rel_jitter = {}  # (site, dtype) -> relative jitter the rescue reached
+        self._run_modes = {}  # model key -> how gaussian_marginal could run it
 
     def prepare(self, tokens, model, guide, args, kwargs):
-        marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize)
+        marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize, run_modes=self._run_modes)
         D = marginal.num_tokens
         dense = self.method == "dense" or (
             self.method == "auto" and (not marginal.is_low_rank or marginal.rank >= D)
@@ -159,33 +162,41 @@ class GaussianConditionals(ConditionalEngine):
                 F = psi.new_zeros(psi.shape + (1,))
             if self.jitter:
                 psi = psi + self.jitter
-            if bool((psi < 0).any()):
+            psi_min = float(psi.min())  # one host sync for both checks of psi
+            if psi_min < 0:
                 raise ValueError(
                     f"The noise variance of site {site!r} has negative entries (min "
-                    f"{float(psi.min()):.3g}), so its covariance is not positive definite. "
+                    f"{psi_min:.3g}), so its covariance is not positive definite. "
                     f"Use a positive scale (e.g. a pyro.param with constraint=constraints.positive)."
                 )
             state = GaussianMarginal(marginal.loc, cov_factor=F, cov_diag=psi, site=site)
+        rel = self._rel_jitter.get((site, state.loc.dtype))
+        if rel is not None:
+            # start from the jitter an earlier call reached (it warned then)
+            scale = self._mean_diagonal(state)
+            if scale > 0 and math.isfinite(scale):
+                self._set_jitter(state, rel * scale)
         # factor the whole covariance once, so that a near-singular one is
         # rescued before any query; its principal blocks are no worse conditioned
-        self._rescued(state, lambda: self._factor_whole(state))
+        self._rescued(state, lambda: self._factor_whole(state, None if dense else psi_min))
         return state
 
     # ------------------------------------------------------------------ jitter rescue
     @staticmethod
-    def _factor_whole(state):
-        with torch.no_grad():
-            if not state.is_low_rank:
-                _cholesky(state.covariance, "covariance", state.site)
-                return
-            F, psi = state.cov_factor, state.cov_diag
-            if bool((psi <= 0).any()):
-                raise _NotPositiveDefinite(
-                    f"The covariance of site {state.site!r} is not positive definite (its "
-                    f"noise variance has {int((psi <= 0).sum())} zero entries)"
-                )
-            eye = torch.eye(F.shape[-1], dtype=F.dtype, device=F.device)
-            _cholesky(eye + F.transpose(-1, -2) @ (F / psi.unsqueeze(-1)), "posterior precision I + F^T Psi^-1 F", state.site)
+    def _factor_whole(state, psi_min=None):
+        """Factor the state's covariance and keep the factor on the state (with its
+        gradient, for the exact log-density); ``psi_min`` is the smallest noise
+        variance before the rescue's jitter (low-rank), which the jitter then raises."""
+        if not state.is_low_rank:
+            state.factor = _cholesky(state.covariance, "covariance", state.site)
+            return
+        F, psi = state.cov_factor, state.cov_diag
+        if psi_min + state.jitter <= 0:
+            raise _NotPositiveDefinite(
+                f"The covariance of site {state.site!r} is not positive definite (its "
+                f"noise variance has {int((psi <= 0).sum())} zero entries)"
+            )
+        state.factor = _posterior_precision_factor(F, psi, state.site)
 
     def _rescued(self, state, compute):
         r"""``compute()``, retried with more jitter on the state's covariance while a
@@ -203,13 +214,30 @@ class GaussianConditionals(ConditionalEngine):
             except _NotPositiveDefinite as error:
                 self._add_jitter(state, error)
 
-    def _add_jitter(self, state, error):
+    @staticmethod
+    def _mean_diagonal(state):
+        """The mean diagonal of the state's covariance without the rescue's jitter."""
         with torch.no_grad():
             if state.is_low_rank:
                 diag = state.cov_diag + state.cov_factor.pow(2).sum(-1)
             else:
                 diag = torch.diagonal(state.covariance, dim1=-2, dim2=-1)
-            scale = float(diag.mean()) - state.jitter
+            return float(diag.mean()) - state.jitter
+
+    @staticmethod
+    def _set_jitter(state, tau):
+        """Make the rescue's jitter on the state's diagonal ``tau`` in total."""
+        delta = tau - state.jitter
+        state.factor = None  # the factor of the old covariance
+        if state.is_low_rank:
+            state.cov_diag = state.cov_diag + delta
+        else:
+            eye = torch.eye(state.num_tokens, dtype=state.loc.dtype, device=state.loc.device)
+            state.covariance = state.covariance + delta * eye
+        state.jitter = tau
+
+    def _add_jitter(self, state, error):
+        scale = self._mean_diagonal(state)
         dtype = state.loc.dtype
         if state.jitter:
             k = round(math.log10(state.jitter / scale)) + 1
@@ -224,13 +252,8 @@ class GaussianConditionals(ConditionalEngine):
                 f"GaussianConditionals(jitter=...) with a larger value."
             ) from None
         tau = rel * scale
-        delta = tau - state.jitter
-        if state.is_low_rank:
-            state.cov_diag = state.cov_diag + delta
-        else:
-            D = state.num_tokens
-            state.covariance = state.covariance + delta * torch.eye(D, dtype=dtype, device=state.loc.device)
-        state.jitter = tau
+        self._set_jitter(state, tau)
+        self._rel_jitter[(state.site, dtype)] = rel
         warnings.warn(
             NumericalWarning(
                 f"GaussianConditionals: the covariance of site {state.site!r} is not positive "
@@ -244,15 +267,16 @@ class GaussianConditionals(ConditionalEngine):
             stacklevel=4,
         )
 
-    def log_evidence(self, state, x):
-        return self._rescued(state, lambda: self._log_evidence(state, x))
+    def log_evidence(self, state, x, observed=None):
+        r"""Exact :math:`\log\mathcal N(x_i; \mu, \Sigma)` per datapoint, ``(n,)``.
 
-    @staticmethod
-    def _log_evidence(state, x):
+        :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens; when
+            given, the density of each datapoint's observed sub-vector,
+            :math:`\log\mathcal N(x_{O_i}; \mu_{O_i}, \Sigma_{O_i O_i})`.
+        """
         if state.is_low_rank:
-            return _lowrank_log_prob(state, x)
-        L = _cholesky(state.covariance, "covariance", state.site)
-        return torch.distributions.MultivariateNormal(state.loc, scale_tril=L).log_prob(x)
+            return self._rescued(state, lambda: _lowrank_log_prob(state, x, observed))
+        return self._rescued(state, lambda: _dense_log_prob(state, x, observed))
 
     # ------------------------------------------------------------------ chunking
     def _run_chunked(self, fn, state, x, index, per_item):
@@ -313,11 +337,13 @@ class GaussianConditionals(ConditionalEngine):
             return self._run_chunked(_lowrank_chain, state, x, order, D * R * (R + 2))
         return self._run_chunked(_dense_chain, state, x, order, D * D)
 
-    def chain_sums(self, state, x, order):
+    def chain_sums(self, state, x, order, observed=None):
         r"""Every complete ordering of one Gaussian joint telescopes to
         :math:`\log\mathcal N(x; \mu, \Sigma)` (the chain rule), so the sums are
-        the exact log-density, at the cost of one exact evaluation."""
-        return self.log_evidence(state, x).expand(order.shape[0], x.shape[0])
+        the exact log-density, at the cost of one exact evaluation; with
+        ``observed`` (missing tokens first in every ordering) the terms of the
+        observed targets telescope to the density of the observed sub-vector."""
+        return self.log_evidence(state, x, observed).expand(order.shape[0], x.shape[0])
 
 
 def _slice_marginal(m, idx):
@@ -328,10 +354,24 @@ def _slice_marginal(m, idx):
         covariance=None if m.covariance is None else _take(m.covariance, idx),
         site=m.site,
         jitter=m.jitter,
+        factor=None if m.factor is None else _take(m.factor, idx),
     )
 
 
-def _lowrank_log_prob(m, x):
+def _posterior_precision_factor(F, psi, site):
+    r"""Cholesky factor of :math:`I + F^\top\Psi^{-1}F`, ``(..., R, R)``."""
+    eye = torch.eye(F.shape[-1], dtype=F.dtype, device=F.device)
+    return _cholesky(eye + F.transpose(-1, -2) @ (F / psi.unsqueeze(-1)), "posterior precision I + F^T Psi^-1 F", site)
+
+
+def _missing_as_standard_normal(observed, x):
+    """``(o, missing_term)``: the observed tokens as 0/1 weights, and the log-density
+    ``0.5 log(2 pi)`` per missing token that undoes their stand-in ``N(0; 0, 1)``."""
+    o = observed.to(x.dtype)
+    return o, 0.5 * _LOG_2PI * (1.0 - o).sum(-1)
+
+
+def _lowrank_log_prob(m, x, observed=None):
     r""":math:`\log\mathcal N(x; \mu, FF^\top + \Psi)` per datapoint, ``(n,)``, in centred form.
 
     With :math:`r = x - \mu`, the posterior mean :math:`\hat z = \Lambda^{-1}
@@ -342,19 +382,49 @@ def _lowrank_log_prob(m, x):
     Woodbury form subtracts two large ones, and stationary in :math:`\hat z`, so
     rounding in :math:`\hat z` does not reach it (100 times more accurate in
     float32 at D = 512).
+
+    With ``observed`` (bool ``(n, D)``), the density of each observed sub-vector:
+    a missing token gets :math:`r_j = 0`, :math:`f_j = 0`, :math:`\psi_j = 1`, an
+    independent standard normal at its mean, which leaves the observed block
+    untouched and adds :math:`\log\mathcal N(0; 0, 1)`, taken off again.
     """
     F, psi = m.cov_factor, m.cov_diag  # (r, D, R), (r, D)
-    R = F.shape[-1]
     r = x - m.loc  # (n, D)
+    L = m.factor
+    if observed is not None:
+        o, missing = _missing_as_standard_normal(observed, x)
+        r = r * o
+        F = F * o.unsqueeze(-1)  # (n, D, R)
+        psi = torch.where(observed, psi, torch.ones((), dtype=psi.dtype, device=psi.device))
+        L = None  # the observed block has its own posterior precision
+    if L is None:
+        L = _posterior_precision_factor(F, psi, m.site)
     Fp = F / psi.unsqueeze(-1)
-    eye = torch.eye(R, dtype=F.dtype, device=F.device)
-    L = _cholesky(eye + F.transpose(-1, -2) @ Fp, "posterior precision I + F^T Psi^-1 F", m.site)
     eta = (r.unsqueeze(-2) @ Fp).transpose(-1, -2)  # (n, R, 1)
     zhat = torch.cholesky_solve(eta, L)  # (n, R, 1)
     e = r - (F @ zhat).squeeze(-1)
     maha = (e * e / psi).sum(-1) + zhat.pow(2).sum((-1, -2))
     logdet = psi.log().sum(-1) + 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)
-    return -0.5 * (x.shape[-1] * _LOG_2PI + logdet + maha)
+    out = -0.5 * (x.shape[-1] * _LOG_2PI + logdet + maha)
+    return out if observed is None else out + missing
+
+
+def _dense_log_prob(m, x, observed=None):
+    r""":math:`\log\mathcal N(x; \mu, \Sigma)` per datapoint, ``(n,)``, from a Cholesky
+    factor of :math:`\Sigma`; with ``observed`` the density of each observed
+    sub-vector (the missing tokens as in :func:`_lowrank_log_prob`)."""
+    r = x - m.loc  # (n, D)
+    if observed is None:
+        L = m.factor if m.factor is not None else _cholesky(m.covariance, "covariance", m.site)
+    else:
+        o, missing = _missing_as_standard_normal(observed, x)
+        r = r * o
+        S = m.covariance * (o.unsqueeze(-1) * o.unsqueeze(-2)) + torch.diag_embed(1.0 - o)  # (n, D, D)
+        L = _cholesky(S, "covariance", m.site)
+    u = torch.linalg.solve_triangular(L, r.unsqueeze(-1), upper=False).squeeze(-1)
+    logdet = 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)
+    out = -0.5 * (x.shape[-1] * _LOG_2PI + logdet + u.pow(2).sum(-1))
+    return out if observed is None else out + missing
 
 
 def _lowrank_masks(m, x, mask):
@@ -412,7 +482,8 @@ def _lowrank_shared_sums(m, x, mask):
     ctx, tgt = (~mask).to(x.dtype), mask.to(x.dtype)  # (q, D)
     r = x - m.loc  # (n, D)
     Fp = F / psi[:, None]
-    zhat = torch.cholesky_solve((r @ Fp).T, _cholesky(eye + F.T @ Fp, "posterior precision", m.site)).T
+    L0 = m.factor[0] if m.factor is not None else _posterior_precision_factor(F, psi, m.site)
+    zhat = torch.cholesky_solve((r @ Fp).T, L0).T
     e = r - zhat @ F.T  # (n, D)
     cw = ctx / psi  # (q, D)
     FF = (F[:, :, None] * F[:, None, :]).reshape(-1, R * R)

@@ -21,7 +21,6 @@ the random point :math:`\varepsilon_r` verifies that the location really is
 affine and that no scale depends on the latents.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,9 +32,14 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from ..sites import check_local_latent
-from .base import EngineNotApplicable
+from .base import EngineNotApplicable, callable_key
 
-__all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError"]
+__all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
+
+#: the ways :func:`gaussian_marginal` runs the model on the noise points, in the
+#: order it tries them: one vectorized run with the shared latent parameters
+#: kept at size 1, one with full batch shapes, one run per point
+RUN_MODES = ("compact", "full", "per_point")
 
 
 class NotLinearGaussianError(EngineNotApplicable):
@@ -57,6 +61,12 @@ class GaussianMarginal:
     :param str site: the observed site, for error messages.
     :param float jitter: jitter already added to the diagonal by
         :class:`~pyro_mpt.conditionals.GaussianConditionals`' rescue.
+    :param torch.Tensor factor: the Cholesky factor of the covariance (dense,
+        ``(n|1, D, D)``) or of the posterior precision
+        :math:`I + F^\top\Psi^{-1}F` (low-rank, ``(n|1, R, R)``), kept by
+        :meth:`GaussianConditionals.prepare <pyro_mpt.conditionals.GaussianConditionals.prepare>`
+        for the exact log-density; None when not computed (or stale after a
+        change of the jitter).
     """
 
     loc: torch.Tensor
@@ -65,6 +75,7 @@ class GaussianMarginal:
     covariance: Optional[torch.Tensor] = None
     site: Optional[str] = None
     jitter: float = 0.0
+    factor: Optional[torch.Tensor] = None
 
     @property
     def is_low_rank(self):
@@ -86,41 +97,6 @@ class GaussianMarginal:
         if self.cov_factor is not None:
             cov = cov + self.cov_factor @ self.cov_factor.transpose(-1, -2)
         return cov
-
-    def distribution(self):
-        """The marginal as a torch distribution with batch shape ``(n|1,)``."""
-        if self.covariance is not None:
-            return dist.MultivariateNormal(self.loc, covariance_matrix=self.covariance)
-        if self.cov_factor is None or self.rank == 0:
-            return dist.Normal(self.loc, self.cov_diag.sqrt()).to_event(1)
-        return dist.LowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
-
-    def log_prob(self, x, observed=None):
-        r"""Exact :math:`\log \mathcal N(x; \mu, \Sigma)` per datapoint; ``x`` is ``(n, D)``.
-
-        :param torch.Tensor observed: bool ``(n, D)``; when given, the density of
-            each datapoint's observed sub-vector,
-            :math:`\log \mathcal N(x_{O_i}; \mu_{O_i}, \Sigma_{O_i O_i})`.
-        """
-        if observed is None:
-            return self.distribution().log_prob(x)
-        # a missing token becomes an independent standard normal at its mean, which
-        # leaves the observed block untouched and adds log N(0; 0, 1) per missing token
-        o = observed.to(x.dtype)
-        resid = torch.where(observed, x - self.loc, torch.zeros((), dtype=x.dtype, device=x.device))
-        zero = torch.zeros_like(resid)
-        if self.covariance is not None:
-            oo = o.unsqueeze(-1) * o.unsqueeze(-2)
-            cov = self.covariance * oo + torch.diag_embed(1.0 - o)
-            lp = dist.MultivariateNormal(zero, covariance_matrix=cov).log_prob(resid)
-        else:
-            psi = torch.where(observed, self.cov_diag, torch.ones((), dtype=x.dtype, device=x.device))
-            if self.cov_factor is None or self.rank == 0:
-                lp = dist.Normal(zero, psi.sqrt()).to_event(1).log_prob(resid)
-            else:
-                F = self.cov_factor * o.unsqueeze(-1)
-                lp = dist.LowRankMultivariateNormal(zero, F, psi).log_prob(resid)
-        return lp + 0.5 * math.log(2 * math.pi) * (1.0 - o).sum(-1)
 
 
 def _unwrap(fn, masks=False):
@@ -224,21 +200,23 @@ def _observation_parts(fn, tokens):
     """
     name = tokens.name
     base, _ = _unwrap(fn, masks=True)
-    if isinstance(base, dist.MultivariateNormal) and tokens.token_dims:
+    # LowRankMultivariateNormal is no subclass of MultivariateNormal: name both
+    multivariate = isinstance(base, (dist.MultivariateNormal, dist.LowRankMultivariateNormal))
+    if multivariate and tokens.token_dims:
         raise NotLinearGaussianError(
             f"Observed site {name!r} is a {type(base).__name__} inside the token "
             f"plate(s) {', '.join(map(repr, tokens.token_plates))}; conditionals="
             f"'gaussian' serves Normal observations there. Use one multivariate "
             f"normal over all D tokens (no token plate), or a Normal."
         )
+    if multivariate and len(fn.event_shape) != 1:
+        raise NotLinearGaussianError(
+            f"Observed site {name!r}: a {type(base).__name__} with extra event dims "
+            f"is not supported; use one {type(base).__name__} over the D tokens."
+        )
     if isinstance(base, dist.LowRankMultivariateNormal):
         return base.loc, ("lowrank", base.cov_factor, base.cov_diag), fn.batch_shape
     if isinstance(base, dist.MultivariateNormal):
-        if len(fn.event_shape) != 1:
-            raise NotLinearGaussianError(
-                f"Observed site {name!r}: a MultivariateNormal with extra event dims "
-                f"is not supported; use one MultivariateNormal over the D tokens."
-            )
         return base.loc, ("dense", base.covariance_matrix), fn.batch_shape
     if isinstance(base, dist.Normal):
         shape = fn.batch_shape + fn.event_shape
@@ -252,7 +230,7 @@ def _observation_parts(fn, tokens):
     )
 
 
-def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
+def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, run_modes=None):
     """Derive the Gaussian marginal of the observed tokens from a Pyro model.
 
     :param ~pyro_mpt.sites.ObservedTokens tokens: from :func:`~pyro_mpt.sites.trace_tokens`.
@@ -262,6 +240,11 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
     :param bool vectorize: run the :math:`K + 2` noise points in one vectorized
         plate (the model must broadcast over an extra batch dim on the left);
         with False the model is run once per point.
+    :param dict run_modes: a memory kept across calls (by
+        :class:`~pyro_mpt.conditionals.GaussianConditionals`): the entry of
+        :data:`RUN_MODES` that worked for each model, tried first next time, so
+        that a model that does not broadcast is not run in the failing modes at
+        every step.
     :returns: the marginal, with leading dim ``n``, or 1 when shared by the batch.
     :rtype: GaussianMarginal
     :raises NotLinearGaussianError: naming the site, when the model is not
@@ -270,7 +253,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
     Example::
 
         >>> tokens = trace_tokens(ppca, None, (x,), {})
-        >>> gaussian_marginal(tokens, ppca, (x,), {}).log_prob(tokens.value)  # (n,)
+        >>> gaussian_marginal(tokens, ppca, (x,), {}).dense()  # covariance, (n|1, D, D)
     """
     layout, K = _latent_layout(tokens)
     if K == 0:
@@ -311,26 +294,11 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
 
         fn, scales = run(wrapped, handler)
         loc, noise, batch_shape = _observation_parts(fn, tokens)
-        return _basis_rows(loc, noise, batch_shape[1:], K + 2), scales
+        for name, scale in scales.items():
+            _check_scale_rows(name, scale)
+        return _basis_rows(loc, noise, batch_shape[1:], K + 2)
 
-    if vectorize:
-        try:
-            (loc, noise), scales = vectorized(compact=True)
-        except NotLinearGaussianError:
-            raise
-        except Exception:
-            # the model does not broadcast shared latents: give it full batch shapes
-            try:
-                (loc, noise), scales = vectorized(compact=False)
-            except NotLinearGaussianError:
-                raise
-            except Exception:
-                # nor over an extra batch dim on the left: one run per noise point
-                vectorize = False
-        if vectorize:
-            for name, scale in scales.items():
-                _check_scale_rows(name, scale)
-    if not vectorize:
+    def per_point():
         locs, noises, all_scales = [], [], []
         for b in range(K + 2):
             handler = _AffineLatents(layout, basis[b : b + 1], None, False)
@@ -348,6 +316,33 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True):
         for name in layout:
             stacked = torch.stack(torch.broadcast_tensors(*[s[name] for s in all_scales]))
             _check_scale_rows(name, stacked)
+        return loc, noise
+
+    runs = {"compact": lambda: vectorized(True), "full": lambda: vectorized(False), "per_point": per_point}
+    modes = RUN_MODES if vectorize else ("per_point",)
+    key = callable_key(model)
+    known = None if run_modes is None else run_modes.get(key)
+    if known in modes:
+        modes = (known,) + tuple(m for m in modes if m != known)
+    errors = []
+    for mode in modes:
+        try:
+            loc, noise = runs[mode]()
+        except NotLinearGaussianError:
+            raise
+        except Exception as e:
+            # e.g. the model does not broadcast shared latents, or not over an
+            # extra batch dim on the left: the next mode asks less of it
+            errors.append(e)
+            continue
+        if run_modes is not None:
+            run_modes[key] = mode
+        break
+    else:
+        # every mode failed: the model itself fails; keep the first failure too
+        if len(errors) > 1:
+            raise errors[-1] from errors[0]
+        raise errors[0]
 
     mu = loc[0]
     W = loc[1 : K + 1] - mu  # (K, n|1, D)

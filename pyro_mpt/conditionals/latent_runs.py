@@ -52,7 +52,8 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
-from .base import EngineNotApplicable
+from ..sites import _vectorized_frames
+from .base import EngineNotApplicable, callable_key
 from .gaussian_marginal import _unwrap
 
 __all__ = [
@@ -231,12 +232,6 @@ def refuse_missing(tokens, who, error=EngineNotApplicable, instead=_LEAVE_OUT):
         )
 
 
-def callable_key(fn):
-    """A key that identifies a callable across calls (bound methods are recreated at each access)."""
-    owner = getattr(fn, "__self__", None)
-    return (id(owner), id(getattr(fn, "__func__", fn))) if owner is not None else (None, id(fn))
-
-
 def guide_latents(tokens):
     """Names of the model's latents that the traced guide samples (empty for a no-op guide)."""
     latent = set(tokens.latent_names)
@@ -289,10 +284,6 @@ def _pad(t, rank):
             f"to the number of plate dims the model uses."
         )
     return t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
-
-
-def _frames(site, min_size=1):
-    return {(f.name, f.dim) for f in site["cond_indep_stack"] if f.vectorized and f.size >= min_size}
 
 
 def _site_log_prob(site):
@@ -451,17 +442,15 @@ class LatentRunner:
         self.data = data
         self.who = who
         self.rank = tokens.max_plate_nesting + 1
-        token_plates = set(tokens.token_plates)
-        self.data_dims = {
-            f.dim for f in tokens.site["cond_indep_stack"] if f.vectorized and f.name not in token_plates
-        }
+        data_frames = tokens.data_frames
+        self.data_dims = {f.dim for f in data_frames}
         self.replay = tokens.subsample_trace()
         self.stacking = stacking  # decided on the first encode of several versions
-        obs_frames = {f for f in _frames(tokens.site, 2) if f[0] not in token_plates}
+        obs_frames = {f for f in data_frames if f.size > 1}
         for site in tokens.latent_sites():
-            missing = obs_frames - _frames(site)
+            missing = obs_frames - _vectorized_frames(site)
             if missing:
-                plates = ", ".join(repr(f[0]) for f in missing)
+                plates = ", ".join(repr(f.name) for f in missing)
                 raise EngineNotApplicable(
                     f"Latent site {site['name']!r} is outside the plate(s) {plates} of "
                     f"observed site {tokens.name!r}: it is shared by all datapoints (a "

@@ -847,13 +847,15 @@ class QuadratureConditionals(ConditionalEngine):
         L = torch.cat([L[..., :-1], torch.zeros_like(L[..., -1:])], -1)
         return L[..., :-1] - L[..., 1:]
 
-    def chain_sums(self, state, x, order):
+    def chain_sums(self, state, x, order, observed=None):
         r"""Chain-rule sums along orderings, ``(p, n)``: all equal to :meth:`log_evidence`.
 
         The conditionals are ratios of one mixture measure, so every ordering's
         terms telescope to :math:`\log \sum_q \omega_q \prod_d p(x_d\mid z_q)`
         (the empty context has normalizer one); this returns that value, at the
-        cost of one pass over the table instead of ``p``.
+        cost of one pass over the table instead of ``p``. Missing tokens
+        (``observed``, the state's ``tokens.observed``) have factor one in the
+        table, so the value is already :math:`\log p(x_{O_i})`.
         """
         self._check_x(state, x)
         return self.log_evidence(state, x).expand(order.shape[0], -1)
