@@ -145,7 +145,9 @@ def main(argv=None):
     md = ["## Fig. 4 and Fig. 5 (left): area under the MPT curve (`examples/gallery_area.py`)", "",
           f"Settings: {'--quick' if q else 'default'}; PPCA, noise std 0.5, W, mu ~ N(0, 1); curves with masks=\"all\" "
           f"(every size, P masks each, independent per datapoint); mean per datapoint; seed {args.seed}; "
-          f"{out['seconds']:.0f} s. Areas are ± their standard error.", "",
+          f"{out['seconds']:.0f} s. Areas are ± MPTCurve.area_stderr(), the standard error over datapoints: "
+          "it counts the spread of log p(x_i) over the data as well as the mask noise, so with P = 100 it is "
+          "mostly the former.", "",
           "![Fig. 4](fig4_area.png)", "",
           "| model | true LML | area (this run) | paper |", "|---|---|---|---|",
           f"| D={D}, K={K}, N={N}, generating params, P=1 | {true_lml:.3f} | {fig4['area_P1']:.3f} ± {fig4['area_P1_stderr']:.3f} | "
