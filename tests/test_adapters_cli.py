@@ -13,9 +13,6 @@ from pyro_mpt.cli import main  # noqa: E402
 from models import tiny_bert, tiny_vit_mae  # noqa: E402
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_bert")

@@ -17,9 +17,6 @@ from models import TINY_VOCAB, tiny_bert  # noqa: E402
 LETTERS = "".join(TINY_VOCAB[5:])  # the letters after the special tokens
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _roberta_tokenizer():
     vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": 4}
     for i, c in enumerate(LETTERS):

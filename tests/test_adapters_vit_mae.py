@@ -15,9 +15,6 @@ from pyro_mpt.adapters.vit_mae import init_position_embeddings  # noqa: E402
 from models import tiny_vit_mae  # noqa: E402
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def tiny_mae(norm_pix_loss=False, image_size=16, patch_size=4):
     return tiny_vit_mae(image_size=image_size, patch_size=patch_size, hidden_size=32, num_hidden_layers=2,
                         intermediate_size=64, decoder_hidden_size=16, decoder_intermediate_size=32,

@@ -17,9 +17,6 @@ from pyro_mpt.vae import DeepVAE
 from models import exact_posterior_guide, load_script, make_ppca
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def test_make_loss_parses_specs():
     loss = make_loss("mpt:0.33")
     assert isinstance(loss, WithGuideELBO)

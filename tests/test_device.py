@@ -54,9 +54,6 @@ cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 D, K, N = 5, 2, 4
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _svi_step(engine, masks="order", guide=False):
     """One SGD step from the model's start: the loss, then the updated params (a plain
     gradient step, so the params carry the gradient's values, not only its signs)."""

@@ -16,9 +16,6 @@ from pyro_mpt.vae import DeepVAE
 from models import exact_posterior_guide, make_ppca
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _setup(seed=0, D=6, K=2, N=8, q=4, rate=0.4):
     pyro.set_rng_seed(seed)
     model, x, exact = make_ppca(D, K, N, seed=seed)

@@ -68,9 +68,6 @@ def trigger(row_id):
     return register
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 # ---------------------------------------------------------------------- models
 def _x(n=4, D=3):
     return torch.randn(n, D, generator=torch.Generator().manual_seed(0))

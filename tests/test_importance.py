@@ -15,9 +15,6 @@ from pyro_mpt.sites import trace_tokens
 from models import exact_posterior_guide, make_ppca
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 # ---------------------------------------------------------------------- evidence
 @pytest.mark.parametrize("S", [1, 2, 17])
 def test_exact_posterior_proposal_gives_the_exact_lml_for_any_S(S):

@@ -27,9 +27,6 @@ from pyro_mpt.sites import trace_tokens
 from models import evidence_case, exact_posterior_guide, make_ppca, make_singular_ppca, score_case
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @contextlib.contextmanager
 def common_random_numbers():
     """Draw every Normal / MultivariateNormal variate in float64 and cast it.

@@ -11,7 +11,6 @@ import pyro.distributions as dist
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 N, D, K, SIGMA = 6, 4, 2, 0.5
 
