@@ -52,7 +52,9 @@ class EvidenceResult:
 
 
 def _exact(evidence, tokens, args, kwargs):
-    engine = GaussianConditionals(**evidence.options)
+    options = dict(evidence.options)
+    # Evidence's own ``method`` names the estimator, so the Gaussian path comes as ``path``
+    engine = GaussianConditionals(options.pop("path", "auto"), **options)
     try:
         state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
     except EngineNotApplicable as e:
@@ -79,7 +81,10 @@ class Evidence:
     :param tuple token_plates: the observed site's plates over tokens (see
         :class:`~pyro_mpt.MaskedPretrainingLoss`); None detects them.
     :param int max_plate_nesting: plate dims of the model; guessed when None.
-    :param options: method options (for ``"exact"``: ``jitter``, ``vectorize``).
+    :param options: method options (for ``"exact"``: ``path`` -- ``"auto"``,
+        ``"lowrank"`` or ``"dense"``, the ``method`` of
+        :class:`~pyro_mpt.conditionals.GaussianConditionals` --, ``jitter``,
+        ``max_jitter``, ``vectorize``).
 
     Example::
 

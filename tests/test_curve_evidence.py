@@ -123,3 +123,14 @@ def test_rate_curve_area_stderr_is_that_of_the_per_item_areas():
     a = curve.per_item_area()  # equal lengths: their mean is the area
     assert curve.area() == pytest.approx(float(a.mean()), abs=1e-12)
     assert curve.area_stderr() == pytest.approx(float(a.std(ddof=1) / np.sqrt(7)), abs=1e-12)
+
+
+def test_exact_evidence_paths_agree():
+    """Evidence(method="exact", path=...) selects the Gaussian engine's path; both give log p(x_i)."""
+    model, x, exact = make_ppca(7, 2, N=20)
+    lowrank = Evidence(model, method="exact", path="lowrank")(x)
+    dense = Evidence(model, method="exact", path="dense")(x)
+    assert torch.allclose(lowrank, exact(x), atol=1e-10, rtol=0)
+    assert torch.allclose(dense, exact(x), atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="method='bogus'"):  # the option reaches the engine
+        Evidence(model, method="exact", path="bogus")(x)
