@@ -162,7 +162,7 @@ class GaussianConditionals(ConditionalEngine):
                 F = psi.new_zeros(psi.shape + (1,))
             if self.jitter:
                 psi = psi + self.jitter
-            psi_min = float(psi.min())  # one host sync for both checks of psi
+            psi_min = float(psi.detach().min())  # one host sync for both checks of psi
             if psi_min < 0:
                 raise ValueError(
                     f"The noise variance of site {site!r} has negative entries (min "
