@@ -53,7 +53,7 @@ about -24.4 nats per image), whereas 0.01 escapes it. On 2 idle CPU cores
 an MPT epoch costs about 0.1 s on digits (the quadrature table has
 1797 x 64 nodes x 64 tokens) and about 13 s on 2000 MNIST images
 (2000 x 64 x 784); an ELBO epoch costs a few milliseconds. Run
-``python examples/linear_vae.py`` (digits, under a minute) or add ``--quick``
+``python examples/linear_vae.py`` (digits, about 80 s on one CPU core) or add ``--quick``
 for a reduced setting used by the tests.
 
 What to expect on digits (measured): both objectives track the LML (the
