@@ -159,6 +159,30 @@ def test_chunked_equals_unchunked():
         assert torch.allclose(a, b, atol=1e-10, rtol=0), masks
 
 
+@pytest.mark.parametrize("method", ["lowrank", "dense"])
+def test_exact_log_density_reuses_the_factor_of_prepare(method, monkeypatch):
+    """prepare factors the whole covariance once (to rescue it early); the exact
+    log-density behind masks="order" and Evidence reuses that factor."""
+    D, K = 4, 2
+    model, x, exact = make_ppca(D, K, N=6)
+    truth = exact(x)
+    shapes = []
+    cholesky_ex = torch.linalg.cholesky_ex
+
+    def spy(A, **kw):
+        shapes.append(tuple(A.shape))
+        return cholesky_ex(A, **kw)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", spy)
+    loss = MaskedPretrainingLoss(conditionals=GaussianConditionals(method), masks="order", num_masks=3)
+    value = loss.differentiable_loss(model, None, x)
+    assert shapes == [(1, K, K) if method == "lowrank" else (1, D, D)]
+    assert abs(float(value) + float(truth.sum())) < 1e-10
+    shapes.clear()
+    assert float((Evidence(model, method="exact")(x) - truth).abs().max()) < 1e-10
+    assert len(shapes) == 1
+
+
 # ---------------------------------------------------------------- marginals of various models
 
 
@@ -305,6 +329,61 @@ def test_non_vectorizable_model_with_vectorize_false():
     assert torch.allclose(got, exact, atol=1e-12)
     loss = MaskedPretrainingLoss(masks="order", conditionals=GaussianConditionals(vectorize=False))
     assert torch.allclose(loss.score(model, None, x), exact, atol=1e-9)
+
+
+def _non_broadcasting_ppca(fail=False, N=6, D=4, K=2, sigma=0.5):
+    """PPCA whose model reshapes its latent to (n, K), so it cannot run in an extra
+    plate on the left; counts its runs. With ``fail`` it also raises at z = 0 (the
+    first noise point of every run mode), a genuine model error."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(D, K, generator=g, dtype=torch.float64)
+    x = torch.randn(N, D, generator=g, dtype=torch.float64)
+    runs = []
+
+    def model(x):
+        runs.append(1)
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=torch.float64), 1.0).to_event(1))
+            if fail and bool((z == 0).all(-1).any()):
+                raise RuntimeError("boom: the model fails at z = 0")
+            loc = z.reshape(x.shape[0], K) @ W.T
+            pyro.sample("x", dist.Normal(loc, sigma).to_event(1), obs=x)
+
+    def exact(x):
+        S = W @ W.T + sigma**2 * torch.eye(D, dtype=torch.float64)
+        return torch.distributions.MultivariateNormal(torch.zeros(D, dtype=torch.float64), S).log_prob(x)
+
+    return model, x, runs, exact
+
+
+def test_gaussian_marginal_remembers_the_run_mode_that_worked():
+    """Step 1 runs the model once to trace it, once in each failing vectorized mode
+    and K + 2 times per point; later steps go straight to the per-point runs."""
+    K = 2
+    model, x, runs, exact = _non_broadcasting_ppca(K=K)
+    loss = MaskedPretrainingLoss(conditionals="gaussian", masks="order")
+    counts, values = [], []
+    for _ in range(3):
+        runs.clear()
+        values.append(loss.loss(model, None, x))
+        counts.append(len(runs))
+    assert counts == [1 + 2 + (K + 2), 1 + (K + 2), 1 + (K + 2)]
+    assert values == [values[0]] * 3
+    assert abs(values[0] + float(exact(x).sum())) < 1e-10
+
+
+def test_gaussian_marginal_raises_a_genuine_model_error_with_the_first_failure_chained():
+    model, x, runs, _ = _non_broadcasting_ppca(fail=True)
+    with pytest.raises(RuntimeError, match="boom") as info:
+        Evidence(model, method="exact")(x)
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__
+    # Pyro's trace re-raises a model error with the trace shapes: the last run's
+    # failure, and chained to it the first (vectorized) run's, each so wrapped
+    runs_failed = [e for e in chain if "boom" in str(e) and "Trace Shapes" in str(e)]
+    assert len(runs_failed) == 2, chain
 
 
 # ---------------------------------------------------------------- refusals

@@ -7,7 +7,9 @@ import torch
 import pyro
 
 from pyro_mpt import MaskedPretrainingLoss
-from pyro_mpt.masks import AllSizes, ChainBlock, Exhaustive, FixedRate, MaskBlock, RandomOrders, UniformSizes, make_schedule
+from pyro_mpt.masks import (
+    AllSizes, ChainBlock, Exhaustive, FixedRate, MaskBlock, RandomOrders, UniformSizes, _random_ranks, make_schedule,
+)
 
 from models import make_ppca
 
@@ -115,6 +117,25 @@ def test_block_structure_and_budget():
     assert torch.equal(chain.order.sort(-1).values, torch.arange(D).expand(3, n, D))
     (fixed,) = list(FixedRate(0.4, 2).blocks(n, D))
     assert isinstance(fixed, MaskBlock) and (fixed.mask.sum(-1) == 2).all()
+
+
+def test_random_ranks_put_missing_tokens_last_and_orders_put_them_first():
+    """One ordering helper serves both: masks (ranks < M) draw among the observed
+    tokens, orderings list the missing tokens first (never context of an observed one)."""
+    g = torch.Generator().manual_seed(1)
+    observed = torch.rand(6, 9, generator=g) > 0.4
+    observed[0] = False
+    observed[1] = True
+    counts = observed.sum(-1)
+    ranks = _random_ranks((200, 6, 9), None, observed)
+    assert torch.equal(ranks.sort(-1).values, torch.arange(9).expand(200, 6, 9))  # permutations
+    assert bool(((ranks < counts[:, None]) == observed).all())  # observed tokens take the first ranks
+    (block,) = RandomOrders(200).blocks(6, 9, observed=observed)
+    first = torch.arange(9) < (9 - counts)[:, None]  # the first m_i positions
+    assert bool((observed.expand(200, 6, 9).gather(-1, block.order) != first).all())
+    # each token of a complete datapoint leads some ordering (a miss has probability 5e-10)
+    lead = block.order[:, 1, 0]
+    assert set(lead.tolist()) == set(range(9))
 
 
 # ---------------------------------------------------------------- bad input

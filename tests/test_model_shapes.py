@@ -14,9 +14,11 @@ import pyro.distributions as dist
 from pyro import poutine
 from pyro.nn import PyroModule, PyroParam, PyroSample
 
-from pyro_mpt import Evidence, MaskedPretrainingLoss
+from pyro_mpt import Evidence, GaussianConditionals, MaskedPretrainingLoss
 from pyro_mpt.conditionals import EncodeDecodeConditionals, EngineNotApplicable, NotLinearGaussianError
+from pyro_mpt.conditionals.base import ConditionalEngine
 from pyro_mpt.importance_evidence import ImportanceWeightedELBO
+from pyro_mpt.masks import MaskSchedule, RandomOrders
 from pyro_mpt.sites import trace_tokens
 
 N, D, K, SIGMA = 6, 4, 2, 0.5
@@ -223,6 +225,57 @@ def test_plate_of_items_inside_groups_is_detected_as_tokens(float64):
         Evidence(model, token_plates=())(x)
 
 
+def test_token_plate_is_detected_with_a_single_datapoint():
+    """A data plate of size 1 still holds the latent, so the token plate is found."""
+    W, b, x = _params()
+    model, _ = _plated(W, b)
+    full = Evidence(model)(x)
+    one = Evidence(model)(x[:1])
+    assert one.shape == (1,)
+    assert abs(float(one[0] - full[0])) < 1e-10
+    assert abs(float(one[0] - _exact(W, b, x[:1])[0])) < 1e-10
+    score = MaskedPretrainingLoss(conditionals="gaussian", masks="order").score(model, None, x[:1])
+    assert abs(float(score[0] - full[0])) < 1e-10
+
+
+def test_token_plate_detection_ignores_size_one_plates_of_the_latents():
+    """Latents in the data plate, one of them also in a plate of size 1: their layouts
+    agree on every plate that has more than one element, so "tokens" is detected."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(D, K, generator=g, dtype=torch.float64)
+    x = torch.randn(N, D, generator=g, dtype=torch.float64)
+
+    def model(x):
+        data = pyro.plate("data", x.shape[0], dim=-2)
+        with data:
+            c = pyro.sample("c", dist.Normal(torch.zeros((), dtype=torch.float64), 1.0))
+        with pyro.plate("groups", 1, dim=-3), data:
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=torch.float64), 1.0).to_event(1))
+            with pyro.plate("tokens", D, dim=-1):
+                pyro.sample("x", dist.Normal((z * W).sum(-1) + c, SIGMA), obs=x)
+
+    S = W @ W.T + torch.ones(D, D, dtype=torch.float64) + SIGMA**2 * torch.eye(D, dtype=torch.float64)
+    truth = torch.distributions.MultivariateNormal(torch.zeros(D, dtype=torch.float64), S).log_prob(x)
+    for n in (N, 1):
+        value = Evidence(model)(x[:n])
+        assert value.shape == (1, n)
+        assert float((value[0] - truth[:n]).abs().max()) < 1e-10
+
+
+def test_token_plate_scale_per_datapoint_is_read_without_expanding_over_tokens():
+    """poutine.scale with one weight per datapoint (shape (n, 1), broadcast over the
+    token plate) weights each datapoint; a weight per token is refused."""
+    W, b, x = _params()
+    model, _ = _plated(W, b)
+    weights = torch.arange(1.0, N + 1, dtype=torch.float64)
+    scaled = poutine.scale(model, scale=weights[:, None])
+    loss = MaskedPretrainingLoss(conditionals="gaussian", masks="order")
+    assert abs(loss.loss(scaled, None, x) + float((weights * _exact(W, b, x)).sum())) < 1e-9
+    per_token = poutine.scale(model, scale=torch.arange(1.0, D + 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="has a scale that varies over its tokens"):
+        loss.loss(per_token, None, x)
+
+
 def test_token_plate_refusals_name_the_plates_and_the_option(float64):
     x = torch.randn(N, D)
 
@@ -277,6 +330,44 @@ def test_token_plate_refusals_name_the_plates_and_the_option(float64):
 
     with pytest.raises(NotLinearGaussianError, match="MultivariateNormal inside the token plate\\(s\\) 'tokens'"):
         Evidence(mvn_in_token_plate)(x)
+
+
+def _low_rank_observation(layout):
+    """A latent-free LowRankMultivariateNormal over E = 2 dims of T = 3 tokens, either
+    inside a token plate or with an extra event dim (.to_event(1))."""
+    g = torch.Generator().manual_seed(0)
+    loc = torch.randn(3, 2, generator=g, dtype=torch.float64)
+    F = torch.randn(2, 1, generator=g, dtype=torch.float64)
+    psi = torch.rand(2, generator=g, dtype=torch.float64) + 0.5
+    x = torch.randn(5, 3, 2, generator=g, dtype=torch.float64)
+
+    def model(x):
+        if layout == "token-plate":
+            with pyro.plate("data", x.shape[0], dim=-2), pyro.plate("tokens", 3, dim=-1):
+                pyro.sample("x", dist.LowRankMultivariateNormal(loc, F, psi), obs=x)
+        else:
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("x", dist.LowRankMultivariateNormal(loc, F, psi).to_event(1), obs=x)
+
+    return model, x
+
+
+@pytest.mark.parametrize(
+    "layout,message",
+    [
+        ("token-plate", r"Observed site 'x' is a LowRankMultivariateNormal inside the token plate\(s\) 'tokens'"),
+        ("to-event", r"Observed site 'x': a LowRankMultivariateNormal with extra event dims is not supported"),
+    ],
+    ids=["token-plate", "to-event"],
+)
+def test_low_rank_normal_in_a_token_plate_or_with_extra_event_dims_is_refused(layout, message):
+    """Refused like a MultivariateNormal there, not a RuntimeError from a shape mismatch."""
+    model, x = _low_rank_observation(layout)
+    plates = ("tokens",) if layout == "token-plate" else None
+    with pytest.raises(NotLinearGaussianError, match=message):
+        Evidence(model, token_plates=plates)(x)
+    with pytest.raises(NotLinearGaussianError, match=message):
+        MaskedPretrainingLoss(conditionals="gaussian", masks="order", token_plates=plates).score(model, None, x)
 
 
 # ---------------------------------------------------------------------- missing tokens
@@ -384,6 +475,52 @@ def test_missing_tokens_gradients_match_the_exact_gradient(float64):
         loss = MaskedPretrainingLoss(conditionals=engine, masks="order").differentiable_loss(model, None, data)
         (g,) = torch.autograd.grad(loss, W)
         assert torch.allclose(-g, g_exact, atol=1e-8), engine
+
+
+@pytest.mark.parametrize("method", ["lowrank", "dense"])
+def test_order_with_missing_tokens_uses_one_exact_evaluation(method):
+    """With missing tokens, masks="order" sums each ordering through chain_sums: for
+    a Gaussian the observed targets telescope to log N(x_O), equal to the generic
+    per-position sum, without the p * n * D conditionals of chain_log_prob."""
+    W, b, x = _params()
+    observed = torch.ones(N, D, dtype=torch.bool)
+    observed[0, 1] = observed[2, :3] = observed[3, 0] = False
+    model, _ = _plated(W, b, obs_mask=observed)
+    engine = GaussianConditionals(method)
+    tokens = trace_tokens(model, None, (x,), {})
+    state = engine.prepare(tokens, model, None, (x,), {})
+    (block,) = RandomOrders(3).blocks(N, D, observed=observed)
+    fast = engine.chain_sums(state, tokens.value, block.order, observed=observed)
+    generic = ConditionalEngine.chain_sums(engine, state, tokens.value, block.order, observed=observed)
+    assert fast.shape == generic.shape == (3, N)
+    assert float((fast - generic).abs().max()) < 1e-10
+    truth = _exact(W, b, x, observed)
+    assert float((fast - truth).abs().max()) < 1e-10
+
+    calls = []
+    engine.chain_log_prob = lambda *a, **k: calls.append(1) or GaussianConditionals.chain_log_prob(engine, *a, **k)
+    loss = MaskedPretrainingLoss(conditionals=engine, masks="order", num_masks=4)
+    value = loss.loss(model, None, x)
+    assert calls == []
+    assert abs(value + float(truth.sum())) < 1e-9
+
+
+def test_missing_integer_tokens_are_filled_once_for_both_layouts():
+    """Missing tokens get an observed value of the same token; the token matrix is
+    the float cast of the site's (integer) value, filled the same way."""
+    x = torch.tensor([[0, 1, 2], [2, 0, 1], [1, 2, 0], [2, 2, 2]])
+    observed = torch.tensor([[False, True, True], [True, False, True], [True, True, True], [False, False, True]])
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.Categorical(logits=torch.zeros(3, 3)).mask(observed).to_event(1), obs=x)
+
+    tokens = trace_tokens(model, None, (x,), {})
+    assert torch.equal(tokens.observed, observed)
+    assert tokens.site_value.dtype == torch.long and torch.is_floating_point(tokens.value)
+    expected = torch.tensor([[2, 1, 2], [2, 1, 1], [1, 2, 0], [2, 1, 2]])  # first observed value per token
+    assert torch.equal(tokens.site_value, expected)
+    assert torch.equal(tokens.value, expected.to(tokens.value.dtype))
 
 
 def test_missing_tokens_refused_where_the_guide_reads_the_data(float64):
@@ -574,8 +711,6 @@ def test_latent_in_a_plate_the_observation_lacks_is_refused_by_the_closed_forms(
 
 
 def test_missing_tokens_with_a_schedule_that_cannot_leave_them_out_is_refused(float64):
-    from pyro_mpt.masks import RandomOrders
-
     class OldSchedule(RandomOrders):
         def blocks(self, n, D, *, max_elements=2**22, device=None):
             return super().blocks(n, D, max_elements=max_elements, device=device)
@@ -587,3 +722,22 @@ def test_missing_tokens_with_a_schedule_that_cannot_leave_them_out_is_refused(fl
     # without missing tokens it keeps working
     twin, _ = _twin(W, b)
     assert torch.allclose(MaskedPretrainingLoss(masks=OldSchedule()).score(twin, None, x), _exact(W, b, x), atol=1e-8)
+
+
+def test_schedule_whose_blocks_takes_kwargs_serves_missing_tokens():
+    """A schedule forwarding **kwargs to a built-in one receives observed=."""
+
+    class Forwarding(MaskSchedule):
+        covers_all_sizes = True
+
+        def blocks(self, n, D, **kwargs):
+            return RandomOrders(2).blocks(n, D, **kwargs)
+
+    W, b, x = _params()
+    observed = torch.ones(N, D, dtype=torch.bool)
+    observed[1, 2] = observed[4, :2] = False
+    model, _ = _plated(W, b, obs_mask=observed)
+    loss = MaskedPretrainingLoss(conditionals="gaussian", masks=Forwarding())
+    for _ in range(2):
+        score = loss.score(model, None, x)
+        assert float((score - _exact(W, b, x, observed)).abs().max()) < 1e-10
