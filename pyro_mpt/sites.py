@@ -181,13 +181,18 @@ def _vectorized_frames(site, min_size=1):
     return {f for f in site["cond_indep_stack"] if f.vectorized and f.size >= min_size}
 
 
-def check_local_latent(tokens, site, error=ValueError):
+def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=False,
+                       consequence="log p(x_i) does not factorize over datapoints"):
     """Raise ``error`` unless latent ``site`` is local to each datapoint.
 
     Per-datapoint masked conditionals need every latent inside exactly the data
     plates of the observed site: a latent outside them is shared by all
     datapoints (``log p(x_i)`` no longer factorizes), and one in an extra plate
     has batch dims the tokens lack.
+
+    :param bool allow_extra_plates: accept latents in plates the observed site
+        lacks (engines that sum them per datapoint).
+    :param str consequence: what a shared latent breaks, for the message.
     """
     obs_frames = {f for f in tokens.data_frames if f.size > 1}
     own = _vectorized_frames(site, 2)
@@ -198,11 +203,11 @@ def check_local_latent(tokens, site, error=ValueError):
         raise error(
             f"Latent site {name!r} is outside the plate(s) {plates} of observed "
             f"site {tokens.name!r}: it is shared by all datapoints (a global "
-            f"latent), so log p(x_i) does not factorize over datapoints. Make it "
-            f"a pyro.param, or move it inside the data plate."
+            f"latent), so {consequence}. Make it a pyro.param, or move it inside "
+            f"the data plate."
         )
     extra = own - obs_frames
-    if extra:
+    if extra and not allow_extra_plates:
         plates = ", ".join(repr(f.name) for f in extra)
         raise error(
             f"Latent site {name!r} sits in plate(s) {plates} that observed site "

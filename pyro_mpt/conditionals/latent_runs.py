@@ -52,7 +52,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
-from ..sites import _vectorized_frames
+from ..sites import check_local_latent
 from .base import EngineNotApplicable, callable_key
 from .gaussian_marginal import _unwrap
 
@@ -446,17 +446,9 @@ class LatentRunner:
         self.data_dims = {f.dim for f in data_frames}
         self.replay = tokens.subsample_trace()
         self.stacking = stacking  # decided on the first encode of several versions
-        obs_frames = {f for f in data_frames if f.size > 1}
         for site in tokens.latent_sites():
-            missing = obs_frames - _vectorized_frames(site)
-            if missing:
-                plates = ", ".join(repr(f.name) for f in missing)
-                raise EngineNotApplicable(
-                    f"Latent site {site['name']!r} is outside the plate(s) {plates} of "
-                    f"observed site {tokens.name!r}: it is shared by all datapoints (a "
-                    f"global latent), so {who} cannot integrate it per datapoint. Make it "
-                    f"a pyro.param, or move it inside the data plate."
-                )
+            check_local_latent(tokens, site, EngineNotApplicable, allow_extra_plates=True,
+                               consequence=f"{who} cannot integrate it per datapoint")
 
     # ------------------------------------------------------------------ reductions
     def per_datapoint(self, log_p, rows, batch_shape=None):
