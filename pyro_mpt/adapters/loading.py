@@ -178,6 +178,29 @@ def load_tokenizer(spec, model_dir=None, lowercase=None, where="local"):
         ) from None
 
 
+def _load_model(name, label, hint, from_config, from_pretrained, random_init, seed, quiet):
+    """``(model, where, hub_kwargs)``: the weights of ``name``, or with ``random_init`` its
+    config freshly initialized under ``seed``; unreachable or unreadable files raise
+    :class:`ResourceUnavailable` naming ``label`` and ``hint``."""
+    where = _resolve_hub(name, "model", hint)
+    if quiet:
+        quiet_transformers()
+    import torch
+    from transformers import AutoConfig
+
+    kw = {"local_files_only": True} if where == "cache" else {}
+    try:
+        if random_init:
+            config = AutoConfig.from_pretrained(name, **kw)
+            torch.manual_seed(seed)
+            model = from_config(config)
+        else:
+            model = from_pretrained(name, **kw)
+    except (OSError, ValueError) as err:  # missing files; a config transformers cannot read
+        raise ResourceUnavailable(f"Could not load {label} {name!r}: {str(err).rstrip('.')}. {hint}") from None
+    return model, where, kw
+
+
 def load_masked_lm(name, tokenizer=None, random_init=False, lowercase=None, seed=0, quiet=False):
     """``(model, tokenizer)`` for a local directory, a hub name or ``"antiberty"``.
 
@@ -191,22 +214,10 @@ def load_masked_lm(name, tokenizer=None, random_init=False, lowercase=None, seed
     if name == "antiberty":
         name, vocab = antiberty_paths()
         tokenizer = tokenizer or vocab
-    where = _resolve_hub(name, "model", _MODEL_HINT)
-    if quiet:
-        quiet_transformers()
-    import torch
-    from transformers import AutoConfig, AutoModelForMaskedLM
+    from transformers import AutoModelForMaskedLM
 
-    kw = {"local_files_only": True} if where == "cache" else {}
-    try:
-        if random_init:
-            config = AutoConfig.from_pretrained(name, **kw)
-            torch.manual_seed(seed)
-            model = AutoModelForMaskedLM.from_config(config)
-        else:
-            model = AutoModelForMaskedLM.from_pretrained(name, **kw)
-    except (OSError, ValueError) as err:  # missing files; a config transformers cannot read
-        raise ResourceUnavailable(f"Could not load model {name!r}: {str(err).rstrip('.')}. {_MODEL_HINT}") from None
+    model, where, _ = _load_model(name, "model", _MODEL_HINT, AutoModelForMaskedLM.from_config,
+                                  AutoModelForMaskedLM.from_pretrained, random_init, seed, quiet)
     tok = load_tokenizer(tokenizer, model_dir=name, lowercase=lowercase, where=where)
     return model.eval(), tok
 
@@ -218,24 +229,12 @@ def load_vit_mae(name, processor=None, random_init=False, seed=0, quiet=False):
     ImageNet statistics (those of ``facebook/vit-mae-base``) when the model
     directory has no processor file.
     """
-    where = _resolve_hub(name, "model", _MAE_HINT)
-    if quiet:
-        quiet_transformers()
-    import torch
-    from transformers import AutoConfig, AutoImageProcessor, ViTImageProcessor, ViTMAEForPreTraining
+    from transformers import AutoImageProcessor, ViTImageProcessor, ViTMAEForPreTraining
 
     from .vit_mae import init_position_embeddings
 
-    kw = {"local_files_only": True} if where == "cache" else {}
-    try:
-        if random_init:
-            config = AutoConfig.from_pretrained(name, **kw)
-            torch.manual_seed(seed)
-            model = init_position_embeddings(ViTMAEForPreTraining(config))
-        else:
-            model = ViTMAEForPreTraining.from_pretrained(name, **kw)
-    except (OSError, ValueError) as err:
-        raise ResourceUnavailable(f"Could not load ViT-MAE {name!r}: {str(err).rstrip('.')}. {_MAE_HINT}") from None
+    model, _, kw = _load_model(name, "ViT-MAE", _MAE_HINT, lambda c: init_position_embeddings(ViTMAEForPreTraining(c)),
+                               ViTMAEForPreTraining.from_pretrained, random_init, seed, quiet)
     try:
         proc = AutoImageProcessor.from_pretrained(processor or name, **kw)
     except (OSError, ValueError):
