@@ -96,7 +96,8 @@ def _point_mass(site, discrete):
         same = same.flatten(-event_dim).any(-1)  # one point-mass coordinate suffices
     log_q = fn.log_prob(value)
     if discrete:
-        same = same & (log_q >= 0)
+        # probability one, to the rounding of normalizing the probabilities
+        same = same & (log_q >= -16 * torch.finfo(log_q.dtype).eps)
     # a density that is infinite or undefined at its own draw (e.g. a singular covariance)
     return same | torch.isnan(log_q) | (log_q == math.inf)
 
