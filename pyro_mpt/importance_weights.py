@@ -98,7 +98,7 @@ def psis_khat(log_weights, fit=True):
     tail = rel.topk(m, 0).values  # (m, n), descending
     distinct = 1 + ((tail[:-1] - tail[1:]) > tol).sum(0)
     defined = ~flat & (distinct >= max(6, (m + 1) // 2)) & fit
-    khat = torch.full((n,), math.nan, dtype=torch.float64)
+    khat = torch.full((n,), math.nan, dtype=torch.float64, device="cpu")  # arviz's side
     smoothed = rel.clone()
     cols = defined.nonzero().flatten()
     if len(cols):
@@ -107,8 +107,8 @@ def psis_khat(log_weights, fit=True):
             import arviz as az
 
             sm, k = az.psislw(rel[:, cols].T.cpu().numpy(), normalize=False)  # samples last
-        smoothed[:, cols] = torch.as_tensor(np.asarray(sm)).T.to(smoothed)
-        khat[cols.cpu()] = torch.as_tensor(np.asarray(k), dtype=torch.float64).reshape(-1)
+        smoothed[:, cols] = torch.as_tensor(np.asarray(sm), device="cpu").T.to(smoothed)
+        khat[cols.cpu()] = torch.as_tensor(np.asarray(k), dtype=torch.float64, device="cpu").reshape(-1)
     khat = khat.to(device=lw.device, dtype=lw.dtype)
     khat = torch.where(flat, torch.full_like(khat, -math.inf), khat)
     return khat, (smoothed + finite_top.double()).to(lw)
