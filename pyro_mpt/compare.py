@@ -46,7 +46,8 @@ from pyro.optim import Adam
 from .conditionals import ENGINES, EncodeDecodeConditionals
 from .evidence import Evidence
 from .guide_elbo import WithGuideELBO
-from .importance_evidence import ImportanceSamplingWarning, ImportanceWeightedELBO
+from .importance_evidence import ImportanceWeightedELBO
+from .importance_weights import ImportanceSamplingWarning
 from .loss import MaskedPretrainingLoss
 
 __all__ = ["compare", "make_loss", "RunResult", "Comparison"]

@@ -27,6 +27,7 @@ import torch
 from .conditionals import GaussianConditionals
 from .conditionals.base import EngineNotApplicable
 from .conditionals.quadrature import quadrature_evidence
+from .guide_checks import check_guide_sites
 from .importance_evidence import importance_evidence
 from .sites import trace_tokens
 
@@ -111,6 +112,7 @@ class Evidence:
         tokens = trace_tokens(
             self.model, self.guide, args, kwargs, self.obs_site, self.max_plate_nesting, self.token_plates
         )
+        check_guide_sites(tokens)
         result = METHODS[self.method](self, tokens, args, kwargs)
         result.log_evidence = tokens.unflatten(result.log_evidence)
         result.stderr = tokens.unflatten(result.stderr)

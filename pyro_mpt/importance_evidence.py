@@ -30,14 +30,22 @@ Diagnostics per datapoint (:class:`~pyro_mpt.evidence.EvidenceResult`):
 * ``khat`` -- the Pareto shape :math:`\hat k` of the largest weights, from
   ``arviz.psislw`` (Vehtari et al. 2024). :math:`\hat k > 0.7` means the weights'
   variance is effectively infinite: the estimate and its standard error are
-  unreliable; a :class:`ImportanceSamplingWarning` says so.
+  unreliable. :math:`\hat k` is NaN (undefined) where the largest weights are
+  tied -- a discrete latent drawn from its prior -- or :math:`S < 25`; those
+  datapoints are judged by their ESS instead (see
+  :mod:`~pyro_mpt.importance_weights`). One
+  :class:`~pyro_mpt.importance_weights.ImportanceSamplingWarning` per call
+  names the datapoints whose weights are poor.
 * ``psis_log_evidence`` -- the estimate from Pareto-smoothed weights.
+
+The proposal must have a density over the model's latents: a point mass (an
+``AutoDelta`` MAP guide, a ``dist.Delta`` site) is refused, since its weights
+:math:`p(x_i, z_0)/q(z_0)` estimate the joint at one point, not the evidence
+(see :func:`~pyro_mpt.guide_checks.check_proposal_density`).
 """
 
 import math
-import warnings
 
-import numpy as np
 import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
@@ -45,24 +53,20 @@ from pyro.util import warn_if_nan
 
 from .conditionals.base import EngineNotApplicable
 from .conditionals.latent_runs import LatentRunner, logmeanexp, refuse_missing
+from .guide_checks import check_guide_sites, check_proposal_density
+from .importance_weights import ImportanceSamplingWarning, effective_sample_size, psis_khat, warn_poor_weights
 from .sites import trace_tokens
 
 __all__ = [
-    "ImportanceSamplingWarning",
     "importance_log_weights",
     "importance_evidence",
-    "psis_khat",
     "ImportanceWeightedELBO",
 ]
 
 
-class ImportanceSamplingWarning(UserWarning):
-    """Importance weights with a heavy tail (PSIS :math:`\\hat k > 0.7`)."""
-
-
 def importance_log_weights(
     tokens, model, guide, args, kwargs, num_samples, chunk_size=None, max_elements=2**24, who="importance sampling",
-    instead=None,
+    instead=None, density_instead="a guide with a density over the latents (e.g. AutoNormal)",
 ):
     r"""Log-weights :math:`\log p(x_i, z_s) - \log r(z_s \mid x_i)`, ``(S, n)``.
 
@@ -75,11 +79,13 @@ def importance_log_weights(
     :param str who: the caller, named in error messages.
     :param str instead: what to use instead when a guide meets missing tokens,
         named in the message.
-    :raises ValueError: when a latent is shared by several datapoints, or when
-        a guide would read missing tokens.
+    :param str density_instead: what to use instead of a point-mass guide.
+    :raises ValueError: when a latent is shared by several datapoints, when
+        a guide would read missing tokens, or when the guide is a point mass.
     """
     if guide is not None:
         refuse_missing(tokens, who, ValueError, instead)
+        check_proposal_density(tokens, who, density_instead)
     try:
         runner = LatentRunner(tokens, model, guide, args, kwargs, None, who)
     except EngineNotApplicable as e:
@@ -93,32 +99,6 @@ def importance_log_weights(
     return torch.cat(parts, 0)
 
 
-def psis_khat(log_weights):
-    """Pareto :math:`\\hat k` per datapoint from ``arviz.psislw``.
-
-    Datapoints whose weights are all equal (a zero-variance proposal, such as
-    the exact posterior) get :math:`\\hat k = -\\infty`.
-
-    :param torch.Tensor log_weights: ``(S, n)``.
-    :returns: ``(khat (n,), smoothed log-weights (S, n))`` as tensors.
-    """
-    top = log_weights.detach().amax(0)
-    lw = (log_weights.detach() - top).double()  # arviz overflows on large log-weights
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import arviz as az
-
-        smoothed, khat = az.psislw(lw.T.cpu().numpy(), normalize=False)  # samples last
-    smoothed = torch.as_tensor(np.asarray(smoothed), device=log_weights.device).T.to(log_weights)
-    smoothed = smoothed + top
-    khat = torch.as_tensor(np.asarray(khat), device=log_weights.device).reshape(-1).to(log_weights)
-    # equal weights (a zero-variance proposal) have no tail: k-hat is -inf
-    tol = 100 * torch.finfo(log_weights.dtype).eps * top.abs().clamp_min(1.0).double()
-    flat = lw.amin(0) > -tol
-    khat = torch.where(flat.to(khat.device), torch.full_like(khat, -math.inf), khat)
-    return khat, smoothed
-
-
 def importance_evidence(evidence, tokens, args, kwargs):
     r"""``Evidence(method="importance")``: importance-sampled :math:`\log p(x_i)`.
 
@@ -130,6 +110,9 @@ def importance_evidence(evidence, tokens, args, kwargs):
     * ``proposal`` -- ``"auto"`` (the guide, or the prior without one or when
       tokens are missing), ``"guide"`` or ``"prior"``;
     * ``khat_threshold`` -- warn when some :math:`\hat k` exceeds it (default 0.7);
+    * ``min_ess`` -- where :math:`\hat k` is undefined (tied weights of a
+      discrete latent, :math:`S < 25`) or not computed, warn when the ESS is
+      below it (default 10);
     * ``psis`` -- compute :math:`\hat k` and the smoothed estimate (default True;
       needs ``num_samples >= 10``).
 
@@ -152,11 +135,12 @@ def importance_evidence(evidence, tokens, args, kwargs):
     max_elements = options.pop("max_elements", 2**24)
     proposal = options.pop("proposal", "auto")
     threshold = options.pop("khat_threshold", 0.7)
+    min_ess = options.pop("min_ess", 10.0)
     psis = options.pop("psis", True)
     if options:
         raise ValueError(
             f"Evidence(method='importance') got unknown option(s) {', '.join(map(repr, options))}; "
-            f"use num_samples, chunk_size, max_elements, proposal, khat_threshold, psis."
+            f"use num_samples, chunk_size, max_elements, proposal, khat_threshold, min_ess, psis."
         )
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"Evidence(method='importance', num_samples={num_samples!r}): give a positive integer.")
@@ -171,32 +155,29 @@ def importance_evidence(evidence, tokens, args, kwargs):
         tokens, evidence.model, guide, args, kwargs, num_samples, chunk_size, max_elements,
         who="Evidence(method='importance')",
         instead="method='exact', 'quadrature' or proposal='prior' (each leaves missing tokens out exactly)",
+        density_instead="a guide with a density over the latents (e.g. AutoNormal, or dist.Normal in "
+        "place of dist.Delta), proposal='prior', or method='exact' / 'quadrature'",
     )
     S = num_samples
     value = logmeanexp(lw, 0)
     with torch.no_grad():
         omega = torch.softmax(lw.detach(), 0)
         sum_w2 = omega.pow(2).sum(0)
-        ess = 1.0 / sum_w2
+        ess = effective_sample_size(lw)
         if S > 1:
             stderr = ((S * sum_w2 - 1.0) / (S - 1)).clamp_min(0).sqrt()
         else:
             stderr = torch.full_like(value.detach(), math.nan)
         khat = psis_value = None
-        if psis and S >= 10:
-            khat, smoothed = psis_khat(lw)
-            psis_value = logmeanexp(smoothed, 0)
-            bad = khat > threshold
-            if bool(bad.any()):
-                warnings.warn(
-                    f"Evidence(method='importance'): the importance weights of {int(bad.sum())} "
-                    f"of {tokens.num_data} datapoint(s) have Pareto k-hat > {threshold} (max "
-                    f"{float(khat.max()):.2f}), so their log p(x) estimates and standard "
-                    f"errors are unreliable. Use a guide closer to the posterior as the "
-                    f"proposal, or (much) more samples.",
-                    ImportanceSamplingWarning,
-                    stacklevel=3,
-                )
+        fit = psis and S >= 10
+        check, smoothed = psis_khat(lw, fit)
+        if fit:
+            khat, psis_value = check, logmeanexp(smoothed, 0)
+        warn_poor_weights(
+            "Evidence(method='importance')", "datapoint(s)", check, ess,
+            "Use a guide closer to the posterior as the proposal, or (much) more samples.",
+            threshold, min_ess, stacklevel=4,
+        )
     unflat = tokens.unflatten
     diagnostics = {
         "khat": None if khat is None else unflat(khat),
@@ -246,7 +227,9 @@ class ImportanceWeightedELBO(ELBO):
 
     def _tokens(self, model, guide, args, kwargs):
         mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
-        return trace_tokens(model, guide, args, kwargs, self.obs_site, mpn, self.token_plates)
+        tokens = trace_tokens(model, guide, args, kwargs, self.obs_site, mpn, self.token_plates)
+        check_guide_sites(tokens)
+        return tokens
 
     def _get_trace(self, model, guide, args, kwargs):
         tokens = self._tokens(model, guide, args, kwargs)
@@ -259,6 +242,8 @@ class ImportanceWeightedELBO(ELBO):
         lw = importance_log_weights(
             tokens, model, guide, args, kwargs, K, self.chunk_size or K, who="ImportanceWeightedELBO",
             instead="MaskedPretrainingLoss, which leaves missing tokens out exactly",
+            density_instead="a guide with a density over the latents (e.g. AutoNormal); for MAP "
+            "estimation with AutoDelta use Trace_ELBO",
         )
         loss = -(tokens.scale * logmeanexp(lw, 0)).sum()
         warn_if_nan(loss, "loss")

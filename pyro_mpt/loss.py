@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from .conditionals import auto_engine, make_engine
 from .conditionals.base import EngineNotApplicable
 from .curve import CurveAccumulator
+from .guide_checks import check_guide_sites
 from .masks import AllSizes, make_schedule
 from .sites import trace_tokens
 
@@ -127,7 +128,9 @@ class MaskedPretrainingLoss(ELBO):
     # ------------------------------------------------------------------ internals
     def _trace_tokens(self, model, guide, args, kwargs):
         mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
-        return trace_tokens(model, guide, args, kwargs, self.obs_site, mpn, self.token_plates)
+        tokens = trace_tokens(model, guide, args, kwargs, self.obs_site, mpn, self.token_plates)
+        check_guide_sites(tokens)
+        return tokens
 
     def _prepare(self, model, guide, args, kwargs):
         tokens = self._trace_tokens(model, guide, args, kwargs)

@@ -795,6 +795,49 @@ def _():
     MaskedPretrainingLoss(conditionals="encode_decode").loss(model, guide, _x())
 
 
+@trigger("importance-poor-weights")
+def _():
+    model, x, _ = make_ppca(20, 2, 4, sigma=0.1)
+    engine = ImportanceConditionals(256, proposal="prior")
+    MaskedPretrainingLoss(conditionals=engine, masks="order").loss(model, None, x)
+
+
+@trigger("guide-point-mass")
+def _():
+    from pyro.infer.autoguide import AutoDelta
+
+    model, x = _ppca()
+    Evidence(model, AutoDelta(model), method="importance", num_samples=10)(x)
+
+
+@trigger("guide-sites-mismatch")
+def _():
+    model, x = _ppca()
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("zz", dist.Normal(torch.zeros(x.shape[0], 1, dtype=x.dtype), 1.0).to_event(1))
+
+    MaskedPretrainingLoss().loss(model, guide, x)
+
+
+@trigger("runner-auxiliary-outside-data-plate")
+def _():
+    from pyro.infer.autoguide import AutoMultivariateNormal
+
+    model, x = _ppca()
+    Evidence(model, AutoMultivariateNormal(model), method="importance", num_samples=10)(x)
+
+
+@trigger("runner-auxiliary-not-replayable")
+def _():
+    from pyro.infer.autoguide import AutoNormal
+
+    model, x = _ppca()
+    engine = ImportanceConditionals(16, proposal="guide")
+    MaskedPretrainingLoss(conditionals=engine).loss(model, AutoNormal(model), x)
+
+
 # ---------------------------------------------------------------------- evidence
 @trigger("evidence-unknown-method")
 def _():
@@ -853,6 +896,19 @@ def _():
 
     model, guide = _missing_ppca(_observed())
     ImportanceWeightedELBO(4).loss(model, guide, _x())
+
+
+@trigger("evidence-importance-few-effective-samples")
+def _():
+    probs = torch.tensor([0.999, 0.001], dtype=torch.float64)
+    locs = torch.tensor([[0.0, 0.0, 0.0], [6.0, 6.0, 6.0]], dtype=torch.float64)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Categorical(probs))
+            pyro.sample("x", dist.Normal(locs[c], 1.0).to_event(1), obs=x)
+
+    Evidence(model, method="importance", num_samples=2000)(torch.full((1, 3), 6.0, dtype=torch.float64))
 
 
 # ---------------------------------------------------------------------- curve, compare, vae, datasets

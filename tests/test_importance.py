@@ -301,3 +301,213 @@ def test_integer_tokens_match_quadrature_within_stderr():
     out = engine.mask_log_prob(engine.prepare(tokens, model, None, (x,), {}), tokens.value, mask)
     z = ((out - ref) / engine.last_diagnostics["stderr"])[mask]
     assert float(z.abs().max()) < 4.5, z
+
+
+# ---------------------------------------------------------------------- issue 11: proposals and diagnostics
+def _mixture(N=200, seed=0):
+    """A 3-component mixture with a discrete latent c, its data, and log p(x_i) by enumeration (scipy)."""
+    import numpy as np
+    from scipy.special import logsumexp
+    from scipy.stats import norm
+
+    pi = np.array([0.5, 0.3, 0.2])
+    mus = np.array([[-2.0, 0.0, 1.0, 2.0], [1.0, 1.0, -1.0, 0.0], [3.0, -2.0, 0.0, 1.0]])
+    rng = np.random.default_rng(seed)
+    c = rng.choice(3, N, p=pi)
+    x = mus[c] + rng.standard_normal((N, 4))
+    exact = logsumexp(np.log(pi) + norm.logpdf(x[:, None, :], mus[None], 1.0).sum(-1), axis=1)
+    P, M = torch.tensor(pi), torch.tensor(mus)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Categorical(P))
+            pyro.sample("x", dist.Normal(M[c], 1.0).to_event(1), obs=x)
+
+    return model, torch.tensor(x), torch.tensor(exact)
+
+
+def test_discrete_latent_prior_proposal_gives_no_false_alarm_and_covers_the_enumerated_lml():
+    """Tied weights (3 distinct values) have no Pareto tail: k-hat is undefined (NaN), the
+    ESS decides, and no warning fires; the estimates match scipy's enumeration."""
+    model, x, exact = _mixture()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ImportanceSamplingWarning)
+        res = Evidence(model, None, method="importance", num_samples=1000).estimate(x)
+        loss = MaskedPretrainingLoss(conditionals=ImportanceConditionals(1000, proposal="prior"), masks="order")
+        score = loss.score(model, None, x)
+    assert bool(res.diagnostics["khat"].isnan().all())
+    assert float(res.diagnostics["ess"].min()) > 100
+    z = (res.log_evidence - exact) / res.stderr
+    assert float(z.abs().max()) < 4.0
+    assert float((z.abs() < 2).double().mean()) > 0.9
+    # orderings with prior draws telescope to the same kind of estimate
+    assert float(((score.detach() - exact) / res.stderr).abs().max()) < 5.0
+
+
+def test_khat_is_undefined_for_too_few_draws_but_equal_weights_stay_minus_inf():
+    from pyro_mpt.importance_weights import psis_khat
+
+    g = torch.Generator().manual_seed(0)
+    lw = torch.randn(20, 3, generator=g, dtype=torch.float64)  # S < 25: a tail of 4 draws
+    lw[:, 2] = 1.5
+    khat, smoothed = psis_khat(lw)
+    assert bool(khat[:2].isnan().all()) and float(khat[2]) == -math.inf
+    assert torch.allclose(smoothed, lw, rtol=0, atol=1e-14)  # nothing is smoothed without a fit
+    heavy = torch.distributions.Pareto(1.0, 0.5).sample((2000, 2)).log().double()  # tail index 2: k = 2
+    k, _ = psis_khat(heavy)
+    assert bool((k > 1.0).all())
+
+
+def _pyromodule_ppca(D, K, sigma, N, seed=0):
+    from pyro.nn import PyroModule, PyroParam
+
+    class PPCA(PyroModule):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            self.W = PyroParam(torch.randn(D, K, generator=g, dtype=torch.float64))
+            self.mu = PyroParam(torch.randn(D, generator=g, dtype=torch.float64))
+            self.s = PyroParam(torch.tensor(sigma, dtype=torch.float64), constraint=dist.constraints.positive)
+
+        def forward(self, x):
+            with pyro.plate("data", x.shape[0]):
+                z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+                pyro.sample("x", dist.Normal(z @ self.W.T + self.mu, self.s).to_event(1), obs=x)
+
+    m = PPCA()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        x = torch.randn(N, K, generator=g, dtype=torch.float64) @ m.W.T + m.mu
+        x = x + sigma * torch.randn(N, D, generator=g, dtype=torch.float64)
+    return m, x
+
+
+def test_importance_engine_warns_once_when_prior_draws_miss_the_posterior():
+    """PyroModule PPCA, 20 tokens, noise 0.1: 4096 prior draws are off by nats; one warning
+    per evaluation, with k-hat on the state, on the warning and in last_diagnostics."""
+    m, x = _pyromodule_ppca(20, 2, 0.1, N=6)
+    exact = Evidence(m, method="exact")(x).detach()
+    engine = ImportanceConditionals(4096, proposal="prior")
+    loss = MaskedPretrainingLoss(conditionals=engine, masks="order", num_masks=3, chunk_size=6 * 20)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        score = loss.score(m, None, x).detach()
+    found = [w for w in rec if issubclass(w.category, ImportanceSamplingWarning)]
+    assert len(found) == 1, [str(w.message) for w in rec]
+    assert "k-hat > 0.7" in str(found[0].message)
+    assert float((score - exact).abs().max()) > 0.5  # the estimate is indeed off
+    warning = found[0].message
+    assert float(warning.khat.nan_to_num(-1).max()) > 0.7 and warning.ess.shape == (6,)
+    assert engine.last_diagnostics["khat"].shape == (6,)
+    # the state carries the whole evaluation's diagnostics
+    tokens, _, state = loss._prepare(m, None, (x,), {})
+    with pytest.warns(ImportanceSamplingWarning):
+        engine.mask_log_prob(state, tokens.value, _masks(4, 6, 20))
+    assert state.warned and float(state.diagnostics["khat"].max()) > 0.7
+    assert state.diagnostics["ess"].shape == (6,)
+
+
+def test_importance_engine_is_silent_when_the_prior_is_a_good_proposal():
+    m, x = _pyromodule_ppca(3, 1, 2.0, N=6)
+    exact = Evidence(m, method="exact")(x).detach()
+    engine = ImportanceConditionals(4096, proposal="prior")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ImportanceSamplingWarning)
+        score = MaskedPretrainingLoss(conditionals=engine, masks="order").score(m, None, x).detach()
+        tokens = trace_tokens(m, None, (x,), {})
+        state = engine.prepare(tokens, m, None, (x,), {})
+        engine.mask_log_prob(state, tokens.value, _masks(4, 6, 3))
+    assert float(state.diagnostics["khat"].max()) < 0.5
+    res = Evidence(m, method="importance", num_samples=4096).estimate(x)
+    assert float(((score - exact) / res.stderr).abs().max()) < 4.5
+
+
+def _delta_guide(x):
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("z", dist.Delta(torch.zeros(x.shape[0], 2, dtype=x.dtype)).to_event(1))
+
+
+def _tiny_scale_guide(x):
+    # a Normal whose scale vanishes below float64 rounding: a point mass in all but name
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("z", dist.Normal(torch.ones(x.shape[0], 2, dtype=x.dtype), 1e-300).to_event(1))
+
+
+@pytest.mark.parametrize("kind", ["autodelta", "delta", "tiny_scale"])
+def test_point_mass_proposals_are_refused(kind):
+    from pyro.infer.autoguide import AutoDelta
+
+    model, x, exact = make_ppca(6, 2, N=10)
+    guide = {"autodelta": AutoDelta(model), "delta": _delta_guide, "tiny_scale": _tiny_scale_guide}[kind]
+    with pytest.raises(ValueError, match="guide site 'z'.*point mass at 10 of 10.*AutoNormal.*method='exact'"):
+        Evidence(model, guide, method="importance", num_samples=100)(x)
+    with pytest.raises(ValueError, match="point mass.*conditionals='gaussian'"):
+        MaskedPretrainingLoss(conditionals="importance").loss(model, guide, x)
+    with pytest.raises(ValueError, match="point mass.*Trace_ELBO"):
+        ImportanceWeightedELBO(4).loss(model, guide, x)
+    # the prior proposal does not read the guide
+    res = Evidence(model, guide, method="importance", num_samples=4000, proposal="prior").estimate(x)
+    assert float(((res.log_evidence - exact(x)) / res.stderr).abs().max()) < 4.5
+
+
+def test_a_guide_with_a_density_is_accepted_and_a_one_hot_discrete_guide_is_refused():
+    from pyro.infer.autoguide import AutoNormal
+
+    model, x, exact = make_ppca(4, 2, N=8, sigma=1.0)
+    guide = AutoNormal(model, init_scale=1.0)
+    res = Evidence(model, guide, method="importance", num_samples=4000).estimate(x)
+    assert float(((res.log_evidence - exact(x)) / res.stderr).abs().max()) < 4.5
+    mix, xm, exact_m = _mixture(N=6)
+    P = torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64)
+
+    def one_hot(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("c", dist.Categorical(P.expand(x.shape[0], 3)))
+
+    with pytest.raises(ValueError, match="guide site 'c' \\(Categorical\\) is a point mass at 6 of 6"):
+        Evidence(mix, one_hot, method="importance", num_samples=50)(xm)
+
+    def spread(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("c", dist.Categorical(torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64).expand(x.shape[0], 3)))
+
+    res = Evidence(mix, spread, method="importance", num_samples=2000).estimate(xm)
+    assert float(((res.log_evidence - exact_m) / res.stderr).abs().max()) < 4.0
+
+
+def _renamed_guide(x):
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("zz", dist.Normal(torch.zeros(x.shape[0], 2, dtype=x.dtype), 1.0).to_event(1))
+
+
+@pytest.mark.parametrize("conditionals", ["auto", "gaussian", "importance"])
+def test_a_guide_whose_names_miss_the_model_warns(conditionals):
+    model, x, exact = make_ppca(5, 2, N=6)
+    loss = MaskedPretrainingLoss(conditionals=conditionals, masks="order")
+    with pytest.warns(UserWarning, match="not in the model: 'zz'; model latent\\(s\\) the guide does not sample: 'z'"):
+        value = loss.score(model, _renamed_guide, x)
+    assert value.shape == (6,)
+    with pytest.warns(UserWarning, match="does not match the model"), pytest.raises(ValueError, match="'zz'"):
+        Evidence(model, _renamed_guide, method="importance", num_samples=10)(x)
+
+
+def test_a_partial_guide_warns_and_matching_or_no_op_guides_do_not():
+    from pyro.infer.autoguide import AutoNormal
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            a = pyro.sample("a", dist.Normal(torch.zeros(1, dtype=x.dtype), 1.0).to_event(1))
+            b = pyro.sample("b", dist.Normal(a, 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(a + b, 1.0).expand([x.shape[0], 3]).to_event(1), obs=x)
+
+    def partial(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("a", dist.Normal(torch.zeros(x.shape[0], 1, dtype=x.dtype), 1.0).to_event(1))
+
+    x = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="not in the model: none; model latent\\(s\\) the guide does not sample: 'b'"):
+        MaskedPretrainingLoss(conditionals="gaussian").loss(model, partial, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MaskedPretrainingLoss(conditionals="gaussian").loss(model, lambda x: None, x)
+        MaskedPretrainingLoss(conditionals="gaussian").loss(model, AutoNormal(model), x)

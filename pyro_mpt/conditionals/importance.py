@@ -71,12 +71,15 @@ log-conditional,
     \pi_{sj} = \frac{w_s p(x_j\mid z_s)}{\sum_t w_t p(x_j\mid z_t)}.
 """
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from ..guide_checks import check_proposal_density
+from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
 from .base import ConditionalEngine, EngineNotApplicable
 from .encode_decode import _check_factorized, initial_tokens, run_chains
 from .latent_runs import LatentRunner, callable_key, guide_latents, locate_data_arg, logmeanexp, refuse_missing
@@ -104,6 +107,10 @@ class ImportanceState:
     chunk: Optional[object] = field(default=None, repr=False)
     init: Optional[torch.Tensor] = None
     imputed: bool = True
+    #: the weights' diagnostics over this evaluation, per datapoint: ``"khat"``
+    #: (largest :math:`\hat k`, NaN where undefined) and ``"ess"`` (smallest ESS)
+    diagnostics: dict = field(default_factory=dict)
+    warned: bool = False
 
 
 def _lse_empty_zero(den, mask):
@@ -138,7 +145,15 @@ class ImportanceConditionals(ConditionalEngine):
         each chain before the draws.
     :param data_arg: which model/guide argument holds the tokens (None: found).
     :param bool diagnostics: compute :attr:`last_diagnostics` (ESS, standard
-        errors) at each call; costs a few extra matrix products.
+        errors, :math:`\hat k`) at each call and warn when the weights are
+        poor; costs a few extra matrix products and one Pareto fit per
+        datapoint and block of queries.
+    :param float khat_threshold: warn when a :math:`\hat k` exceeds it.
+    :param float min_ess: where :math:`\hat k` is undefined (tied weights of
+        a discrete latent, :math:`S < 25`) or not fitted, warn when the ESS is
+        below it.
+    :param bool psis: fit :math:`\hat k` (``arviz.psislw``); False judges the
+        weights by their ESS alone.
     :param int max_elements: bound on ``S * q * n * D`` per chunk of queries
         (guide) and on intermediates of the ordering path (prior).
 
@@ -164,6 +179,9 @@ class ImportanceConditionals(ConditionalEngine):
         num_iterations=3,
         data_arg=None,
         diagnostics=True,
+        khat_threshold=0.7,
+        min_ess=10.0,
+        psis=True,
         max_elements=2**24,
     ):
         super().__init__(max_elements=max_elements)
@@ -188,6 +206,9 @@ class ImportanceConditionals(ConditionalEngine):
         self.num_iterations = num_iterations
         self.data_arg = data_arg
         self.diagnostics = bool(diagnostics)
+        self.khat_threshold = float(khat_threshold)
+        self.min_ess = float(min_ess)
+        self.psis = bool(psis)
         self.last_diagnostics = None
         self._stacking = {}  # id(guide) -> whether it accepts stacked copies of the data
 
@@ -204,6 +225,10 @@ class ImportanceConditionals(ConditionalEngine):
             proposal = "guide" if covered and tokens.observed is None else "prior"
         if proposal == "guide":
             refuse_missing(tokens, f"{who} with proposal='guide'")
+            check_proposal_density(
+                tokens, who, "a guide with a density over the latents (e.g. AutoNormal), "
+                "proposal='prior', or conditionals='gaussian' / 'quadrature' where the model allows",
+            )
         n, D = tokens.num_data, tokens.num_tokens
         if proposal == "prior":
             runner = LatentRunner(tokens, model, None, args, kwargs, None, who)
@@ -242,16 +267,18 @@ class ImportanceConditionals(ConditionalEngine):
         S = self.num_samples
         n, D = x.shape
         per = max(1, self.max_elements // (S * n * D))
-        outs, ess, err = [], [], []
+        outs, ess, err, khats = [], [], [], []
         for start in range(0, mask.shape[0], per):
-            o, e, s = self._guide_block(state, x, mask[start : start + per])
+            o, e, s, k = self._guide_block(state, x, mask[start : start + per])
             outs.append(o)
             ess.append(e)
             err.append(s)
+            khats.append(k)
         if self.diagnostics:
             self.last_diagnostics = {
                 "ess": torch.cat(ess, 0),
                 "stderr": torch.cat(err, 0),
+                "khat": functools.reduce(torch.fmax, khats),
                 "num_samples": S,
                 "proposal": "guide",
             }
@@ -275,9 +302,15 @@ class ImportanceConditionals(ConditionalEngine):
                 var = torch.exp(b2 - 2 * b) - 2 * torch.exp(c - a.unsqueeze(-1) - b) + sum_w2.unsqueeze(-1)
                 S = self.num_samples
                 err = (var.clamp_min(0) * S / max(S - 1, 1)).sqrt()
+                ess = 1.0 / sum_w2
+                n = ess.shape[1]
+                worst = ess.argmin(0)  # each datapoint's query with the fewest effective samples
+                ctx_w = ctx.expand(ess.shape + ctx.shape[-1:])[worst, torch.arange(n, device=worst.device)]
+                khat = self._check_weights(state, torch.einsum("nsd,nd->sn", T, ctx_w), ess.amin(0))
                 self.last_diagnostics = {
-                    "ess": 1.0 / sum_w2,
+                    "ess": ess,
                     "stderr": err,
+                    "khat": khat,
                     "num_samples": S,
                     "proposal": "prior",
                 }
@@ -324,7 +357,7 @@ class ImportanceConditionals(ConditionalEngine):
         den = torch.logsumexp(lw, 0)
         num = torch.logsumexp(lw.unsqueeze(-1) + T, 0)
         out = num - den.unsqueeze(-1)
-        ess = err = None
+        ess = err = khat = None
         if self.diagnostics:
             with torch.no_grad():
                 omega = torch.softmax(lw.detach(), 0)
@@ -332,7 +365,10 @@ class ImportanceConditionals(ConditionalEngine):
                 ess = 1.0 / omega.pow(2).sum(0)
                 var = (pi - omega.unsqueeze(-1)).pow(2).sum(0) * S / max(S - 1, 1)
                 err = var.sqrt()
-        return out, ess, err
+                worst = ess.argmin(0)
+                lw_w = lw.detach()[:, worst, torch.arange(n, device=worst.device)]
+                khat = self._check_weights(state, lw_w, ess.amin(0))
+        return out, ess, err, khat
 
     def chain_log_prob(self, state, x, order):
         self._check_x(state, x)
@@ -349,12 +385,59 @@ class ImportanceConditionals(ConditionalEngine):
                 L1 = _chain_partial(_Chunk(lw, T), order, self.max_elements)
                 # weights of position t use the context after it: entry t + 1
                 ess = torch.exp(2 * L1[..., 1:] - L2[..., 1:])
-                self.last_diagnostics = {"ess": ess, "num_samples": self.num_samples, "proposal": "prior"}
+                khat = self._check_chain(state, T, order, ess)
+                self.last_diagnostics = {
+                    "ess": ess, "khat": khat, "num_samples": self.num_samples, "proposal": "prior"
+                }
         return L[..., :-1] - L[..., 1:]
 
     def log_evidence(self, state, x):
         r"""Importance-sampled :math:`\log p(x_i)`, ``(n,)``: the prior draws' mixture, or the guide on the full data."""
         self._check_x(state, x)
         if state.proposal == "prior":
-            return torch.logsumexp(_joint_partial(state.chunk), -1)
-        return logmeanexp(state.runner.log_weights(self.num_samples), 0)
+            joint = _joint_partial(state.chunk)  # (n, S)
+            if self.diagnostics:
+                with torch.no_grad():
+                    lw = joint.detach().T
+                    self._check_weights(state, lw, effective_sample_size(lw))
+            return torch.logsumexp(joint, -1)
+        lw = state.runner.log_weights(self.num_samples)
+        if self.diagnostics:
+            with torch.no_grad():
+                self._check_weights(state, lw.detach(), effective_sample_size(lw))
+        return logmeanexp(lw, 0)
+
+    # ------------------------------------------------------------------ diagnostics
+    def _check_weights(self, state, log_weights, ess):
+        """k-hat of ``log_weights`` ``(S, n)`` (each datapoint's worst query), folded into
+        ``state.diagnostics``; warns once per state when some are poor."""
+        khat, _ = psis_khat(log_weights, fit=self.psis and log_weights.shape[0] >= 10)
+        diag = state.diagnostics
+        if diag:
+            diag["khat"] = torch.fmax(diag["khat"], khat)
+            diag["ess"] = torch.fmin(diag["ess"], ess)
+        else:
+            diag["khat"], diag["ess"] = khat, ess
+        if not state.warned:
+            bad = warn_poor_weights(
+                "conditionals='importance'",
+                "datapoint(s) (each judged by its query with the fewest effective samples)",
+                khat, ess,
+                "Use proposal='guide' with a guide close to the posterior, more samples "
+                "(num_samples=...), or an exact engine (conditionals='gaussian' or 'quadrature') "
+                "where the model allows.",
+                self.khat_threshold, self.min_ess, stacklevel=5,
+            )
+            state.warned = bool(bad.any())
+        return khat
+
+    def _check_chain(self, state, T, order, ess):
+        """:meth:`_check_weights` for orderings: each datapoint's position with the fewest
+        effective samples, ``ess`` ``(p, n, D)``."""
+        p, n, D = ess.shape
+        k = ess.permute(1, 0, 2).reshape(n, p * D).argmin(1)
+        i, t = k // D, k % D
+        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(D, device=order.device).expand_as(order))
+        ranks = ranks.expand(p, n, D)[i, torch.arange(n, device=order.device)]  # (n, D)
+        ctx = (ranks > t[:, None]).to(T.dtype)  # the context after position t
+        return self._check_weights(state, torch.einsum("nsd,nd->sn", T, ctx), ess.permute(1, 0, 2).reshape(n, -1).amin(1))

@@ -557,6 +557,20 @@ class LatentRunner:
         for name, site in trace.nodes.items():
             if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
                 continue
+            if site["infer"].get("is_auxiliary") and name not in latent:
+                # e.g. AutoNormal's '<name>_unconstrained': the latent is a Delta transform of
+                # it whose log_density holds the Jacobian, so log q(z) = log q(u) + log_density
+                dims = {f.dim for f in site["cond_indep_stack"] if f.vectorized}
+                if not self.data_dims <= dims:
+                    raise ValueError(
+                        f"Auxiliary guide site {name!r} is outside the data plate(s) of observed "
+                        f"site {tokens.name!r}, so its density is shared by all datapoints (as in "
+                        f"AutoMultivariateNormal) and {self.who} cannot form per-datapoint "
+                        f"weights; use a guide with one distribution per datapoint, e.g. AutoNormal."
+                    )
+                lq = self.per_datapoint(_site_log_prob(site), rows, batch).reshape(rows, versions, n)
+                log_q = lq if log_q is None else log_q + lq
+                continue
             if name not in latent:
                 raise ValueError(
                     f"Guide site {name!r} has no latent counterpart in the model (latents: "
@@ -671,6 +685,7 @@ class LatentRunner:
                 replay.add_node(name, type="sample", name=name, is_observed=False, value=v, infer={})
             args, kwargs = self.data.substitute(self.args, self.kwargs, xt)
             trace = self._run(self.guide, S, args, kwargs, replay)
+            self._refuse_auxiliary(trace)
             _, log_q = self._guide_values(trace, S, B, stacked=True)
             return log_q.reshape(S, C, Q, n)
         out = []
@@ -684,8 +699,19 @@ class LatentRunner:
                 replay.add_node(name, type="sample", name=name, is_observed=False, value=v, infer={})
             args, kwargs = self.data.substitute(self.args, self.kwargs, xt[b])
             trace = self._run(self.guide, S, args, kwargs, replay)
+            self._refuse_auxiliary(trace)
             out.append(self._guide_values(trace, S, 1, stacked=False)[1][:, 0])
         return torch.stack(out, 1).reshape(S, C, Q, n)
+
+    def _refuse_auxiliary(self, trace):
+        aux = [n for n, s in trace.nodes.items() if s["type"] == "sample" and s["infer"].get("is_auxiliary")]
+        if aux:
+            raise ValueError(
+                f"{self.who} scores given latent values under the guide, but the guide draws them "
+                f"through auxiliary site(s) {', '.join(map(repr, aux))} (as AutoNormal does), whose "
+                f"values cannot be replayed. Use impute=False (the guide on the original data), "
+                f"proposal='prior', or a guide that samples the model's latents directly."
+            )
 
     def encode_original(self, rows):
         """Run the guide on the original data with ``rows`` particles.

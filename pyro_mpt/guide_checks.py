@@ -1,0 +1,140 @@
+r"""Checks on the guide: its sites match the model's latents, and as a proposal it has a density.
+
+Two mistakes give silently wrong numbers rather than errors:
+
+* **Names that do not match.** The model is replayed on the guide's trace by
+  site name, so a guide whose sites are named differently from the model's
+  latents (``"zz"`` for ``"z"``) is ignored: the closed-form and quadrature
+  engines never read it, and the importance engines fall back to the prior.
+  :func:`check_guide_sites` warns, as Pyro's ``Trace_ELBO`` does ("Found vars
+  in model but not guide"). A guide that samples nothing (the no-op guide
+  ``lambda x: None`` of masked pre-training) is not a mismatch; sites marked
+  ``infer={"is_auxiliary": True}`` are skipped, as in Pyro.
+* **A proposal without a density.** Importance sampling with proposal
+  :math:`q` estimates :math:`p(x) = \mathbb E_q[p(x, z)/q(z)]` only when
+  :math:`q` has a density that covers the posterior. A point mass at
+  :math:`z_0` (``AutoDelta``, a ``dist.Delta`` site, a ``Normal`` whose scale
+  rounds to zero) gives the single weight :math:`p(x, z_0)`: the estimate is
+  :math:`\log p(x, z_0)` with zero spread, thousands of nats off and looking
+  perfect. :func:`check_proposal_density` refuses it. It reads the guide
+  trace's distributions, not their class: a latent site is a point mass at a
+  datapoint when two further draws from its distribution repeat the traced
+  value exactly (for a continuous latent, a probability-zero event otherwise)
+  and, for a discrete latent, the traced value has probability one.
+"""
+
+import math
+import warnings
+
+import torch
+from pyro.poutine.util import site_is_subsample
+
+__all__ = ["check_guide_sites", "check_proposal_density"]
+
+
+def _guide_sample_sites(guide_trace):
+    return [
+        site
+        for site in guide_trace.nodes.values()
+        if site["type"] == "sample"
+        and not site["is_observed"]
+        and not site_is_subsample(site)
+        and not site["infer"].get("is_auxiliary")
+    ]
+
+
+def _names(names):
+    return ", ".join(repr(n) for n in names) or "none"
+
+
+def check_guide_sites(tokens):
+    """Warn when the guide samples sites the model lacks, or leaves some of the model's latents out.
+
+    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens (with the guide trace).
+    :returns: ``(extra, missing)``: guide sites that are not latents of the
+        model, and model latents the guide does not sample.
+    """
+    sampled = _guide_sample_sites(tokens.guide_trace)
+    if not sampled:
+        return [], []
+    model_latents = {
+        name
+        for name, site in tokens.model_trace.nodes.items()
+        if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
+    }
+    names = [s["name"] for s in sampled]
+    extra = [n for n in names if n not in model_latents]
+    missing = [n for n in tokens.latent_names if n not in names]
+    if extra or missing:
+        warnings.warn(
+            f"The guide does not match the model: guide site(s) not in the model: "
+            f"{_names(extra)}; model latent(s) the guide does not sample: {_names(missing)} "
+            f"(the model's latents: {_names(tokens.latent_names)}). Pyro matches sites by "
+            f"name, so the closed-form and quadrature engines ignore this guide, and the "
+            f"importance engines draw the latents it leaves out from the prior. Name the "
+            f"guide's sites after the model's latents (as pyro.infer.autoguide does), mark "
+            f"helper sites infer={{'is_auxiliary': True}}, or pass no guide.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return extra, missing
+
+
+def _point_mass(site, discrete):
+    """Bool tensor over the site's batch shape: the distribution is a point mass there."""
+    fn, value = site["fn"], site["value"]
+    devices = [value.device.index or 0] if value.is_cuda else []
+    try:
+        # the extra draws must not move the caller's random stream
+        with torch.random.fork_rng(devices=devices):
+            draws = fn.sample((2,))
+    except NotImplementedError:
+        return None
+    same = (draws == value).all(0)
+    event_dim = len(fn.event_shape)
+    if event_dim:
+        same = same.flatten(-event_dim).any(-1)  # one point-mass coordinate suffices
+    log_q = fn.log_prob(value)
+    if discrete:
+        # probability one, to the rounding of normalizing the probabilities
+        same = same & (log_q >= -16 * torch.finfo(log_q.dtype).eps)
+    # a density that is infinite or undefined at its own draw (e.g. a singular covariance)
+    return same | torch.isnan(log_q) | (log_q == math.inf)
+
+
+def check_proposal_density(tokens, who, instead):
+    """Refuse a guide that is a point mass at some latent site and datapoint.
+
+    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens (with the guide trace).
+    :param str who: the caller, named in the message.
+    :param str instead: what to use instead, named in the message.
+    :raises ValueError: naming the site, its distribution and the datapoints.
+
+    Guides with auxiliary or extra sites (e.g. ``AutoMultivariateNormal``,
+    whose latent sites are ``Delta`` transforms of one auxiliary draw) are left
+    to the engines' own checks.
+    """
+    sampled = _guide_sample_sites(tokens.guide_trace)
+    latent = set(tokens.latent_names)
+    if any(s["name"] not in latent for s in sampled) or any(
+        s["infer"].get("is_auxiliary") for s in tokens.guide_trace.nodes.values() if s["type"] == "sample"
+    ):
+        return
+    for site in sampled:
+        model_fn = tokens.model_trace.nodes[site["name"]]["fn"]
+        discrete = bool(getattr(model_fn.support, "is_discrete", False))
+        with torch.no_grad():
+            point = _point_mass(site, discrete)
+        if point is None or not bool(point.any()):
+            continue
+        fn = site["fn"]
+        base = fn
+        while hasattr(base, "base_dist"):
+            base = base.base_dist
+        raise ValueError(
+            f"{who}: guide site {site['name']!r} ({type(base).__name__}) is a point mass at "
+            f"{int(point.sum())} of {math.prod(point.shape) or 1} value(s), so as an importance "
+            f"proposal it has no density over the model's latent space: its weights "
+            f"p(x, z0) / q(z0) give log p(x, z0) at one point, not the evidence, with zero "
+            f"spread. A MAP guide (AutoDelta, dist.Delta) cannot be a proposal; use {instead}."
+        )
