@@ -7,6 +7,7 @@ the error type and message. docs/model_shapes.md lists every shape and its test.
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import pyro
@@ -741,3 +742,105 @@ def test_schedule_whose_blocks_takes_kwargs_serves_missing_tokens():
     for _ in range(2):
         score = loss.score(model, None, x)
         assert float((score - _exact(W, b, x, observed)).abs().max()) < 1e-10
+
+
+# ---------------------------------------------------------------------- validating the observed site
+def _shared_logit_model(likelihood):
+    """One standard normal latent z per datapoint shared by its 3 tokens: Bernoulli(logits=z)
+    or Poisson(rate=exp(z)); with ``guide``, an amortized guide for encode_decode."""
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(()), 1.0))
+            eta = z[..., None].expand(z.shape + (3,))
+            fn = dist.Bernoulli(logits=eta) if likelihood == "bernoulli" else dist.Poisson(eta.exp())
+            pyro.sample("x", fn.to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(0.1 * x.sum(-1), 1.0))
+
+    return model, guide
+
+
+def _shared_logit_evidence(likelihood, row):
+    """log p(x) of one datapoint by scipy quadrature over z, with Pyro's log-density formula
+    (Bernoulli: x z - softplus(z); Poisson: x z - e^z - lgamma(x + 1)) evaluated as is, also
+    outside the support."""
+    from scipy import integrate, special, stats
+
+    row = np.asarray(row, dtype=float)
+    if likelihood == "bernoulli":
+        loglik = lambda z: float((row * z - np.logaddexp(0.0, z)).sum())  # noqa: E731
+    else:
+        loglik = lambda z: float((row * z - np.exp(z) - special.gammaln(row + 1)).sum())  # noqa: E731
+    value, _ = integrate.quad(lambda z: np.exp(loglik(z)) * stats.norm.pdf(z), -12, 12, epsabs=0, epsrel=1e-12)
+    return math.log(value)
+
+
+@pytest.mark.parametrize(
+    "likelihood,bad,support",
+    [("bernoulli", 2.0, r"Boolean\(\) of its Bernoulli"), ("poisson", 2.5, r"IntegerGreaterThan\(lower_bound=0\) of its Poisson")],
+)
+def test_out_of_support_data_is_refused_by_every_engine_and_evidence(float64, likelihood, bad, support):
+    """A Bernoulli observation of 2 or a Poisson count of 2.5: Pyro's Trace_ELBO raises, and
+    so does every pyro_mpt entry point, naming the site, the support, the value and where it
+    is; the same data in the support gives the scipy value."""
+    model, guide = _shared_logit_model(likelihood)
+    x = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 1.0]])
+    x_bad = x.clone()
+    x_bad[1, 2] = bad
+    with pytest.raises(ValueError, match="to be within the support"):  # the reference: Pyro's own check
+        pyro.infer.Trace_ELBO().loss(model, guide, x_bad)
+    message = rf"Observed site 'x' has 1 value\(s\) outside the support {support} distribution, e.g. {bad:g} at datapoint 1, token 2"
+    calls = [
+        lambda: MaskedPretrainingLoss().loss(model, None, x_bad),
+        lambda: MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, x_bad),
+        lambda: MaskedPretrainingLoss(conditionals="importance").score(model, None, x_bad),
+        lambda: MaskedPretrainingLoss(conditionals="encode_decode").loss(model, guide, x_bad),
+        lambda: MaskedPretrainingLoss(masks="all").curve(model, None, x_bad),
+        lambda: Evidence(model, method="quadrature")(x_bad),
+        lambda: Evidence(model, guide, method="importance")(x_bad),
+        lambda: ImportanceWeightedELBO(4).loss(model, guide, x_bad),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+    expected = torch.tensor([_shared_logit_evidence(likelihood, row) for row in x.tolist()])
+    assert torch.allclose(Evidence(model, method="quadrature", num_nodes=32)(x), expected, atol=1e-7)
+    loss = MaskedPretrainingLoss(conditionals="quadrature", masks="exhaustive", num_nodes=32)
+    assert torch.allclose(loss.score(model, None, x), expected, atol=1e-7)
+
+
+def test_validation_off_turns_the_per_step_checks_off(float64):
+    """Under pyro.validation_enabled(False), as in Pyro, the data is not checked: the
+    Bernoulli observation of 2 is scored with Pyro's formula x z - softplus(z) (scipy
+    reference), a NaN reaches the loss (Pyro's NaN warning), and a scale that varies over the
+    tokens is not refused."""
+    model, _ = _shared_logit_model("bernoulli")
+    x = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 1.0]])
+    with pyro.validation_enabled(False):
+        value = Evidence(model, method="quadrature", num_nodes=32)(x)
+    expected = torch.tensor([_shared_logit_evidence("bernoulli", row) for row in x.tolist()])
+    assert torch.allclose(value, expected, atol=1e-7)
+
+    W, b, xg = _params()
+    twin, _ = _twin(W, b)
+    xg = xg.clone()
+    xg[0, 1] = math.nan
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        MaskedPretrainingLoss(conditionals="gaussian").loss(twin, None, xg)
+    with pyro.validation_enabled(False), pytest.warns(UserWarning, match="Encountered NaN"):
+        assert math.isnan(MaskedPretrainingLoss(conditionals="gaussian").loss(twin, None, xg))
+
+    def scaled(x):
+        with pyro.plate("data", x.shape[0], dim=-2):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            with pyro.plate("tokens", x.shape[1], dim=-1), poutine.scale(scale=torch.arange(1.0, x.shape[1] + 1)):
+                pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+    x3 = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="scale that varies over its tokens"):
+        MaskedPretrainingLoss().loss(scaled, None, x3)
+    with pyro.validation_enabled(False):
+        assert math.isfinite(MaskedPretrainingLoss().loss(scaled, None, x3))
