@@ -844,3 +844,84 @@ def test_validation_off_turns_the_per_step_checks_off(float64):
         MaskedPretrainingLoss().loss(scaled, None, x3)
     with pyro.validation_enabled(False):
         assert math.isfinite(MaskedPretrainingLoss().loss(scaled, None, x3))
+
+
+def _x1_x2_model():
+    """z ~ N(0, I_2) per datapoint; x1 | z ~ N(A z + b, 0.5^2 I_3) and x2 | z ~ N(c . z, 0.3^2)."""
+    g = torch.Generator().manual_seed(3)
+    A = torch.randn(3, 2, generator=g, dtype=torch.float64)
+    b = torch.randn(3, generator=g, dtype=torch.float64)
+    c = torch.randn(2, generator=g, dtype=torch.float64)
+
+    def model(x1, x2):
+        with pyro.plate("data", x1.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=x1.dtype), 1.0).to_event(1))
+            pyro.sample("x1", dist.Normal(z @ A.T + b, 0.5).to_event(1), obs=x1)
+            pyro.sample("x2", dist.Normal((z @ c)[..., None], 0.3).to_event(1), obs=x2)
+
+    x1 = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    x2 = torch.randn(5, 1, generator=g, dtype=torch.float64)
+    return model, (x1, x2), (A.numpy(), b.numpy(), c.numpy())
+
+
+def test_other_observed_site_is_refused_unless_dropped_and_then_gives_log_p_x1(float64):
+    """obs_site='x1' beside an observed x2: refused, naming x2 and extra_sites="drop"; with
+    it, every path returns log p(x1) (x2 integrated out), scipy's
+    log N(x1; b, A A^T + 0.25 I), which differs from log p(x1 | x2) here by more than 0.1."""
+    from scipy import stats
+
+    model, (x1, x2), (A, b, c) = _x1_x2_model()
+    message = r"would drop observed site\(s\) 'x2' \(integrated out: the result is log p\(x1\), not log p\(x1 \| x2\)\)\. Pass extra_sites=\"drop\""
+    with pytest.raises(ValueError, match=message):
+        Evidence(model, obs_site="x1")(x1, x2)
+    with pytest.raises(ValueError, match=message):
+        MaskedPretrainingLoss(obs_site="x1").loss(model, None, x1, x2)
+    S = A @ A.T + 0.25 * np.eye(3)
+    expected = torch.from_numpy(stats.multivariate_normal(b, S).logpdf(x1.numpy()))
+    # the conditional, for contrast: log p(x1, x2) - log p(x2)
+    joint = stats.multivariate_normal(
+        np.r_[b, 0.0], np.block([[S, (A @ c)[:, None]], [(A @ c)[None], np.array([[c @ c + 0.09]])]])
+    ).logpdf(np.c_[x1.numpy(), x2.numpy()])
+    conditional = joint - stats.norm(0.0, math.sqrt(c @ c + 0.09)).logpdf(x2.numpy()[:, 0])
+    assert float(np.abs(conditional - expected.numpy()).max()) > 0.1
+    drop = dict(obs_site="x1", extra_sites="drop")
+    assert torch.allclose(Evidence(model, **drop)(x1, x2), expected, atol=1e-10, rtol=0)
+    assert torch.allclose(Evidence(model, method="quadrature", **drop)(x1, x2), expected, atol=1e-8, rtol=0)
+    score = MaskedPretrainingLoss(masks="exhaustive", conditionals="gaussian", **drop).score(model, None, x1, x2)
+    assert torch.allclose(score, expected, atol=1e-10, rtol=0)
+
+
+def test_sparse_gp_vfe_factor_is_refused_unless_dropped(float64):
+    """Pyro's SparseGPRegression(approx="VFE") adds its trace term with pyro.factor: refused,
+    naming the factor; with extra_sites="drop" the evidence is the DTC value
+    log N(y; 0, Q_ff + noise I), Q_ff = K_fu (K_uu + jitter I)^-1 K_uf (numpy), which is the
+    VFE bound plus tr(K_ff - Q_ff) / (2 noise) (2.24 nats here)."""
+    import pyro.contrib.gp as gp
+    from scipy import stats
+
+    g = torch.Generator().manual_seed(0)
+    X = 5 * torch.rand(20, generator=g, dtype=torch.float64)
+    y = torch.sin(X) + 0.3 * torch.randn(20, generator=g, dtype=torch.float64)
+    Xu = torch.linspace(0.0, 5.0, 5, dtype=torch.float64)
+    noise = 0.1
+    sgpr = gp.models.SparseGPRegression(X, y, gp.kernels.RBF(1), Xu, noise=torch.tensor(noise), approx="VFE")
+    with pytest.raises(ValueError, match=r"would drop pyro.factor site\(s\) 'trace_term' .* Pass extra_sites=\"drop\""):
+        Evidence(sgpr.model)()
+    with pytest.raises(ValueError, match=r"pyro.factor site\(s\) 'trace_term'"):
+        MaskedPretrainingLoss().loss(sgpr.model, sgpr.guide)
+
+    rbf = lambda a, b: np.exp(-0.5 * (a[:, None] - b[None, :]) ** 2)  # noqa: E731  (variance 1, lengthscale 1)
+    Xn, Xun, yn = X.numpy(), Xu.numpy(), y.numpy()
+    Kuf = rbf(Xun, Xn)
+    Qff = Kuf.T @ np.linalg.solve(rbf(Xun, Xun) + sgpr.jitter * np.eye(5), Kuf)
+    dtc = stats.multivariate_normal(np.zeros(20), Qff + noise * np.eye(20)).logpdf(yn)
+    trace_term = (1.0 - np.diag(Qff)).sum() / noise / 2
+    assert trace_term > 2  # what dropping the factor changes
+    value = Evidence(sgpr.model, extra_sites="drop")()
+    assert value.shape == () and abs(float(value) - dtc) < 1e-8
+    # chain-rule orderings are exact with closed-form conditionals
+    score = MaskedPretrainingLoss(masks="order", conditionals="gaussian", extra_sites="drop").score(sgpr.model, None)
+    assert abs(float(score) - dtc) < 1e-8
+    # the VFE bound with the factor (Pyro's own trace) is the DTC value minus the trace term
+    model_trace = poutine.trace(sgpr.model).get_trace()
+    assert abs(float(model_trace.log_prob_sum()) - (dtc - trace_term)) < 1e-8
