@@ -925,3 +925,55 @@ def test_sparse_gp_vfe_factor_is_refused_unless_dropped(float64):
     # the VFE bound with the factor (Pyro's own trace) is the DTC value minus the trace term
     model_trace = poutine.trace(sgpr.model).get_trace()
     assert abs(float(model_trace.log_prob_sum()) - (dtc - trace_term)) < 1e-8
+
+
+def test_raw_errors_become_messages_naming_the_site_and_the_fix(float64):
+    """float16 models, empty batches and data with the wrong number of tokens ended in errors
+    from inside torch or Pyro ("cholesky_cpu" not implemented for 'Half', ZeroDivisionError,
+    a broadcast error); each entry point now names the site (or plate) and the fix. float16
+    data in a float64 model computes in float64: it equals the float64 value of the rounded
+    data."""
+    from models import make_ppca
+
+    model16, x16, _ = make_ppca(3, 1, 4, dtype=torch.float16)
+    for call in [
+        lambda: MaskedPretrainingLoss(conditionals="gaussian").loss(model16, None, x16),
+        lambda: MaskedPretrainingLoss(conditionals="quadrature").loss(model16, None, x16),
+        lambda: Evidence(model16)(x16),
+        lambda: Evidence(model16, method="importance")(x16),
+    ]:
+        with pytest.raises(ValueError, match=r"Observed site 'x' computes in float16 .* needs float32 or float64.* x.double\(\)"):
+            call()
+    pyro.clear_param_store()
+    model_bf, x_bf, _ = make_ppca(3, 1, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"computes in bfloat16"):
+        MaskedPretrainingLoss().loss(model_bf, None, x_bf)
+    pyro.clear_param_store()
+    model, x, exact = make_ppca(3, 1, 4)
+    rounded = x.half()
+    assert torch.allclose(Evidence(model)(rounded), exact(rounded.double()), atol=1e-10, rtol=0)
+
+    empty = r"pyro.plate 'data' has size 0: the batch is empty, .* Pass at least one datapoint"
+    for call in [
+        lambda: MaskedPretrainingLoss().loss(model, None, x[:0]),
+        lambda: MaskedPretrainingLoss(conditionals="quadrature").score(model, None, x[:0]),
+        lambda: Evidence(model, method="importance")(x[:0]),
+        lambda: ImportanceWeightedELBO(4).loss(model, lambda x: None, x[:0]),
+    ]:
+        with pytest.raises(ValueError, match=empty):
+            call()
+
+    wide = torch.randn(4, 5, dtype=torch.float64)
+    shape = (
+        r"Observed site 'x' got data of shape \(4, 5\), but its Normal distribution has batch shape \(4,\) "
+        r"and event shape \(3,\): the data's last 1 dim\(s\) must equal \(3,\) .* Pass data with the "
+        r"model's number of tokens per datapoint"
+    )
+    for call in [
+        lambda: MaskedPretrainingLoss().loss(model, None, wide),
+        lambda: MaskedPretrainingLoss(conditionals="importance").loss(model, None, wide),
+        lambda: Evidence(model)(wide),
+        lambda: Evidence(model, method="quadrature")(wide),
+    ]:
+        with pytest.raises(ValueError, match=shape):
+            call()
