@@ -485,7 +485,10 @@ def _support_ok(tokens, site):
     """Bool ``(n, D)``: True where a token's observed value is in the support of the
     site's distribution; None when the support cannot be checked."""
     base = _elementwise(site["fn"])
-    support = base.support
+    try:
+        support = base.support
+    except NotImplementedError:  # a user distribution that declares no support
+        return None
     if constraints.is_dependent(support):
         return None
     ok = support.check(site["value"].expand(tokens.site_shape))
