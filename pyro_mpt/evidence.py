@@ -79,6 +79,11 @@ class Evidence:
     :param str method: ``"exact"``, ``"quadrature"`` (see
         :func:`~pyro_mpt.conditionals.quadrature.quadrature_evidence`) or ``"importance"``.
     :param str obs_site: the observed site holding the tokens.
+    :param str extra_sites: every method returns :math:`\log p(x_i)` of the
+        token site alone, leaving out other observed sites (integrated out:
+        :math:`\log p(x_i)`, not :math:`\log p(x_i \mid y_i)`) and ``pyro.factor``
+        sites (dropped: a different model). ``"error"`` (default) refuses such a
+        model, naming the sites; ``"drop"`` accepts that computation.
     :param tuple token_plates: the observed site's plates over tokens (see
         :class:`~pyro_mpt.MaskedPretrainingLoss`); None detects them.
     :param int max_plate_nesting: plate dims of the model; guessed when None.
@@ -94,7 +99,16 @@ class Evidence:
     """
 
     def __init__(
-        self, model, guide=None, method="exact", *, obs_site=None, token_plates=None, max_plate_nesting=None, **options
+        self,
+        model,
+        guide=None,
+        method="exact",
+        *,
+        obs_site=None,
+        extra_sites="error",
+        token_plates=None,
+        max_plate_nesting=None,
+        **options,
     ):
         if method not in METHODS:
             names = ", ".join(repr(k) for k in METHODS)
@@ -103,6 +117,7 @@ class Evidence:
         self.guide = guide
         self.method = method
         self.obs_site = obs_site
+        self.extra_sites = extra_sites
         self.token_plates = token_plates
         self.max_plate_nesting = max_plate_nesting
         self.options = options
@@ -110,7 +125,14 @@ class Evidence:
     def estimate(self, *args, **kwargs):
         """Run the estimator and return the full :class:`EvidenceResult`."""
         tokens = trace_tokens(
-            self.model, self.guide, args, kwargs, self.obs_site, self.max_plate_nesting, self.token_plates
+            self.model,
+            self.guide,
+            args,
+            kwargs,
+            self.obs_site,
+            self.max_plate_nesting,
+            self.token_plates,
+            extra_sites=self.extra_sites,
         )
         check_guide_sites(tokens)
         result = METHODS[self.method](self, tokens, args, kwargs)

@@ -77,6 +77,13 @@ class MaskedPretrainingLoss(ELBO):
     :param int num_masks: masks (or orderings) per datapoint and step.
     :param str obs_site: the observed site holding the tokens; needed when the
         model observes several sites.
+    :param str extra_sites: observed sites other than ``obs_site`` and
+        ``pyro.factor`` sites are left out of every estimate, so the loss is
+        :math:`-\sum_i s_i \widehat{\log p}(x_i)` of the token site alone:
+        another observed site :math:`y` is integrated out (:math:`\log p(x_i)`,
+        not :math:`\log p(x_i \mid y_i)`) and a factor is dropped (a different
+        model). ``"error"`` (default) refuses such a model, naming the sites;
+        ``"drop"`` accepts that computation.
     :param tuple token_plates: names of the observed site's ``pyro.plate`` s that
         run over tokens rather than datapoints (their elements become tokens,
         flattened with the event dims); None detects them when unambiguous,
@@ -99,6 +106,8 @@ class MaskedPretrainingLoss(ELBO):
         >>> loss.curve(ppca, None, x).plot() # S(x; M) against the masking rate
         >>> # tokens in a plate: pyro.sample("x", dist.Normal(loc, s), obs=x) inside plate "tokens"
         >>> MaskedPretrainingLoss(token_plates=("tokens",)).score(model, None, x)
+        >>> # two observed sites: score log p(x) with y integrated out
+        >>> MaskedPretrainingLoss(obs_site="x", extra_sites="drop").score(model_xy, None, x, y)
     """
 
     def __init__(
@@ -108,6 +117,7 @@ class MaskedPretrainingLoss(ELBO):
         masks="uniform",
         num_masks=1,
         obs_site=None,
+        extra_sites="error",
         token_plates=None,
         max_plate_nesting=float("inf"),
         share_masks=False,
@@ -121,6 +131,7 @@ class MaskedPretrainingLoss(ELBO):
         self.engine = make_engine(conditionals, **engine_options)
         self._auto_engines = {}
         self.obs_site = obs_site
+        self.extra_sites = extra_sites
         self.token_plates = token_plates
         self.chunk_size = int(chunk_size)
         self.progress = progress
@@ -128,7 +139,9 @@ class MaskedPretrainingLoss(ELBO):
     # ------------------------------------------------------------------ internals
     def _trace_tokens(self, model, guide, args, kwargs):
         mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
-        tokens = trace_tokens(model, guide, args, kwargs, self.obs_site, mpn, self.token_plates)
+        tokens = trace_tokens(
+            model, guide, args, kwargs, self.obs_site, mpn, self.token_plates, extra_sites=self.extra_sites
+        )
         check_guide_sites(tokens)
         return tokens
 

@@ -1,4 +1,4 @@
-"""Finding the observed token site and the latent sites of a Pyro model.
+r"""Finding the observed token site and the latent sites of a Pyro model.
 
 Everything in pyro_mpt sees data the same way: the *tokens* of a datapoint are
 the flattened event elements of one observed sample site, together with the
@@ -25,6 +25,24 @@ observation, or ``poutine.mask``. The ``observed`` field of :class:`ObservedToke
 the observed tokens; missing ones are never context and never targets, and the
 values they carry are replaced by an observed value of the same token (so that
 every engine sees finite numbers in the support).
+
+**Validation.** While Pyro's validation is on (``pyro.enable_validation``, its
+default; :func:`pyro.infer.util.is_validation_enabled`), each trace checks the
+observed tokens as Pyro's own ``log_prob`` would: finite values, values in the
+support of the observation's distribution (evaluated at the latent values of
+this trace, as ``Trace_ELBO`` does), and a scale constant over the tokens.
+``pyro.enable_validation(False)`` turns these per-step checks off. Data whose
+shape does not fit the observation, low-precision (float16/bfloat16)
+computation and empty plates are refused whatever the setting: they would end
+in an error from inside torch or Pyro.
+
+**Other observed sites and factors.** The tokens are one observed site, and
+every estimate is :math:`\log p(x_i)` of that site alone: the conditional
+engines integrate the latents against the prior (or a proposal) and score only
+that site. Another observed site ``y`` therefore counts as integrated out
+(:math:`\log p(x_i)`, not :math:`\log p(x_i \mid y_i)`), and a ``pyro.factor``
+is dropped, which changes the model. :func:`trace_tokens` refuses such a model
+unless ``extra_sites="drop"`` asks for exactly that computation.
 """
 
 import math
@@ -34,8 +52,11 @@ from typing import Optional
 import torch
 import pyro.distributions as dist
 from pyro import poutine
+from pyro.infer.util import is_validation_enabled
+from pyro.poutine.indep_messenger import IndepMessenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
+from torch.distributions import constraints
 
 __all__ = ["ObservedTokens", "trace_tokens", "guess_max_plate_nesting", "check_local_latent"]
 
@@ -328,8 +349,191 @@ def _fill_missing(value, observed):
     return torch.where(observed, value, per_token.expand_as(value))
 
 
-def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=None, token_plates=None):
-    """Run ``guide`` then ``model`` (replayed on the guide) and locate the tokens.
+def _empty_plate(error):
+    """The name of the ``pyro.plate`` whose size 0 raised ``error`` (a ZeroDivisionError
+    from Pyro's plate constructor), or None when it came from elsewhere."""
+    tb, name = error.__traceback__, None
+    while tb is not None:
+        frame = tb.tb_frame
+        if tb.tb_next is None and frame.f_code.co_name == "__init__":
+            if isinstance(frame.f_locals.get("self"), IndepMessenger):
+                name = frame.f_locals.get("name")
+        tb = tb.tb_next
+    return name
+
+
+def _run_traces(model, guide, args, kwargs):
+    """The guide trace (empty without a guide) and the model trace replayed on it."""
+    try:
+        if guide is None:
+            return Trace(), poutine.trace(model).get_trace(*args, **kwargs)
+        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
+        return guide_trace, model_trace
+    except ZeroDivisionError as e:
+        plate = _empty_plate(e)
+        if plate is None:
+            raise
+        # Pyro refuses a plate of size 0 before any site exists, so name the plate
+        raise ValueError(
+            f"pyro.plate {plate!r} has size 0: the batch is empty, so there is no "
+            f"datapoint to score. Pass at least one datapoint (skip empty minibatches)."
+        ) from e
+
+
+def _is_factor(site):
+    """Whether an observed site is a ``pyro.factor`` (a ``Unit`` distribution)."""
+    return isinstance(site["fn"], dist.Unit)
+
+
+def _check_extra_sites(site, others, extra_sites):
+    """Refuse observed sites and factors other than ``site`` that the estimate would drop,
+    unless ``extra_sites="drop"``."""
+    if extra_sites not in ("error", "drop"):
+        raise ValueError(
+            f"extra_sites={extra_sites!r}: use 'error' (refuse models with other observed "
+            f"sites or pyro.factor sites) or 'drop' (score {site['name']!r} alone)."
+        )
+    if not others or extra_sites == "drop":
+        return
+    observed = [s["name"] for s in others if not _is_factor(s)]
+    factors = [s["name"] for s in others if _is_factor(s)]
+    parts = []
+    if observed:
+        parts.append(
+            f"observed site(s) {', '.join(map(repr, observed))} (integrated out: the "
+            f"result is log p({site['name']}), not log p({site['name']} | "
+            f"{', '.join(observed)}))"
+        )
+    if factors:
+        parts.append(
+            f"pyro.factor site(s) {', '.join(map(repr, factors))} (left out: the result "
+            f"is that of the model without them)"
+        )
+    raise ValueError(
+        f"Masked pre-training and the evidence score observed site {site['name']!r} "
+        f"alone and would drop {' and '.join(parts)}. Pass extra_sites=\"drop\" to "
+        f"MaskedPretrainingLoss / Evidence to accept exactly that, or remove those sites "
+        f"from the model (e.g. poutine.block(model, hide=[...]))."
+    )
+
+
+def _levels(fn):
+    """``fn`` and the distributions it wraps (``base_dist`` chain)."""
+    while fn is not None:
+        yield fn
+        fn = getattr(fn, "base_dist", None)
+
+
+def _check_dtype(site, raw):
+    """Refuse an observation that computes in float16 or bfloat16."""
+    tensors = [raw] + [
+        v
+        for level in _levels(site["fn"])
+        for k in getattr(level, "arg_constraints", {})
+        for v in [level.__dict__.get(k)]  # stored parameters only: no lazy property is computed
+        if isinstance(v, torch.Tensor)
+    ]
+    floats = [t.dtype for t in tensors if torch.is_floating_point(t)]
+    if not floats:
+        return
+    dtype = floats[0]
+    for d in floats[1:]:
+        dtype = torch.promote_types(dtype, d)
+    if dtype in (torch.float16, torch.bfloat16):
+        name = str(dtype).replace("torch.", "")
+        raise ValueError(
+            f"Observed site {site['name']!r} computes in {name} (its data and the "
+            f"parameters of its {type(_elementwise(site['fn'])).__name__} distribution); "
+            f"pyro_mpt needs float32 or float64: torch has no {name} Cholesky on the CPU, "
+            f"and {name} keeps too few digits for log-densities summed over tokens. Convert "
+            f"the data and the model's parameters, e.g. x.double() and module.double()."
+        )
+
+
+def _check_shape(site, raw):
+    """Refuse observed data whose shape does not fit the site's distribution."""
+    fn = site["fn"]
+    event, batch = tuple(fn.event_shape), tuple(fn.batch_shape)
+    E = len(event)
+    shape = tuple(raw.shape)
+    fits = len(shape) >= E and shape[len(shape) - E:] == event
+    if fits:
+        try:
+            fits = torch.broadcast_shapes(shape[: len(shape) - E], batch) == torch.Size(batch)
+        except RuntimeError:
+            fits = False
+    if not fits:
+        raise ValueError(
+            f"Observed site {site['name']!r} got data of shape {shape}, but its "
+            f"{type(_elementwise(fn)).__name__} distribution has batch shape {batch} and "
+            f"event shape {event}: the data's last {E} dim(s) must equal {event} and the others must "
+            f"broadcast to {batch}. Pass data with the model's number of tokens per "
+            f"datapoint, or build the model for this data (e.g. sizes read from x.shape)."
+        )
+
+
+def _elementwise(fn):
+    """The distribution under the ``Independent`` and mask wrappers of ``fn``: its
+    support is checked element by element."""
+    while isinstance(fn, (dist.Independent, torch.distributions.Independent, dist.MaskedDistribution)):
+        fn = fn.base_dist
+    return fn
+
+
+def _support_ok(tokens, site):
+    """Bool ``(n, D)``: True where a token's observed value is in the support of the
+    site's distribution; None when the support cannot be checked."""
+    base = _elementwise(site["fn"])
+    try:
+        support = base.support
+    except NotImplementedError:  # a user distribution that declares no support
+        return None
+    if constraints.is_dependent(support):
+        return None
+    ok = support.check(site["value"].expand(tokens.site_shape))
+    ok = ok.reshape(ok.shape + (1,) * (len(tokens.site_shape) - ok.dim())).expand(tokens.site_shape)
+    return tokens.to_tokens(ok).reshape(tokens.num_data, -1)
+
+
+def _validate_values(tokens, site, flat, observed):
+    """Refuse non-finite tokens and tokens outside the support of the site's distribution
+    (observed ones only: missing tokens may hold any placeholder)."""
+    name = site["name"]
+    finite = torch.isfinite(flat)
+    if observed is not None:
+        finite = finite | ~observed
+    if not finite.all():
+        bad = int((~finite).sum())
+        raise ValueError(
+            f"Observed site {name!r} contains {bad} NaN or infinite value(s)"
+            f"{' at observed tokens' if observed is not None else ''}; remove "
+            f"or impute them before computing masked pre-training scores"
+            f"{'' if observed is not None else ', or mark them missing with obs_mask='}."
+        )
+    ok = _support_ok(tokens, site)
+    if ok is None:
+        return
+    if observed is not None:
+        ok = ok | ~observed
+    if not ok.all():
+        i, j = (~ok).nonzero()[0].tolist()
+        base = _elementwise(site["fn"])
+        raise ValueError(
+            f"Observed site {name!r} has {int((~ok).sum())} value(s) outside the support "
+            f"{base.support} of its {type(base).__name__} distribution, e.g. "
+            f"{float(flat[i, j]):g} at datapoint {i}, token {j}; Pyro's log_prob refuses "
+            f"such data (Trace_ELBO raises on it). Pass data in the support (e.g. 0/1 for a "
+            f"Bernoulli, non-negative integers for a Poisson), use an observation "
+            f"distribution whose support holds the data, or mark the values missing with "
+            f"obs_mask=."
+        )
+
+
+def trace_tokens(
+    model, guide, args, kwargs, obs_site=None, max_plate_nesting=None, token_plates=None, extra_sites="error"
+):
+    r"""Run ``guide`` then ``model`` (replayed on the guide) and locate the tokens.
 
     :param callable model: a Pyro model with one observed site (or ``obs_site``).
     :param callable guide: a Pyro guide, or ``None``.
@@ -342,6 +546,12 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
     :param token_plates: names of the observed site's plates that run over
         tokens (see the module docstring); None detects them when unambiguous,
         ``()`` takes every plate as a datapoint plate.
+    :param str extra_sites: what to do with observed sites other than the tokens'
+        and with ``pyro.factor`` sites, which every estimate leaves out (see the
+        module docstring): ``"error"`` (default) refuses the model, naming them;
+        ``"drop"`` scores the token site alone, :math:`\log p(x_i)` of the
+        model without those factors, with the other observed sites integrated
+        out (their values still enter wherever the model reads them).
     :returns: the observed tokens and the traces.
     :rtype: ObservedTokens
 
@@ -350,20 +560,15 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
         >>> tokens = trace_tokens(model, None, (x,), {}, token_plates=("tokens",))
         >>> tokens.value.shape          # (n, D)
     """
-    if guide is None:
-        guide_trace = Trace()
-        model_trace = poutine.trace(model).get_trace(*args, **kwargs)
-    else:
-        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
-            *args, **kwargs
-        )
+    guide_trace, model_trace = _run_traces(model, guide, args, kwargs)
     if max_plate_nesting is None or max_plate_nesting == float("inf"):
         max_plate_nesting = guess_max_plate_nesting(model_trace, guide_trace)
 
     sites = _sample_sites(model_trace)
     # pyro.deterministic sites (and the combined site Pyro records for obs_mask) hold no data
     observed = [s for s in sites if s["is_observed"] and not s["infer"].get("_deterministic")]
+    factors = [s for s in observed if _is_factor(s)]
+    observed = [s for s in observed if not _is_factor(s)]
     if obs_site is None:
         if not observed:
             raise ValueError(
@@ -401,6 +606,8 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
         if companion in model_trace.nodes and not model_trace.nodes[companion]["is_observed"]:
             ignored.add(companion)
     latents = [s for s in sites if not s["is_observed"] and s["name"] not in ignored]
+    _check_extra_sites(site, [s for s in observed + factors if s is not site], extra_sites)
+    validate = is_validation_enabled()
 
     fn = site["fn"]
     event_shape = fn.event_shape
@@ -446,6 +653,8 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
         1 if i - nb in token_dims else s for i, s in enumerate(site_batch_shape)
     )
     raw = site["value"]
+    _check_shape(site, raw)
+    _check_dtype(site, raw)
     dtype = raw.dtype if torch.is_floating_point(raw) else torch.get_default_dtype()
     tokens = ObservedTokens(
         name=name,
@@ -473,17 +682,8 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
     flat = raw_flat.to(dtype)
     mask = _observed_mask(site)
     observed_tokens = None if mask is None else tokens.to_tokens(mask).reshape(n, -1)
-    finite = torch.isfinite(flat)
-    if observed_tokens is not None:
-        finite = finite | ~observed_tokens
-    if not finite.all():
-        bad = int((~finite).sum())
-        raise ValueError(
-            f"Observed site {name!r} contains {bad} NaN or infinite value(s)"
-            f"{' at observed tokens' if observed_tokens is not None else ''}; remove "
-            f"or impute them before computing masked pre-training scores"
-            f"{'' if observed_tokens is not None else ', or mark them missing with obs_mask='}."
-        )
+    if validate:
+        _validate_values(tokens, site, flat, observed_tokens)
     site_value = raw.expand(tokens.site_shape)
     if observed_tokens is not None:
         # fill the raw values once (integer tokens stay integers at the site) and cast
@@ -502,7 +702,7 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
             if scale.dim() >= -d and scale.shape[d] > 1:
                 first = first.narrow(d, 0, 1)
         if first.shape != scale.shape:
-            if not bool((scale == first).all()):
+            if validate and not bool((scale == first).all()):
                 raise ValueError(
                     f"Observed site {name!r} has a scale that varies over its tokens; masked "
                     f"pre-training scales whole datapoints. Apply poutine.scale outside the "

@@ -131,8 +131,7 @@ def _():
     model, x = _ppca()
     x = x.clone()
     x[0, 0] = math.nan
-    with pyro.validation_enabled(False):
-        MaskedPretrainingLoss().loss(model, None, x)
+    MaskedPretrainingLoss().loss(model, None, x)
 
 
 @trigger("sites-global-latent")
@@ -245,6 +244,62 @@ def _():
     x[0, 1] = math.nan  # a missing token: ignored
     x[2, 0] = math.nan  # an observed one: refused
     MaskedPretrainingLoss().loss(model, None, x)
+
+
+@trigger("sites-empty-plate")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss().loss(model, None, x[:0])
+
+
+def _two_observed_sites(x, y):
+    with pyro.plate("data", x.shape[0]):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+        pyro.sample("x", dist.Normal(z.expand(-1, 3), 1.0).to_event(1), obs=x)
+        pyro.sample("y", dist.Normal(z, 1.0).to_event(1), obs=y)
+
+
+@trigger("sites-extra-sites-option")
+def _():
+    Evidence(_two_observed_sites, obs_site="x", extra_sites="ignore")(_x(), _x()[:, :1])
+
+
+@trigger("sites-extra-observed-site")
+def _():
+    MaskedPretrainingLoss(obs_site="x").loss(_two_observed_sites, None, _x(), _x()[:, :1])
+
+
+@trigger("sites-extra-factor")
+def _():
+    model, x = _ppca()
+
+    def with_factor(x):
+        model(x)
+        pyro.factor("f", torch.tensor(1.0))
+
+    Evidence(with_factor)(x)
+
+
+@trigger("sites-data-shape")
+def _():
+    model, _ = _ppca()
+    MaskedPretrainingLoss().loss(model, None, torch.randn(4, 5, dtype=torch.float64))
+
+
+@trigger("sites-low-precision")
+def _():
+    model, x, _ = make_ppca(3, 1, 4, dtype=torch.float16)
+    MaskedPretrainingLoss().loss(model, None, x)
+
+
+@trigger("sites-out-of-support")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Bernoulli(logits=z[..., None].expand(z.shape + (3,))).to_event(1), obs=x)
+
+    MaskedPretrainingLoss().loss(model, None, torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 1.0]]))
 
 
 # ---------------------------------------------------------------------- masks.py

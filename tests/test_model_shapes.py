@@ -7,6 +7,7 @@ the error type and message. docs/model_shapes.md lists every shape and its test.
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import pyro
@@ -741,3 +742,238 @@ def test_schedule_whose_blocks_takes_kwargs_serves_missing_tokens():
     for _ in range(2):
         score = loss.score(model, None, x)
         assert float((score - _exact(W, b, x, observed)).abs().max()) < 1e-10
+
+
+# ---------------------------------------------------------------------- validating the observed site
+def _shared_logit_model(likelihood):
+    """One standard normal latent z per datapoint shared by its 3 tokens: Bernoulli(logits=z)
+    or Poisson(rate=exp(z)); with ``guide``, an amortized guide for encode_decode."""
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(()), 1.0))
+            eta = z[..., None].expand(z.shape + (3,))
+            fn = dist.Bernoulli(logits=eta) if likelihood == "bernoulli" else dist.Poisson(eta.exp())
+            pyro.sample("x", fn.to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(0.1 * x.sum(-1), 1.0))
+
+    return model, guide
+
+
+def _shared_logit_evidence(likelihood, row):
+    """log p(x) of one datapoint by scipy quadrature over z, with Pyro's log-density formula
+    (Bernoulli: x z - softplus(z); Poisson: x z - e^z - lgamma(x + 1)) evaluated as is, also
+    outside the support."""
+    from scipy import integrate, special, stats
+
+    row = np.asarray(row, dtype=float)
+    if likelihood == "bernoulli":
+        loglik = lambda z: float((row * z - np.logaddexp(0.0, z)).sum())  # noqa: E731
+    else:
+        loglik = lambda z: float((row * z - np.exp(z) - special.gammaln(row + 1)).sum())  # noqa: E731
+    value, _ = integrate.quad(lambda z: np.exp(loglik(z)) * stats.norm.pdf(z), -12, 12, epsabs=0, epsrel=1e-12)
+    return math.log(value)
+
+
+@pytest.mark.parametrize(
+    "likelihood,bad,support",
+    [("bernoulli", 2.0, r"Boolean\(\) of its Bernoulli"), ("poisson", 2.5, r"IntegerGreaterThan\(lower_bound=0\) of its Poisson")],
+)
+def test_out_of_support_data_is_refused_by_every_engine_and_evidence(float64, likelihood, bad, support):
+    """A Bernoulli observation of 2 or a Poisson count of 2.5: Pyro's Trace_ELBO raises, and
+    so does every pyro_mpt entry point, naming the site, the support, the value and where it
+    is; the same data in the support gives the scipy value."""
+    model, guide = _shared_logit_model(likelihood)
+    x = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 1.0]])
+    x_bad = x.clone()
+    x_bad[1, 2] = bad
+    with pytest.raises(ValueError, match="to be within the support"):  # the reference: Pyro's own check
+        pyro.infer.Trace_ELBO().loss(model, guide, x_bad)
+    message = rf"Observed site 'x' has 1 value\(s\) outside the support {support} distribution, e.g. {bad:g} at datapoint 1, token 2"
+    calls = [
+        lambda: MaskedPretrainingLoss().loss(model, None, x_bad),
+        lambda: MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, x_bad),
+        lambda: MaskedPretrainingLoss(conditionals="importance").score(model, None, x_bad),
+        lambda: MaskedPretrainingLoss(conditionals="encode_decode").loss(model, guide, x_bad),
+        lambda: MaskedPretrainingLoss(masks="all").curve(model, None, x_bad),
+        lambda: Evidence(model, method="quadrature")(x_bad),
+        lambda: Evidence(model, guide, method="importance")(x_bad),
+        lambda: ImportanceWeightedELBO(4).loss(model, guide, x_bad),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+    expected = torch.tensor([_shared_logit_evidence(likelihood, row) for row in x.tolist()])
+    assert torch.allclose(Evidence(model, method="quadrature", num_nodes=32)(x), expected, atol=1e-7)
+    loss = MaskedPretrainingLoss(conditionals="quadrature", masks="exhaustive", num_nodes=32)
+    assert torch.allclose(loss.score(model, None, x), expected, atol=1e-7)
+
+
+def test_validation_off_turns_the_per_step_checks_off(float64):
+    """Under pyro.validation_enabled(False), as in Pyro, the data is not checked: the
+    Bernoulli observation of 2 is scored with Pyro's formula x z - softplus(z) (scipy
+    reference), a NaN reaches the loss (Pyro's NaN warning), and a scale that varies over the
+    tokens is not refused."""
+    model, _ = _shared_logit_model("bernoulli")
+    x = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 1.0]])
+    with pyro.validation_enabled(False):
+        value = Evidence(model, method="quadrature", num_nodes=32)(x)
+    expected = torch.tensor([_shared_logit_evidence("bernoulli", row) for row in x.tolist()])
+    assert torch.allclose(value, expected, atol=1e-7)
+
+    W, b, xg = _params()
+    twin, _ = _twin(W, b)
+    xg = xg.clone()
+    xg[0, 1] = math.nan
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        MaskedPretrainingLoss(conditionals="gaussian").loss(twin, None, xg)
+    with pyro.validation_enabled(False), pytest.warns(UserWarning, match="Encountered NaN"):
+        assert math.isnan(MaskedPretrainingLoss(conditionals="gaussian").loss(twin, None, xg))
+
+    def scaled(x):
+        with pyro.plate("data", x.shape[0], dim=-2):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            with pyro.plate("tokens", x.shape[1], dim=-1), poutine.scale(scale=torch.arange(1.0, x.shape[1] + 1)):
+                pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+    x3 = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="scale that varies over its tokens"):
+        MaskedPretrainingLoss().loss(scaled, None, x3)
+    with pyro.validation_enabled(False):
+        assert math.isfinite(MaskedPretrainingLoss().loss(scaled, None, x3))
+
+
+def _x1_x2_model():
+    """z ~ N(0, I_2) per datapoint; x1 | z ~ N(A z + b, 0.5^2 I_3) and x2 | z ~ N(c . z, 0.3^2)."""
+    g = torch.Generator().manual_seed(3)
+    A = torch.randn(3, 2, generator=g, dtype=torch.float64)
+    b = torch.randn(3, generator=g, dtype=torch.float64)
+    c = torch.randn(2, generator=g, dtype=torch.float64)
+
+    def model(x1, x2):
+        with pyro.plate("data", x1.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=x1.dtype), 1.0).to_event(1))
+            pyro.sample("x1", dist.Normal(z @ A.T + b, 0.5).to_event(1), obs=x1)
+            pyro.sample("x2", dist.Normal((z @ c)[..., None], 0.3).to_event(1), obs=x2)
+
+    x1 = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    x2 = torch.randn(5, 1, generator=g, dtype=torch.float64)
+    return model, (x1, x2), (A.numpy(), b.numpy(), c.numpy())
+
+
+def test_other_observed_site_is_refused_unless_dropped_and_then_gives_log_p_x1(float64):
+    """obs_site='x1' beside an observed x2: refused, naming x2 and extra_sites="drop"; with
+    it, every path returns log p(x1) (x2 integrated out), scipy's
+    log N(x1; b, A A^T + 0.25 I), which differs from log p(x1 | x2) here by more than 0.1."""
+    from scipy import stats
+
+    model, (x1, x2), (A, b, c) = _x1_x2_model()
+    message = r"would drop observed site\(s\) 'x2' \(integrated out: the result is log p\(x1\), not log p\(x1 \| x2\)\)\. Pass extra_sites=\"drop\""
+    with pytest.raises(ValueError, match=message):
+        Evidence(model, obs_site="x1")(x1, x2)
+    with pytest.raises(ValueError, match=message):
+        MaskedPretrainingLoss(obs_site="x1").loss(model, None, x1, x2)
+    S = A @ A.T + 0.25 * np.eye(3)
+    expected = torch.from_numpy(stats.multivariate_normal(b, S).logpdf(x1.numpy()))
+    # the conditional, for contrast: log p(x1, x2) - log p(x2)
+    joint = stats.multivariate_normal(
+        np.r_[b, 0.0], np.block([[S, (A @ c)[:, None]], [(A @ c)[None], np.array([[c @ c + 0.09]])]])
+    ).logpdf(np.c_[x1.numpy(), x2.numpy()])
+    conditional = joint - stats.norm(0.0, math.sqrt(c @ c + 0.09)).logpdf(x2.numpy()[:, 0])
+    assert float(np.abs(conditional - expected.numpy()).max()) > 0.1
+    drop = dict(obs_site="x1", extra_sites="drop")
+    assert torch.allclose(Evidence(model, **drop)(x1, x2), expected, atol=1e-10, rtol=0)
+    assert torch.allclose(Evidence(model, method="quadrature", **drop)(x1, x2), expected, atol=1e-8, rtol=0)
+    score = MaskedPretrainingLoss(masks="exhaustive", conditionals="gaussian", **drop).score(model, None, x1, x2)
+    assert torch.allclose(score, expected, atol=1e-10, rtol=0)
+
+
+def test_sparse_gp_vfe_factor_is_refused_unless_dropped(float64):
+    """Pyro's SparseGPRegression(approx="VFE") adds its trace term with pyro.factor: refused,
+    naming the factor; with extra_sites="drop" the evidence is the DTC value
+    log N(y; 0, Q_ff + noise I), Q_ff = K_fu (K_uu + jitter I)^-1 K_uf (numpy), which is the
+    VFE bound plus tr(K_ff - Q_ff) / (2 noise) (2.24 nats here)."""
+    import pyro.contrib.gp as gp
+    from scipy import stats
+
+    g = torch.Generator().manual_seed(0)
+    X = 5 * torch.rand(20, generator=g, dtype=torch.float64)
+    y = torch.sin(X) + 0.3 * torch.randn(20, generator=g, dtype=torch.float64)
+    Xu = torch.linspace(0.0, 5.0, 5, dtype=torch.float64)
+    noise = 0.1
+    sgpr = gp.models.SparseGPRegression(X, y, gp.kernels.RBF(1), Xu, noise=torch.tensor(noise), approx="VFE")
+    with pytest.raises(ValueError, match=r"would drop pyro.factor site\(s\) 'trace_term' .* Pass extra_sites=\"drop\""):
+        Evidence(sgpr.model)()
+    with pytest.raises(ValueError, match=r"pyro.factor site\(s\) 'trace_term'"):
+        MaskedPretrainingLoss().loss(sgpr.model, sgpr.guide)
+
+    rbf = lambda a, b: np.exp(-0.5 * (a[:, None] - b[None, :]) ** 2)  # noqa: E731  (variance 1, lengthscale 1)
+    Xn, Xun, yn = X.numpy(), Xu.numpy(), y.numpy()
+    Kuf = rbf(Xun, Xn)
+    Qff = Kuf.T @ np.linalg.solve(rbf(Xun, Xun) + sgpr.jitter * np.eye(5), Kuf)
+    dtc = stats.multivariate_normal(np.zeros(20), Qff + noise * np.eye(20)).logpdf(yn)
+    trace_term = (1.0 - np.diag(Qff)).sum() / noise / 2
+    assert trace_term > 2  # what dropping the factor changes
+    value = Evidence(sgpr.model, extra_sites="drop")()
+    assert value.shape == () and abs(float(value) - dtc) < 1e-8
+    # chain-rule orderings are exact with closed-form conditionals
+    score = MaskedPretrainingLoss(masks="order", conditionals="gaussian", extra_sites="drop").score(sgpr.model, None)
+    assert abs(float(score) - dtc) < 1e-8
+    # the VFE bound with the factor (Pyro's own trace) is the DTC value minus the trace term
+    model_trace = poutine.trace(sgpr.model).get_trace()
+    assert abs(float(model_trace.log_prob_sum()) - (dtc - trace_term)) < 1e-8
+
+
+def test_raw_errors_become_messages_naming_the_site_and_the_fix(float64):
+    """float16 models, empty batches and data with the wrong number of tokens ended in errors
+    from inside torch or Pyro ("cholesky_cpu" not implemented for 'Half', ZeroDivisionError,
+    a broadcast error); each entry point now names the site (or plate) and the fix. float16
+    data in a float64 model computes in float64: it equals the float64 value of the rounded
+    data."""
+    from models import make_ppca
+
+    model16, x16, _ = make_ppca(3, 1, 4, dtype=torch.float16)
+    for call in [
+        lambda: MaskedPretrainingLoss(conditionals="gaussian").loss(model16, None, x16),
+        lambda: MaskedPretrainingLoss(conditionals="quadrature").loss(model16, None, x16),
+        lambda: Evidence(model16)(x16),
+        lambda: Evidence(model16, method="importance")(x16),
+    ]:
+        with pytest.raises(ValueError, match=r"Observed site 'x' computes in float16 .* needs float32 or float64.* x.double\(\)"):
+            call()
+    pyro.clear_param_store()
+    model_bf, x_bf, _ = make_ppca(3, 1, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"computes in bfloat16"):
+        MaskedPretrainingLoss().loss(model_bf, None, x_bf)
+    pyro.clear_param_store()
+    model, x, exact = make_ppca(3, 1, 4)
+    rounded = x.half()
+    assert torch.allclose(Evidence(model)(rounded), exact(rounded.double()), atol=1e-10, rtol=0)
+
+    empty = r"pyro.plate 'data' has size 0: the batch is empty, .* Pass at least one datapoint"
+    for call in [
+        lambda: MaskedPretrainingLoss().loss(model, None, x[:0]),
+        lambda: MaskedPretrainingLoss(conditionals="quadrature").score(model, None, x[:0]),
+        lambda: Evidence(model, method="importance")(x[:0]),
+        lambda: ImportanceWeightedELBO(4).loss(model, lambda x: None, x[:0]),
+    ]:
+        with pytest.raises(ValueError, match=empty):
+            call()
+
+    wide = torch.randn(4, 5, dtype=torch.float64)
+    shape = (
+        r"Observed site 'x' got data of shape \(4, 5\), but its Normal distribution has batch shape \(4,\) "
+        r"and event shape \(3,\): the data's last 1 dim\(s\) must equal \(3,\) .* Pass data with the "
+        r"model's number of tokens per datapoint"
+    )
+    for call in [
+        lambda: MaskedPretrainingLoss().loss(model, None, wide),
+        lambda: MaskedPretrainingLoss(conditionals="importance").loss(model, None, wide),
+        lambda: Evidence(model)(wide),
+        lambda: Evidence(model, method="quadrature")(wide),
+    ]:
+        with pytest.raises(ValueError, match=shape):
+            call()
