@@ -54,10 +54,12 @@ Poisson, Beta, ...).
   the limit, and accurate when :math:`\pi` has Gaussian or lighter tails in
   :math:`u` (not Cauchy-like priors).
 * ``adaptive=True`` centres and scales the grid, per datapoint, on the Laplace
-  approximation of the posterior given *all* its tokens (a few Newton steps with
-  line search, started from the best node of a coarse grid, detached from the
-  autograd graph), with the same change-of-variables weights, so the rule stays
-  valid for any centre. Prior-centred grids need hundreds of nodes per dimension
+  approximation of the posterior given *all* its tokens (Newton steps with
+  line search to convergence, started from the best node of a coarse grid or
+  the previous call's centres, ending with a full step and the Hessian at the
+  final centre so that the start does not show; detached from the autograd
+  graph), with the same change-of-variables weights, so the rule stays valid
+  for any centre. Prior-centred grids need hundreds of nodes per dimension
   once D is large, because the posterior is much narrower than the prior; the
   adaptive grid needs about a dozen. Caveat: conditionals with few context tokens
   are then those of the mixture on nodes centred on the full posterior; they
@@ -527,8 +529,11 @@ class QuadratureConditionals(ConditionalEngine):
         the adaptive Newton search (None: 7, 5, 3, 3 for K = 1..4).
     :param bool warm_start: start the adaptive search from the previous call's
         centres when the data (and the minibatch indices) are the same, as in
-        full-batch SVI; the result does not depend on the start except through
-        the Newton tolerance.
+        full-batch SVI. The search runs to convergence and ends with a full
+        Newton step and the Hessian at its end, so the same seed and inputs
+        give the same number with and without a warm start (to 1e-10 in
+        float64), unless the search did not converge in ``newton_steps`` (then
+        it warns).
     :param float min_ess: raise when the posterior of some datapoint given all
         its tokens puts its mass on fewer than this many effective nodes, the
         sign that the grid is too coarse to resolve it; None disables the check.
