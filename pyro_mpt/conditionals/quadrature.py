@@ -907,6 +907,72 @@ class QuadratureConditionals(ConditionalEngine):
         den = torch.where(empty, torch.zeros_like(den), den)
         return num - den.unsqueeze(-1)
 
+    def companion(self, state, num_nodes):
+        r"""The same rule with ``num_nodes`` nodes per latent dim, for error estimates.
+
+        It reuses this engine's options and (adaptive grids) its converged
+        centres, so only the number of nodes differs; it neither raises nor
+        warns about its effective nodes.
+
+        :returns: ``(engine, state)`` for the same tokens.
+        """
+        opts = dict(
+            adaptive=self.adaptive,
+            newton_steps=self.newton_steps,
+            init_nodes=self.init_nodes,
+            warm_start=self.warm_start,
+            min_ess=None,
+            ess_warning=None,
+            max_latent_dim=self.max_latent_dim,
+            cache_elements=self.cache_elements,
+            max_elements=self.max_elements,
+        )
+        engine = QuadratureConditionals(int(num_nodes), **opts)
+        engine._warm = self._warm
+        runner = state.runner
+        with torch.no_grad():
+            other = engine.prepare(runner.tokens, runner.model, None, runner.args, runner.kwargs)
+        return engine, other
+
+    def mask_log_prob_error(self, state, x, mask, error_nodes=None):
+        r"""Error estimate of :meth:`mask_log_prob`, per query and target, ``(q, n, D)``.
+
+        .. math::
+
+            \hat\epsilon_{j} = \big|\log \hat p_m(x_j \mid x_{\mathcal R})
+              - \log \hat p_{m'}(x_j \mid x_{\mathcal R})\big|,
+
+        the difference to the same rule with ``error_nodes`` :math:`= m'`
+        nodes per dim (default ``max(1, 2 m // 3)``) on the same centres, as
+        ``Evidence(method="quadrature")`` does for :math:`\log p(x)`. An
+        adaptive grid is centred on each posterior given *all* tokens, so the
+        conditionals given few or unusual contexts converge more slowly in
+        :math:`m` than :math:`\log p(x)`; this estimates their error (it
+        assumes the finer rule is the more accurate; it is not a bound).
+        Entries that are not targets are 0. It costs a second table with
+        :math:`m'^K` nodes.
+
+        :param state: from :meth:`prepare`.
+        :param torch.Tensor x: the tokens of the state.
+        :param torch.Tensor mask: target masks ``(q, n, D)`` or ``(q, 1, D)``.
+        :param int error_nodes: nodes per dim of the second rule.
+
+        Example::
+
+            >>> lp = engine.mask_log_prob(state, x, mask)
+            >>> err = engine.mask_log_prob_error(state, x, mask)  # same shape
+        """
+        K = state.latent_dim
+        m = round(state.num_nodes ** (1.0 / K)) if K else 1
+        if error_nodes is None:
+            error_nodes = max(1, (2 * m) // 3)
+        with torch.no_grad():
+            fine = self.mask_log_prob(state, x, mask)
+            engine, other = self.companion(state, error_nodes)
+            coarse = engine.mask_log_prob(other, x, mask)
+            err = (fine - coarse).abs()
+        return torch.where(mask.expand_as(err), err, torch.zeros_like(err))
+
     def chain_log_prob(self, state, x, order):
         self._check_x(state, x)
         (L,) = self._reduce(state, lambda c, o: (_chain_partial(c, o, self.max_elements),), order)
@@ -1006,12 +1072,15 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
             raise type(e)(f"Evidence(method='quadrature') cannot serve this model. {e}") from e
         return state, value
 
-    def companion(opts, engine, nodes):
+    def companion(engine, state, nodes):
         # the coarser rule on the same centres (no second search), quiet: its
         # effective nodes are fewer by design
-        coarse = QuadratureConditionals(**dict(opts, num_nodes=int(nodes), ess_warning=None))
-        coarse._warm = engine._warm
-        return evaluate(coarse, False)[1]
+        try:
+            other_engine, other = engine.companion(state, nodes)
+        except EngineNotApplicable as e:
+            raise type(e)(f"Evidence(method='quadrature') cannot serve this model. {e}") from e
+        with torch.no_grad():
+            return other_engine.log_evidence(other, tokens.value)
 
     engine = engine_for(options)
     state, value = evaluate(engine, True)
@@ -1019,7 +1088,7 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     m = round(state.num_nodes ** (1.0 / K)) if K else 1
     if error_nodes is None:
         error_nodes = max(1, (2 * m) // 3)
-    coarse = companion(options, engine, error_nodes)
+    coarse = companion(engine, state, error_nodes)
     error = (value.detach() - coarse).abs()
     reference = None
     if not engine.adaptive and K > 0:
@@ -1027,7 +1096,7 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
         ref_engine = engine_for(ref_options)
         ref_state, reference = evaluate(ref_engine, False)
         m_ref = round(ref_state.num_nodes ** (1.0 / K))
-        ref_error = (reference - companion(ref_options, ref_engine, max(1, (2 * m_ref) // 3))).abs()
+        ref_error = (reference - companion(ref_engine, ref_state, max(1, (2 * m_ref) // 3))).abs()
         error = torch.maximum(error, (value.detach() - reference).abs() + ref_error)
     if tol is not None and bool((error > tol).any()):
         worst = int(error.argmax())
