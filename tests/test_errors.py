@@ -627,6 +627,32 @@ def _():
     Evidence(_global_latent_model, method="quadrature")(_x())
 
 
+def _sharp_poisson():
+    """A 1-D latent whose posterior given 40 counts is much narrower than the prior."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.poisson(torch.full((3, 40), 5.0, dtype=torch.float64), generator=g)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+            rate = torch.exp(1.0 + z)[..., None].expand(z.shape + (40,))
+            pyro.sample("x", dist.Poisson(rate).to_event(1), obs=x)
+
+    return model, x
+
+
+@trigger("quadrature-grid-unresolved")
+def _():
+    model, x = _sharp_poisson()
+    Evidence(model, method="quadrature", adaptive=False, num_nodes=8)(x)
+
+
+@trigger("quadrature-newton-not-converged")
+def _():
+    model, x = _sharp_poisson()
+    MaskedPretrainingLoss(conditionals=QuadratureConditionals(newton_steps=0)).loss(model, None, x)
+
+
 # ---------------------------------------------------------------------- encode_decode / importance
 def _guided_ppca():
     model, x = _ppca(D=3, K=1)
@@ -1568,6 +1594,7 @@ _EXCEPTION_NAME = re.compile(r"_?[A-Z]\w*(Error|Exception|Warning|NotApplicable|
 INTERNAL = {
     "adapters/masked_lm.py::MaskedLMScorer.score.make_jobs": "a MaskBlock type not wired into the adapter",
     "conditionals/base.py::ConditionalEngine.log_evidence": "the default of engines without log p(x)",
+    "conditionals/quadrature_rules.py::effective_nodes": "the engine passes tensor grids only",
     "conditionals/gaussian.py::GaussianConditionals._factor_whole": "caught by the jitter rescue",
     "conditionals/latent_runs.py::_pad": "Pyro's plate checks fire first",
     "conditionals/latent_runs.py::Decoded.obs_log_prob": "models that do not broadcast fail earlier",

@@ -462,3 +462,230 @@ def test_mask_sums_stay_exact_when_the_matrix_product_underflows(float64):
     assert torch.isfinite(num).all() and float(num[:, :, 0].max()) < -800
     assert torch.allclose(num, num_ref, rtol=1e-12, atol=1e-9)
     assert torch.allclose(den, den_ref, rtol=1e-12, atol=1e-9)
+
+
+# ---------------------------------------------------------------------- issue 11 i, j
+def _poisson_counts_model(D, rate_loc=1.0, rate_scale=0.8):
+    """z ~ N(0, 1), x_d ~ Poisson(exp(a + b z)) independently, d = 1..D."""
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+            rate = torch.exp(rate_loc + rate_scale * z)[..., None].expand(z.shape + (D,))
+            pyro.sample("x", dist.Poisson(rate).to_event(1), obs=x)
+
+    return model
+
+
+def _poisson_log_marginal(xs, rate_loc=1.0, rate_scale=0.8):
+    """log int N(z; 0, 1) prod_d Poisson(x_d; exp(a + b z)) dz by scipy.integrate.quad."""
+    import numpy as np
+    from scipy import integrate, stats
+
+    xs = np.asarray(xs, dtype=float)
+
+    def log_joint(z):
+        return stats.norm.logpdf(z) + stats.poisson.logpmf(xs, np.exp(rate_loc + rate_scale * z)).sum()
+
+    zs = np.linspace(-10, 10, 4001)
+    lj = stats.norm.logpdf(zs) + stats.poisson.logpmf(xs[None], np.exp(rate_loc + rate_scale * zs)[:, None]).sum(1)
+    top, mode = lj.max(), zs[lj.argmax()]
+    value, _ = integrate.quad(
+        lambda z: np.exp(log_joint(z) - top), -10, 10, points=[mode], limit=400, epsabs=0, epsrel=1e-13
+    )
+    return math.log(value) + top
+
+
+def test_effective_nodes_of_gauss_hermite_rules():
+    """Kish's 1 / sum p^2 of the Gauss-Hermite weights themselves (scipy), in all and per axis."""
+    import numpy as np
+    from scipy.special import roots_hermitenorm
+
+    from pyro_mpt.conditionals.quadrature_rules import effective_nodes
+
+    for m, K in ((3, 2), (8, 1), (5, 3)):
+        w = roots_hermitenorm(m)[1]
+        w = w / w.sum()
+        one = 1.0 / (w**2).sum()
+        _, logw = gaussian_grid(m, K)
+        ess, axis = effective_nodes(logw[None], K)
+        assert float(ess) == pytest.approx(one**K, rel=1e-12)
+        assert axis[0].tolist() == pytest.approx([one] * K, rel=1e-12)
+    # a 4 x 4 grid whose mass sits on row 1, evenly: 1 effective node along
+    # the first axis, 4 along the second, 4 in all
+    lj = torch.full((1, 4, 4), -math.inf, dtype=torch.float64)
+    lj[0, 1, :] = 0.0
+    ess, axis = effective_nodes(lj.reshape(1, 16), 2)
+    assert float(ess) == pytest.approx(4.0, rel=1e-12)
+    assert axis[0].tolist() == pytest.approx([1.0, 4.0], rel=1e-12)
+
+
+def test_prior_centred_evidence_warns_and_its_error_covers_the_truth(float64):
+    """Issue 11 i: a prior-centred grid of 64 nodes on posteriors given D=40
+    counts (about 6x narrower than the prior) is off by up to about 2.6 nats.
+    The engine warns (effective nodes per axis < 1.95), and the reported error
+    covers the true error for every datapoint (scipy.integrate.quad reference),
+    without exceeding it by more than the adaptive reference's own error."""
+    import numpy as np
+
+    D, N = 40, 20
+    g = torch.Generator().manual_seed(0)
+    z0 = torch.randn(N, generator=g, dtype=torch.float64)
+    x = torch.poisson(torch.exp(1.0 + 0.8 * z0)[:, None].expand(N, D), generator=g)
+    truth = np.array([_poisson_log_marginal(x[i].numpy()) for i in range(N)])
+    model = _poisson_counts_model(D)
+    with pytest.warns(RuntimeWarning, match="does not resolve the posterior of site 'x'"):
+        ev = Evidence(model, method="quadrature", adaptive=False, num_nodes=64).estimate(x)
+    value = ev.log_evidence.detach().numpy()
+    error = ev.stderr.numpy()
+    true_error = np.abs(value - truth)
+    assert true_error.max() > 1.0  # the defect is there: the grid misses the peaks
+    # covered to the accuracy of the two references (scipy quad and the
+    # adaptive rule: both ~1e-10 here), where the old estimate covered 11 of 20
+    assert (true_error <= error + 1e-8).all()
+    # not inflated: beyond the coarse rule's difference, no more than the truth
+    coarse = np.abs(value - ev.diagnostics["coarse"].numpy())
+    assert (error <= np.maximum(coarse, true_error + 1e-6)).all()
+    assert float(ev.diagnostics["axis_ess"].min()) < 1.95
+    ref = ev.diagnostics["reference"].numpy()
+    assert np.abs(ref - truth).max() < 1e-8
+
+
+def test_adaptive_evidence_is_quiet_and_covers_the_truth(float64):
+    """The default adaptive grid resolves the same posteriors: no warning, every
+    effective-nodes-per-axis at the 32-node Gauss-Hermite value (4.6 -> >= 1.95),
+    and the error estimate covers scipy's value."""
+    import warnings as _w
+
+    import numpy as np
+
+    D, N = 40, 8
+    g = torch.Generator().manual_seed(1)
+    z0 = torch.randn(N, generator=g, dtype=torch.float64)
+    x = torch.poisson(torch.exp(1.0 + 0.8 * z0)[:, None].expand(N, D), generator=g)
+    truth = np.array([_poisson_log_marginal(x[i].numpy()) for i in range(N)])
+    with _w.catch_warnings():
+        _w.simplefilter("error", RuntimeWarning)
+        ev = Evidence(_poisson_counts_model(D), method="quadrature").estimate(x)
+    true_error = np.abs(ev.log_evidence.detach().numpy() - truth)
+    assert true_error.max() < 1e-9
+    assert (true_error <= ev.stderr.numpy() + 1e-12).all()
+    assert ev.diagnostics["reference"] is None
+
+
+def test_default_conditionals_at_one_mask_match_a_dense_grid(float64):
+    """Issue 11 i: leave-one-out conditionals log p(x_j | x_-j) of a 1-D latent
+    model with 12 Poisson tokens, one of them an outlying count of 7, with the
+    default adaptive grid (32 nodes for K = 1), against a dense numpy grid
+    (40001 points on [-8, 8]): within 1e-6 nats (16 nodes were off by 1.4e-4,
+    8 nodes by 1.3e-2)."""
+    import numpy as np
+    from scipy import stats
+
+    D = 12
+    x = torch.tensor(
+        [[7.0, 0, 1, 0, 2, 1, 0, 0, 1, 3, 0, 1], [7.0, 2, 3, 1, 2, 1, 4, 0, 1, 3, 2, 1]], dtype=torch.float64
+    )
+    model = _poisson_counts_model(D, rate_loc=0.0, rate_scale=1.0)
+    zs = np.linspace(-8, 8, 40001)
+    prior = stats.norm.logpdf(zs)
+
+    def log_int(xs):
+        return np.logaddexp.reduce(prior + stats.poisson.logpmf(xs[None], np.exp(zs)[:, None]).sum(1))
+
+    ref = np.array(
+        [[log_int(xi) - log_int(np.delete(xi, j)) for j in range(D)] for xi in x.numpy()]
+    )
+    engine = QuadratureConditionals()
+    tokens, state = prepared(engine, model, x)
+    mask = torch.eye(D, dtype=torch.bool)[:, None, :].expand(D, 2, D)
+    lp = engine.mask_log_prob(state, x, mask)  # (q, n, D)
+    est = lp.diagonal(dim1=0, dim2=2).numpy()  # (n, D): query j, target j
+    assert np.abs(est - ref).max() < 1e-6
+
+
+def test_same_seed_same_number_on_one_object_and_a_fresh_one(float64):
+    """Issue 11 j: the adaptive search ends at the mode with the Hessian taken
+    there, so a warm start (the previous call's centres) gives the same rule as
+    a cold one: the loss, the score and the evidence agree to 1e-10 (float64)
+    between a first call, a second call on the same object and a fresh object."""
+    model, x = make_bernoulli(D=20, K=2, N=30, seed=1)
+
+    def loss_of(obj):
+        pyro.set_rng_seed(3)
+        return obj.loss(model, None, x)
+
+    first = MaskedPretrainingLoss(conditionals="quadrature")
+    values = [loss_of(first) for _ in range(3)]
+    values.append(loss_of(MaskedPretrainingLoss(conditionals="quadrature")))
+    assert values == pytest.approx([values[0]] * 4, rel=0, abs=1e-10)
+
+    ev = Evidence(model, method="quadrature")
+    runs = [ev.estimate(x).log_evidence.detach() for _ in range(2)]
+    runs.append(Evidence(model, method="quadrature").estimate(x).log_evidence.detach())
+    for r in runs[1:]:
+        assert torch.allclose(r, runs[0], rtol=0, atol=1e-10)
+
+
+def test_laplace_rule_does_not_depend_on_the_start(float64):
+    """The centre and scale of the adaptive rule from two different starting
+    points agree to 1e-8 (the Newton tolerance on the decrement is 1e-8)."""
+    model, x = make_bernoulli(D=30, K=2, N=10, seed=4)
+    engine = QuadratureConditionals()
+    tokens = tokens_of(model, x)
+    from pyro_mpt.conditionals.quadrature import _latent_layout, _ModelRunner
+
+    layout, K = _latent_layout(tokens)
+    runner = _ModelRunner(tokens, model, (x,), {}, layout)
+    with torch.no_grad():
+        c1, S1, ok1 = engine._laplace(runner, torch.zeros(10, K, dtype=torch.float64), True)
+        c2, S2, ok2 = engine._laplace(runner, torch.full((10, K), 1.5, dtype=torch.float64), True)
+    assert ok1.all() and ok2.all()
+    assert torch.allclose(c1, c2, rtol=0, atol=1e-8)
+    assert torch.allclose(S1 @ S1.transpose(-1, -2), S2 @ S2.transpose(-1, -2), rtol=0, atol=1e-8)
+
+
+def test_conditional_error_estimate_covers_leave_one_out_errors(float64):
+    """Issue 11 i: with a 2-D latent, an adaptive grid centred on the full
+    posterior resolves the leave-one-out contexts of an outlying count poorly
+    (the default 8 x 8 grid is off by more than 0.1 nats here). The engine's
+    ``mask_log_prob_error`` (difference to the 2m/3-node rule on the same
+    centres) covers the true error of every M = 1 conditional with 12 nodes per
+    dim, and at least 0.7x of it with 8; reference: a dense 601 x 601 numpy grid."""
+    import numpy as np
+    from scipy import stats
+
+    D, n = 12, 4
+    g = torch.Generator().manual_seed(0)
+    W = 0.7 * torch.randn(D, 2, generator=g, dtype=torch.float64)
+    x = torch.poisson(torch.exp(torch.randn(n, 2, generator=g, dtype=torch.float64) @ W.T), generator=g)
+    x[:, 0] = 7.0
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Poisson(torch.exp(z @ W.T)).to_event(1), obs=x)
+
+    a = np.linspace(-7, 7, 601)
+    Z = np.stack(np.meshgrid(a, a, indexing="ij"), -1).reshape(-1, 2)
+    log_prior = stats.norm.logpdf(Z).sum(1)
+    rate = np.exp(Z @ W.numpy().T)
+    ref = []
+    for xi in x.numpy():
+        T = stats.poisson.logpmf(xi[None], rate)
+        joint = log_prior + T.sum(1)
+        full = np.logaddexp.reduce(joint)
+        ref.append([full - np.logaddexp.reduce(joint - T[:, j]) for j in range(D)])
+    ref = np.array(ref)
+    mask = torch.eye(D, dtype=torch.bool)[:, None, :].expand(D, n, D)
+    for m, cover in ((8, 0.7), (12, 1.0)):
+        engine = QuadratureConditionals(m)
+        _, state = prepared(engine, model, x)
+        est = engine.mask_log_prob(state, x, mask).diagonal(dim1=0, dim2=2).numpy()
+        err = engine.mask_log_prob_error(state, x, mask)
+        assert bool((err[~mask] == 0).all())
+        err = err.diagonal(dim1=0, dim2=2).numpy()
+        true = np.abs(est - ref)
+        if m == 8:
+            assert true.max() > 0.1
+        assert (cover * true <= err + 1e-8).all(), (m, true, err)

@@ -54,10 +54,12 @@ Poisson, Beta, ...).
   the limit, and accurate when :math:`\pi` has Gaussian or lighter tails in
   :math:`u` (not Cauchy-like priors).
 * ``adaptive=True`` centres and scales the grid, per datapoint, on the Laplace
-  approximation of the posterior given *all* its tokens (a few Newton steps with
-  line search, started from the best node of a coarse grid, detached from the
-  autograd graph), with the same change-of-variables weights, so the rule stays
-  valid for any centre. Prior-centred grids need hundreds of nodes per dimension
+  approximation of the posterior given *all* its tokens (Newton steps with
+  line search to convergence, started from the best node of a coarse grid or
+  the previous call's centres, ending with a full step and the Hessian at the
+  final centre so that the start does not show; detached from the autograd
+  graph), with the same change-of-variables weights, so the rule stays valid
+  for any centre. Prior-centred grids need hundreds of nodes per dimension
   once D is large, because the posterior is much narrower than the prior; the
   adaptive grid needs about a dozen. Caveat: conditionals with few context tokens
   are then those of the mixture on nodes centred on the full posterior; they
@@ -80,6 +82,7 @@ With the defaults (``max_elements = 2**24``) N=2000, D=784, K=2 runs in about
 """
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -97,8 +100,10 @@ from .base import ConditionalEngine, EngineNotApplicable
 from .gaussian_marginal import _compact, _unwrap
 from .quadrature_rules import (
     MAX_LATENT_DIM,
+    RESOLVED_AXIS_ESS,
     affine_grid,
     default_num_nodes,
+    effective_nodes,
     gaussian_grid,
 )
 
@@ -370,6 +375,8 @@ class QuadratureState:
     :param torch.Tensor ess: per-datapoint effective number of nodes of the
         posterior given all tokens, ``(n,)`` (None when not checked; for a
         streamed table it is filled by the first query).
+    :param torch.Tensor axis_ess: the same per grid axis, ``(n, K)``
+        (:func:`~pyro_mpt.conditionals.quadrature_rules.effective_nodes`).
     """
 
     nodes: torch.Tensor
@@ -380,6 +387,7 @@ class QuadratureState:
     runner: object = field(repr=False)
     chunks: Optional[list] = field(default=None, repr=False)
     ess: Optional[torch.Tensor] = None
+    axis_ess: Optional[torch.Tensor] = None
     ess_pending: bool = False
 
     @property
@@ -521,11 +529,20 @@ class QuadratureConditionals(ConditionalEngine):
         the adaptive Newton search (None: 7, 5, 3, 3 for K = 1..4).
     :param bool warm_start: start the adaptive search from the previous call's
         centres when the data (and the minibatch indices) are the same, as in
-        full-batch SVI; the result does not depend on the start except through
-        the Newton tolerance.
+        full-batch SVI. The search runs to convergence and ends with a full
+        Newton step and the Hessian at its end, so the same seed and inputs
+        give the same number with and without a warm start (to 1e-10 in
+        float64), unless the search did not converge in ``newton_steps`` (then
+        it warns).
     :param float min_ess: raise when the posterior of some datapoint given all
         its tokens puts its mass on fewer than this many effective nodes, the
         sign that the grid is too coarse to resolve it; None disables the check.
+    :param float ess_warning: warn (once per call) when the posterior of some
+        datapoint has fewer than this many effective nodes along some grid axis
+        (or fewer than ``ess_warning ** K`` in all), whatever ``adaptive``: the
+        peak then falls between nodes and log p(x) can be off by nats (see
+        :data:`~pyro_mpt.conditionals.quadrature_rules.RESOLVED_AXIS_ESS`, the
+        default); None disables the warning.
     :param int max_latent_dim: refuse models with more latent dims than this.
     :param int cache_elements: keep the whole ``n x Q x D`` table when it has at
         most this many entries; otherwise stream it chunk by chunk.
@@ -549,6 +566,7 @@ class QuadratureConditionals(ConditionalEngine):
         init_nodes=None,
         warm_start=True,
         min_ess=1.5,
+        ess_warning=RESOLVED_AXIS_ESS,
         max_latent_dim=MAX_LATENT_DIM,
         cache_elements=2**25,
         max_elements=2**24,
@@ -572,6 +590,7 @@ class QuadratureConditionals(ConditionalEngine):
         self.warm_start = bool(warm_start)
         self._warm = None
         self.min_ess = min_ess
+        self.ess_warning = ess_warning
         self.max_latent_dim = int(max_latent_dim)
         self.cache_elements = int(cache_elements)
 
@@ -614,12 +633,25 @@ class QuadratureConditionals(ConditionalEngine):
                     S0 = torch.eye(K, dtype=dtype, device=device)[None]
                 else:
                     start = torch.zeros(n, K, dtype=dtype, device=device)
-                    c0, S0 = self._laplace(runner, start, include_lik=False)
+                    c0, S0, _ = self._laplace(runner, start, include_lik=False)
                 if self.adaptive:
                     start = self._warm_centre(tokens)
                     if start is None:
                         start = self._best_node(runner, c0, S0, K, n)
-                    c, S = self._laplace(runner, start, include_lik=True)
+                    c, S, converged = self._laplace(runner, start, include_lik=True)
+                    if not bool(converged.all()):
+                        bad = int((~converged).sum())
+                        warnings.warn(
+                            f"QuadratureConditionals: the Newton search for the posterior "
+                            f"modes of site {tokens.name!r} did not converge in "
+                            f"newton_steps={self.newton_steps} steps for {bad} of {n} "
+                            f"datapoint(s). The adaptive rule is still valid, but its "
+                            f"value now depends on where the search started (a warm "
+                            f"start from the previous call gives another number); raise "
+                            f"newton_steps.",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
                     self._remember_centre(tokens, c)
                 else:
                     c, S = c0, S0
@@ -637,7 +669,7 @@ class QuadratureConditionals(ConditionalEngine):
         )
         if Q * n * D <= self.cache_elements:
             state.chunks = [state.compute_chunk(sl) for sl in state.slices()]
-        if self.min_ess is not None and Q > 1:
+        if (self.min_ess is not None or self.ess_warning is not None) and Q > 1:
             if state.chunks is not None:
                 with torch.no_grad():
                     self._check_ess(state, torch.cat([_joint_partial(c) for c in state.chunks], -1))
@@ -689,13 +721,20 @@ class QuadratureConditionals(ConditionalEngine):
 
         Each step is a modified Newton step (absolute eigenvalues of the negative
         Hessian) shortened, per datapoint, until the log joint does not decrease;
-        the search stops when every Newton decrement is below a tolerance. The
-        Hessian is recomputed only when the gradient at the new point is not yet
-        small under the previous one (any centre and scale give a valid rule;
-        they only need to be close to the posterior's).
+        the search stops when every Newton decrement (with a Hessian taken at the
+        current point) is below a tolerance. The Hessian is recomputed only when
+        the gradient at the new point is not yet small under the previous one.
 
-        :returns: ``(centre (n, K), sqrt_cov (n, K, K))`` with
-            ``sqrt_cov @ sqrt_cov.T`` the inverse negative Hessian near the centre.
+        The rule must not depend on where the search started (the coarse grid's
+        best node on a first call, the previous centres on a warm start): once
+        converged, one more full Newton step puts the centre within about the
+        square of the last step of the mode, and the scale is taken from the
+        Hessian *at that centre*, so that two searches from different starts
+        give the same rule up to a few ``tol`` (``tol`` = 1e-8 in float64, 1e-3
+        in float32, on the decrement).
+
+        :returns: ``(centre (n, K), sqrt_cov (n, K, K), converged (n,))`` with
+            ``sqrt_cov @ sqrt_cov.T`` the inverse negative Hessian at the centre.
         """
         n, K = u.shape
         finfo = torch.finfo(u.dtype)
@@ -716,8 +755,9 @@ class QuadratureConditionals(ConditionalEngine):
             return step, (g * step).sum(-1)
 
         step, decrement = newton_step(g, negH)
+        fresh = True  # negH was taken at u
         for _ in range(self.newton_steps):
-            if float(decrement.max()) < tol:
+            if fresh and float(decrement.max()) < tol:
                 break
             noise = 16 * finfo.eps * J.abs().clamp_min(1.0)
             alpha = torch.ones(n, dtype=u.dtype, device=u.device)
@@ -731,14 +771,23 @@ class QuadratureConditionals(ConditionalEngine):
             u = torch.where(ok.unsqueeze(-1), cand, u)
             J, g, _ = self._derivatives(runner, u, include_lik, hessian=False)
             step, decrement = newton_step(g, negH)
-            if float(decrement.max()) < tol:
-                break
+            fresh = False
+            if float(decrement.max()) >= tol:
+                J, g, negH = self._derivatives(runner, u, include_lik)
+                step, decrement = newton_step(g, negH)
+                fresh = True
+        if not fresh:
             J, g, negH = self._derivatives(runner, u, include_lik)
             step, decrement = newton_step(g, negH)
+        converged = decrement < tol
+        # the last, tiny Newton step (no line search needed) and the Hessian at
+        # its end: the rule then no longer shows where the search started
+        u = torch.where(converged.unsqueeze(-1), u + step, u)
+        J, g, negH = self._derivatives(runner, u, include_lik)
         lam, V = torch.linalg.eigh(negH)
         lam = lam.clamp_min(1e-4)
         S = V * lam.rsqrt().unsqueeze(-2)  # S S^T = V diag(1/lam) V^T
-        return u, S
+        return u, S, converged
 
     def _warm_key(self, tokens):
         subsample = tuple(
@@ -805,30 +854,48 @@ class QuadratureConditionals(ConditionalEngine):
         return total
 
     def _check_ess(self, state, lj):
-        """Effective number of nodes of each posterior given all tokens, from the
-        per-node log joints ``lj`` ``(n, Q)``; raise when below ``min_ess``."""
+        """Effective number of nodes of each posterior given all tokens, in all
+        and per grid axis, from the per-node log joints ``lj`` ``(n, Q)``; raise
+        when below ``min_ess``, warn when below ``ess_warning``."""
         with torch.no_grad():
-            p = torch.softmax(lj.detach(), -1)
-            ess = 1.0 / p.pow(2).sum(-1)
-        state.ess = ess
-        low = ess < self.min_ess
-        if bool(low.any()):
-            worst = int(ess.argmin())
-            m = round(state.num_nodes ** (1.0 / max(1, state.latent_dim)))
-            hint = (
-                "use more nodes per dimension (num_nodes=...)"
-                if self.adaptive
-                else "use adaptive=True (the grid then follows each posterior) or more nodes (num_nodes=...)"
-            )
-            raise ValueError(
-                f"QuadratureConditionals: the grid of {state.num_nodes} nodes ({m} per "
-                f"latent dim{', adaptive' if self.adaptive else ', prior-centred'}) is too "
-                f"coarse for site {state.runner.tokens.name!r}: the posterior of {int(low.sum())} of "
-                f"{state.num_data} datapoints given their D={state.num_tokens} tokens "
-                f"sits on fewer than min_ess={self.min_ess} effective nodes (datapoint "
-                f"{worst}: {float(ess[worst]):.3g}), so the integrals are not resolved; "
-                f"{hint}, or pass min_ess=None to skip this check."
-            )
+            ess, axis_ess = effective_nodes(lj, state.latent_dim)
+        state.ess, state.axis_ess = ess, axis_ess
+        K = state.latent_dim
+        m = round(state.num_nodes ** (1.0 / max(1, K)))
+        hint = (
+            "use more nodes per dimension (num_nodes=...)"
+            if self.adaptive
+            else "use adaptive=True (the grid then follows each posterior) or more nodes (num_nodes=...)"
+        )
+        grid = f"{state.num_nodes} nodes ({m} per latent dim{', adaptive' if self.adaptive else ', prior-centred'})"
+        name = state.runner.tokens.name
+        if self.min_ess is not None:
+            low = ess < self.min_ess
+            if bool(low.any()):
+                worst = int(ess.argmin())
+                raise ValueError(
+                    f"QuadratureConditionals: the grid of {grid} is too "
+                    f"coarse for site {name!r}: the posterior of {int(low.sum())} of "
+                    f"{state.num_data} datapoints given their D={state.num_tokens} tokens "
+                    f"sits on fewer than min_ess={self.min_ess} effective nodes (datapoint "
+                    f"{worst}: {float(ess[worst]):.3g}), so the integrals are not resolved; "
+                    f"{hint}, or pass min_ess=None to skip this check."
+                )
+        if self.ess_warning is not None and K > 0:
+            per_axis = axis_ess.amin(-1)
+            low = (per_axis < self.ess_warning) | (ess < self.ess_warning**K)
+            if bool(low.any()):
+                worst = int(per_axis.argmin())
+                warnings.warn(
+                    f"QuadratureConditionals: the grid of {grid} does not resolve the "
+                    f"posterior of site {name!r} for {int(low.sum())} of {state.num_data} "
+                    f"datapoints: it sits on fewer than {self.ess_warning:g} effective "
+                    f"nodes along some latent axis (datapoint {worst}: "
+                    f"{float(per_axis[worst]):.3g}), so log p(x) and the conditionals "
+                    f"can be off by nats; {hint}.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
 
     # ------------------------------------------------------------------ queries
     def mask_log_prob(self, state, x, mask):
@@ -839,6 +906,72 @@ class QuadratureConditionals(ConditionalEngine):
         empty = ~(~mask).any(-1)  # (q, r)
         den = torch.where(empty, torch.zeros_like(den), den)
         return num - den.unsqueeze(-1)
+
+    def companion(self, state, num_nodes):
+        r"""The same rule with ``num_nodes`` nodes per latent dim, for error estimates.
+
+        It reuses this engine's options and (adaptive grids) its converged
+        centres, so only the number of nodes differs; it neither raises nor
+        warns about its effective nodes.
+
+        :returns: ``(engine, state)`` for the same tokens.
+        """
+        opts = dict(
+            adaptive=self.adaptive,
+            newton_steps=self.newton_steps,
+            init_nodes=self.init_nodes,
+            warm_start=self.warm_start,
+            min_ess=None,
+            ess_warning=None,
+            max_latent_dim=self.max_latent_dim,
+            cache_elements=self.cache_elements,
+            max_elements=self.max_elements,
+        )
+        engine = QuadratureConditionals(int(num_nodes), **opts)
+        engine._warm = self._warm
+        runner = state.runner
+        with torch.no_grad():
+            other = engine.prepare(runner.tokens, runner.model, None, runner.args, runner.kwargs)
+        return engine, other
+
+    def mask_log_prob_error(self, state, x, mask, error_nodes=None):
+        r"""Error estimate of :meth:`mask_log_prob`, per query and target, ``(q, n, D)``.
+
+        .. math::
+
+            \hat\epsilon_{j} = \big|\log \hat p_m(x_j \mid x_{\mathcal R})
+              - \log \hat p_{m'}(x_j \mid x_{\mathcal R})\big|,
+
+        the difference to the same rule with ``error_nodes`` :math:`= m'`
+        nodes per dim (default ``max(1, 2 m // 3)``) on the same centres, as
+        ``Evidence(method="quadrature")`` does for :math:`\log p(x)`. An
+        adaptive grid is centred on each posterior given *all* tokens, so the
+        conditionals given few or unusual contexts converge more slowly in
+        :math:`m` than :math:`\log p(x)`; this estimates their error (it
+        assumes the finer rule is the more accurate; it is not a bound).
+        Entries that are not targets are 0. It costs a second table with
+        :math:`m'^K` nodes.
+
+        :param state: from :meth:`prepare`.
+        :param torch.Tensor x: the tokens of the state.
+        :param torch.Tensor mask: target masks ``(q, n, D)`` or ``(q, 1, D)``.
+        :param int error_nodes: nodes per dim of the second rule.
+
+        Example::
+
+            >>> lp = engine.mask_log_prob(state, x, mask)
+            >>> err = engine.mask_log_prob_error(state, x, mask)  # same shape
+        """
+        K = state.latent_dim
+        m = round(state.num_nodes ** (1.0 / K)) if K else 1
+        if error_nodes is None:
+            error_nodes = max(1, (2 * m) // 3)
+        with torch.no_grad():
+            fine = self.mask_log_prob(state, x, mask)
+            engine, other = self.companion(state, error_nodes)
+            coarse = engine.mask_log_prob(other, x, mask)
+            err = (fine - coarse).abs()
+        return torch.where(mask.expand_as(err), err, torch.zeros_like(err))
 
     def chain_log_prob(self, state, x, order):
         self._check_x(state, x)
@@ -887,10 +1020,31 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
       ``m`` nodes per dim);
     * ``tol`` -- raise when the estimated error of some datapoint exceeds it.
 
+    The error estimate of the rule's value :math:`\hat\ell_m` is
+
+    .. math::
+
+        \hat\epsilon = |\hat\ell_m - \hat\ell_{m'}|
+        \quad\text{(adaptive)}, \qquad
+        \hat\epsilon = \max\big(|\hat\ell_m - \hat\ell_{m'}|,\;
+        |\hat\ell_m - \hat\ell^{a}| + |\hat\ell^{a} - \hat\ell^{a'}|\big)
+        \quad\text{(prior-centred)},
+
+    with :math:`\hat\ell^{a}, \hat\ell^{a'}` the default adaptive rule and its
+    coarser companion. Two prior-centred rules that both miss a sharp peak
+    are off by similar, unrelated amounts, so their difference alone can be
+    smaller than either error; the second term bounds the error by the
+    triangle inequality through the adaptive rule, which resolves such peaks.
+    It is an estimate, not a bound: it assumes the finer of two rules is the
+    more accurate. A warning (the engine's ``ess_warning``) says when some
+    posterior sits on too few effective nodes, whatever ``adaptive``.
+
     :returns: :class:`~pyro_mpt.evidence.EvidenceResult` whose ``stderr`` is the
-        per-datapoint error estimate :math:`|\log\hat p_m - \log\hat p_{m'}|`
-        and whose diagnostics hold ``num_nodes``, ``error_nodes``,
-        ``coarse`` (the coarser estimate) and ``ess``.
+        per-datapoint error estimate :math:`\hat\epsilon` and whose
+        diagnostics hold ``num_nodes``, ``error_nodes``, ``coarse`` (the coarser
+        estimate), ``reference`` (the adaptive value, prior-centred grids only,
+        else None), ``ess`` and ``axis_ess`` (effective nodes in all and per
+        latent axis, ``(n,)`` and ``(n, K)``) and ``adaptive``.
     """
     from ..evidence import EvidenceResult
 
@@ -900,28 +1054,50 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     options.setdefault("min_ess", 0.0)  # report the effective nodes, never raise
     # one engine per option set, kept on the Evidence object: repeated calls on
     # the same data (e.g. every few epochs of training) warm-start the adaptive
-    # search from the previous centres
+    # search from the previous centres (the same value to the Newton tolerance)
     engines = evidence.__dict__.setdefault("_quadrature_engines", {})
-    key = repr(sorted(options.items()))
-    if key not in engines:
-        engines[key] = QuadratureConditionals(**options)
-    engine = engines[key]
-    try:
-        state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
-    except EngineNotApplicable as e:
-        raise type(e)(f"Evidence(method='quadrature') cannot serve this model. {e}") from e
-    value = engine.log_evidence(state, tokens.value)
+
+    def engine_for(opts):
+        key = repr(sorted(opts.items()))
+        if key not in engines:
+            engines[key] = QuadratureConditionals(**opts)
+        return engines[key]
+
+    def evaluate(engine, differentiable):
+        try:
+            with torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
+                state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
+                value = engine.log_evidence(state, tokens.value)
+        except EngineNotApplicable as e:
+            raise type(e)(f"Evidence(method='quadrature') cannot serve this model. {e}") from e
+        return state, value
+
+    def companion(engine, state, nodes):
+        # the coarser rule on the same centres (no second search), quiet: its
+        # effective nodes are fewer by design
+        try:
+            other_engine, other = engine.companion(state, nodes)
+        except EngineNotApplicable as e:
+            raise type(e)(f"Evidence(method='quadrature') cannot serve this model. {e}") from e
+        with torch.no_grad():
+            return other_engine.log_evidence(other, tokens.value)
+
+    engine = engine_for(options)
+    state, value = evaluate(engine, True)
     K = state.latent_dim
     m = round(state.num_nodes ** (1.0 / K)) if K else 1
     if error_nodes is None:
         error_nodes = max(1, (2 * m) // 3)
-    coarse_options = dict(options, num_nodes=int(error_nodes))
-    coarse_engine = QuadratureConditionals(**coarse_options)
-    coarse_engine._warm = engine._warm  # the same centres (no second search)
-    with torch.no_grad():
-        coarse_state = coarse_engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
-        coarse = coarse_engine.log_evidence(coarse_state, tokens.value)
+    coarse = companion(engine, state, error_nodes)
     error = (value.detach() - coarse).abs()
+    reference = None
+    if not engine.adaptive and K > 0:
+        ref_options = dict(options, adaptive=True, num_nodes=None, ess_warning=None)
+        ref_engine = engine_for(ref_options)
+        ref_state, reference = evaluate(ref_engine, False)
+        m_ref = round(ref_state.num_nodes ** (1.0 / K))
+        ref_error = (reference - companion(ref_engine, ref_state, max(1, (2 * m_ref) // 3))).abs()
+        error = torch.maximum(error, (value.detach() - reference).abs() + ref_error)
     if tol is not None and bool((error > tol).any()):
         worst = int(error.argmax())
         raise ValueError(
@@ -935,7 +1111,9 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
         "num_nodes": m,
         "error_nodes": int(error_nodes),
         "coarse": coarse,
-        "ess": None if state.ess is None else state.ess,
+        "reference": reference,
+        "ess": state.ess,
+        "axis_ess": state.axis_ess,
         "adaptive": engine.adaptive,
     }
     return EvidenceResult(value, error, diagnostics)

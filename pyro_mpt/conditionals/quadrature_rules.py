@@ -41,6 +41,8 @@ __all__ = [
     "gaussian_grid",
     "affine_grid",
     "log_std_normal",
+    "effective_nodes",
+    "RESOLVED_AXIS_ESS",
 ]
 
 #: Tensor grids hold ``num_nodes ** K`` nodes; above this latent dimension the
@@ -48,9 +50,17 @@ __all__ = [
 MAX_LATENT_DIM = 4
 
 #: Default nodes per latent dimension, ``{K: (prior-centred, adaptive)}``.
-DEFAULT_NUM_NODES = {0: (1, 1), 1: (128, 16), 2: (48, 8), 3: (16, 6), 4: (8, 5)}
+DEFAULT_NUM_NODES = {0: (1, 1), 1: (128, 32), 2: (48, 8), 3: (16, 6), 4: (8, 5)}
 
 _LOG_2PI = math.log(2 * math.pi)
+
+#: Effective nodes per grid axis below which a posterior counts as unresolved.
+#: A Gauss–Hermite rule centred on a Gaussian peak has at least 2 (exactly 2
+#: for 2 and 3 nodes, 3.3 for 8, 4.6 for 16); for a Gaussian peak on a
+#: prior-centred 1-D grid, the error of log p(x) (2800 peaks of widths 0.01 to
+#: 1 at N(0, 1.5^2) offsets, 4 to 256 nodes) was at most 0.05 nats where the
+#: effective number was in [2, 2.1) and up to 7 nats in [1.9, 2).
+RESOLVED_AXIS_ESS = 1.95
 
 
 def default_num_nodes(K, adaptive):
@@ -132,3 +142,42 @@ def affine_grid(e, log_w, centre, sqrt_cov):
     # log N(u; c, S S^T) = log N(e; 0, I) - log|det S|
     log_W = log_w[None, :] - log_std_normal(e)[None, :] + logdet[:, None]
     return u, log_W
+
+
+def effective_nodes(log_joint, num_axes):
+    r"""Effective number of nodes of a posterior on a tensor grid, in all and per axis.
+
+    With normalized node weights :math:`p_q \propto e^{\ell_q}` (the rule's
+    weight times prior times likelihood at node :math:`q`), the effective
+    number of nodes is :math:`1 / \sum_q p_q^2` (Kish). Per axis :math:`k` it
+    is that of the marginal weights :math:`\sum_{q: i_k(q) = i} p_q` along the
+    grid's :math:`k`-th index, so that a posterior resolved along one axis
+    cannot hide one that falls between the nodes of another.
+
+    :param torch.Tensor log_joint: per-node log weights ``(n, Q)`` of a tensor
+        grid of ``Q = m ** num_axes`` nodes in the order of :func:`gaussian_grid`.
+    :param int num_axes: ``K``.
+    :returns: ``(ess (n,), axis_ess (n, K))``.
+
+    Example::
+
+        >>> e, logw = gaussian_grid(3, 2)
+        >>> ess, axis = effective_nodes(logw[None], 2)
+        >>> round(float(ess), 6), [round(float(a), 6) for a in axis[0]]
+        (4.0, [2.0, 2.0])
+    """
+    p = torch.softmax(log_joint.detach(), -1)
+    n, Q = p.shape
+    ess = 1.0 / p.pow(2).sum(-1)
+    if num_axes == 0:
+        return ess, p.new_zeros(n, 0)
+    m = round(Q ** (1.0 / num_axes))
+    if m**num_axes != Q:
+        raise ValueError(f"effective_nodes: {Q} nodes are not a tensor grid over {num_axes} axes.")
+    grid = p.reshape((n,) + (m,) * num_axes)
+    axis = []
+    for k in range(num_axes):
+        others = tuple(d + 1 for d in range(num_axes) if d != k)
+        marginal = grid.sum(others) if others else grid
+        axis.append(1.0 / marginal.pow(2).sum(-1))
+    return ess, torch.stack(axis, -1)
