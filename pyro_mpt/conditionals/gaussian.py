@@ -120,19 +120,31 @@ def _lowrank_dtype(F, psi, dtypes=None):
 
 
 def _dense_dtype(cov):
-    """``cov``'s dtype when its Cholesky factor is accurate in it, else float64.
+    r"""``cov``'s dtype when Cholesky solves with it are accurate in that dtype, else float64.
 
-    The relative rounding error of a pivot is about ``eps`` times its diagonal
-    entry, so pivots :math:`L_{kk}^2` below ``eps / _PRECISION`` times their
-    diagonal (a covariance whose scaled condition number exceeds about that)
-    lose more than ``_PRECISION`` of their value.
+    Solves with a Cholesky factor of :math:`\Sigma` carry relative errors of about
+    ``eps`` times the condition number of the diagonally scaled
+    :math:`S^{-1/2}\Sigma S^{-1/2}` (:math:`S` the diagonal of :math:`\Sigma`),
+    and so do the Mahalanobis terms of log p. That condition number is estimated
+    as :math:`D / \lambda_{\min}` (:math:`D` bounds the largest eigenvalue, the
+    trace), with :math:`\lambda_{\min}` from a few steps of inverse iteration on
+    the factor; it must stay below ``_PRECISION / eps``.
     """
     if cov.dtype == torch.float64:
         return cov.dtype
     with torch.no_grad():
-        L, info = torch.linalg.cholesky_ex(cov)
-        ratio = torch.diagonal(L, dim1=-2, dim2=-1).pow(2) / torch.diagonal(cov, dim1=-2, dim2=-1)
-        bad = bool(((info != 0) | (ratio < torch.finfo(cov.dtype).eps / _PRECISION).any(-1)).any())
+        d = torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(torch.finfo(cov.dtype).tiny).sqrt()
+        L, info = torch.linalg.cholesky_ex(cov / (d.unsqueeze(-1) * d.unsqueeze(-2)))
+        if bool((info != 0).any()):
+            return torch.float64
+        D = cov.shape[-1]
+        # a start with a component along every eigenvector, unlike a constant one could miss
+        v = torch.linspace(1.0, 2.0, D, dtype=cov.dtype, device=cov.device).expand(L.shape[:-1]).unsqueeze(-1)
+        for _ in range(8):
+            v = torch.cholesky_solve(v, L)
+            v = v / v.norm(dim=-2, keepdim=True)
+        lam_min = 1.0 / torch.cholesky_solve(v, L).norm(dim=-2)
+        bad = bool((~(torch.finfo(cov.dtype).eps * D / lam_min <= _PRECISION)).any())
     return torch.float64 if bad else cov.dtype
 
 
