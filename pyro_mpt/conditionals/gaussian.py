@@ -246,7 +246,8 @@ class GaussianConditionals(ConditionalEngine):
             if work is None and self.method == "auto":
                 dense = True
             else:
-                work = data_dtype if work is None else work  # 'lowrank' asked: the rescue decides
+                # 'lowrank' asked for: the rescue raises the noise, in the widest dtype
+                work = torch.float64 if work is None else work
                 state = GaussianMarginal(
                     marginal.loc.to(work), cov_factor=F.to(work), cov_diag=psi.to(work), site=site,
                     data_dtype=None if work == data_dtype else data_dtype,
