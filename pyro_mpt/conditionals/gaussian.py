@@ -370,8 +370,8 @@ class GaussianConditionals(ConditionalEngine):
             f"GaussianConditionals: the covariance of site {state.site!r} is not positive "
             f"definite in {name} (Cholesky failed: it is singular or nearly so); added "
             f"jitter {tau:.3g} ({rel:.0e} x its mean diagonal {scale:.3g}) to its diagonal, "
-            f"which changes log p by up to about {change:.3g} nats per datapoint (through "
-            f"its log-determinant). Use float64 data and parameters where it is not "
+            f"which changes log p through its log-determinant by an estimated {change:.3g} "
+            f"nats per datapoint. Use float64 data and parameters where they are not "
             f"float64 already, pass GaussianConditionals(jitter=...) to choose the amount, "
             f"or give the model more observation noise.",
             site=state.site,
@@ -385,10 +385,11 @@ class GaussianConditionals(ConditionalEngine):
         r"""How much the rescue's jitter :math:`\tau` changes log p per datapoint
         through the log-determinant: :math:`\tfrac12\sum_k\log(1 + \tau/\lambda_k)`
         over the eigenvalues :math:`\lambda_k` of the covariance, the most over the
-        datapoints. On the low-rank path the noise variances :math:`\psi_j \le
-        \lambda`-wise stand in for the eigenvalues, which makes it an upper bound;
-        on the dense path eigenvalues below rounding (``eps`` times the largest)
-        are taken at that floor, which makes it an estimate from below."""
+        datapoints. On the low-rank path the noise variances :math:`\psi_j` stand
+        in for the eigenvalues (:math:`FF^\top + \Psi \succeq \Psi`), which makes
+        it an upper bound; on the dense path eigenvalues below rounding (``eps``
+        times the largest) are taken at that floor, which makes it an estimate
+        from below."""
         tau = state.jitter
         with torch.no_grad():
             if state.is_low_rank:
