@@ -558,8 +558,11 @@ def _mpmath_logpdf(cov, mu, x, dps=40):
         L = mpmath.cholesky(mpmath.matrix(cov.tolist()))
         logdet = 2 * mpmath.fsum(mpmath.log(L[i, i]) for i in range(L.rows))
         out = []
+        n = L.rows
         for xi in x.double():
-            u = mpmath.lu_solve(L, mpmath.matrix((xi - mu).tolist()))
+            r, u = (xi - mu).tolist(), []
+            for i in range(n):  # forward substitution L u = r
+                u.append((r[i] - mpmath.fsum(L[i, k] * u[k] for k in range(i))) / L[i, i])
             maha = mpmath.fsum(ui**2 for ui in u)
             out.append(float(-0.5 * (len(xi) * mpmath.log(2 * mpmath.pi) + logdet + maha)))
     return torch.tensor(out, dtype=torch.float64)
