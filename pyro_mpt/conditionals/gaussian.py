@@ -173,8 +173,17 @@ class GaussianConditionals(ConditionalEngine):
     and Normal latents with a Normal observation affine in them (PPCA, factor
     analysis, models with covariates).
 
+    Precision: where the data's dtype cannot hold the low-rank pieces (the
+    noise is tiny against the loading; see :func:`_lowrank_dtype`) or the
+    dense covariance (its scaled condition number exceeds ``1e-3 / eps``), the
+    engine computes them in float64 from the parameters (gradients included)
+    and returns results in the data's dtype; where float64 cannot hold the
+    low-rank pieces either, ``"auto"`` takes the dense path. See
+    ``docs/numerics.md``.
+
     :param str method: ``"auto"`` (low-rank when the marginal has rank below
-        D, else dense), ``"lowrank"`` or ``"dense"``.
+        D and the low-rank pieces are accurate in float64, else dense),
+        ``"lowrank"`` or ``"dense"``.
     :param float jitter: added to the marginal's diagonal; 0 by default.
     :param float max_jitter: when a Cholesky factorization fails (the
         covariance is singular or nearly so), add jitter :math:`10^{-8}`
@@ -182,7 +191,7 @@ class GaussianConditionals(ConditionalEngine):
         diagonal to its diagonal and retry, ten times more at each retry up
         to ``max_jitter`` times it, warning
         (:class:`~pyro_mpt.conditionals.base.NumericalWarning`) with the
-        amount; 0 disables the rescue. The engine keeps the relative jitter
+        amount and its estimated change of log p (``log_prob_change``); 0 disables the rescue. The engine keeps the relative jitter
         it reached per observed site and dtype: later calls (the next
         training steps) start from it and warn only when it grows.
     :param bool vectorize: derive the marginal with one vectorized model run.
