@@ -174,7 +174,7 @@ class GaussianConditionals(ConditionalEngine):
     analysis, models with covariates).
 
     Precision: where the data's dtype cannot hold the low-rank pieces (the
-    noise is tiny against the loading; see :func:`_lowrank_dtype`) or the
+    noise is tiny against the loading; see ``_lowrank_dtype``) or the
     dense covariance (its scaled condition number exceeds ``1e-3 / eps``), the
     engine computes them in float64 from the parameters (gradients included)
     and returns results in the data's dtype; where float64 cannot hold the
@@ -294,7 +294,7 @@ class GaussianConditionals(ConditionalEngine):
         """Factor the state's covariance and keep the factor on the state (with its
         gradient, for the exact log-density). On the low-rank path, a noise
         variance with zeros, or too small against the loading for the state's
-        dtype (see :func:`_lowrank_dtype`), fails like a Cholesky factorization,
+        dtype (see ``_lowrank_dtype``), fails like a Cholesky factorization,
         so that the rescue's jitter raises it."""
         if not state.is_low_rank:
             state.factor = _cholesky(state.covariance, "covariance", state.site)
