@@ -609,3 +609,25 @@ def test_tiny_noise_exhaustive_masks_on_twelve_digit_pixels():
         warnings.simplefilter("error", NumericalWarning)
         value = MaskedPretrainingLoss(masks="exhaustive").score(model, None, x)
     assert torch.allclose(value, ref, rtol=1e-8, atol=0)
+
+
+@pytest.mark.parametrize("equal", [True, False], ids=["rank1", "rank2"])
+@pytest.mark.parametrize("noise", [0.1, 0.06])
+def test_float32_lowrank_path_below_the_widening_threshold_is_within_eps_kappa(noise, equal):
+    """Below the threshold eps kappa <= 1e-3 (kappa = tr(F^T Psi^-1 F), 2.5e-4 and 7e-4
+    here) the low-rank path stays in float32; its error against scipy's log-density of
+    the float32-rounded model is then at most eps kappa nats per datapoint, the stated
+    tolerance (measured up to 8e-5 nats, 0.12 eps kappa, rank 1 with the 'order' schedule)."""
+    from scipy.stats import multivariate_normal
+
+    model, x, cov = _two_column_ppca(noise, equal, torch.float32)
+    ref = torch.as_tensor(multivariate_normal(torch.zeros(8).numpy(), cov.numpy()).logpdf(x.double().numpy()))
+    tokens = trace_tokens(model, None, (x,), {})
+    state = GaussianConditionals("lowrank").prepare(tokens, model, None, (x,), {})
+    assert state.data_dtype is None and state.loc.dtype == torch.float32  # not widened
+    kappa = float((state.cov_factor.double().pow(2).sum(-1) / state.cov_diag.double()).sum(-1).max())
+    bound = torch.finfo(torch.float32).eps * kappa
+    assert 1e-4 < bound <= 1e-3
+    for masks in ("exhaustive", "order"):
+        value = MaskedPretrainingLoss(masks=masks, conditionals=GaussianConditionals("lowrank")).score(model, None, x)
+        assert (value.double() - ref).abs().max() <= bound, masks
