@@ -83,6 +83,81 @@ def _first_jitter(dtype):
     return 10.0 ** math.ceil(math.log10(max(1e-8, 50 * torch.finfo(dtype).eps)))
 
 
+#: the rounding error, relative to the quantities summed into a log-density, up to
+#: which a path computes in the data's dtype; beyond it the engine widens the dtype
+#: (float32 -> float64) or, when float64 is not enough either, changes path
+_PRECISION = 1e-3
+
+
+def _lowrank_dtype(F, psi, dtypes=None):
+    r"""The first of ``dtypes`` (default: ``F``'s dtype, then float64) in which the
+    low-rank pieces of :math:`\Sigma = FF^\top + \Psi` are accurate; None when
+    none is (or :math:`\Psi` has zeros).
+
+    With :math:`\kappa = \max_i \operatorname{tr}(F^\top\Psi^{-1}F)`, the
+    largest total signal-to-noise ratio over the datapoints, a context
+    precision :math:`I + F_{\mathcal R}^\top\Psi_{\mathcal R}^{-1}F_{\mathcal R}`
+    is formed with rounding errors up to :math:`\epsilon\kappa`. When the
+    loading is rank-deficient (two equal columns) or a context is smaller than
+    the rank, that matrix has eigenvalues near 1, and errors of
+    :math:`\epsilon\kappa` change them, and log p, by about as much:
+    :math:`\epsilon\kappa` must stay below ``_PRECISION``. With one column
+    (:math:`R = 1`) the precision is a scalar :math:`1 + g^2` that no rounding
+    cancels, and the bound is that of the centred residual
+    :math:`e^2/\psi`, :math:`\epsilon^2\kappa`.
+    """
+    if dtypes is None:
+        dtypes = tuple(dict.fromkeys((F.dtype, torch.float64)))
+    with torch.no_grad():
+        psi = psi.double()
+        ratio = F.double().pow(2).sum(-1) / psi.clamp_min(torch.finfo(torch.float64).tiny)
+        kappa = float(torch.where(psi > 0, ratio, math.inf).sum(-1).max())
+    power = 2 if F.shape[-1] == 1 else 1
+    for dtype in dtypes:
+        if torch.finfo(dtype).eps ** power * kappa <= _PRECISION:
+            return dtype
+    return None
+
+
+def _dense_dtype(cov):
+    r"""``cov``'s dtype when Cholesky solves with it are accurate in that dtype, else float64.
+
+    Solves with a Cholesky factor of :math:`\Sigma` carry relative errors of about
+    ``eps`` times the condition number of the diagonally scaled
+    :math:`S^{-1/2}\Sigma S^{-1/2}` (:math:`S` the diagonal of :math:`\Sigma`),
+    and so do the Mahalanobis terms of log p. That condition number is estimated
+    as :math:`D / \lambda_{\min}` (:math:`D` bounds the largest eigenvalue, the
+    trace), with :math:`\lambda_{\min}` from a few steps of inverse iteration on
+    the factor; it must stay below ``_PRECISION / eps``.
+    """
+    if cov.dtype == torch.float64:
+        return cov.dtype
+    with torch.no_grad():
+        d = torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(torch.finfo(cov.dtype).tiny).sqrt()
+        L, info = torch.linalg.cholesky_ex(cov / (d.unsqueeze(-1) * d.unsqueeze(-2)))
+        if bool((info != 0).any()):
+            return torch.float64
+        D = cov.shape[-1]
+        # a start with a component along every eigenvector, unlike a constant one could miss
+        v = torch.linspace(1.0, 2.0, D, dtype=cov.dtype, device=cov.device).expand(L.shape[:-1]).unsqueeze(-1)
+        for _ in range(8):
+            v = torch.cholesky_solve(v, L)
+            v = v / v.norm(dim=-2, keepdim=True)
+        lam_min = 1.0 / torch.cholesky_solve(v, L).norm(dim=-2)
+        bad = bool((~(torch.finfo(cov.dtype).eps * D / lam_min <= _PRECISION)).any())
+    return torch.float64 if bad else cov.dtype
+
+
+def _to_work(state, x):
+    """The data in the dtype the state computes in."""
+    return x if state.data_dtype is None else x.to(state.loc.dtype)
+
+
+def _to_data(state, out):
+    """A result back in the data's dtype."""
+    return out if state.data_dtype is None else out.to(state.data_dtype)
+
+
 def _take(t, idx):
     """Rows ``idx`` of a tensor whose leading dim is n or 1 (shared)."""
     return t if t.shape[0] == 1 else t[idx]
@@ -98,8 +173,17 @@ class GaussianConditionals(ConditionalEngine):
     and Normal latents with a Normal observation affine in them (PPCA, factor
     analysis, models with covariates).
 
+    Precision: where the data's dtype cannot hold the low-rank pieces (the
+    noise is tiny against the loading; see ``_lowrank_dtype``) or the
+    dense covariance (its scaled condition number exceeds ``1e-3 / eps``), the
+    engine computes them in float64 from the parameters (gradients included)
+    and returns results in the data's dtype; where float64 cannot hold the
+    low-rank pieces either, ``"auto"`` takes the dense path. See
+    ``docs/numerics.md``.
+
     :param str method: ``"auto"`` (low-rank when the marginal has rank below
-        D, else dense), ``"lowrank"`` or ``"dense"``.
+        D and the low-rank pieces are accurate in float64, else dense),
+        ``"lowrank"`` or ``"dense"``.
     :param float jitter: added to the marginal's diagonal; 0 by default.
     :param float max_jitter: when a Cholesky factorization fails (the
         covariance is singular or nearly so), add jitter :math:`10^{-8}`
@@ -107,7 +191,7 @@ class GaussianConditionals(ConditionalEngine):
         diagonal to its diagonal and retry, ten times more at each retry up
         to ``max_jitter`` times it, warning
         (:class:`~pyro_mpt.conditionals.base.NumericalWarning`) with the
-        amount; 0 disables the rescue. The engine keeps the relative jitter
+        amount and its estimated change of log p (``log_prob_change``); 0 disables the rescue. The engine keeps the relative jitter
         it reached per observed site and dtype: later calls (the next
         training steps) start from it and warn only when it grows.
     :param bool vectorize: derive the marginal with one vectorized model run.
@@ -146,12 +230,8 @@ class GaussianConditionals(ConditionalEngine):
             self.method == "auto" and (not marginal.is_low_rank or marginal.rank >= D)
         )
         site = tokens.name
-        if dense:
-            cov = marginal.dense()
-            if self.jitter:
-                cov = cov + self.jitter * torch.eye(D, dtype=cov.dtype, device=cov.device)
-            state = GaussianMarginal(marginal.loc, covariance=cov, site=site)
-        else:
+        data_dtype = marginal.loc.dtype
+        if not dense:
             if not marginal.is_low_rank:
                 raise ValueError(
                     f"GaussianConditionals(method='lowrank'): the marginal of site "
@@ -169,7 +249,34 @@ class GaussianConditionals(ConditionalEngine):
                     f"{psi_min:.3g}), so its covariance is not positive definite. "
                     f"Use a positive scale (e.g. a pyro.param with constraint=constraints.positive)."
                 )
-            state = GaussianMarginal(marginal.loc, cov_factor=F, cov_diag=psi, site=site)
+            # the low-rank pieces must be computable in some dtype: else the dense
+            # path, whose own checks say when the covariance itself is singular
+            work = _lowrank_dtype(F, psi)
+            if work is None and self.method == "auto":
+                dense = True
+            else:
+                # 'lowrank' asked for: the rescue raises the noise, in the widest dtype
+                work = torch.float64 if work is None else work
+                state = GaussianMarginal(
+                    marginal.loc.to(work), cov_factor=F.to(work), cov_diag=psi.to(work), site=site,
+                    data_dtype=None if work == data_dtype else data_dtype,
+                )
+        if dense:
+            cov = marginal.dense()
+            if self.jitter:
+                cov = cov + self.jitter * torch.eye(D, dtype=cov.dtype, device=cov.device)
+            work = _dense_dtype(cov)
+            if work != cov.dtype and marginal.is_low_rank:
+                # rounding F F^T in the data's dtype would already lose the small noise
+                F = None if marginal.cov_factor is None else marginal.cov_factor.to(work)
+                wide = GaussianMarginal(marginal.loc, cov_factor=F, cov_diag=marginal.cov_diag.to(work))
+                cov = wide.dense()
+                if self.jitter:
+                    cov = cov + self.jitter * torch.eye(D, dtype=cov.dtype, device=cov.device)
+            state = GaussianMarginal(
+                marginal.loc.to(work), covariance=cov.to(work), site=site,
+                data_dtype=None if work == data_dtype else data_dtype,
+            )
         rel = self._rel_jitter.get((site, state.loc.dtype))
         if rel is not None:
             # start from the jitter an earlier call reached (it warned then)
@@ -178,23 +285,33 @@ class GaussianConditionals(ConditionalEngine):
                 self._set_jitter(state, rel * scale)
         # factor the whole covariance once, so that a near-singular one is
         # rescued before any query; its principal blocks are no worse conditioned
-        self._rescued(state, lambda: self._factor_whole(state, None if dense else psi_min))
+        self._rescued(state, lambda: self._factor_whole(state))
         return state
 
     # ------------------------------------------------------------------ jitter rescue
     @staticmethod
-    def _factor_whole(state, psi_min=None):
+    def _factor_whole(state):
         """Factor the state's covariance and keep the factor on the state (with its
-        gradient, for the exact log-density); ``psi_min`` is the smallest noise
-        variance before the rescue's jitter (low-rank), which the jitter then raises."""
+        gradient, for the exact log-density). On the low-rank path, a noise
+        variance with zeros, or too small against the loading for the state's
+        dtype (see ``_lowrank_dtype``), fails like a Cholesky factorization,
+        so that the rescue's jitter raises it."""
         if not state.is_low_rank:
             state.factor = _cholesky(state.covariance, "covariance", state.site)
             return
         F, psi = state.cov_factor, state.cov_diag
-        if psi_min + state.jitter <= 0:
+        zeros = int((psi.detach() <= 0).sum())
+        if zeros:
             raise _NotPositiveDefinite(
                 f"The covariance of site {state.site!r} is not positive definite (its "
-                f"noise variance has {int((psi <= 0).sum())} zero entries)"
+                f"noise variance has {zeros} zero entries)"
+            )
+        if _lowrank_dtype(F, psi, (state.loc.dtype,)) is None:
+            raise _NotPositiveDefinite(
+                f"The covariance of site {state.site!r} is not positive definite to "
+                f"working precision on the low-rank path (its noise variance is too "
+                f"small against the loading: rounding errors swamp the identity in "
+                f"I + F^T Psi^-1 F)"
             )
         state.factor = _posterior_precision_factor(F, psi, state.site)
 
@@ -254,18 +371,43 @@ class GaussianConditionals(ConditionalEngine):
         tau = rel * scale
         self._set_jitter(state, tau)
         self._rel_jitter[(state.site, dtype)] = rel
-        warnings.warn(
-            NumericalWarning(
-                f"GaussianConditionals: the covariance of site {state.site!r} is not positive "
-                f"definite in {str(dtype).replace('torch.', '')} (Cholesky failed: it is "
-                f"singular or nearly so); added jitter {tau:.3g} ({rel:.0e} x its mean "
-                f"diagonal {scale:.3g}) to its diagonal. Pass GaussianConditionals(jitter=...) "
-                f"to choose the amount, or give the model more observation noise.",
-                site=state.site,
-                jitter=tau,
-            ),
-            stacklevel=4,
+        change = self._log_det_change(state)
+        name = str(dtype).replace("torch.", "")
+        if state.data_dtype is not None:
+            name += f" (computed in {name} for {str(state.data_dtype).replace('torch.', '')} data)"
+        warning = NumericalWarning(
+            f"GaussianConditionals: the covariance of site {state.site!r} is not positive "
+            f"definite in {name} (Cholesky failed: it is singular or nearly so); added "
+            f"jitter {tau:.3g} ({rel:.0e} x its mean diagonal {scale:.3g}) to its diagonal, "
+            f"which changes log p through its log-determinant by an estimated {change:.3g} "
+            f"nats per datapoint. Use float64 data and parameters where they are not "
+            f"float64 already, pass GaussianConditionals(jitter=...) to choose the amount, "
+            f"or give the model more observation noise.",
+            site=state.site,
+            jitter=tau,
         )
+        warning.log_prob_change = change
+        warnings.warn(warning, stacklevel=4)
+
+    @staticmethod
+    def _log_det_change(state):
+        r"""How much the rescue's jitter :math:`\tau` changes log p per datapoint
+        through the log-determinant: :math:`\tfrac12\sum_k\log(1 + \tau/\lambda_k)`
+        over the eigenvalues :math:`\lambda_k` of the covariance, the most over the
+        datapoints. On the low-rank path the noise variances :math:`\psi_j` stand
+        in for the eigenvalues (:math:`FF^\top + \Psi \succeq \Psi`), which makes
+        it an upper bound; on the dense path eigenvalues below rounding (``eps``
+        times the largest) are taken at that floor, which makes it an estimate
+        from below."""
+        tau = state.jitter
+        with torch.no_grad():
+            if state.is_low_rank:
+                lam = (state.cov_diag - tau).double()
+            else:
+                eye = torch.eye(state.num_tokens, dtype=state.loc.dtype, device=state.loc.device)
+                lam = torch.linalg.eigvalsh((state.covariance - tau * eye).double())
+                lam = lam.clamp_min(torch.finfo(torch.float64).eps * float(lam.abs().max()))
+            return float(0.5 * torch.log1p(tau / lam).sum(-1).max())
 
     def log_evidence(self, state, x, observed=None):
         r"""Exact :math:`\log\mathcal N(x_i; \mu, \Sigma)` per datapoint, ``(n,)``.
@@ -274,9 +416,9 @@ class GaussianConditionals(ConditionalEngine):
             given, the density of each datapoint's observed sub-vector,
             :math:`\log\mathcal N(x_{O_i}; \mu_{O_i}, \Sigma_{O_i O_i})`.
         """
-        if state.is_low_rank:
-            return self._rescued(state, lambda: _lowrank_log_prob(state, x, observed))
-        return self._rescued(state, lambda: _dense_log_prob(state, x, observed))
+        x = _to_work(state, x)
+        log_prob = _lowrank_log_prob if state.is_low_rank else _dense_log_prob
+        return _to_data(state, self._rescued(state, lambda: log_prob(state, x, observed)))
 
     # ------------------------------------------------------------------ chunking
     def _run_chunked(self, fn, state, x, index, per_item):
@@ -304,7 +446,8 @@ class GaussianConditionals(ConditionalEngine):
 
     # ------------------------------------------------------------------ masks
     def mask_log_prob(self, state, x, mask):
-        return self._rescued(state, lambda: self._mask_log_prob(state, x, mask))
+        x = _to_work(state, x)
+        return _to_data(state, self._rescued(state, lambda: self._mask_log_prob(state, x, mask)))
 
     def _mask_log_prob(self, state, x, mask):
         D = x.shape[-1]
@@ -314,19 +457,23 @@ class GaussianConditionals(ConditionalEngine):
         return self._run_chunked(_dense_masks, state, x, mask, D * D)
 
     def mask_sums(self, state, x, mask):
+        x = _to_work(state, x)
         if state.is_low_rank and mask.shape[1] == 1 and state.cov_factor.shape[0] == 1:
             # masks and covariance shared by the batch: sums by matrix products
             # over (q, D) x (D, n), never forming a (q, n, D) table
             R = state.cov_factor.shape[-1]
             n, D = x.shape
             q_step = max(1, self.max_elements // max(1, (n + D) * (R + 1)))
-            return self._rescued(state, lambda: torch.cat(
+            return _to_data(state, self._rescued(state, lambda: torch.cat(
                 [_lowrank_shared_sums(state, x, mask[i : i + q_step, 0]) for i in range(0, mask.shape[0], q_step)]
-            ))
-        return super().mask_sums(state, x, mask)
+            )))
+        logc = self._rescued(state, lambda: self._mask_log_prob(state, x, mask))
+        zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
+        return _to_data(state, torch.where(mask, logc, zero).sum(-1))
 
     def chain_log_prob(self, state, x, order):
-        return self._rescued(state, lambda: self._chain_log_prob(state, x, order))
+        x = _to_work(state, x)
+        return _to_data(state, self._rescued(state, lambda: self._chain_log_prob(state, x, order)))
 
     def _chain_log_prob(self, state, x, order):
         D = x.shape[-1]
@@ -355,6 +502,7 @@ def _slice_marginal(m, idx):
         site=m.site,
         jitter=m.jitter,
         factor=None if m.factor is None else _take(m.factor, idx),
+        data_dtype=m.data_dtype,
     )
 
 

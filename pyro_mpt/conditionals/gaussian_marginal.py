@@ -67,6 +67,9 @@ class GaussianMarginal:
         :meth:`GaussianConditionals.prepare <pyro_mpt.conditionals.GaussianConditionals.prepare>`
         for the exact log-density; None when not computed (or stale after a
         change of the jitter).
+    :param torch.dtype data_dtype: the dtype of the data when the engine
+        computes in a wider one (float64 for float32 data whose low-rank
+        pieces or covariance that dtype cannot hold); None otherwise.
     """
 
     loc: torch.Tensor
@@ -76,6 +79,7 @@ class GaussianMarginal:
     site: Optional[str] = None
     jitter: float = 0.0
     factor: Optional[torch.Tensor] = None
+    data_dtype: Optional[torch.dtype] = None
 
     @property
     def is_low_rank(self):
