@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from pyro_mpt.adapters import MaskedLMScorer, PAPER_MLM_RATES, table2_area  # noqa: E402
 from pyro_mpt.adapters.rates import mask_counts, rate_weights  # noqa: E402
 
-from models import TINY_VOCAB, tiny_bert  # noqa: E402
+from models import TINY_VOCAB, assert_close_to_rounding, tiny_bert  # noqa: E402
 
 LETTERS = "".join(TINY_VOCAB[5:])  # the letters after the special tokens
 
@@ -118,15 +118,20 @@ def test_reproducible_under_seed(tiny):
     a = scorer.curve(_texts(tok), rates=rates, num_masks=2)
     b = scorer.curve(_texts(tok), rates=rates, num_masks=2)
     c = scorer.curve(_texts(tok), rates=rates, num_masks=2, seed=12)
+    # the same kernels on the same shapes: bitwise equal
     np.testing.assert_array_equal(a.score, b.score)
     np.testing.assert_array_equal(a.per_item, b.per_item)
     assert not np.array_equal(a.per_item, c.per_item)
-    # an item's masks do not depend on the other items
+    # an item's masks do not depend on the other items; scored alone it runs in other
+    # batch shapes, so its numbers agree to float32 rounding
     alone = scorer.curve(_texts(tok)[:1], rates=rates, num_masks=2)
-    np.testing.assert_array_equal(alone.per_item[0], a.per_item[0])
+    assert_close_to_rounding(alone.per_item[0], a.per_item[0])
+    assert torch.equal(scorer.curve_masks(_texts(tok)[:1], rates, 2)[0], scorer.curve_masks(_texts(tok), rates, 2)[0])
 
 
-def test_identical_results_for_any_batch_budget(tiny):
+def test_same_results_for_any_batch_budget(tiny):
+    """Same masks for any budget; the numbers agree to float32 rounding (256 eps relative:
+    other batch shapes pick other BLAS kernels, measured 2.4e-7 apart on some CPUs)."""
     model, tok = tiny
     texts = _texts(tok)
     rates = [0.05, 0.3, 0.6, 0.95]
@@ -135,10 +140,14 @@ def test_identical_results_for_any_batch_budget(tiny):
         s = MaskedLMScorer(model, tok, max_tokens=budget)
         out.append((s.curve(texts, rates=rates, num_masks=3), s.pll(texts), s.score(texts, "uniform", num_masks=4)))
     for curve, pll, score in out[1:]:
-        np.testing.assert_array_equal(curve.per_item, out[0][0].per_item)
-        np.testing.assert_array_equal(curve.score, out[0][0].score)
-        torch.testing.assert_close(pll, out[0][1], rtol=0, atol=0)
-        torch.testing.assert_close(score, out[0][2], rtol=0, atol=0)
+        assert_close_to_rounding(curve.per_item, out[0][0].per_item)
+        assert_close_to_rounding(curve.score, out[0][0].score)
+        assert_close_to_rounding(pll, out[0][1])
+        assert_close_to_rounding(score, out[0][2])
+    # the tolerance still resolves a change of masks: another seed fails it
+    with pytest.raises(AssertionError):
+        assert_close_to_rounding(MaskedLMScorer(model, tok, seed=1).curve(texts, rates=rates, num_masks=3).per_item,
+                                 out[0][0].per_item)
 
 
 def test_masked_head_matches_full_logits(tiny):
@@ -244,12 +253,13 @@ def test_accelerate_single_process_matches(tmp_path_factory):
     rates = [0.2, 0.7]
     plain = MaskedLMScorer(model, tok)
     acc = MaskedLMScorer(model, tok, accelerator=accelerate.Accelerator(cpu=True))
-    np.testing.assert_array_equal(
+    # same masks; accelerate may change the device placement or thread settings: equal to rounding
+    assert_close_to_rounding(
         acc.curve(TEXTS_BERT, rates=rates, num_masks=2).per_item,
         plain.curve(TEXTS_BERT, rates=rates, num_masks=2).per_item,
     )
-    torch.testing.assert_close(acc.pll(TEXTS_BERT), plain.pll(TEXTS_BERT), rtol=0, atol=0)
-    torch.testing.assert_close(acc.score(TEXTS_BERT, "order"), plain.score(TEXTS_BERT, "order"), rtol=0, atol=0)
+    assert_close_to_rounding(acc.pll(TEXTS_BERT), plain.pll(TEXTS_BERT))
+    assert_close_to_rounding(acc.score(TEXTS_BERT, "order"), plain.score(TEXTS_BERT, "order"))
 
 
 def test_areas_and_table2_convention(tmp_path_factory):
