@@ -251,8 +251,6 @@ def _run_mae(args):
             except ValueError:
                 raise ValueError(f"--sigma2 must be a positive number or 'mle', got {sigma2!r}.") from None
         images = load_images(args.image_folder, args.dataset, args.dataset_config, args.split, args.column, args.limit)
-        if len(images) == 0:
-            raise ValueError(f"no images to score: --dataset {args.dataset!r} (split {args.split!r}) is empty.")
         model, proc = load_vit_mae(args.model, args.processor, args.random_init, args.seed, quiet=not args.progress)
     except (ResourceUnavailable, ValueError) as err:
         _fail(err)
