@@ -384,9 +384,8 @@ def test_tokenizer_must_fit_the_model_and_unknown_text_is_explained(tmp_path_fac
     special_only = transformers.BertTokenizer(vocab={t: i for i, t in enumerate(TINY_VOCAB[:5])})
     with pytest.raises(ValueError, match=r"has 5 tokens but the model's vocabulary \(config.vocab_size\) has 15"):
         MaskedLMScorer(model, special_only)
-    big, _ = _wordpiece_bert(tmp_path_factory)
-    small_model, _ = tiny_bert(vocab_size=12)
-    wide = _wordpiece_bert(tmp_path_factory)[1]  # 25 tokens for a 12-token embedding
+    big, wide = _wordpiece_bert(tmp_path_factory)
+    small_model, _ = tiny_bert(vocab_size=12)  # 25 tokens for a 12-token embedding
     with pytest.raises(ValueError, match="has 25 tokens .* has 12: .*its ids would fall outside the embedding"):
         MaskedLMScorer(small_model, wide)
     MaskedLMScorer(big, wide)  # a matching pair passes
