@@ -18,42 +18,54 @@ import argparse
 import json
 import sys
 
-__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+from .adapters.cli import positive_int
+
+__all__ = ["main", "run", "build_parser", "SUBCOMMANDS"]
 
 
 def _add_compare_arguments(p):
     p.add_argument("--dataset", default="digits", choices=["digits", "mnist"], help="data (default: digits, bundled with scikit-learn)")
     p.add_argument("--likelihood", default="bernoulli", choices=["bernoulli", "gaussian"], help="pixel likelihood; bernoulli binarizes the data")
-    p.add_argument("--latent-dim", type=int, default=4, help="K, latent dims of the VAE")
+    p.add_argument("--latent-dim", type=positive_int, default=4, help="K, latent dims of the VAE")
     p.add_argument("--hidden", type=int, nargs="+", default=[128], help="hidden layer widths of encoder and decoder")
-    p.add_argument("--n-train", type=int, default=None, help="training images (default: all)")
-    p.add_argument("--n-test", type=int, default=None, help="held-out images")
+    p.add_argument("--n-train", type=positive_int, default=None, help="training images (default: all)")
+    p.add_argument("--n-test", type=positive_int, default=None, help="held-out images")
     p.add_argument(
         "--losses", nargs="+", default=["mpt:0.33", "mpt:uniform", "elbo", "iwae:8"],
         help="loss specs: elbo, iwae[:K], renyi[:K[:alpha]], mpt[:masks[:conditionals]]",
     )
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--epochs", type=positive_int, default=20)
+    p.add_argument("--batch-size", type=positive_int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-every", type=int, default=None, help="evaluate held-out evidence every this many epochs")
-    p.add_argument("--eval-samples", type=int, default=200, help="importance samples per held-out datapoint during training")
-    p.add_argument("--final-samples", type=int, default=1000, help="importance samples for the final numbers")
+    p.add_argument("--eval-every", type=positive_int, default=None, help="evaluate held-out evidence every this many epochs")
+    p.add_argument("--eval-samples", type=positive_int, default=200, help="importance samples per held-out datapoint during training")
+    p.add_argument("--final-samples", type=positive_int, default=1000, help="importance samples for the final numbers")
     p.add_argument("--mpt-encoder", default="elbo", choices=["elbo", "mpt"], help="how MPT runs train the guide")
-    p.add_argument("--num-samples", type=int, default=None, help="S of the MPT conditional engine")
-    p.add_argument("--num-iterations", type=int, default=None, help="T of the encode-decode engine")
+    p.add_argument("--num-samples", type=positive_int, default=None, help="S of the MPT conditional engine")
+    p.add_argument("--num-iterations", type=positive_int, default=None, help="T of the encode-decode engine")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for small models)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (1 is fastest for small models)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--quiet", action="store_true", help="print only the final table")
+
+
+def _fail(err, status=2):
+    print(f"pyro-mpt: error: {err}", file=sys.stderr)
+    raise SystemExit(status)
 
 
 def _run_compare(args):
     import torch
 
-    from .compare import compare
+    from .compare import compare, make_loss
     from .datasets import load_dataset
     from .vae import DeepVAE
 
+    try:  # a misspelt loss is a usage error, found before any data is loaded or model trained
+        for spec in args.losses:
+            make_loss(spec, mpt_encoder=args.mpt_encoder)
+    except (TypeError, ValueError) as err:
+        _fail(err)
     if args.threads:
         torch.set_num_threads(args.threads)
     train, test = load_dataset(
@@ -82,6 +94,10 @@ def _run_compare(args):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.to_dict(), f, indent=2)
+    failed = [r.name for r in result.results if r.error is not None]
+    if failed:
+        _fail(f"{len(failed)} of {len(result.results)} losses failed to train ({', '.join(failed)}); "
+              f"the table says why.", status=1)
     return result
 
 
@@ -108,8 +124,15 @@ def build_parser():
     return parser
 
 
-def main(argv=None):
-    """Entry point of ``pyro-mpt``; returns the subcommand's result.
+def run(argv=None):
+    """Parse ``argv`` and run its subcommand; returns the subcommand's result
+    (the JSON payload of ``mlm-curve`` / ``mae-curve``, the
+    :class:`~pyro_mpt.compare.Comparison` of ``compare``).
+
+    Usage errors -- bad arguments, unreadable inputs, a model or dataset that
+    cannot be reached -- print one line on stderr and raise ``SystemExit(2)``
+    (argparse's convention); a command that ran but failed raises
+    ``SystemExit(1)`` after saying why.
 
     :param list argv: arguments (default ``sys.argv[1:]``).
     """
@@ -117,5 +140,19 @@ def main(argv=None):
     return args._run(args)
 
 
+def main(argv=None):
+    """Entry point of the ``pyro-mpt`` console script: runs :func:`run` and returns
+    the exit status, 0 on success (the console script calls ``sys.exit(main())``).
+
+    Exit statuses: 0 success; 2 usage error (one line on stderr); 1 failure
+    (a message on stderr, or Python's traceback for an unexpected error).
+
+    :param list argv: arguments (default ``sys.argv[1:]``).
+    :rtype: int
+    """
+    run(argv)
+    return 0
+
+
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    sys.exit(main())

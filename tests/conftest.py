@@ -30,8 +30,11 @@ def one_thread():
     """Pin torch to one thread for the whole suite: its tensors are small, and on a
     shared 2-core machine a second thread only adds oversubscription stalls (an SVI
     test took 199 s with two threads under load, 7 s with one; the idle suite takes
-    the same time either way)."""
+    the same time either way).
+
+    ``PYRO_MPT_TEST_THREADS=N`` runs the suite with N threads instead, to check that no
+    test depends on the thread count (docs/numerics.md, "Checking on other kernels")."""
     old = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("PYRO_MPT_TEST_THREADS", "1")))
     yield
     torch.set_num_threads(old)

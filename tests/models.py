@@ -172,3 +172,27 @@ def load_script(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# ---------------------------------------------------------------------- rounding tolerances
+def rounding_tolerance(expected, dtype=torch.float32, ulps=256):
+    """The largest difference float rounding explains between two computations of ``expected``
+    that ran under different shapes, batchings, chunkings, thread counts or CPU kernels:
+    ``ulps * eps(dtype) * max(1, |expected|)``, elementwise. ``dtype`` is the precision the
+    computation ran in (the adapters' models run in float32 even where they return float64).
+    Bitwise equality holds only for the same kernels on the same shapes; BLAS picks its
+    kernels (and its summation order) by shape, thread count and CPU capability."""
+    scale = torch.as_tensor(expected, dtype=torch.float64).abs().clamp(min=1.0)
+    return ulps * torch.finfo(dtype).eps * scale
+
+
+def assert_close_to_rounding(actual, expected, dtype=torch.float32, ulps=256):
+    """``|actual - expected| <= rounding_tolerance(expected, dtype, ulps)`` elementwise
+    (tensors or arrays of equal shapes; NaNs must sit at the same places)."""
+    a = torch.as_tensor(actual, dtype=torch.float64)
+    e = torch.as_tensor(expected, dtype=torch.float64)
+    assert a.shape == e.shape, (a.shape, e.shape)
+    assert torch.equal(a.isnan(), e.isnan()), "NaNs at different places"
+    err = (a - e).abs().nan_to_num(0.0)
+    tol = rounding_tolerance(e.nan_to_num(0.0), dtype, ulps)
+    assert bool((err <= tol).all()), f"max error {err.max().item():.3g} > tolerance {tol.max().item():.3g}"

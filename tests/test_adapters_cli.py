@@ -1,16 +1,21 @@
 """`pyro-mpt mlm-curve` / `mae-curve`: end to end on local tiny models, and the offline error path."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from pyro_mpt.cli import main  # noqa: E402
+from pyro_mpt.cli import main, run  # noqa: E402
 
-from models import tiny_bert, tiny_vit_mae  # noqa: E402
+from models import ROOT, TINY_VOCAB, tiny_bert, tiny_vit_mae  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +32,7 @@ def bert_dir(tmp_path_factory):
 def test_mlm_curve_end_to_end(bert_dir, tmp_path, capsys):
     d, texts = bert_dir
     js, png = tmp_path / "out.json", tmp_path / "out.png"
-    out = main(["mlm-curve", str(d), "--text-file", str(texts), "--rates", "0.1:0.9:0.2", "--num-masks", "2",
+    out = run(["mlm-curve", str(d), "--text-file", str(texts), "--rates", "0.1:0.9:0.2", "--num-masks", "2",
                 "--scores", "uniform", "pll", "--score-masks", "3", "--max-tokens", "64", "--device", "cpu",
                 "--json", str(js), "--plot", str(png)])
     assert png.stat().st_size > 1000
@@ -110,3 +115,109 @@ def test_help_reads_well(capsys):
         assert err.value.code == 0
         text = capsys.readouterr().out
         assert "examples:" in text and "--rates" in text and "--json" in text
+
+
+# ---------------------------------------------------------------------- the console script
+def _console_script():
+    """The installed ``pyro-mpt`` (next to this interpreter, else on PATH)."""
+    path = Path(sys.executable).with_name("pyro-mpt")
+    path = str(path) if path.exists() else shutil.which("pyro-mpt")
+    if path is None:
+        pytest.skip("the pyro-mpt console script is not installed (pip install -e .)")
+    return path
+
+
+def _pyro_mpt(*argv, cwd):
+    """Run the console script as a user's shell does: a subprocess importing this checkout."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", MPLBACKEND="Agg")
+    return subprocess.run([_console_script(), *map(str, argv)], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_console_script_exit_statuses(bert_dir, tmp_path):
+    """0 on success with the summary on stdout and nothing of the result on stderr; 2 on a
+    usage error with one line on stderr; non-zero (1) when the run fails."""
+    d, texts = bert_dir
+    js = tmp_path / "ok.json"
+    ok = _pyro_mpt("mlm-curve", d, "--text-file", texts, "--rates", "0.2,0.6", "--scores", "--no-plot",
+                   "--json", js, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert "3 sequences, 2 rates: area" in ok.stdout and f"wrote {js}" in ok.stdout
+    assert "{" not in ok.stderr and "Traceback" not in ok.stderr  # the result dict is not printed there
+    assert json.loads(js.read_text())["num_sequences"] == 3
+    # usage error: parsed before anything is loaded (the model name does not even exist)
+    bad = _pyro_mpt("mlm-curve", "no-such-org/no-such-model", "--text-file", texts, "--num-masks", "0", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert "argument --num-masks: must be a positive integer, got '0'" in bad.stderr and "Traceback" not in bad.stderr
+    # a failure after the scores were computed: the JSON cannot be written
+    fail = _pyro_mpt("mlm-curve", d, "--text-file", texts, "--rates", "0.5", "--scores", "--no-plot",
+                     "--json", tmp_path / "missing-dir" / "x.json", cwd=tmp_path)
+    assert fail.returncode == 1 and "FileNotFoundError" in fail.stderr
+
+
+def test_main_returns_zero_and_run_the_result(bert_dir, tmp_path):
+    d, texts = bert_dir
+    argv = ["mlm-curve", str(d), "--text-file", str(texts), "--rates", "0.5", "--scores", "--no-plot",
+            "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    assert run(argv)["num_sequences"] == 3
+
+
+@pytest.mark.parametrize("flag", ["--num-masks", "--max-tokens", "--score-masks", "--limit", "--threads"])
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_counts_are_refused_before_loading(flag, value, tmp_path, capsys):
+    """Refused at parse time: the model named here does not exist, and is never looked up."""
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit) as err:
+        main(["mlm-curve", "no-such-org/no-such-model", "--text-file", "missing.txt", flag, value])
+    assert err.value.code == 2 and time.perf_counter() - t0 < 1.0
+    assert f"argument {flag}: must be a positive integer, got '{value}'" in capsys.readouterr().err
+
+
+def test_mae_batch_size_zero_is_refused(capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["mae-curve", "no-such-org/no-such-model", "--image-folder", ".", "--batch-size", "0"])
+    assert err.value.code == 2
+    assert "argument --batch-size: must be a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_empty_input_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """An empty text file is reported as such although the model (offline, unknown) could not load."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    with pytest.raises(SystemExit) as err:
+        main(["mlm-curve", "no-such-org/no-such-model", "--text-file", str(empty)])
+    assert err.value.code == 2
+    msg = capsys.readouterr().err
+    assert f"no sequences to score: --text-file '{empty}' is empty" in msg and "no-such-model" not in msg
+
+
+def test_model_dir_without_tokenizer_is_refused(tmp_path, capsys):
+    """transformers gives a directory without tokenizer files a 5-token tokenizer (special tokens
+    only), which would turn every residue into [UNK]: refused, naming both vocabulary sizes."""
+    model, _ = tiny_bert(hidden_size=32, num_hidden_layers=1, intermediate_size=64)
+    model.save_pretrained(tmp_path / "m")
+    texts = tmp_path / "t.txt"
+    texts.write_text("a b c\n")
+    with pytest.raises(SystemExit) as err:
+        main(["mlm-curve", str(tmp_path / "m"), "--text-file", str(texts), "--no-plot"])
+    assert err.value.code == 2
+    msg = capsys.readouterr().err
+    assert f"has 5 tokens but the model's vocabulary (config.vocab_size) has {len(TINY_VOCAB)}" in msg
+    assert "--tokenizer" in msg
+    # the same model with its vocabulary given runs
+    (tmp_path / "vocab.txt").write_text("\n".join(TINY_VOCAB) + "\n")
+    assert main(["mlm-curve", str(tmp_path / "m"), "--tokenizer", str(tmp_path / "vocab.txt"), "--text-file",
+                 str(texts), "--rates", "0.5", "--scores", "--no-plot", "--json", str(tmp_path / "o.json")]) == 0
+
+
+def test_unknown_residues_exit_2_with_the_reason(bert_dir, tmp_path, capsys):
+    d, _ = bert_dir
+    texts = tmp_path / "upper.txt"
+    texts.write_text("a b c\nA B C\n")  # the tiny vocabulary is lower case
+    with pytest.raises(SystemExit) as err:
+        main(["mlm-curve", str(d), "--text-file", str(texts), "--no-plot"])
+    assert err.value.code == 2
+    msg = capsys.readouterr().err
+    assert "Sequence 1 has no maskable token: all its 3 token(s) are the unknown token '[UNK]'" in msg

@@ -7,7 +7,7 @@ import pytest
 from pyro.infer import RenyiELBO, Trace_ELBO
 
 from pyro_mpt import EncodeDecodeConditionals, ImportanceConditionals, ImportanceWeightedELBO, MaskedPretrainingLoss
-from pyro_mpt.cli import main as cli_main
+from pyro_mpt.cli import main as cli_main, run as cli_run
 from pyro_mpt.compare import compare, make_loss
 from pyro_mpt.datasets import load_dataset
 from pyro_mpt.guide_elbo import WithGuideELBO
@@ -87,7 +87,7 @@ def test_compare_trains_each_loss_from_the_same_start_and_reports_errors():
 
 def test_cli_compare_prints_a_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "cmp.json"
-    res = cli_main([
+    res = cli_run([
         "compare", "--n-train", "64", "--n-test", "32", "--epochs", "1", "--hidden", "8",
         "--latent-dim", "2", "--losses", "mpt:0.5", "elbo", "--final-samples", "20",
         "--num-samples", "2", "--num-iterations", "1", "--json", str(out), "--quiet",

@@ -1254,6 +1254,30 @@ def _():
     _scorer(max_length=4).encode(["a b c d e f"])
 
 
+@trigger("mlm-tokenizer-vocabulary")
+def _():
+    transformers = pytest.importorskip("transformers")
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    special_only = transformers.BertTokenizer(vocab={t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])})
+    MaskedLMScorer(_bert(tokenizer=False)[0], special_only)
+
+
+@trigger("mlm-all-unknown")
+def _():
+    _scorer().pll(["A B C"])
+
+
+@trigger("mlm-ids-too-long")
+def _():
+    _scorer().pll({"input_ids": [[2] + [5] * 31 + [3]]})
+
+
+@trigger("mlm-padding-without-attention-mask")
+def _():
+    _scorer().pll({"input_ids": [[2, 5, 6, 3, 0, 0]]})
+
+
 # ---------------------------------------------------------------------- adapters: ViT-MAE
 def _mae(**kw):
     pytest.importorskip("transformers")
@@ -1510,6 +1534,29 @@ def _():
     text = d / "t.txt"
     text.write_text("\n\n")
     _cli(["mlm-curve", str(d), "--text-file", str(text), "--no-plot"])
+
+
+@trigger("cli-positive-int")
+def _():
+    _cli(["mlm-curve", "model", "--text-file", "t.txt", "--num-masks", "0"])
+
+
+@trigger("cli-compare-failed")
+def _():
+    from pyro_mpt.cli import main
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(pyro_mpt.compare, "heldout_evidence", lambda *a, **k: 1 / 0)  # fails after training
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            main(["compare", "--n-train", "8", "--n-test", "4", "--epochs", "1", "--hidden", "4", "--losses", "elbo",
+                  "--quiet"])
+    except SystemExit as e:
+        assert e.code == 1, e.code
+        raise SystemExit(err.getvalue()) from None
+    finally:
+        mp.undo()
 
 
 # ---------------------------------------------------------------------- the table

@@ -4,7 +4,8 @@ Scoring a masked model means one forward pass per masked copy of an item. The
 adapters pack many copies into one batch under a *token budget* (copies x
 sequence length), so memory stays bounded whatever the input length, and never
 mix items of different lengths in one batch: there is no padding, so an item's
-numbers do not depend on its batch neighbours.
+numbers do not depend on its batch neighbours (to float rounding: other batch
+shapes may run other BLAS kernels).
 
 For corpora that outgrow one machine, :func:`shard` splits the items across
 the processes of a HuggingFace ``accelerate`` launch and :func:`gather_rows`

@@ -4,6 +4,8 @@
 Each writes a JSON file (rates, curve, standard errors, areas, per-item
 scores, settings) and a PNG plot. A model or dataset that cannot be reached
 fails at once with what was tried and how to use a local copy (exit code 2).
+Arguments and the input data are checked before the model is loaded; every
+usage error is one line on stderr and exit status 2 (see :func:`pyro_mpt.cli.main`).
 
 Data-parallel runs shard the items across processes and gather the results::
 
@@ -17,7 +19,7 @@ import os
 import sys
 import time
 
-__all__ = ["register", "SUBCOMMANDS"]
+__all__ = ["register", "SUBCOMMANDS", "positive_int"]
 
 _MLM_EPILOG = """\
 examples:
@@ -46,16 +48,28 @@ patches (what ViT-MAE minimizes) and the Gaussian log-density
 """
 
 
+def positive_int(text):
+    """``argparse`` type of counts and budgets: refuses 0, negatives and non-integers at
+    parse time (exit status 2), before any model or data is loaded."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def _common(p, default_rates):
     g = p.add_argument_group("masking")
     g.add_argument("--rates", default=default_rates, metavar="SPEC",
                    help=f"masking rates: start:stop:step (inclusive) or a comma list (default {default_rates})")
-    g.add_argument("--num-masks", type=int, default=1, metavar="K", help="random masks per item and rate (default 1)")
+    g.add_argument("--num-masks", type=positive_int, default=1, metavar="K", help="random masks per item and rate (default 1)")
     g.add_argument("--seed", type=int, default=0, help="mask seed (default 0)")
     c = p.add_argument_group("compute")
     c.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
     c.add_argument("--bf16", action="store_true", help="bfloat16 autocast (GPU)")
-    c.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    c.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     c.add_argument("--distributed", action="store_true",
                    help="shard items across the processes of an `accelerate launch` run and gather the results")
     c.add_argument("--progress", action="store_true", help="show a progress bar")
@@ -85,13 +99,13 @@ def _add_mlm_arguments(p):
     d.add_argument("--split", default="validation", help="dataset split (default validation)")
     d.add_argument("--column", nargs="+", default=None, metavar="COL",
                    help="text column, or two columns for sentence pairs (default: text/sentence)")
-    d.add_argument("--limit", type=int, default=None, metavar="N", help="score the first N sequences")
+    d.add_argument("--limit", type=positive_int, default=None, metavar="N", help="score the first N sequences")
     g = _common(p, "0.01:0.99:0.01")
     g.add_argument("--scores", nargs="*", default=["uniform"], choices=["uniform", "order", "all", "pll", "pll-word-l2r"],
                    help="per-sequence scores to add (default: uniform); none with an empty list")
-    g.add_argument("--score-masks", type=int, default=8, metavar="P", help="masks/orderings per sequence for --scores (default 8)")
+    g.add_argument("--score-masks", type=positive_int, default=8, metavar="P", help="masks/orderings per sequence for --scores (default 8)")
     c = [a for a in p._action_groups if a.title == "compute"][0]
-    c.add_argument("--max-tokens", type=int, default=8192, metavar="N", help="token budget per forward pass (default 8192)")
+    c.add_argument("--max-tokens", type=positive_int, default=8192, metavar="N", help="token budget per forward pass (default 8192)")
 
 
 def _add_mae_arguments(p):
@@ -107,12 +121,12 @@ def _add_mae_arguments(p):
     d.add_argument("--dataset-config", default=None, metavar="CFG")
     d.add_argument("--split", default="test", help="dataset split (default test)")
     d.add_argument("--column", default="image", metavar="COL", help="image column (default image)")
-    d.add_argument("--limit", type=int, default=None, metavar="N", help="score the first N images")
+    d.add_argument("--limit", type=positive_int, default=None, metavar="N", help="score the first N images")
     g = _common(p, "0.05:0.95:0.05")
     g.add_argument("--sigma2", default="1.0", metavar="S2",
                    help="variance of the Gaussian decoder: a positive number or 'mle' (default 1.0)")
     c = [a for a in p._action_groups if a.title == "compute"][0]
-    c.add_argument("--batch-size", type=int, default=64, metavar="N", help="masked copies per forward pass (default 64)")
+    c.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="masked copies per forward pass (default 64)")
 
 
 def _fail(err):
@@ -162,22 +176,30 @@ def _run_mlm(args):
     from .rates import PAPER_MLM_RATES, parse_rates, table2_area
 
     t0 = time.perf_counter()
+    # arguments and data first: a usage error must not wait for (or hide behind) the model
     try:
         rates = parse_rates(args.rates)
         texts = load_texts(args.text_file, args.dataset, args.dataset_config, args.split, args.column, args.limit)
+    except (ResourceUnavailable, ValueError) as err:
+        _fail(err)
+    if not texts:
+        source = f"--text-file {args.text_file!r}" if args.text_file else f"--dataset {args.dataset!r} (split {args.split!r})"
+        _fail(f"no sequences to score: {source} is empty (blank lines are skipped); give one sequence per line.")
+    try:
         model, tok = load_masked_lm(args.model, args.tokenizer, args.random_init, args.lowercase, args.seed,
                                     quiet=not args.progress)
     except (ResourceUnavailable, ValueError) as err:
         _fail(err)
-    if not texts:
-        _fail("no sequences to score (empty input).")
     acc, device = _setup(args)
     from .masked_lm import MaskedLMScorer
 
     label = args.label or (os.path.basename(os.path.normpath(args.model)) + (" (random init)" if args.random_init else ""))
     scorer = MaskedLMScorer(model, tok, max_tokens=args.max_tokens, device=None if acc else device, bf16=args.bf16,
                             seed=args.seed, progress=args.progress, accelerator=acc)
-    enc = scorer.encode(texts)
+    try:  # texts the tokenizer cannot read are an input error, not a crash
+        enc = scorer.encode(texts)
+    except ValueError as err:
+        _fail(err)
     curve = scorer.curve(enc, rates=rates, num_masks=args.num_masks, label=label)
     out = {
         "command": "mlm-curve",

@@ -210,15 +210,19 @@ def load_masked_lm(name, tokenizer=None, random_init=False, lowercase=None, seed
     :param bool random_init: same config, freshly initialized weights (seeded).
     :param bool quiet: silence transformers' load report (:func:`quiet_transformers`).
     :raises ResourceUnavailable: at once when nothing can be reached.
+    :raises ValueError: when the tokenizer does not fit the model (:func:`~pyro_mpt.adapters.masked_lm.check_tokenizer`).
     """
     if name == "antiberty":
         name, vocab = antiberty_paths()
         tokenizer = tokenizer or vocab
     from transformers import AutoModelForMaskedLM
 
+    from .masked_lm import check_tokenizer
+
     model, where, _ = _load_model(name, "model", _MODEL_HINT, AutoModelForMaskedLM.from_config,
                                   AutoModelForMaskedLM.from_pretrained, random_init, seed, quiet)
     tok = load_tokenizer(tokenizer, model_dir=name, lowercase=lowercase, where=where)
+    check_tokenizer(tok, model)
     return model.eval(), tok
 
 

@@ -46,7 +46,7 @@ from ..masks import ChainBlock, MaskBlock, make_schedule
 from .batching import gather_rows, group_by_length, pack, place_model, shard
 from .rates import PAPER_MLM_RATES, check_rates, item_generator, item_seed, mask_counts, nested_ranks, rate_curve
 
-__all__ = ["MaskedLMScorer", "Encoded", "masked_lm_head"]
+__all__ = ["MaskedLMScorer", "Encoded", "masked_lm_head", "check_tokenizer"]
 
 #: Masked-LM classes whose head can run on the masked positions alone:
 #: class name -> (encoder attribute, head attribute(s) applied in order).
@@ -100,6 +100,40 @@ def masked_lm_head(model):
     return encoder, head
 
 
+def _model_vocab_size(model):
+    emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocab = getattr(model.config, "vocab_size", None) or getattr(getattr(emb, "weight", None), "shape", [None])[0]
+    return int(vocab) if vocab else None
+
+
+def check_tokenizer(tokenizer, model):
+    """Refuse a tokenizer whose vocabulary does not fit the model's.
+
+    A tokenizer with more tokens than the model's vocabulary (``config.vocab_size``)
+    produces ids the embedding cannot look up; one with fewer than half of them is
+    not the model's -- typically the default tokenizer transformers builds from a
+    model directory without tokenizer files, which knows only the special tokens
+    and turns every word into the unknown token. Models pad their vocabulary by a
+    few entries at most, so the check does not refuse a matching pair.
+
+    :raises ValueError: naming both sizes and what to pass instead.
+    """
+    V = _model_vocab_size(model)
+    if tokenizer is None or V is None:
+        return
+    n = len(tokenizer)
+    if n > V or 2 * n < V:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        why = "its ids would fall outside the embedding" if n > V else "it would turn most words into the unknown token"
+        raise ValueError(
+            f"The tokenizer {name!r} has {n} tokens but the model's vocabulary (config.vocab_size) has {V}: "
+            f"they do not belong together ({why}; "
+            f"a model directory without tokenizer files gets a default tokenizer that knows only the "
+            f"special tokens). Pass the model's tokenizer: tokenizer=AutoTokenizer.from_pretrained(...), "
+            f"or on the command line --tokenizer DIR (or a BERT vocab.txt file)."
+        )
+
+
 @dataclass
 class Encoded:
     """Tokenized inputs, padding removed.
@@ -109,7 +143,9 @@ class Encoded:
     :param maskable: per sequence, long ``(L_i,)`` positions that may be masked
         (not special, not padding).
     :param word_ids: per sequence, long ``(L_i,)`` word index of each maskable
-        token (-1 unknown), or None when the tokenizer gives no word boundaries.
+        token (-1 unknown), unique across the segments of a sentence pair (word
+        indices restart in each segment; the segment is part of the key), or
+        None when the tokenizer gives no word boundaries.
     """
 
     ids: List[torch.Tensor]
@@ -136,8 +172,10 @@ class MaskedLMScorer:
     ``max_tokens`` tokens (no padding), the LM head runs only where a
     log-probability is needed (for known architectures, :data:`_HEADS`), under
     :func:`torch.inference_mode`. Masks come from per-sequence seeded
-    generators, so results do not depend on ``max_tokens``, on the input order
-    or on sharding.
+    generators, so the masks do not depend on ``max_tokens``, on the input order
+    or on sharding, and the results do not either, to float rounding (other
+    batch shapes may run other BLAS kernels: agreement to about
+    :math:`256\,\epsilon_{\text{float32}} \approx 3\cdot10^{-5}` relative).
 
     :param model: a masked LM (``transformers.PreTrainedModel``); put in eval mode.
     :param tokenizer: its tokenizer; needed for text inputs. Pre-tokenized
@@ -231,9 +269,8 @@ class MaskedLMScorer:
                 f'pyro_mpt.adapters.masked_lm._HEADS. Use head="auto" (full logits) instead.'
             )
         self._encoder, self._head = split if split is not None else (None, None)
-        emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        vocab = getattr(model.config, "vocab_size", None) or getattr(getattr(emb, "weight", None), "shape", [None])[0]
-        self._vocab_size = int(vocab or 1)
+        check_tokenizer(tokenizer, model)
+        self._vocab_size = _model_vocab_size(model) or 1
         forward = (self._encoder or self.model).forward
         self._takes_token_types = "token_type_ids" in inspect.signature(forward).parameters
 
@@ -244,11 +281,22 @@ class MaskedLMScorer:
         limit = getattr(self.tokenizer, "model_max_length", None)
         if limit is not None and limit < 1_000_000:
             return int(limit)
+        return self._position_limit()
+
+    def _position_limit(self):
+        """The longest sequence the model's position embeddings take, or None."""
         cfg = self.model.config
         n = getattr(cfg, "max_position_embeddings", None)
         if n is None:
             return None
         return int(n) - (2 if getattr(cfg, "model_type", "") in _ROBERTA_LIKE else 0)
+
+    def _pad_token_id(self):
+        """The padding id, when known: the tokenizer's, else the config's if it is a special id."""
+        if self.tokenizer is not None:
+            return getattr(self.tokenizer, "pad_token_id", None)
+        pad = getattr(self.model.config, "pad_token_id", None)
+        return pad if pad is not None and bool((self.special_token_ids == pad).any()) else None
 
     def encode(self, inputs, text_column=None):
         """Normalize inputs into an :class:`Encoded` (padding removed).
@@ -299,7 +347,8 @@ class MaskedLMScorer:
             raise ValueError("Text inputs need a tokenizer: MaskedLMScorer(model, tokenizer).")
         max_len = self._max_length()
         kw = dict(truncation=max_len is not None, max_length=max_len, return_attention_mask=True)
-        enc = self.tokenizer(list(texts), None if pairs is None else list(pairs), **kw)
+        texts, pairs = list(texts), None if pairs is None else list(pairs)
+        enc = self.tokenizer(texts, pairs, **kw)
         word_ids = None
         if getattr(enc, "is_fast", False) or getattr(self.tokenizer, "is_fast", False):
             try:
@@ -307,26 +356,46 @@ class MaskedLMScorer:
             except (ValueError, AttributeError):
                 word_ids = None
         if max_len is not None:
-            cut = sum(len(ids) >= max_len for ids in enc["input_ids"])
-            if cut:
-                warnings.warn(f"{cut} sequence(s) reached max_length={max_len} tokens and may be truncated.")
+            full = [k for k, ids in enumerate(enc["input_ids"]) if len(ids) >= max_len]
+            if full:
+                # a sequence of exactly max_len tokens was cut only if it is longer without
+                # truncation: tokenize those few again with one more token of room
+                again = self.tokenizer(
+                    [texts[k] for k in full], None if pairs is None else [pairs[k] for k in full],
+                    truncation=True, max_length=max_len + 1,
+                )
+                cut = sum(len(ids) > max_len for ids in again["input_ids"])
+                if cut:
+                    warnings.warn(
+                        f"{cut} sequence(s) were longer than max_length={max_len} tokens and were truncated "
+                        f"to it; the scores are those of the truncated sequences."
+                    )
         data = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
         if "token_type_ids" in enc:
             data["token_type_ids"] = enc["token_type_ids"]
         if word_ids is not None:
             data["word_ids"] = word_ids
-        return self._from_ids(data)
+        return self._from_ids(data, pretokenized=False)
 
-    def _from_ids(self, data):
+    def _from_ids(self, data, pretokenized=True):
         ids = data["input_ids"]
         n = len(ids)
         attn = data.get("attention_mask")
         types = data.get("token_type_ids")
         words = data.get("word_ids")
         out_ids, out_types, out_mask, out_words = [], [] if types is not None else None, [], []
+        pad = self._pad_token_id() if attn is None else None
+        # texts are truncated by the tokenizer; pre-tokenized ids must fit the model as given
+        limit = (int(self.max_length) if self.max_length is not None else self._position_limit()) if pretokenized else None
         for i in range(n):
             # inputs are kept on the host; each packed batch moves to the model's device
             x = torch.as_tensor(ids[i], dtype=torch.long, device="cpu").reshape(-1)
+            if pad is not None and bool((x == pad).any()):
+                raise ValueError(
+                    f"input_ids[{i}] holds the padding token (id {pad}) {int((x == pad).sum())} time(s) but no "
+                    f"attention_mask was given, so the padding would be read as context. Pass "
+                    f"attention_mask (1 = token, 0 = padding) with padded input_ids, or remove the padding."
+                )
             keep = torch.ones_like(x, dtype=torch.bool) if attn is None else torch.as_tensor(attn[i], device="cpu").reshape(-1).bool()
             if keep.shape != x.shape:
                 raise ValueError(
@@ -334,8 +403,24 @@ class MaskedLMScorer:
                     f"give one mask entry per token (1 = keep, 0 = padding)."
                 )
             x = x[keep]
+            if limit is not None and x.numel() > limit:
+                raise ValueError(
+                    f"input_ids[{i}] has {x.numel()} tokens (padding removed), more than the maximum of {limit} "
+                    f"the model takes ({'max_length' if self.max_length is not None else 'its max_position_embeddings'}); "
+                    f"truncate the ids to {limit} tokens, or pass the texts, which are truncated."
+                )
             maskable = torch.nonzero(~torch.isin(x, self.special_token_ids)).reshape(-1)
             if maskable.numel() == 0:
+                unk = getattr(self.tokenizer, "unk_token_id", None)
+                unknown = 0 if unk is None else int((x == unk).sum())
+                if unknown:
+                    raise ValueError(
+                        f"Sequence {i} has no maskable token: all its {unknown} token(s) are the unknown token "
+                        f"{self.tokenizer.unk_token!r}, so the tokenizer (vocabulary of {len(self.tokenizer)} tokens) "
+                        f"knows none of the text's symbols. Write the text as the vocabulary expects (e.g. a "
+                        f"protein model's residues separated by spaces and in upper case: 'E V Q L', not 'EVQL' "
+                        f"or 'e v q l'), and check that the tokenizer is the model's."
+                    )
                 raise ValueError(
                     f"Sequence {i} has no maskable token (only special tokens or padding); remove it."
                 )
@@ -344,8 +429,13 @@ class MaskedLMScorer:
             if types is not None:
                 out_types.append(torch.as_tensor(types[i], dtype=torch.long, device="cpu").reshape(-1)[keep])
             if words is not None:
-                w = torch.tensor([-1 if v is None else int(v) for v in words[i]], dtype=torch.long, device="cpu")
-                out_words.append(w[keep][maskable])
+                w = torch.tensor([-1 if v is None else int(v) for v in words[i]], dtype=torch.long, device="cpu")[keep]
+                # word indices restart in the second segment of a pair; segments are separated by
+                # tokens without a word (CLS, SEP), so (tokens without a word so far, word index)
+                # identifies a word across segments
+                segment = torch.cumsum(w < 0, 0)
+                key = torch.where(w >= 0, segment * (int(w.max()) + 1) + w, -1)
+                out_words.append(key[maskable])
         return Encoded(out_ids, out_types, out_mask, out_words if words is not None else None)
 
     # ------------------------------------------------------------- forward
@@ -375,7 +465,8 @@ class MaskedLMScorer:
                     h = hidden[start : start + step]
                     n = h.shape[0]
                     # BLAS picks kernels (and rounding) by row count; padding the rows to a
-                    # multiple of _HEAD_ROWS keeps each log-prob independent of its batch
+                    # multiple of _HEAD_ROWS keeps the head's shapes, hence most of its rounding,
+                    # independent of the batch (the encoder's shapes still vary with it)
                     pad = -n % _HEAD_ROWS
                     if pad:
                         h = torch.cat([h, h[:1].expand(pad, -1)])
