@@ -11,7 +11,7 @@ from .curve import MPTCurve
 from .evidence import Evidence, EvidenceResult
 from .importance_evidence import ImportanceSamplingWarning, ImportanceWeightedELBO
 from .loss import MaskedPretrainingLoss
-from .masks import AllSizes, Exhaustive, FixedRate, MaskSchedule, RandomOrders, UniformSizes
+from .masks import AllSizes, Exhaustive, FixedRate, MaskSchedule, PseudoLikelihood, RandomOrders, UniformSizes
 
 __version__ = "0.1.0"
 
@@ -34,4 +34,5 @@ __all__ = [
     "RandomOrders",
     "Exhaustive",
     "FixedRate",
+    "PseudoLikelihood",
 ]

@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 import pyro.distributions as dist
+from pyro.distributions.util import broadcast_shape
 from pyro import poutine
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
@@ -144,7 +145,8 @@ class ObservedTokens:
             broadcast (stride 0) outside the tokens stay broadcast.
         """
         E = len(self.event_shape)
-        shape = torch.broadcast_shapes(t.shape, self.site_shape)
+        # pyro's broadcast_shape: torch.broadcast_shapes imports sympy on first use (seconds)
+        shape = torch.Size(broadcast_shape(t.shape, self.site_shape))
         t = t.expand(shape)
         nb = len(shape) - E
         T = len(self.token_dims)
