@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 r"""Speed of the defaults a new user meets, printed as ratios measured in one run.
 
-Four measurements (float32, the threads torch picks unless ``--threads``):
+Four measurements, float32, on one thread unless ``--threads`` says otherwise
+(on a machine shared with other jobs, several OpenMP threads wait on each other
+and make small batched kernels 10-100 times slower at random; one thread gives
+reproducible times):
 
 1. ``schedules`` -- loss + gradient of PPCA (K=5, N=200) for ``masks="all"``
    (the paper's estimator: independent random masks for every size) against
@@ -12,8 +15,8 @@ Four measurements (float32, the threads torch picks unless ``--threads``):
 2. ``curve`` -- ``MaskedPretrainingLoss().curve(ppca, None, x)`` with its
    defaults on PPCA (K=40) of scikit-learn's ``load_digits`` (N=1797, D=64),
    against the same curve with masks drawn per datapoint
-   (``curve(..., share_masks=False)`` through a loss with an explicit
-   ``"all"`` schedule); goal: the default at most 2 s.
+   (``MaskedPretrainingLoss(share_masks=False)``, the default before curves
+   shared their masks); goal: the default at most 2 s.
 3. ``first`` -- the first ``Evidence`` call and the first loss evaluation in a
    fresh interpreter, minus a second identical call: the one-off import and
    tracing overhead; goal at most 0.5 s.
@@ -120,7 +123,7 @@ def bench_curve(args):
     model = ppca_model(64, 40, x)
     default = timed(lambda: MaskedPretrainingLoss().curve(model, None, x), repeats=args.repeats)
     per_datum = timed(
-        lambda: MaskedPretrainingLoss(masks="all").curve(model, None, x, share_masks=False),
+        lambda: MaskedPretrainingLoss(share_masks=False).curve(model, None, x),
         repeats=1,
         warmup=0,
     )
@@ -134,7 +137,8 @@ FIRST_CALL = textwrap.dedent(
     """
     import time
     t0 = time.perf_counter()
-    import math, torch, pyro, pyro.distributions as dist
+    import math, sys, torch, pyro, pyro.distributions as dist
+    torch.set_num_threads(int(sys.argv[1]))
     from pyro_mpt import Evidence, MaskedPretrainingLoss
     t_import = time.perf_counter() - t0
     torch.manual_seed(0)
@@ -161,7 +165,8 @@ FIRST_CALL = textwrap.dedent(
 
 
 def bench_first(args):
-    out = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, check=True)
+    threads = str(torch.get_num_threads())
+    out = subprocess.run([sys.executable, "-c", FIRST_CALL, threads], capture_output=True, text=True, check=True)
     t_import, ev, lo, ev2, lo2 = map(float, out.stdout.split())
     print("3. fresh interpreter, PPCA D=20, K=3, N=100")
     print(f"   import torch + pyro + pyro_mpt: {t_import:.2f} s (not counted)")
@@ -204,7 +209,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("which", nargs="*", choices=sorted(BENCHES) + [[]], default=[])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
