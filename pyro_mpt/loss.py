@@ -249,7 +249,7 @@ class MaskedPretrainingLoss(ELBO):
         minute) and the curve's expectation is the same, but its mask noise no
         longer averages over the data: the spread of the curve and of its area
         over mask seeds shrinks as :math:`1/\sqrt P` with ``num_masks``, not as
-        :math:`1/\sqrt{NP}`, and :attr:`~pyro_mpt.curve.MPTCurve.stderr` and
+        :math:`1/\sqrt{NP}`, and the curve's ``stderr`` and
         :meth:`~pyro_mpt.curve.MPTCurve.area_stderr` count the spread over the
         data only, not the mask draw. Pass ``share_masks=False`` for curves
         whose standard errors include the mask noise.
