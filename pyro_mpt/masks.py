@@ -179,7 +179,9 @@ def _random_order(shape, device, observed=None):
     conditions each position on the positions after it, so no observed token
     has a missing one in its context.
     """
-    u = torch.rand(shape, device=device)
+    # float64 keys: float32 has 2^24 values, so at D = 512 about 1 % of the rows
+    # would hold a tie, which argsort breaks by position rather than at random
+    u = torch.rand(shape, device=device, dtype=torch.float64)
     if observed is not None:
         u = u - (~observed).to(u.dtype)
     return u.argsort(-1)
