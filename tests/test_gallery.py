@@ -81,11 +81,12 @@ def test_fig1_fixed_rate_converges_to_bias(convergence):
 def test_fig4_areas(area):
     _, res = area
     f = res["fig4"]
-    # measured (quick, seed 0): P=1 off by 0.33 (1.2 stderr), P=100 by 0.007, K=50 by 0.25
+    # measured (quick, seed 0): P=1 off by 0.0005, P=100 by 0.005 (with nested masks,
+    # before "all" drew an independent mask per size: 0.33 and 0.007); which of the two
+    # lands closer is chance at one seed, so only each one's bound is asserted
     assert abs(f["area_P1"] - f["lml"]) < 4 * f["area_P1_stderr"]
     assert abs(f["area_P1"] - f["lml"]) < 1.0
     assert abs(f["area_P100"] - f["lml"]) < 0.05
-    assert abs(f["area_P100"] - f["lml"]) < abs(f["area_P1"] - f["lml"])
     assert abs(f["area_K50"] - f["lml_K50"]) < 1.0
 
 
