@@ -12,7 +12,7 @@ from .evidence import Evidence, EvidenceResult
 from .importance_evidence import ImportanceWeightedELBO
 from .importance_weights import ImportanceSamplingWarning
 from .loss import MaskedPretrainingLoss
-from .masks import AllSizes, Exhaustive, FixedRate, MaskSchedule, RandomOrders, UniformSizes
+from .masks import AllSizes, Exhaustive, FixedRate, MaskSchedule, PseudoLikelihood, RandomOrders, UniformSizes
 
 __version__ = "0.1.0"
 
@@ -35,4 +35,5 @@ __all__ = [
     "RandomOrders",
     "Exhaustive",
     "FixedRate",
+    "PseudoLikelihood",
 ]

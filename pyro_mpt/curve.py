@@ -75,16 +75,18 @@ class MPTCurve:
         From the per-datapoint areas when the curve has them (the loss's
         :meth:`~pyro_mpt.MaskedPretrainingLoss.curve` records them):
         :math:`\operatorname{sd}_i(a_i)/\sqrt n`. This is right although the
-        sizes are correlated: the masks of ``"all"`` and ``"order"`` are nested
-        (prefixes of one ordering), so one datapoint's :math:`\hat S(x_i; M)`
-        move together over :math:`M`, and adding the per-size errors in
-        quadrature would understate the error about twofold. It is the error of
+        sizes may be correlated: the masks of ``"nested"`` and ``"order"`` are
+        nested (prefixes of one ordering), so one datapoint's
+        :math:`\hat S(x_i; M)` move together over :math:`M`, and adding the
+        per-size errors in quadrature would understate the error about
+        twofold (``"all"`` draws its sizes independently). It is the error of
         the area as an estimate of the mean log-likelihood of the population the
         data are drawn from: it counts the spread of :math:`\log p(x_i)` over
         the data as well as the mask noise, so it bounds the mask noise alone
         from above (tightly when one mask set per datapoint dominates, loosely
-        with many). With masks shared by the batch (``share_masks=True``) the
-        mask draw is common to all datapoints and is not counted. Without
+        with many). With masks shared by the batch (``share_masks=True``, the
+        default of :meth:`~pyro_mpt.MaskedPretrainingLoss.curve`) the mask
+        draw is common to all datapoints and is not counted. Without
         per-datapoint areas, the per-size errors are added as if independent.
         """
         if self.item_areas is not None and len(self.item_areas) > 1:

@@ -55,6 +55,7 @@ __all__ = [
     "RandomOrders",
     "Exhaustive",
     "FixedRate",
+    "PseudoLikelihood",
     "MaskBlock",
     "ChainBlock",
     "make_schedule",
@@ -178,7 +179,9 @@ def _random_order(shape, device, observed=None):
     conditions each position on the positions after it, so no observed token
     has a missing one in its context.
     """
-    u = torch.rand(shape, device=device)
+    # float64 keys: float32 has 2^24 values, so at D = 512 about 1 % of the rows
+    # would hold a tie, which argsort breaks by position rather than at random
+    u = torch.rand(shape, device=device, dtype=torch.float64)
     if observed is not None:
         u = u - (~observed).to(u.dtype)
     return u.argsort(-1)
@@ -195,6 +198,27 @@ def _random_ranks(shape, device, observed=None):
         # the order lists the missing tokens first: rotate them to the last ranks
         ranks = (ranks - (~observed).sum(-1, keepdim=True)) % shape[-1]
     return ranks
+
+
+def _random_masks(sizes, shape, device, observed=None):
+    """Independent uniformly random masks of the given sizes, bool ``shape = (q, rows, D)``.
+
+    ``sizes`` (long, broadcastable to ``(q, rows)``) gives each mask's size M;
+    the mask holds the first M tokens of a fresh uniformly random ordering
+    (one sort of i.i.d. uniforms and one scatter, an exact size M). With
+    ``observed`` (bool ``(rows, D)``) the masks are drawn among each row's
+    observed tokens (the orderings list the missing ones first).
+    """
+    order = _random_order(shape, device, observed)
+    pos = torch.arange(shape[-1], device=device)
+    first = sizes[..., None]
+    if observed is not None:
+        # skip the m_i missing tokens that lead each ordering
+        skip = (~observed).sum(-1, keepdim=True)  # (rows, 1)
+        take = (pos >= skip) & (pos < skip + first)
+    else:
+        take = pos < first
+    return torch.zeros(shape, dtype=torch.bool, device=device).scatter_(-1, order, take.expand(shape))
 
 
 class MaskSchedule:
@@ -242,6 +266,21 @@ class MaskSchedule:
         """
         raise NotImplementedError
 
+    def for_curve(self, share_masks=None):
+        """The schedule :meth:`~pyro_mpt.MaskedPretrainingLoss.curve` uses.
+
+        This schedule when it covers every mask size, else ``"all"`` with this
+        schedule's ``num_masks``.
+
+        :param bool share_masks: one mask set for the whole batch (True), masks
+            per datapoint (False), or this schedule's own choice (None).
+        :rtype: MaskSchedule
+        """
+        if self.covers_all_sizes:
+            return self
+        share = self.share_masks if share_masks is None else share_masks
+        return AllSizes(self.num_masks, share_masks=share)
+
     def _rows(self, n, observed=None):
         """The rows masks are drawn for: 1 when shared by the batch, else ``n``
         (always ``n`` with missing tokens, whose masks are per datapoint)."""
@@ -256,29 +295,58 @@ class AllSizes(MaskSchedule):
 
     .. math:: \hat L = \frac{1}{P}\sum_{p=1}^P \sum_{M=1}^D \hat S_p(x; M)
 
-    This is the paper's cumulative MPT: unbiased for :math:`\log p(x)`. Within
-    one mask set, the masks of different sizes are nested (the first M tokens of
-    one random permutation), which keeps each mask uniform over subsets of its
-    size and costs one permutation per datapoint instead of D.
+    The paper's cumulative MPT (``masks="all"``): for every size :math:`M` and
+    every repetition :math:`p`, an *independent* uniformly random mask of size
+    :math:`M` (per datapoint, or one set for the batch with
+    ``share_masks=True``, as the authors' code draws them). Each
+    :math:`\hat S_p(x; M)` is unbiased for :math:`S(x; M)`, so the sum is
+    unbiased for :math:`\log p(x)`, and the :math:`D` terms' mask noise is
+    independent: the variance of the sum is the sum of the per-size variances.
+
+    With ``nested=True`` (``masks="nested"``) the masks of one repetition are
+    instead the first :math:`M` tokens of *one* random permutation. Each mask
+    is still uniform over the subsets of its size (so the sum stays
+    unbiased), but the :math:`D` terms share one draw and move together: the
+    per-size errors add up coherently instead of averaging out. On PPCA at its
+    true parameters (:math:`N = 200`, :math:`D = 50`, :math:`K = 5`, one
+    repetition) the spread of the mean estimate over mask seeds is several
+    times that of ``"all"`` (``tests/test_masks.py``); on the paper's Table-1
+    PPCA (:math:`D = 200`) 2.6--4.5 times. Same cost per query: it exists to
+    reproduce earlier runs and the HuggingFace adapters' nested curves.
+
+    :param bool nested: nest the masks of one repetition (one permutation).
     """
 
     covers_all_sizes = True
 
+    def __init__(self, num_masks=1, *, nested=False, share_masks=False):
+        super().__init__(num_masks, share_masks=share_masks)
+        self.nested = nested
+
+    def for_curve(self, share_masks=None):
+        if share_masks is None or share_masks == self.share_masks:
+            return self
+        return AllSizes(self.num_masks, nested=self.nested, share_masks=share_masks)
+
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
         rows = self._rows(n, observed)
-        ranks = _random_ranks((self.num_masks, rows, D), device, observed)
+        ranks = _random_ranks((self.num_masks, rows, D), device, observed) if self.nested else None
         sizes = torch.arange(1, D + 1, device=device)
         per_block = max(1, max_elements // (n * D))
         weight = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
         counts = None if observed is None else observed.sum(-1)
-        # queries enumerate (mask set p, size M) pairs
+        # queries enumerate (mask set p, size M) pairs; independent masks are
+        # drawn block by block, so drawing them stays within the block's budget
         total = self.num_masks * D
         for start in range(0, total, per_block):
             idx = torch.arange(start, min(total, start + per_block), device=device)
             p, m = idx // D, sizes[idx % D]
-            mask = ranks[p] < m[:, None, None]
             q = idx.numel()
+            if self.nested:
+                mask = ranks[p] < m[:, None, None]
+            else:
+                mask = _random_masks(m[:, None], (q, rows, D), device, observed)
             if observed is None:
                 yield MaskBlock(mask, m[:, None].expand(q, 1), weight.expand(q, 1))
             else:
@@ -287,6 +355,10 @@ class AllSizes(MaskSchedule):
                 yield MaskBlock(
                     mask & observed, m[:, None].expand(q, n), weight.expand(q, 1), observed[None], valid
                 )
+
+    def __repr__(self):
+        extra = ", nested=True" if self.nested else ""
+        return f"AllSizes(num_masks={self.num_masks}{extra})"
 
 
 class UniformSizes(MaskSchedule):
@@ -371,6 +443,11 @@ class RandomOrders(MaskSchedule):
 
     covers_all_sizes = True
 
+    def for_curve(self, share_masks=None):
+        if share_masks is None or share_masks == self.share_masks:
+            return self
+        return RandomOrders(self.num_masks, share_masks=share_masks)
+
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
         rows = self._rows(n, observed)
@@ -435,6 +512,56 @@ class Exhaustive(MaskSchedule):
 
     def __repr__(self):
         return "Exhaustive()"
+
+
+class PseudoLikelihood(MaskSchedule):
+    r"""The pseudo-log-likelihood of Besag (1975): every leave-one-out query.
+
+    .. math:: \operatorname{PLL}(x) = \sum_{j=1}^D \log p(x_j \mid x_{-j})
+        = D\,S(x; 1)
+
+    The :math:`D` masks of size 1, shared by the batch: the :math:`M = 1` term
+    of Proposition 1, computed exactly (no randomness), times :math:`D`.
+    **Not** an estimate of :math:`\log p(x)`: it leaves out the sizes
+    :math:`M \ge 2` (for a Gaussian process it is the leave-one-out
+    predictive log-probability of Rasmussen & Williams, eqs. 5.10--5.12). As a
+    loss it trains by pseudo-likelihood; with missing tokens it runs over each
+    datapoint's observed tokens, :math:`\sum_{j\in O}\log p(x_j\mid
+    x_{O\setminus j})`. Its curve (:meth:`~pyro_mpt.MaskedPretrainingLoss.curve`)
+    has the single point :math:`M = 1`, exact, and no area.
+    ``num_masks`` and ``share_masks`` are unused.
+
+    Example::
+
+        >>> MaskedPretrainingLoss(masks="pll").score(model, None, x)  # (N,) PLL per datapoint
+    """
+
+    unbiased = False
+
+    def __init__(self, num_masks=1, *, share_masks=True):
+        super().__init__(num_masks, share_masks=True)
+
+    def for_curve(self, share_masks=None):
+        return self
+
+    def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
+        self.check(D)
+        per_block = max(1, max_elements // (n * D))
+        eye = torch.eye(D, dtype=torch.bool, device=device)
+        one = torch.ones((1, 1), dtype=torch.long, device=device)
+        w = torch.ones((1, 1), dtype=torch.float64, device=device)
+        for start in range(0, D, per_block):
+            stop = min(D, start + per_block)
+            mask = eye[start:stop, None, :]  # (q, 1, D): token j alone is the target
+            q = stop - start
+            if observed is None:
+                yield MaskBlock(mask, one.expand(q, 1), w.expand(q, 1))
+            else:
+                # a missing token is no target (gain 0) and no one's context
+                yield MaskBlock(mask, one.expand(q, 1), w.expand(q, 1), observed[None], observed[:, start:stop].T)
+
+    def __repr__(self):
+        return "PseudoLikelihood()"
 
 
 class FixedRate(MaskSchedule):
@@ -531,6 +658,8 @@ _NAMED = {
     ),
     "order": RandomOrders,
     "exhaustive": Exhaustive,
+    "nested": lambda num_masks, share_masks: AllSizes(num_masks, nested=True, share_masks=share_masks),
+    "pll": PseudoLikelihood,
 }
 
 
@@ -538,7 +667,8 @@ def make_schedule(masks, num_masks=1, share_masks=False):
     """Build a schedule from a name, a rate or a :class:`MaskSchedule`.
 
     :param masks: ``"all"``, ``"uniform"``, ``"stratified"``, ``"order"``,
-        ``"exhaustive"``, a float rate in (0, 1), or a :class:`MaskSchedule`.
+        ``"exhaustive"``, ``"nested"``, ``"pll"``, a float rate in (0, 1), or a
+        :class:`MaskSchedule`.
     :param int num_masks: masks (or orderings) per datapoint.
     :param bool share_masks: one mask set for the whole batch.
     :rtype: MaskSchedule

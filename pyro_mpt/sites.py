@@ -51,6 +51,7 @@ from typing import Optional
 
 import torch
 import pyro.distributions as dist
+from pyro.distributions.util import broadcast_shape
 from pyro import poutine
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.indep_messenger import IndepMessenger
@@ -165,7 +166,8 @@ class ObservedTokens:
             broadcast (stride 0) outside the tokens stay broadcast.
         """
         E = len(self.event_shape)
-        shape = torch.broadcast_shapes(t.shape, self.site_shape)
+        # pyro's broadcast_shape: torch.broadcast_shapes imports sympy on first use (seconds)
+        shape = torch.Size(broadcast_shape(t.shape, self.site_shape))
         t = t.expand(shape)
         nb = len(shape) - E
         T = len(self.token_dims)

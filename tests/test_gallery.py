@@ -81,11 +81,12 @@ def test_fig1_fixed_rate_converges_to_bias(convergence):
 def test_fig4_areas(area):
     _, res = area
     f = res["fig4"]
-    # measured (quick, seed 0): P=1 off by 0.33 (1.2 stderr), P=100 by 0.007, K=50 by 0.25
+    # measured (quick, seed 0): P=1 off by 0.0005, P=100 by 0.005 (with nested masks,
+    # before "all" drew an independent mask per size: 0.33 and 0.007); which of the two
+    # lands closer is chance at one seed, so only each one's bound is asserted
     assert abs(f["area_P1"] - f["lml"]) < 4 * f["area_P1_stderr"]
     assert abs(f["area_P1"] - f["lml"]) < 1.0
     assert abs(f["area_P100"] - f["lml"]) < 0.05
-    assert abs(f["area_P100"] - f["lml"]) < abs(f["area_P1"] - f["lml"])
     assert abs(f["area_K50"] - f["lml_K50"]) < 1.0
 
 
@@ -120,7 +121,7 @@ def schedules(tmp_path_factory):
 def test_order_has_zero_variance_and_all_schedules_are_unbiased(schedules):
     _, res = schedules
     rows = res["variance"]
-    assert {r["masks"] for r in rows} == {"all", "uniform", "stratified", "order"}
+    assert {r["masks"] for r in rows} == {"all", "nested", "uniform", "stratified", "order"}
     for r in rows:
         if r["masks"] == "order":
             # the Gaussian engine's chain rule is log p(x) along every ordering (float64)
@@ -128,11 +129,21 @@ def test_order_has_zero_variance_and_all_schedules_are_unbiased(schedules):
         else:
             assert r["std"] > 0.1, r
             assert abs(r["mean_error"]) <= 4 * r["mean_error_se"], r
-    for masks in ("all", "uniform", "stratified"):
+    for masks in ("all", "nested", "uniform", "stratified"):
         rs = [r for r in rows if r["masks"] == masks]
         ratio = rs[-1]["std"] / rs[0]["std"]
         expected = math.sqrt(rs[0]["P"] / rs[-1]["P"])  # independent masks: std ~ P^(-1/2)
         assert 0.7 * expected < ratio < 1.4 * expected, (masks, ratio, expected)
+
+
+def test_the_papers_all_has_less_spread_than_nested(schedules):
+    """At equal compute the paper's estimator ("all", independent masks per size) spreads
+    less than the nested masks: measured 0.61x (P=1) and 0.58x (P=4) in the quick run (D=10, 40 repeats);
+    asserted below 0.85x."""
+    _, res = schedules
+    std = {(r["masks"], r["P"]): r["std"] for r in res["variance"]}
+    for P in (1, 4):
+        assert std[("all", P)] < 0.85 * std[("nested", P)], (P, std[("all", P)], std[("nested", P)])
 
 
 def _brute_force_bias(D, K, N, seed, M):

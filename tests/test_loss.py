@@ -241,3 +241,74 @@ def test_auto_lists_the_engines_when_none_applies():
 def test_unknown_engine_name():
     with pytest.raises(ValueError, match="Unknown conditionals='magic'"):
         MaskedPretrainingLoss(conditionals="magic")
+
+
+def _gp(n=15, seed=0):
+    """A pyro.contrib.gp GPRegression (RBF kernel) on 1-d inputs, float64, and its kernel."""
+    import pyro.contrib.gp as gp
+
+    g = torch.Generator().manual_seed(seed)
+    X = 5 * torch.rand(n, 1, generator=g, dtype=torch.float64)
+    y = torch.sin(X[:, 0]) + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
+    kernel = gp.kernels.RBF(input_dim=1, variance=torch.tensor(1.3, dtype=torch.float64),
+                            lengthscale=torch.tensor(0.8, dtype=torch.float64))
+    return gp.models.GPRegression(X, y, kernel, noise=torch.tensor(0.09, dtype=torch.float64)), X, y
+
+
+def test_pll_loss_on_a_gp_is_the_closed_form_leave_one_out(float64):
+    """masks="pll" on GPRegression: the leave-one-out predictive log-probability of
+    Rasmussen & Williams (2006) eqs. 5.10-5.12, mu_i = y_i - [K^-1 y]_i / [K^-1]_ii,
+    sigma_i^2 = 1 / [K^-1]_ii, summed over i, in numpy (1e-8); the loss is its negative
+    and its gradient in the kernel and noise parameters equals autograd of eq. 5.12
+    written with torch.linalg.inv (1e-8)."""
+    np = pytest.importorskip("numpy")
+    gpr, X, y = _gp()
+    loss = MaskedPretrainingLoss(masks="pll")
+    got = loss.score(gpr.model, None)
+    # GPRegression's covariance: the kernel plus noise and its jitter on the diagonal
+    Kxx = (gpr.kernel(X) + (gpr.noise + gpr.jitter) * torch.eye(len(y))).detach().numpy()
+    Ki = np.linalg.inv(Kxx)
+    var = 1 / np.diag(Ki)
+    mu = y.numpy() - (Ki @ y.numpy()) * var
+    want = np.sum(-0.5 * np.log(2 * np.pi * var) - (y.numpy() - mu) ** 2 / (2 * var))
+    assert got.shape == ()
+    assert abs(float(got) - want) < 1e-8
+
+    params = [gpr.kernel.variance_unconstrained, gpr.kernel.lengthscale_unconstrained, gpr.noise_unconstrained]
+    value = loss.differentiable_loss(gpr.model, lambda: None)
+    grads = torch.autograd.grad(value, params)
+    Ki = torch.linalg.inv(gpr.kernel(X) + (gpr.noise + gpr.jitter) * torch.eye(len(y)))
+    v = 1 / torch.diagonal(Ki)
+    ref = -(-0.5 * torch.log(2 * math.pi * v) - 0.5 * (Ki @ y) ** 2 * v).sum()
+    assert abs(float(value) - float(ref)) < 1e-8
+    for a, b in zip(grads, torch.autograd.grad(ref, params)):
+        assert abs(float(a) - float(b)) < 1e-8 * max(1.0, abs(float(b)))
+
+
+def test_pll_matches_gpytorch_leave_one_out_pseudo_likelihood(float64):
+    """GPyTorch's LeaveOneOutPseudoLikelihood (a mean over the N points) times N equals
+    masks="pll" on the same GP (1e-8). Skipped when gpytorch is not installed."""
+    gpytorch = pytest.importorskip("gpytorch")
+    gpr, X, y = _gp()
+
+    class ExactGP(gpytorch.models.ExactGP):
+        def __init__(self, likelihood):
+            super().__init__(X, y, likelihood)
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    model = ExactGP(likelihood).double()
+    model.covar_module.outputscale = float(gpr.kernel.variance)
+    model.covar_module.base_kernel.lengthscale = float(gpr.kernel.lengthscale)
+    likelihood.noise = float(gpr.noise + gpr.jitter)
+    model.train()
+    likelihood.train()
+    loo = gpytorch.mlls.LeaveOneOutPseudoLikelihood(likelihood, model)
+    with torch.no_grad():
+        ref = float(loo(model(X), y)) * len(y)
+    got = float(MaskedPretrainingLoss(masks="pll").score(gpr.model, None))
+    assert abs(got - ref) < 1e-8
