@@ -45,13 +45,16 @@ import argparse
 import gc
 import multiprocessing as mp
 import os
-import threading
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling harness
+from harness import PeakRSS, gemm_gflops, timed  # noqa: E402
 
 
 def _load():
@@ -108,41 +111,7 @@ def _encoder_flops(cfg, tokens):
 
 def _gemm_peak(cfg, threads, repeats=5):
     """GFLOP/s of a large float32 matrix product shaped like the FFN's (best of ``repeats``)."""
-    torch.set_num_threads(threads)
-    a = torch.randn(4096, cfg.hidden_size)
-    b = torch.randn(cfg.hidden_size, cfg.intermediate_size)
-    a @ b  # warm-up
-    best = min(_timed(lambda: a @ b)[1] for _ in range(repeats))
-    return 2 * a.shape[0] * a.shape[1] * b.shape[1] / best / 1e9
-
-
-def _timed(fn):
-    t = time.perf_counter()
-    r = fn()
-    return r, time.perf_counter() - t
-
-
-class _PeakRSS(threading.Thread):
-    """Samples this process's resident memory every few ms; ``peak`` is the largest seen."""
-
-    def __init__(self, interval=0.002):
-        super().__init__(daemon=True)
-        self.interval, self.peak, self._stop_event = interval, self.rss(), threading.Event()
-
-    @staticmethod
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def run(self):
-        while not self._stop_event.is_set():
-            self.peak = max(self.peak, self.rss())
-            time.sleep(self.interval)
-
-    def stop(self):
-        self._stop_event.set()
-        self.join()
-        return self.peak
+    return gemm_gflops(4096, cfg.hidden_size, cfg.intermediate_size, threads, repeats)
 
 
 def _memory_child(budget, n, threads, device, queue):
@@ -158,7 +127,7 @@ def _memory_child(budget, n, threads, device, queue):
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.max_memory_allocated()
-    sampler = _PeakRSS()
+    sampler = PeakRSS()
     base_rss = sampler.rss()
     sampler.start()
     t = time.perf_counter()
@@ -219,9 +188,9 @@ def main(argv=None):
     for task, (fast_fn, naive_fn) in tasks.items():
         t_fast, t_naive = [], []
         for _ in range(args.repeats):
-            fast, t = _timed(fast_fn)
+            fast, t = timed(fast_fn)
             t_fast.append(t)
-            naive, t = _timed(naive_fn)
+            naive, t = timed(naive_fn)
             t_naive.append(t)
         diff = np.abs(naive - fast[: len(naive_seqs)]).max()
         fast_flops = sum(f for f, _ in flops[task])

@@ -39,7 +39,6 @@ Usage::
 import argparse
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -50,6 +49,9 @@ import pyro
 import pyro.distributions as dist
 from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.masks import AllSizes, MaskBlock, MaskSchedule, RandomOrders, UniformSizes
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling harness
+from harness import Timing, fmt_ratio, machine_line, run_interleaved, run_timed, write_markdown  # noqa: E402
 
 LOG_2PI = math.log(2 * math.pi)
 MD_BEGIN = "<!-- ppca_speed:begin -->"
@@ -172,95 +174,8 @@ def baseline_params():
 
 
 # --------------------------------------------------------------------------- timing
-class Timing:
-    """Median and standard deviation of repeated timings, times a factor."""
-
-    def __init__(self, seconds, factor=1.0, note=""):
-        self.raw = seconds
-        self.factor = factor
-        self.note = note
-
-    @property
-    def median(self):
-        return statistics.median(self.raw) * self.factor
-
-    @property
-    def sd(self):
-        return (statistics.stdev(self.raw) if len(self.raw) > 1 else 0.0) * self.factor
-
-    @property
-    def extrapolated(self):
-        return self.factor != 1.0
-
-    def cell(self):
-        mark = "*" if self.extrapolated else ""
-        return f"{fmt_s(self.median)} ± {fmt_s(self.sd)}{mark}"
-
-
-def fmt_s(t):
-    if t >= 100:
-        return f"{t:.0f}"
-    if t >= 10:
-        return f"{t:.1f}"
-    if t >= 1:
-        return f"{t:.2f}"
-    if t >= 0.01:
-        return f"{t:.3f}"
-    return f"{t:.2g}"
-
-
-def fmt_ratio(r):
-    return f"{r:.0f}×" if r >= 100 else f"{r:.1f}×" if r >= 10 else f"{r:.2f}×"
-
-
-#: a warm-up slower than this (seconds) counts as the first of only two timed runs
-SLOW_RUN_S = 8.0
 #: independent-mask variants are timed on a data subset so that one run takes about this long
 TARGET_RUN_S = 2.0
-#: a function faster than this is called several times per measurement (the mean is kept)
-MIN_MEASURE_S = 0.1
-
-
-def run_interleaved(prepare, runs, repeats, warmup=1, first_seed=0):
-    """Time several functions on the same inputs, interleaved (so that a change
-    in the machine's load hits all of them alike).
-
-    ``prepare(seed)`` is untimed; each ``run(prepared)`` of ``runs`` is timed.
-    Seed ``r`` draws the masks of round ``r``, so every repeat sees fresh masks.
-    Returns, per function, the list of times and the outputs of the timed runs,
-    and the seeds of the timed rounds.
-    """
-    times = [[] for _ in runs]
-    outs = [[] for _ in runs]
-    calls = [1 for _ in runs]  # calls per measurement, set from the first round
-    seeds = []
-    r = first_seed
-    while len(times[0]) < repeats:
-        prepared = prepare(r)
-        round_times, round_outs = [], []
-        for i, run in enumerate(runs):
-            t0 = time.perf_counter()
-            for _ in range(calls[i]):
-                out = run(prepared)
-            round_times.append((time.perf_counter() - t0) / calls[i])
-            round_outs.append(out)
-            if r == first_seed:
-                calls[i] = max(1, min(50, math.ceil(MIN_MEASURE_S / max(round_times[-1], 1e-6))))
-        slow = max(round_times) > SLOW_RUN_S
-        if r >= first_seed + warmup or slow:
-            seeds.append(r)
-            for i in range(len(runs)):
-                times[i].append(round_times[i])
-                outs[i].append(round_outs[i])
-        if slow:
-            repeats = min(repeats, 2)
-        r += 1
-    return list(zip(times, outs)), seeds
-
-
-def run_timed(prepare, run, repeats, warmup=1, first_seed=0):
-    """:func:`run_interleaved` for one function: ``(times, outputs)``."""
-    return run_interleaved(prepare, [run], repeats, warmup, first_seed)[0][0]
 
 
 def loss_and_grad(loss_fn, leaves):
@@ -492,44 +407,6 @@ def table_order(rows):
     return "\n".join(lines)
 
 
-def machine_line(args):
-    try:
-        load = " / ".join(f"{v:.1f}" for v in os.getloadavg())
-    except OSError:
-        load = "n/a"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return (
-        f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), pyro {pyro.__version__}, "
-        f"Python {platform.python_version()}; load average (1/5/15 min) {load}"
-    )
-
-
-def write_markdown(path, text):
-    block = f"{MD_BEGIN}\n{text}\n{MD_END}"
-    if os.path.exists(path):
-        with open(path) as f:
-            old = f.read()
-        if MD_BEGIN in old and MD_END in old:
-            pre, rest = old.split(MD_BEGIN, 1)
-            post = rest.split(MD_END, 1)[1]
-            new = pre + block + post
-        else:
-            new = old.rstrip("\n") + "\n\n" + block + "\n"
-    else:
-        new = "# Benchmarks\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(new)
-
-
 # --------------------------------------------------------------------------- main
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -575,7 +452,7 @@ def main(argv=None):
         )
         args.repeats = args.repeats or 3
 
-    machine_start = machine_line(args)
+    machine_start = machine_line()
     print(f"# PPCA speed benchmark, N={args.N}, P=1 mask set per step, loss + gradient")
     print(f"# {machine_start}")
     print(f"# median ± sd over {args.repeats} repeats after 1 warm-up; * = extrapolated")
@@ -634,7 +511,7 @@ def main(argv=None):
     text = "\n".join(
         [
             f"Machine: {machine_start}.",
-            f"Load at the end: {machine_line(args).rsplit('; ', 1)[1]}. "
+            f"Load at the end: {machine_line().rsplit('; ', 1)[1]}. "
             f"Whole run: {elapsed:.0f} s. N={args.N}; times are loss + gradient, "
             f"median ± sd over {args.repeats} repeats (fresh masks each) after one warm-up; "
             f"`*` marks times extrapolated linearly from a subset (see the notes).",
@@ -666,7 +543,7 @@ def main(argv=None):
     print()
     print(text)
     if args.out_md:
-        write_markdown(args.out_md, text)
+        write_markdown(args.out_md, text, MD_BEGIN, MD_END)
         print(f"\nwrote {args.out_md}")
 
 

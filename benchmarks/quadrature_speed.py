@@ -28,7 +28,6 @@ Usage::
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -42,6 +41,9 @@ from pyro.optim import Adam
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss, QuadratureConditionals
 from pyro_mpt.sites import trace_tokens
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling harness
+from harness import max_rss_mb  # noqa: E402
 
 K = 2
 
@@ -66,10 +68,6 @@ def make_model(W_init, b_init):
     return model
 
 
-def rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 # ---------------------------------------------------------------------- speed (worker)
 def worker(N, D, num_nodes, adaptive, steps):
     """One speed/memory configuration; prints a JSON line."""
@@ -85,7 +83,7 @@ def worker(N, D, num_nodes, adaptive, steps):
     # warm-up on a few datapoints: one-time costs of torch and pyro (lazy imports)
     make_svi()[1].step(x[:4])
     engine, svi = make_svi()
-    base = rss_mb()
+    base = max_rss_mb()
     times, cpu = [], []
     for _ in range(steps):
         t, c = time.perf_counter(), time.process_time()
@@ -100,7 +98,7 @@ def worker(N, D, num_nodes, adaptive, steps):
         "N": N, "D": D, "num_nodes": num_nodes, "adaptive": adaptive,
         "Q": state.num_nodes, "streamed": state.chunks is None,
         "first": times[0], "later": later(times), "first_cpu": cpu[0], "later_cpu": later(cpu),
-        "peak_mb": rss_mb(), "base_mb": base, "load": os.getloadavg()[0],
+        "peak_mb": max_rss_mb(), "base_mb": base, "load": os.getloadavg()[0],
     }))
 
 
