@@ -404,6 +404,9 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
 
     fn = site["fn"]
     event_shape = fn.event_shape
+    if event_shape and site["value"].dim() >= len(event_shape):
+        # a homogeneous DiscreteHMM has event shape (1, ...): its data give the number of steps
+        event_shape = torch.broadcast_shapes(event_shape, site["value"].shape[-len(event_shape):])
     site_batch_shape = fn.batch_shape
     tframes = _token_frames(site, latents, token_plates)
     if not tframes and not event_shape:
