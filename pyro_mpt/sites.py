@@ -374,7 +374,9 @@ def trace_tokens(model, guide, args, kwargs, obs_site=None, max_plate_nesting=No
             names = ", ".join(repr(s["name"]) for s in observed)
             raise ValueError(
                 f"The model observes several sites ({names}); say which one holds "
-                f"the tokens with obs_site=<name>."
+                f"the tokens with obs_site=<name>. (The tokens of a datapoint come from "
+                f"one site: an HMM written with one observed site per step is one "
+                f"dist.DiscreteHMM site whose event dim is time.)"
             )
         site = observed[0]
     else:
