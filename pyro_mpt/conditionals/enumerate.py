@@ -169,11 +169,8 @@ class EnumerateConditionals(ConditionalEngine):
                 )
             dims[name] = dim
         L = len(dims)
-        enum_shape = torch.Size(
-            trace.nodes[name]["value"].shape[d]
-            for d in range(-(mpn + L), -mpn)
-            for name in [next(k for k, v in dims.items() if v == d)]
-        )
+        by_dim = {d: sizes[name] for name, d in dims.items()}
+        enum_shape = torch.Size(by_dim[d] for d in range(-(mpn + L), -mpn))
         K = math.prod(enum_shape)
         n, D = tokens.num_data, tokens.num_tokens
 

@@ -65,13 +65,13 @@ class MixtureTable:
         if table.dim() != 3:
             raise ValueError(f"MixtureTable: table must have shape (K, n, D), got {tuple(table.shape)}.")
         K, n, D = table.shape
-        if log_weights.dim() == 1:
-            log_weights = log_weights[:, None]
-        if log_weights.dim() != 2 or log_weights.shape[0] != K or log_weights.shape[1] not in (1, n):
+        if log_weights.dim() not in (1, 2) or log_weights.shape[0] != K or log_weights.shape[1:] not in ((), (1,), (n,)):
             raise ValueError(
                 f"MixtureTable: log_weights must have shape ({K},) or ({K}, {n}) to match the "
                 f"table ({K}, {n}, {D}), got {tuple(log_weights.shape)}."
             )
+        if log_weights.dim() == 1:
+            log_weights = log_weights[:, None]
         self.log_weights = log_weights  # (K, n|1)
         self.table = table
         self.normalized = bool(normalized)
