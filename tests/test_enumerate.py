@@ -315,3 +315,25 @@ def test_mixture_table_impossible_points_give_no_nan():
     out = mix.log_conditionals(context)
     assert torch.isfinite(out).all()
     assert torch.isfinite(mix.chain_log_prob(torch.tensor([[[0, 1, 2]]]).expand(1, 2, 3))).all()
+
+
+def test_token_plate_and_extra_plate_nesting_equal_the_to_event_twin(float64):
+    """Tokens in a pyro.plate (and max_plate_nesting larger than the model uses) give the
+    same exact evidence and exhaustive score as the .to_event(1) twin."""
+    model, x = make_gmm(K=3, D=4, N=6, seed=9)
+    model(x)
+    w, locs, scales = (pyro.param(n) for n in ("weights", "locs", "scales"))
+
+    def plated(x):
+        with pyro.plate("data", x.shape[0], dim=-2):
+            z = pyro.sample("assignment", dist.Categorical(w))  # (n, 1), enumerated (K, 1, 1)
+            with pyro.plate("tokens", x.shape[1], dim=-1):
+                pyro.sample("obs", dist.Normal(locs[z].squeeze(-2), scales[z].squeeze(-2)), obs=x)
+
+    ref = sklearn_gmm().score_samples(x.numpy())
+    got = Evidence(plated, method="exact", token_plates=("tokens",))(x)
+    assert np.abs(got.detach().numpy() - ref).max() < 1e-8
+    score = MaskedPretrainingLoss(masks="exhaustive", token_plates=("tokens",)).score(plated, None, x)
+    assert np.abs(score.detach().numpy() - ref).max() < 1e-8
+    deep = MaskedPretrainingLoss(masks="exhaustive", max_plate_nesting=3).score(model, None, x)
+    assert np.abs(deep.detach().numpy() - ref).max() < 1e-8
