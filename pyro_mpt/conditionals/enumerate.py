@@ -38,12 +38,14 @@ from ..sites import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
 from .mixture import MixtureTable
 
-__all__ = ["EnumerateConditionals", "EnumerateState"]
+__all__ = ["EnumerateConditionals", "EnumerateState", "base_distribution"]
 
 _WHO = "conditionals='enumerate'"
 
 
-def _unwrap(fn):
+def base_distribution(fn):
+    """``fn`` without its ``Independent`` and ``MaskedDistribution`` wrappers (the
+    observed site's mask is read into ``tokens.observed``)."""
     while isinstance(fn, (dist.Independent, torch.distributions.Independent, dist.MaskedDistribution)):
         fn = fn.base_dist
     return fn
@@ -111,7 +113,7 @@ class EnumerateConditionals(ConditionalEngine):
             if not fn.has_enumerate_support:
                 raise EngineNotApplicable(
                     f"{_WHO} needs every latent to be discrete with finite support, but "
-                    f"latent site {site['name']!r} is {type(_unwrap(fn)).__name__}"
+                    f"latent site {site['name']!r} is {type(base_distribution(fn)).__name__}"
                     f"{' with event dims' if fn.event_shape else ''}, which has no "
                     f"enumerate_support. Use conditionals='quadrature' or 'importance'."
                 )
@@ -126,7 +128,7 @@ class EnumerateConditionals(ConditionalEngine):
                 f"{self.max_support}. Use conditionals='importance' (it samples the latents), "
                 f"or raise max_support if a ({K}, {tokens.num_data}, {tokens.num_tokens}) table fits."
             )
-        base = _unwrap(tokens.site["fn"])
+        base = base_distribution(tokens.site["fn"])
         if base.event_shape:
             raise EngineNotApplicable(
                 f"{_WHO} needs the tokens of observed site {tokens.name!r} to be independent "
@@ -188,7 +190,7 @@ class EnumerateConditionals(ConditionalEngine):
         obs = trace.nodes[tokens.name]
         # the tokens with missing values filled, so the table is finite everywhere
         value = tokens.site_value
-        lp = _unwrap(obs["fn"]).log_prob(value)
+        lp = base_distribution(obs["fn"]).log_prob(value)
         lp = full(lp, tokens.event_shape)
         pad = (1,) * (mpn - len(tokens.site_batch_shape))
         lp = lp.expand(enum_shape + pad + tokens.site_shape)

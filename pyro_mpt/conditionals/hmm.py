@@ -41,16 +41,11 @@ import torch
 import pyro.distributions as dist
 
 from .base import ConditionalEngine, EngineNotApplicable
+from .enumerate import base_distribution
 
 __all__ = ["DiscreteHMMConditionals", "DiscreteHMMState"]
 
 _WHO = "conditionals='hmm'"
-
-
-def _unwrap(fn):
-    while isinstance(fn, (dist.Independent, torch.distributions.Independent, dist.MaskedDistribution)):
-        fn = fn.base_dist
-    return fn
 
 
 def _log_matmul(a, b):
@@ -119,7 +114,7 @@ class DiscreteHMMConditionals(ConditionalEngine):
     name = "hmm"
 
     def prepare(self, tokens, model, guide, args, kwargs):
-        hmm = _unwrap(tokens.site["fn"])
+        hmm = base_distribution(tokens.site["fn"])
         if not isinstance(hmm, dist.DiscreteHMM):
             raise EngineNotApplicable(
                 f"{_WHO} needs observed site {tokens.name!r} to be a dist.DiscreteHMM "
@@ -136,7 +131,7 @@ class DiscreteHMMConditionals(ConditionalEngine):
                 f"and nothing else, but the model has {what}. Make the other latents "
                 f"pyro.params, and keep each sequence in the event (time) dim of the site."
             )
-        obs = _unwrap(hmm.observation_dist)
+        obs = base_distribution(hmm.observation_dist)
         if obs.event_shape:
             raise EngineNotApplicable(
                 f"{_WHO} needs the emissions of the DiscreteHMM at site {tokens.name!r} "
