@@ -27,8 +27,9 @@ reuse enumeration dims and are refused: write the chain as one
 :mod:`~pyro_mpt.conditionals.hmm`.
 """
 
+import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import pyro.distributions as dist
@@ -36,7 +37,8 @@ from pyro import poutine
 
 from ..sites import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
-from .mixture import MixtureTable
+from .gaussian_marginal import gaussian_marginal
+from .mixture import GaussianMixtureTable, MixtureTable
 
 __all__ = ["EnumerateConditionals", "EnumerateState", "base_distribution"]
 
@@ -60,11 +62,13 @@ class EnumerateState:
     """The mixture over the latents' joint support, for one evaluation.
 
     :param mixture: the :class:`~pyro_mpt.conditionals.mixture.MixtureTable`
-        (weights :math:`\\log p(z)` ``(K, n)``, table ``(K, n, D)``).
+        (weights :math:`\\log p(z)` ``(K, n)``, table ``(K, n, D)``), or a
+        :class:`~pyro_mpt.conditionals.mixture.GaussianMixtureTable` when the
+        model has Normal latents besides the discrete ones.
     :param dict support: support size of each latent site, in enumeration order.
     """
 
-    mixture: MixtureTable = field(repr=False)
+    mixture: object = field(repr=False)
     num_data: int
     num_tokens: int
     support: dict
@@ -107,9 +111,15 @@ class EnumerateConditionals(ConditionalEngine):
                 f"{_WHO} sums over discrete latents, but the model of observed site "
                 f"{tokens.name!r} has no latent site."
             )
-        sizes = {}
+        sizes, continuous = {}, []
+        discrete = any(site["fn"].has_enumerate_support for site in latents)
         for site in latents:
             fn = site["fn"]
+            if not fn.has_enumerate_support and discrete:
+                # a mixture of linear-Gaussian components (e.g. a mixture of PPCA): each
+                # component's Gaussian marginal is derived, or refused, by gaussian_marginal
+                continuous.append(site["name"])
+                continue
             if not fn.has_enumerate_support:
                 raise EngineNotApplicable(
                     f"{_WHO} needs every latent to be discrete with finite support, but "
@@ -129,7 +139,7 @@ class EnumerateConditionals(ConditionalEngine):
                 f"or raise max_support if a ({K}, {tokens.num_data}, {tokens.num_tokens}) table fits."
             )
         base = base_distribution(tokens.site["fn"])
-        if base.event_shape:
+        if base.event_shape and not continuous:
             raise EngineNotApplicable(
                 f"{_WHO} needs the tokens of observed site {tokens.name!r} to be independent "
                 f"given the latents, but its distribution is {type(base).__name__} with event "
@@ -137,16 +147,20 @@ class EnumerateConditionals(ConditionalEngine):
                 f"dist.Normal(loc, scale).to_event(1); a dist.DiscreteHMM observation is "
                 f"served by conditionals='hmm'."
             )
-        return sizes
+        return sizes, continuous
 
     def prepare(self, tokens, model, guide, args, kwargs):
-        sizes = self._check(tokens)
+        sizes, continuous = self._check(tokens)
         mpn = tokens.max_plate_nesting
         names = set(sizes)
+        replayed = poutine.replay(model, trace=tokens.subsample_trace())
+        if continuous:
+            # only the discrete sites' log p(z) is read from this run: hold the others fixed
+            fixed = {name: tokens.model_trace.nodes[name]["value"] for name in continuous}
+            replayed = poutine.condition(replayed, data=fixed)
         # every latent is enumerated in parallel, whatever the model's own infer config says
         configured = poutine.infer_config(
-            poutine.replay(model, trace=tokens.subsample_trace()),
-            lambda msg: {"enumerate": "parallel"} if msg["name"] in names else {},
+            replayed, lambda msg: {"enumerate": "parallel"} if msg["name"] in names else {}
         )
         try:
             trace = poutine.trace(poutine.enum(configured, first_available_dim=-(mpn + 1))).get_trace(*args, **kwargs)
@@ -187,6 +201,9 @@ class EnumerateConditionals(ConditionalEngine):
             site = trace.nodes[name]
             log_w = log_w + full(site["fn"].log_prob(site["value"]), ())
         log_w = log_w.expand(enum_shape + batch).reshape(K, n)
+        if continuous:
+            mixture = self._gaussian_components(tokens, model, args, kwargs, trace, dims, enum_shape, continuous, log_w)
+            return EnumerateState(mixture, n, D, sizes)
         obs = trace.nodes[tokens.name]
         # the tokens with missing values filled, so the table is finite everywhere
         value = tokens.site_value
@@ -197,6 +214,37 @@ class EnumerateConditionals(ConditionalEngine):
         table = tokens.to_tokens(lp).reshape(K, n, D)
         mixture = MixtureTable(log_w, table, max_elements=self.max_elements)
         return EnumerateState(mixture, n, D, sizes)
+
+    def _gaussian_components(self, tokens, model, args, kwargs, trace, dims, enum_shape, continuous, log_w):
+        """The Gaussian marginal of each joint value of the discrete latents, as a
+        :class:`~pyro_mpt.conditionals.mixture.GaussianMixtureTable`."""
+        mpn = tokens.max_plate_nesting
+        # the support values of each discrete site, in its own layout (enum dim first)
+        support = {}
+        for name, d in dims.items():
+            v = trace.nodes[name]["value"]
+            event = len(trace.nodes[name]["fn"].event_shape)
+            v = v.movedim(v.dim() - event + d, 0)
+            support[name] = v.reshape((v.shape[0],) + v.shape[v.dim() - event - mpn:])
+        continuous_tokens = replace(tokens, latent_names=list(continuous))
+        locs, covs = [], []
+        order = sorted(dims, key=lambda name: dims[name])  # the leftmost enum dim first
+        for index in itertools.product(*(range(support[name].shape[0]) for name in order)):
+            values = {name: support[name][i] for name, i in zip(order, index)}
+            component = poutine.condition(model, data=values)
+            try:
+                marginal = gaussian_marginal(continuous_tokens, component, args, kwargs)
+            except EngineNotApplicable as e:
+                raise EngineNotApplicable(
+                    f"{_WHO} with continuous latents ({', '.join(map(repr, continuous))}) needs each "
+                    f"component to be linear-Gaussian. {e}"
+                ) from e
+            locs.append(marginal.loc)
+            covs.append(marginal.dense())
+        rows = max(t.shape[0] for t in locs + covs)
+        loc = torch.stack([t.expand(rows, -1) for t in locs])
+        cov = torch.stack([t.expand(rows, -1, -1) for t in covs])
+        return GaussianMixtureTable(log_w, loc, cov, tokens.value, max_elements=self.max_elements)
 
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
