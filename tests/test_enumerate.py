@@ -337,3 +337,72 @@ def test_token_plate_and_extra_plate_nesting_equal_the_to_event_twin(float64):
     assert np.abs(score.detach().numpy() - ref).max() < 1e-8
     deep = MaskedPretrainingLoss(masks="exhaustive", max_plate_nesting=3).score(model, None, x)
     assert np.abs(deep.detach().numpy() - ref).max() < 1e-8
+
+
+# ---------------------------------------------------------------------- mixtures of linear-Gaussian components
+def test_mixture_of_ppca_matches_sklearn_full_covariance(float64):
+    """z ~ Categorical(w); u ~ N(0, I_2); x | z, u ~ N(W_z u + mu_z, s_z^2 I): exact evidence,
+    exhaustive MPT and all 24 orderings vs GaussianMixture(covariance_type="full").score_samples
+    with covariances W_k W_k^T + s_k^2 I, and masked conditionals vs scipy marginals."""
+    from scipy.stats import multivariate_normal
+
+    K, D, L, N = 3, 4, 2, 12
+    g = torch.Generator().manual_seed(10)
+    w = torch.softmax(torch.randn(K, generator=g), 0)
+    W = torch.randn(K, D, L, generator=g)
+    mu = 3 * torch.randn(K, D, generator=g)
+    s = 0.5 + torch.rand(K, generator=g)
+
+    def mppca(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Categorical(w))
+            u = pyro.sample("u", dist.Normal(0.0, 1.0).expand([L]).to_event(1))
+            loc = (W[z] @ u.unsqueeze(-1)).squeeze(-1) + mu[z]
+            pyro.sample("x", dist.Normal(loc, s[z].unsqueeze(-1)).to_event(1), obs=x)
+
+    x = 3 * torch.randn(N, D, generator=g)
+    cov = (W @ W.transpose(-1, -2) + torch.diag_embed(s[:, None].expand(K, D) ** 2)).numpy()
+    gm = GaussianMixture(K, covariance_type="full")
+    gm.weights_, gm.means_, gm.covariances_ = w.numpy(), mu.numpy(), cov
+    gm.precisions_cholesky_ = np.linalg.cholesky(np.linalg.inv(cov))
+    ref = gm.score_samples(x.numpy())
+    assert np.abs(Evidence(mppca, method="exact")(x).numpy() - ref).max() < 1e-8
+    score = MaskedPretrainingLoss(masks="exhaustive").score(mppca, None, x)
+    assert np.abs(score.numpy() - ref).max() < 1e-8
+    engine = EnumerateConditionals()
+    tokens = trace_tokens(mppca, None, (x,), {})
+    state = engine.prepare(tokens, mppca, None, (x,), {})
+    orders = torch.tensor(list(itertools.permutations(range(D))))[:, None, :]
+    assert np.abs(engine.chain_log_prob(state, x, orders).sum(-1).numpy() - ref[None]).max() < 1e-8
+
+    def log_marginal(xi, keep):
+        idx = np.flatnonzero(keep)
+        terms = [np.log(w[k].item()) + multivariate_normal.logpdf(xi[idx], mu[k].numpy()[idx], cov[k][np.ix_(idx, idx)])
+                 for k in range(K)]
+        return logsumexp(terms)
+
+    mask = torch.rand(3, N, D, generator=g) < 0.5
+    mask[..., 0] = True  # at least one target
+    mask[..., 1] = False  # and one context token
+    logc = engine.mask_log_prob(state, x, mask).numpy()
+    xn = x.numpy()
+    for q in range(3):
+        for i in range(N):
+            ctx = ~mask[q, i].numpy()
+            for j in np.flatnonzero(mask[q, i].numpy()):
+                keep = ctx.copy()
+                keep[j] = True
+                assert abs(logc[q, i, j] - (log_marginal(xn[i], keep) - log_marginal(xn[i], ctx))) < 1e-8
+
+
+def test_mixture_with_non_gaussian_component_is_refused(float64):
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Categorical(torch.ones(2) / 2))
+            r = pyro.sample("r", dist.Gamma(2.0, 1.0))
+            pyro.sample("x", dist.Normal((z * r).unsqueeze(-1) * torch.ones(3), 1.0).to_event(1), obs=x)
+
+    x = torch.randn(4, 3)
+    with pytest.raises(EngineNotApplicable, match=r"with continuous latents \('r'\) needs each component to be linear-Gaussian\. .*latent site 'r' is Gamma"):
+        MaskedPretrainingLoss(conditionals="enumerate").score(model, None, x)
+    assert isinstance(auto_engine(trace_tokens(model, None, (x,), {}), model, None, (x,), {})[0], ImportanceConditionals)

@@ -869,6 +869,17 @@ def _():
     MaskedPretrainingLoss(conditionals="enumerate", obs_site="y_0").loss(markov_hmm, None, torch.randn(3, 4, 2))
 
 
+@trigger("enumerate-component-not-gaussian")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Categorical(torch.ones(2) / 2))
+            r = pyro.sample("r", dist.Gamma(2.0, 1.0))
+            pyro.sample("x", dist.Normal((z * r).unsqueeze(-1) * torch.ones(3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, _x())
+
+
 @trigger("hmm-not-discrete-hmm")
 def _():
     model, x = _ppca()

@@ -46,7 +46,7 @@ from .encode_decode import EncodeDecodeConditionals, EncodeDecodeState
 from .importance import ImportanceConditionals, ImportanceState
 from .enumerate import EnumerateConditionals, EnumerateState
 from .hmm import DiscreteHMMConditionals, DiscreteHMMState
-from .mixture import MixtureTable
+from .mixture import GaussianMixtureTable, MixtureTable
 
 __all__ = [
     "ConditionalEngine",
@@ -68,6 +68,7 @@ __all__ = [
     "DiscreteHMMConditionals",
     "DiscreteHMMState",
     "MixtureTable",
+    "GaussianMixtureTable",
     "ENGINES",
     "make_engine",
     "auto_engine",
@@ -93,7 +94,7 @@ REQUIREMENTS = {
     "Gamma, Beta, Uniform, ...) with at most 4 latent dims per datapoint",
     "enumerate": "discrete latents with finite support (Categorical, Bernoulli, "
     "...) local to each datapoint, at most max_support joint values, and tokens "
-    "independent given them",
+    "independent given them (or, with Normal latents too, linear-Gaussian components)",
     "hmm": "an observed dist.DiscreteHMM site (time steps as tokens) and no other latent",
     "encode_decode": "an amortized guide (encoder) that takes the data through "
     "one argument, latents local to each datapoint, and tokens independent "

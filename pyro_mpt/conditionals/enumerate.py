@@ -21,6 +21,17 @@ each other (a ``Bernoulli`` whose probability is indexed by a ``Categorical``);
 the table holds the whole joint support, so it refuses supports larger than
 ``max_support`` (use ``conditionals="importance"`` there).
 
+**Linear-Gaussian components.** Normal latents beside the discrete ones (a
+mixture of PPCA: :math:`z \sim \mathrm{Categorical}(w)`,
+:math:`u \sim \mathcal N(0, I)`, :math:`x \mid z, u \sim \mathcal N(W_z u + \mu_z,
+\sigma_z^2 I)`) make each component a Gaussian over the tokens, which no longer
+factorize. The engine then conditions the model on each joint value of the
+discrete latents, derives that component's Gaussian marginal with
+:func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal` (one call per
+support point), and reduces the Gaussian mixture with
+:class:`~pyro_mpt.conditionals.mixture.GaussianMixtureTable`; the discrete
+latents' prior must not depend on the Normal ones.
+
 Models written with ``pyro.markov`` (HMMs with one observed site per step)
 reuse enumeration dims and are refused: write the chain as one
 ``dist.DiscreteHMM`` observation, served exactly by
