@@ -880,6 +880,17 @@ def _():
     MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, _x())
 
 
+@trigger("enumerate-discrete-after-continuous")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            u = pyro.sample("u", dist.Normal(0.0, 1.0))
+            z = pyro.sample("z", dist.Bernoulli(logits=u))
+            pyro.sample("x", dist.Normal((z + u).unsqueeze(-1) * torch.ones(3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, _x())
+
+
 @trigger("hmm-not-discrete-hmm")
 def _():
     model, x = _ppca()

@@ -29,8 +29,9 @@ factorize. The engine then conditions the model on each joint value of the
 discrete latents, derives that component's Gaussian marginal with
 :func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal` (one call per
 support point), and reduces the Gaussian mixture with
-:class:`~pyro_mpt.conditionals.mixture.GaussianMixtureTable`; the discrete
-latents' prior must not depend on the Normal ones.
+:class:`~pyro_mpt.conditionals.mixture.GaussianMixtureTable`. The discrete
+latents must be sampled before the Normal ones (so that their prior cannot
+depend on them).
 
 Models written with ``pyro.markov`` (HMMs with one observed site per step)
 reuse enumeration dims and are refused: write the chain as one
@@ -140,6 +141,16 @@ class EnumerateConditionals(ConditionalEngine):
                 )
             check_local_latent(tokens, site, EngineNotApplicable, consequence=f"{_WHO} cannot sum it per datapoint")
             sizes[site["name"]] = _support_size(fn)
+        if continuous:
+            order = list(tokens.latent_names)
+            late = [k for k in sizes if order.index(k) > min(order.index(c) for c in continuous)]
+            if late:
+                raise EngineNotApplicable(
+                    f"{_WHO}: discrete latent {late[0]!r} is sampled after the continuous latent(s) "
+                    f"{', '.join(map(repr, continuous))}, so its distribution may depend on them and the "
+                    f"model is not a mixture of Gaussians. Sample the discrete latents first, or use "
+                    f"conditionals='importance'."
+                )
         K = math.prod(sizes.values())
         if K > self.max_support:
             parts = " x ".join(f"{k!r} ({v})" for k, v in sizes.items())
