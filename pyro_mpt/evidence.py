@@ -5,7 +5,10 @@ returns one log-evidence per datapoint, with the observed site's batch shape:
 
 * ``"exact"`` -- the closed form :math:`\log\mathcal N(x_i; \mu, \Sigma)` for
   models with a Gaussian marginal (see
-  :func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal`).
+  :func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal`); the sum
+  over the joint support for models whose latents are all discrete (see
+  :mod:`~pyro_mpt.conditionals.enumerate`); the forward algorithm for an
+  observed ``DiscreteHMM`` (see :mod:`~pyro_mpt.conditionals.hmm`).
 * ``"quadrature"`` -- tensor-grid (optionally adaptive) Gauss–Hermite
   integration over low-dimensional latents of any factorized-likelihood model,
   with an error estimate from a second, coarser rule (see
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .conditionals import GaussianConditionals
+from .conditionals import DiscreteHMMConditionals, EnumerateConditionals, GaussianConditionals
 from .conditionals.base import EngineNotApplicable
 from .conditionals.quadrature import quadrature_evidence
 from .guide_checks import check_guide_sites
@@ -59,9 +62,18 @@ def _exact(evidence, tokens, args, kwargs):
     try:
         state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
     except EngineNotApplicable as e:
-        raise type(e)(
-            f"Evidence(method='exact') needs a model with a Gaussian marginal. {e}"
-        ) from e
+        # exact sums over discrete latents (a finite mixture, or an HMM's chain)
+        for other in (EnumerateConditionals(), DiscreteHMMConditionals()):
+            try:
+                engine, state = other, other.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
+                break
+            except EngineNotApplicable:
+                pass
+        else:
+            raise type(e)(
+                f"Evidence(method='exact') needs a model with a Gaussian marginal, discrete "
+                f"latents only, or a DiscreteHMM observation. {e}"
+            ) from e
     # with missing tokens, the density of each datapoint's observed sub-vector
     value = engine.log_evidence(state, tokens.value, tokens.observed)
     return EvidenceResult(value, torch.zeros_like(value.detach()))

@@ -52,6 +52,7 @@ from typing import Optional
 import torch
 import pyro.distributions as dist
 from pyro.distributions.util import broadcast_shape
+from pyro.distributions.hmm import HiddenMarkovModel
 from pyro import poutine
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.indep_messenger import IndepMessenger
@@ -412,9 +413,19 @@ def _check_extra_sites(site, others, extra_sites):
             f"pyro.factor site(s) {', '.join(map(repr, factors))} (left out: the result "
             f"is that of the model without them)"
         )
+    # one observed site per time step (Pyro's HMM tutorial) means the tokens are spread
+    # over sites; pyro_mpt reads tokens from one site, so point to the one-site form
+    markov = any("_markov_scope" in s["infer"] for s in others + [site])
+    hint = (
+        " The observed sites are steps of a pyro.markov chain: write the sequence as one "
+        "dist.DiscreteHMM site whose event dim is time (conditionals='hmm'), so that its "
+        "steps are the tokens."
+        if markov
+        else ""
+    )
     raise ValueError(
         f"Masked pre-training and the evidence score observed site {site['name']!r} "
-        f"alone and would drop {' and '.join(parts)}. Pass extra_sites=\"drop\" to "
+        f"alone and would drop {' and '.join(parts)}.{hint} Pass extra_sites=\"drop\" to "
         f"MaskedPretrainingLoss / Evidence to accept exactly that, or remove those sites "
         f"from the model (e.g. poutine.block(model, hide=[...]))."
     )
@@ -453,10 +464,20 @@ def _check_dtype(site, raw):
         )
 
 
+def _data_event_shape(fn, value):
+    """The event shape the data give ``fn``: a hidden Markov model without a fixed
+    ``duration`` declares one time step and takes the number of steps from its data."""
+    event = fn.event_shape
+    if isinstance(_elementwise(fn), HiddenMarkovModel) and _elementwise(fn).duration is None:
+        if value.dim() >= len(event):
+            return torch.Size((value.shape[-len(event)],) + tuple(event[1:]))
+    return event
+
+
 def _check_shape(site, raw):
     """Refuse observed data whose shape does not fit the site's distribution."""
     fn = site["fn"]
-    event, batch = tuple(fn.event_shape), tuple(fn.batch_shape)
+    event, batch = tuple(_data_event_shape(fn, raw)), tuple(fn.batch_shape)
     E = len(event)
     shape = tuple(raw.shape)
     fits = len(shape) >= E and shape[len(shape) - E:] == event
@@ -581,7 +602,9 @@ def trace_tokens(
             names = ", ".join(repr(s["name"]) for s in observed)
             raise ValueError(
                 f"The model observes several sites ({names}); say which one holds "
-                f"the tokens with obs_site=<name>."
+                f"the tokens with obs_site=<name>. (The tokens of a datapoint come from "
+                f"one site: an HMM written with one observed site per step is one "
+                f"dist.DiscreteHMM site whose event dim is time.)"
             )
         site = observed[0]
     else:
@@ -612,7 +635,7 @@ def trace_tokens(
     validate = is_validation_enabled()
 
     fn = site["fn"]
-    event_shape = fn.event_shape
+    event_shape = _data_event_shape(fn, site["value"])
     site_batch_shape = fn.batch_shape
     tframes = _token_frames(site, latents, token_plates)
     if not tframes and not event_shape:

@@ -8,6 +8,11 @@ name               what the model needs
 ``"quadrature"``   tokens independent given continuous latents local to each
                    datapoint with at most 4 dims in all (any factorized
                    observation: Bernoulli, Categorical, Poisson, Normal, ...)
+``"enumerate"``    tokens independent given discrete latents with finite
+                   support local to each datapoint (Categorical, Bernoulli,
+                   ...), summed over their joint support
+``"hmm"``          an observed ``dist.DiscreteHMM`` (time steps as tokens),
+                   by forward--backward
 =================  ==========================================================
 
 Sampling engines, for latent models beyond closed forms and grids:
@@ -39,6 +44,9 @@ from .gaussian_marginal import GaussianMarginal, NotLinearGaussianError, gaussia
 from .quadrature import NotQuadratureError, QuadratureConditionals, QuadratureState
 from .encode_decode import EncodeDecodeConditionals, EncodeDecodeState
 from .importance import ImportanceConditionals, ImportanceState
+from .enumerate import EnumerateConditionals, EnumerateState
+from .hmm import DiscreteHMMConditionals, DiscreteHMMState
+from .mixture import GaussianMixtureTable, MixtureTable
 
 __all__ = [
     "ConditionalEngine",
@@ -55,6 +63,12 @@ __all__ = [
     "EncodeDecodeState",
     "ImportanceConditionals",
     "ImportanceState",
+    "EnumerateConditionals",
+    "EnumerateState",
+    "DiscreteHMMConditionals",
+    "DiscreteHMMState",
+    "MixtureTable",
+    "GaussianMixtureTable",
     "ENGINES",
     "make_engine",
     "auto_engine",
@@ -64,6 +78,8 @@ __all__ = [
 ENGINES = {
     "gaussian": GaussianConditionals,
     "quadrature": QuadratureConditionals,
+    "enumerate": EnumerateConditionals,
+    "hmm": DiscreteHMMConditionals,
     "encode_decode": EncodeDecodeConditionals,
     "importance": ImportanceConditionals,
 }
@@ -76,6 +92,10 @@ REQUIREMENTS = {
     "quadrature": "an observation that factorizes over tokens given continuous "
     "latents local to each datapoint (Normal/MultivariateNormal, or scalar "
     "Gamma, Beta, Uniform, ...) with at most 4 latent dims per datapoint",
+    "enumerate": "discrete latents with finite support (Categorical, Bernoulli, "
+    "...) local to each datapoint, at most max_support joint values, and tokens "
+    "independent given them (or, with Normal latents too, linear-Gaussian components)",
+    "hmm": "an observed dist.DiscreteHMM site (time steps as tokens) and no other latent",
     "encode_decode": "an amortized guide (encoder) that takes the data through "
     "one argument, latents local to each datapoint, and tokens independent "
     "given them",

@@ -1,0 +1,287 @@
+r"""Exact masked conditionals of models with discrete latents, by enumeration.
+
+When every latent of a datapoint is discrete with finite support --
+``Categorical``, ``Bernoulli``, ``OneHotCategorical``, ``Binomial``, ... in the
+data plate, with or without ``@config_enumerate`` -- and the tokens are
+independent given them, the model is a finite mixture over the latents' joint
+support :math:`\mathcal Z = \mathcal Z_1 \times \dots \times \mathcal Z_L`:
+
+.. math::
+
+    p(x) = \sum_{z \in \mathcal Z} p(z) \prod_d p(x_d \mid z),
+
+and every masked conditional is an exact ratio of two sums over
+:math:`\mathcal Z` (see :mod:`~pyro_mpt.conditionals.mixture`). The engine runs
+the model once under Pyro's parallel enumeration (``poutine.enum``, each latent
+in its own batch dim left of the plates), reads :math:`\log p(z)` from the
+latent sites and :math:`T_{zd} = \log p(x_d \mid z)` from the observed site's
+base distribution, and hands both to a
+:class:`~pyro_mpt.conditionals.mixture.MixtureTable`. Latents may depend on
+each other (a ``Bernoulli`` whose probability is indexed by a ``Categorical``);
+the table holds the whole joint support, so it refuses supports larger than
+``max_support`` (use ``conditionals="importance"`` there).
+
+**Linear-Gaussian components.** Normal latents beside the discrete ones (a
+mixture of PPCA: :math:`z \sim \mathrm{Categorical}(w)`,
+:math:`u \sim \mathcal N(0, I)`, :math:`x \mid z, u \sim \mathcal N(W_z u + \mu_z,
+\sigma_z^2 I)`) make each component a Gaussian over the tokens, which no longer
+factorize. The engine then conditions the model on each joint value of the
+discrete latents, derives that component's Gaussian marginal with
+:func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal` (one call per
+support point), and reduces the Gaussian mixture with
+:class:`~pyro_mpt.conditionals.mixture.GaussianMixtureTable`. The discrete
+latents must be sampled before the Normal ones (so that their prior cannot
+depend on them).
+
+Models written with ``pyro.markov`` (HMMs with one observed site per step)
+reuse enumeration dims and are refused: write the chain as one
+``dist.DiscreteHMM`` observation, served exactly by
+:mod:`~pyro_mpt.conditionals.hmm`.
+"""
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import pyro.distributions as dist
+from pyro import poutine
+
+from ..sites import check_local_latent
+from .base import ConditionalEngine, EngineNotApplicable
+from .gaussian_marginal import gaussian_marginal
+from .mixture import GaussianMixtureTable, MixtureTable
+
+__all__ = ["EnumerateConditionals", "EnumerateState", "base_distribution"]
+
+_WHO = "conditionals='enumerate'"
+
+
+def base_distribution(fn):
+    """``fn`` without its ``Independent`` and ``MaskedDistribution`` wrappers (the
+    observed site's mask is read into ``tokens.observed``)."""
+    while isinstance(fn, (dist.Independent, torch.distributions.Independent, dist.MaskedDistribution)):
+        fn = fn.base_dist
+    return fn
+
+
+def _support_size(fn):
+    return int(fn.enumerate_support(expand=False).shape[0])
+
+
+@dataclass
+class EnumerateState:
+    """The mixture over the latents' joint support, for one evaluation.
+
+    :param mixture: the :class:`~pyro_mpt.conditionals.mixture.MixtureTable`
+        (weights :math:`\\log p(z)` ``(K, n)``, table ``(K, n, D)``), or a
+        :class:`~pyro_mpt.conditionals.mixture.GaussianMixtureTable` when the
+        model has Normal latents besides the discrete ones.
+    :param dict support: support size of each latent site, in enumeration order.
+    """
+
+    mixture: object = field(repr=False)
+    num_data: int
+    num_tokens: int
+    support: dict
+
+
+class EnumerateConditionals(ConditionalEngine):
+    r"""Exact masked conditionals by summing over the discrete latents' joint support.
+
+    Serves models whose latents are all discrete with finite support
+    (``has_enumerate_support``), local to each datapoint, with the tokens
+    independent given them. See the module docstring.
+
+    :param int max_support: refuse models whose latents' joint support
+        (the product of the sites' support sizes) exceeds this.
+    :param int max_elements: bound on ``q * K * n * D`` per chunk.
+
+    Example::
+
+        >>> @config_enumerate            # optional
+        ... def gmm(x):
+        ...     with pyro.plate("data", len(x)):
+        ...         z = pyro.sample("z", dist.Categorical(weights))
+        ...         pyro.sample("x", dist.Normal(locs[z], scales[z]).to_event(1), obs=x)
+        >>> MaskedPretrainingLoss(conditionals="enumerate", masks="exhaustive").score(gmm, None, x)
+    """
+
+    name = "enumerate"
+
+    def __init__(self, *, max_support=4096, max_elements=2**24):
+        super().__init__(max_elements=max_elements)
+        self.max_support = int(max_support)
+
+    def __repr__(self):
+        return f"EnumerateConditionals(max_support={self.max_support})"
+
+    def _check(self, tokens):
+        latents = tokens.latent_sites()
+        if not latents:
+            raise EngineNotApplicable(
+                f"{_WHO} sums over discrete latents, but the model of observed site "
+                f"{tokens.name!r} has no latent site."
+            )
+        sizes, continuous = {}, []
+        discrete = any(site["fn"].has_enumerate_support for site in latents)
+        for site in latents:
+            fn = site["fn"]
+            if not fn.has_enumerate_support and discrete:
+                # a mixture of linear-Gaussian components (e.g. a mixture of PPCA): each
+                # component's Gaussian marginal is derived, or refused, by gaussian_marginal
+                continuous.append(site["name"])
+                continue
+            if not fn.has_enumerate_support:
+                raise EngineNotApplicable(
+                    f"{_WHO} needs every latent to be discrete with finite support, but "
+                    f"latent site {site['name']!r} is {type(base_distribution(fn)).__name__}"
+                    f"{' with event dims' if fn.event_shape else ''}, which has no "
+                    f"enumerate_support. Use conditionals='quadrature' or 'importance'."
+                )
+            check_local_latent(tokens, site, EngineNotApplicable, consequence=f"{_WHO} cannot sum it per datapoint")
+            sizes[site["name"]] = _support_size(fn)
+        if continuous:
+            order = list(tokens.latent_names)
+            late = [k for k in sizes if order.index(k) > min(order.index(c) for c in continuous)]
+            if late:
+                raise EngineNotApplicable(
+                    f"{_WHO}: discrete latent {late[0]!r} is sampled after the continuous latent(s) "
+                    f"{', '.join(map(repr, continuous))}, so its distribution may depend on them and the "
+                    f"model is not a mixture of Gaussians. Sample the discrete latents first, or use "
+                    f"conditionals='importance'."
+                )
+        K = math.prod(sizes.values())
+        if K > self.max_support:
+            parts = " x ".join(f"{k!r} ({v})" for k, v in sizes.items())
+            raise EngineNotApplicable(
+                f"{_WHO}: the joint support of the discrete latents of observed site "
+                f"{tokens.name!r} has {parts} = {K} values, more than max_support="
+                f"{self.max_support}. Use conditionals='importance' (it samples the latents), "
+                f"or raise max_support if a ({K}, {tokens.num_data}, {tokens.num_tokens}) table fits."
+            )
+        base = base_distribution(tokens.site["fn"])
+        if base.event_shape and not continuous:
+            raise EngineNotApplicable(
+                f"{_WHO} needs the tokens of observed site {tokens.name!r} to be independent "
+                f"given the latents, but its distribution is {type(base).__name__} with event "
+                f"shape {tuple(base.event_shape)}. Write it as independent tokens, e.g. "
+                f"dist.Normal(loc, scale).to_event(1); a dist.DiscreteHMM observation is "
+                f"served by conditionals='hmm'."
+            )
+        return sizes, continuous
+
+    def prepare(self, tokens, model, guide, args, kwargs):
+        sizes, continuous = self._check(tokens)
+        mpn = tokens.max_plate_nesting
+        names = set(sizes)
+        replayed = poutine.replay(model, trace=tokens.subsample_trace())
+        if continuous:
+            # only the discrete sites' log p(z) is read from this run: hold the others fixed
+            fixed = {name: tokens.model_trace.nodes[name]["value"] for name in continuous}
+            replayed = poutine.condition(replayed, data=fixed)
+        # every latent is enumerated in parallel, whatever the model's own infer config says
+        configured = poutine.infer_config(
+            replayed, lambda msg: {"enumerate": "parallel"} if msg["name"] in names else {}
+        )
+        try:
+            trace = poutine.trace(poutine.enum(configured, first_available_dim=-(mpn + 1))).get_trace(*args, **kwargs)
+        except Exception as e:  # the user's model fails on enumerated values: say how to fix it
+            raise EngineNotApplicable(
+                f"{_WHO} runs the model with all values of the discrete latents "
+                f"({', '.join(map(repr, sizes))}) at once, in batch dims left of dim -{mpn}, and "
+                f"the model failed there ({type(e).__name__}: {e}). Index parameters with the "
+                f"latent (e.g. locs[z]) instead of branching on its value, or use "
+                f"conditionals='importance'."
+            ) from e
+        dims = {}
+        for name in sizes:
+            site = trace.nodes[name]
+            dim = site["infer"].get("_enumerate_dim")
+            if dim is None or dim in dims.values():
+                raise EngineNotApplicable(
+                    f"{_WHO}: the discrete latents of observed site {tokens.name!r} reuse "
+                    f"enumeration dims (a pyro.markov chain, latent {name!r}), so they are not "
+                    f"one finite mixture. For an HMM write the observations as one "
+                    f"dist.DiscreteHMM site whose event dim is time (conditionals='hmm')."
+                )
+            dims[name] = dim
+        L = len(dims)
+        by_dim = {d: sizes[name] for name, d in dims.items()}
+        enum_shape = torch.Size(by_dim[d] for d in range(-(mpn + L), -mpn))
+        K = math.prod(enum_shape)
+        n, D = tokens.num_data, tokens.num_tokens
+
+        def full(t, tail):
+            # left-pad to (enum dims, plate dims, tail) and expand the enum dims
+            t = t.reshape((1,) * (L + mpn + len(tail) - t.dim()) + t.shape)
+            return t.expand(enum_shape + t.shape[L:])
+
+        batch = (1,) * (mpn - len(tokens.batch_shape)) + tuple(tokens.batch_shape)
+        log_w = 0
+        for name in dims:
+            site = trace.nodes[name]
+            log_w = log_w + full(site["fn"].log_prob(site["value"]), ())
+        log_w = log_w.expand(enum_shape + batch).reshape(K, n)
+        if continuous:
+            mixture = self._gaussian_components(tokens, model, args, kwargs, trace, dims, enum_shape, continuous, log_w)
+            return EnumerateState(mixture, n, D, sizes)
+        obs = trace.nodes[tokens.name]
+        # the tokens with missing values filled, so the table is finite everywhere
+        value = tokens.site_value
+        lp = base_distribution(obs["fn"]).log_prob(value)
+        lp = full(lp, tokens.event_shape)
+        pad = (1,) * (mpn - len(tokens.site_batch_shape))
+        lp = lp.expand(enum_shape + pad + tokens.site_shape)
+        table = tokens.to_tokens(lp).reshape(K, n, D)
+        mixture = MixtureTable(log_w, table, max_elements=self.max_elements)
+        return EnumerateState(mixture, n, D, sizes)
+
+    def _gaussian_components(self, tokens, model, args, kwargs, trace, dims, enum_shape, continuous, log_w):
+        """The Gaussian marginal of each joint value of the discrete latents, as a
+        :class:`~pyro_mpt.conditionals.mixture.GaussianMixtureTable`."""
+        mpn = tokens.max_plate_nesting
+        # the support values of each discrete site, in its own layout (enum dim first)
+        support = {}
+        for name, d in dims.items():
+            v = trace.nodes[name]["value"]
+            event = len(trace.nodes[name]["fn"].event_shape)
+            v = v.movedim(v.dim() - event + d, 0)
+            support[name] = v.reshape((v.shape[0],) + v.shape[v.dim() - event - mpn:])
+        continuous_tokens = replace(tokens, latent_names=list(continuous))
+        locs, covs = [], []
+        order = sorted(dims, key=lambda name: dims[name])  # the leftmost enum dim first
+        for index in itertools.product(*(range(support[name].shape[0]) for name in order)):
+            values = {name: support[name][i] for name, i in zip(order, index)}
+            component = poutine.condition(model, data=values)
+            try:
+                marginal = gaussian_marginal(continuous_tokens, component, args, kwargs)
+            except EngineNotApplicable as e:
+                raise EngineNotApplicable(
+                    f"{_WHO} with continuous latents ({', '.join(map(repr, continuous))}) needs each "
+                    f"component to be linear-Gaussian. {e}"
+                ) from e
+            locs.append(marginal.loc)
+            covs.append(marginal.dense())
+        rows = max(t.shape[0] for t in locs + covs)
+        loc = torch.stack([t.expand(rows, -1) for t in locs])
+        cov = torch.stack([t.expand(rows, -1, -1) for t in covs])
+        return GaussianMixtureTable(log_w, loc, cov, tokens.value, max_elements=self.max_elements)
+
+    def mask_log_prob(self, state, x, mask):
+        self._check_x(state, x)
+        return state.mixture.log_conditionals(~mask)
+
+    def chain_log_prob(self, state, x, order):
+        self._check_x(state, x)
+        return state.mixture.chain_log_prob(order)
+
+    def chain_sums(self, state, x, order, observed=None):
+        r"""Chain-rule sums along orderings, ``(p, n)``: each equals :meth:`log_evidence`
+        (the conditionals come from one joint)."""
+        return self.log_evidence(state, x, observed).expand(order.shape[0], -1)
+
+    def log_evidence(self, state, x, observed=None):
+        r"""Exact :math:`\log p(x_i)` (of the observed tokens when ``observed`` is given), ``(n,)``."""
+        self._check_x(state, x)
+        return state.mixture.log_evidence(observed)

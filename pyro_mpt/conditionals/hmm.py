@@ -1,0 +1,197 @@
+r"""Exact masked conditionals of an observed ``dist.DiscreteHMM``, by forward--backward.
+
+The tokens of a datapoint are the time steps of a sequence (and, for a vector
+emission written as independent elements, the elements of each step). The
+hidden chain :math:`h_{-1} \sim \pi`, :math:`h_t \mid h_{t-1} \sim A_t` is
+summed inside the distribution, so a context :math:`\mathcal R` is scored by
+the forward algorithm with the emissions of the other tokens left out (their
+log-probabilities set to 0). With
+
+.. math::
+
+    M_t[i, j] = \log A_t[i, j] + \phi_t(j), \qquad
+    \phi_t(j) = \sum_{e:\,(t, e) \in \mathcal R} \log p(x_{te} \mid h_t = j),
+
+the forward messages :math:`\alpha_t = \pi \otimes M_0 \otimes \dots \otimes M_t`
+and backward messages :math:`\beta_t = M_{t+1} \otimes \dots \otimes M_{T-1}
+\otimes 0` (:math:`\otimes` the log-semiring matrix product) give, for a target
+token :math:`j = (t, e) \notin \mathcal R`,
+
+.. math::
+
+    \log p(x_j \mid x_{\mathcal R}) =
+      \operatorname{logsumexp}_s\big[\alpha_t(s) + \beta_t(s) + \log p(x_j \mid h_t = s)\big]
+    - \operatorname{logsumexp}_s \alpha_{T-1}(s).
+
+All products are prefix (and suffix) products of the :math:`M_t`, computed by a
+parallel scan in :math:`\lceil\log_2 T\rceil` batched steps, vectorized over
+queries and datapoints; the exhaustive schedule and every ordering therefore
+equal :math:`\log p(x)` (``DiscreteHMM.log_prob``) to rounding.
+
+An HMM written the Pyro-tutorial way (``for t in pyro.markov(range(T))`` with
+one observed site per step) has its tokens in several sites; write it as one
+``dist.DiscreteHMM`` site instead (the tutorial's model with
+``initial_logits``, ``transition_logits`` and an ``observation_dist`` whose
+batch shape ends in the number of states).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import pyro.distributions as dist
+
+from .base import ConditionalEngine, EngineNotApplicable
+from .enumerate import base_distribution
+
+__all__ = ["DiscreteHMMConditionals", "DiscreteHMMState"]
+
+_WHO = "conditionals='hmm'"
+
+
+def _log_matmul(a, b):
+    """Log-semiring matrix product over the last two dims."""
+    return (a.unsqueeze(-1) + b.unsqueeze(-3)).logsumexp(-2)
+
+
+def _scan(M, reverse=False):
+    """Inclusive prefix products of ``M`` ``(..., T, S, S)`` along ``T`` (Hillis--Steele):
+    entry ``t`` is ``M_0 ... M_t``, or ``M_t ... M_{T-1}`` with ``reverse``."""
+    if reverse:
+        return _scan(M.flip(-3).transpose(-1, -2)).transpose(-1, -2).flip(-3)
+    T = M.shape[-3]
+    shift = 1
+    while shift < T:
+        M = torch.cat([M[..., :shift, :, :], _log_matmul(M[..., :-shift, :, :], M[..., shift:, :, :])], -3)
+        shift *= 2
+    return M
+
+
+@dataclass
+class DiscreteHMMState:
+    """The HMM of one evaluation, in token layout.
+
+    :param torch.Tensor initial: log initial probabilities ``(n|1, S)``.
+    :param torch.Tensor transition: log transition matrices ``(n|1, T|1, S, S)`` (old, new).
+    :param torch.Tensor emission: :math:`\\log p(x_{te} \\mid h_t = s)`, ``(n, T, S, E)``;
+        token ``t * E + e`` is element ``e`` of step ``t``.
+    """
+
+    initial: torch.Tensor = field(repr=False)
+    transition: torch.Tensor = field(repr=False)
+    emission: torch.Tensor = field(repr=False)
+    num_data: int
+    num_tokens: int
+
+
+def _rows(t, batch_shape, tail):
+    """``t`` ``(*batch, *tail)`` to ``(n|1, *tail)``: one row when it is shared."""
+    lead = t.shape[: t.dim() - len(tail)]
+    if all(s == 1 for s in lead):
+        return t.reshape((1,) + tuple(t.shape[len(lead):]))
+    return t.expand(tuple(batch_shape) + tuple(t.shape[len(lead):])).reshape((-1,) + tuple(t.shape[len(lead):]))
+
+
+class DiscreteHMMConditionals(ConditionalEngine):
+    r"""Exact masked conditionals of an observed ``dist.DiscreteHMM`` (forward--backward).
+
+    Serves a model whose observed site is a ``pyro.distributions.DiscreteHMM``
+    (in a plate over sequences, or alone) and that has no other latent site;
+    the time steps are the tokens. The emission distribution's base must have
+    no event dims (a scalar per step, or ``.to_event(1)`` elements that are
+    independent given the state). See the module docstring.
+
+    :param int max_elements: bound on ``q * n * T * S^3`` per chunk of queries.
+
+    Example::
+
+        >>> def hmm(x):
+        ...     with pyro.plate("sequences", x.shape[0]):
+        ...         pyro.sample("x", dist.DiscreteHMM(init_logits, trans_logits,
+        ...                                           dist.Normal(locs, scale)), obs=x)
+        >>> MaskedPretrainingLoss(conditionals="hmm", masks="order").score(hmm, None, x)
+    """
+
+    name = "hmm"
+
+    def prepare(self, tokens, model, guide, args, kwargs):
+        hmm = base_distribution(tokens.site["fn"])
+        if not isinstance(hmm, dist.DiscreteHMM):
+            raise EngineNotApplicable(
+                f"{_WHO} needs observed site {tokens.name!r} to be a dist.DiscreteHMM "
+                f"(time steps as tokens); it is {type(hmm).__name__}."
+            )
+        if tokens.latent_names or tokens.token_dims:
+            what = (
+                f"latent site(s) {', '.join(map(repr, tokens.latent_names))}"
+                if tokens.latent_names
+                else f"token plate(s) {', '.join(map(repr, tokens.token_plates))}"
+            )
+            raise EngineNotApplicable(
+                f"{_WHO} sums the hidden chain of the DiscreteHMM at site {tokens.name!r} "
+                f"and nothing else, but the model has {what}. Make the other latents "
+                f"pyro.params, and keep each sequence in the event (time) dim of the site."
+            )
+        obs = base_distribution(hmm.observation_dist)
+        if obs.event_shape:
+            raise EngineNotApplicable(
+                f"{_WHO} needs the emissions of the DiscreteHMM at site {tokens.name!r} "
+                f"to be independent elements given the state, but its observation_dist "
+                f"is {type(obs).__name__} with event shape {tuple(obs.event_shape)}. Write "
+                f"it as independent elements, e.g. dist.Normal(loc, scale).to_event(1)."
+            )
+        obs_event = hmm.event_shape[1:]
+        value = tokens.site_value  # (*batch, T, *obs_event), missing tokens filled
+        T = value.shape[len(tokens.site_batch_shape)]
+        E = max(1, tokens.num_tokens // max(T, 1))
+        S = hmm.initial_logits.shape[-1]
+        # the state dim sits left of the emission's event dims
+        elp = obs.log_prob(value.unsqueeze(-1 - len(obs_event)))  # (*batch, T, S, *obs_event)
+        elp = elp.expand(tuple(tokens.site_batch_shape) + (T, S) + tuple(obs_event))
+        emission = elp.reshape(tokens.num_data, T, S, E)
+        initial = _rows(hmm.initial_logits, tokens.site_batch_shape, (S,))
+        trans = hmm.transition_logits
+        trans = trans if trans.dim() > 2 else trans.unsqueeze(0)  # (..., T|1, S, S)
+        transition = _rows(trans, tokens.site_batch_shape, trans.shape[-3:])
+        return DiscreteHMMState(initial, transition, emission, tokens.num_data, tokens.num_tokens)
+
+    def _messages(self, state, context):
+        """Forward, backward messages ``(q, n, T, S)`` and ``log p(x_R)`` ``(q, n)`` for
+        contexts ``(q, n|1, D)``."""
+        n, T, S, E = state.emission.shape
+        q = context.shape[0]
+        ctx = context.reshape(q, context.shape[1], T, 1, E)
+        zero = torch.zeros((), dtype=state.emission.dtype, device=state.emission.device)
+        phi = torch.where(ctx, state.emission, zero).sum(-1)  # (q, n, T, S)
+        M = state.transition + phi.unsqueeze(-2)  # (q, n, T, S, S)
+        prefix = _scan(M)
+        alpha = (state.initial[:, None, :, None] + prefix).logsumexp(-2)  # (q, n, T, S)
+        suffix = _scan(M, reverse=True).logsumexp(-1)  # (q, n, T, S): M_t..M_{T-1} 0
+        beta = torch.cat([suffix[..., 1:, :], torch.zeros_like(suffix[..., :1, :])], -2)
+        den = alpha[..., -1, :].logsumexp(-1)
+        # the chain's probabilities sum to one: an empty context has normalizer 1 exactly
+        den = torch.where(context.any(-1), den, torch.zeros_like(den))
+        return alpha, beta, den
+
+    def mask_log_prob(self, state, x, mask):
+        self._check_x(state, x)
+        n, T, S, E = state.emission.shape
+        q = mask.shape[0]
+        per = max(1, self.max_elements // max(1, n * T * S**3))
+        out = []
+        for start in range(0, q, per):
+            context = ~mask[start : start + per]
+            alpha, beta, den = self._messages(state, context)
+            # (qc, n, T, S, 1) + (n, T, S, E) -> sum over states
+            num = (alpha + beta).unsqueeze(-1).add(state.emission).logsumexp(-2)  # (qc, n, T, E)
+            out.append(num.reshape(num.shape[0], n, T * E) - den.unsqueeze(-1))
+        return torch.cat(out, 0)
+
+    def log_evidence(self, state, x, observed=None):
+        r""":math:`\log p(x_i)` (of the observed tokens when ``observed`` is given), ``(n,)``."""
+        self._check_x(state, x)
+        context = torch.ones_like(x, dtype=torch.bool) if observed is None else observed
+        return self._messages(state, context[None])[2][0]
+
+    def chain_sums(self, state, x, order, observed=None):
+        r"""Chain-rule sums along orderings, ``(p, n)``: each equals :meth:`log_evidence`."""
+        return self.log_evidence(state, x, observed).expand(order.shape[0], -1)
