@@ -163,7 +163,7 @@ def main(argv=None):
     args = parse_args(argv)
     # the sampler's shuffling (Lightning's DistributedSampler reads this seed);
     # data and parameters have their own generators, masks a stream per rank
-    lightning.seed_everything(args.seed, verbose=False)
+    lightning.seed_everything(args.seed)
     # parameters of PyroModules as torch.nn.Parameters, not in the global param store, for DDP to see
     pyro.settings.set(module_local_params=True)
     loss_fn, dataset = build(args)
