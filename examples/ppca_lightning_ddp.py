@@ -34,6 +34,11 @@ Launch (one process per device; Lightning re-runs this script for ranks 1..R-1):
     python examples/ppca_lightning_ddp.py --accelerator gpu --devices 4 --strategy ddp   # one node, 4 GPUs
     # several nodes: add --num-nodes and start the script on every node (torchrun or a SLURM job)
 
+With the defaults (N = 4000, D = 20, K = 3, ``masks="uniform"``, 600 steps of
+2 x 200 datapoints; about 30 s on 2 CPU cores) the exact log-marginal
+likelihood ends at -21.357 per datapoint, against -21.345 at the closed-form
+maximum-likelihood parameters.
+
 ``--save-grads DIR`` writes, from every rank, the parameters, the averaged
 gradients and the datapoint indices of the first step (what the test reads).
 """
@@ -110,7 +115,12 @@ class MPTModule(lightning.LightningModule):
                        os.path.join(self.save_grads, f"rank{self.global_rank}.pt"))
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        # 10x down over the run: one random mask per datapoint makes the gradient
+        # noisy, and a constant rate leaves the parameters jittering short of the optimum
+        steps = max(self.trainer.max_steps, 1)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.1 ** (1.0 / steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 def make_data(num_data, num_tokens, num_latents, seed, dtype):
@@ -120,6 +130,21 @@ def make_data(num_data, num_tokens, num_latents, seed, dtype):
     z = torch.randn(num_data, num_latents, generator=g, dtype=torch.float64)
     x = z @ W.T + 1.0 + 0.5 * torch.randn(num_data, num_tokens, generator=g, dtype=torch.float64)
     return x.to(dtype)
+
+
+def exact_lml(x, W, mu, sigma):
+    """Mean over datapoints of log N(x_i; mu, W W^T + sigma^2 I)."""
+    cov = W @ W.T + sigma**2 * torch.eye(W.shape[0], dtype=W.dtype)
+    return float(torch.distributions.MultivariateNormal(mu, cov).log_prob(x).mean())
+
+
+def max_likelihood_lml(x, K):
+    """The same at the closed-form maximum-likelihood parameters (Tipping & Bishop, 1999)."""
+    mu = x.mean(0)
+    evals, evecs = torch.linalg.eigh((x - mu).T @ (x - mu) / x.shape[0])
+    evals, evecs = evals.flip(0), evecs.flip(1)
+    sigma2 = evals[K:].mean()
+    return exact_lml(x, evecs[:, :K] * (evals[:K] - sigma2).clamp(min=0).sqrt(), mu, sigma2.sqrt())
 
 
 def build(args):
@@ -149,7 +174,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=200, help="per process; the global batch is devices x this")
     p.add_argument("--masks", default="uniform", type=lambda s: float(s) if s[0].isdigit() else s)
     p.add_argument("--num-masks", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--max-steps", type=int, default=600)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--seed", type=int, default=0)
@@ -180,14 +205,12 @@ def main(argv=None):
     )
     trainer.fit(module, loader)
     if trainer.is_global_zero:
-        with torch.no_grad():
-            idx, x = dataset.tensors
-            W, mu, sigma = (getattr(loss_fn.model, k).double() for k in ("W", "mu", "sigma"))
-            cov = W @ W.T + sigma**2 * torch.eye(W.shape[0], dtype=torch.float64)
-            lml = torch.distributions.MultivariateNormal(mu, cov).log_prob(x.double()).mean()
-        print(f"{trainer.world_size} processes, {trainer.global_step} steps: exact log p(x) per datapoint "
-              f"{float(lml):.4f}")
-        return float(lml)
+        x = dataset.tensors[1].double()
+        W, mu, sigma = (getattr(loss_fn.model, k).detach().double() for k in ("W", "mu", "sigma"))
+        lml, ml = exact_lml(x, W, mu, sigma), max_likelihood_lml(x, args.num_latents)
+        print(f"{trainer.world_size} process(es), {trainer.global_step} steps: exact log p(x) per datapoint "
+              f"{lml:.4f} (maximum likelihood: {ml:.4f})")
+        return lml
     return None
 
 
