@@ -18,6 +18,32 @@ def ppca_data(D, K, N, seed, noise=0.5):
     return (W0, mu0, s0), x
 
 
+def authors_ppca_data(D, K, N, seed, beta=5.0, broadcast_noise=True, noise_seed=None):
+    """PPCA data drawn as the paper's authors drew theirs, and the parameters their LML assumes.
+
+    Their construction (``torch.manual_seed(seed)``, then ``W ~ N(0, 1)`` of
+    shape (D, K), ``Z ~ N(0, 1)`` of shape (N, K), no mean) adds *one* noise
+    draw of std ``1 / beta`` per datapoint, broadcast to all D tokens, while
+    their exact LML assumes independent noise of variance ``1 / beta`` per
+    token. ``broadcast_noise=False`` keeps the same W and Z and draws the noise
+    the model assumes instead: independent, std ``sqrt(1 / beta)``, from
+    ``noise_seed``.
+
+    :returns: ``((W, mu, noise_std), x)`` with ``mu = 0`` and
+        ``noise_std = sqrt(1 / beta)``, the model the authors' LML evaluates.
+    """
+    torch.manual_seed(seed)  # the authors seed the global generator and draw in this order
+    W = torch.randn(D, K)
+    Z = torch.randn(N, K)
+    if broadcast_noise:
+        eps = (1.0 / beta) * torch.randn(N, 1)
+    else:
+        g = torch.Generator().manual_seed(seed + 1 if noise_seed is None else noise_seed)
+        eps = (1.0 / beta) ** 0.5 * torch.randn(N, D, generator=g)
+    x = Z @ W.T + eps
+    return (W, torch.zeros(D), torch.tensor((1.0 / beta) ** 0.5)), x
+
+
 def make_ppca(W_init, mu_init, s_init):
     K = W_init.shape[1]
 
