@@ -42,17 +42,46 @@ def area(tmp_path_factory):
     return out, _load("gallery_area").main(["--quick", "--out-dir", str(out)])
 
 
-def test_table1_pattern(convergence):
+def _authors_lml(broadcast):
+    """Mean log N(x_i; 0, W W^T + 0.2 I) over the authors' Table 1 data, by scipy in float64."""
+    from scipy.stats import multivariate_normal
+
+    sys.path.insert(0, EXAMPLES)
+    from gallery_common import authors_ppca_data
+
+    (W, _, s), x = authors_ppca_data(200, 5, 1000, seed=1991, broadcast_noise=broadcast)
+    W = W.double().numpy()
+    cov = W @ W.T + float(s) ** 2 * np.eye(200)
+    return float(multivariate_normal(np.zeros(200), cov).logpdf(x.double().numpy()).mean())
+
+
+def test_table1_on_the_authors_data(convergence):
     _, res = convergence
-    t = res["table1"]
-    lml = t["lml"]
-    for P in (1, 10, 100):
-        mean, std = t[P]
-        assert abs(mean - lml) <= 3 * std, (P, mean, std, lml)
-    # the spread over mask seeds shrinks with P (~1/sqrt(P); 5 seeds make it noisy)
-    assert t[100][1] < t[1][1]
-    assert t[100][1] < 0.5 * t[1][1]
-    assert abs(t[100][0] - lml) < 0.02 * abs(lml)
+    t, ti = res["table1"], res["table1_independent"]
+    # the paper's true LML, -60.34, on the authors' own generator (seed 1991, broadcast noise)
+    assert t["lml"] == pytest.approx(-60.3436, abs=5e-4)
+    assert t["lml"] == pytest.approx(_authors_lml(True), abs=1e-3)
+    assert ti["lml"] == pytest.approx(_authors_lml(False), abs=1e-3)
+    assert ti["lml"] < -130  # independent noise of variance 0.2 per token: far below -60.34
+    for table in (t, ti):
+        for P in (1, 10):
+            mean, std = table[P]
+            assert abs(mean - table["lml"]) <= 3 * std, (P, mean, std, table["lml"])
+        assert table[10][1] < table[1][1]  # the spread shrinks with P (~1/sqrt(P))
+    # the paper's estimator: the P=1 spread over 5 mask seeds near the paper's 0.47 (and the authors' script's
+    # 0.476); 5 seeds leave the std estimate ~35 % uncertain, so a factor 2.5 either way here (1.5 in `make gallery`)
+    assert 0.47 / 2.5 < t[1][1] < 0.47 * 2.5
+
+
+def test_fig1_bias_cause(convergence):
+    _, res = convergence
+    c = res["fig1_bias_causes"]
+    broadcast, independent = c["authors' data (broadcast noise)"], c["authors' W, Z, independent noise"]
+    # the broadcast noise inflates the fixed-rate bias towards the paper's 6.0 % of |LML| ...
+    assert 0.035 < broadcast["rel_bias"] < 0.08
+    # ... while the same W, Z with the noise the model assumes give ~2 %, the size of the gallery's own bias
+    assert 0.01 < independent["rel_bias"] < 0.03
+    assert broadcast["rel_bias"] > 1.8 * independent["rel_bias"]
 
 
 def test_fig1_all_sizes_converge_to_lml(convergence):
@@ -81,11 +110,10 @@ def test_fig1_fixed_rate_converges_to_bias(convergence):
 def test_fig4_areas(area):
     _, res = area
     f = res["fig4"]
-    # measured (quick, seed 0): P=1 off by 0.33 (1.2 stderr), P=100 by 0.007, K=50 by 0.25
-    assert abs(f["area_P1"] - f["lml"]) < 4 * f["area_P1_stderr"]
-    assert abs(f["area_P1"] - f["lml"]) < 1.0
-    assert abs(f["area_P100"] - f["lml"]) < 0.05
-    assert abs(f["area_P100"] - f["lml"]) < abs(f["area_P1"] - f["lml"])
+    # one mask set shared by the batch (the paper's P=1 curve): the area's error is the mask draw's, whose
+    # spread at P=1 is ~0.5 nats at these sizes (Table 1's P=1 column), and 10x less at P=100
+    assert abs(f["area_P1"] - f["lml"]) < 2.0
+    assert abs(f["area_P100"] - f["lml"]) < 0.25
     assert abs(f["area_K50"] - f["lml_K50"]) < 1.0
 
 
@@ -107,7 +135,7 @@ def test_outputs_written(convergence, area):
             assert os.path.getsize(png) > 10_000
         text = (out / "RESULTS.md").read_text()
         assert "paper" in text
-    assert math.isfinite(convergence[1]["table1"][100][0])
+    assert math.isfinite(convergence[1]["table1"][10][0])
 
 
 # ---------------------------------------------------------------------- gallery_schedules
