@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling examples
 
-from gallery_common import compact_png, update_results  # noqa: E402
+from gallery_common import compact_png, settings_markdown, update_results  # noqa: E402
 
 PAPER_TABLE2 = {"AX": (-5245.31, -1715.75), "CoLA": (-5283.52, -1657.68), "QNLI": (-5343.98, -1770.28),
                 "MRPC": (-5362.21, -1773.45)}  # (random init, pre-trained)
@@ -115,7 +115,13 @@ def main(argv=None):
                    help="try the paper's models and data on the HuggingFace hub first (BERT on GLUE, ViT-MAE)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1; raise it on an idle machine)")
+    p.add_argument("--paper", action="store_true",
+                   help="the paper's models and data (implies --online), 500 sentences / images per subset")
     args = p.parse_args(argv)
+    if args.paper:
+        if args.quick:
+            p.error("--paper and --quick exclude each other")
+        args.online = True
     os.makedirs(args.out_dir, exist_ok=True)
     import bert_glue_curves
     import torch
@@ -129,19 +135,20 @@ def main(argv=None):
     try:
         t0 = time.time()
         png = os.path.join(args.out_dir, "fig5_right_mlm_curves.png")
-        size = ["--limit", "1", "--max-residues", "16"] if args.quick else []
+        size = ["--limit", "1", "--max-residues", "16"] if args.quick else (["--limit", "500"] if args.paper else [])
         out["table2"] = bert_glue_curves.main(common + offline + size + ["--plot", png])
         update_results(results_md, "table2", table2_markdown(out["table2"], time.time() - t0))
         out["png"].append(png)
 
         t0 = time.time()
         png = os.path.join(args.out_dir, "fig6_vit_mae_curves.png")
-        size = ["--limit", "60", "--train-steps", "40"] if args.quick else []
+        size = ["--limit", "60", "--train-steps", "40"] if args.quick else (["--limit", "500"] if args.paper else [])
         out["fig6"] = vit_mae_curves.main(common + offline + size + ["--plot", png])
         update_results(results_md, "fig6", fig6_markdown(out["fig6"], time.time() - t0))
         out["png"].append(png)
     finally:
         torch.set_num_threads(threads)
+    update_results(results_md, "settings", settings_markdown())
     for png in out["png"]:
         compact_png(png)  # the examples save at 130 dpi in full colour
     print(f"wrote {', '.join(out['png'])} and {results_md}")
