@@ -136,6 +136,19 @@ def test_outputs_written(convergence, area):
         text = (out / "RESULTS.md").read_text()
         assert "paper" in text
     assert math.isfinite(convergence[1]["table1"][10][0])
+    # every figure's paper setting, default and difference are listed
+    text = (convergence[0] / "RESULTS.md").read_text()
+    section = text.split("## Paper settings and gallery defaults")[1]
+    for fig in ("Fig. 1", "Table 1", "Fig. 2", "Fig. 3 top", "Fig. 3 bottom", "Fig. 4", "Fig. 5 left",
+                "Fig. 5 right, Table 2", "Fig. 6"):
+        assert f"\n| {fig} |" in section, fig
+
+
+def test_paper_and_quick_exclude_each_other():
+    for name in ("gallery_convergence", "gallery_area", "gallery_training", "gallery_adapters"):
+        with pytest.raises(SystemExit) as e:
+            _load(name).main(["--quick", "--paper"])
+        assert e.value.code == 2, name
 
 
 # ---------------------------------------------------------------------- gallery_schedules
