@@ -1117,6 +1117,20 @@ def _():
     _scorer(max_length=4).encode(["a b c d e f"])
 
 
+@trigger("antibodies-empty-parents")
+def _():
+    from pyro_mpt.adapters.antibodies import variants
+
+    variants([], 3)
+
+
+@trigger("antibodies-mutation-rate")
+def _():
+    from pyro_mpt.adapters.antibodies import HEAVY, variants
+
+    variants(HEAVY, 3, rate=1.5)
+
+
 # ---------------------------------------------------------------------- adapters: ViT-MAE
 def _mae(**kw):
     pytest.importorskip("transformers")

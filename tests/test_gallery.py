@@ -237,15 +237,34 @@ def test_table2_offline_fallback(adapters):
     t2 = res["table2"]
     assert t2["mode"].startswith("OFFLINE FALLBACK")
     rows = {(r["subset"], r["weights"]): r for r in t2["rows"]}
-    # the Table 2 convention (tested in test_adapters_masked_lm.py) over the paper's 99 rates
-    assert all(len(curve.score) == 99 for curve in t2["curves"])
-    uniform = -math.log(25) * 0.99 * 512  # AntiBERTy's 25-token vocabulary, uniform predictions
+    # offline: 8 chains per subset (6 real + 2 variants) on the coarse 11-rate grid, the Table-2 scale
+    assert all(len(curve.score) == 11 for curve in t2["curves"]) and all(r["n"] == 8 for r in t2["rows"])
+    uniform = -math.log(25) * 512  # AntiBERTy's 25-token vocabulary, uniform predictions, 512 x the integral
     for subset in ("VH (heavy)", "VL (light)"):
         random, trained = rows[(subset, "random init")], rows[(subset, "pre-trained")]
-        assert random["table2_area"] == pytest.approx(uniform, rel=0.15)  # measured within 10 %
-        assert trained["table2_area"] > random["table2_area"] + 300  # measured: +860, +970
+        assert random["table2_scale_area"] == pytest.approx(uniform, rel=0.15)
+        assert trained["table2_scale_area"] > random["table2_scale_area"] + 300
+        assert 0 < trained["table2_scale_stderr"] < 0.2 * abs(trained["table2_scale_area"])
+    # the control: shuffled chains are far less likely under the pre-trained model than real ones
+    shuffled = rows[("VH shuffled", "pre-trained")]["table2_scale_area"]
+    assert shuffled < rows[("VH (heavy)", "pre-trained")]["table2_scale_area"] - 300
     text = (out / "RESULTS.md").read_text()
     assert "not comparable" in text and "-5245.31" in text and "AREA / PRE-TRAINED (this run)" in text
+
+
+def test_antibody_variants_are_reproducible_mutants():
+    from pyro_mpt.adapters.antibodies import HEAVY, variants
+
+    a, b = variants(HEAVY, 50, seed=3), variants(HEAVY, 50, seed=3)
+    assert a == b and a != variants(HEAVY, 50, seed=4)
+    for k, chain in enumerate(a):
+        parent = HEAVY[k % len(HEAVY)]
+        assert len(chain) == len(parent)
+        assert set(chain) <= set("ACDEFGHIKLMNPQRSTVWY")
+    # 5 % of residues mutate: over 50 chains of ~120 residues, within 5 binomial standard errors
+    diffs = sum(x != y for k, chain in enumerate(a) for x, y in zip(chain, HEAVY[k % len(HEAVY)]))
+    total = sum(len(c) for c in a)
+    assert abs(diffs - 0.05 * total) < 5 * math.sqrt(total * 0.05 * 0.95)
 
 
 def test_fig6_offline_fallback(adapters):
