@@ -9,12 +9,19 @@ architecture, and prints the areas: the paper's Table 2 convention
 
 Offline (no hub), the same pipeline runs on AntiBERTy, the pre-trained BERT
 masked LM for antibody sequences shipped in ``antiberty==0.1.3``, with heavy
-chains, light chains and residue-shuffled chains in place of the GLUE subsets;
-the script says so on its first line. Pair tasks are scored as BERT sentence
-pairs (``[CLS] a [SEP] b [SEP]``).
+chains, light chains and residue-shuffled heavy chains in place of the GLUE
+subsets; the script says so on its first line. Each offline subset holds 100
+full-length chains (``--limit``): the six real ones of
+:mod:`pyro_mpt.adapters.antibodies` and point-mutated variants of them
+(:func:`~pyro_mpt.adapters.antibodies.variants`, 5 % of residues, seeded). To
+keep the run to minutes, offline curves use 11 rates (1 %, 10 %, ..., 90 %,
+99 %; ``--rates paper`` for the 99) and report the area on the Table-2 scale,
+512 times the integral of S(r) over [0, 1] by the rate grid's Riemann sum, with its standard
+error over chains. Pair tasks are scored as BERT sentence pairs
+(``[CLS] a [SEP] b [SEP]``).
 
     python examples/bert_glue_curves.py                    # online: 50 sentences per subset
-    python examples/bert_glue_curves.py --offline          # the fallback: about a minute on 2 CPU cores
+    python examples/bert_glue_curves.py --offline          # the fallback: about 5 minutes on 2 CPU cores
     python examples/bert_glue_curves.py --device cuda --limit 500 --num-masks 4
 """
 
@@ -26,8 +33,11 @@ import numpy as np
 import torch
 
 from pyro_mpt.adapters import PAPER_MLM_RATES, MaskedLMScorer, table2_area
-from pyro_mpt.adapters.antibodies import HEAVY, LIGHT, shuffled, spaced
+from pyro_mpt.adapters.antibodies import HEAVY, LIGHT, shuffled, spaced, variants
 from pyro_mpt.adapters.loading import ResourceUnavailable, load_masked_lm, load_texts
+
+#: the offline grid: 11 rates keep 100 full-length chains per subset to minutes on a CPU
+COARSE_RATES = np.array([0.01, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99])
 
 #: name -> (GLUE config, split, text columns); AX has labels only in its test split
 GLUE = {
@@ -51,11 +61,13 @@ def load_online(args):
 def load_offline(args):
     model, tok = load_masked_lm("antiberty", quiet=True)
     random_model, _ = load_masked_lm("antiberty", random_init=True, seed=args.seed, quiet=True)
-    n = args.limit or 3
+    n = args.limit or 100
+    heavy = (HEAVY + variants(HEAVY, max(0, n - len(HEAVY)), seed=args.seed))[:n]
+    light = (LIGHT + variants(LIGHT, max(0, n - len(LIGHT)), seed=args.seed + 1))[:n]
     subsets = {
-        "VH (heavy)": spaced(HEAVY[:n], args.max_residues),
-        "VL (light)": spaced(LIGHT[:n], args.max_residues),
-        "VH shuffled": spaced(shuffled(HEAVY[:n]), args.max_residues),
+        "VH (heavy)": spaced(heavy, args.max_residues),
+        "VL (light)": spaced(light, args.max_residues),
+        "VH shuffled": spaced(shuffled(heavy, seed=args.seed), args.max_residues),
     }
     return model, random_model, tok, subsets
 
@@ -63,8 +75,10 @@ def load_offline(args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="bert-base-uncased")
-    p.add_argument("--limit", type=int, default=None, help="sequences per subset (default 50 online, 3 offline)")
-    p.add_argument("--max-residues", type=int, default=64, help="offline: truncate antibody chains (speed)")
+    p.add_argument("--limit", type=int, default=None, help="sequences per subset (default 50 online, 100 offline)")
+    p.add_argument("--max-residues", type=int, default=None, help="offline: truncate antibody chains (default: full length)")
+    p.add_argument("--rates", choices=["paper", "coarse"], default=None,
+                   help="paper: the 99 rates 1%%..99%% (default online); coarse: 1%%, 10%%, ..., 90%%, 99%% (default offline)")
     p.add_argument("--num-masks", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
@@ -89,31 +103,39 @@ def main(argv=None):
         print(f"[{mode}]\n  reason: {str(err).split('. ')[0]}.")
         model, random_model, tok, subsets = load_offline(args)
 
+    offline = mode.startswith("OFFLINE")
+    coarse = args.rates == "coarse" or (args.rates is None and offline)
+    rates = COARSE_RATES if coarse else PAPER_MLM_RATES
     rows, curves = [], []
     for name, texts in subsets.items():
         for which, m in (("pre-trained", model), ("random init", random_model)):
             t0 = time.perf_counter()
             scorer = MaskedLMScorer(m, tok, max_tokens=args.max_tokens, device=args.device, seed=args.seed,
                                     progress=args.progress)
-            curve = scorer.curve(texts, rates=PAPER_MLM_RATES, num_masks=args.num_masks, label=f"{name}, {which}")
+            curve = scorer.curve(texts, rates=rates, num_masks=args.num_masks, label=f"{name}, {which}")
             curves.append(curve)
             rows.append({
                 "subset": name, "weights": which, "n": len(texts), "mean_tokens": curve.num_tokens,
-                "table2_area": table2_area(curve), "area": curve.area(),
+                "table2_area": None if coarse else table2_area(curve), "rates": len(rates),
+                "table2_scale_area": curve.area(num_tokens=512), "table2_scale_stderr": curve.area_stderr(num_tokens=512),
+                "area": curve.area(), "area_stderr": curve.area_stderr(),
                 "per_sequence_area": float(np.mean(curve.per_item_area())),
                 "S_1pct": float(curve.score[0]), "S_99pct": float(curve.score[-1]),
                 "seconds": time.perf_counter() - t0,
             })
             r = rows[-1]
             print(f"  {name:12s} {which:11s} n={r['n']:3d} L={r['mean_tokens']:6.1f}  "
-                  f"Table-2 area {r['table2_area']:9.2f}  area {r['area']:8.2f}  "
+                  f"512-scale area {r['table2_scale_area']:9.2f} ± {r['table2_scale_stderr']:6.2f}  "
+                  f"area {r['area']:8.2f} ± {r['area_stderr']:5.2f}  "
                   f"S(1%) {r['S_1pct']:6.3f}  S(99%) {r['S_99pct']:6.3f}  ({r['seconds']:.0f} s)")
 
-    print("\nTable 2 convention (sum of the 99 rates x 0.01 x 512):")
+    key = "table2_scale_area" if coarse else "table2_area"
+    print("\n" + ("Table-2 scale, 512 x Riemann sum of S over the rate grid:" if coarse
+                  else "Table 2 convention (sum of the 99 rates x 0.01 x 512):"))
     names = list(subsets)
     print("  " + " " * 24 + "".join(f"{n:>14s}" for n in names))
     for which in ("random init", "pre-trained"):
-        vals = [next(r["table2_area"] for r in rows if r["subset"] == n and r["weights"] == which) for n in names]
+        vals = [next(r[key] for r in rows if r["subset"] == n and r["weights"] == which) for n in names]
         print(f"  AREA / {which.upper():16s}" + "".join(f"{v:14.2f}" for v in vals))
 
     import matplotlib

@@ -55,7 +55,11 @@ def parse_args(argv):
     p.add_argument("--final-samples", type=int, default=2000)
     p.add_argument("--num-samples", type=int, default=8, help="S: encoder draws per masked conditional")
     p.add_argument("--num-iterations", type=int, default=5, help="T: encode-decode rounds")
-    p.add_argument("--mpt-encoder", default="elbo", choices=["elbo", "mpt"])
+    p.add_argument("--mpt-encoder", default="elbo", choices=["elbo", "mpt"],
+                   help="how the MPT runs train the encoder: alongside by the ELBO, or through the MPT loss "
+                        "(the paper's setting: encoder and decoder trained by MPT with recursive encoding-decoding)")
+    p.add_argument("--methods", nargs="+", default=["mpt:0.33", "mpt:uniform", "elbo"],
+                   help="losses to compare (default: MPT with 33 %% masks, MPT with uniform sizes, the ELBO)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="deep_vae.png", help="where to save the figure ('' to skip)")
@@ -128,7 +132,7 @@ def main(argv=None):
         return DeepVAE(D, args.latent_dim, tuple(args.hidden), args.likelihood)
 
     result = compare(
-        make_model, train, test, ["mpt:0.33", "mpt:uniform", "elbo"],
+        make_model, train, test, list(args.methods),
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
         eval_samples=args.eval_samples, final_samples=args.final_samples, seed=args.seed,
         mpt_encoder=args.mpt_encoder,

@@ -1418,6 +1418,20 @@ def _():
     _scorer().pll({"input_ids": [[2, 5, 6, 3, 0, 0]]})
 
 
+@trigger("antibodies-empty-parents")
+def _():
+    from pyro_mpt.adapters.antibodies import variants
+
+    variants([], 3)
+
+
+@trigger("antibodies-mutation-rate")
+def _():
+    from pyro_mpt.adapters.antibodies import HEAVY, variants
+
+    variants(HEAVY, 3, rate=1.5)
+
+
 # ---------------------------------------------------------------------- adapters: ViT-MAE
 def _mae(**kw):
     pytest.importorskip("transformers")

@@ -42,17 +42,46 @@ def area(tmp_path_factory):
     return out, _load("gallery_area").main(["--quick", "--out-dir", str(out)])
 
 
-def test_table1_pattern(convergence):
+def _authors_lml(broadcast):
+    """Mean log N(x_i; 0, W W^T + 0.2 I) over the authors' Table 1 data, by scipy in float64."""
+    from scipy.stats import multivariate_normal
+
+    sys.path.insert(0, EXAMPLES)
+    from gallery_common import authors_ppca_data
+
+    (W, _, s), x = authors_ppca_data(200, 5, 1000, seed=1991, broadcast_noise=broadcast)
+    W = W.double().numpy()
+    cov = W @ W.T + float(s) ** 2 * np.eye(200)
+    return float(multivariate_normal(np.zeros(200), cov).logpdf(x.double().numpy()).mean())
+
+
+def test_table1_on_the_authors_data(convergence):
     _, res = convergence
-    t = res["table1"]
-    lml = t["lml"]
-    for P in (1, 10, 100):
-        mean, std = t[P]
-        assert abs(mean - lml) <= 3 * std, (P, mean, std, lml)
-    # the spread over mask seeds shrinks with P (~1/sqrt(P); 5 seeds make it noisy)
-    assert t[100][1] < t[1][1]
-    assert t[100][1] < 0.5 * t[1][1]
-    assert abs(t[100][0] - lml) < 0.02 * abs(lml)
+    t, ti = res["table1"], res["table1_independent"]
+    # the paper's true LML, -60.34, on the authors' own generator (seed 1991, broadcast noise)
+    assert t["lml"] == pytest.approx(-60.3436, abs=5e-4)
+    assert t["lml"] == pytest.approx(_authors_lml(True), abs=1e-3)
+    assert ti["lml"] == pytest.approx(_authors_lml(False), abs=1e-3)
+    assert ti["lml"] < -130  # independent noise of variance 0.2 per token: far below -60.34
+    for table in (t, ti):
+        for P in (1, 10):
+            mean, std = table[P]
+            assert abs(mean - table["lml"]) <= 3 * std, (P, mean, std, table["lml"])
+        assert table[10][1] < table[1][1]  # the spread shrinks with P (~1/sqrt(P))
+    # the paper's estimator: the P=1 spread over 5 mask seeds near the paper's 0.47 (and the authors' script's
+    # 0.476); 5 seeds leave the std estimate ~35 % uncertain, so a factor 2.5 either way here (1.5 in `make gallery`)
+    assert 0.47 / 2.5 < t[1][1] < 0.47 * 2.5
+
+
+def test_fig1_bias_cause(convergence):
+    _, res = convergence
+    c = res["fig1_bias_causes"]
+    broadcast, independent = c["authors' data (broadcast noise)"], c["authors' W, Z, independent noise"]
+    # the broadcast noise inflates the fixed-rate bias towards the paper's 6.0 % of |LML| ...
+    assert 0.035 < broadcast["rel_bias"] < 0.08
+    # ... while the same W, Z with the noise the model assumes give ~2 %, the size of the gallery's own bias
+    assert 0.01 < independent["rel_bias"] < 0.03
+    assert broadcast["rel_bias"] > 1.8 * independent["rel_bias"]
 
 
 def test_fig1_all_sizes_converge_to_lml(convergence):
@@ -81,12 +110,10 @@ def test_fig1_fixed_rate_converges_to_bias(convergence):
 def test_fig4_areas(area):
     _, res = area
     f = res["fig4"]
-    # measured (quick, seed 0): P=1 off by 0.0005, P=100 by 0.005 (with nested masks,
-    # before "all" drew an independent mask per size: 0.33 and 0.007); which of the two
-    # lands closer is chance at one seed, so only each one's bound is asserted
-    assert abs(f["area_P1"] - f["lml"]) < 4 * f["area_P1_stderr"]
-    assert abs(f["area_P1"] - f["lml"]) < 1.0
-    assert abs(f["area_P100"] - f["lml"]) < 0.05
+    # one mask set shared by the batch (the paper's P=1 curve): the area's error is the mask draw's, whose
+    # spread at P=1 is ~0.5 nats at these sizes (Table 1's P=1 column), and 10x less at P=100
+    assert abs(f["area_P1"] - f["lml"]) < 2.0
+    assert abs(f["area_P100"] - f["lml"]) < 0.25
     assert abs(f["area_K50"] - f["lml_K50"]) < 1.0
 
 
@@ -108,7 +135,20 @@ def test_outputs_written(convergence, area):
             assert os.path.getsize(png) > 10_000
         text = (out / "RESULTS.md").read_text()
         assert "paper" in text
-    assert math.isfinite(convergence[1]["table1"][100][0])
+    assert math.isfinite(convergence[1]["table1"][10][0])
+    # every figure's paper setting, default and difference are listed
+    text = (convergence[0] / "RESULTS.md").read_text()
+    section = text.split("## Paper settings and gallery defaults")[1]
+    for fig in ("Fig. 1", "Table 1", "Fig. 2", "Fig. 3 top", "Fig. 3 bottom", "Fig. 4", "Fig. 5 left",
+                "Fig. 5 right, Table 2", "Fig. 6"):
+        assert f"\n| {fig} |" in section, fig
+
+
+def test_paper_and_quick_exclude_each_other():
+    for name in ("gallery_convergence", "gallery_area", "gallery_training", "gallery_adapters"):
+        with pytest.raises(SystemExit) as e:
+            _load(name).main(["--quick", "--paper"])
+        assert e.value.code == 2, name
 
 
 # ---------------------------------------------------------------------- gallery_schedules
@@ -207,15 +247,34 @@ def test_table2_offline_fallback(adapters):
     t2 = res["table2"]
     assert t2["mode"].startswith("OFFLINE FALLBACK")
     rows = {(r["subset"], r["weights"]): r for r in t2["rows"]}
-    # the Table 2 convention (tested in test_adapters_masked_lm.py) over the paper's 99 rates
-    assert all(len(curve.score) == 99 for curve in t2["curves"])
-    uniform = -math.log(25) * 0.99 * 512  # AntiBERTy's 25-token vocabulary, uniform predictions
+    # offline: 8 chains per subset (6 real + 2 variants) on the coarse 11-rate grid, the Table-2 scale
+    assert all(len(curve.score) == 11 for curve in t2["curves"]) and all(r["n"] == 8 for r in t2["rows"])
+    uniform = -math.log(25) * 512  # AntiBERTy's 25-token vocabulary, uniform predictions, 512 x the integral
     for subset in ("VH (heavy)", "VL (light)"):
         random, trained = rows[(subset, "random init")], rows[(subset, "pre-trained")]
-        assert random["table2_area"] == pytest.approx(uniform, rel=0.15)  # measured within 10 %
-        assert trained["table2_area"] > random["table2_area"] + 300  # measured: +860, +970
+        assert random["table2_scale_area"] == pytest.approx(uniform, rel=0.15)
+        assert trained["table2_scale_area"] > random["table2_scale_area"] + 300
+        assert 0 < trained["table2_scale_stderr"] < 0.2 * abs(trained["table2_scale_area"])
+    # the control: shuffled chains are far less likely under the pre-trained model than real ones
+    shuffled = rows[("VH shuffled", "pre-trained")]["table2_scale_area"]
+    assert shuffled < rows[("VH (heavy)", "pre-trained")]["table2_scale_area"] - 300
     text = (out / "RESULTS.md").read_text()
     assert "not comparable" in text and "-5245.31" in text and "AREA / PRE-TRAINED (this run)" in text
+
+
+def test_antibody_variants_are_reproducible_mutants():
+    from pyro_mpt.adapters.antibodies import HEAVY, variants
+
+    a, b = variants(HEAVY, 50, seed=3), variants(HEAVY, 50, seed=3)
+    assert a == b and a != variants(HEAVY, 50, seed=4)
+    for k, chain in enumerate(a):
+        parent = HEAVY[k % len(HEAVY)]
+        assert len(chain) == len(parent)
+        assert set(chain) <= set("ACDEFGHIKLMNPQRSTVWY")
+    # 5 % of residues mutate: over 50 chains of ~120 residues, within 5 binomial standard errors
+    diffs = sum(x != y for k, chain in enumerate(a) for x, y in zip(chain, HEAVY[k % len(HEAVY)]))
+    total = sum(len(c) for c in a)
+    assert abs(diffs - 0.05 * total) < 5 * math.sqrt(total * 0.05 * 0.95)
 
 
 def test_fig6_offline_fallback(adapters):
