@@ -54,7 +54,7 @@ from pyro.util import warn_if_nan
 from .conditionals.base import EngineNotApplicable
 from .conditionals.latent_runs import LatentRunner, logmeanexp, refuse_missing
 from .guide_checks import check_guide_sites, check_proposal_density
-from .importance_weights import ImportanceSamplingWarning, effective_sample_size, psis_khat, warn_poor_weights
+from .importance_weights import effective_sample_size, psis_khat, warn_poor_weights
 from .sites import trace_tokens
 
 __all__ = [

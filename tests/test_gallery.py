@@ -362,19 +362,20 @@ def test_gallery_training_runs_the_examples(tmp_path, monkeypatch):
                for name in ("MPT uniform", "MPT fixed 20%")}
     stand_in("ppca_mpt_vs_elbo", dict(config=dict(quick=True, num_data=500, inits=2, epochs=100, lr=0.3, seed=0),
                                       true_lml=-11.2, ml_lml=-10.95, methods=methods))
-    lin = dict(objective=np.linspace(-24, -22, 30), lml=np.array([-24.6, -22.1]))
-    stand_in("linear_vae", dict(config=dict(dataset="digits", num_data=300, num_tokens=64, epochs=30,
+    lin = dict(objective=np.linspace(-24, -22, 30), lml=np.array([-24.6, -22.1]), lml_epochs=np.array([0, 30]))
+    stand_in("linear_vae", dict(config=dict(dataset="digits", num_data=300, num_tokens=64, epochs=30, elbo_epochs=60,
                                             masks="uniform", num_masks=1), methods=dict(MPT=lin, ELBO=lin)))
     deep = stand_in("deep_vae", Comparison(
         [RunResult("elbo", heldout=-30.0, stderr=0.5, history=[dict(epoch=0, loss=40.0, heldout=-40.0)])],
         dict(epochs=4, batch_size=128, final_samples=100, num_train=300, num_test=60)))
-    deep.parse_args = lambda argv: types.SimpleNamespace(dataset="digits", likelihood="bernoulli", latent_dim=5)
+    deep.parse_args = lambda argv: types.SimpleNamespace(dataset="digits", likelihood="gaussian", latent_dim=5,
+                                                         mpt_encoder=argv[argv.index("--mpt-encoder") + 1])
     res = _load("gallery_training").main(["--quick", "--out-dir", str(tmp_path)])
     demo_argv = calls["ppca_mpt_vs_elbo"]
     assert demo_argv[demo_argv.index("--out") + 1] == str(tmp_path / "fig2_training.png")
     assert all("--quick" in argv for argv in calls.values())
     names = [os.path.basename(p) for p in res["png"]]
-    assert names == ["fig2_training.png", "fig3_linear_vae.png", "fig3_deep_vae.png"]
+    assert names == ["fig2_training.png", "fig3_linear_vae.png", "fig3_deep_vae.png", "fig3_deep_vae_elbo_encoder.png"]
     text = (tmp_path / "RESULTS.md").read_text()
     assert "<!-- BEGIN fig2 -->" in text and "<!-- BEGIN fig3 -->" in text
     assert "| MPT uniform | -11.0500 ± 0.0707 | -0.1000 |" in text

@@ -234,8 +234,10 @@ def test_tutorial_form_is_refused_with_a_pointer_to_discrete_hmm():
     y = torch.randn(3, 4, 2)
     with pytest.raises(ValueError, match=r"observes several sites .* one dist\.DiscreteHMM site"):
         MaskedPretrainingLoss().score(markov_hmm, None, y)
+    with pytest.raises(ValueError, match=r"would drop observed site\(s\) 'y_1', 'y_2', 'y_3' .* steps of a pyro\.markov chain: write the sequence as one dist\.DiscreteHMM site"):
+        MaskedPretrainingLoss(obs_site="y_0").score(markov_hmm, None, y)
     with pytest.raises(EngineNotApplicable, match=r"reuse enumeration dims \(a pyro\.markov chain.*dist\.DiscreteHMM"):
-        MaskedPretrainingLoss(conditionals="enumerate", obs_site="y_0").score(markov_hmm, None, y)
+        MaskedPretrainingLoss(conditionals="enumerate", obs_site="y_0", extra_sites="drop").score(markov_hmm, None, y)
 
 
 def test_hmm_engine_refuses_other_observations():

@@ -528,7 +528,7 @@ def _digits_ppca(noise, dtype, pixels=None):
     sqrt(noise); ``noise=None`` takes sklearn's noise_variance_ (about 1e-15 or 1e-30
     by version). Returns the model, the first three digits, and the covariance and mean in
     float64 as the dtype holds them."""
-    sklearn = pytest.importorskip("sklearn")
+    pytest.importorskip("sklearn")
     from sklearn.datasets import load_digits
     from sklearn.decomposition import PCA
 

@@ -498,7 +498,6 @@ def _poisson_log_marginal(xs, rate_loc=1.0, rate_scale=0.8):
 
 def test_effective_nodes_of_gauss_hermite_rules():
     """Kish's 1 / sum p^2 of the Gauss-Hermite weights themselves (scipy), in all and per axis."""
-    import numpy as np
     from scipy.special import roots_hermitenorm
 
     from pyro_mpt.conditionals.quadrature_rules import effective_nodes

@@ -275,7 +275,7 @@ class GaussianMixtureTable:
 
     def _partials(self, context):
         """``(num (q, n, D), den (q, n))`` for contexts ``(q, n|1, D)``."""
-        K, n, D = self.loc.shape[0], self.x.shape[0], self.x.shape[1]
+        D = self.x.shape[1]
         cq = context[:, None]  # (q, 1, n|1, D)
         C = self.covariance[None]  # (1, K, n|1, D, D)
         eye = torch.eye(D, dtype=C.dtype, device=C.device)
