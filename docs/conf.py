@@ -55,7 +55,7 @@ autodoc_preserve_defaults = True
 nitpicky = True
 _EXTERNAL = (
     r"(torch|pyro|numpy|np|scipy|arviz|matplotlib|transformers|datasets|accelerate|"
-    r"tqdm|PIL|argparse|collections|typing|dataclasses|abc|enum)(\..*)?"
+    r"tqdm|PIL|argparse|collections|typing|dataclasses|abc|enum|random|os|pathlib|io|json)(\..*)?"
 )
 _BUILTINS = (
     r"int|float|str|bool|bytes|list|dict|tuple|set|callable|object|type|None|"

@@ -62,7 +62,7 @@ def variants(seqs, n, rate=0.05, seed=0):
     drawn uniformly -- a crude stand-in for somatic hypermutation that keeps
     each chain's length and domain structure, so a model of antibodies still
     recognizes most of it. The same ``seed`` gives the same chains on any
-    machine (:class:`random.Random`).
+    machine (Python's ``random.Random``).
 
     :param list seqs: parent chains (one-letter amino acids).
     :param int n: how many variants.
