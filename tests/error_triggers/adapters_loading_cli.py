@@ -1,0 +1,232 @@
+"""Triggers of the docs/errors.md rows raised by adapters: loading and CLI."""
+
+import contextlib
+import io
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import pyro_mpt
+import pyro_mpt.compare
+import pyro_mpt.datasets
+import pyro_mpt.masks
+import pyro_mpt.vae
+
+
+from error_triggers.registry import trigger
+from error_triggers.common import _bert, _mae, _tmpdir
+
+
+def _offline():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("HF_DATASETS_OFFLINE", "1")
+    return mp
+
+
+def _loading():
+    pytest.importorskip("transformers")
+    from pyro_mpt.adapters import loading
+
+    return loading
+
+
+@trigger("load-unreachable")
+def _():
+    loading = _loading()
+    mp = _offline()
+    try:
+        loading.load_masked_lm("no-such-org/no-such-model")
+    finally:
+        mp.undo()
+
+
+@trigger("load-antiberty-not-installed")
+def _():
+    loading = _loading()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "antiberty", None)
+        loading.antiberty_paths()
+
+
+@trigger("load-antiberty-incomplete")
+def _():
+    loading = _loading()
+    fake = types.ModuleType("antiberty")
+    fake.__file__ = str(Path(_tmpdir()) / "__init__.py")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "antiberty", fake)
+        loading.antiberty_paths()
+
+
+@trigger("load-tokenizer")
+def _():
+    _loading().load_tokenizer(None, model_dir=_tmpdir())
+
+
+@trigger("load-model")
+def _():
+    loading = _loading()
+    d = Path(_tmpdir())
+    (d / "config.json").write_text("{}")
+    loading.load_masked_lm(str(d))
+
+
+@trigger("load-vit-mae")
+def _():
+    loading = _loading()
+    d = Path(_tmpdir())
+    (d / "config.json").write_text('{"model_type": "vit_mae"}')
+    loading.load_vit_mae(str(d))
+
+
+@trigger("load-image-processor-fallback")
+def _():
+    loading = _loading()
+    d = _tmpdir()
+    _mae().model.config.save_pretrained(d)
+    loading.load_vit_mae(d, random_init=True)
+
+
+@trigger("load-split-missing")
+def _():
+    datasets = pytest.importorskip("datasets")
+    loading = _loading()
+    d = str(Path(_tmpdir()) / "ds")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(d)
+    loading.load_texts(dataset=d, split="validation")
+
+
+@trigger("load-file-type")
+def _():
+    loading = _loading()
+    path = Path(_tmpdir()) / "data.xml"
+    path.write_text("<a/>")
+    loading.load_texts(dataset=str(path))
+
+
+@trigger("load-dataset-unreachable")
+def _():
+    loading = _loading()
+    mp = _offline()
+    try:
+        loading.load_texts(dataset="no-such-org/no-such-dataset")
+    finally:
+        mp.undo()
+
+
+@trigger("load-one-text-source")
+def _():
+    _loading().load_texts()
+
+
+@trigger("load-text-file-missing")
+def _():
+    _loading().load_texts(text_file=str(Path(_tmpdir()) / "missing.txt"))
+
+
+def _csv(text):
+    path = Path(_tmpdir()) / "data.csv"
+    path.write_text(text)
+    return str(path)
+
+
+@trigger("load-no-text-column")
+def _():
+    _loading().load_texts(dataset=_csv("label,score\n1,2\n"))
+
+
+@trigger("load-column-missing")
+def _():
+    _loading().load_texts(dataset=_csv("text,label\na,1\n"), columns=["sentence"])
+
+
+@trigger("load-one-image-source")
+def _():
+    _loading().load_images()
+
+
+@trigger("load-image-folder-missing")
+def _():
+    _loading().load_images(image_folder=str(Path(_tmpdir()) / "missing"))
+
+
+@trigger("load-no-images")
+def _():
+    _loading().load_images(image_folder=_tmpdir())
+
+
+@trigger("load-image-column")
+def _():
+    datasets = pytest.importorskip("datasets")
+    d = str(Path(_tmpdir()) / "ds")
+    datasets.Dataset.from_dict({"img": [0]}).save_to_disk(d)
+    _loading().load_images(dataset=d)
+
+
+def _cli(argv):
+    """Run ``pyro-mpt argv``; turn its exit (status 2, message on stderr) into SystemExit(message)."""
+    pytest.importorskip("transformers")
+    from pyro_mpt.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as e:
+            assert e.code == 2, e.code
+            raise SystemExit(err.getvalue()) from None
+
+
+@trigger("cli-sigma2")
+def _():
+    _cli(["mae-curve", "model", "--image-folder", _tmpdir(), "--sigma2", "big"])
+
+
+@trigger("cli-resource-unavailable")
+def _():
+    text = Path(_tmpdir()) / "t.txt"
+    text.write_text("a b\n")
+    mp = _offline()
+    try:
+        _cli(["mlm-curve", "no-such-org/no-such-model", "--text-file", str(text), "--no-plot"])
+    finally:
+        mp.undo()
+
+
+@trigger("cli-empty-input")
+def _():
+    d = Path(_tmpdir())
+    model, tok = _bert(d)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    text = d / "t.txt"
+    text.write_text("\n\n")
+    _cli(["mlm-curve", str(d), "--text-file", str(text), "--no-plot"])
+
+
+@trigger("cli-positive-int")
+def _():
+    _cli(["mlm-curve", "model", "--text-file", "t.txt", "--num-masks", "0"])
+
+
+@trigger("cli-compare-failed")
+def _():
+    from pyro_mpt.cli import main
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(pyro_mpt.compare, "heldout_evidence", lambda *a, **k: 1 / 0)  # fails after training
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            main(["compare", "--n-train", "8", "--n-test", "4", "--epochs", "1", "--hidden", "4", "--losses", "elbo",
+                  "--quiet"])
+    except SystemExit as e:
+        assert e.code == 1, e.code
+        raise SystemExit(err.getvalue()) from None
+    finally:
+        mp.undo()
+
+

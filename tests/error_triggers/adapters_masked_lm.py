@@ -1,0 +1,149 @@
+"""Triggers of the docs/errors.md rows raised by adapters: masked LM."""
+
+import pytest
+
+
+from error_triggers.registry import trigger
+from error_triggers.common import _bert
+
+
+def _scorer(**kw):
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    model, tok = _bert()
+    return MaskedLMScorer(model, tok, **kw)
+
+
+@trigger("mlm-head-argument")
+def _():
+    _scorer(head="lm")
+
+
+@trigger("mlm-budgets")
+def _():
+    _scorer(max_tokens=0)
+
+
+@trigger("mlm-no-mask-token")
+def _():
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    MaskedLMScorer(_bert(tokenizer=False)[0])
+
+
+@trigger("mlm-no-special-ids")
+def _():
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    MaskedLMScorer(_bert(tokenizer=False)[0], mask_token_id=4)
+
+
+@trigger("mlm-head-masked-unknown-class")
+def _():
+    transformers = pytest.importorskip("transformers")
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    model, tok = _bert()
+
+    class MyMaskedLM(transformers.BertForMaskedLM):
+        pass
+
+    MaskedLMScorer(MyMaskedLM(model.config), tok, head="masked")
+
+
+@trigger("mlm-text-column")
+def _():
+    datasets = pytest.importorskip("datasets")
+    _scorer().curve(datasets.Dataset.from_dict({"sentence": ["a b"]}), rates=[0.5])
+
+
+@trigger("mlm-mapping-without-input-ids")
+def _():
+    _scorer().curve({"ids": [[2, 5, 3]]}, rates=[0.5])
+
+
+@trigger("mlm-one-string")
+def _():
+    _scorer().curve("a b c", rates=[0.5])
+
+
+@trigger("mlm-empty-inputs")
+def _():
+    _scorer().curve([], rates=[0.5])
+
+
+@trigger("mlm-inputs-type")
+def _():
+    _scorer().curve([1, 2], rates=[0.5])
+
+
+@trigger("mlm-text-needs-tokenizer")
+def _():
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    MaskedLMScorer(_bert(tokenizer=False)[0], mask_token_id=4, special_token_ids=[0, 2, 3, 4]).curve(["a b"])
+
+
+@trigger("mlm-attention-mask-length")
+def _():
+    _scorer().curve({"input_ids": [[2, 5, 6, 3]], "attention_mask": [[1, 1, 1]]}, rates=[0.5])
+
+
+@trigger("mlm-no-maskable-token")
+def _():
+    _scorer().curve({"input_ids": [[2, 3]]}, rates=[0.5])
+
+
+@trigger("mlm-word-l2r-needs-words")
+def _():
+    _scorer().pll({"input_ids": [[2, 5, 6, 3]]}, word_l2r=True)
+
+
+@trigger("mlm-positive-int")
+def _():
+    _scorer().curve(["a b"], rates=[0.5], num_masks=0)
+
+
+@trigger("mlm-truncation")
+def _():
+    _scorer(max_length=4).encode(["a b c d e f"])
+
+
+@trigger("mlm-tokenizer-vocabulary")
+def _():
+    transformers = pytest.importorskip("transformers")
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    special_only = transformers.BertTokenizer(vocab={t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])})
+    MaskedLMScorer(_bert(tokenizer=False)[0], special_only)
+
+
+@trigger("mlm-all-unknown")
+def _():
+    _scorer().pll(["A B C"])
+
+
+@trigger("mlm-ids-too-long")
+def _():
+    _scorer().pll({"input_ids": [[2] + [5] * 31 + [3]]})
+
+
+@trigger("mlm-padding-without-attention-mask")
+def _():
+    _scorer().pll({"input_ids": [[2, 5, 6, 3, 0, 0]]})
+
+
+@trigger("antibodies-empty-parents")
+def _():
+    from pyro_mpt.adapters.antibodies import variants
+
+    variants([], 3)
+
+
+@trigger("antibodies-mutation-rate")
+def _():
+    from pyro_mpt.adapters.antibodies import HEAVY, variants
+
+    variants(HEAVY, 3, rate=1.5)
+
+

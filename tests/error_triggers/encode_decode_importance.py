@@ -1,0 +1,103 @@
+"""Triggers of the docs/errors.md rows raised by encode_decode / importance."""
+
+import torch
+import pyro
+import pyro.distributions as dist
+
+from pyro_mpt import EncodeDecodeConditionals, ImportanceConditionals, MaskedPretrainingLoss
+
+from models import make_full_gaussian
+
+from error_triggers.registry import trigger
+from error_triggers.common import _guided_ppca, _ppca, _x
+
+
+@trigger("engine-tokens-not-independent")
+def _():
+    model, x, _ = make_full_gaussian(3, 4)
+
+    def guide(x):
+        pass
+
+    MaskedPretrainingLoss(conditionals="importance").loss(model, guide, x)
+
+
+@trigger("encode-decode-init")
+def _():
+    model, guide, x = _guided_ppca()
+    MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(init="zeros")).loss(model, guide, x)
+
+
+@trigger("encode-decode-counts")
+def _():
+    EncodeDecodeConditionals(num_samples=0)
+
+
+@trigger("encode-decode-mode")
+def _():
+    EncodeDecodeConditionals(encode="mode")
+
+
+@trigger("encode-decode-needs-guide")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model, None, x)
+
+
+@trigger("encode-decode-not-amortized")
+def _():
+    model, x = _ppca()
+    z_loc = torch.zeros(4, 1, dtype=torch.float64)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(z_loc, 1.0).to_event(1))
+
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model, guide, x)
+
+
+@trigger("latent-mean-undefined")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Stable(0.5, 0.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(z.expand(-1, 3), 1.0).to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(x[:, :1], 1.0).to_event(1))
+
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model, guide, _x())
+
+
+@trigger("importance-num-samples")
+def _():
+    ImportanceConditionals(num_samples=0)
+
+
+@trigger("importance-proposal")
+def _():
+    ImportanceConditionals(proposal="posterior")
+
+
+@trigger("importance-num-iterations")
+def _():
+    ImportanceConditionals(num_iterations=-1)
+
+
+@trigger("importance-prior-weight")
+def _():
+    ImportanceConditionals(prior_weight=1.0)
+
+
+@trigger("importance-num-chains")
+def _():
+    ImportanceConditionals(num_chains=0)
+
+
+@trigger("importance-guide-needed")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(conditionals=ImportanceConditionals(proposal="guide")).loss(model, None, x)
+
+

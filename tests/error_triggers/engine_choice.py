@@ -1,0 +1,38 @@
+"""Triggers of the docs/errors.md rows raised by engine choice."""
+
+import torch
+
+from pyro_mpt import MaskedPretrainingLoss, QuadratureConditionals
+
+
+from error_triggers.registry import trigger
+from error_triggers.common import _global_latent_model, _ppca, _x
+
+
+@trigger("engine-unknown-name")
+def _():
+    MaskedPretrainingLoss(conditionals="exact")
+
+
+@trigger("engine-auto-unknown-option")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(num_sample=8).loss(model, None, x)
+
+
+@trigger("engine-auto-none-applies")
+def _():
+    MaskedPretrainingLoss().loss(_global_latent_model, None, _x())
+
+
+@trigger("engine-x-shape")
+def _():
+    from pyro_mpt.sites import trace_tokens
+
+    model, x = _ppca()
+    tokens = trace_tokens(model, None, (x,), {})
+    engine = QuadratureConditionals()
+    state = engine.prepare(tokens, model, None, (x,), {})
+    engine.mask_log_prob(state, x[:2], torch.ones(1, 2, 3, dtype=torch.bool))
+
+

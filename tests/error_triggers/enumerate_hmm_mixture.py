@@ -1,0 +1,157 @@
+"""Triggers of the docs/errors.md rows raised by enumerate / hmm / mixture."""
+
+import torch
+import pyro
+import pyro.distributions as dist
+
+import pyro_mpt
+import pyro_mpt.compare
+import pyro_mpt.datasets
+import pyro_mpt.masks
+import pyro_mpt.vae
+from pyro_mpt import MaskedPretrainingLoss
+
+
+from error_triggers.registry import trigger
+from error_triggers.common import _bernoulli_model, _ppca, _x
+
+
+def _categorical_model(obs="normal", max_support=None):
+    w = torch.tensor([0.2, 0.3, 0.5])
+    locs = torch.randn(3, 3, generator=torch.Generator().manual_seed(0))
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Categorical(w))
+            if obs == "mvn":
+                pyro.sample("x", dist.MultivariateNormal(locs[z], torch.eye(3)), obs=x)
+            elif obs == "reshape":  # a reshape to the data's shape does not broadcast
+                pyro.sample("x", dist.Normal(locs[z].reshape(x.shape), 1.0).to_event(1), obs=x)
+            else:
+                pyro.sample("x", dist.Normal(locs[z], 1.0).to_event(1), obs=x)
+
+    return model
+
+
+def _hmm_obs(emission=None, latent=False):
+    def model(x):
+        if latent:
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("z", dist.Normal(0.0, 1.0))
+        with pyro.plate("sequences", x.shape[0]):
+            obs = emission if emission is not None else dist.Normal(torch.zeros(2), 1.0)
+            pyro.sample("x", dist.DiscreteHMM(torch.zeros(2), torch.zeros(2, 2), obs), obs=x)
+
+    return model
+
+
+@trigger("enumerate-no-latent")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.Normal(0.0, 1.0).expand([x.shape[0], 3]).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, _x())
+
+
+@trigger("enumerate-not-discrete")
+def _():
+    MaskedPretrainingLoss(conditionals="enumerate").loss(_bernoulli_model(), None, torch.ones(4, 3))
+
+
+@trigger("enumerate-support-too-large")
+def _():
+    MaskedPretrainingLoss(conditionals="enumerate", max_support=2).loss(_categorical_model(), None, _x())
+
+
+@trigger("enumerate-tokens-not-independent")
+def _():
+    MaskedPretrainingLoss(conditionals="enumerate").loss(_categorical_model("mvn"), None, _x())
+
+
+@trigger("enumerate-model-failed")
+def _():
+    MaskedPretrainingLoss(conditionals="enumerate").loss(_categorical_model("reshape"), None, _x())
+
+
+@trigger("enumerate-markov")
+def _():
+    probs = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
+    locs = torch.tensor([[-1.0, 0.0], [1.0, 2.0]])
+
+    def markov_hmm(y):  # the form of Pyro's HMM tutorial
+        with pyro.plate("sequences", y.shape[0]):
+            h = 0
+            for t in pyro.markov(range(y.shape[1])):
+                h = pyro.sample(f"h_{t}", dist.Categorical(probs[h]))
+                pyro.sample(f"y_{t}", dist.Normal(locs[h], 1.0).to_event(1), obs=y[:, t])
+
+    MaskedPretrainingLoss(conditionals="enumerate", obs_site="y_0", extra_sites="drop").loss(
+        markov_hmm, None, torch.randn(3, 4, 2)
+    )
+
+
+@trigger("sites-markov-observed-sites")
+def _():
+    probs = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
+    locs = torch.tensor([[-1.0, 0.0], [1.0, 2.0]])
+
+    def markov_hmm(y):
+        with pyro.plate("sequences", y.shape[0]):
+            h = 0
+            for t in pyro.markov(range(y.shape[1])):
+                h = pyro.sample(f"h_{t}", dist.Categorical(probs[h]))
+                pyro.sample(f"y_{t}", dist.Normal(locs[h], 1.0).to_event(1), obs=y[:, t])
+
+    MaskedPretrainingLoss(obs_site="y_0").loss(markov_hmm, None, torch.randn(3, 4, 2))
+
+
+@trigger("enumerate-component-not-gaussian")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Categorical(torch.ones(2) / 2))
+            r = pyro.sample("r", dist.Gamma(2.0, 1.0))
+            pyro.sample("x", dist.Normal((z * r).unsqueeze(-1) * torch.ones(3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, _x())
+
+
+@trigger("enumerate-discrete-after-continuous")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            u = pyro.sample("u", dist.Normal(0.0, 1.0))
+            z = pyro.sample("z", dist.Bernoulli(logits=u))
+            pyro.sample("x", dist.Normal((z + u).unsqueeze(-1) * torch.ones(3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, _x())
+
+
+@trigger("hmm-not-discrete-hmm")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(conditionals="hmm").loss(model, None, x)
+
+
+@trigger("hmm-other-latents")
+def _():
+    MaskedPretrainingLoss(conditionals="hmm").loss(_hmm_obs(latent=True), None, torch.randn(3, 5))
+
+
+@trigger("hmm-emission-event")
+def _():
+    emission = dist.MultivariateNormal(torch.zeros(2, 2), torch.eye(2))
+    MaskedPretrainingLoss(conditionals="hmm").loss(_hmm_obs(emission), None, torch.randn(3, 5, 2))
+
+
+@trigger("mixture-table-shape")
+def _():
+    pyro_mpt.conditionals.MixtureTable(torch.zeros(3), torch.zeros(3, 4))
+
+
+@trigger("mixture-weights-shape")
+def _():
+    pyro_mpt.conditionals.MixtureTable(torch.zeros(2), torch.zeros(3, 4, 5))
+
+

@@ -1,0 +1,86 @@
+"""Triggers of the docs/errors.md rows raised by evidence."""
+
+import torch
+import pyro
+import pyro.distributions as dist
+
+from pyro_mpt import Evidence
+
+from models import make_ppca
+
+from error_triggers.registry import trigger
+from error_triggers.common import _bernoulli_model, _global_latent_model, _missing_ppca, _observed, _ppca, _x
+
+
+@trigger("evidence-unknown-method")
+def _():
+    Evidence(lambda x: None, method="laplace")
+
+
+@trigger("evidence-exact-not-gaussian")
+def _():
+    Evidence(_bernoulli_model(), method="exact")(torch.ones(4, 3))
+
+
+@trigger("evidence-importance-unknown-option")
+def _():
+    model, x = _ppca()
+    Evidence(model, method="importance", samples=10)(x)
+
+
+@trigger("evidence-importance-num-samples")
+def _():
+    model, x = _ppca()
+    Evidence(model, method="importance", num_samples=0)(x)
+
+
+@trigger("evidence-importance-proposal")
+def _():
+    model, x = _ppca()
+    Evidence(model, method="importance", proposal="posterior")(x)
+
+
+@trigger("evidence-importance-needs-guide")
+def _():
+    model, x = _ppca()
+    Evidence(model, method="importance", proposal="guide")(x)
+
+
+@trigger("evidence-importance-global-latent")
+def _():
+    Evidence(_global_latent_model, method="importance")(_x())
+
+
+@trigger("evidence-importance-khat")
+def _():
+    model, x, _ = make_ppca(20, 2, 4, sigma=0.1)
+    Evidence(model, method="importance", num_samples=50)(x)
+
+
+@trigger("missing-tokens-guide-evidence")
+def _():
+    model, guide = _missing_ppca(_observed())
+    Evidence(model, guide, method="importance", proposal="guide")(_x())
+
+
+@trigger("missing-tokens-iwelbo")
+def _():
+    from pyro_mpt.importance_evidence import ImportanceWeightedELBO
+
+    model, guide = _missing_ppca(_observed())
+    ImportanceWeightedELBO(4).loss(model, guide, _x())
+
+
+@trigger("evidence-importance-few-effective-samples")
+def _():
+    probs = torch.tensor([0.999, 0.001], dtype=torch.float64)
+    locs = torch.tensor([[0.0, 0.0, 0.0], [6.0, 6.0, 6.0]], dtype=torch.float64)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Categorical(probs))
+            pyro.sample("x", dist.Normal(locs[c], 1.0).to_event(1), obs=x)
+
+    Evidence(model, method="importance", num_samples=2000)(torch.full((1, 3), 6.0, dtype=torch.float64))
+
+

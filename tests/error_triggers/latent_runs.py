@@ -1,0 +1,186 @@
+"""Triggers of the docs/errors.md rows raised by latent_runs.py."""
+
+import warnings
+
+import torch
+import pyro
+import pyro.distributions as dist
+
+from pyro_mpt import EncodeDecodeConditionals, Evidence, ImportanceConditionals, MaskedPretrainingLoss
+
+from models import exact_posterior_guide, make_ppca
+
+from error_triggers.registry import trigger
+from error_triggers.common import _global_latent_model, _guided_ppca, _missing_ppca, _mm_model, _observed, _ppca, _x
+
+
+@trigger("data-arg-type")
+def _():
+    model, guide, x = _guided_ppca()
+    MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(data_arg=0.5)).loss(model, guide, x)
+
+
+@trigger("data-arg-unknown-keyword")
+def _():
+    model, guide, x = _guided_ppca()
+    MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(data_arg="data")).loss(model, guide, x)
+
+
+@trigger("data-arg-position")
+def _():
+    model, guide, x = _guided_ppca()
+    MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(data_arg=2)).loss(model, guide, x)
+
+
+def _two_arg_models():
+    model, x = _ppca()
+    guide = exact_posterior_guide
+
+    def model2(x, y):
+        model(x)
+
+    def guide2(x, y):
+        guide(x)
+
+    return model2, guide2, x
+
+
+@trigger("data-arg-not-the-data")
+def _():
+    model, guide, x = _two_arg_models()
+    loss = MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(data_arg=1))
+    loss.loss(model, guide, x, torch.zeros(4, 3))
+
+
+@trigger("data-arg-not-found")
+def _():
+    model, x = _ppca()
+    guide = exact_posterior_guide
+
+    def model0():
+        model(x)
+
+    def guide0():
+        guide(x)
+
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model0, guide0)
+
+
+@trigger("data-arg-ambiguous")
+def _():
+    model, x = _ppca()
+    guide = exact_posterior_guide
+
+    def model2(x, y):
+        model(x + 0)  # the observed value is a new tensor, equal to both arguments
+
+    def guide2(x, y):
+        guide(x)
+
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model2, guide2, x, x.clone())
+
+
+@trigger("runner-global-latent")
+def _():
+    MaskedPretrainingLoss(conditionals="importance").loss(_global_latent_model, None, _x())
+
+
+@trigger("runner-model-does-not-broadcast")
+def _():
+    MaskedPretrainingLoss(conditionals="importance").loss(_mm_model, None, _x())
+
+
+@trigger("runner-guide-extra-site")
+def _():
+    model, x = _ppca()
+
+    def guide(x):
+        pyro.sample("w", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(x[:, :1], 1.0).to_event(1))
+
+    engine = ImportanceConditionals(proposal="guide", impute=False)
+    MaskedPretrainingLoss(conditionals=engine).loss(model, guide, x)
+
+
+def _mm_guide(x):
+    with pyro.plate("data", x.shape[0]):
+        z = pyro.sample("z", dist.Normal(x[:, :1], 1.0).to_event(1))
+    torch.mm(z, torch.ones(1, 1, dtype=z.dtype))  # 2-D only: fails with a particle dim on the left
+
+
+@trigger("runner-guide-does-not-broadcast")
+def _():
+    model, x = _ppca()
+    engine = ImportanceConditionals(proposal="guide", impute=False)
+    MaskedPretrainingLoss(conditionals=engine).loss(model, _mm_guide, x)
+
+
+@trigger("runner-guide-fails-on-imputed-data")
+def _():
+    model, x = _ppca()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        MaskedPretrainingLoss(conditionals="encode_decode").loss(model, _mm_guide, x)
+
+
+@trigger("runner-guide-stacking-fallback")
+def _():
+    model, x = _ppca()
+
+    def guide(x):
+        with pyro.plate("data", 4):  # a fixed plate size: stacked copies do not fit
+            pyro.sample("z", dist.Normal(x[:, :1], 1.0).to_event(1))
+
+    MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(4, 1), num_masks=2).loss(model, guide, x)
+
+
+@trigger("missing-tokens-guide-engine")
+def _():
+    model, guide = _missing_ppca(_observed())
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model, guide, _x())
+
+
+@trigger("importance-poor-weights")
+def _():
+    model, x, _ = make_ppca(20, 2, 4, sigma=0.1)
+    engine = ImportanceConditionals(256, proposal="prior")
+    MaskedPretrainingLoss(conditionals=engine, masks="order").loss(model, None, x)
+
+
+@trigger("guide-point-mass")
+def _():
+    from pyro.infer.autoguide import AutoDelta
+
+    model, x = _ppca()
+    Evidence(model, AutoDelta(model), method="importance", num_samples=10)(x)
+
+
+@trigger("guide-sites-mismatch")
+def _():
+    model, x = _ppca()
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("zz", dist.Normal(torch.zeros(x.shape[0], 1, dtype=x.dtype), 1.0).to_event(1))
+
+    MaskedPretrainingLoss().loss(model, guide, x)
+
+
+@trigger("runner-auxiliary-outside-data-plate")
+def _():
+    from pyro.infer.autoguide import AutoMultivariateNormal
+
+    model, x = _ppca()
+    Evidence(model, AutoMultivariateNormal(model), method="importance", num_samples=10)(x)
+
+
+@trigger("runner-auxiliary-not-replayable")
+def _():
+    from pyro.infer.autoguide import AutoNormal
+
+    model, x = _ppca()
+    engine = ImportanceConditionals(16, proposal="guide")
+    MaskedPretrainingLoss(conditionals=engine).loss(model, AutoNormal(model), x)
+
+

@@ -1,0 +1,90 @@
+"""Triggers of the docs/errors.md rows raised by masks.py."""
+
+import torch
+import pyro
+import pyro.distributions as dist
+
+import pyro_mpt
+import pyro_mpt.compare
+import pyro_mpt.datasets
+import pyro_mpt.masks
+import pyro_mpt.vae
+from pyro_mpt import MaskedPretrainingLoss
+
+
+from error_triggers.registry import trigger
+from error_triggers.common import _missing_ppca, _observed, _ppca, _x
+
+
+@trigger("masks-num-masks")
+def _():
+    MaskedPretrainingLoss(num_masks=0)
+
+
+@trigger("masks-no-tokens")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss().loss(model, None, torch.zeros(4, 0))
+
+
+@trigger("masks-check-no-tokens")
+def _():
+    pyro_mpt.masks.make_schedule("uniform").check(0)
+
+
+@trigger("masks-exhaustive-too-many-tokens")
+def _():
+    model, x = _ppca(D=17)
+    MaskedPretrainingLoss(masks="exhaustive").loss(model, None, x)
+
+
+@trigger("masks-rate-out-of-range")
+def _():
+    MaskedPretrainingLoss(masks=1.5)
+
+
+@trigger("masks-rate-one-token")
+def _():
+    model, x = _ppca(D=1)
+    MaskedPretrainingLoss(masks=0.5).loss(model, None, x)
+
+
+@trigger("masks-rate-rounds-to-zero")
+def _():
+    model, x = _ppca(D=3)
+    MaskedPretrainingLoss(masks=0.1).loss(model, None, x)
+
+
+@trigger("masks-rate-rounds-to-zero-missing")
+def _():
+    model, _ = _missing_ppca(_observed())
+    MaskedPretrainingLoss(masks=0.2).loss(model, None, _x())
+
+
+@trigger("loss-schedule-without-observed")
+def _():
+    from pyro_mpt.masks import RandomOrders
+
+    class OldSchedule(RandomOrders):
+        """A schedule written before missing tokens: its blocks take no observed=."""
+
+        def blocks(self, n, D, *, max_elements=2**22, device=None):
+            return super().blocks(n, D, max_elements=max_elements, device=device)
+
+    model, _ = _missing_ppca(_observed())
+    MaskedPretrainingLoss(masks=OldSchedule()).loss(model, None, _x())
+
+
+@trigger("masks-unknown-name")
+def _():
+    MaskedPretrainingLoss(masks="random")
+
+
+@trigger("masks-wrong-type")
+def _():
+    MaskedPretrainingLoss(masks=[1, 2])
+
+

@@ -1,0 +1,144 @@
+"""Triggers of the docs/errors.md rows raised by quadrature."""
+
+import torch
+import pyro
+import pyro.distributions as dist
+from pyro.distributions import constraints
+
+from pyro_mpt import Evidence, MaskedPretrainingLoss, QuadratureConditionals
+from pyro_mpt.conditionals.quadrature_rules import hermite_rule
+
+from models import make_ppca
+
+from error_triggers.registry import trigger
+from error_triggers.common import _global_latent_model, _mm_model, _ppca, _x
+
+
+@trigger("quadrature-num-nodes")
+def _():
+    QuadratureConditionals(num_nodes=0)
+
+
+@trigger("quadrature-max-latent-dim")
+def _():
+    QuadratureConditionals(max_latent_dim=5)
+
+
+@trigger("quadrature-rule-num-nodes")
+def _():
+    hermite_rule(0)
+
+
+@trigger("quadrature-discrete-latent")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Bernoulli(0.5).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(c.expand(-1, 3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, _x())
+
+
+@trigger("quadrature-latent-kind")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            p = pyro.sample("p", dist.Dirichlet(torch.ones(3)))
+            pyro.sample("x", dist.Normal(p, 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, _x())
+
+
+class _NoBijection(dist.Gamma):
+    """A continuous scalar latent whose support has no bijection to the real line."""
+
+    support = constraints.dependent
+
+
+@trigger("quadrature-no-bijection")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            s = pyro.sample("s", _NoBijection(2.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(s.expand(-1, 3), 1.0).to_event(1), obs=x)
+
+    with pyro.validation_enabled(False):
+        MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, _x())
+
+
+@trigger("quadrature-too-many-latent-dims")
+def _():
+    model, x = _ppca(D=6, K=5)
+    MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, x)
+
+
+@trigger("quadrature-observation-not-factorized")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.MultivariateNormal(z.expand(-1, 3), torch.eye(3)), obs=x)
+
+    MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, _x())
+
+
+@trigger("quadrature-model-does-not-broadcast")
+def _():
+    MaskedPretrainingLoss(conditionals="quadrature").loss(_mm_model, None, _x())
+
+
+@trigger("quadrature-laplace-not-finite")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Uniform(torch.zeros(3), z.exp() * torch.ones(3) + 1).to_event(1), obs=x)
+
+    with pyro.validation_enabled(False):
+        MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, -torch.ones(4, 3))
+
+
+@trigger("quadrature-grid-too-coarse")
+def _():
+    model, x, _ = make_ppca(12, 2, 4, sigma=0.05)
+    engine = QuadratureConditionals(3, adaptive=False)
+    MaskedPretrainingLoss(conditionals=engine).loss(model, None, x)
+
+
+@trigger("evidence-quadrature-tol")
+def _():
+    model, x, _ = make_ppca(12, 2, 4, sigma=0.05)
+    Evidence(model, method="quadrature", num_nodes=3, adaptive=False, tol=1e-9)(x)
+
+
+@trigger("evidence-quadrature-not-applicable")
+def _():
+    Evidence(_global_latent_model, method="quadrature")(_x())
+
+
+def _sharp_poisson():
+    """A 1-D latent whose posterior given 40 counts is much narrower than the prior."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.poisson(torch.full((3, 40), 5.0, dtype=torch.float64), generator=g)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+            rate = torch.exp(1.0 + z)[..., None].expand(z.shape + (40,))
+            pyro.sample("x", dist.Poisson(rate).to_event(1), obs=x)
+
+    return model, x
+
+
+@trigger("quadrature-grid-unresolved")
+def _():
+    model, x = _sharp_poisson()
+    Evidence(model, method="quadrature", adaptive=False, num_nodes=8)(x)
+
+
+@trigger("quadrature-newton-not-converged")
+def _():
+    model, x = _sharp_poisson()
+    MaskedPretrainingLoss(conditionals=QuadratureConditionals(newton_steps=0)).loss(model, None, x)
+
+

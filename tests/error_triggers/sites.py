@@ -1,0 +1,201 @@
+"""Triggers of the docs/errors.md rows raised by sites.py."""
+
+import math
+
+import torch
+import pyro
+import pyro.distributions as dist
+from pyro import poutine
+
+from pyro_mpt import Evidence, MaskedPretrainingLoss
+
+from models import make_ppca
+
+from error_triggers.registry import trigger
+from error_triggers.common import _global_latent_model, _missing_ppca, _observed, _ppca, _x
+
+
+@trigger("sites-no-observed-site")
+def _():
+    def model(x):
+        pyro.sample("z", dist.Normal(0.0, 1.0))
+
+    MaskedPretrainingLoss().loss(model, None, _x())
+
+
+@trigger("sites-several-observed-sites")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("a", dist.Normal(0.0, 1.0).expand([3]).to_event(1), obs=x)
+            pyro.sample("b", dist.Normal(0.0, 1.0).expand([3]).to_event(1), obs=x)
+
+    MaskedPretrainingLoss().loss(model, None, _x())
+
+
+@trigger("sites-obs-site-unknown")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(obs_site="y").loss(model, None, x)
+
+
+@trigger("sites-obs-site-not-observed")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(obs_site="z").loss(model, None, x)
+
+
+@trigger("sites-non-finite-data")
+def _():
+    model, x = _ppca()
+    x = x.clone()
+    x[0, 0] = math.nan
+    MaskedPretrainingLoss().loss(model, None, x)
+
+
+@trigger("sites-global-latent")
+def _():
+    MaskedPretrainingLoss(conditionals="gaussian").loss(_global_latent_model, None, _x())
+
+
+@trigger("sites-latent-extra-plate")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            with pyro.plate("k", 2):
+                z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal(z.sum(0, keepdim=True).T.expand(-1, 3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, _x())
+
+def _plates_only(x):
+    """Tokens in a plate, no latent: the plates alone do not say which runs over tokens."""
+    with pyro.plate("data", x.shape[0], dim=-2), pyro.plate("tokens", x.shape[1], dim=-1):
+        pyro.sample("x", dist.Normal(0.0, 1.0), obs=x)
+
+
+def _token_plate_model(x, latent_in_tokens=False, subsample_size=None, token_scale=None):
+    """A datapoint latent z, the tokens in a plate; optionally a latent per token, a
+    subsampled token plate, or a scale that varies over the tokens."""
+    with pyro.plate("data", x.shape[0], dim=-2):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        with pyro.plate("tokens", x.shape[1], subsample_size=subsample_size, dim=-1) as j:
+            loc = z + pyro.sample("e", dist.Normal(0.0, 1.0)) if latent_in_tokens else z
+            with poutine.scale(scale=token_scale if token_scale is not None else 1.0):
+                pyro.sample("x", dist.Normal(loc, 1.0), obs=x[:, j])
+
+
+@trigger("sites-token-plates-unknown")
+def _():
+    Evidence(_plates_only, token_plates=("toks",))(_x())
+
+
+@trigger("sites-token-plates-ambiguous")
+def _():
+    MaskedPretrainingLoss().loss(_plates_only, None, _x())
+
+
+@trigger("sites-no-event-dims")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.Normal(0.0, 1.0), obs=x)
+
+    MaskedPretrainingLoss().loss(model, None, _x()[:, 0])
+
+
+@trigger("sites-token-plates-none")
+def _():
+    Evidence(_plates_only, token_plates=())(_x())
+
+
+@trigger("sites-token-plate-subsampled")
+def _():
+    MaskedPretrainingLoss().loss(lambda x: _token_plate_model(x, subsample_size=2), None, _x())
+
+
+@trigger("sites-latent-in-token-plate")
+def _():
+    model = lambda x: _token_plate_model(x, latent_in_tokens=True)  # noqa: E731
+    MaskedPretrainingLoss(token_plates=("tokens",)).loss(model, None, _x())
+
+
+@trigger("sites-batch-dim-not-a-plate")
+def _():
+    def model(x):
+        pyro.sample("x", dist.Normal(torch.zeros(4, 3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss().loss(model, None, _x())
+
+
+@trigger("sites-token-scale-varies")
+def _():
+    model = lambda x: _token_plate_model(x, token_scale=torch.arange(1.0, 4.0))  # noqa: E731
+    MaskedPretrainingLoss().loss(model, None, _x())
+
+
+@trigger("sites-non-finite-observed-tokens")
+def _():
+    model, _ = _missing_ppca(_observed())
+    x = _x()
+    x[0, 1] = math.nan  # a missing token: ignored
+    x[2, 0] = math.nan  # an observed one: refused
+    MaskedPretrainingLoss().loss(model, None, x)
+
+
+@trigger("sites-empty-plate")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss().loss(model, None, x[:0])
+
+
+def _two_observed_sites(x, y):
+    with pyro.plate("data", x.shape[0]):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+        pyro.sample("x", dist.Normal(z.expand(-1, 3), 1.0).to_event(1), obs=x)
+        pyro.sample("y", dist.Normal(z, 1.0).to_event(1), obs=y)
+
+
+@trigger("sites-extra-sites-option")
+def _():
+    Evidence(_two_observed_sites, obs_site="x", extra_sites="ignore")(_x(), _x()[:, :1])
+
+
+@trigger("sites-extra-observed-site")
+def _():
+    MaskedPretrainingLoss(obs_site="x").loss(_two_observed_sites, None, _x(), _x()[:, :1])
+
+
+@trigger("sites-extra-factor")
+def _():
+    model, x = _ppca()
+
+    def with_factor(x):
+        model(x)
+        pyro.factor("f", torch.tensor(1.0))
+
+    Evidence(with_factor)(x)
+
+
+@trigger("sites-data-shape")
+def _():
+    model, _ = _ppca()
+    MaskedPretrainingLoss().loss(model, None, torch.randn(4, 5, dtype=torch.float64))
+
+
+@trigger("sites-low-precision")
+def _():
+    model, x, _ = make_ppca(3, 1, 4, dtype=torch.float16)
+    MaskedPretrainingLoss().loss(model, None, x)
+
+
+@trigger("sites-out-of-support")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Bernoulli(logits=z[..., None].expand(z.shape + (3,))).to_event(1), obs=x)
+
+    MaskedPretrainingLoss().loss(model, None, torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 1.0]]))
+
+
