@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import ConditionalEngine, EngineNotApplicable
-from .gaussian_marginal import _unwrap
+from .distributions import check_factorized
 from .latent_runs import LatentRunner, callable_key, guide_latents, locate_data_arg, logmeanexp, refuse_missing
 
 __all__ = ["EncodeDecodeConditionals", "EncodeDecodeState", "initial_tokens", "run_chains"]
@@ -94,18 +94,6 @@ class EncodeDecodeState:
     init: torch.Tensor
     num_data: int
     num_tokens: int
-
-
-def _check_factorized(tokens, who):
-    base, _ = _unwrap(tokens.site["fn"], masks=True)
-    if len(base.event_shape) > 0:
-        raise EngineNotApplicable(
-            f"{who} needs the tokens of observed site {tokens.name!r} to be independent "
-            f"given the latents, but its distribution is {type(base).__name__} with "
-            f"event shape {tuple(base.event_shape)}. Write it as independent tokens, "
-            f"e.g. dist.Normal(loc, scale).to_event(1); for a Gaussian marginal use "
-            f"conditionals='gaussian'."
-        )
 
 
 def initial_tokens(runner, init, who):
@@ -251,7 +239,7 @@ class EncodeDecodeConditionals(ConditionalEngine):
                 f". Pass an encoder guide over {', '.join(map(repr, tokens.latent_names)) or 'the latents'}, "
                 f"or use conditionals='importance' (the prior as proposal)."
             )
-        _check_factorized(tokens, who)
+        check_factorized(tokens.site["fn"], tokens.name, who)
         refuse_missing(tokens, who)
         data = locate_data_arg(tokens, guide, args, kwargs, self.data_arg, who)
         runner = LatentRunner(tokens, model, guide, args, kwargs, data, who, self._stacking.get(callable_key(guide)))

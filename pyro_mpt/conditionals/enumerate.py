@@ -49,20 +49,13 @@ from pyro import poutine
 
 from ..sites import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
+from .distributions import base_distribution, check_factorized
 from .gaussian_marginal import gaussian_marginal
 from .mixture import GaussianMixtureTable, MixtureTable
 
-__all__ = ["EnumerateConditionals", "EnumerateState", "base_distribution"]
+__all__ = ["EnumerateConditionals", "EnumerateState"]
 
 _WHO = "conditionals='enumerate'"
-
-
-def base_distribution(fn):
-    """``fn`` without its ``Independent`` and ``MaskedDistribution`` wrappers (the
-    observed site's mask is read into ``tokens.observed``)."""
-    while isinstance(fn, (dist.Independent, torch.distributions.Independent, dist.MaskedDistribution)):
-        fn = fn.base_dist
-    return fn
 
 
 def _support_size(fn):
@@ -160,14 +153,10 @@ class EnumerateConditionals(ConditionalEngine):
                 f"{self.max_support}. Use conditionals='importance' (it samples the latents), "
                 f"or raise max_support if a ({K}, {tokens.num_data}, {tokens.num_tokens}) table fits."
             )
-        base = base_distribution(tokens.site["fn"])
-        if base.event_shape and not continuous:
-            raise EngineNotApplicable(
-                f"{_WHO} needs the tokens of observed site {tokens.name!r} to be independent "
-                f"given the latents, but its distribution is {type(base).__name__} with event "
-                f"shape {tuple(base.event_shape)}. Write it as independent tokens, e.g. "
-                f"dist.Normal(loc, scale).to_event(1); a dist.DiscreteHMM observation is "
-                f"served by conditionals='hmm'."
+        if not continuous:
+            check_factorized(
+                tokens.site["fn"], tokens.name, _WHO,
+                instead="a dist.DiscreteHMM observation is served by conditionals='hmm'",
             )
         return sizes, continuous
 

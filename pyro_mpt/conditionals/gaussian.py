@@ -40,6 +40,7 @@ import warnings
 import torch
 
 from .base import ConditionalEngine, NumericalWarning
+from .distributions import take_rows
 from .gaussian_marginal import GaussianMarginal, gaussian_marginal
 
 __all__ = ["GaussianConditionals"]
@@ -156,11 +157,6 @@ def _to_work(state, x):
 def _to_data(state, out):
     """A result back in the data's dtype."""
     return out if state.data_dtype is None else out.to(state.data_dtype)
-
-
-def _take(t, idx):
-    """Rows ``idx`` of a tensor whose leading dim is n or 1 (shared)."""
-    return t if t.shape[0] == 1 else t[idx]
 
 
 class GaussianConditionals(ConditionalEngine):
@@ -495,13 +491,13 @@ class GaussianConditionals(ConditionalEngine):
 
 def _slice_marginal(m, idx):
     return GaussianMarginal(
-        _take(m.loc, idx),
-        cov_factor=None if m.cov_factor is None else _take(m.cov_factor, idx),
-        cov_diag=None if m.cov_diag is None else _take(m.cov_diag, idx),
-        covariance=None if m.covariance is None else _take(m.covariance, idx),
+        take_rows(m.loc, idx),
+        cov_factor=None if m.cov_factor is None else take_rows(m.cov_factor, idx),
+        cov_diag=None if m.cov_diag is None else take_rows(m.cov_diag, idx),
+        covariance=None if m.covariance is None else take_rows(m.covariance, idx),
         site=m.site,
         jitter=m.jitter,
-        factor=None if m.factor is None else _take(m.factor, idx),
+        factor=None if m.factor is None else take_rows(m.factor, idx),
         data_dtype=m.data_dtype,
     )
 

@@ -33,6 +33,7 @@ from pyro.poutine.util import site_is_subsample
 
 from ..sites import check_local_latent
 from .base import EngineNotApplicable, callable_key
+from .distributions import compact, unwrap
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
 
@@ -103,38 +104,12 @@ class GaussianMarginal:
         return cov
 
 
-def _unwrap(fn, masks=False):
-    """Strip ``Independent`` wrappers; return the base distribution and event dims added.
-
-    With ``masks=True`` ``MaskedDistribution`` wrappers are stripped too: for the
-    observed site, whose mask :func:`~pyro_mpt.sites.trace_tokens` has read into
-    ``tokens.observed``.
-    """
-    reinterpreted = 0
-    while True:
-        if isinstance(fn, (dist.Independent, torch.distributions.Independent)):
-            reinterpreted += fn.reinterpreted_batch_ndims
-            fn = fn.base_dist
-        elif masks and isinstance(fn, dist.MaskedDistribution):
-            fn = fn.base_dist
-        else:
-            return fn, reinterpreted
-
-
-def _compact(t):
-    """Narrow every stride-0 (expanded) dim to size 1: exact, and keeps gradients."""
-    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
-        if stride == 0 and size > 1:
-            t = t.narrow(d, 0, 1)
-    return t
-
-
 def _latent_layout(tokens):
     """Check the latent sites and give each a slice of the stacked noise vector."""
     layout, offset = {}, 0
     for site in tokens.latent_sites():
         name = site["name"]
-        base, _ = _unwrap(site["fn"])
+        base, _ = unwrap(site["fn"])
         if not isinstance(base, (dist.Normal, dist.MultivariateNormal)) or isinstance(
             base, dist.LowRankMultivariateNormal
         ):
@@ -167,7 +142,7 @@ class _AffineLatents(Messenger):
         if msg["is_observed"] or site_is_subsample(msg) or name not in self.layout:
             return
         offset, numel, event_shape = self.layout[name]
-        base, _ = _unwrap(msg["fn"])
+        base, _ = unwrap(msg["fn"])
         eps = self.eps[:, offset : offset + numel]
         if self.lead_dim is None:
             eps = eps.reshape(event_shape)
@@ -176,12 +151,12 @@ class _AffineLatents(Messenger):
         if isinstance(base, dist.MultivariateNormal):
             loc, scale = base.loc, base.scale_tril
             if self.compact:
-                loc, scale = _compact(loc), _compact(scale)
+                loc, scale = compact(loc), compact(scale)
             value = loc + (scale @ eps.unsqueeze(-1)).squeeze(-1)
         else:
             loc, scale = base.loc, base.scale
             if self.compact:
-                loc, scale = _compact(loc), _compact(scale)
+                loc, scale = compact(loc), compact(scale)
             value = loc + scale * eps
         if not self.compact:
             shape = torch.broadcast_shapes(value.shape, msg["fn"].shape())
@@ -203,7 +178,7 @@ def _observation_parts(fn, tokens):
     token-plate dims of ``fn.batch_shape`` flattened into ``D``.
     """
     name = tokens.name
-    base, _ = _unwrap(fn, masks=True)
+    base, _ = unwrap(fn, masks=True)
     # LowRankMultivariateNormal is no subclass of MultivariateNormal: name both
     multivariate = isinstance(base, (dist.MultivariateNormal, dist.LowRankMultivariateNormal))
     if multivariate and tokens.token_dims:
@@ -400,7 +375,7 @@ def _to_rows(t, batch_shape, event_ndim, rows):
     nb = len(batch_shape)
     full = torch.Size((rows,) + tuple(batch_shape)) + event
     t = t.expand(full)
-    c = _compact(t)
+    c = compact(t)
     if all(s == 1 for s in c.shape[1 : 1 + nb]):
         c = c.expand((rows,) + (1,) * nb + event)
         return c.reshape((rows, 1) + event)
@@ -408,7 +383,7 @@ def _to_rows(t, batch_shape, event_ndim, rows):
 
 
 def _rows_equal(t):
-    t = _compact(t)
+    t = compact(t)
     return t.shape[0] == 1 or bool(torch.equal(t, t[:1].expand_as(t)))
 
 

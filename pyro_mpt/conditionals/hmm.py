@@ -41,7 +41,7 @@ import torch
 import pyro.distributions as dist
 
 from .base import ConditionalEngine, EngineNotApplicable
-from .enumerate import base_distribution
+from .distributions import base_distribution
 
 __all__ = ["DiscreteHMMConditionals", "DiscreteHMMState"]
 

@@ -81,7 +81,8 @@ import torch
 from ..guide_checks import check_proposal_density
 from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
 from .base import ConditionalEngine, EngineNotApplicable
-from .encode_decode import _check_factorized, initial_tokens, run_chains
+from .distributions import check_factorized
+from .encode_decode import initial_tokens, run_chains
 from .latent_runs import LatentRunner, callable_key, guide_latents, locate_data_arg, logmeanexp, refuse_missing
 from .quadrature import _Chunk, _chain_partial, _joint_partial, _mask_partial
 
@@ -218,7 +219,7 @@ class ImportanceConditionals(ConditionalEngine):
     # ------------------------------------------------------------------ prepare
     def prepare(self, tokens, model, guide, args, kwargs):
         who = "conditionals='importance'"
-        _check_factorized(tokens, who)
+        check_factorized(tokens.site["fn"], tokens.name, who)
         proposal = self.proposal
         covered = guide is not None and bool(guide_latents(tokens))
         if proposal == "auto":

@@ -54,7 +54,7 @@ from pyro.poutine.util import site_is_subsample
 
 from ..sites import check_local_latent
 from .base import EngineNotApplicable, callable_key
-from .gaussian_marginal import _unwrap
+from .distributions import check_factorized
 
 __all__ = [
     "PARTICLE_PLATE",
@@ -372,17 +372,7 @@ class Decoded:
         return t.reshape(self.rows, n, D)
 
     def _base(self):
-        r = self.runner
-        base, _ = _unwrap(self.obs_fn, masks=True)
-        if len(base.event_shape) > 0:
-            raise EngineNotApplicable(
-                f"{r.who} needs the tokens of observed site {r.tokens.name!r} to be "
-                f"independent given the latents, but its distribution is "
-                f"{type(base).__name__} with event shape {tuple(base.event_shape)}. Write "
-                f"it as independent tokens, e.g. dist.Normal(loc, scale).to_event(1); "
-                f"for a Gaussian marginal use conditionals='gaussian'."
-            )
-        return base
+        return check_factorized(self.obs_fn, self.runner.tokens.name, self.runner.who)
 
     def token_log_prob(self, x):
         """:math:`\\log p(x_d \\mid z)` per token at tokens ``x`` ``(n, D)``: ``(R, n, D)``.

@@ -97,7 +97,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..sites import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
-from .gaussian_marginal import _compact, _unwrap
+from .distributions import check_factorized, compact, take_rows, unwrap
 from .quadrature_rules import (
     MAX_LATENT_DIM,
     RESOLVED_AXIS_ESS,
@@ -133,7 +133,7 @@ def _latent_layout(tokens):
     for site in tokens.latent_sites():
         name = site["name"]
         fn = site["fn"]
-        base, _ = _unwrap(fn)
+        base, _ = unwrap(fn)
         kind_name = type(base).__name__
         try:
             discrete = fn.support.is_discrete
@@ -175,20 +175,6 @@ def _latent_layout(tokens):
     return layout, offset
 
 
-def _check_observation(tokens):
-    fn = tokens.site["fn"]
-    base, _ = _unwrap(fn, masks=True)
-    if len(base.event_shape) > 0:
-        raise NotQuadratureError(
-            f"Observed site {tokens.name!r} is {type(base).__name__} with event shape "
-            f"{tuple(base.event_shape)}: its log-density does not factorize over "
-            f"tokens given the latents, which conditionals='quadrature' needs. Write "
-            f"the tokens as independent given the latents, e.g. "
-            f"dist.Normal(loc, scale).to_event(1) or dist.Categorical(logits=...)"
-            f".to_event(1); for a Gaussian with latents use conditionals='gaussian'."
-        )
-
-
 class _NodeLatents(Messenger):
     """Set each latent site to its values at a batch of nodes ``u`` of shape ``(P, r, K)``."""
 
@@ -213,20 +199,20 @@ class _NodeLatents(Messenger):
             return
         entry = self.layout[name]
         fn = msg["fn"]
-        base, _ = _unwrap(fn)
+        base, _ = unwrap(fn)
         E = len(fn.event_shape)
         P = self.u.shape[0]
         u = self.u[..., entry.offset : entry.offset + entry.numel].reshape(self._shape(fn.event_shape))
         if entry.kind == "normal":
             loc, scale = base.loc, base.scale
             if self.compact:
-                loc, scale = _compact(loc), _compact(scale)
+                loc, scale = compact(loc), compact(scale)
             value = loc + scale * u
             log_pi = -0.5 * (u.pow(2) + _LOG_2PI)
         elif entry.kind == "mvn":
             loc, tril = base.loc, base.scale_tril
             if self.compact:
-                loc, tril = _compact(loc), _compact(tril)
+                loc, tril = compact(loc), compact(tril)
             value = loc + (tril @ u.unsqueeze(-1)).squeeze(-1)
             log_pi = -0.5 * (u.pow(2) + _LOG_2PI)
         else:
@@ -314,7 +300,7 @@ class _ModelRunner:
         trace, handler = self._trace(u, compact)
         site = trace.nodes[tokens.name]
         fn = site["fn"]
-        base, _ = _unwrap(fn, masks=True)
+        base, _ = unwrap(fn, masks=True)
         # missing tokens are evaluated at a filled-in value and then zeroed: they
         # then add nothing to any context, joint or posterior of the table
         value = site["value"] if tokens.observed is None else tokens.site_value
@@ -433,10 +419,6 @@ def _logsumexp(t, dim):
     return torch.where(allneg, torch.full_like(out, -math.inf), out) if bool(allneg.any()) else out
 
 
-def _rows(t, idx):
-    return t if t.shape[0] == 1 else t[idx]
-
-
 def _mask_partial(chunk, ctx):
     """Partial log-sums over one chunk of nodes for context masks ``ctx`` ``(q, r, D)``.
 
@@ -494,7 +476,7 @@ def _chain_partial(chunk, order, max_elements):
             Tp = torch.gather(Ti.unsqueeze(0).expand(pc, nc, Qc, D), -1, idx)
             C = Tp.flip(-1).cumsum(-1).flip(-1)
             C = torch.cat([C, torch.zeros_like(C[..., :1])], -1)
-            C = C + _rows(logw, rows)[None, :, :, None]
+            C = C + take_rows(logw, rows)[None, :, :, None]
             parts.append(_logsumexp(C, 2))  # (pc, nc, D + 1)
         out.append(torch.cat(parts, 1))
     return torch.cat(out, 0)
@@ -610,7 +592,10 @@ class QuadratureConditionals(ConditionalEngine):
                 f"the model of site {tokens.name!r} has K = {K} ({sizes}). Use "
                 f"{_ALTERNATIVES}."
             )
-        _check_observation(tokens)
+        check_factorized(
+            tokens.site["fn"], tokens.name, "conditionals='quadrature'", NotQuadratureError,
+            "for a Gaussian with latents use conditionals='gaussian'",
+        )
         n, D = tokens.num_data, tokens.num_tokens
         dtype = _latent_dtype(tokens)
         device = tokens.value.device

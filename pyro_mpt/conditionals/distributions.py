@@ -1,0 +1,108 @@
+r"""Distribution helpers the engines share.
+
+An engine reads the observed site's per-token log-densities off its *base*
+distribution (the one under ``Independent`` and mask wrappers), keeps
+parameters that all datapoints share at size one, and needs the tokens to be
+independent given the latents, i.e. the observed log-density to factorize,
+
+.. math::
+
+    \log p(x \mid z) = \sum_{d=1}^D \log p(x_d \mid z),
+
+which holds exactly when the base distribution has no event dims.
+"""
+
+import torch
+import pyro.distributions as dist
+
+from .base import EngineNotApplicable
+
+__all__ = ["unwrap", "base_distribution", "compact", "take_rows", "check_factorized"]
+
+
+def unwrap(fn, masks=False):
+    """Strip ``Independent`` wrappers; return the base distribution and the event dims they added.
+
+    :param fn: a distribution.
+    :param bool masks: strip ``MaskedDistribution`` wrappers too (for the
+        observed site, whose mask :func:`~pyro_mpt.sites.trace_tokens` has read
+        into ``tokens.observed``).
+    :returns: ``(base, reinterpreted)``.
+
+    Example::
+
+        >>> unwrap(dist.Normal(torch.zeros(3), 1.0).to_event(1))  # (Normal, 1)
+    """
+    reinterpreted = 0
+    while True:
+        if isinstance(fn, (dist.Independent, torch.distributions.Independent)):
+            reinterpreted += fn.reinterpreted_batch_ndims
+            fn = fn.base_dist
+        elif masks and isinstance(fn, dist.MaskedDistribution):
+            fn = fn.base_dist
+        else:
+            return fn, reinterpreted
+
+
+def base_distribution(fn):
+    """``fn`` without its ``Independent`` and ``MaskedDistribution`` wrappers.
+
+    Example::
+
+        >>> base_distribution(dist.Bernoulli(p).to_event(1).mask(m))  # Bernoulli
+    """
+    return unwrap(fn, masks=True)[0]
+
+
+def compact(t):
+    """Narrow every stride-0 (expanded) dim of size > 1 to size 1.
+
+    Exact (the narrowed dims hold copies) and keeps gradients, so a parameter
+    shared by all datapoints is stored and differentiated once.
+
+    Example::
+
+        >>> compact(torch.zeros(3).expand(5, 3)).shape  # torch.Size([1, 3])
+    """
+    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            t = t.narrow(d, 0, 1)
+    return t
+
+
+def take_rows(t, idx):
+    """Rows ``idx`` of a tensor whose leading dim is ``n``, or ``t`` itself when it is 1 (shared).
+
+    Example::
+
+        >>> take_rows(torch.zeros(1, 4), [0, 2]).shape  # torch.Size([1, 4])
+    """
+    return t if t.shape[0] == 1 else t[idx]
+
+
+def check_factorized(fn, name, who, error=EngineNotApplicable,
+                     instead="for a Gaussian marginal use conditionals='gaussian'"):
+    """Raise ``error`` unless the tokens of ``fn`` are independent given the latents.
+
+    :param fn: the observed site's distribution (wrappers allowed).
+    :param str name: the observed site, for the message.
+    :param str who: the engine, for the message (e.g. ``"conditionals='importance'"``).
+    :param type error: the exception class.
+    :param str instead: what else to do, ending the message.
+    :returns: the base distribution.
+    :raises EngineNotApplicable: (or ``error``) when the base has event dims.
+
+    Example::
+
+        >>> check_factorized(tokens.site["fn"], tokens.name, "conditionals='importance'")
+    """
+    base = base_distribution(fn)
+    if len(base.event_shape) > 0:
+        raise error(
+            f"{who} needs the tokens of observed site {name!r} to be independent given "
+            f"the latents, but its distribution is {type(base).__name__} with event "
+            f"shape {tuple(base.event_shape)}, whose log-density does not factorize over "
+            f"tokens. Write it as independent tokens, e.g. "
+            f"dist.Normal(loc, scale).to_event(1); {instead}."
+        )
+    return base
