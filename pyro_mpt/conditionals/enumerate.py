@@ -44,7 +44,6 @@ import math
 from dataclasses import dataclass, field, replace
 
 import torch
-import pyro.distributions as dist
 from pyro import poutine
 
 from ..sites import check_local_latent
