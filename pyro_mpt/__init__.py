@@ -9,7 +9,7 @@ from .conditionals import ConditionalEngine, GaussianConditionals, QuadratureCon
 from .conditionals import EncodeDecodeConditionals, ImportanceConditionals, NumericalWarning
 from .curve import MPTCurve
 from .evidence import Evidence, EvidenceResult
-from .importance_evidence import ImportanceWeightedELBO
+from .importance_weighted_elbo import ImportanceWeightedELBO
 from .importance_weights import ImportanceSamplingWarning
 from .loss import MaskedPretrainingLoss
 from .masks import AllSizes, Exhaustive, FixedRate, MaskSchedule, PseudoLikelihood, RandomOrders, UniformSizes

@@ -12,7 +12,7 @@ Loss specifications (strings, see :func:`make_loss`):
 
 ========================  ====================================================
 ``"elbo"``                ``pyro.infer.Trace_ELBO()``
-``"iwae[:K]"``            :class:`~pyro_mpt.importance_evidence.ImportanceWeightedELBO`
+``"iwae[:K]"``            :class:`~pyro_mpt.importance_weighted_elbo.ImportanceWeightedELBO`
                           with ``K`` particles (default 8): the IWAE bound with
                           the minibatch scale outside the log-mean-exp
 ``"renyi[:K[:alpha]]"``   Pyro's ``RenyiELBO(alpha, num_particles=K)`` (default
@@ -46,7 +46,7 @@ from pyro.optim import Adam
 from .conditionals import ENGINES, EncodeDecodeConditionals
 from .evidence import Evidence
 from .guide_elbo import WithGuideELBO
-from .importance_evidence import ImportanceWeightedELBO
+from .importance_weighted_elbo import ImportanceWeightedELBO
 from .importance_weights import ImportanceSamplingWarning
 from .loss import MaskedPretrainingLoss
 

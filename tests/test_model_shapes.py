@@ -18,7 +18,7 @@ from pyro.nn import PyroModule, PyroParam, PyroSample
 from pyro_mpt import Evidence, GaussianConditionals, MaskedPretrainingLoss
 from pyro_mpt.conditionals import EncodeDecodeConditionals, EngineNotApplicable, NotLinearGaussianError
 from pyro_mpt.conditionals.base import ConditionalEngine
-from pyro_mpt.importance_evidence import ImportanceWeightedELBO
+from pyro_mpt.importance_weighted_elbo import ImportanceWeightedELBO
 from pyro_mpt.masks import MaskSchedule, RandomOrders
 from pyro_mpt.sites import trace_tokens
 

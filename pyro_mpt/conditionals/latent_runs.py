@@ -2,7 +2,7 @@ r"""Running a Pyro model and its guide at many latent values at once.
 
 The sampling engines (:mod:`~pyro_mpt.conditionals.encode_decode`,
 :mod:`~pyro_mpt.conditionals.importance`) and the importance-sampled evidence
-(:mod:`~pyro_mpt.importance_evidence`) need the same few operations on a
+(:mod:`~pyro_mpt.evidence.importance`) need the same few operations on a
 Pyro model and guide:
 
 * **encode** -- run the guide on (possibly imputed) data and read the latent

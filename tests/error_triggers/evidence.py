@@ -65,7 +65,7 @@ def _():
 
 @trigger("missing-tokens-iwelbo")
 def _():
-    from pyro_mpt.importance_evidence import ImportanceWeightedELBO
+    from pyro_mpt.importance_weighted_elbo import ImportanceWeightedELBO
 
     model, guide = _missing_ppca(_observed())
     ImportanceWeightedELBO(4).loss(model, guide, _x())

@@ -1,5 +1,12 @@
 r"""Evidence estimators: per-datapoint :math:`\log p(x_i)` to compare MPT against.
 
+One module per method, each a function
+``(evidence, tokens, args, kwargs) -> EvidenceResult`` registered in
+:data:`METHODS`; the
+result type lives in the leaf module :mod:`~pyro_mpt.evidence.result`. Imports
+run one way: this package builds on :mod:`pyro_mpt.conditionals`, never the
+reverse.
+
 ``Evidence(model, guide, method=...)`` is called with the model's arguments and
 returns one log-evidence per datapoint, with the observed site's batch shape:
 
@@ -8,79 +15,32 @@ returns one log-evidence per datapoint, with the observed site's batch shape:
   :func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal`); the sum
   over the joint support for models whose latents are all discrete (see
   :mod:`~pyro_mpt.conditionals.enumerate`); the forward algorithm for an
-  observed ``DiscreteHMM`` (see :mod:`~pyro_mpt.conditionals.hmm`).
+  observed ``DiscreteHMM`` (see :mod:`~pyro_mpt.conditionals.hmm`) --
+  :func:`~pyro_mpt.evidence.exact.exact_evidence`.
 * ``"quadrature"`` -- tensor-grid (optionally adaptive) Gauss–Hermite
   integration over low-dimensional latents of any factorized-likelihood model,
   with an error estimate from a second, coarser rule (see
-  :func:`~pyro_mpt.conditionals.quadrature.quadrature_evidence`).
+  :func:`~pyro_mpt.evidence.quadrature.quadrature_evidence`).
 * ``"importance"`` -- importance sampling with the guide (or the prior) as
   proposal, for any model with latents local to each datapoint, with standard
   errors and PSIS :math:`\hat k` diagnostics (see
-  :func:`~pyro_mpt.importance_evidence.importance_evidence`).
+  :func:`~pyro_mpt.evidence.importance.importance_evidence`).
 
-Each method is a function ``(evidence, tokens, args, kwargs) -> EvidenceResult``
-registered in :data:`METHODS`; :meth:`Evidence.estimate` returns the full result
-(standard errors, diagnostics) and calling the object returns the values.
+:meth:`Evidence.estimate` returns the full result (standard errors,
+diagnostics) and calling the object returns the values.
 """
 
-from dataclasses import dataclass, field
-
-import torch
-
-from .conditionals import DiscreteHMMConditionals, EnumerateConditionals, GaussianConditionals
-from .conditionals.base import EngineNotApplicable
-from .conditionals.quadrature import quadrature_evidence
-from .guide_checks import check_guide_sites
-from .importance_evidence import importance_evidence
-from .sites import trace_tokens
+from ..guide_checks import check_guide_sites
+from ..sites import trace_tokens
+from .exact import exact_evidence
+from .importance import importance_evidence
+from .quadrature import quadrature_evidence
+from .result import EvidenceResult
 
 __all__ = ["Evidence", "EvidenceResult", "METHODS"]
 
-
-@dataclass
-class EvidenceResult:
-    """Per-datapoint log-evidence with its uncertainty.
-
-    :param torch.Tensor log_evidence: :math:`\\log p(x_i)`, the site's batch shape.
-    :param torch.Tensor stderr: standard error per datapoint (zeros when exact).
-    :param dict diagnostics: method-specific diagnostics.
-    """
-
-    log_evidence: torch.Tensor
-    stderr: torch.Tensor
-    diagnostics: dict = field(default_factory=dict)
-
-    def total(self):
-        """:math:`\\sum_i \\log p(x_i)` as a float."""
-        return float(self.log_evidence.sum())
-
-
-def _exact(evidence, tokens, args, kwargs):
-    options = dict(evidence.options)
-    # Evidence's own ``method`` names the estimator, so the Gaussian path comes as ``path``
-    engine = GaussianConditionals(options.pop("path", "auto"), **options)
-    try:
-        state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
-    except EngineNotApplicable as e:
-        # exact sums over discrete latents (a finite mixture, or an HMM's chain)
-        for other in (EnumerateConditionals(), DiscreteHMMConditionals()):
-            try:
-                engine, state = other, other.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
-                break
-            except EngineNotApplicable:
-                pass
-        else:
-            raise type(e)(
-                f"Evidence(method='exact') needs a model with a Gaussian marginal, discrete "
-                f"latents only, or a DiscreteHMM observation. {e}"
-            ) from e
-    # with missing tokens, the density of each datapoint's observed sub-vector
-    value = engine.log_evidence(state, tokens.value, tokens.observed)
-    return EvidenceResult(value, torch.zeros_like(value.detach()))
-
-
-#: evidence methods by name
-METHODS = {"exact": _exact, "quadrature": quadrature_evidence, "importance": importance_evidence}
+#: evidence methods by name, each ``(evidence, tokens, args, kwargs) -> EvidenceResult``
+METHODS = {"exact": exact_evidence, "quadrature": quadrature_evidence, "importance": importance_evidence}
 
 
 class Evidence:
@@ -89,7 +49,8 @@ class Evidence:
     :param callable model: a Pyro model with one observed site (or ``obs_site``).
     :param callable guide: a guide (proposal for sampling methods), or None.
     :param str method: ``"exact"``, ``"quadrature"`` (see
-        :func:`~pyro_mpt.conditionals.quadrature.quadrature_evidence`) or ``"importance"``.
+        :func:`~pyro_mpt.evidence.quadrature.quadrature_evidence`) or ``"importance"``
+        (see :func:`~pyro_mpt.evidence.importance.importance_evidence`).
     :param str obs_site: the observed site holding the tokens.
     :param str extra_sites: every method returns :math:`\log p(x_i)` of the
         token site alone, leaving out other observed sites (integrated out:
@@ -103,6 +64,10 @@ class Evidence:
         ``"lowrank"`` or ``"dense"``, the ``method`` of
         :class:`~pyro_mpt.conditionals.GaussianConditionals` --, ``jitter``,
         ``max_jitter``, ``vectorize``).
+    :ivar dict engines: the conditional engines a method built, by method and
+        option set. Later calls reuse them, so adaptive quadrature warm-starts
+        its search from the previous call's centres (the same value to the
+        Newton tolerance); ``engines.clear()`` forgets them.
 
     Example::
 
@@ -133,6 +98,7 @@ class Evidence:
         self.token_plates = token_plates
         self.max_plate_nesting = max_plate_nesting
         self.options = options
+        self.engines = {}
 
     def estimate(self, *args, **kwargs):
         """Run the estimator and return the full :class:`EvidenceResult`."""

@@ -1,4 +1,4 @@
-r"""Importance-sampled evidence :math:`\log p(x_i)` with PSIS diagnostics, and a correct IWAE loss.
+r"""``Evidence(method="importance")``: importance-sampled :math:`\log p(x_i)` with PSIS diagnostics.
 
 For a model with latents local to each datapoint and a proposal
 :math:`r(z \mid x_i)` (the guide, or the prior when there is none),
@@ -47,21 +47,14 @@ The proposal must have a density over the model's latents: a point mass (an
 import math
 
 import torch
-from pyro.infer.elbo import ELBO
-from pyro.infer.util import torch_item
-from pyro.util import warn_if_nan
 
-from .conditionals.base import EngineNotApplicable
-from .conditionals.latent_runs import LatentRunner, logmeanexp, refuse_missing
-from .guide_checks import check_guide_sites, check_proposal_density
-from .importance_weights import effective_sample_size, psis_khat, warn_poor_weights
-from .sites import trace_tokens
+from ..conditionals.base import EngineNotApplicable
+from ..conditionals.latent_runs import LatentRunner, logmeanexp, refuse_missing
+from ..guide_checks import check_proposal_density
+from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
+from .result import EvidenceResult
 
-__all__ = [
-    "importance_log_weights",
-    "importance_evidence",
-    "ImportanceWeightedELBO",
-]
+__all__ = ["importance_log_weights", "importance_evidence"]
 
 
 def importance_log_weights(
@@ -127,8 +120,6 @@ def importance_evidence(evidence, tokens, args, kwargs):
         >>> res = Evidence(vae.model, vae.guide, method="importance", num_samples=500).estimate(x)
         >>> res.log_evidence.mean(), res.stderr.pow(2).mean().sqrt(), res.diagnostics["khat"].max()
     """
-    from .evidence import EvidenceResult
-
     options = dict(evidence.options)
     num_samples = options.pop("num_samples", 1000)
     chunk_size = options.pop("chunk_size", None)
@@ -188,75 +179,3 @@ def importance_evidence(evidence, tokens, args, kwargs):
         "proposal": "prior" if guide is None else "guide",
     }
     return EvidenceResult(value, stderr, diagnostics)
-
-
-class ImportanceWeightedELBO(ELBO):
-    r"""The importance-weighted bound (IWAE) with the minibatch scale outside the log-mean-exp.
-
-    .. math::
-
-        \mathcal L = -\sum_i s_i \log \frac1K \sum_{k=1}^K
-            \frac{p(x_i, z_{ik})}{q(z_{ik} \mid x_i)},
-
-    with :math:`s_i` the datapoint's plate scale (``N / B`` for a subsampled
-    plate). Pyro 1.9's ``RenyiELBO(alpha=0)`` computes the same bound for
-    :math:`s_i = 1` but puts :math:`s_i` inside the log-sum-exp; this class is
-    correct under subsampling and offers ``differentiable_loss``. The guide's
-    sites must be reparameterizable (``has_rsample``) for unbiased gradients.
-    Latents must be local to each datapoint.
-
-    :param int num_particles: :math:`K`.
-    :param str obs_site: the observed site (when the model observes several).
-    :param tuple token_plates: the observed site's plates over tokens (see
-        :class:`~pyro_mpt.MaskedPretrainingLoss`); None detects them.
-    :param int max_plate_nesting: plate dims of the model (guessed when inf).
-    :param int chunk_size: particles per vectorized run (default: all).
-
-    Example::
-
-        >>> svi = SVI(vae.model, vae.guide, Adam({"lr": 1e-3}), ImportanceWeightedELBO(num_particles=8))
-    """
-
-    def __init__(
-        self, num_particles=8, *, obs_site=None, token_plates=None, max_plate_nesting=float("inf"), chunk_size=None
-    ):
-        super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting)
-        self.obs_site = obs_site
-        self.token_plates = token_plates
-        self.chunk_size = chunk_size
-
-    def _tokens(self, model, guide, args, kwargs):
-        mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
-        tokens = trace_tokens(model, guide, args, kwargs, self.obs_site, mpn, self.token_plates)
-        check_guide_sites(tokens)
-        return tokens
-
-    def _get_trace(self, model, guide, args, kwargs):
-        tokens = self._tokens(model, guide, args, kwargs)
-        return tokens.model_trace, tokens.guide_trace
-
-    def differentiable_loss(self, model, guide, *args, **kwargs):
-        """:math:`-\\sum_i s_i \\log\\hat p_K(x_i)`, a differentiable scalar."""
-        tokens = self._tokens(model, guide, args, kwargs)
-        K = self.num_particles
-        lw = importance_log_weights(
-            tokens, model, guide, args, kwargs, K, self.chunk_size or K, who="ImportanceWeightedELBO",
-            instead="MaskedPretrainingLoss, which leaves missing tokens out exactly",
-            density_instead="a guide with a density over the latents (e.g. AutoNormal); for MAP "
-            "estimation with AutoDelta use Trace_ELBO",
-        )
-        loss = -(tokens.scale * logmeanexp(lw, 0)).sum()
-        warn_if_nan(loss, "loss")
-        return loss
-
-    def loss(self, model, guide, *args, **kwargs):
-        """The loss as a float, without gradients."""
-        with torch.no_grad():
-            return torch_item(self.differentiable_loss(model, guide, *args, **kwargs))
-
-    def loss_and_grads(self, model, guide, *args, **kwargs):
-        """The loss as a float; also back-propagates it into the parameters."""
-        loss = self.differentiable_loss(model, guide, *args, **kwargs)
-        if loss.requires_grad:
-            loss.backward(retain_graph=self.retain_graph)
-        return torch_item(loss)

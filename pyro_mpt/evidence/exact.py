@@ -1,0 +1,60 @@
+r"""``Evidence(method="exact")``: :math:`\log p(x_i)` in closed form or by exact summation.
+
+* models with a Gaussian marginal: :math:`\log\mathcal N(x_i; \mu, \Sigma)`
+  (see :func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal`);
+* models whose latents are all discrete: the sum over the joint support (see
+  :mod:`~pyro_mpt.conditionals.enumerate`);
+* an observed ``DiscreteHMM``: the forward algorithm (see
+  :mod:`~pyro_mpt.conditionals.hmm`).
+
+With missing tokens each value is the density of the datapoint's observed
+sub-vector.
+"""
+
+import torch
+
+from ..conditionals import DiscreteHMMConditionals, EnumerateConditionals, GaussianConditionals
+from ..conditionals.base import EngineNotApplicable
+from .result import EvidenceResult
+
+__all__ = ["exact_evidence"]
+
+
+def exact_evidence(evidence, tokens, args, kwargs):
+    r"""``Evidence(method="exact")``: exact :math:`\log p(x_i)`, ``stderr`` zero.
+
+    Options (``Evidence(..., **options)``): ``path`` -- ``"auto"``,
+    ``"lowrank"`` or ``"dense"``, the ``method`` of
+    :class:`~pyro_mpt.conditionals.GaussianConditionals` (``Evidence``'s own
+    ``method`` names the estimator) --, ``jitter``, ``max_jitter``, ``vectorize``.
+
+    :param ~pyro_mpt.evidence.Evidence evidence: the estimator (model, guide, options).
+    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :returns: :class:`~pyro_mpt.evidence.EvidenceResult` with values of
+        shape ``(n,)``.
+    :raises EngineNotApplicable: when the model has no Gaussian marginal, has
+        a continuous latent outside a Gaussian marginal and no ``DiscreteHMM``.
+
+    Example::
+
+        >>> Evidence(ppca, method="exact", path="dense").estimate(x).log_evidence   # (N,)
+    """
+    options = dict(evidence.options)
+    engine = GaussianConditionals(options.pop("path", "auto"), **options)
+    try:
+        state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
+    except EngineNotApplicable as e:
+        # exact sums over discrete latents (a finite mixture, or an HMM's chain)
+        for other in (EnumerateConditionals(), DiscreteHMMConditionals()):
+            try:
+                engine, state = other, other.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
+                break
+            except EngineNotApplicable:
+                pass
+        else:
+            raise type(e)(
+                f"Evidence(method='exact') needs a model with a Gaussian marginal, discrete "
+                f"latents only, or a DiscreteHMM observation. {e}"
+            ) from e
+    value = engine.log_evidence(state, tokens.value, tokens.observed)
+    return EvidenceResult(value, torch.zeros_like(value.detach()))
