@@ -149,7 +149,7 @@ class CommandHelp(SphinxDirective):
     optional_arguments = 1
 
     def run(self):
-        from pyro_mpt.cli import build_parser
+        from pyro_mpt.experiments.cli import build_parser
 
         old = os.environ.get("COLUMNS")
         os.environ["COLUMNS"] = "88"  # argparse wraps at the terminal width

@@ -1,6 +1,6 @@
 """Deep VAE trained with masked pre-training vs the ELBO (paper Fig. 3, bottom row).
 
-A VAE with MLP encoder and decoder (``pyro_mpt.vae.DeepVAE``) is trained on
+A VAE with MLP encoder and decoder (``pyro_mpt.experiments.vae.DeepVAE``) is trained on
 binarized ``load_digits`` (Bernoulli pixels, D = 64) by
 
 * MPT with a fixed 33 % mask (the paper's setting) -- masked conditionals by
@@ -31,9 +31,9 @@ import sys
 
 import torch
 
-from pyro_mpt.compare import compare
-from pyro_mpt.datasets import load_dataset
-from pyro_mpt.vae import DeepVAE
+from pyro_mpt.experiments.compare import compare
+from pyro_mpt.experiments.datasets import load_dataset
+from pyro_mpt.experiments.vae import DeepVAE
 
 LABELS = {"mpt:0.33": "MPT (33% masks)", "mpt:uniform": "MPT (uniform sizes)", "elbo": "ELBO (VI)"}
 COLORS = {"mpt:0.33": "tab:red", "mpt:uniform": "tab:orange", "elbo": "tab:blue"}
@@ -116,7 +116,7 @@ def plot(result, path, title):
 
 
 def main(argv=None):
-    """Run the experiment; returns the :class:`~pyro_mpt.compare.Comparison`."""
+    """Run the experiment; returns the :class:`~pyro_mpt.experiments.compare.Comparison`."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
     train, test = load_dataset(

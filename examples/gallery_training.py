@@ -117,7 +117,7 @@ def linear_vae_markdown(results):
 
 
 def deep_vae_markdown(result, args):
-    """The Fig. 3 (bottom) part of RESULTS.md from the :class:`~pyro_mpt.compare.Comparison` of ``deep_vae.main``."""
+    """The Fig. 3 (bottom) part of RESULTS.md from the :class:`~pyro_mpt.experiments.compare.Comparison` of ``deep_vae.main``."""
     s = result.settings
     md = [f"Fig. 3 (bottom), deep VAE (`examples/deep_vae.py`): {args['dataset']} ({args['likelihood']} likelihood), "
           f"MPT encoder trained by {args['mpt_encoder'].upper()}, {s['num_train']} training / {s['num_test']} held-out images, K={args['latent_dim']}, {s['epochs']} epochs, "

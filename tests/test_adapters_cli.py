@@ -13,7 +13,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from pyro_mpt.cli import main, run  # noqa: E402
+from pyro_mpt.experiments.cli import main, run  # noqa: E402
 
 from models import ROOT, TINY_VOCAB, tiny_bert, tiny_vit_mae  # noqa: E402
 

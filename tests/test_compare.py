@@ -7,12 +7,12 @@ import pytest
 from pyro.infer import RenyiELBO, Trace_ELBO
 
 from pyro_mpt import EncodeDecodeConditionals, ImportanceConditionals, ImportanceWeightedELBO, MaskedPretrainingLoss
-from pyro_mpt.cli import main as cli_main, run as cli_run
-from pyro_mpt.compare import compare, make_loss
-from pyro_mpt.datasets import load_dataset
+from pyro_mpt.experiments.cli import main as cli_main, run as cli_run
+from pyro_mpt.experiments.compare import compare, make_loss
+from pyro_mpt.experiments.datasets import load_dataset
 from pyro_mpt.guide_elbo import WithGuideELBO
 from pyro_mpt.masks import FixedRate, UniformSizes
-from pyro_mpt.vae import DeepVAE
+from pyro_mpt.experiments.vae import DeepVAE
 
 from models import exact_posterior_guide, load_script, make_ppca
 

@@ -11,7 +11,7 @@ from pyro_mpt import EncodeDecodeConditionals, MaskedPretrainingLoss
 from pyro_mpt.conditionals import EngineNotApplicable, GaussianConditionals
 from pyro_mpt.guide_elbo import WithGuideELBO
 from pyro_mpt.sites import trace_tokens
-from pyro_mpt.vae import DeepVAE
+from pyro_mpt.experiments.vae import DeepVAE
 
 from models import exact_posterior_guide, make_ppca
 

@@ -17,10 +17,10 @@ import pytest
 import pyro
 
 import pyro_mpt
-import pyro_mpt.compare
-import pyro_mpt.datasets
+import pyro_mpt.experiments.compare
+import pyro_mpt.experiments.datasets
 import pyro_mpt.masks
-import pyro_mpt.vae
+import pyro_mpt.experiments.vae
 
 
 from error_triggers import TRIGGERS

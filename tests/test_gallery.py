@@ -346,7 +346,7 @@ def test_gallery_training_runs_the_examples(tmp_path, monkeypatch):
     """The examples themselves are tested elsewhere; here stand-ins record the calls."""
     from PIL import Image
 
-    from pyro_mpt.compare import Comparison, RunResult
+    from pyro_mpt.experiments.compare import Comparison, RunResult
 
     calls = {}
 

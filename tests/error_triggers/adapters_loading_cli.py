@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 import pyro_mpt
-import pyro_mpt.compare
-import pyro_mpt.datasets
+import pyro_mpt.experiments.compare
+import pyro_mpt.experiments.datasets
 import pyro_mpt.masks
-import pyro_mpt.vae
+import pyro_mpt.experiments.vae
 
 
 from error_triggers.registry import trigger
@@ -169,7 +169,7 @@ def _():
 def _cli(argv):
     """Run ``pyro-mpt argv``; turn its exit (status 2, message on stderr) into SystemExit(message)."""
     pytest.importorskip("transformers")
-    from pyro_mpt.cli import main
+    from pyro_mpt.experiments.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -214,10 +214,10 @@ def _():
 
 @trigger("cli-compare-failed")
 def _():
-    from pyro_mpt.cli import main
+    from pyro_mpt.experiments.cli import main
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(pyro_mpt.compare, "heldout_evidence", lambda *a, **k: 1 / 0)  # fails after training
+    mp.setattr(pyro_mpt.experiments.compare, "heldout_evidence", lambda *a, **k: 1 / 0)  # fails after training
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

@@ -5,10 +5,10 @@ import pyro
 import pyro.distributions as dist
 
 import pyro_mpt
-import pyro_mpt.compare
-import pyro_mpt.datasets
+import pyro_mpt.experiments.compare
+import pyro_mpt.experiments.datasets
 import pyro_mpt.masks
-import pyro_mpt.vae
+import pyro_mpt.experiments.vae
 from pyro_mpt import MaskedPretrainingLoss
 
 

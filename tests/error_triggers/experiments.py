@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import pyro_mpt
-import pyro_mpt.compare
-import pyro_mpt.datasets
+import pyro_mpt.experiments.compare
+import pyro_mpt.experiments.datasets
 import pyro_mpt.masks
-import pyro_mpt.vae
+import pyro_mpt.experiments.vae
 from pyro_mpt import MPTCurve
 
 
@@ -25,32 +25,32 @@ def _():
 
 @trigger("compare-spec-number")
 def _():
-    pyro_mpt.compare.make_loss("iwae:eight")
+    pyro_mpt.experiments.compare.make_loss("iwae:eight")
 
 
 @trigger("compare-spec-type")
 def _():
-    pyro_mpt.compare.make_loss(3)
+    pyro_mpt.experiments.compare.make_loss(3)
 
 
 @trigger("compare-mpt-encoder")
 def _():
-    pyro_mpt.compare.make_loss("elbo", mpt_encoder="guide")
+    pyro_mpt.experiments.compare.make_loss("elbo", mpt_encoder="guide")
 
 
 @trigger("compare-spec-conditionals")
 def _():
-    pyro_mpt.compare.make_loss("mpt:0.3:exact")
+    pyro_mpt.experiments.compare.make_loss("mpt:0.3:exact")
 
 
 @trigger("compare-spec-unknown")
 def _():
-    pyro_mpt.compare.make_loss("kl")
+    pyro_mpt.experiments.compare.make_loss("kl")
 
 
 @trigger("compare-unknown-loss-name")
 def _():
-    pyro_mpt.compare.Comparison([pyro_mpt.compare.RunResult("elbo")])["iwae"]
+    pyro_mpt.experiments.compare.Comparison([pyro_mpt.experiments.compare.RunResult("elbo")])["iwae"]
 
 
 @trigger("compare-loss-diverged")
@@ -61,8 +61,8 @@ def _():
         def loss_and_grads(self, model, guide, *args, **kwargs):
             return math.nan
 
-    vae = pyro_mpt.vae.DeepVAE(3, 1, (4,))
-    result = pyro_mpt.compare.compare(
+    vae = pyro_mpt.experiments.vae.DeepVAE(3, 1, (4,))
+    result = pyro_mpt.experiments.compare.compare(
         lambda: vae, torch.ones(4, 3), torch.ones(2, 3), {"nan": NaNLoss()}, epochs=1, eval_samples=2
     )
     # compare records the failure as "TypeName: message" instead of raising it:
@@ -73,31 +73,31 @@ def _():
 
 @trigger("vae-likelihood")
 def _():
-    pyro_mpt.vae.DeepVAE(3, likelihood="poisson")
+    pyro_mpt.experiments.vae.DeepVAE(3, likelihood="poisson")
 
 
 @trigger("datasets-n-test")
 def _():
     pytest.importorskip("sklearn")
-    pyro_mpt.datasets.load_dataset("digits", n_test=5000)
+    pyro_mpt.experiments.datasets.load_dataset("digits", n_test=5000)
 
 
 @trigger("datasets-unknown")
 def _():
-    pyro_mpt.datasets.load_dataset("cifar")
+    pyro_mpt.experiments.datasets.load_dataset("cifar")
 
 
 @trigger("datasets-needs-sklearn")
 def _():
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "sklearn.datasets", None)
-        pyro_mpt.datasets.load_dataset("digits")
+        pyro_mpt.experiments.datasets.load_dataset("digits")
 
 
 @trigger("datasets-needs-torchvision")
 def _():
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "torchvision", None)
-        pyro_mpt.datasets.load_dataset("mnist")
+        pyro_mpt.experiments.datasets.load_dataset("mnist")
 
 

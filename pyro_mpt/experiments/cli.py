@@ -4,12 +4,12 @@ Subcommands register themselves in :data:`SUBCOMMANDS` as
 ``name -> (add_arguments(parser), run(args), help)``; :func:`main` builds one
 ``argparse`` subparser per entry, so new subcommands are one function pair and
 one registry line (other modules add theirs through a ``register(SUBCOMMANDS)``
-hook, see :func:`pyro_mpt.adapters.cli.register`).
+hook, see :func:`pyro_mpt.experiments.curve_cli.register`).
 
-``pyro-mpt compare`` trains a deep VAE (:class:`~pyro_mpt.vae.DeepVAE`) on a
+``pyro-mpt compare`` trains a deep VAE (:class:`~pyro_mpt.experiments.vae.DeepVAE`) on a
 small image dataset with several losses for the same budget and prints the
 held-out log-likelihoods with standard errors and wall times
-(:func:`~pyro_mpt.compare.compare`)::
+(:func:`~pyro_mpt.experiments.compare.compare`)::
 
     pyro-mpt compare --dataset digits --losses mpt:0.33 mpt:uniform elbo iwae:8 renyi:8 --epochs 30
 """
@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from .adapters.cli import positive_int
+from .curve_cli import positive_int
 
 __all__ = ["main", "run", "build_parser", "SUBCOMMANDS"]
 
@@ -106,10 +106,10 @@ SUBCOMMANDS = {
     "compare": (_add_compare_arguments, _run_compare, "train a deep VAE with several losses (MPT, ELBO, IWAE) and compare held-out evidence"),
 }
 
-# mlm-curve and mae-curve (HuggingFace masked LMs and ViT-MAE) live in pyro_mpt.adapters.cli
-from .adapters.cli import register as _register_adapters  # noqa: E402
+# mlm-curve and mae-curve (HuggingFace masked LMs and ViT-MAE) live in curve_cli
+from .curve_cli import register as _register_curves  # noqa: E402
 
-_register_adapters(SUBCOMMANDS)
+_register_curves(SUBCOMMANDS)
 
 
 def build_parser():
@@ -127,7 +127,7 @@ def build_parser():
 def run(argv=None):
     """Parse ``argv`` and run its subcommand; returns the subcommand's result
     (the JSON payload of ``mlm-curve`` / ``mae-curve``, the
-    :class:`~pyro_mpt.compare.Comparison` of ``compare``).
+    :class:`~pyro_mpt.experiments.compare.Comparison` of ``compare``).
 
     Usage errors -- bad arguments, unreadable inputs, a model or dataset that
     cannot be reached -- print one line on stderr and raise ``SystemExit(2)``

@@ -43,12 +43,12 @@ from pyro.infer import SVI, RenyiELBO, Trace_ELBO
 from pyro.infer.elbo import ELBO
 from pyro.optim import Adam
 
-from .conditionals import ENGINES, EncodeDecodeConditionals
-from .evidence import Evidence
-from .guide_elbo import WithGuideELBO
-from .importance_weighted_elbo import ImportanceWeightedELBO
-from .importance_weights import ImportanceSamplingWarning
-from .loss import MaskedPretrainingLoss
+from ..conditionals import ENGINES, EncodeDecodeConditionals
+from ..evidence import Evidence
+from ..guide_elbo import WithGuideELBO
+from ..importance_weighted_elbo import ImportanceWeightedELBO
+from ..importance_weights import ImportanceSamplingWarning
+from ..loss import MaskedPretrainingLoss
 
 __all__ = ["compare", "make_loss", "RunResult", "Comparison"]
 
@@ -258,7 +258,7 @@ def compare(
     :param callable make_model: called with no arguments after
         ``pyro.clear_param_store(); pyro.set_rng_seed(seed)``; returns
         ``(model, guide)`` or an object with ``model`` and ``guide`` methods
-        (e.g. :class:`~pyro_mpt.vae.DeepVAE`). Model and guide take one
+        (e.g. :class:`~pyro_mpt.experiments.vae.DeepVAE`). Model and guide take one
         minibatch tensor ``(B, D)`` and plate over ``x.shape[0]``.
     :param torch.Tensor train: training data ``(N, D)``.
     :param torch.Tensor test: held-out data ``(N', D)``.

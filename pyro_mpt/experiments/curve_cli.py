@@ -1,15 +1,15 @@
 """``pyro-mpt mlm-curve`` and ``pyro-mpt mae-curve``: MPT curves from the command line.
 
-:func:`register` adds both subcommands to :data:`pyro_mpt.cli.SUBCOMMANDS`.
+:func:`register` adds both subcommands to :data:`pyro_mpt.experiments.cli.SUBCOMMANDS`.
 Each writes a JSON file (rates, curve, standard errors, areas, per-item
 scores, settings) and a PNG plot. A model or dataset that cannot be reached
 fails at once with what was tried and how to use a local copy (exit code 2).
 Arguments and the input data are checked before the model is loaded; every
-usage error is one line on stderr and exit status 2 (see :func:`pyro_mpt.cli.main`).
+usage error is one line on stderr and exit status 2 (see :func:`pyro_mpt.experiments.cli.main`).
 
 Data-parallel runs shard the items across processes and gather the results::
 
-    accelerate launch --num_processes 4 -m pyro_mpt.cli mlm-curve bert-base-uncased \\
+    accelerate launch --num_processes 4 -m pyro_mpt.experiments.cli mlm-curve bert-base-uncased \\
         --dataset glue --dataset-config cola --split validation --column sentence --distributed
 """
 
@@ -137,7 +137,7 @@ def _fail(err):
 def _setup(args):
     import torch
 
-    from .batching import resolve_accelerator
+    from ..adapters.batching import resolve_accelerator
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,8 +172,8 @@ def _write(args, command, payload, draw, acc):
 
 
 def _run_mlm(args):
-    from .loading import ResourceUnavailable, load_masked_lm, load_texts
-    from .rates import PAPER_MLM_RATES, parse_rates, table2_area
+    from ..adapters.loading import ResourceUnavailable, load_masked_lm, load_texts
+    from ..adapters.rates import PAPER_MLM_RATES, parse_rates, table2_area
 
     t0 = time.perf_counter()
     # arguments and data first: a usage error must not wait for (or hide behind) the model
@@ -191,7 +191,7 @@ def _run_mlm(args):
     except (ResourceUnavailable, ValueError) as err:
         _fail(err)
     acc, device = _setup(args)
-    from .masked_lm import MaskedLMScorer
+    from ..adapters.masked_lm import MaskedLMScorer
 
     label = args.label or (os.path.basename(os.path.normpath(args.model)) + (" (random init)" if args.random_init else ""))
     scorer = MaskedLMScorer(model, tok, max_tokens=args.max_tokens, device=None if acc else device, bf16=args.bf16,
@@ -238,8 +238,8 @@ def _run_mlm(args):
 
 
 def _run_mae(args):
-    from .loading import ResourceUnavailable, load_images, load_vit_mae
-    from .rates import parse_rates
+    from ..adapters.loading import ResourceUnavailable, load_images, load_vit_mae
+    from ..adapters.rates import parse_rates
 
     t0 = time.perf_counter()
     sigma2 = args.sigma2
@@ -255,7 +255,7 @@ def _run_mae(args):
     except (ResourceUnavailable, ValueError) as err:
         _fail(err)
     acc, device = _setup(args)
-    from .vit_mae import MAEScorer
+    from ..adapters.vit_mae import MAEScorer
 
     label = args.label or (os.path.basename(os.path.normpath(args.model)) + (" (random init)" if args.random_init else ""))
     scorer = MAEScorer(model, proc, batch_size=args.batch_size, sigma2=sigma2, device=None if acc else device,
@@ -303,7 +303,7 @@ def _run_mae(args):
     return out
 
 
-#: subcommand name -> (add_arguments, run, help), the format of pyro_mpt.cli.SUBCOMMANDS
+#: subcommand name -> (add_arguments, run, help), the format of pyro_mpt.experiments.cli.SUBCOMMANDS
 SUBCOMMANDS = {
     "mlm-curve": (_add_mlm_arguments, _run_mlm,
                   "MPT curve (mean masked-token log-prob per masking rate) of a HuggingFace masked LM"),
