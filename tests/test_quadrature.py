@@ -443,7 +443,7 @@ def test_evidence_is_differentiable(float64):
 def test_mask_sums_stay_exact_when_the_matrix_product_underflows(float64):
     """The exp-space product underflows when a target is very unlikely under the
     context's posterior; those entries are recomputed in log space."""
-    from pyro_mpt.conditionals.quadrature import _Chunk, _mask_partial
+    from pyro_mpt.conditionals.mixture import MixtureChunk
 
     g = torch.Generator().manual_seed(12)
     n, Q, D, q = 3, 5, 4, 6
@@ -455,7 +455,7 @@ def test_mask_sums_stay_exact_when_the_matrix_product_underflows(float64):
     ctx = (torch.rand(q, n, D, generator=g) < 0.6).double()
     ctx[:, :, 0] = 0.0
     ctx[:, :, 1] = 1.0
-    num, den = _mask_partial(_Chunk(logw, T), ctx)
+    num, den = MixtureChunk(logw, T).mask_partials(ctx)
     base = logw[:, None, :] + torch.einsum("qnd,nkd->nqk", ctx, T)  # (n, q, Q)
     num_ref = torch.logsumexp(base[..., None] + T[:, None], 2).transpose(0, 1)
     den_ref = torch.logsumexp(base, -1).T

@@ -46,7 +46,8 @@ from .encode_decode import EncodeDecodeConditionals, EncodeDecodeState
 from .importance import ImportanceConditionals, ImportanceState
 from .enumerate import EnumerateConditionals, EnumerateState
 from .hmm import DiscreteHMMConditionals, DiscreteHMMState
-from .mixture import GaussianMixtureTable, MixtureTable
+from .gaussian_mixture import GaussianMixtureTable
+from .mixture import MixtureTable
 
 __all__ = [
     "ConditionalEngine",

@@ -29,7 +29,7 @@ factorize. The engine then conditions the model on each joint value of the
 discrete latents, derives that component's Gaussian marginal with
 :func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal` (one call per
 support point), and reduces the Gaussian mixture with
-:class:`~pyro_mpt.conditionals.mixture.GaussianMixtureTable`. The discrete
+:class:`~pyro_mpt.conditionals.gaussian_mixture.GaussianMixtureTable`. The discrete
 latents must be sampled before the Normal ones (so that their prior cannot
 depend on them).
 
@@ -50,7 +50,8 @@ from ..sites import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_factorized
 from .gaussian_marginal import gaussian_marginal
-from .mixture import GaussianMixtureTable, MixtureTable
+from .gaussian_mixture import GaussianMixtureTable
+from .mixture import MixtureTable
 
 __all__ = ["EnumerateConditionals", "EnumerateState"]
 
@@ -67,7 +68,7 @@ class EnumerateState:
 
     :param mixture: the :class:`~pyro_mpt.conditionals.mixture.MixtureTable`
         (weights :math:`\\log p(z)` ``(K, n)``, table ``(K, n, D)``), or a
-        :class:`~pyro_mpt.conditionals.mixture.GaussianMixtureTable` when the
+        :class:`~pyro_mpt.conditionals.gaussian_mixture.GaussianMixtureTable` when the
         model has Normal latents besides the discrete ones.
     :param dict support: support size of each latent site, in enumeration order.
     """
@@ -227,7 +228,7 @@ class EnumerateConditionals(ConditionalEngine):
 
     def _gaussian_components(self, tokens, model, args, kwargs, trace, dims, enum_shape, continuous, log_w):
         """The Gaussian marginal of each joint value of the discrete latents, as a
-        :class:`~pyro_mpt.conditionals.mixture.GaussianMixtureTable`."""
+        :class:`~pyro_mpt.conditionals.gaussian_mixture.GaussianMixtureTable`."""
         mpn = tokens.max_plate_nesting
         # the support values of each discrete site, in its own layout (enum dim first)
         support = {}

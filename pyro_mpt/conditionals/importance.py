@@ -84,7 +84,7 @@ from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import check_factorized
 from .encode_decode import initial_tokens, run_chains
 from .latent_runs import LatentRunner, callable_key, guide_latents, locate_data_arg, logmeanexp, refuse_missing
-from .quadrature import _Chunk, _chain_partial, _joint_partial, _mask_partial
+from .mixture import MixtureChunk, chain_terms, normalize_empty
 
 __all__ = ["ImportanceConditionals", "ImportanceState"]
 
@@ -112,11 +112,6 @@ class ImportanceState:
     #: (largest :math:`\hat k`, NaN where undefined) and ``"ess"`` (smallest ESS)
     diagnostics: dict = field(default_factory=dict)
     warned: bool = False
-
-
-def _lse_empty_zero(den, mask):
-    empty = ~(~mask).any(-1)
-    return torch.where(empty, torch.zeros_like(den), den)
 
 
 class ImportanceConditionals(ConditionalEngine):
@@ -242,7 +237,7 @@ class ImportanceConditionals(ConditionalEngine):
             ]
             T = torch.cat(parts, 0).transpose(0, 1).contiguous()  # (n, S, D)
             logw = T.new_full((1, S), -math.log(S))
-            return ImportanceState("prior", n, D, runner, chunk=_Chunk(logw, T))
+            return ImportanceState("prior", n, D, runner, chunk=MixtureChunk(logw, T))
         if not covered:
             raise ValueError(
                 f"{who} with proposal='guide' needs a guide that samples the model's "
@@ -289,15 +284,15 @@ class ImportanceConditionals(ConditionalEngine):
 
     def _prior_mask(self, state, mask):
         chunk = state.chunk
-        ctx = (~mask).to(chunk.T.dtype)
-        num, den = _mask_partial(chunk, ctx)
-        den = _lse_empty_zero(den, mask)
+        ctx = (~mask).to(chunk.table.dtype)
+        num, den = chunk.mask_partials(ctx)
+        den = normalize_empty(den, ~mask)
         out = num - den.unsqueeze(-1)
         if self.diagnostics:
             with torch.no_grad():
-                lw, T = chunk.logw.detach(), chunk.T.detach()
-                b2, a2 = _mask_partial(_Chunk(2 * lw, 2 * T), ctx)
-                c, _ = _mask_partial(_Chunk(2 * lw, T), 2 * ctx)
+                lw, T = chunk.log_weights.detach(), chunk.table.detach()
+                b2, a2 = MixtureChunk(2 * lw, 2 * T).mask_partials(ctx)
+                c, _ = MixtureChunk(2 * lw, T).mask_partials(2 * ctx)
                 a, b = den.detach(), num.detach()
                 sum_w2 = torch.exp(a2 - 2 * a)
                 var = torch.exp(b2 - 2 * b) - 2 * torch.exp(c - a.unsqueeze(-1) - b) + sum_w2.unsqueeze(-1)
@@ -376,27 +371,26 @@ class ImportanceConditionals(ConditionalEngine):
         if state.proposal != "prior":
             return super().chain_log_prob(state, x, order)
         chunk = state.chunk
-        L = _chain_partial(chunk, order, self.max_elements)
-        # the prior integrates to one: the empty context (last entry) has normalizer 1
-        L = torch.cat([L[..., :-1], torch.zeros_like(L[..., -1:])], -1)
+        L = chunk.chain_partials(order, self.max_elements)
         if self.diagnostics:
             with torch.no_grad():
-                lw, T = chunk.logw.detach(), chunk.T.detach()
-                L2 = _chain_partial(_Chunk(2 * lw, 2 * T), order, self.max_elements)
-                L1 = _chain_partial(_Chunk(lw, T), order, self.max_elements)
+                lw, T = chunk.log_weights.detach(), chunk.table.detach()
+                L2 = MixtureChunk(2 * lw, 2 * T).chain_partials(order, self.max_elements)
+                L1 = MixtureChunk(lw, T).chain_partials(order, self.max_elements)
                 # weights of position t use the context after it: entry t + 1
                 ess = torch.exp(2 * L1[..., 1:] - L2[..., 1:])
                 khat = self._check_chain(state, T, order, ess)
                 self.last_diagnostics = {
                     "ess": ess, "khat": khat, "num_samples": self.num_samples, "proposal": "prior"
                 }
-        return L[..., :-1] - L[..., 1:]
+        # the prior integrates to one: the empty context (last entry) has normalizer 1
+        return chain_terms(L)
 
     def log_evidence(self, state, x):
         r"""Importance-sampled :math:`\log p(x_i)`, ``(n,)``: the prior draws' mixture, or the guide on the full data."""
         self._check_x(state, x)
         if state.proposal == "prior":
-            joint = _joint_partial(state.chunk)  # (n, S)
+            joint = state.chunk.joint()  # (n, S)
             if self.diagnostics:
                 with torch.no_grad():
                     lw = joint.detach().T

@@ -26,17 +26,30 @@ reductions, the empty-context rule (with normalized weights
 sample size of the posterior weights, each vectorized over queries, points and
 datapoints and split into chunks of at most ``max_elements`` entries.
 
-Engines that stream their points in chunks (a table too large to keep) combine
-the unnormalized partial sums of :meth:`MixtureTable.mask_partials`,
-:meth:`MixtureTable.chain_partials` and :meth:`MixtureTable.joint` across
-chunks with ``torch.logaddexp`` and normalize once.
+Engines with many points (quadrature nodes, prior importance draws) hold the
+table in chunks of points, :class:`MixtureChunk`, in the layout
+``(n, Q_c, D)`` whose mask reduction is two matrix products in exp-space with
+max shifts (:meth:`MixtureChunk.mask_partials`); a table too large to keep is
+streamed. The unnormalized partial sums of the chunks are combined with
+:func:`combine_partials` and normalized once: :func:`normalize_empty` (the
+empty context has normalizer one) and :func:`chain_terms`.
 """
 
 import math
 
 import torch
 
-__all__ = ["MixtureTable", "GaussianMixtureTable"]
+from .distributions import take_rows
+
+__all__ = [
+    "MixtureTable",
+    "MixtureChunk",
+    "combine_partials",
+    "normalize_empty",
+    "chain_terms",
+    "exp_floor",
+    "stable_logsumexp",
+]
 
 
 def _slices(total, step):
@@ -151,10 +164,7 @@ class MixtureTable:
         return torch.cat(nums, 0), torch.cat(dens, 0)
 
     def _normalizer(self, den, context):
-        if not self.normalized:
-            return den
-        empty = ~context.any(-1)  # (q, n|1)
-        return torch.where(empty, torch.zeros_like(den), den)
+        return normalize_empty(den, context) if self.normalized else den
 
     def log_conditionals(self, context, target=None):
         r""":math:`\log p(x_j \mid x_{\mathcal R_q})` for boolean contexts ``(q, n|1, D)``.
@@ -197,10 +207,7 @@ class MixtureTable:
     def chain_log_prob(self, order):
         r"""Chain-rule terms along orderings ``(p, n|1, D)``: ``(p, n, D)`` whose entry
         ``t`` is :math:`\log p(x_{\pi_t} \mid x_{\pi_{t+1}}, \dots, x_{\pi_D})`."""
-        L = self.chain_partials(order)
-        if self.normalized:
-            L = torch.cat([L[..., :-1], torch.zeros_like(L[..., -1:])], -1)
-        return L[..., :-1] - L[..., 1:]
+        return chain_terms(self.chain_partials(order), self.normalized)
 
     def ess(self, context=None):
         r"""Effective number of points of the posterior weights given a context.
@@ -235,97 +242,183 @@ class MixtureTable:
         return f"MixtureTable(K={K}, n={n}, D={D}, normalized={self.normalized})"
 
 
-class GaussianMixtureTable:
-    r"""A finite mixture of Gaussians over the tokens, per datapoint.
+# ---------------------------------------------------------------------- normalizing
+def normalize_empty(den, context):
+    r"""The empty-context rule: normalizers ``den`` ``(q, n)`` set to exactly 0 where the context is empty.
 
-    For mixtures whose components are Gaussian but not factorized (e.g. a
-    mixture of PPCA: a discrete latent plus Normal latents),
-    :math:`p(x) = \sum_k w_k\, \mathcal N(x; \mu_k, \Sigma_k)`, the conditionals
-    are ratios of sums over the components of Gaussian marginals and
-    conditionals:
+    With normalized weights (a prior, the rule's weights of a prior-centred
+    grid, equally weighted prior draws) :math:`p(x_\emptyset) = 1`; setting it
+    exactly makes the chain rule telescope to the mixture's evidence rather
+    than to it minus the log of the weights' (rounded or estimated) total.
 
-    .. math::
+    :param torch.Tensor den: :math:`\log p(x_{\mathcal R_q})`, ``(q, n)``.
+    :param torch.Tensor context: bool ``(q, n|1, D)``, True in the context.
+    :returns: ``(q, n)``.
 
-        p(x_j \mid x_{\mathcal R}) = \frac{\sum_k w_k\,
-            \mathcal N(x_{\mathcal R}; \mu_{k\mathcal R}, \Sigma_{k\mathcal R\mathcal R})\,
-            p_k(x_j \mid x_{\mathcal R})}{\sum_k w_k\,
-            \mathcal N(x_{\mathcal R}; \mu_{k\mathcal R}, \Sigma_{k\mathcal R\mathcal R})}.
+    Example::
 
-    Each context is handled by one batched Cholesky factorization of
-    :math:`\Sigma_k` with the rows and columns outside :math:`\mathcal R`
-    replaced by those of the identity, vectorized over queries, components and
-    datapoints. Same interface as :class:`MixtureTable` for masks and evidence.
+        >>> num, den = chunk.mask_partials((~mask).to(dtype))
+        >>> log_cond = num - normalize_empty(den, ~mask)[..., None]
+    """
+    empty = ~context.any(-1)  # (q, n|1)
+    return torch.where(empty, torch.zeros_like(den), den)
 
-    :param torch.Tensor log_weights: ``(K,)`` or ``(K, n)``.
-    :param torch.Tensor loc: :math:`\mu_k`, ``(K, n|1, D)``.
-    :param torch.Tensor covariance: :math:`\Sigma_k`, ``(K, n|1, D, D)``.
-    :param torch.Tensor x: the tokens, ``(n, D)``.
-    :param int max_elements: bound on ``q * K * n * D * D`` per chunk of queries.
+
+def chain_terms(suffix, normalized=True):
+    r"""Chain-rule terms from suffix log-sums ``(p, n, D + 1)``: ``(p, n, D)``.
+
+    Entry ``t`` is :math:`L_t - L_{t+1}`, with :math:`L_t` the log-sum of the
+    joint of the tokens from position ``t`` on (:meth:`MixtureChunk.chain_partials`);
+    with ``normalized`` the last entry (no token: the empty context) is 0.
+
+    Example::
+
+        >>> chain_terms(chunk.chain_partials(order, 2**24))  # (p, n, D)
+    """
+    if normalized:
+        suffix = torch.cat([suffix[..., :-1], torch.zeros_like(suffix[..., -1:])], -1)
+    return suffix[..., :-1] - suffix[..., 1:]
+
+
+def combine_partials(total, part):
+    """Add the partial log-sums ``part`` of one chunk of points (a tuple) to ``total`` (None at first).
+
+    Example::
+
+        >>> total = None
+        >>> for chunk in chunks:
+        ...     total = combine_partials(total, chunk.mask_partials(ctx))
+    """
+    if total is None:
+        return part
+    return tuple(torch.logaddexp(a, b) for a, b in zip(part, total))
+
+
+# ---------------------------------------------------------------------- exp-space
+def exp_floor(dtype):
+    """``log(sqrt(tiny))`` of ``dtype``.
+
+    Exponents are clamped here so that no exp, product or sum meets subnormal
+    numbers (which are slow on CPUs); the clamp changes a sum of ``Q_c`` terms
+    by at most ``Q_c * sqrt(tiny)``.
+    """
+    return 0.5 * math.log(torch.finfo(dtype).tiny)
+
+
+def stable_logsumexp(t, dim):
+    """``torch.logsumexp`` without subnormals (see :func:`exp_floor`); keeps ``-inf``.
+
+    Example::
+
+        >>> stable_logsumexp(torch.tensor([0.0, -math.inf]), 0)  # tensor(0.)
+    """
+    m = t.detach().amax(dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s = torch.exp((t - m).clamp_min(exp_floor(t.dtype))).sum(dim, keepdim=True)
+    out = (s.log() + m).squeeze(dim)
+    allneg = torch.isneginf(t).all(dim)
+    return torch.where(allneg, torch.full_like(out, -math.inf), out) if bool(allneg.any()) else out
+
+
+class MixtureChunk:
+    r"""One chunk of ``Q_c`` points of a mixture, in the layout of the matrix-product reductions.
+
+    :param torch.Tensor log_weights: :math:`\log w_k`, ``(r, Q_c)`` with ``r``
+        1 (shared) or ``n``.
+    :param torch.Tensor table: :math:`T_{ikd} = \log p(x_{id} \mid z_k)`,
+        ``(n, Q_c, D)``.
+
+    The reductions return *unnormalized* partial log-sums over the chunk's
+    points; combine chunks with :func:`combine_partials`.
+
+    Example::
+
+        >>> chunk = MixtureChunk(torch.full((1, S), -math.log(S)), T)  # T (n, S, D)
+        >>> num, den = chunk.mask_partials((~mask).to(T.dtype))
     """
 
-    def __init__(self, log_weights, loc, covariance, x, *, normalized=True, max_elements=2**24):
-        if log_weights.dim() == 1:
-            log_weights = log_weights[:, None]
-        self.log_weights = log_weights  # (K, n|1)
-        self.loc = loc
-        self.covariance = covariance
-        self.x = x
-        self.normalized = bool(normalized)
-        self.max_elements = int(max_elements)
+    __slots__ = ("log_weights", "table", "_shift", "_exp_table")
 
-    def _partials(self, context):
-        """``(num (q, n, D), den (q, n))`` for contexts ``(q, n|1, D)``."""
-        D = self.x.shape[1]
-        cq = context[:, None]  # (q, 1, n|1, D)
-        C = self.covariance[None]  # (1, K, n|1, D, D)
-        eye = torch.eye(D, dtype=C.dtype, device=C.device)
-        Ct = torch.where(cq[..., :, None] & cq[..., None, :], C, eye)
-        L = torch.linalg.cholesky(Ct)
-        zero = torch.zeros((), dtype=C.dtype, device=C.device)
-        r = torch.where(cq, self.x - self.loc[None], zero)  # (q, K, n, D)
-        Lb = L.expand(r.shape[:-1] + (D, D)) if L.shape[-3] != r.shape[-2] else L
-        y = torch.linalg.solve_triangular(Lb, r[..., None], upper=False)
-        a = torch.linalg.solve_triangular(Lb.transpose(-1, -2), y, upper=True)[..., 0]
-        logdet = 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)  # (q, K, n|1)
-        size = cq.sum(-1).to(C.dtype)
-        log_pR = -0.5 * ((r * a).sum(-1) + logdet + size * math.log(2 * math.pi))  # (q, K, n)
-        mean = self.loc[None] + (C @ a[..., None])[..., 0]
-        G = torch.where(cq[..., :, None], C, zero)  # rows in the context
-        Y = torch.linalg.solve_triangular(L, G, upper=False)
-        var = torch.diagonal(C, dim1=-2, dim2=-1) - Y.pow(2).sum(-2)
-        # context tokens get a finite placeholder (their "conditional" is not asked for)
-        var = torch.where(cq, torch.ones((), dtype=C.dtype, device=C.device), var)
-        log_c = -0.5 * ((self.x - mean).pow(2) / var + var.log() + math.log(2 * math.pi))  # (q, K, n, D)
-        base = self.log_weights[None] + log_pR
-        return (base[..., None] + log_c).logsumexp(1), base.logsumexp(1)
+    def __init__(self, log_weights, table):
+        self.log_weights = log_weights
+        self.table = table
+        self._shift = None
+        self._exp_table = None
 
-    def log_conditionals(self, context, target=None):
-        r""":math:`\log p(x_j \mid x_{\mathcal R_q})` for contexts ``(q, n|1, D)``, ``(q, n, D)``."""
-        K, n, D = self.loc.shape[0], self.x.shape[0], self.x.shape[1]
-        per = max(1, self.max_elements // max(1, K * n * D * D))
-        outs = []
-        for start in range(0, context.shape[0], per):
-            c = context[start : start + per]
-            num, den = self._partials(c)
-            if self.normalized:
-                den = torch.where(c.any(-1), den, torch.zeros_like(den))
-            outs.append(num - den[..., None])
-        out = torch.cat(outs, 0)
-        if target is not None:
-            out = torch.where(target, out, torch.zeros((), dtype=out.dtype, device=out.device))
-        return out
+    def exp_table(self):
+        """``(exp(T - m), m)`` with ``m`` the per-token max over points (detached), kept."""
+        if self._exp_table is None:
+            T = self.table
+            m = T.detach().amax(1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            self._shift = m
+            self._exp_table = torch.exp((T - m).clamp_min(exp_floor(T.dtype)))
+        return self._exp_table, self._shift
 
-    def log_evidence(self, observed=None):
-        r""":math:`\log p(x_i)` (of the observed tokens when ``observed`` is given), ``(n,)``."""
-        context = torch.ones_like(self.x, dtype=torch.bool) if observed is None else observed
-        return self._partials(context[None])[1][0]
+    def joint(self):
+        """Per-point log-joints ``log w + sum_d T``, ``(n, Q_c)``."""
+        return self.log_weights + self.table.sum(-1)
 
-    def chain_log_prob(self, order):
-        r"""Chain-rule terms along orderings ``(p, n|1, D)``, ``(p, n, D)`` (one mask per position)."""
-        p, rows, D = order.shape
-        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(D, device=order.device).expand_as(order))
-        t = torch.arange(D, device=order.device)
-        context = ranks[:, None] > t[None, :, None, None]  # (p, D, rows, D): context after position t
-        logc = self.log_conditionals(context.reshape(p * D, rows, D)).reshape(p, D, -1, D)
-        target = order.expand(p, logc.shape[2], D).transpose(1, 2)[..., None]  # (p, D, n, 1)
-        return logc.gather(-1, target)[..., 0].transpose(1, 2)
+    def mask_partials(self, ctx):
+        """Partial log-sums for context masks ``ctx`` (float, 1 in the context) ``(q, r, D)``.
+
+        :returns: ``(num, den)``, shapes ``(q, n, D)`` and ``(q, n)``, with
+            ``num[q, i, j] = logsumexp_k(logw_k + (T_i ctx_q)_k + T_ikj)`` and
+            ``den[q, i] = logsumexp_k(logw_k + (T_i ctx_q)_k)``.
+        """
+        logw, T = self.log_weights, self.table
+        n, Qc, D = T.shape
+        q = ctx.shape[0]
+        if ctx.shape[1] == 1:
+            lin = (T.reshape(n * Qc, D) @ ctx[:, 0, :].T).reshape(n, Qc, q).transpose(1, 2)
+        else:
+            lin = torch.bmm(ctx.transpose(0, 1), T.transpose(1, 2))  # (n, q, Qc)
+        base = logw[:, None, :] + lin  # (n, q, Qc)
+        mb = base.detach().amax(-1, keepdim=True)
+        mb = torch.where(torch.isfinite(mb), mb, torch.zeros_like(mb))
+        floor = exp_floor(T.dtype)
+        A = torch.exp((base - mb).clamp_min(floor))
+        den = mb.squeeze(-1) + A.sum(-1).log()  # (n, q)
+        B, mT = self.exp_table()  # (n, Qc, D), (n, 1, D)
+        S = torch.bmm(A, B)  # (n, q, D)
+        finfo = torch.finfo(S.dtype)
+        # the clamped exponents move S by at most 3 Qc sqrt(tiny); where S is not
+        # large against that (relative precision eps), recompute exactly in log space
+        bad = S.detach() < 3 * Qc * math.exp(floor) / finfo.eps
+        num = torch.where(bad, torch.ones_like(S), S).log() + mb + mT
+        if bool(bad.any()):
+            i, k, j = bad.nonzero(as_tuple=True)
+            exact = stable_logsumexp(base[i, k, :] + T[i, :, j], -1)
+            num = num.index_put((i, k, j), exact)
+        return num.transpose(0, 1), den.T
+
+    def chain_partials(self, order, max_elements):
+        """Partial suffix log-sums along orderings ``(p, r, D)``: ``(p, n, D + 1)`` whose entry
+        ``t`` is ``logsumexp_k(logw_k + sum_{s >= t} T_{k, order_s})`` (0 sum at ``t = D``).
+
+        :param int max_elements: bound on the entries of each intermediate.
+        """
+        logw, T = self.log_weights, self.table
+        n, Qc, D = T.shape
+        p = order.shape[0]
+        per = max(1, max_elements // (Qc * (D + 1)))  # (ordering, datapoint) pairs per piece
+        n_step = min(n, per)
+        p_step = max(1, per // n_step)
+        out = []
+        for ps in range(0, p, p_step):
+            o = order[ps : ps + p_step]
+            pc = o.shape[0]
+            parts = []
+            for ns in range(0, n, n_step):
+                rows = torch.arange(ns, min(n, ns + n_step), device=T.device)
+                Ti = T[rows]  # (nc, Qc, D)
+                oi = o if o.shape[1] == 1 else o[:, rows]
+                nc = Ti.shape[0]
+                idx = oi[:, :, None, :].expand(pc, nc, Qc, D)
+                Tp = torch.gather(Ti.unsqueeze(0).expand(pc, nc, Qc, D), -1, idx)
+                C = Tp.flip(-1).cumsum(-1).flip(-1)
+                C = torch.cat([C, torch.zeros_like(C[..., :1])], -1)
+                C = C + take_rows(logw, rows)[None, :, :, None]
+                parts.append(stable_logsumexp(C, 2))  # (pc, nc, D + 1)
+            out.append(torch.cat(parts, 1))
+        return torch.cat(out, 0)

@@ -97,7 +97,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..sites import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
-from .distributions import check_factorized, compact, take_rows, unwrap
+from .distributions import check_factorized, compact, unwrap
+from .mixture import MixtureChunk, chain_terms, combine_partials, normalize_empty, stable_logsumexp
 from .quadrature_rules import (
     MAX_LATENT_DIM,
     RESOLVED_AXIS_ESS,
@@ -325,27 +326,6 @@ class _ModelRunner:
 
 
 # ---------------------------------------------------------------------- state
-class _Chunk:
-    """One chunk of nodes: log-weights ``(r, Qc)`` and the table ``(n, Qc, D)``."""
-
-    __slots__ = ("logw", "T", "_shift", "_expT")
-
-    def __init__(self, logw, T):
-        self.logw = logw
-        self.T = T
-        self._shift = None
-        self._expT = None
-
-    def exp_table(self):
-        """``(exp(T - m), m)`` with ``m`` the per-token max over nodes (detached)."""
-        if self._expT is None:
-            m = self.T.detach().amax(1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            self._shift = m
-            self._expT = torch.exp((self.T - m).clamp_min(_exp_floor(self.T.dtype)))
-        return self._expT, self._shift
-
-
 @dataclass
 class QuadratureState:
     """The quadrature rule of one loss evaluation, and its token table.
@@ -390,101 +370,14 @@ class QuadratureState:
         return [slice(s, min(Q, s + self.node_chunk)) for s in range(0, Q, self.node_chunk)]
 
     def compute_chunk(self, sl):
-        """Run the model on the nodes ``sl`` and return a ``_Chunk``."""
+        """Run the model on the nodes ``sl``.
+
+        :rtype: ~pyro_mpt.conditionals.mixture.MixtureChunk
+        """
         u = self.nodes[:, sl].transpose(0, 1)  # (Qc, r, K)
         log_pi, logp = self.runner.run(u)
         logw = self.log_weights[:, sl] + log_pi.transpose(0, 1)
-        return _Chunk(logw, logp.transpose(0, 1).contiguous())
-
-
-# ---------------------------------------------------------------------- reductions
-def _logaddexp(a, b):
-    return a if b is None else torch.logaddexp(a, b)
-
-
-def _exp_floor(dtype):
-    """``log(sqrt(tiny))``: exponents are clamped here so that no exp, product or
-    sum meets subnormal numbers (which are slow on CPUs); the clamp changes a sum
-    of ``Qc`` terms by at most ``Qc * sqrt(tiny)``."""
-    return 0.5 * math.log(torch.finfo(dtype).tiny)
-
-
-def _logsumexp(t, dim):
-    """``torch.logsumexp`` without subnormals (see :func:`_exp_floor`); keeps ``-inf``."""
-    m = t.detach().amax(dim, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    s = torch.exp((t - m).clamp_min(_exp_floor(t.dtype))).sum(dim, keepdim=True)
-    out = (s.log() + m).squeeze(dim)
-    allneg = torch.isneginf(t).all(dim)
-    return torch.where(allneg, torch.full_like(out, -math.inf), out) if bool(allneg.any()) else out
-
-
-def _mask_partial(chunk, ctx):
-    """Partial log-sums over one chunk of nodes for context masks ``ctx`` ``(q, r, D)``.
-
-    :returns: ``(num, den)``, shapes ``(q, n, D)`` and ``(q, n)``, with
-        ``num[q, i, j] = logsumexp_k(logw_k + (T_i ctx_q)_k + T_ikj)`` and
-        ``den[q, i] = logsumexp_k(logw_k + (T_i ctx_q)_k)``.
-    """
-    logw, T = chunk.logw, chunk.T
-    n, Qc, D = T.shape
-    q = ctx.shape[0]
-    if ctx.shape[1] == 1:
-        lin = (T.reshape(n * Qc, D) @ ctx[:, 0, :].T).reshape(n, Qc, q).transpose(1, 2)
-    else:
-        lin = torch.bmm(ctx.transpose(0, 1), T.transpose(1, 2))  # (n, q, Qc)
-    base = logw[:, None, :] + lin  # (n, q, Qc)
-    mb = base.detach().amax(-1, keepdim=True)
-    mb = torch.where(torch.isfinite(mb), mb, torch.zeros_like(mb))
-    floor = _exp_floor(T.dtype)
-    A = torch.exp((base - mb).clamp_min(floor))
-    den = mb.squeeze(-1) + A.sum(-1).log()  # (n, q)
-    B, mT = chunk.exp_table()  # (n, Qc, D), (n, 1, D)
-    S = torch.bmm(A, B)  # (n, q, D)
-    finfo = torch.finfo(S.dtype)
-    # the clamped exponents move S by at most 3 Qc sqrt(tiny); where S is not
-    # large against that (relative precision eps), recompute exactly in log space
-    bad = S.detach() < 3 * Qc * math.exp(floor) / finfo.eps
-    num = torch.where(bad, torch.ones_like(S), S).log() + mb + mT
-    if bool(bad.any()):
-        i, k, j = bad.nonzero(as_tuple=True)
-        exact = _logsumexp(base[i, k, :] + T[i, :, j], -1)
-        num = num.index_put((i, k, j), exact)
-    return num.transpose(0, 1), den.T
-
-
-def _chain_partial(chunk, order, max_elements):
-    """Partial log-sums along orderings ``(p, r, D)``: ``(p, n, D + 1)`` whose entry
-    ``t`` is ``logsumexp_k(logw_k + sum_{s >= t} T_{k, order_s})`` (0 sum at ``t = D``)."""
-    logw, T = chunk.logw, chunk.T
-    n, Qc, D = T.shape
-    p = order.shape[0]
-    per = max(1, max_elements // (Qc * (D + 1)))  # (ordering, datapoint) pairs per piece
-    n_step = min(n, per)
-    p_step = max(1, per // n_step)
-    out = []
-    for ps in range(0, p, p_step):
-        o = order[ps : ps + p_step]
-        pc = o.shape[0]
-        parts = []
-        for ns in range(0, n, n_step):
-            rows = torch.arange(ns, min(n, ns + n_step), device=T.device)
-            Ti = T[rows]  # (nc, Qc, D)
-            oi = o if o.shape[1] == 1 else o[:, rows]
-            nc = Ti.shape[0]
-            idx = oi[:, :, None, :].expand(pc, nc, Qc, D)
-            Tp = torch.gather(Ti.unsqueeze(0).expand(pc, nc, Qc, D), -1, idx)
-            C = Tp.flip(-1).cumsum(-1).flip(-1)
-            C = torch.cat([C, torch.zeros_like(C[..., :1])], -1)
-            C = C + take_rows(logw, rows)[None, :, :, None]
-            parts.append(_logsumexp(C, 2))  # (pc, nc, D + 1)
-        out.append(torch.cat(parts, 1))
-    return torch.cat(out, 0)
-
-
-def _joint_partial(chunk):
-    """Per-node log-joint ``logw + sum_d T`` of one chunk, ``(n, Qc)``."""
-    return chunk.logw + chunk.T.sum(-1)
+        return MixtureChunk(logw, logp.transpose(0, 1).contiguous())
 
 
 # ---------------------------------------------------------------------- engine
@@ -657,7 +550,7 @@ class QuadratureConditionals(ConditionalEngine):
         if (self.min_ess is not None or self.ess_warning is not None) and Q > 1:
             if state.chunks is not None:
                 with torch.no_grad():
-                    self._check_ess(state, torch.cat([_joint_partial(c) for c in state.chunks], -1))
+                    self._check_ess(state, torch.cat([c.joint() for c in state.chunks], -1))
             else:
                 # streamed: checked on the first pass over the table (no extra pass)
                 state.ess_pending = True
@@ -817,7 +710,7 @@ class QuadratureConditionals(ConditionalEngine):
         if state.chunks is not None:
             for chunk in state.chunks:
                 part = reducer(chunk, *inputs)
-                total = part if total is None else tuple(map(_logaddexp, part, total))
+                total = combine_partials(total, part)
             return total
         joints = []
         for sl in state.slices():
@@ -825,14 +718,14 @@ class QuadratureConditionals(ConditionalEngine):
             def run(*inp, sl=sl):
                 chunk = state.compute_chunk(sl)
                 if state.ess_pending:  # not during the backward recomputation
-                    joints.append(_joint_partial(chunk).detach())
+                    joints.append(chunk.joint().detach())
                 return reducer(chunk, *inp)
 
             if torch.is_grad_enabled():
                 part = checkpoint(run, *inputs, use_reentrant=False)
             else:
                 part = run(*inputs)
-            total = part if total is None else tuple(map(_logaddexp, part, total))
+            total = combine_partials(total, part)
         if state.ess_pending:
             state.ess_pending = False
             self._check_ess(state, torch.cat(joints, -1))
@@ -886,11 +779,9 @@ class QuadratureConditionals(ConditionalEngine):
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
         ctx = (~mask).to(state.nodes.dtype)
-        num, den = self._reduce(state, _mask_partial, ctx)
+        num, den = self._reduce(state, MixtureChunk.mask_partials, ctx)
         # the prior integrates to one: an empty context has normalizer exactly 1
-        empty = ~(~mask).any(-1)  # (q, r)
-        den = torch.where(empty, torch.zeros_like(den), den)
-        return num - den.unsqueeze(-1)
+        return num - normalize_empty(den, ~mask).unsqueeze(-1)
 
     def companion(self, state, num_nodes):
         r"""The same rule with ``num_nodes`` nodes per latent dim, for error estimates.
@@ -960,10 +851,9 @@ class QuadratureConditionals(ConditionalEngine):
 
     def chain_log_prob(self, state, x, order):
         self._check_x(state, x)
-        (L,) = self._reduce(state, lambda c, o: (_chain_partial(c, o, self.max_elements),), order)
+        (L,) = self._reduce(state, lambda c, o: (c.chain_partials(o, self.max_elements),), order)
         # the prior integrates to one: the empty context (last entry) has normalizer 1
-        L = torch.cat([L[..., :-1], torch.zeros_like(L[..., -1:])], -1)
-        return L[..., :-1] - L[..., 1:]
+        return chain_terms(L)
 
     def chain_sums(self, state, x, order, observed=None):
         r"""Chain-rule sums along orderings, ``(p, n)``: all equal to :meth:`log_evidence`.
@@ -981,7 +871,7 @@ class QuadratureConditionals(ConditionalEngine):
     def log_evidence(self, state, x):
         r""":math:`\log \sum_q \omega_q \prod_d p(x_d \mid z_q)` per datapoint, ``(n,)``."""
         self._check_x(state, x)
-        (lse,) = self._reduce(state, lambda c: (_logsumexp(_joint_partial(c), -1),))
+        (lse,) = self._reduce(state, lambda c: (stable_logsumexp(c.joint(), -1),))
         return lse
 
 

@@ -1,0 +1,110 @@
+r"""Masked conditionals of a finite mixture of Gaussians over the tokens.
+
+The counterpart of :class:`~pyro_mpt.conditionals.mixture.MixtureTable` for
+components that are Gaussian but not factorized over the tokens (e.g. a
+mixture of PPCA), used by :mod:`~pyro_mpt.conditionals.enumerate`.
+"""
+
+import math
+
+import torch
+
+from .mixture import normalize_empty
+
+__all__ = ["GaussianMixtureTable"]
+
+
+class GaussianMixtureTable:
+    r"""A finite mixture of Gaussians over the tokens, per datapoint.
+
+    For mixtures whose components are Gaussian but not factorized (e.g. a
+    mixture of PPCA: a discrete latent plus Normal latents),
+    :math:`p(x) = \sum_k w_k\, \mathcal N(x; \mu_k, \Sigma_k)`, the conditionals
+    are ratios of sums over the components of Gaussian marginals and
+    conditionals:
+
+    .. math::
+
+        p(x_j \mid x_{\mathcal R}) = \frac{\sum_k w_k\,
+            \mathcal N(x_{\mathcal R}; \mu_{k\mathcal R}, \Sigma_{k\mathcal R\mathcal R})\,
+            p_k(x_j \mid x_{\mathcal R})}{\sum_k w_k\,
+            \mathcal N(x_{\mathcal R}; \mu_{k\mathcal R}, \Sigma_{k\mathcal R\mathcal R})}.
+
+    Each context is handled by one batched Cholesky factorization of
+    :math:`\Sigma_k` with the rows and columns outside :math:`\mathcal R`
+    replaced by those of the identity, vectorized over queries, components and
+    datapoints. Same interface as :class:`MixtureTable` for masks and evidence.
+
+    :param torch.Tensor log_weights: ``(K,)`` or ``(K, n)``.
+    :param torch.Tensor loc: :math:`\mu_k`, ``(K, n|1, D)``.
+    :param torch.Tensor covariance: :math:`\Sigma_k`, ``(K, n|1, D, D)``.
+    :param torch.Tensor x: the tokens, ``(n, D)``.
+    :param int max_elements: bound on ``q * K * n * D * D`` per chunk of queries.
+    """
+
+    def __init__(self, log_weights, loc, covariance, x, *, normalized=True, max_elements=2**24):
+        if log_weights.dim() == 1:
+            log_weights = log_weights[:, None]
+        self.log_weights = log_weights  # (K, n|1)
+        self.loc = loc
+        self.covariance = covariance
+        self.x = x
+        self.normalized = bool(normalized)
+        self.max_elements = int(max_elements)
+
+    def _partials(self, context):
+        """``(num (q, n, D), den (q, n))`` for contexts ``(q, n|1, D)``."""
+        D = self.x.shape[1]
+        cq = context[:, None]  # (q, 1, n|1, D)
+        C = self.covariance[None]  # (1, K, n|1, D, D)
+        eye = torch.eye(D, dtype=C.dtype, device=C.device)
+        Ct = torch.where(cq[..., :, None] & cq[..., None, :], C, eye)
+        L = torch.linalg.cholesky(Ct)
+        zero = torch.zeros((), dtype=C.dtype, device=C.device)
+        r = torch.where(cq, self.x - self.loc[None], zero)  # (q, K, n, D)
+        Lb = L.expand(r.shape[:-1] + (D, D)) if L.shape[-3] != r.shape[-2] else L
+        y = torch.linalg.solve_triangular(Lb, r[..., None], upper=False)
+        a = torch.linalg.solve_triangular(Lb.transpose(-1, -2), y, upper=True)[..., 0]
+        logdet = 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)  # (q, K, n|1)
+        size = cq.sum(-1).to(C.dtype)
+        log_pR = -0.5 * ((r * a).sum(-1) + logdet + size * math.log(2 * math.pi))  # (q, K, n)
+        mean = self.loc[None] + (C @ a[..., None])[..., 0]
+        G = torch.where(cq[..., :, None], C, zero)  # rows in the context
+        Y = torch.linalg.solve_triangular(L, G, upper=False)
+        var = torch.diagonal(C, dim1=-2, dim2=-1) - Y.pow(2).sum(-2)
+        # context tokens get a finite placeholder (their "conditional" is not asked for)
+        var = torch.where(cq, torch.ones((), dtype=C.dtype, device=C.device), var)
+        log_c = -0.5 * ((self.x - mean).pow(2) / var + var.log() + math.log(2 * math.pi))  # (q, K, n, D)
+        base = self.log_weights[None] + log_pR
+        return (base[..., None] + log_c).logsumexp(1), base.logsumexp(1)
+
+    def log_conditionals(self, context, target=None):
+        r""":math:`\log p(x_j \mid x_{\mathcal R_q})` for contexts ``(q, n|1, D)``, ``(q, n, D)``."""
+        K, n, D = self.loc.shape[0], self.x.shape[0], self.x.shape[1]
+        per = max(1, self.max_elements // max(1, K * n * D * D))
+        outs = []
+        for start in range(0, context.shape[0], per):
+            c = context[start : start + per]
+            num, den = self._partials(c)
+            if self.normalized:
+                den = normalize_empty(den, c)
+            outs.append(num - den[..., None])
+        out = torch.cat(outs, 0)
+        if target is not None:
+            out = torch.where(target, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return out
+
+    def log_evidence(self, observed=None):
+        r""":math:`\log p(x_i)` (of the observed tokens when ``observed`` is given), ``(n,)``."""
+        context = torch.ones_like(self.x, dtype=torch.bool) if observed is None else observed
+        return self._partials(context[None])[1][0]
+
+    def chain_log_prob(self, order):
+        r"""Chain-rule terms along orderings ``(p, n|1, D)``, ``(p, n, D)`` (one mask per position)."""
+        p, rows, D = order.shape
+        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(D, device=order.device).expand_as(order))
+        t = torch.arange(D, device=order.device)
+        context = ranks[:, None] > t[None, :, None, None]  # (p, D, rows, D): context after position t
+        logc = self.log_conditionals(context.reshape(p * D, rows, D)).reshape(p, D, -1, D)
+        target = order.expand(p, logc.shape[2], D).transpose(1, 2)[..., None]  # (p, D, n, 1)
+        return logc.gather(-1, target)[..., 0].transpose(1, 2)
