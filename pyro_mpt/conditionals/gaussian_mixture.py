@@ -33,7 +33,7 @@ class GaussianMixtureTable:
     Each context is handled by one batched Cholesky factorization of
     :math:`\Sigma_k` with the rows and columns outside :math:`\mathcal R`
     replaced by those of the identity, vectorized over queries, components and
-    datapoints. Same interface as :class:`MixtureTable` for masks and evidence.
+    datapoints. Same interface as :class:`~pyro_mpt.conditionals.mixture.MixtureTable` for masks and evidence.
 
     :param torch.Tensor log_weights: ``(K,)`` or ``(K, n)``.
     :param torch.Tensor loc: :math:`\mu_k`, ``(K, n|1, D)``.
