@@ -58,15 +58,26 @@ def compact(t):
     """Narrow every stride-0 (expanded) dim of size > 1 to size 1.
 
     Exact (the narrowed dims hold copies) and keeps gradients, so a parameter
-    shared by all datapoints is stored and differentiated once.
+    shared by all datapoints is stored and differentiated once. When ``t`` is a
+    view (distributions expand their parameters by broadcasting), the result is
+    taken as a view of the view's base: the backward pass of ``narrow`` would
+    allocate and sum a zero gradient of ``t``'s full expanded size (26 M
+    elements for PPCA's K + 2 noise points at N = 1000, D = 512, K = 50), where
+    the base's gradient has the base's size.
 
     Example::
 
         >>> compact(torch.zeros(3).expand(5, 3)).shape  # torch.Size([1, 3])
     """
-    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
-        if stride == 0 and size > 1:
-            t = t.narrow(d, 0, 1)
+    dims = [d for d, (size, stride) in enumerate(zip(t.shape, t.stride())) if stride == 0 and size > 1]
+    if not dims:
+        return t
+    base = t._base
+    if base is not None and base.numel() < t.numel():
+        shape = [1 if d in dims else size for d, size in enumerate(t.shape)]
+        return base.as_strided(shape, t.stride(), t.storage_offset())
+    for d in dims:
+        t = t.narrow(d, 0, 1)
     return t
 
 

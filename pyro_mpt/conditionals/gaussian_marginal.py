@@ -257,8 +257,10 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, run_modes=Non
     mpn = tokens.max_plate_nesting
 
     def run(model_fn, handler):
-        # hide samples from outer handlers (e.g. SVI's param capture still sees params)
-        with poutine.block(hide_fn=lambda m: m["type"] == "sample"):
+        # hide samples from outer handlers (e.g. SVI's param capture still sees params);
+        # without validation: the trace of the data checked these distributions'
+        # arguments already, here they are broadcast to (K + 2) times their size
+        with poutine.block(hide_fn=lambda m: m["type"] == "sample"), pyro.validation_enabled(False):
             trace = poutine.trace(poutine.replay(model_fn, trace=replay)).get_trace(
                 *args, **kwargs
             )
