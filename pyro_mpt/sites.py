@@ -468,9 +468,13 @@ def _data_event_shape(fn, value):
     """The event shape the data give ``fn``: a hidden Markov model without a fixed
     ``duration`` declares one time step and takes the number of steps from its data."""
     event = fn.event_shape
-    if isinstance(_elementwise(fn), HiddenMarkovModel) and _elementwise(fn).duration is None:
+    hmm = _elementwise(fn)
+    if isinstance(hmm, HiddenMarkovModel) and hmm.duration is None:
         if value.dim() >= len(event):
-            return torch.Size((value.shape[-len(event)],) + tuple(event[1:]))
+            # time is the HMM's own first event dim, right of any dims .to_event added
+            t = len(event) - len(hmm.event_shape)
+            steps = value.shape[value.dim() - len(event) + t]
+            return torch.Size(tuple(event[:t]) + (steps,) + tuple(event[t + 1 :]))
     return event
 
 

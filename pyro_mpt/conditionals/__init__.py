@@ -3,8 +3,10 @@
 =================  ==========================================================
 name               what the model needs
 =================  ==========================================================
-``"gaussian"``     a Gaussian marginal: Gaussian observation without latents,
-                   or Normal latents with a Normal observation affine in them
+``"gaussian"``     a Gaussian marginal: Gaussian observation without latents
+                   (also in independent blocks, e.g. a multi-output GP, or a
+                   ``GaussianHMM``), or Normal latents with a Normal
+                   observation affine in them
 ``"quadrature"``   tokens independent given continuous latents local to each
                    datapoint with at most 4 dims in all (any factorized
                    observation: Bernoulli, Categorical, Poisson, Normal, ...)

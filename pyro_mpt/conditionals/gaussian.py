@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 
 from .base import ConditionalEngine, NumericalWarning
 from .distributions import take_rows
+from .gaussian_blocks import BlockGaussianState, block_marginal
 from .gaussian_marginal import GaussianMarginal, gaussian_marginal
 
 __all__ = ["GaussianConditionals"]
@@ -166,8 +167,10 @@ class GaussianConditionals(ConditionalEngine):
     Serves models whose tokens have a Gaussian marginal
     (:func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal` derives
     it from the Pyro model): observed ``MultivariateNormal``,
-    ``LowRankMultivariateNormal`` or ``Normal(...).to_event`` without latents,
-    and Normal latents with a Normal observation affine in them (PPCA, factor
+    ``LowRankMultivariateNormal`` or ``Normal(...).to_event`` without latents
+    (also as independent blocks of tokens, e.g. a multi-output GP, see
+    :mod:`~pyro_mpt.conditionals.gaussian_blocks`; and ``GaussianHMM``, see
+    :mod:`~pyro_mpt.conditionals.linear_dynamical`), and Normal latents with a Normal observation affine in them (PPCA, factor
     analysis, models with covariates).
 
     Precision: where the data's dtype cannot hold the low-rank pieces (the
@@ -221,12 +224,20 @@ class GaussianConditionals(ConditionalEngine):
         self._run_modes = {}  # model key -> how gaussian_marginal could run it
 
     def prepare(self, tokens, model, guide, args, kwargs):
+        blocks = block_marginal(tokens, GaussianMarginal)
+        if blocks is not None:
+            # independent blocks of tokens (a multi-output GP): served as n * B datapoints
+            marginal, num_blocks = blocks
+            return BlockGaussianState(self._prepare_marginal(marginal, tokens.name), num_blocks, tokens.num_data)
         marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize, run_modes=self._run_modes)
+        return self._prepare_marginal(marginal, tokens.name)
+
+    def _prepare_marginal(self, marginal, site):
+        """The state of a marginal: its path, working dtype, jitter and factor."""
         D = marginal.num_tokens
         dense = self.method == "dense" or (
             self.method == "auto" and (not marginal.is_low_rank or marginal.rank >= D)
         )
-        site = tokens.name
         data_dtype = marginal.loc.dtype
         if not dense:
             if not marginal.is_low_rank:
@@ -413,6 +424,9 @@ class GaussianConditionals(ConditionalEngine):
             given, the density of each datapoint's observed sub-vector,
             :math:`\log\mathcal N(x_{O_i}; \mu_{O_i}, \Sigma_{O_i O_i})`.
         """
+        if isinstance(state, BlockGaussianState):
+            blocks = None if observed is None else state.rows(observed)
+            return state.per_datapoint(self.log_evidence(state.inner, state.rows(x), blocks))
         x = _to_work(state, x)
         log_prob = _lowrank_log_prob if state.is_low_rank else _dense_log_prob
         return _to_data(state, self._rescued(state, lambda: log_prob(state, x, observed)))
@@ -443,6 +457,8 @@ class GaussianConditionals(ConditionalEngine):
 
     # ------------------------------------------------------------------ masks
     def mask_log_prob(self, state, x, mask):
+        if isinstance(state, BlockGaussianState):
+            return state.tokens(self.mask_log_prob(state.inner, state.rows(x), state.rows(mask)))
         x = _to_work(state, x)
         return _to_data(state, self._rescued(state, lambda: self._mask_log_prob(state, x, mask)))
 
@@ -454,6 +470,8 @@ class GaussianConditionals(ConditionalEngine):
         return self._run_chunked(_dense_masks, state, x, mask, D * D)
 
     def mask_sums(self, state, x, mask):
+        if isinstance(state, BlockGaussianState):
+            return state.per_datapoint(self.mask_sums(state.inner, state.rows(x), state.rows(mask)))
         x = _to_work(state, x)
         if state.is_low_rank and mask.shape[1] == 1 and state.cov_factor.shape[0] == 1:
             # masks and covariance shared by the batch: sums by matrix products
@@ -469,6 +487,11 @@ class GaussianConditionals(ConditionalEngine):
         return _to_data(state, torch.where(mask, logc, zero).sum(-1))
 
     def chain_log_prob(self, state, x, order):
+        if isinstance(state, BlockGaussianState):
+            # each block's chain runs along its own tokens' order in the global ordering
+            sub_order = state.orders(order)
+            inner = self.chain_log_prob(state.inner, state.rows(x), sub_order)
+            return state.chain_by_position(inner, sub_order, order)
         x = _to_work(state, x)
         return _to_data(state, self._rescued(state, lambda: self._chain_log_prob(state, x, order)))
 

@@ -34,6 +34,7 @@ from pyro.poutine.util import site_is_subsample
 from ..sites import check_local_latent
 from .base import EngineNotApplicable, callable_key
 from .distributions import compact, unwrap
+from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
 
@@ -179,20 +180,9 @@ def _observation_parts(fn, tokens):
     """
     name = tokens.name
     base, _ = unwrap(fn, masks=True)
-    # LowRankMultivariateNormal is no subclass of MultivariateNormal: name both
-    multivariate = isinstance(base, (dist.MultivariateNormal, dist.LowRankMultivariateNormal))
-    if multivariate and tokens.token_dims:
-        raise NotLinearGaussianError(
-            f"Observed site {name!r} is a {type(base).__name__} inside the token "
-            f"plate(s) {', '.join(map(repr, tokens.token_plates))}; conditionals="
-            f"'gaussian' serves Normal observations there. Use one multivariate "
-            f"normal over all D tokens (no token plate), or a Normal."
-        )
-    if multivariate and len(fn.event_shape) != 1:
-        raise NotLinearGaussianError(
-            f"Observed site {name!r}: a {type(base).__name__} with extra event dims "
-            f"is not supported; use one {type(base).__name__} over the D tokens."
-        )
+    if is_block_gaussian(base, fn, tokens):
+        # several independent blocks of tokens, or a GaussianHMM: moments built there
+        return block_diagonal_parts(base, fn, tokens)
     if isinstance(base, dist.LowRankMultivariateNormal):
         return base.loc, ("lowrank", base.cov_factor, base.cov_diag), fn.batch_shape
     if isinstance(base, dist.MultivariateNormal):

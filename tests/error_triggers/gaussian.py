@@ -4,7 +4,7 @@ import torch
 import pyro
 import pyro.distributions as dist
 
-from pyro_mpt import Evidence, GaussianConditionals, MaskedPretrainingLoss
+from pyro_mpt import GaussianConditionals, MaskedPretrainingLoss
 
 from models import make_full_gaussian, make_singular_ppca
 
@@ -65,28 +65,6 @@ def _():
             pyro.sample("x", dist.Normal(z @ torch.ones(2, 3), 1.0).to_event(1), obs=x)
 
     MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, _x())
-
-
-@trigger("gaussian-mvn-extra-event-dims")
-def _():
-    def model(x):
-        with pyro.plate("data", x.shape[0]):
-            fn = dist.MultivariateNormal(torch.zeros(3), torch.eye(3)).expand([2]).to_event(1)
-            pyro.sample("x", fn, obs=x.reshape(-1, 2, 3))
-
-    MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, torch.zeros(4, 6))
-
-
-@trigger("gaussian-mvn-in-token-plate")
-def _():
-    def model(x):
-        with pyro.plate("data", x.shape[0], dim=-2):
-            z = pyro.sample("z", dist.Normal(0.0, 1.0))
-            with pyro.plate("tokens", 2, dim=-1):
-                loc = z.unsqueeze(-1).expand(z.shape[:-1] + (2, 2))
-                pyro.sample("x", dist.MultivariateNormal(loc, torch.eye(2)), obs=x.reshape(-1, 2, 2))
-
-    Evidence(model)(torch.zeros(4, 4))
 
 
 @trigger("gaussian-observation-kind")

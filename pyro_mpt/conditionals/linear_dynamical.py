@@ -1,0 +1,104 @@
+r"""The Gaussian marginal of a ``dist.GaussianHMM`` (a linear dynamical system).
+
+Pyro's ``GaussianHMM`` is the model
+
+.. math::
+
+    z_{-1} \sim \mathcal N(m_0, S_0), \qquad
+    z_t = z_{t-1} A_t + w_t,\; w_t \sim \mathcal N(b_t, Q_t), \qquad
+    x_t = z_t C_t + v_t,\; v_t \sim \mathcal N(d_t, R_t)
+
+(row vectors, as Pyro writes it), with the hidden chain integrated out inside
+the distribution. With :math:`\varepsilon = (z_{-1}, w_0, \dots, w_{T-1})` and
+:math:`\Phi(s, t) = A_{s+1}\cdots A_t` (the identity when :math:`s = t`),
+:math:`x_t = \sum_{s \le t} \varepsilon_s \Phi(s, t) C_t + v_t`, so the
+:math:`T \cdot O` observed elements are jointly Gaussian:
+
+.. math::
+
+    \mathbb E[x_t] = \sum_{s \le t} \bar\varepsilon_s G_{ts} + d_t, \qquad
+    \operatorname{Cov}(x_t, x_u) = \sum_{s} G_{ts}^\top S_s G_{us} + \delta_{tu} R_t,
+    \qquad G_{ts} = \Phi(s, t) C_t,
+
+with :math:`S_s` the covariance of :math:`\varepsilon_s`. The Gaussian engine
+then answers every masked conditional of the sequence in closed form.
+
+The distribution keeps its factors in information form (precision and
+information vector over ``(old, new)`` pairs); the matrices, locations and
+covariances above are read back from those blocks: for a factor built from
+``matrix`` :math:`M` and noise :math:`\mathcal N(b, Q)`, the precision is
+:math:`\begin{pmatrix} M Q^{-1} M^\top & -M Q^{-1} \\ -Q^{-1} M^\top & Q^{-1}\end{pmatrix}`
+and the information vector :math:`(-M Q^{-1} b, Q^{-1} b)`; a diagonal noise
+is kept as :math:`M`, :math:`b` and the scales directly.
+"""
+
+import torch
+
+__all__ = ["gaussian_hmm_moments"]
+
+
+def _factor_parts(gaussian, left):
+    """``(M, b, Q)`` of a pair factor whose first ``left`` coordinates are the old state."""
+    if hasattr(gaussian, "matrix"):
+        # Pyro keeps a diagonal noise as matrix, loc and scale (an AffineNormal)
+        return gaussian.matrix, gaussian.loc, torch.diag_embed(gaussian.scale.pow(2))
+    P = gaussian.precision
+    P_xy, P_yy = P[..., :left, left:], P[..., left:, left:]
+    Q = torch.cholesky_inverse(torch.linalg.cholesky(P_yy))
+    M = -P_xy @ Q
+    b = (Q @ gaussian.info_vec[..., left:].unsqueeze(-1)).squeeze(-1)
+    return M, b, Q
+
+
+def _over_time(t, batch, T, event_ndim):
+    """``(..., T|1, *event)`` -> ``(*batch, T, *event)`` (a view)."""
+    return t.expand(batch + (T,) + t.shape[t.dim() - event_ndim :])
+
+
+def gaussian_hmm_moments(hmm, num_steps):
+    r"""Mean and covariance of the observations of a ``dist.GaussianHMM``.
+
+    :param pyro.distributions.GaussianHMM hmm: the distribution.
+    :param int num_steps: :math:`T`, the number of time steps of the data (a
+        homogeneous ``GaussianHMM`` has a free time dim).
+    :returns: ``(loc, covariance)`` of shapes ``(*batch_shape, T * O)`` and
+        ``(*batch_shape, T * O, T * O)``; element ``t * O + o`` is
+        :math:`x_{t, o}`.
+
+    Building the marginal loops over the :math:`T` steps once (products of
+    transition matrices, batched over the starting step); the conditionals
+    built on it are vectorized.
+
+    Example::
+
+        >>> loc, cov = gaussian_hmm_moments(hmm, 20)
+        >>> dist.MultivariateNormal(loc, cov).log_prob(x.reshape(-1, 20 * hmm.obs_dim))  # = hmm.log_prob(x)
+    """
+    H, O, T = hmm.hidden_dim, hmm.obs_dim, int(num_steps)
+    init = hmm._init
+    S0 = torch.cholesky_inverse(torch.linalg.cholesky(init.precision))
+    m0 = (S0 @ init.info_vec.unsqueeze(-1)).squeeze(-1)
+    A, b, Q = _factor_parts(hmm._trans, H)  # (..., T|1, H, H), (..., T|1, H), (..., T|1, H, H)
+    C, d, R = _factor_parts(hmm._obs, H)  # (..., T|1, H, O), (..., T|1, O), (..., T|1, O, O)
+    batch = torch.broadcast_shapes(hmm.batch_shape, A.shape[:-3], C.shape[:-3], m0.shape[:-1])
+
+    A, b, Q = (_over_time(t, batch, T, nd) for t, nd in ((A, 2), (b, 1), (Q, 2)))
+    C, d, R = (_over_time(t, batch, T, nd) for t, nd in ((C, 2), (d, 1), (R, 2)))
+    # Phi[..., s + 1] = Phi(s, t) for the current t, s = -1 .. T-1 (zero for s > t)
+    eye = torch.eye(H, dtype=A.dtype, device=A.device)
+    Phi = torch.zeros(batch + (T + 1, H, H), dtype=A.dtype, device=A.device)
+    Phi[..., 0, :, :] = eye  # Phi(-1, -1): the initial state itself
+    G = []
+    for t in range(T):
+        Phi = Phi @ A[..., t, None, :, :]
+        Phi = torch.cat([Phi[..., : t + 1, :, :], eye.expand(batch + (1, H, H)), Phi[..., t + 2 :, :, :]], -3)
+        G.append(Phi @ C[..., t, None, :, :])  # (..., T+1, H, O)
+    G = torch.stack(G, -4)  # (..., T, T+1, H, O)
+    mean_eps = torch.cat([m0.expand(batch + (H,)).unsqueeze(-2), b], -2)  # (..., T+1, H)
+    chol = torch.linalg.cholesky(torch.cat([S0.expand(batch + (H, H)).unsqueeze(-3), Q], -3))
+    loc = torch.einsum("...sh,...tsho->...to", mean_eps, G) + d
+    F = torch.einsum("...tsho,...shk->...tosk", G, chol).reshape(batch + (T * O, (T + 1) * H))
+    noise = (R.unsqueeze(-2) * torch.eye(T, dtype=R.dtype, device=R.device)[..., None, :, None]).reshape(
+        batch + (T * O, T * O)
+    )
+    return loc.reshape(batch + (T * O,)), F @ F.transpose(-1, -2) + noise
