@@ -2,6 +2,11 @@
 
 * No module imports another module's private (``_name``) names, at module level
   or inside a function: what modules share is public in the module that owns it.
+* No import cycle among pyro_mpt's modules. Imports inside functions count as
+  much as module-level ones: moving an import into a function hides a cycle
+  from Python's import machinery, not from the design. Imports run one way:
+  loss and evidence build on the engines (``conditionals``), which build on
+  the tokens (``sites``) and the schedules (``masks``).
 """
 
 import ast
@@ -75,3 +80,98 @@ def test_the_check_finds_a_private_import():
 def test_no_module_imports_another_modules_private_names():
     bad = _violations()
     assert not bad, "private names imported across modules (make them public where they belong):\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------------- import cycles
+def imported_modules(source, module, modules, is_package=False):
+    """``{imported module: first line}`` for every import of one of ``modules``, at any depth.
+
+    ``from m import x`` imports ``m.x`` when that is a module, else ``m``.
+
+    :param str source: the module's source.
+    :param str module: its dotted name (to resolve relative imports).
+    :param set modules: the dotted names of the package's modules.
+    :param bool is_package: it is a package's ``__init__``.
+    """
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
+        for target in targets:
+            if target in modules and target != module:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+def find_cycle(graph):
+    """One import cycle ``[m1, m2, ..., m1]`` of ``graph`` (``{module: {imported: line}}``), or None."""
+    state = {}  # 1: on the current path, 2: done
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt, path + [nxt])
+                if cycle:
+                    return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            cycle = visit(start, [start])
+            if cycle:
+                return cycle
+    return None
+
+
+def import_graph(sources):
+    """``{module: {imported module: line}}`` from ``{module: (source, is_package)}``."""
+    modules = set(sources)
+    return {m: imported_modules(src, m, modules, is_pkg) for m, (src, is_pkg) in sources.items()}
+
+
+def _package_sources():
+    return {
+        _module_name(p): (p.read_text(encoding="utf-8"), p.name == "__init__.py")
+        for p in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
+def test_the_check_finds_an_import_cycle_through_a_function_level_import():
+    sources = {
+        "pkg": ("from .evidence import Evidence\n", True),
+        "pkg.evidence": ("from .engines import quadrature\nfrom . import sites\n", False),
+        "pkg.engines": ("", True),
+        "pkg.engines.quadrature": ("import math\n\ndef f():\n    from ..evidence import Result\n", False),
+        "pkg.sites": ("import pkg.masks\n", False),
+        "pkg.masks": ("", False),
+    }
+    graph = import_graph(sources)
+    assert graph["pkg.evidence"] == {"pkg.engines.quadrature": 1, "pkg.sites": 2}
+    assert graph["pkg.engines.quadrature"] == {"pkg.evidence": 4}
+    assert graph["pkg.sites"] == {"pkg.masks": 1}
+    assert find_cycle(graph) == ["pkg.evidence", "pkg.engines.quadrature", "pkg.evidence"]
+    # without the function-level import the graph is acyclic
+    sources["pkg.engines.quadrature"] = ("import math\n", False)
+    assert find_cycle(import_graph(sources)) is None
+
+
+def test_no_import_cycle_among_pyro_mpt_modules():
+    graph = import_graph(_package_sources())
+    assert len(graph) > 20  # the scan sees the package
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle (module-level or inside a function): " + " -> ".join(
+        f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])
+    ) + f" -> {cycle[-1]}"
