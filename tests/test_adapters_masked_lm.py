@@ -155,7 +155,7 @@ def test_masked_head_matches_full_logits(tiny):
     texts = _texts(tok)
     fast = MaskedLMScorer(model, tok, head="masked", max_logits=7)  # tiny chunks of the head
     full = MaskedLMScorer(model, tok, head="full")
-    assert fast._encoder is not None and full._encoder is None
+    assert fast.forward.encoder is not None and full.forward.encoder is None
     rates = [0.1, 0.5, 0.9]
     np.testing.assert_allclose(
         fast.curve(texts, rates=rates, num_masks=2).per_item,

@@ -118,7 +118,7 @@ _EXCEPTION_NAME = re.compile(r"_?[A-Z]\w*(Error|Exception|Warning|NotApplicable|
 # Messages in pyro_mpt/ that no trigger produces, by "file::function": each guards an
 # invariant that user input does not reach (docs/errors.md, "Internal errors").
 INTERNAL = {
-    "adapters/masked_lm.py::MaskedLMScorer.score.make_jobs": "a MaskBlock type not wired into the adapter",
+    "adapters/mlm_jobs.py::schedule_jobs": "a MaskBlock type not wired into the adapter",
     "conditionals/base.py::ConditionalEngine.log_evidence": "the default of engines without log p(x)",
     "conditionals/quadrature_rules.py::effective_nodes": "the engine passes tensor grids only",
     "conditionals/gaussian.py::GaussianConditionals._factor_whole": "caught by the jitter rescue",

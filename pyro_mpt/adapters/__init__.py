@@ -11,7 +11,9 @@
 ``transformers`` is imported lazily: importing this package needs only torch.
 """
 
-from .masked_lm import Encoded, MaskedLMScorer, masked_lm_head
+from .masked_lm import MaskedLMScorer
+from .mlm_forward import masked_lm_head
+from .mlm_inputs import Encoded
 from .rates import PAPER_MAE_RATES, PAPER_MLM_RATES, RateCurve, parse_rates, rate_grid, table2_area
 from .vit_mae import MAEScorer
 

@@ -210,14 +210,14 @@ def load_masked_lm(name, tokenizer=None, random_init=False, lowercase=None, seed
     :param bool random_init: same config, freshly initialized weights (seeded).
     :param bool quiet: silence transformers' load report (:func:`quiet_transformers`).
     :raises ResourceUnavailable: at once when nothing can be reached.
-    :raises ValueError: when the tokenizer does not fit the model (:func:`~pyro_mpt.adapters.masked_lm.check_tokenizer`).
+    :raises ValueError: when the tokenizer does not fit the model (:func:`~pyro_mpt.adapters.mlm_inputs.check_tokenizer`).
     """
     if name == "antiberty":
         name, vocab = antiberty_paths()
         tokenizer = tokenizer or vocab
     from transformers import AutoModelForMaskedLM
 
-    from .masked_lm import check_tokenizer
+    from .mlm_inputs import check_tokenizer
 
     model, where, _ = _load_model(name, "model", _MODEL_HINT, AutoModelForMaskedLM.from_config,
                                   AutoModelForMaskedLM.from_pretrained, random_init, seed, quiet)

@@ -30,136 +30,25 @@ the expectation over uniform orderings of an order-specific log-likelihood:
 a lower bound (Jensen) on the log-likelihood of the *mixture over orderings*.
 It equals :math:`\log p(x)` only when the conditionals are consistent; it is
 not BERT's exact likelihood, which BERT does not define.
-"""
 
-import inspect
-import warnings
-from collections.abc import Mapping
-from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import List, Optional
+The scorer is assembled from three modules with one job each:
+:mod:`~pyro_mpt.adapters.mlm_inputs` (texts and ids into sequences),
+:mod:`~pyro_mpt.adapters.mlm_jobs` (which masked copies a query needs, packed
+into forward passes) and :mod:`~pyro_mpt.adapters.mlm_forward` (the forward
+pass and the head at the scored positions).
+"""
 
 import numpy as np
 import torch
 
-from ..masks import ChainBlock, MaskBlock, make_schedule
-from .batching import gather_rows, group_by_length, pack, place_model, shard
-from .rates import PAPER_MLM_RATES, check_rates, item_generator, item_seed, mask_counts, nested_ranks, rate_curve
+from ..masks import make_schedule
+from .batching import gather_rows, place_model, shard
+from .mlm_forward import MaskedForward
+from .mlm_inputs import check_tokenizer, encode_inputs
+from .mlm_jobs import pll_jobs, rate_jobs, run_jobs, schedule_jobs
+from .rates import PAPER_MLM_RATES, check_rates, item_generator, mask_counts, nested_ranks, rate_curve
 
-__all__ = ["MaskedLMScorer", "Encoded", "masked_lm_head", "check_tokenizer"]
-
-#: Masked-LM classes whose head can run on the masked positions alone:
-#: class name -> (encoder attribute, head attribute(s) applied in order).
-#: Each was checked against the class's ``forward`` (encoder output [0] -> head).
-_HEADS = {
-    "BertForMaskedLM": ("bert", ("cls",)),
-    "MegatronBertForMaskedLM": ("bert", ("cls",)),
-    "ErnieForMaskedLM": ("ernie", ("cls",)),
-    "RobertaForMaskedLM": ("roberta", ("lm_head",)),
-    "XLMRobertaForMaskedLM": ("roberta", ("lm_head",)),
-    "CamembertForMaskedLM": ("roberta", ("lm_head",)),
-    "RobertaPreLayerNormForMaskedLM": ("roberta_prelayernorm", ("lm_head",)),
-    "AlbertForMaskedLM": ("albert", ("predictions",)),
-    "EsmForMaskedLM": ("esm", ("lm_head",)),
-    "MPNetForMaskedLM": ("mpnet", ("lm_head",)),
-    "ElectraForMaskedLM": ("electra", ("generator_predictions", "generator_lm_head")),
-    "DistilBertForMaskedLM": (
-        "distilbert",
-        ("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector"),
-    ),
-}
-
-#: the masked-position head runs on a multiple of this many rows (see _target_log_probs)
-_HEAD_ROWS = 16
-
-_ROBERTA_LIKE = {"roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "longformer"}
-
-
-def masked_lm_head(model):
-    """Split a masked LM into ``(encoder, head)`` when its class is known.
-
-    ``encoder(**inputs)[0]`` gives hidden states ``(B, T, H)`` and ``head(h)``
-    maps hidden states ``(N, H)`` to logits ``(N, V)``, so the vocabulary
-    projection runs on the masked positions only. Returns ``None`` for other
-    classes, which then compute full logits.
-    """
-    spec = _HEADS.get(type(model).__name__)
-    if spec is None:
-        return None
-    enc_name, head_names = spec
-    encoder = getattr(model, enc_name, None)
-    heads = [getattr(model, h, None) for h in head_names]
-    if encoder is None or any(h is None for h in heads):
-        return None
-
-    def head(h):
-        for module in heads:
-            h = module(h)
-        return h
-
-    return encoder, head
-
-
-def _model_vocab_size(model):
-    emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    vocab = getattr(model.config, "vocab_size", None) or getattr(getattr(emb, "weight", None), "shape", [None])[0]
-    return int(vocab) if vocab else None
-
-
-def check_tokenizer(tokenizer, model):
-    """Refuse a tokenizer whose vocabulary does not fit the model's.
-
-    A tokenizer with more tokens than the model's vocabulary (``config.vocab_size``)
-    produces ids the embedding cannot look up; one with fewer than half of them is
-    not the model's -- typically the default tokenizer transformers builds from a
-    model directory without tokenizer files, which knows only the special tokens
-    and turns every word into the unknown token. Models pad their vocabulary by a
-    few entries at most, so the check does not refuse a matching pair.
-
-    :raises ValueError: naming both sizes and what to pass instead.
-    """
-    V = _model_vocab_size(model)
-    if tokenizer is None or V is None:
-        return
-    n = len(tokenizer)
-    if n > V or 2 * n < V:
-        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        why = "its ids would fall outside the embedding" if n > V else "it would turn most words into the unknown token"
-        raise ValueError(
-            f"The tokenizer {name!r} has {n} tokens but the model's vocabulary (config.vocab_size) has {V}: "
-            f"they do not belong together ({why}; "
-            f"a model directory without tokenizer files gets a default tokenizer that knows only the "
-            f"special tokens). Pass the model's tokenizer: tokenizer=AutoTokenizer.from_pretrained(...), "
-            f"or on the command line --tokenizer DIR (or a BERT vocab.txt file)."
-        )
-
-
-@dataclass
-class Encoded:
-    """Tokenized inputs, padding removed.
-
-    :param ids: per sequence, long ``(T_i,)`` token ids with special tokens.
-    :param token_type_ids: per sequence ``(T_i,)``, or None.
-    :param maskable: per sequence, long ``(L_i,)`` positions that may be masked
-        (not special, not padding).
-    :param word_ids: per sequence, long ``(L_i,)`` word index of each maskable
-        token (-1 unknown), unique across the segments of a sentence pair (word
-        indices restart in each segment; the segment is part of the key), or
-        None when the tokenizer gives no word boundaries.
-    """
-
-    ids: List[torch.Tensor]
-    token_type_ids: Optional[List[torch.Tensor]]
-    maskable: List[torch.Tensor]
-    word_ids: Optional[List[torch.Tensor]]
-
-    def __len__(self):
-        return len(self.ids)
-
-    @property
-    def lengths(self):
-        """Maskable tokens per sequence, ``(n,)`` numpy array."""
-        return np.array([m.numel() for m in self.maskable])
+__all__ = ["MaskedLMScorer"]
 
 
 class MaskedLMScorer:
@@ -170,7 +59,8 @@ class MaskedLMScorer:
     sequence with the masked tokens replaced by the tokenizer's mask token;
     copies of equal-length sequences are packed into forward passes of at most
     ``max_tokens`` tokens (no padding), the LM head runs only where a
-    log-probability is needed (for known architectures, :data:`_HEADS`), under
+    log-probability is needed (for known architectures,
+    :data:`~pyro_mpt.adapters.mlm_forward.HEADS`), under
     :func:`torch.inference_mode`. Masks come from per-sequence seeded
     generators, so the masks do not depend on ``max_tokens``, on the input order
     or on sharding, and the results do not either, to float rounding (other
@@ -238,8 +128,6 @@ class MaskedLMScorer:
         self.model, self.device, self.accelerator = place_model(model, device, accelerator)
         self.tokenizer = tokenizer
         self.max_tokens = int(max_tokens)
-        self.max_logits = int(max_logits)
-        self.bf16 = bool(bf16)
         self.text_column = text_column
         self.seed = seed
         self.progress = progress
@@ -261,288 +149,37 @@ class MaskedLMScorer:
                 )
             special_token_ids = tokenizer.all_special_ids
         self.special_token_ids = torch.tensor(sorted({int(i) for i in special_token_ids}), dtype=torch.long, device="cpu")
-
-        split = None if head == "full" else masked_lm_head(model)
-        if head == "masked" and split is None:
-            raise ValueError(
-                f'head="masked" is not available for {type(model).__name__}: its head is not in '
-                f'pyro_mpt.adapters.masked_lm._HEADS. Use head="auto" (full logits) instead.'
-            )
-        self._encoder, self._head = split if split is not None else (None, None)
+        #: the forward pass (:class:`~pyro_mpt.adapters.mlm_forward.MaskedForward`)
+        self.forward = MaskedForward(self.model, self.device, head=head, max_logits=max_logits, bf16=bf16)
         check_tokenizer(tokenizer, model)
-        self._vocab_size = _model_vocab_size(model) or 1
-        forward = (self._encoder or self.model).forward
-        self._takes_token_types = "token_type_ids" in inspect.signature(forward).parameters
-
-    # ------------------------------------------------------------------ inputs
-    def _max_length(self):
-        if self.max_length is not None:
-            return int(self.max_length)
-        limit = getattr(self.tokenizer, "model_max_length", None)
-        if limit is not None and limit < 1_000_000:
-            return int(limit)
-        return self._position_limit()
-
-    def _position_limit(self):
-        """The longest sequence the model's position embeddings take, or None."""
-        cfg = self.model.config
-        n = getattr(cfg, "max_position_embeddings", None)
-        if n is None:
-            return None
-        return int(n) - (2 if getattr(cfg, "model_type", "") in _ROBERTA_LIKE else 0)
-
-    def _pad_token_id(self):
-        """The padding id, when known: the tokenizer's, else the config's if it is a special id."""
-        if self.tokenizer is not None:
-            return getattr(self.tokenizer, "pad_token_id", None)
-        pad = getattr(self.model.config, "pad_token_id", None)
-        return pad if pad is not None and bool((self.special_token_ids == pad).any()) else None
 
     def encode(self, inputs, text_column=None):
-        """Normalize inputs into an :class:`Encoded` (padding removed).
+        """Normalize inputs into an :class:`~pyro_mpt.adapters.mlm_inputs.Encoded`
+        (padding removed); see :func:`~pyro_mpt.adapters.mlm_inputs.encode_inputs`.
 
         :param inputs: a list of strings; a list of ``(text, text_pair)``
             tuples; a mapping with ``input_ids`` (``(n, T)`` tensor or list of
             lists) and optionally ``attention_mask``, ``token_type_ids``,
             ``word_ids``; a ``datasets.Dataset`` with a text column (or pair of
-            columns); or an :class:`Encoded`.
+            columns); or an ``Encoded``.
         :param text_column: overrides the scorer's ``text_column``.
-        :rtype: Encoded
+        :rtype: ~pyro_mpt.adapters.mlm_inputs.Encoded
         """
-        if isinstance(inputs, Encoded):
-            return inputs
-        if hasattr(inputs, "column_names") and not isinstance(inputs, Mapping):
-            col = text_column or self.text_column
-            cols = [col] if isinstance(col, str) else list(col)
-            missing = [c for c in cols if c not in inputs.column_names]
-            if missing:
-                raise ValueError(
-                    f"text_column {missing} not in the dataset's columns {inputs.column_names}; "
-                    f"pass text_column='...' (or a pair of column names)."
-                )
-            texts = [inputs[c] for c in cols]
-            return self._tokenize(*texts)
-        if isinstance(inputs, Mapping):
-            if "input_ids" not in inputs:
-                raise ValueError(
-                    f"A mapping input needs 'input_ids' (and 'attention_mask' if padded); got keys {list(inputs)}."
-                )
-            return self._from_ids(inputs)
-        if isinstance(inputs, str):
-            raise TypeError("inputs must be a list of strings, not one string: wrap it as [text].")
-        inputs = list(inputs)
-        if not inputs:
-            raise ValueError("inputs is empty: pass at least one sequence.")
-        if all(isinstance(t, str) for t in inputs):
-            return self._tokenize(inputs)
-        if all(isinstance(t, (tuple, list)) and len(t) == 2 and all(isinstance(s, str) for s in t) for t in inputs):
-            return self._tokenize([t[0] for t in inputs], [t[1] for t in inputs])
-        raise TypeError(
-            "inputs must be a list of strings, a list of (text, text_pair) tuples, a mapping with "
-            "'input_ids', a datasets.Dataset, or an Encoded."
+        return encode_inputs(
+            inputs, tokenizer=self.tokenizer, config=self.model.config, special_token_ids=self.special_token_ids,
+            max_length=self.max_length, text_column=text_column or self.text_column,
         )
 
-    def _tokenize(self, texts, pairs=None):
-        if self.tokenizer is None:
-            raise ValueError("Text inputs need a tokenizer: MaskedLMScorer(model, tokenizer).")
-        max_len = self._max_length()
-        kw = dict(truncation=max_len is not None, max_length=max_len, return_attention_mask=True)
-        texts, pairs = list(texts), None if pairs is None else list(pairs)
-        enc = self.tokenizer(texts, pairs, **kw)
-        word_ids = None
-        if getattr(enc, "is_fast", False) or getattr(self.tokenizer, "is_fast", False):
-            try:
-                word_ids = [enc.word_ids(i) for i in range(len(enc["input_ids"]))]
-            except (ValueError, AttributeError):
-                word_ids = None
-        if max_len is not None:
-            full = [k for k, ids in enumerate(enc["input_ids"]) if len(ids) >= max_len]
-            if full:
-                # a sequence of exactly max_len tokens was cut only if it is longer without
-                # truncation: tokenize those few again with one more token of room
-                again = self.tokenizer(
-                    [texts[k] for k in full], None if pairs is None else [pairs[k] for k in full],
-                    truncation=True, max_length=max_len + 1,
-                )
-                cut = sum(len(ids) > max_len for ids in again["input_ids"])
-                if cut:
-                    warnings.warn(
-                        f"{cut} sequence(s) were longer than max_length={max_len} tokens and were truncated "
-                        f"to it; the scores are those of the truncated sequences."
-                    )
-        data = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-        if "token_type_ids" in enc:
-            data["token_type_ids"] = enc["token_type_ids"]
-        if word_ids is not None:
-            data["word_ids"] = word_ids
-        return self._from_ids(data, pretokenized=False)
-
-    def _from_ids(self, data, pretokenized=True):
-        ids = data["input_ids"]
-        n = len(ids)
-        attn = data.get("attention_mask")
-        types = data.get("token_type_ids")
-        words = data.get("word_ids")
-        out_ids, out_types, out_mask, out_words = [], [] if types is not None else None, [], []
-        pad = self._pad_token_id() if attn is None else None
-        # texts are truncated by the tokenizer; pre-tokenized ids must fit the model as given
-        limit = (int(self.max_length) if self.max_length is not None else self._position_limit()) if pretokenized else None
-        for i in range(n):
-            # inputs are kept on the host; each packed batch moves to the model's device
-            x = torch.as_tensor(ids[i], dtype=torch.long, device="cpu").reshape(-1)
-            if pad is not None and bool((x == pad).any()):
-                raise ValueError(
-                    f"input_ids[{i}] holds the padding token (id {pad}) {int((x == pad).sum())} time(s) but no "
-                    f"attention_mask was given, so the padding would be read as context. Pass "
-                    f"attention_mask (1 = token, 0 = padding) with padded input_ids, or remove the padding."
-                )
-            keep = torch.ones_like(x, dtype=torch.bool) if attn is None else torch.as_tensor(attn[i], device="cpu").reshape(-1).bool()
-            if keep.shape != x.shape:
-                raise ValueError(
-                    f"attention_mask[{i}] has {keep.numel()} entries but input_ids[{i}] has {x.numel()}; "
-                    f"give one mask entry per token (1 = keep, 0 = padding)."
-                )
-            x = x[keep]
-            if limit is not None and x.numel() > limit:
-                raise ValueError(
-                    f"input_ids[{i}] has {x.numel()} tokens (padding removed), more than the maximum of {limit} "
-                    f"the model takes ({'max_length' if self.max_length is not None else 'its max_position_embeddings'}); "
-                    f"truncate the ids to {limit} tokens, or pass the texts, which are truncated."
-                )
-            maskable = torch.nonzero(~torch.isin(x, self.special_token_ids)).reshape(-1)
-            if maskable.numel() == 0:
-                unk = getattr(self.tokenizer, "unk_token_id", None)
-                unknown = 0 if unk is None else int((x == unk).sum())
-                if unknown:
-                    raise ValueError(
-                        f"Sequence {i} has no maskable token: all its {unknown} token(s) are the unknown token "
-                        f"{self.tokenizer.unk_token!r}, so the tokenizer (vocabulary of {len(self.tokenizer)} tokens) "
-                        f"knows none of the text's symbols. Write the text as the vocabulary expects (e.g. a "
-                        f"protein model's residues separated by spaces and in upper case: 'E V Q L', not 'EVQL' "
-                        f"or 'e v q l'), and check that the tokenizer is the model's."
-                    )
-                raise ValueError(
-                    f"Sequence {i} has no maskable token (only special tokens or padding); remove it."
-                )
-            out_ids.append(x)
-            out_mask.append(maskable)
-            if types is not None:
-                out_types.append(torch.as_tensor(types[i], dtype=torch.long, device="cpu").reshape(-1)[keep])
-            if words is not None:
-                w = torch.tensor([-1 if v is None else int(v) for v in words[i]], dtype=torch.long, device="cpu")[keep]
-                # word indices restart in the second segment of a pair; segments are separated by
-                # tokens without a word (CLS, SEP), so (tokens without a word so far, word index)
-                # identifies a word across segments
-                segment = torch.cumsum(w < 0, 0)
-                key = torch.where(w >= 0, segment * (int(w.max()) + 1) + w, -1)
-                out_words.append(key[maskable])
-        return Encoded(out_ids, out_types, out_mask, out_words if words is not None else None)
-
-    # ------------------------------------------------------------- forward
-    def _autocast(self):
-        if not self.bf16:
-            return nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-
-    def _target_log_probs(self, inp, sel, targets, types):
-        """Log-probabilities of ``targets`` at positions ``sel`` of masked inputs.
-
-        :param inp: long ``(B, T)`` masked input ids (on device).
-        :param sel: bool ``(B, T)``, positions to score.
-        :param targets: long ``(N,)`` true ids at ``sel`` (row-major order).
-        :returns: float ``(N,)``.
-        """
-        kw = {"input_ids": inp, "attention_mask": torch.ones_like(inp)}
-        if types is not None and self._takes_token_types:
-            kw["token_type_ids"] = types
-        out = []
-        with self._autocast():
-            if self._encoder is not None:
-                hidden = self._encoder(**kw)[0][sel]
-                # bound the (positions, vocabulary) logits held at once
-                step = max(_HEAD_ROWS, self.max_logits // self._vocab_size // _HEAD_ROWS * _HEAD_ROWS)
-                for start in range(0, hidden.shape[0], step):
-                    h = hidden[start : start + step]
-                    n = h.shape[0]
-                    # BLAS picks kernels (and rounding) by row count; padding the rows to a
-                    # multiple of _HEAD_ROWS keeps the head's shapes, hence most of its rounding,
-                    # independent of the batch (the encoder's shapes still vary with it)
-                    pad = -n % _HEAD_ROWS
-                    if pad:
-                        h = torch.cat([h, h[:1].expand(pad, -1)])
-                    logits = self._head(h)[:n]
-                    out.append(self._gather(logits, targets[start : start + step]))
-            else:
-                logits = self.model(**kw).logits
-                out.append(self._gather(logits[sel], targets))
-        return torch.cat(out) if out else torch.zeros(0, device=inp.device)
-
-    @staticmethod
-    def _gather(logits, targets):
-        return logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
-
     def _run(self, enc, items, make_jobs, desc):
-        """Weighted log-probability sums of masked copies.
-
-        :param items: indices of the sequences to score.
-        :param callable make_jobs: ``make_jobs(i) -> (mask, weight)``, bool and
-            float ``(J, L_i)`` over sequence ``i``'s maskable tokens: one masked
-            copy per row.
-        :returns: dict ``i -> (J,)`` float64 tensor of
-            :math:`\\sum_j w_j \\log p(x_j \\mid x_{\\mathcal R})` over the masked
-            positions of each copy.
-        """
+        """:func:`~pyro_mpt.adapters.mlm_jobs.run_jobs` with this scorer's model, budget and progress bar."""
         from tqdm.auto import tqdm
 
-        jobs, results = {}, {}
-
-        def num_jobs(i):
-            jobs[i] = make_jobs(i)
-            results[i] = torch.zeros(jobs[i][0].shape[0], dtype=torch.float64, device="cpu")
-            return jobs[i][0].shape[0]
-
-        groups = group_by_length(items, [x.numel() for x in enc.ids])
         main = self.accelerator is None or self.accelerator.is_local_main_process
         bar = tqdm(desc=desc, unit="copy", disable=not (self.progress and main))
-        with torch.inference_mode():
-            for T, pieces in pack(groups, num_jobs, self.max_tokens):
-                B = sum(stop - start for _, start, stop in pieces)
-                # packed on the host, moved to the model's device in one copy per batch
-                ids = torch.empty((B, T), dtype=torch.long, device="cpu")
-                masked = torch.zeros((B, T), dtype=torch.bool, device="cpu")
-                weight = torch.zeros((B, T), dtype=torch.float64, device="cpu")
-                types = None if enc.token_type_ids is None else torch.empty((B, T), dtype=torch.long, device="cpu")
-                r = 0
-                for i, start, stop in pieces:
-                    m, w = jobs[i]
-                    j = stop - start
-                    pos = enc.maskable[i]
-                    ids[r : r + j] = enc.ids[i]
-                    masked[r : r + j, pos] = m[start:stop]
-                    weight[r : r + j, pos] = w[start:stop]
-                    if types is not None:
-                        types[r : r + j] = enc.token_type_ids[i]
-                    r += j
-                # a masked position with zero weight is context-free noise: no head needed
-                sel = masked & (weight != 0)
-                targets = ids[sel]
-                inp = ids.masked_fill(masked, self.mask_token_id)
-                dev = self.device
-                lp = self._target_log_probs(
-                    inp.to(dev), sel.to(dev), targets.to(dev), None if types is None else types.to(dev)
-                )
-                row = torch.nonzero(sel)[:, 0]
-                sums = torch.zeros(B, dtype=torch.float64, device="cpu").index_add_(0, row, lp.double().cpu() * weight[sel])
-                r = 0
-                for i, start, stop in pieces:
-                    j = stop - start
-                    results[i][start:stop] = sums[r : r + j]
-                    r += j
-                    if stop == jobs[i][0].shape[0]:
-                        del jobs[i]
-                bar.update(B)
-        bar.close()
-        return results
+        try:
+            return run_jobs(enc, items, make_jobs, self.forward, self.mask_token_id, self.max_tokens, bar)
+        finally:
+            bar.close()
 
     def _seed(self, seed):
         return self.seed if seed is None else seed
@@ -602,16 +239,13 @@ class MaskedLMScorer:
 
         def make_jobs(i):
             ranks = nested_ranks(item_generator(seed, i), K, int(lengths[i]))
-            sizes, inverse = torch.unique(counts[i], return_inverse=True)
-            plan[i] = (sizes.numel(), inverse)
-            mask = ranks[:, None, :] < sizes[None, :, None]  # (K, U, L)
-            weight = mask.double() / sizes[None, :, None].double()
-            return mask.reshape(-1, ranks.shape[-1]), weight.reshape(-1, ranks.shape[-1])
+            mask, weight, plan[i] = rate_jobs(ranks, counts[i])
+            return mask, weight
 
         items = shard(len(enc), self.accelerator)
         res = self._run(enc, items, make_jobs, "MPT curve")
         rows = torch.stack(
-            [res[i].view(K, plan[i][0])[:, plan[i][1]].T for i in items]
+            [res[i].view(K, -1)[:, plan[i]].T for i in items]
         ) if items else torch.zeros((0, len(rates), K), dtype=torch.float64, device="cpu")
         values = gather_rows(rows, items, len(enc), self.accelerator)
         return rate_curve(values, rates, lengths, label=label)
@@ -645,29 +279,7 @@ class MaskedLMScorer:
         lengths = enc.lengths
 
         def make_jobs(i):
-            L = int(lengths[i])
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(item_seed(seed, i))
-                blocks = list(schedule.blocks(1, L, max_elements=max(2**22, 4 * L * L), device="cpu"))
-            masks_, weights = [], []
-            for b in blocks:
-                if isinstance(b, MaskBlock):
-                    m = b.mask[:, 0, :]
-                    w = b.weight.double().reshape(-1) / b.size.double().reshape(-1)
-                    masks_.append(m)
-                    weights.append(m.double() * w[:, None])
-                elif isinstance(b, ChainBlock):
-                    order = b.order[:, 0, :]  # (p, L)
-                    rank = order.argsort(-1)  # position of each token in its ordering
-                    t = torch.arange(L, device="cpu")
-                    m = rank[:, None, :] <= t[None, :, None]  # (p, t, L): tokens pi_0..pi_t masked
-                    w = torch.zeros(order.shape[0], L, L, dtype=torch.float64, device="cpu")
-                    w.scatter_(2, order[:, :, None], b.weight.double().reshape(-1, 1, 1).expand(-1, L, 1))
-                    masks_.append(m.reshape(-1, L))
-                    weights.append(w.reshape(-1, L))
-                else:  # pragma: no cover - new block types must be wired here
-                    raise TypeError(f"Unsupported block type {type(b).__name__}.")
-            return torch.cat(masks_), torch.cat(weights)
+            return schedule_jobs(schedule, seed, i, int(lengths[i]))
 
         items = shard(len(enc), self.accelerator)
         res = self._run(enc, items, make_jobs, f"MPT score ({masks})")
@@ -699,14 +311,7 @@ class MaskedLMScorer:
         lengths = enc.lengths
 
         def make_jobs(i):
-            L = int(lengths[i])
-            eye = torch.eye(L, dtype=torch.bool, device="cpu")
-            mask = eye
-            if word_l2r:
-                w = enc.word_ids[i]
-                same = (w[:, None] == w[None, :]) & (w[:, None] >= 0)
-                mask = eye | (same & torch.ones(L, L, dtype=torch.bool, device="cpu").triu(1))
-            return mask, eye.double()
+            return pll_jobs(int(lengths[i]), enc.word_ids[i] if word_l2r else None)
 
         items = shard(len(enc), self.accelerator)
         res = self._run(enc, items, make_jobs, "PLL")

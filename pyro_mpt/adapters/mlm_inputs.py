@@ -1,0 +1,272 @@
+"""Inputs of a masked LM: texts, sentence pairs, pre-tokenized ids or datasets
+normalized into :class:`Encoded` sequences (padding removed, maskable positions
+and word boundaries known), and the check that a tokenizer belongs to a model.
+
+:func:`encode_inputs` is what :meth:`MaskedLMScorer.encode
+<pyro_mpt.adapters.masked_lm.MaskedLMScorer.encode>` runs. Sequences stay on the
+host; the scorer moves each packed batch to the model's device.
+"""
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["Encoded", "encode_inputs", "check_tokenizer", "model_vocab_size", "position_limit"]
+
+# these model types reserve two positions (padding offset) of max_position_embeddings
+_ROBERTA_LIKE = {"roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "longformer"}
+
+
+@dataclass
+class Encoded:
+    """Tokenized inputs, padding removed.
+
+    :param ids: per sequence, long ``(T_i,)`` token ids with special tokens.
+    :param token_type_ids: per sequence ``(T_i,)``, or None.
+    :param maskable: per sequence, long ``(L_i,)`` positions that may be masked
+        (not special, not padding).
+    :param word_ids: per sequence, long ``(L_i,)`` word index of each maskable
+        token (-1 unknown), unique across the segments of a sentence pair (word
+        indices restart in each segment; the segment is part of the key), or
+        None when the tokenizer gives no word boundaries.
+    """
+
+    ids: List[torch.Tensor]
+    token_type_ids: Optional[List[torch.Tensor]]
+    maskable: List[torch.Tensor]
+    word_ids: Optional[List[torch.Tensor]]
+
+    def __len__(self):
+        return len(self.ids)
+
+    @property
+    def lengths(self):
+        """Maskable tokens per sequence, ``(n,)`` numpy array."""
+        return np.array([m.numel() for m in self.maskable])
+
+
+def model_vocab_size(model):
+    """The model's vocabulary size (``config.vocab_size``, else the rows of its
+    output embedding), or None when neither is known."""
+    emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocab = getattr(model.config, "vocab_size", None) or getattr(getattr(emb, "weight", None), "shape", [None])[0]
+    return int(vocab) if vocab else None
+
+
+def check_tokenizer(tokenizer, model):
+    """Refuse a tokenizer whose vocabulary does not fit the model's.
+
+    A tokenizer with more tokens than the model's vocabulary (``config.vocab_size``)
+    produces ids the embedding cannot look up; one with fewer than half of them is
+    not the model's -- typically the default tokenizer transformers builds from a
+    model directory without tokenizer files, which knows only the special tokens
+    and turns every word into the unknown token. Models pad their vocabulary by a
+    few entries at most, so the check does not refuse a matching pair.
+
+    :raises ValueError: naming both sizes and what to pass instead.
+    """
+    V = model_vocab_size(model)
+    if tokenizer is None or V is None:
+        return
+    n = len(tokenizer)
+    if n > V or 2 * n < V:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        why = "its ids would fall outside the embedding" if n > V else "it would turn most words into the unknown token"
+        raise ValueError(
+            f"The tokenizer {name!r} has {n} tokens but the model's vocabulary (config.vocab_size) has {V}: "
+            f"they do not belong together ({why}; "
+            f"a model directory without tokenizer files gets a default tokenizer that knows only the "
+            f"special tokens). Pass the model's tokenizer: tokenizer=AutoTokenizer.from_pretrained(...), "
+            f"or on the command line --tokenizer DIR (or a BERT vocab.txt file)."
+        )
+
+
+def position_limit(config):
+    """The longest sequence the model's position embeddings take, or None."""
+    n = getattr(config, "max_position_embeddings", None)
+    if n is None:
+        return None
+    return int(n) - (2 if getattr(config, "model_type", "") in _ROBERTA_LIKE else 0)
+
+
+def encode_inputs(inputs, *, tokenizer, config, special_token_ids, max_length=None, text_column="text"):
+    """Normalize inputs into an :class:`Encoded` (padding removed).
+
+    :param inputs: a list of strings; a list of ``(text, text_pair)`` tuples; a
+        mapping with ``input_ids`` (``(n, T)`` tensor or list of lists) and
+        optionally ``attention_mask``, ``token_type_ids``, ``word_ids``; a
+        ``datasets.Dataset`` with a text column (or pair of columns); or an
+        :class:`Encoded` (returned as is).
+    :param tokenizer: needed for text inputs; may be None for ids.
+    :param config: the model's ``config`` (position limit, padding id).
+    :param special_token_ids: long tensor of the ids never masked nor scored.
+    :param int max_length: truncate texts to (and refuse ids longer than) this
+        many tokens; default the tokenizer's ``model_max_length``, else the
+        model's position limit.
+    :param text_column: column (or pair of columns) of a ``datasets.Dataset``.
+    :rtype: Encoded
+
+    Example::
+
+        >>> enc = encode_inputs(["a b c"], tokenizer=tok, config=model.config,
+        ...                     special_token_ids=torch.tensor(tok.all_special_ids))
+        >>> enc.lengths
+        array([3])
+    """
+    if isinstance(inputs, Encoded):
+        return inputs
+    source = _Source(tokenizer, config, special_token_ids, max_length)
+    if hasattr(inputs, "column_names") and not isinstance(inputs, Mapping):
+        cols = [text_column] if isinstance(text_column, str) else list(text_column)
+        missing = [c for c in cols if c not in inputs.column_names]
+        if missing:
+            raise ValueError(
+                f"text_column {missing} not in the dataset's columns {inputs.column_names}; "
+                f"pass text_column='...' (or a pair of column names)."
+            )
+        texts = [inputs[c] for c in cols]
+        return source.tokenize(*texts)
+    if isinstance(inputs, Mapping):
+        if "input_ids" not in inputs:
+            raise ValueError(
+                f"A mapping input needs 'input_ids' (and 'attention_mask' if padded); got keys {list(inputs)}."
+            )
+        return source.from_ids(inputs)
+    if isinstance(inputs, str):
+        raise TypeError("inputs must be a list of strings, not one string: wrap it as [text].")
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("inputs is empty: pass at least one sequence.")
+    if all(isinstance(t, str) for t in inputs):
+        return source.tokenize(inputs)
+    if all(isinstance(t, (tuple, list)) and len(t) == 2 and all(isinstance(s, str) for s in t) for t in inputs):
+        return source.tokenize([t[0] for t in inputs], [t[1] for t in inputs])
+    raise TypeError(
+        "inputs must be a list of strings, a list of (text, text_pair) tuples, a mapping with "
+        "'input_ids', a datasets.Dataset, or an Encoded."
+    )
+
+
+class _Source:
+    """What turning texts or ids into :class:`Encoded` needs to know of the model."""
+
+    def __init__(self, tokenizer, config, special_token_ids, max_length):
+        self.tokenizer = tokenizer
+        self.config = config
+        self.special_token_ids = special_token_ids
+        self.max_length = max_length
+
+    def text_limit(self):
+        if self.max_length is not None:
+            return int(self.max_length)
+        limit = getattr(self.tokenizer, "model_max_length", None)
+        if limit is not None and limit < 1_000_000:
+            return int(limit)
+        return position_limit(self.config)
+
+    def pad_token_id(self):
+        """The padding id, when known: the tokenizer's, else the config's if it is a special id."""
+        if self.tokenizer is not None:
+            return getattr(self.tokenizer, "pad_token_id", None)
+        pad = getattr(self.config, "pad_token_id", None)
+        return pad if pad is not None and bool((self.special_token_ids == pad).any()) else None
+
+    def tokenize(self, texts, pairs=None):
+        if self.tokenizer is None:
+            raise ValueError("Text inputs need a tokenizer: MaskedLMScorer(model, tokenizer).")
+        max_len = self.text_limit()
+        kw = dict(truncation=max_len is not None, max_length=max_len, return_attention_mask=True)
+        texts, pairs = list(texts), None if pairs is None else list(pairs)
+        enc = self.tokenizer(texts, pairs, **kw)
+        word_ids = None
+        if getattr(enc, "is_fast", False) or getattr(self.tokenizer, "is_fast", False):
+            try:
+                word_ids = [enc.word_ids(i) for i in range(len(enc["input_ids"]))]
+            except (ValueError, AttributeError):
+                word_ids = None
+        if max_len is not None:
+            full = [k for k, ids in enumerate(enc["input_ids"]) if len(ids) >= max_len]
+            if full:
+                # a sequence of exactly max_len tokens was cut only if it is longer without
+                # truncation: tokenize those few again with one more token of room
+                again = self.tokenizer(
+                    [texts[k] for k in full], None if pairs is None else [pairs[k] for k in full],
+                    truncation=True, max_length=max_len + 1,
+                )
+                cut = sum(len(ids) > max_len for ids in again["input_ids"])
+                if cut:
+                    warnings.warn(
+                        f"{cut} sequence(s) were longer than max_length={max_len} tokens and were truncated "
+                        f"to it; the scores are those of the truncated sequences."
+                    )
+        data = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+        if "token_type_ids" in enc:
+            data["token_type_ids"] = enc["token_type_ids"]
+        if word_ids is not None:
+            data["word_ids"] = word_ids
+        return self.from_ids(data, pretokenized=False)
+
+    def from_ids(self, data, pretokenized=True):
+        ids = data["input_ids"]
+        n = len(ids)
+        attn = data.get("attention_mask")
+        types = data.get("token_type_ids")
+        words = data.get("word_ids")
+        out_ids, out_types, out_mask, out_words = [], [] if types is not None else None, [], []
+        pad = self.pad_token_id() if attn is None else None
+        # texts are truncated by the tokenizer; pre-tokenized ids must fit the model as given
+        limit = (int(self.max_length) if self.max_length is not None else position_limit(self.config)) if pretokenized else None
+        for i in range(n):
+            # inputs are kept on the host; each packed batch moves to the model's device
+            x = torch.as_tensor(ids[i], dtype=torch.long, device="cpu").reshape(-1)
+            if pad is not None and bool((x == pad).any()):
+                raise ValueError(
+                    f"input_ids[{i}] holds the padding token (id {pad}) {int((x == pad).sum())} time(s) but no "
+                    f"attention_mask was given, so the padding would be read as context. Pass "
+                    f"attention_mask (1 = token, 0 = padding) with padded input_ids, or remove the padding."
+                )
+            keep = torch.ones_like(x, dtype=torch.bool) if attn is None else torch.as_tensor(attn[i], device="cpu").reshape(-1).bool()
+            if keep.shape != x.shape:
+                raise ValueError(
+                    f"attention_mask[{i}] has {keep.numel()} entries but input_ids[{i}] has {x.numel()}; "
+                    f"give one mask entry per token (1 = keep, 0 = padding)."
+                )
+            x = x[keep]
+            if limit is not None and x.numel() > limit:
+                raise ValueError(
+                    f"input_ids[{i}] has {x.numel()} tokens (padding removed), more than the maximum of {limit} "
+                    f"the model takes ({'max_length' if self.max_length is not None else 'its max_position_embeddings'}); "
+                    f"truncate the ids to {limit} tokens, or pass the texts, which are truncated."
+                )
+            maskable = torch.nonzero(~torch.isin(x, self.special_token_ids)).reshape(-1)
+            if maskable.numel() == 0:
+                unk = getattr(self.tokenizer, "unk_token_id", None)
+                unknown = 0 if unk is None else int((x == unk).sum())
+                if unknown:
+                    raise ValueError(
+                        f"Sequence {i} has no maskable token: all its {unknown} token(s) are the unknown token "
+                        f"{self.tokenizer.unk_token!r}, so the tokenizer (vocabulary of {len(self.tokenizer)} tokens) "
+                        f"knows none of the text's symbols. Write the text as the vocabulary expects (e.g. a "
+                        f"protein model's residues separated by spaces and in upper case: 'E V Q L', not 'EVQL' "
+                        f"or 'e v q l'), and check that the tokenizer is the model's."
+                    )
+                raise ValueError(
+                    f"Sequence {i} has no maskable token (only special tokens or padding); remove it."
+                )
+            out_ids.append(x)
+            out_mask.append(maskable)
+            if types is not None:
+                out_types.append(torch.as_tensor(types[i], dtype=torch.long, device="cpu").reshape(-1)[keep])
+            if words is not None:
+                w = torch.tensor([-1 if v is None else int(v) for v in words[i]], dtype=torch.long, device="cpu")[keep]
+                # word indices restart in the second segment of a pair; segments are separated by
+                # tokens without a word (CLS, SEP), so (tokens without a word so far, word index)
+                # identifies a word across segments
+                segment = torch.cumsum(w < 0, 0)
+                key = torch.where(w >= 0, segment * (int(w.max()) + 1) + w, -1)
+                out_words.append(key[maskable])
+        return Encoded(out_ids, out_types, out_mask, out_words if words is not None else None)
