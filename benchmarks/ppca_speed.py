@@ -97,7 +97,6 @@ class Replay(MaskSchedule):
         super().__init__(like.num_masks, share_masks=like.share_masks)
         self._blocks = blocks
         self.covers_all_sizes = like.covers_all_sizes
-        self.unbiased = like.unbiased
 
     def blocks(self, n, D, *, max_elements=CHUNK, device=None):
         self.check(D)

@@ -17,32 +17,20 @@ in a subsampled ``pyro.plate`` of size ``N`` and batch ``B``, times any
 full-data loss whenever the schedule is unbiased.
 """
 
-import functools
-import inspect
-
 import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
 from pyro.util import warn_if_nan
-from tqdm.auto import tqdm
 
 from .conditionals import auto_engine, make_engine
 from .conditionals.base import EngineNotApplicable
 from .curve import CurveAccumulator
+from .estimate import mpt_estimate
 from .guide_checks import check_guide_sites
 from .masks import MaskSchedule, make_schedule
 from .sites import trace_tokens
 
 __all__ = ["MaskedPretrainingLoss"]
-
-
-@functools.lru_cache(maxsize=None)
-def _accepts_observed(blocks):
-    """Whether a schedule's ``blocks`` function takes ``observed=`` (by name or ``**kwargs``)."""
-    return any(
-        p.name == "observed" or p.kind is inspect.Parameter.VAR_KEYWORD
-        for p in inspect.signature(blocks).parameters.values()
-    )
 
 
 class MaskedPretrainingLoss(ELBO):
@@ -178,30 +166,11 @@ class MaskedPretrainingLoss(ELBO):
         return tokens, engine, state
 
     def _estimate(self, schedule, tokens, engine, state, accumulator=None, desc=None):
-        """Per-datapoint estimate of :math:`\\log p(x_i)`, shape ``(n,)``."""
-        x = tokens.value
-        n, D = x.shape
-        schedule.check(D)
-        extra = {}
-        if tokens.observed is not None:
-            # checked once per blocks function (the class's, for bound methods)
-            if not _accepts_observed(getattr(schedule.blocks, "__func__", schedule.blocks)):
-                raise ValueError(
-                    f"Observed site {tokens.name!r} has missing (masked) tokens, but the "
-                    f"mask schedule {schedule!r} takes no observed= argument to leave them "
-                    f"out; use a built-in schedule, or impute the missing tokens."
-                )
-            extra["observed"] = tokens.observed
-        blocks = schedule.blocks(n, D, max_elements=self.chunk_size, device=x.device, **extra)
-        if desc is not None and self.progress:
-            blocks = tqdm(blocks, desc=desc, leave=False)
-        estimate = x.new_zeros(n)
-        for block in blocks:
-            shat, size, weight = block.evaluate(engine, state, x, per_size=accumulator is not None)
-            estimate = estimate + (weight * shat).sum(0)
-            if accumulator is not None:
-                accumulator.add(shat, size)
-        return estimate
+        """Per-datapoint estimate of :math:`\\log p(x_i)`, shape ``(n,)`` (see :func:`~pyro_mpt.estimate.mpt_estimate`)."""
+        progress = desc if self.progress else None
+        return mpt_estimate(
+            schedule, tokens, engine, state, max_elements=self.chunk_size, accumulator=accumulator, progress=progress
+        )
 
     # ------------------------------------------------------------------ Pyro's ELBO contract
     def _get_trace(self, model, guide, args, kwargs):

@@ -29,6 +29,8 @@ so that any schedule runs in bounded memory with any engine:
 
 Within a block, the term at size :math:`M` is an unbiased estimate of
 :math:`S(x; M)`, which is what :class:`~pyro_mpt.curve.MPTCurve` averages.
+A schedule only says which queries and which weights; running them through
+an engine is :func:`~pyro_mpt.estimate.mpt_estimate`'s job.
 
 **Missing tokens.** With ``observed=`` (bool ``(n, D)``, from a masked
 observation), datapoint :math:`i` has :math:`D_i` observed tokens and
@@ -87,28 +89,6 @@ class MaskBlock:
     context: Optional[torch.Tensor] = None
     gain: Optional[torch.Tensor] = None
 
-    def evaluate(self, engine, state, x, per_size=False):
-        r"""Per-query scores :math:`\hat S_q`, sizes and weights, each ``(q, n)``.
-
-        ``per_size`` is accepted for symmetry with :class:`ChainBlock`; mask
-        queries always come one size per query.
-        """
-        n = x.shape[0]
-        if self.context is None:
-            sums = engine.mask_sums(state, x, self.mask)  # (q, n)
-        else:
-            # tokens outside the context (missing ones) go to the engine as masked,
-            # so that none is conditioned on, and are left out of the sums
-            logc = engine.mask_log_prob(state, x, self.mask | ~self.context)
-            zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
-            sums = torch.where(self.mask, logc, zero).sum(-1)
-        shat = sums / self.size.to(sums.dtype).clamp_min(1)
-        if self.gain is not None:
-            gain = self.gain.to(sums.dtype)
-            shat = torch.where(gain > 0, shat * gain, torch.zeros((), dtype=shat.dtype, device=shat.device))
-        q = shat.shape[0]
-        return shat, self.size.expand(q, n), self.weight.to(sums.dtype).expand(q, n)
-
 
 @dataclass
 class ChainBlock:
@@ -125,50 +105,6 @@ class ChainBlock:
     order: torch.Tensor
     weight: torch.Tensor
     observed: Optional[torch.Tensor] = None
-
-    def evaluate(self, engine, state, x, per_size=False):
-        """Scores, sizes and weights of the block's queries.
-
-        With ``per_size`` (needed for curves) every position ``t`` is a query of
-        size ``t + 1`` and the result has ``p * D`` rows; otherwise each
-        ordering's chain-rule sum is one row of size D, which lets an engine use
-        a cheaper path for the sum (:meth:`ConditionalEngine.chain_sums`).
-        """
-        n, D = x.shape
-        p = self.order.shape[0]
-        if self.observed is not None:
-            return self._evaluate_missing(engine, state, x, per_size)
-        if not per_size:
-            sums = engine.chain_sums(state, x, self.order)  # (p, n)
-            size = torch.full((p, n), D, device=x.device)
-            return sums, size, self.weight.to(sums.dtype).expand(p, n)
-        logc = engine.chain_log_prob(state, x, self.order)  # (p, n, D) by position
-        shat = logc.permute(0, 2, 1).reshape(p * D, n)
-        size = torch.arange(1, D + 1, device=x.device).repeat(p)[:, None].expand(p * D, n)
-        weight = self.weight.to(logc.dtype).expand(p, n).repeat_interleave(D, dim=0)
-        return shat, size, weight
-
-    def _evaluate_missing(self, engine, state, x, per_size):
-        # the first m positions of each ordering hold the m missing tokens:
-        # their terms are dropped, and position t >= m of the rest is a query of
-        # size t + 1 - m; the dropped positions stand for sizes D_i + 1..D, where
-        # S(x_i; M) = 0
-        n, D = x.shape
-        p = self.order.shape[0]
-        m = (~self.observed).sum(-1, keepdim=True).to(x.device)  # (n, 1) missing tokens
-        if not per_size:
-            # the sum over the observed targets is log p(x_O) for exact engines,
-            # which chain_sums may compute without the per-position terms
-            sums = engine.chain_sums(state, x, self.order, observed=self.observed)  # (p, n)
-            return sums, (D - m[:, 0]).expand(p, n), self.weight.to(sums.dtype).expand(p, n)
-        pos = torch.arange(D, device=x.device)
-        valid = pos >= m  # (n, D)
-        logc = engine.chain_log_prob(state, x, self.order)  # (p, n, D)
-        logc = torch.where(valid, logc, torch.zeros((), dtype=logc.dtype, device=logc.device))
-        weight = self.weight.to(logc.dtype).expand(p, n)
-        shat = logc.permute(0, 2, 1).reshape(p * D, n)
-        size = torch.where(valid, pos + 1 - m, D - pos).T.repeat(p, 1)  # (p * D, n)
-        return shat, size, weight.repeat_interleave(D, dim=0)
 
 
 def _random_order(shape, device, observed=None):
@@ -235,8 +171,6 @@ class MaskSchedule:
 
     #: True when every mask size M = 1..D gets queries (so a curve is complete).
     covers_all_sizes = False
-    #: True when the estimate is unbiased for :math:`\log p(x)`.
-    unbiased = True
 
     def __init__(self, num_masks=1, *, share_masks=False):
         if isinstance(num_masks, bool) or not isinstance(num_masks, int) or num_masks < 1:
@@ -262,7 +196,9 @@ class MaskSchedule:
         :param int max_elements: bound on ``q * n * D`` per block.
         :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens;
             None when none is missing (see the module docstring). Masks are
-            then drawn per datapoint, whatever ``share_masks`` says.
+            then drawn per datapoint, whatever ``share_masks`` says. Part of
+            the contract: every schedule takes it, and a schedule whose
+            ``blocks`` does not is refused when tokens are missing.
         """
         raise NotImplementedError
 
@@ -536,8 +472,6 @@ class PseudoLikelihood(MaskSchedule):
         >>> MaskedPretrainingLoss(masks="pll").score(model, None, x)  # (N,) PLL per datapoint
     """
 
-    unbiased = False
-
     def __init__(self, num_masks=1, *, share_masks=True):
         super().__init__(num_masks, share_masks=True)
 
@@ -581,8 +515,6 @@ class FixedRate(MaskSchedule):
 
     :param float rate: the masking rate, in (0, 1).
     """
-
-    unbiased = False
 
     def __init__(self, rate, num_masks=1, *, share_masks=False):
         super().__init__(num_masks, share_masks=share_masks)

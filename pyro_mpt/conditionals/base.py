@@ -62,16 +62,8 @@ class ConditionalEngine(ABC):
         further to stay under it.
     """
 
-    #: name used by ``conditionals=<name>``
-    name = None
-
     def __init__(self, *, max_elements=2**24):
         self.max_elements = int(max_elements)
-
-    @classmethod
-    def check_model(cls, tokens, model, guide, args, kwargs):
-        """Return ``None`` when this engine can serve the model, else a reason (str)."""
-        return None
 
     @abstractmethod
     def prepare(self, tokens, model, guide, args, kwargs):

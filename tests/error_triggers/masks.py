@@ -78,6 +78,20 @@ def _():
     MaskedPretrainingLoss(masks=OldSchedule()).loss(model, None, _x())
 
 
+@trigger("estimate-unknown-block")
+def _():
+    from pyro_mpt.masks import MaskSchedule
+
+    class TupleSchedule(MaskSchedule):
+        """Yields its masks as bare tuples instead of MaskBlock."""
+
+        def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
+            yield (torch.ones(1, 1, D, dtype=torch.bool), torch.full((1, 1), D), torch.ones(1, 1))
+
+    model, x = _ppca()
+    MaskedPretrainingLoss(masks=TupleSchedule()).loss(model, None, x)
+
+
 @trigger("masks-unknown-name")
 def _():
     MaskedPretrainingLoss(masks="random")

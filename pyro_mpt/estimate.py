@@ -1,0 +1,165 @@
+r"""Where a mask schedule meets a conditional engine: the MPT estimate of :math:`\log p(x_i)`.
+
+A schedule (:mod:`pyro_mpt.masks`) says *which* queries to make and how to
+weight them, as blocks of masks or orderings; an engine
+(:mod:`pyro_mpt.conditionals`) says how a log-conditional is computed. This
+module runs each block through the engine and sums the weighted scores,
+
+.. math::
+
+    \widehat{\log p}(x_i) = \sum_q w_{qi}\, \hat S_{qi}, \qquad
+    \hat S_{qi} = \frac{1}{M_q} \sum_{j \in \mathcal M_q}
+        \log p(x_{ij} \mid x_{i\mathcal R_q}),
+
+so neither side knows the other: schedules never call an engine, and
+engines never see a schedule.
+"""
+
+import torch
+from tqdm.auto import tqdm
+
+from .masks import ChainBlock, MaskBlock
+
+__all__ = ["block_scores", "mpt_estimate"]
+
+
+def block_scores(block, engine, state, x, per_size=False):
+    r"""Per-query scores :math:`\hat S_q`, sizes :math:`M_q` and weights :math:`w_q` of one block.
+
+    :param block: a :class:`~pyro_mpt.masks.MaskBlock` or
+        :class:`~pyro_mpt.masks.ChainBlock`.
+    :param ~pyro_mpt.conditionals.ConditionalEngine engine: the engine.
+    :param state: the engine's state from ``prepare``.
+    :param torch.Tensor x: tokens ``(n, D)``.
+    :param bool per_size: for a chain block, one query per position (needed
+        for curves: ``p * D`` rows); otherwise one row per ordering holding its
+        chain-rule sum, which an engine may compute on a cheaper path
+        (:meth:`~pyro_mpt.conditionals.ConditionalEngine.chain_sums`). Mask
+        blocks always have one size per query.
+    :returns: ``(shat, size, weight)``, each ``(rows, n)``.
+
+    Example::
+
+        >>> block = next(make_schedule("order").blocks(n, D))
+        >>> shat, size, weight = block_scores(block, engine, state, x)   # (1, n) each
+        >>> (weight * shat).sum(0)                                       # log p(x_i) with exact conditionals
+    """
+    if isinstance(block, MaskBlock):
+        return _mask_scores(block, engine, state, x)
+    if isinstance(block, ChainBlock):
+        if block.observed is not None:
+            return _chain_scores_missing(block, engine, state, x, per_size)
+        return _chain_scores(block, engine, state, x, per_size)
+    raise TypeError(
+        f"A mask schedule yielded {type(block).__name__}; schedules yield MaskBlock or ChainBlock "
+        f"(pyro_mpt.masks)."
+    )
+
+
+def _mask_scores(block, engine, state, x):
+    n = x.shape[0]
+    if block.context is None:
+        sums = engine.mask_sums(state, x, block.mask)  # (q, n)
+    else:
+        # tokens outside the context (missing ones) go to the engine as masked,
+        # so that none is conditioned on, and are left out of the sums
+        logc = engine.mask_log_prob(state, x, block.mask | ~block.context)
+        zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
+        sums = torch.where(block.mask, logc, zero).sum(-1)
+    shat = sums / block.size.to(sums.dtype).clamp_min(1)
+    if block.gain is not None:
+        gain = block.gain.to(sums.dtype)
+        shat = torch.where(gain > 0, shat * gain, torch.zeros((), dtype=shat.dtype, device=shat.device))
+    q = shat.shape[0]
+    return shat, block.size.expand(q, n), block.weight.to(sums.dtype).expand(q, n)
+
+
+def _chain_scores(block, engine, state, x, per_size):
+    n, D = x.shape
+    p = block.order.shape[0]
+    if not per_size:
+        sums = engine.chain_sums(state, x, block.order)  # (p, n)
+        size = torch.full((p, n), D, device=x.device)
+        return sums, size, block.weight.to(sums.dtype).expand(p, n)
+    logc = engine.chain_log_prob(state, x, block.order)  # (p, n, D) by position
+    shat = logc.permute(0, 2, 1).reshape(p * D, n)
+    size = torch.arange(1, D + 1, device=x.device).repeat(p)[:, None].expand(p * D, n)
+    weight = block.weight.to(logc.dtype).expand(p, n).repeat_interleave(D, dim=0)
+    return shat, size, weight
+
+
+def _chain_scores_missing(block, engine, state, x, per_size):
+    # the first m positions of each ordering hold the m missing tokens:
+    # their terms are dropped, and position t >= m of the rest is a query of
+    # size t + 1 - m; the dropped positions stand for sizes D_i + 1..D, where
+    # S(x_i; M) = 0
+    n, D = x.shape
+    p = block.order.shape[0]
+    m = (~block.observed).sum(-1, keepdim=True).to(x.device)  # (n, 1) missing tokens
+    if not per_size:
+        # the sum over the observed targets is log p(x_O) for exact engines,
+        # which chain_sums may compute without the per-position terms
+        sums = engine.chain_sums(state, x, block.order, observed=block.observed)  # (p, n)
+        return sums, (D - m[:, 0]).expand(p, n), block.weight.to(sums.dtype).expand(p, n)
+    pos = torch.arange(D, device=x.device)
+    valid = pos >= m  # (n, D)
+    logc = engine.chain_log_prob(state, x, block.order)  # (p, n, D)
+    logc = torch.where(valid, logc, torch.zeros((), dtype=logc.dtype, device=logc.device))
+    weight = block.weight.to(logc.dtype).expand(p, n)
+    shat = logc.permute(0, 2, 1).reshape(p * D, n)
+    size = torch.where(valid, pos + 1 - m, D - pos).T.repeat(p, 1)  # (p * D, n)
+    return shat, size, weight.repeat_interleave(D, dim=0)
+
+
+def _schedule_blocks(schedule, tokens, max_elements):
+    x = tokens.value
+    n, D = x.shape
+    if tokens.observed is None:
+        return schedule.blocks(n, D, max_elements=max_elements, device=x.device)
+    try:
+        return schedule.blocks(n, D, max_elements=max_elements, device=x.device, observed=tokens.observed)
+    except TypeError as e:
+        # observed= is part of the schedule contract; a schedule written before
+        # missing tokens existed cannot leave them out
+        if "observed" not in str(e):
+            raise
+        raise ValueError(
+            f"Observed site {tokens.name!r} has missing (masked) tokens, but the "
+            f"mask schedule {schedule!r} takes no observed= argument to leave them "
+            f"out; use a built-in schedule, or impute the missing tokens."
+        ) from e
+
+
+def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumulator=None, progress=None):
+    r"""The MPT estimate :math:`\sum_q w_q \hat S_q` of :math:`\log p(x_i)` per datapoint, ``(n,)``.
+
+    :param ~pyro_mpt.masks.MaskSchedule schedule: which queries, with which weights.
+    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens; with
+        missing tokens the schedule receives ``observed=`` and leaves them out.
+    :param ~pyro_mpt.conditionals.ConditionalEngine engine: the engine.
+    :param state: the engine's state for ``tokens``.
+    :param int max_elements: bound on ``queries * n * D`` per block.
+    :param ~pyro_mpt.curve.CurveAccumulator accumulator: when given, every
+        query's score is also added to it by size (for curves).
+    :param str progress: a progress-bar label, or None for no bar.
+    :raises ValueError: when tokens are missing and the schedule's ``blocks``
+        takes no ``observed=``.
+
+    Example::
+
+        >>> tokens = trace_tokens(ppca, None, (x,), {})
+        >>> engine = GaussianConditionals(); state = engine.prepare(tokens, ppca, None, (x,), {})
+        >>> mpt_estimate(make_schedule("order"), tokens, engine, state)   # (N,), exact log p(x_i)
+    """
+    x = tokens.value
+    schedule.check(x.shape[1])
+    blocks = _schedule_blocks(schedule, tokens, max_elements)
+    if progress is not None:
+        blocks = tqdm(blocks, desc=progress, leave=False)
+    estimate = x.new_zeros(x.shape[0])
+    for block in blocks:
+        shat, size, weight = block_scores(block, engine, state, x, per_size=accumulator is not None)
+        estimate = estimate + (weight * shat).sum(0)
+        if accumulator is not None:
+            accumulator.add(shat, size)
+    return estimate
