@@ -49,16 +49,19 @@ Usage::
 
 import argparse
 import math
-import statistics
+import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import torch
 
 import pyro
 import pyro.distributions as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # the sibling harness
+from harness import Timing, machine_line, run_timed  # noqa: E402
 
 
 def ppca_model(D, K, x0, seed=0):
@@ -87,15 +90,10 @@ def ppca_data(N, D, K, seed=0, dtype=torch.float32):
 
 
 def timed(fn, repeats=3, warmup=1):
-    """Median wall time of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median wall time of ``fn()`` over ``repeats`` measurements after ``warmup`` (the harness's
+    :func:`~harness.run_timed`; inputs are fixed, so its per-round seed is unused)."""
+    times, _ = run_timed(lambda seed: None, lambda _: fn(), repeats, warmup)
+    return Timing(times).median
 
 
 def params():
@@ -157,6 +155,8 @@ FIRST_CALL = textwrap.dedent(
     torch.set_num_threads(int(sys.argv[1]))
     from pyro_mpt import Evidence, MaskedPretrainingLoss
     t_import = time.perf_counter() - t0
+    sys.path.insert(0, sys.argv[2])
+    from harness import timed  # after the import time is taken: the harness imports torch
     torch.manual_seed(0)
     D, K, N = 20, 3, 100
     x = torch.randn(N, D)
@@ -169,7 +169,7 @@ FIRST_CALL = textwrap.dedent(
             pyro.sample("x", dist.Normal(z @ W.T, s).to_event(1), obs=x)
 
     def once(fn):
-        t = time.perf_counter(); fn(); return time.perf_counter() - t
+        return timed(fn)[1]
 
     ev = lambda: Evidence(ppca)(x).sum()
     lo = lambda: MaskedPretrainingLoss(masks="uniform").loss(ppca, None, x)
@@ -182,7 +182,7 @@ FIRST_CALL = textwrap.dedent(
 
 def bench_first(args):
     threads = str(torch.get_num_threads())
-    out = subprocess.run([sys.executable, "-c", FIRST_CALL, threads], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", FIRST_CALL, threads, HERE], capture_output=True, text=True, check=True)
     t_import, ev, lo, ev2, lo2 = map(float, out.stdout.split())
     print("3. fresh interpreter, PPCA D=20, K=3, N=100")
     print(f"   import torch + pyro + pyro_mpt: {t_import:.2f} s (not counted)")
@@ -229,7 +229,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, pyro {pyro.__version__}, {torch.get_num_threads()} threads")
+    print(machine_line())
     for name in args.which or list(BENCHES):
         BENCHES[name](args)
 

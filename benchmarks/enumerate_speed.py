@@ -4,7 +4,8 @@ r"""Exact enumeration vs prior importance sampling on a Gaussian mixture (issue 
 The model is Pyro's GMM tutorial form (a ``Categorical`` assignment in the data
 plate, diagonal ``Normal`` components, parameters as ``pyro.param``). For each
 engine the script times one SVI step of ``MaskedPretrainingLoss(masks="uniform")``
-(best of ``--repeats``) and measures the error of the exhaustive score against
+(median ± sd of ``--repeats`` after one warm-up step, by the shared harness) and
+measures the error of the exhaustive score against
 ``sklearn.mixture.GaussianMixture.score_samples`` with the same parameters. It
 prints the time ratio importance / enumerate and both errors.
 
@@ -15,7 +16,8 @@ Usage::
 """
 
 import argparse
-import time
+import os
+import sys
 
 import numpy as np
 import torch
@@ -27,6 +29,9 @@ from pyro.optim import Adam
 from sklearn.mixture import GaussianMixture
 
 from pyro_mpt import MaskedPretrainingLoss
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling harness
+from harness import Timing, fmt_ratio, machine_line, run_timed  # noqa: E402
 
 
 def main():
@@ -61,6 +66,7 @@ def main():
     gm.precisions_cholesky_ = 1 / scales0.numpy()
     ref = gm.score_samples(x.numpy())
 
+    print(f"# {machine_line()}")
     results = {}
     for name, options in [("enumerate", {}), ("importance", {"num_samples": a.num_samples, "proposal": "prior"})]:
         pyro.clear_param_store()
@@ -68,15 +74,11 @@ def main():
         score = MaskedPretrainingLoss(conditionals=name, masks="exhaustive", **options).score(gmm, None, x)
         err = np.abs(score.detach().numpy() - ref).max()
         svi = SVI(gmm, lambda x: None, Adam({"lr": 0.01}), MaskedPretrainingLoss(conditionals=name, **options))
-        best = float("inf")
-        for _ in range(a.repeats):
-            t = time.perf_counter()
-            svi.step(x)
-            best = min(best, time.perf_counter() - t)
-        results[name] = (best, err)
-        print(f"{name:>10}: {best * 1e3:8.2f} ms per SVI step; max |exhaustive - sklearn| = {err:.2e} nats")
-    ratio = results["importance"][0] / results["enumerate"][0]
-    print(f"importance (S={a.num_samples}) / enumerate time per step: {ratio:.1f}x")
+        times, _ = run_timed(lambda seed: None, lambda _: svi.step(x), a.repeats)
+        results[name] = Timing([1e3 * t for t in times])
+        print(f"{name:>10}: {results[name].cell()} ms per SVI step; max |exhaustive - sklearn| = {err:.2e} nats")
+    ratio = results["importance"].median / results["enumerate"].median
+    print(f"importance (S={a.num_samples}) / enumerate time per step: {fmt_ratio(ratio)}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 Benchmarks here print *ratios measured in one run* on whatever machine runs
 them (speed goals never live in timed tests). They share:
 
+* :func:`timed` / :func:`timed_cpu`: one call, for costs that happen once
+  (a first call, a whole curve);
 * :func:`run_interleaved` / :func:`run_timed`: repeated timings of several
   implementations on the same inputs, interleaved round by round so that a
   change in the machine's load hits all of them alike; :class:`Timing`
@@ -29,7 +31,7 @@ import time
 import torch
 
 __all__ = [
-    "Timing", "fmt_s", "fmt_ratio", "timed", "run_interleaved", "run_timed", "PeakRSS", "max_rss_mb",
+    "Timing", "fmt_s", "fmt_ratio", "timed", "timed_cpu", "run_interleaved", "run_timed", "PeakRSS", "max_rss_mb",
     "gemm_gflops", "machine_line", "write_markdown",
 ]
 
@@ -86,6 +88,14 @@ def timed(fn):
     t = time.perf_counter()
     r = fn()
     return r, time.perf_counter() - t
+
+
+def timed_cpu(fn):
+    """``(fn(), wall seconds, CPU seconds of this process)``: a CPU time above the wall
+    time means several threads worked; far below it, the process waited (load, I/O)."""
+    t, c = time.perf_counter(), time.process_time()
+    r = fn()
+    return r, time.perf_counter() - t, time.process_time() - c
 
 
 def run_interleaved(prepare, runs, repeats, warmup=1, first_seed=0):

@@ -46,7 +46,6 @@ import gc
 import multiprocessing as mp
 import os
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -130,9 +129,7 @@ def _memory_child(budget, n, threads, device, queue):
     sampler = PeakRSS()
     base_rss = sampler.rss()
     sampler.start()
-    t = time.perf_counter()
-    scorer.curve(seqs, rates=rate_grid(0.02, 0.98, 0.02), num_masks=1)
-    sec = time.perf_counter() - t
+    _, sec = timed(lambda: scorer.curve(seqs, rates=rate_grid(0.02, 0.98, 0.02), num_masks=1))
     peak_rss = sampler.stop()
     if device.startswith("cuda"):
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
