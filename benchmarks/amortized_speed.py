@@ -73,7 +73,7 @@ from pyro_mpt.conditionals.quadrature_rules import default_num_nodes
 from pyro_mpt.vae import DeepVAE
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling harness
-from harness import Timing, fmt_ratio, fmt_s, machine_line, run_interleaved, write_markdown  # noqa: E402
+from harness import Timing, fmt_ratio, machine_line, run_interleaved, write_markdown  # noqa: E402
 
 ENGINES = ("encode_decode", "importance", "quadrature", "auto")
 BEGIN, END = "<!-- amortized_speed:begin -->", "<!-- amortized_speed:end -->"
@@ -306,9 +306,22 @@ def run_engine(name, vae, x, repeats, engine_options=None):
         vae.zero_grad(set_to_none=True)
         floor(*p)
 
-    (t_elbo, _), (t_step, _), (t_floor, _) = run_interleaved(
-        prepare, [lambda p: elbo(p[0]), lambda p: step(p[0]), run_floor], repeats
+    # a Trace_ELBO step is ~100x shorter than the others, so a moment of load on
+    # the machine swamps one timing of it: each round keeps the fastest of 5
+    elbo_best = []
+
+    def run_elbo(p):
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            elbo(p[0])
+            best = min(best, time.perf_counter() - t0)
+        elbo_best.append(best)
+
+    (_, _), (t_step, _), (t_floor, _) = run_interleaved(
+        prepare, [run_elbo, lambda p: step(p[0]), run_floor], repeats
     )[0]
+    t_elbo = elbo_best[-len(t_step):]
     total, parts = breakdown(vae, step, x)
     return {
         "name": name,

@@ -23,7 +23,7 @@ from pyro.infer.util import torch_item
 from pyro.util import warn_if_nan
 
 from .conditionals import auto_engine, make_engine
-from .conditionals.base import EngineNotApplicable
+from .conditionals.base import EngineNotApplicable, callable_key
 from .curve import CurveAccumulator
 from .estimate import mpt_estimate
 from .guide_checks import check_guide_sites
@@ -150,8 +150,9 @@ class MaskedPretrainingLoss(ELBO):
         tokens = self._trace_tokens(model, guide, args, kwargs)
         if self.engine is None:
             # keep the engine "auto" chose for this model: engines carry state
-            # across steps (e.g. warm-started adaptive quadrature grids)
-            key = (id(model), tokens.name)
+            # across steps (e.g. warm-started adaptive quadrature grids); a bound
+            # method is a new object at each access, so it is keyed by its owner
+            key = (callable_key(model), tokens.name)
             engine = self._auto_engines.get(key)
             if engine is not None:
                 try:

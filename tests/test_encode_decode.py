@@ -152,6 +152,34 @@ def test_auto_picks_encode_decode_for_an_amortized_guide_beyond_quadrature():
     assert math.isfinite(loss.loss(vae.model, vae.guide, x))
 
 
+def test_auto_logs_its_choice_and_warns_once_on_a_large_grid_despite_a_guide(caplog):
+    import logging
+    import warnings
+
+    from pyro_mpt.conditionals import AUTO_GRID_WARNING, SlowEngineWarning
+
+    torch.manual_seed(0)
+    vae = DeepVAE(6, latent_dim=4, hidden=(8,))
+    x = torch.bernoulli(torch.full((3, 6), 0.5))
+    loss = MaskedPretrainingLoss()
+    with caplog.at_level(logging.INFO, logger="pyro_mpt"), warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(2):  # the loss keeps the engine: one choice, one warning
+            loss.loss(vae.model, vae.guide, x)
+    slow = [w for w in rec if issubclass(w.category, SlowEngineWarning)]
+    assert len(slow) == 1
+    assert slow[0].message.engine == "quadrature" and slow[0].message.size == 5**4 > AUTO_GRID_WARNING
+    chosen = [r.getMessage() for r in caplog.records if r.name == "pyro_mpt"]
+    assert len(chosen) == 1
+    assert "chose 'quadrature'" in chosen[0] and "'gaussian' declined" in chosen[0]
+    # no guide, or a grid no larger than the threshold: the choice is logged, not warned
+    for guide, num_nodes in ((lambda x: None, None), (vae.guide, 4)):
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            MaskedPretrainingLoss(num_nodes=num_nodes).loss(vae.model, guide, x)
+        assert not [w for w in rec if issubclass(w.category, SlowEngineWarning)]
+
+
 def test_encode_decode_errors():
     vae, x = _vae()
     tokens = trace_tokens(vae.model, None, (x,), {})

@@ -35,12 +35,19 @@ name                  what the model needs
 ``"auto"`` tries them in this order: ``"encode_decode"`` only when a guide that
 reads the data is given, and ``"importance"`` (last) serves any model with
 local latents and factorized tokens, with the prior as proposal when there is
-no guide.
+no guide. It logs its choice and the reasons the earlier engines declined
+(``logging`` at INFO, logger ``"pyro_mpt"``), and warns
+(:class:`~pyro_mpt.conditionals.base.SlowEngineWarning`) when it picks a
+quadrature grid of more than :data:`~pyro_mpt.conditionals.AUTO_GRID_WARNING` nodes although a guide
+is given: such a grid costs more per step than the sampling engines that
+would use the guide.
 """
 
 import inspect
+import logging
+import warnings
 
-from .base import ConditionalEngine, EngineNotApplicable, NumericalWarning
+from .base import ConditionalEngine, EngineNotApplicable, NumericalWarning, SlowEngineWarning
 from .gaussian import GaussianConditionals
 from .gaussian_marginal import GaussianMarginal, NotLinearGaussianError, gaussian_marginal
 from .quadrature import NotQuadratureError, QuadratureConditionals, QuadratureState
@@ -50,11 +57,13 @@ from .enumerate import EnumerateConditionals, EnumerateState
 from .hmm import DiscreteHMMConditionals, DiscreteHMMState
 from .gaussian_mixture import GaussianMixtureTable
 from .mixture import MixtureTable
+from .latent_runs import guide_latents
 
 __all__ = [
     "ConditionalEngine",
     "EngineNotApplicable",
     "NumericalWarning",
+    "SlowEngineWarning",
     "GaussianConditionals",
     "GaussianMarginal",
     "NotLinearGaussianError",
@@ -73,6 +82,7 @@ __all__ = [
     "MixtureTable",
     "GaussianMixtureTable",
     "ENGINES",
+    "AUTO_GRID_WARNING",
     "make_engine",
     "auto_engine",
 ]
@@ -86,6 +96,13 @@ ENGINES = {
     "encode_decode": EncodeDecodeConditionals,
     "importance": ImportanceConditionals,
 }
+
+#: ``"auto"`` warns when, with a guide given, it picks a quadrature grid with
+#: more nodes than this: more than the 256 draws of ``"importance"``'s default,
+#: so more decoder evaluations per step than any sampling engine's defaults
+AUTO_GRID_WARNING = 256
+
+logger = logging.getLogger("pyro_mpt")
 
 #: what each engine needs, for error messages
 REQUIREMENTS = {
@@ -144,9 +161,12 @@ def auto_engine(tokens, model, guide, args, kwargs, **options):
         # each engine takes the options it knows; e.g. num_samples is only for sampling engines
         engine = cls(**{k: v for k, v in options.items() if k in accepted[name]})
         try:
-            return engine, engine.prepare(tokens, model, guide, args, kwargs)
+            state = engine.prepare(tokens, model, guide, args, kwargs)
         except EngineNotApplicable as e:
             reasons[name] = str(e)
+            continue
+        _report_choice(tokens, name, state, reasons)
+        return engine, state
     lines = "\n".join(
         f"  - {name!r}: needs {REQUIREMENTS[name]}.\n    Here: {reasons.get(name, 'n/a')}"
         for name in ENGINES
@@ -155,3 +175,31 @@ def auto_engine(tokens, model, guide, args, kwargs, **options):
         f"conditionals='auto' found no engine for the model of observed site "
         f"{tokens.name!r}. Engines and what they need:\n{lines}"
     )
+
+
+def _report_choice(tokens, name, state, reasons):
+    """Log which engine ``"auto"`` chose and why; warn when it is a large grid despite a guide."""
+    if logger.isEnabledFor(logging.INFO):
+        declined = "; ".join(f"{k!r} declined: {v}" for k, v in reasons.items())
+        logger.info(
+            "conditionals='auto' chose %r for observed site %r: the first engine of %s that "
+            "serves the model%s",
+            name, tokens.name, list(ENGINES), f" ({declined})" if declined else "",
+        )
+    nodes = getattr(state, "num_nodes", None)
+    if name == "quadrature" and nodes is not None and nodes > AUTO_GRID_WARNING and guide_latents(tokens):
+        K = state.latent_dim
+        m = round(nodes ** (1.0 / K)) if K else 1
+        warning = SlowEngineWarning(
+            f"conditionals='auto' chose 'quadrature' for observed site {tokens.name!r}: a grid "
+            f"of {nodes} nodes ({m} per latent dim, K={K}) per datapoint, each a full model "
+            f"evaluation with gradient, although a guide is given: the sampling engines that "
+            f"use it ('encode_decode', 'importance') cost far less per step (see the amortized "
+            f"engines' section of docs/benchmarks.md). Choose the engine by name: "
+            f"conditionals='encode_decode' or 'importance' for speed, or "
+            f"conditionals='quadrature' (num_nodes=... for a smaller grid) to keep the "
+            f"grid's accuracy and silence this warning.",
+            engine="quadrature",
+            size=nodes,
+        )
+        warnings.warn(warning, stacklevel=4)

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-__all__ = ["ConditionalEngine", "EngineNotApplicable", "NumericalWarning"]
+__all__ = ["ConditionalEngine", "EngineNotApplicable", "NumericalWarning", "SlowEngineWarning"]
 
 
 class EngineNotApplicable(ValueError):
@@ -41,6 +41,23 @@ class NumericalWarning(UserWarning):
         super().__init__(message)
         self.site = site
         self.jitter = jitter
+
+
+class SlowEngineWarning(UserWarning):
+    """``conditionals="auto"`` chose an engine much slower than an alternative
+    the model also allows, e.g. a quadrature grid of hundreds of nodes when an
+    amortized guide is given; the message names the engine, its size and the
+    alternatives. Choose the engine by name to silence it.
+
+    :param str message: the warning text.
+    :param str engine: the engine chosen.
+    :param int size: its size (quadrature: nodes per datapoint).
+    """
+
+    def __init__(self, message, *, engine=None, size=None):
+        super().__init__(message)
+        self.engine = engine
+        self.size = size
 
 
 def callable_key(fn):

@@ -36,3 +36,13 @@ def _():
     engine.mask_log_prob(state, x[:2], torch.ones(1, 2, 3, dtype=torch.bool))
 
 
+
+
+@trigger("engine-auto-slow-grid")
+def _():
+    from pyro_mpt.vae import DeepVAE
+
+    torch.manual_seed(0)
+    vae = DeepVAE(6, latent_dim=4, hidden=(8,))
+    x = torch.bernoulli(torch.full((3, 6), 0.5))
+    MaskedPretrainingLoss().loss(vae.model, vae.guide, x)
