@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 r"""Where an SVI step goes with the amortized and mixture engines, on Pyro's tutorial VAE.
 
-The model is the VAE of Pyro's tutorial as :class:`pyro_mpt.vae.DeepVAE`
+The model is the VAE of Pyro's tutorial as :class:`pyro_mpt.experiments.vae.DeepVAE`
 writes it: :math:`z \in \mathbb R^4`, a 4-400-784 Softplus decoder with a
 Bernoulli observation of the 784 pixels, a 784-400-8 encoder as the guide;
 a batch of 256 binarized images (scikit-learn's digits, upsampled to 28x28:
@@ -70,7 +70,7 @@ from pyro.optim import Adam
 from pyro_mpt import MaskedPretrainingLoss
 from pyro_mpt.conditionals import EncodeDecodeConditionals, ImportanceConditionals, QuadratureConditionals
 from pyro_mpt.conditionals.quadrature_rules import default_num_nodes
-from pyro_mpt.vae import DeepVAE
+from pyro_mpt.experiments.vae import DeepVAE
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling harness
 from harness import Timing, fmt_ratio, machine_line, run_interleaved, write_markdown  # noqa: E402
@@ -280,7 +280,10 @@ def resolve(name, vae, x):
     loss = MaskedPretrainingLoss()
     with torch.no_grad():
         loss.loss(vae.model, vae.guide, x)
-    return next(iter(loss._auto_engines.values())).name
+    from pyro_mpt.conditionals import ENGINES
+
+    chosen = type(next(iter(loss._auto_engines.values())))
+    return next(k for k, cls in ENGINES.items() if cls is chosen)
 
 
 def run_engine(name, vae, x, repeats, engine_options=None):

@@ -40,7 +40,7 @@ def _():
 
 @trigger("engine-auto-slow-grid")
 def _():
-    from pyro_mpt.vae import DeepVAE
+    from pyro_mpt.experiments.vae import DeepVAE
 
     torch.manual_seed(0)
     vae = DeepVAE(6, latent_dim=4, hidden=(8,))
