@@ -127,7 +127,7 @@ INTERNAL = {
     "conditionals/latent_runs.py::Decoded._token_tensor": "models that do not broadcast fail earlier",
     "conditionals/latent_runs.py::LatentRunner._guide_values": "caught by encode, which falls back",
     "conditionals/latent_runs.py::LatentRunner.encode": "engines encode only after locate_data_arg",
-    "conditionals/quadrature.py::_ModelRunner._run": "models that do not broadcast fail earlier",
+    "conditionals/quadrature_nodes.py::NodeRunner._run": "models that do not broadcast fail earlier",
 }
 
 

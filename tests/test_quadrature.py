@@ -632,13 +632,15 @@ def test_laplace_rule_does_not_depend_on_the_start(float64):
     model, x = make_bernoulli(D=30, K=2, N=10, seed=4)
     engine = QuadratureConditionals()
     tokens = tokens_of(model, x)
-    from pyro_mpt.conditionals.quadrature import _latent_layout, _ModelRunner
+    from pyro_mpt.conditionals.laplace import LaplaceSearch
+    from pyro_mpt.conditionals.quadrature_nodes import NodeRunner, quadrature_layout
 
-    layout, K = _latent_layout(tokens)
-    runner = _ModelRunner(tokens, model, (x,), {}, layout)
+    layout, K = quadrature_layout(tokens)
+    runner = NodeRunner(tokens, model, (x,), {}, layout)
+    search = LaplaceSearch(engine.newton_steps, engine.max_elements)
     with torch.no_grad():
-        c1, S1, ok1 = engine._laplace(runner, torch.zeros(10, K, dtype=torch.float64), True)
-        c2, S2, ok2 = engine._laplace(runner, torch.full((10, K), 1.5, dtype=torch.float64), True)
+        c1, S1, ok1 = search.laplace(runner, torch.zeros(10, K, dtype=torch.float64), True)
+        c2, S2, ok2 = search.laplace(runner, torch.full((10, K), 1.5, dtype=torch.float64), True)
     assert ok1.all() and ok2.all()
     assert torch.allclose(c1, c2, rtol=0, atol=1e-8)
     assert torch.allclose(S1 @ S1.transpose(-1, -2), S2 @ S2.transpose(-1, -2), rtol=0, atol=1e-8)

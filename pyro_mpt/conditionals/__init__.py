@@ -50,7 +50,8 @@ import warnings
 from .base import ConditionalEngine, EngineNotApplicable, NumericalWarning, SlowEngineWarning
 from .gaussian import GaussianConditionals
 from .gaussian_marginal import GaussianMarginal, NotLinearGaussianError, gaussian_marginal
-from .quadrature import NotQuadratureError, QuadratureConditionals, QuadratureState
+from .quadrature import QuadratureConditionals, QuadratureState
+from .quadrature_nodes import NotQuadratureError
 from .encode_decode import EncodeDecodeConditionals, EncodeDecodeState
 from .importance import ImportanceConditionals, ImportanceState
 from .enumerate import EnumerateConditionals, EnumerateState

@@ -43,6 +43,7 @@ from torch.autograd.function import once_differentiable
 from .base import ConditionalEngine, NumericalWarning
 from .distributions import take_rows
 from .gaussian_blocks import BlockGaussianState, block_marginal
+from .plate_runs import RunMemory
 from .gaussian_marginal import GaussianMarginal, gaussian_marginal
 
 __all__ = ["GaussianConditionals"]
@@ -221,7 +222,7 @@ class GaussianConditionals(ConditionalEngine):
         self.max_jitter = float(max_jitter)
         self.vectorize = vectorize
         self._rel_jitter = {}  # (site, dtype) -> relative jitter the rescue reached
-        self._run_modes = {}  # model key -> how gaussian_marginal could run it
+        self._run_modes = RunMemory()  # how gaussian_marginal could run the model
 
     def prepare(self, tokens, model, guide, args, kwargs):
         blocks = block_marginal(tokens, GaussianMarginal)
@@ -229,7 +230,7 @@ class GaussianConditionals(ConditionalEngine):
             # independent blocks of tokens (a multi-output GP): served as n * B datapoints
             marginal, num_blocks = blocks
             return BlockGaussianState(self._prepare_marginal(marginal, tokens.name), num_blocks, tokens.num_data)
-        marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize, run_modes=self._run_modes)
+        marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize, memory=self._run_modes)
         return self._prepare_marginal(marginal, tokens.name)
 
     def _prepare_marginal(self, marginal, site):

@@ -25,16 +25,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import pyro
 import pyro.distributions as dist
-from pyro import poutine
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from ..sites import check_local_latent
-from .base import EngineNotApplicable, callable_key
+from .base import EngineNotApplicable
 from .distributions import compact, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
+from .plate_runs import latent_layout, run_in_plate, run_with_fallback
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
 
@@ -105,26 +104,20 @@ class GaussianMarginal:
         return cov
 
 
-def _latent_layout(tokens):
-    """Check the latent sites and give each a slice of the stacked noise vector."""
-    layout, offset = {}, 0
-    for site in tokens.latent_sites():
-        name = site["name"]
-        base, _ = unwrap(site["fn"])
-        if not isinstance(base, (dist.Normal, dist.MultivariateNormal)) or isinstance(
-            base, dist.LowRankMultivariateNormal
-        ):
-            raise NotLinearGaussianError(
-                f"conditionals='gaussian' needs Normal or MultivariateNormal latents; "
-                f"latent site {name!r} is {type(base).__name__}. Use "
-                f"conditionals='quadrature' (low-dimensional latents) or "
-                f"'importance'."
-            )
-        check_local_latent(tokens, site, NotLinearGaussianError)
-        numel = site["fn"].event_shape.numel()
-        layout[name] = (offset, numel, site["fn"].event_shape)
-        offset += numel
-    return layout, offset
+def _latent_kind(tokens, site):
+    """Check a latent site: Normal or MultivariateNormal, local to each datapoint."""
+    base, _ = unwrap(site["fn"])
+    if not isinstance(base, (dist.Normal, dist.MultivariateNormal)) or isinstance(
+        base, dist.LowRankMultivariateNormal
+    ):
+        raise NotLinearGaussianError(
+            f"conditionals='gaussian' needs Normal or MultivariateNormal latents; "
+            f"latent site {site['name']!r} is {type(base).__name__}. Use "
+            f"conditionals='quadrature' (low-dimensional latents) or "
+            f"'importance'."
+        )
+    check_local_latent(tokens, site, NotLinearGaussianError)
+    return "mvn" if isinstance(base, dist.MultivariateNormal) else "normal"
 
 
 class _AffineLatents(Messenger):
@@ -142,9 +135,10 @@ class _AffineLatents(Messenger):
         name = msg["name"]
         if msg["is_observed"] or site_is_subsample(msg) or name not in self.layout:
             return
-        offset, numel, event_shape = self.layout[name]
+        entry = self.layout[name]
+        event_shape = entry.event_shape
         base, _ = unwrap(msg["fn"])
-        eps = self.eps[:, offset : offset + numel]
+        eps = self.eps[:, entry.offset : entry.offset + entry.numel]
         if self.lead_dim is None:
             eps = eps.reshape(event_shape)
         else:
@@ -199,7 +193,7 @@ def _observation_parts(fn, tokens):
     )
 
 
-def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, run_modes=None):
+def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
     """Derive the Gaussian marginal of the observed tokens from a Pyro model.
 
     :param ~pyro_mpt.sites.ObservedTokens tokens: from :func:`~pyro_mpt.sites.trace_tokens`.
@@ -209,9 +203,10 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, run_modes=Non
     :param bool vectorize: run the :math:`K + 2` noise points in one vectorized
         plate (the model must broadcast over an extra batch dim on the left);
         with False the model is run once per point.
-    :param dict run_modes: a memory kept across calls (by
-        :class:`~pyro_mpt.conditionals.GaussianConditionals`): the entry of
-        :data:`RUN_MODES` that worked for each model, tried first next time, so
+    :param ~pyro_mpt.conditionals.plate_runs.RunMemory memory: kept across
+        calls (by :class:`~pyro_mpt.conditionals.GaussianConditionals`): the
+        entry of :data:`RUN_MODES` that worked for the model, tried first next
+        time (:func:`~pyro_mpt.conditionals.plate_runs.run_with_fallback`), so
         that a model that does not broadcast is not run in the failing modes at
         every step.
     :returns: the marginal, with leading dim ``n``, or 1 when shared by the batch.
@@ -224,7 +219,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, run_modes=Non
         >>> tokens = trace_tokens(ppca, None, (x,), {})
         >>> gaussian_marginal(tokens, ppca, (x,), {}).dense()  # covariance, (n|1, D, D)
     """
-    layout, K = _latent_layout(tokens)
+    layout, K = latent_layout(tokens, lambda site: _latent_kind(tokens, site))
     if K == 0:
         fn = tokens.site["fn"]
         loc, noise, batch_shape = _observation_parts(fn, tokens)
@@ -246,24 +241,16 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, run_modes=Non
     replay = tokens.subsample_trace()
     mpn = tokens.max_plate_nesting
 
-    def run(model_fn, handler):
-        # hide samples from outer handlers (e.g. SVI's param capture still sees params);
+    def run(handler, size):
         # without validation: the trace of the data checked these distributions'
         # arguments already, here they are broadcast to (K + 2) times their size
-        with poutine.block(hide_fn=lambda m: m["type"] == "sample"), pyro.validation_enabled(False):
-            trace = poutine.trace(poutine.replay(model_fn, trace=replay)).get_trace(
-                *args, **kwargs
-            )
+        trace = run_in_plate(model, args, kwargs, name="_mpt_basis", size=size, dim=mpn + 1,
+                             replay=replay, inside=handler, validation=False)
         return trace.nodes[tokens.name]["fn"], handler.scales
 
     def vectorized(compact):
         handler = _AffineLatents(layout, basis, mpn + 1, compact)
-
-        def wrapped(*a, **k):
-            with pyro.plate("_mpt_basis", K + 2, dim=-(mpn + 1)), handler:
-                return model(*a, **k)
-
-        fn, scales = run(wrapped, handler)
+        fn, scales = run(handler, K + 2)
         loc, noise, batch_shape = _observation_parts(fn, tokens)
         for name, scale in scales.items():
             _check_scale_rows(name, scale)
@@ -273,7 +260,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, run_modes=Non
         locs, noises, all_scales = [], [], []
         for b in range(K + 2):
             handler = _AffineLatents(layout, basis[b : b + 1], None, False)
-            fn, scales = run(handler(model), handler)
+            fn, scales = run(handler, None)
             loc_b, noise_b, batch_shape = _observation_parts(fn, tokens)
             loc_b, noise_b = _basis_rows(loc_b, noise_b, batch_shape, 1)
             locs.append(loc_b)
@@ -290,30 +277,12 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, run_modes=Non
         return loc, noise
 
     runs = {"compact": lambda: vectorized(True), "full": lambda: vectorized(False), "per_point": per_point}
-    modes = RUN_MODES if vectorize else ("per_point",)
-    key = callable_key(model)
-    known = None if run_modes is None else run_modes.get(key)
-    if known in modes:
-        modes = (known,) + tuple(m for m in modes if m != known)
-    errors = []
-    for mode in modes:
-        try:
-            loc, noise = runs[mode]()
-        except NotLinearGaussianError:
-            raise
-        except Exception as e:
-            # e.g. the model does not broadcast shared latents, or not over an
-            # extra batch dim on the left: the next mode asks less of it
-            errors.append(e)
-            continue
-        if run_modes is not None:
-            run_modes[key] = mode
-        break
-    else:
-        # every mode failed: the model itself fails; keep the first failure too
-        if len(errors) > 1:
-            raise errors[-1] from errors[0]
-        raise errors[0]
+    # e.g. a model that does not broadcast shared latents, or not over an extra
+    # batch dim on the left: the next mode asks less of it
+    _, (loc, noise) = run_with_fallback(
+        RUN_MODES if vectorize else ("per_point",), lambda mode: runs[mode](),
+        memory=memory, fn=model, passes=(NotLinearGaussianError,),
+    )
 
     mu = loc[0]
     W = loc[1 : K + 1] - mu  # (K, n|1, D)

@@ -29,7 +29,8 @@ adaptive grids, rather than to that value minus the log of the grid's (poor)
 estimate of :math:`\int p(z)\,dz`.
 
 **The table.** :math:`T` (per datapoint, ``(Q, D)``) is read off the Pyro model
-itself: the model runs once per chunk of nodes inside an extra vectorized plate
+itself (:class:`~pyro_mpt.conditionals.quadrature_nodes.NodeRunner`): the
+model runs once per chunk of nodes inside an extra vectorized plate
 ``_mpt_nodes`` at dim ``-(max_plate_nesting + 1)``, with every latent site set to
 its node values by a messenger (subsample sites are replayed so minibatches
 match), and the observed site's distribution is unwrapped from ``Independent``
@@ -54,7 +55,8 @@ Poisson, Beta, ...).
   the limit, and accurate when :math:`\pi` has Gaussian or lighter tails in
   :math:`u` (not Cauchy-like priors).
 * ``adaptive=True`` centres and scales the grid, per datapoint, on the Laplace
-  approximation of the posterior given *all* its tokens (Newton steps with
+  approximation of the posterior given *all* its tokens
+  (:class:`~pyro_mpt.conditionals.laplace.LaplaceSearch`: Newton steps with
   line search to convergence, started from the best node of a coarse grid or
   the previous call's centres, ending with a full step and the Hessian at the
   final centre so that the start does not show; detached from the autograd
@@ -81,24 +83,19 @@ With the defaults (``max_elements = 2**24``) N=2000, D=784, K=2 runs in about
 1.1 GB (float32, adaptive 8 x 8 grid; see ``docs/quadrature.md``).
 """
 
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import pyro
-import pyro.distributions as dist
-from pyro import poutine
-from pyro.poutine.messenger import Messenger
-from pyro.poutine.util import site_is_subsample
-from torch.distributions import biject_to
 from torch.utils.checkpoint import checkpoint
 
-from ..sites import check_local_latent
-from .base import ConditionalEngine, EngineNotApplicable
-from .distributions import check_factorized, compact, unwrap
+from .base import ConditionalEngine
+from .distributions import check_factorized
+from .laplace import LaplaceSearch
 from .mixture import MixtureChunk, chain_terms, combine_partials, normalize_empty, stable_logsumexp
+from .plate_runs import RunMemory
+from .quadrature_nodes import ALTERNATIVES, NodeRunner, NotQuadratureError, latent_dtype, quadrature_layout
 from .quadrature_rules import (
     MAX_LATENT_DIM,
     RESOLVED_AXIS_ESS,
@@ -108,221 +105,29 @@ from .quadrature_rules import (
     gaussian_grid,
 )
 
-__all__ = ["QuadratureConditionals", "QuadratureState", "NotQuadratureError"]
-
-_LOG_2PI = math.log(2 * math.pi)
-_ALTERNATIVES = "conditionals='importance' or 'encode_decode'"
+__all__ = ["QuadratureConditionals", "QuadratureState", "QuadratureMemory"]
 
 
-class NotQuadratureError(EngineNotApplicable):
-    """The model is outside what tensor-grid quadrature serves."""
-
-
-# ---------------------------------------------------------------------- latents
 @dataclass
-class _Latent:
-    name: str
-    offset: int
-    numel: int
-    event_shape: torch.Size
-    kind: str  # "normal", "mvn" or "transform"
+class QuadratureMemory:
+    """All that a :class:`QuadratureConditionals` engine remembers across calls.
 
+    :param ~pyro_mpt.conditionals.plate_runs.RunMemory run_mode: whether the
+        model ran at the nodes with its shared latent parameters kept at size
+        one (``"compact"``) or only at full batch shape (``"full"``); the
+        working mode is tried first at the next call.
+    :param tuple warm_key: the data and minibatch indices (cloned) of the last
+        adaptive search.
+    :param torch.Tensor warm_centres: the converged posterior centres of that
+        search, ``(n, K)`` (detached); with ``warm_start=True`` the next search
+        on the same data and minibatch starts there. The search runs to
+        convergence, so this changes the cost, not the value (to the Newton
+        tolerance).
+    """
 
-def _latent_layout(tokens):
-    """Check the latent sites; give each a slice of the node coordinates."""
-    layout, offset = {}, 0
-    for site in tokens.latent_sites():
-        name = site["name"]
-        fn = site["fn"]
-        base, _ = unwrap(fn)
-        kind_name = type(base).__name__
-        try:
-            discrete = fn.support.is_discrete
-        except NotImplementedError:  # a dependent support: decided by biject_to below
-            discrete = False
-        if discrete or getattr(base, "has_enumerate_support", False):
-            raise NotQuadratureError(
-                f"conditionals='quadrature' integrates continuous latents; latent site "
-                f"{name!r} is discrete ({kind_name}). Sum it out in the model, or use "
-                f"{_ALTERNATIVES}."
-            )
-        check_local_latent(tokens, site, NotQuadratureError)
-        if isinstance(base, dist.Normal):
-            kind = "normal"
-        elif isinstance(base, (dist.MultivariateNormal, dist.LowRankMultivariateNormal)):
-            kind = "mvn"
-        elif isinstance(base, (dist.Delta, dist.VonMises)) or len(base.event_shape) > 0:
-            raise NotQuadratureError(
-                f"conditionals='quadrature' cannot parameterize latent site {name!r} "
-                f"({kind_name}{'' if not base.event_shape else ' with event shape ' + str(tuple(base.event_shape))}): "
-                f"it supports Normal and MultivariateNormal latents and continuous "
-                f"scalar latents on an interval or half-line (Gamma, Beta, Uniform, "
-                f"LogNormal, ...). Reparameterize it with such latents, or use "
-                f"{_ALTERNATIVES}."
-            )
-        else:
-            try:
-                biject_to(base.support)
-            except NotImplementedError:
-                raise NotQuadratureError(
-                    f"Latent site {name!r} ({kind_name}) has support {base.support} "
-                    f"with no bijection to the real line, so the quadrature rule "
-                    f"cannot cover it; use {_ALTERNATIVES}."
-                ) from None
-            kind = "transform"
-        numel = fn.event_shape.numel()
-        layout[name] = _Latent(name, offset, numel, fn.event_shape, kind)
-        offset += numel
-    return layout, offset
-
-
-class _NodeLatents(Messenger):
-    """Set each latent site to its values at a batch of nodes ``u`` of shape ``(P, r, K)``."""
-
-    def __init__(self, layout, u, node_dim, batch_shape, compact):
-        super().__init__()
-        self.layout = layout
-        self.u = u
-        self.node_dim = node_dim  # the node plate's dim, counted from the batch end
-        self.batch_shape = tuple(batch_shape)
-        self.compact = compact
-        self.log_pi = None
-
-    def _shape(self, event_shape):
-        P, r = self.u.shape[:2]
-        nb = len(self.batch_shape)
-        batch = self.batch_shape if r > 1 else (1,) * nb
-        return (P,) + (1,) * (self.node_dim - 1 - nb) + batch + tuple(event_shape)
-
-    def _pyro_sample(self, msg):
-        name = msg["name"]
-        if msg["is_observed"] or site_is_subsample(msg) or name not in self.layout:
-            return
-        entry = self.layout[name]
-        fn = msg["fn"]
-        base, _ = unwrap(fn)
-        E = len(fn.event_shape)
-        P = self.u.shape[0]
-        u = self.u[..., entry.offset : entry.offset + entry.numel].reshape(self._shape(fn.event_shape))
-        if entry.kind == "normal":
-            loc, scale = base.loc, base.scale
-            if self.compact:
-                loc, scale = compact(loc), compact(scale)
-            value = loc + scale * u
-            log_pi = -0.5 * (u.pow(2) + _LOG_2PI)
-        elif entry.kind == "mvn":
-            loc, tril = base.loc, base.scale_tril
-            if self.compact:
-                loc, tril = compact(loc), compact(tril)
-            value = loc + (tril @ u.unsqueeze(-1)).squeeze(-1)
-            log_pi = -0.5 * (u.pow(2) + _LOG_2PI)
-        else:
-            t = biject_to(base.support)
-            value = t(u)
-            log_pi = base.log_prob(value) + t.log_abs_det_jacobian(u, value)
-            # nodes whose image hits the boundary in floating point carry no mass
-            log_pi = torch.where(torch.isnan(log_pi), torch.full_like(log_pi, -math.inf), log_pi)
-        if E:
-            log_pi = log_pi.sum(tuple(range(-E, 0)))
-        if not self.compact:
-            full = (P,) + (1,) * (self.node_dim - 1 - len(fn.batch_shape)) + tuple(fn.shape())
-            value = value.expand(torch.broadcast_shapes(value.shape, full))
-        log_pi = log_pi.reshape(P, -1)
-        self.log_pi = log_pi if self.log_pi is None else self.log_pi + log_pi
-        msg["value"] = value
-        msg["done"] = True
-
-
-class _ModelRunner:
-    """Runs the Pyro model with its latents at a batch of nodes, vectorized in a plate."""
-
-    def __init__(self, tokens, model, args, kwargs, layout):
-        self.tokens = tokens
-        self.model = model
-        self.args = args
-        self.kwargs = kwargs
-        self.layout = layout
-        self.replay = tokens.subsample_trace()
-        self.node_dim = tokens.max_plate_nesting + 1
-        self.compact = None  # decided on the first run
-
-    def _trace(self, u, compact):
-        P = u.shape[0]
-        handler = _NodeLatents(self.layout, u, self.node_dim, self.tokens.batch_shape, compact)
-        model = self.model
-
-        def wrapped(*a, **k):
-            with pyro.plate("_mpt_nodes", P, dim=-self.node_dim), handler:
-                return model(*a, **k)
-
-        # hide the node runs' samples from outer handlers (SVI still sees the params);
-        # the observed values were validated when the model was first traced
-        with poutine.block(hide_fn=lambda m: m["type"] == "sample"), pyro.validation_enabled(False):
-            trace = poutine.trace(poutine.replay(wrapped, trace=self.replay)).get_trace(
-                *self.args, **self.kwargs
-            )
-        return trace, handler
-
-    def run(self, u):
-        """Per-node prior log-densities ``(P, r')`` and token log-likelihoods ``(P, n, D)``.
-
-        :param torch.Tensor u: node coordinates ``(P, r, K)``, ``r`` in ``{1, n}``.
-        """
-        if self.compact is None:
-            try:
-                out = self._run(u, compact=True)
-                self.compact = True
-                return out
-            except EngineNotApplicable:
-                raise
-            except Exception:
-                pass
-            try:
-                out = self._run(u, compact=False)
-            except EngineNotApplicable:
-                raise
-            except Exception as e:
-                raise NotQuadratureError(
-                    f"conditionals='quadrature' runs the model with its latents at "
-                    f"many nodes at once, in a pyro.plate at dim {-self.node_dim}, "
-                    f"and the model failed there ({type(e).__name__}: {e}). Write "
-                    f"the model so that it broadcasts over extra batch dims on the "
-                    f"left (use '...' indexing, torch.matmul, .expand), or set "
-                    f"max_plate_nesting correctly."
-                ) from e
-            self.compact = False
-            return out
-        return self._run(u, self.compact)
-
-    def _run(self, u, compact):
-        tokens = self.tokens
-        P = u.shape[0]
-        n, D = tokens.num_data, tokens.num_tokens
-        trace, handler = self._trace(u, compact)
-        site = trace.nodes[tokens.name]
-        fn = site["fn"]
-        base, _ = unwrap(fn, masks=True)
-        # missing tokens are evaluated at a filled-in value and then zeroed: they
-        # then add nothing to any context, joint or posterior of the table
-        value = site["value"] if tokens.observed is None else tokens.site_value
-        logp = base.log_prob(value)
-        full = torch.broadcast_shapes(logp.shape, fn.batch_shape + fn.event_shape)
-        logp = tokens.to_tokens(logp.expand(full))
-        if logp.numel() != P * n * D:
-            raise ValueError(
-                f"Observed site {tokens.name!r} has shape {tuple(full)} when the model "
-                f"runs at {P} quadrature nodes; expected {P} x {n} datapoints x {D} "
-                f"tokens. The observation must broadcast over the node plate at dim "
-                f"{-self.node_dim} and keep one value per datapoint and token; check "
-                f"max_plate_nesting."
-            )
-        logp = logp.reshape(P, n, D)
-        if tokens.observed is not None:
-            logp = torch.where(tokens.observed, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
-        log_pi = handler.log_pi
-        if log_pi is None:
-            log_pi = logp.new_zeros(P, 1)
-        return log_pi, logp
+    run_mode: RunMemory = field(default_factory=RunMemory)
+    warm_key: Optional[tuple] = None
+    warm_centres: Optional[torch.Tensor] = None
 
 
 # ---------------------------------------------------------------------- state
@@ -463,7 +268,7 @@ class QuadratureConditionals(ConditionalEngine):
         self.newton_steps = int(newton_steps)
         self.init_nodes = init_nodes
         self.warm_start = bool(warm_start)
-        self._warm = None
+        self.memory = QuadratureMemory()
         self.min_ess = min_ess
         self.ess_warning = ess_warning
         self.max_latent_dim = int(max_latent_dim)
@@ -476,23 +281,24 @@ class QuadratureConditionals(ConditionalEngine):
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, tokens, model, guide, args, kwargs):
-        layout, K = _latent_layout(tokens)
+        layout, K = quadrature_layout(tokens)
         if K > self.max_latent_dim:
             sizes = ", ".join(f"{e.name!r}: {e.numel}" for e in layout.values())
             raise NotQuadratureError(
                 f"conditionals='quadrature' uses tensor grids of num_nodes**K nodes and "
                 f"supports at most K = {self.max_latent_dim} latent dims per datapoint; "
                 f"the model of site {tokens.name!r} has K = {K} ({sizes}). Use "
-                f"{_ALTERNATIVES}."
+                f"{ALTERNATIVES}."
             )
         check_factorized(
             tokens.site["fn"], tokens.name, "conditionals='quadrature'", NotQuadratureError,
             "for a Gaussian with latents use conditionals='gaussian'",
         )
         n, D = tokens.num_data, tokens.num_tokens
-        dtype = _latent_dtype(tokens)
+        dtype = latent_dtype(tokens)
         device = tokens.value.device
-        runner = _ModelRunner(tokens, model, args, kwargs, layout)
+        runner = NodeRunner(tokens, model, args, kwargs, layout, self.memory.run_mode)
+        search = LaplaceSearch(self.newton_steps, self.max_elements, self.init_nodes)
         m = self.num_nodes or default_num_nodes(K, self.adaptive)
         e, log_w = gaussian_grid(m, K, dtype, device)
         all_normal = all(l.kind in ("normal", "mvn") for l in layout.values())
@@ -511,12 +317,12 @@ class QuadratureConditionals(ConditionalEngine):
                     S0 = torch.eye(K, dtype=dtype, device=device)[None]
                 else:
                     start = torch.zeros(n, K, dtype=dtype, device=device)
-                    c0, S0, _ = self._laplace(runner, start, include_lik=False)
+                    c0, S0, _ = search.laplace(runner, start, include_lik=False)
                 if self.adaptive:
                     start = self._warm_centre(tokens)
                     if start is None:
-                        start = self._best_node(runner, c0, S0, K, n)
-                    c, S, converged = self._laplace(runner, start, include_lik=True)
+                        start = search.best_node(runner, c0, S0, K, n)
+                    c, S, converged = search.laplace(runner, start, include_lik=True)
                     if not bool(converged.all()):
                         bad = int((~converged).sum())
                         warnings.warn(
@@ -556,117 +362,6 @@ class QuadratureConditionals(ConditionalEngine):
                 state.ess_pending = True
         return state
 
-    # ------------------------------------------------------------------ centring
-    def _log_joint(self, runner, u, include_lik):
-        """Log prior density (and token log-likelihood) at points ``u`` ``(P, r, K)`` -> ``(P, n)``."""
-        n, D = runner.tokens.num_data, runner.tokens.num_tokens
-        step = max(1, self.max_elements // max(1, n * D))
-        out = []
-        for s in range(0, u.shape[0], step):
-            log_pi, logp = runner.run(u[s : s + step])
-            lj = log_pi.expand(logp.shape[0], n)
-            if include_lik:
-                lj = lj + logp.sum(-1)
-            out.append(lj)
-        return torch.nan_to_num(torch.cat(out, 0), nan=-math.inf, neginf=-math.inf, posinf=math.inf)
-
-    def _derivatives(self, runner, u, include_lik, hessian=True):
-        """Log joint ``(n,)``, its gradient ``(n, K)`` and (with ``hessian``) its
-        negative Hessian ``(n, K, K)`` at ``u`` ``(n, K)``, by automatic differentiation."""
-        n, K = u.shape
-        with torch.enable_grad():
-            v = u.detach()[None].clone().requires_grad_(True)
-            J = self._log_joint(runner, v, include_lik)[0]
-            if not J.requires_grad:  # the log joint does not depend on the nodes
-                zero = torch.zeros_like(u)
-                return J.detach(), zero, (torch.zeros(n, K, K, dtype=u.dtype, device=u.device) if hessian else None)
-            (g,) = torch.autograd.grad(J.sum(), v, create_graph=hessian)
-            if not hessian:
-                return J.detach(), g[0].detach(), None
-            H = torch.zeros(n, K, K, dtype=u.dtype, device=u.device)
-            if g.requires_grad:
-                for k in range(K):
-                    (h,) = torch.autograd.grad(
-                        g[..., k].sum(), v, retain_graph=k < K - 1, allow_unused=True
-                    )
-                    if h is not None:
-                        H[:, k] = h[0]
-        negH = -0.5 * (H + H.transpose(-1, -2))
-        return J.detach(), g[0].detach(), negH.detach()
-
-    def _laplace(self, runner, u, include_lik):
-        """Newton's method for the mode of the log joint, per datapoint, from ``u`` ``(n, K)``.
-
-        Each step is a modified Newton step (absolute eigenvalues of the negative
-        Hessian) shortened, per datapoint, until the log joint does not decrease;
-        the search stops when every Newton decrement (with a Hessian taken at the
-        current point) is below a tolerance. The Hessian is recomputed only when
-        the gradient at the new point is not yet small under the previous one.
-
-        The rule must not depend on where the search started (the coarse grid's
-        best node on a first call, the previous centres on a warm start): once
-        converged, one more full Newton step puts the centre within about the
-        square of the last step of the mode, and the scale is taken from the
-        Hessian *at that centre*, so that two searches from different starts
-        give the same rule up to a few ``tol`` (``tol`` = 1e-8 in float64, 1e-3
-        in float32, on the decrement).
-
-        :returns: ``(centre (n, K), sqrt_cov (n, K, K), converged (n,))`` with
-            ``sqrt_cov @ sqrt_cov.T`` the inverse negative Hessian at the centre.
-        """
-        n, K = u.shape
-        finfo = torch.finfo(u.dtype)
-        tol = 1e-8 if u.dtype == torch.float64 else 1e-3
-        J, g, negH = self._derivatives(runner, u, include_lik)
-        if not bool(torch.isfinite(J).all()):
-            bad = int((~torch.isfinite(J)).sum())
-            raise ValueError(
-                f"The log-density of the model of site {runner.tokens.name!r} is not "
-                f"finite at the start of the Laplace search for {bad} datapoint(s); "
-                f"check that the data lie in the support of the observation."
-            )
-
-        def newton_step(g, negH):
-            lam, V = torch.linalg.eigh(negH)
-            lam = lam.abs().clamp_min(1e-6)
-            step = (V @ ((V.transpose(-1, -2) @ g.unsqueeze(-1)) / lam.unsqueeze(-1))).squeeze(-1)
-            return step, (g * step).sum(-1)
-
-        step, decrement = newton_step(g, negH)
-        fresh = True  # negH was taken at u
-        for _ in range(self.newton_steps):
-            if fresh and float(decrement.max()) < tol:
-                break
-            noise = 16 * finfo.eps * J.abs().clamp_min(1.0)
-            alpha = torch.ones(n, dtype=u.dtype, device=u.device)
-            for _ in range(20):
-                cand = u + alpha.unsqueeze(-1) * step
-                Jc = self._log_joint(runner, cand[None], include_lik)[0]
-                ok = Jc >= J - noise
-                if bool(ok.all()):
-                    break
-                alpha = torch.where(ok, alpha, 0.25 * alpha)
-            u = torch.where(ok.unsqueeze(-1), cand, u)
-            J, g, _ = self._derivatives(runner, u, include_lik, hessian=False)
-            step, decrement = newton_step(g, negH)
-            fresh = False
-            if float(decrement.max()) >= tol:
-                J, g, negH = self._derivatives(runner, u, include_lik)
-                step, decrement = newton_step(g, negH)
-                fresh = True
-        if not fresh:
-            J, g, negH = self._derivatives(runner, u, include_lik)
-            step, decrement = newton_step(g, negH)
-        converged = decrement < tol
-        # the last, tiny Newton step (no line search needed) and the Hessian at
-        # its end: the rule then no longer shows where the search started
-        u = torch.where(converged.unsqueeze(-1), u + step, u)
-        J, g, negH = self._derivatives(runner, u, include_lik)
-        lam, V = torch.linalg.eigh(negH)
-        lam = lam.clamp_min(1e-4)
-        S = V * lam.rsqrt().unsqueeze(-2)  # S S^T = V diag(1/lam) V^T
-        return u, S, converged
-
     def _warm_key(self, tokens):
         subsample = tuple(
             site["value"] for site in tokens.subsample_trace().nodes.values()
@@ -675,9 +370,10 @@ class QuadratureConditionals(ConditionalEngine):
 
     def _warm_centre(self, tokens):
         """The last posterior centres when the data (and minibatch) are the same."""
-        if not self.warm_start or self._warm is None:
+        memory = self.memory
+        if not self.warm_start or memory.warm_centres is None:
             return None
-        (x, sub), centre = self._warm
+        x, sub = memory.warm_key
         x_new, sub_new = self._warm_key(tokens)
         same = (
             x.shape == x_new.shape
@@ -686,22 +382,13 @@ class QuadratureConditionals(ConditionalEngine):
             and all(a.shape == b.shape and bool(torch.equal(a, b)) for a, b in zip(sub, sub_new))
             and bool(torch.equal(x, x_new))
         )
-        return centre if same else None
+        return memory.warm_centres if same else None
 
     def _remember_centre(self, tokens, centre):
         if self.warm_start:
             x, sub = self._warm_key(tokens)
-            self._warm = ((x.detach().clone(), tuple(t.clone() for t in sub)), centre.detach())
-
-    def _best_node(self, runner, c0, S0, K, n):
-        """Best node per datapoint of a coarse grid on the prior frame ``(c0, S0)``."""
-        m0 = self.init_nodes or {1: 7, 2: 5, 3: 3, 4: 3}[K]
-        e0, lw0 = gaussian_grid(m0, K, c0.dtype, c0.device)
-        u0, _ = affine_grid(e0, lw0, c0, S0)  # (r, G, K)
-        J = self._log_joint(runner, u0.transpose(0, 1), include_lik=True)  # (G, n)
-        best = J.argmax(0)
-        u0 = u0.expand(n, -1, -1)
-        return u0[torch.arange(n, device=u0.device), best]
+            self.memory.warm_key = (x.detach().clone(), tuple(t.clone() for t in sub))
+            self.memory.warm_centres = centre.detach()
 
     # ------------------------------------------------------------------ chunk loop
     def _reduce(self, state, reducer, *inputs):
@@ -804,7 +491,7 @@ class QuadratureConditionals(ConditionalEngine):
             max_elements=self.max_elements,
         )
         engine = QuadratureConditionals(int(num_nodes), **opts)
-        engine._warm = self._warm
+        engine.memory = QuadratureMemory(self.memory.run_mode, self.memory.warm_key, self.memory.warm_centres)
         runner = state.runner
         with torch.no_grad():
             other = engine.prepare(runner.tokens, runner.model, None, runner.args, runner.kwargs)
@@ -873,11 +560,3 @@ class QuadratureConditionals(ConditionalEngine):
         self._check_x(state, x)
         (lse,) = self._reduce(state, lambda c: (stable_logsumexp(c.joint(), -1),))
         return lse
-
-
-def _latent_dtype(tokens):
-    for site in tokens.latent_sites():
-        v = site["value"]
-        if torch.is_tensor(v) and torch.is_floating_point(v):
-            return v.dtype
-    return tokens.value.dtype

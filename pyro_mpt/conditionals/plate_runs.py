@@ -1,0 +1,195 @@
+r"""Running a Pyro model (or guide) at many latent values at once, in an extra vectorized plate.
+
+Several engines evaluate the model at a batch of ``P`` latent values per
+datapoint: the Gaussian marginal at noise points
+(:mod:`~pyro_mpt.conditionals.gaussian_marginal`), quadrature at grid nodes
+(:mod:`~pyro_mpt.conditionals.quadrature`), the sampling engines at particles
+(:mod:`~pyro_mpt.conditionals.latent_runs`). Each runs the callable once inside
+``pyro.plate(name, P, dim=-(max_plate_nesting + 1))`` (:func:`run_in_plate`),
+with the subsample sites of the traced minibatch replayed so that minibatches
+match, with a messenger that sets the latents, and with the runs' sample sites
+hidden from outer handlers (SVI's parameter capture still sees the params).
+
+**One fallback policy** (:func:`run_with_fallback`). A model may not broadcast
+the way the fastest run needs (shared parameters kept at size one, a copy of
+the data stacked per imputation, ...). The runs are then tried as *modes* in
+order of preference; the first that works is used and remembered in a
+:class:`RunMemory` kept by the engine, so that the next call starts with it and
+does not pay for the failing modes again. An error that says the model is
+outside the engine's reach (``EngineNotApplicable``) is not a reason to try
+another mode: it passes through. When every mode fails, the caller's error is
+raised from the last failure.
+
+**Latent layout** (:func:`latent_layout`). Engines that set all latents from
+one coordinate vector :math:`u \in \mathbb R^K` per point give each latent site
+a :class:`LatentSlice` of it.
+"""
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import pyro
+from pyro import poutine
+
+from .base import EngineNotApplicable, callable_key
+
+__all__ = ["LatentSlice", "latent_layout", "run_in_plate", "RunMemory", "run_with_fallback"]
+
+
+@dataclass(frozen=True)
+class LatentSlice:
+    """The coordinates ``u[..., offset : offset + numel]`` of one latent site.
+
+    :param str name: the site.
+    :param int offset: first coordinate.
+    :param int numel: number of coordinates (the event's size).
+    :param torch.Size event_shape: the site's event shape.
+    :param str kind: how the engine parameterizes it (e.g. ``"normal"``,
+        ``"mvn"``, ``"transform"``).
+    """
+
+    name: str
+    offset: int
+    numel: int
+    event_shape: torch.Size
+    kind: str
+
+
+def latent_layout(tokens, kind_of):
+    """Give each latent site of ``tokens`` a :class:`LatentSlice` of the stacked coordinates.
+
+    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :param callable kind_of: ``kind_of(site) -> str``; checks the site (raising
+        the engine's error when it cannot serve it) and names its kind.
+    :returns: ``(layout, K)``: ``{name: LatentSlice}`` in site order and the
+        total number of coordinates.
+
+    Example::
+
+        >>> layout, K = latent_layout(tokens, lambda site: "normal")
+    """
+    layout, offset = {}, 0
+    for site in tokens.latent_sites():
+        kind = kind_of(site)
+        event_shape = site["fn"].event_shape
+        layout[site["name"]] = LatentSlice(site["name"], offset, event_shape.numel(), event_shape, kind)
+        offset += event_shape.numel()
+    return layout, offset
+
+
+def run_in_plate(fn, args, kwargs, *, name=None, size=None, dim=None, replay=None,
+                 inside=None, outside=None, validation=None):
+    """Trace ``fn(*args, **kwargs)`` inside an extra vectorized plate.
+
+    :param callable fn: the model or guide.
+    :param tuple args: its arguments.
+    :param dict kwargs: its keyword arguments.
+    :param str name: the plate's name (None with ``size=None``: no plate).
+    :param int size: the number of latent values per datapoint ``P``.
+    :param int dim: the plate sits at dim ``-dim`` (``max_plate_nesting + 1``).
+    :param ~pyro.poutine.Trace replay: sites to replay (the minibatch's
+        subsample sites, given latent values), or None.
+    :param inside: a messenger entered inside the plate: it sees each site
+        before the plate broadcasts its distribution.
+    :param outside: a messenger wrapped around the plate and the replay: it
+        sees each site after them.
+    :param bool validation: None leaves Pyro's validation as it is; False
+        turns it off for the run (the observed values were validated when the
+        model was first traced).
+    :rtype: ~pyro.poutine.Trace
+
+    Example::
+
+        >>> trace = run_in_plate(model, (x,), {}, name="_mpt_particles", size=8, dim=2,
+        ...                      replay=tokens.subsample_trace())
+    """
+
+    def wrapped(*a, **k):
+        with contextlib.ExitStack() as stack:
+            if size is not None:
+                stack.enter_context(pyro.plate(name, size, dim=-dim))
+            if inside is not None:
+                stack.enter_context(inside)
+            return fn(*a, **k)
+
+    run = wrapped if replay is None else poutine.replay(wrapped, trace=replay)
+    if outside is not None:
+        run = outside(run)
+    valid = contextlib.nullcontext() if validation is None else pyro.validation_enabled(validation)
+    # hide the runs' samples from outer handlers (SVI still sees the params)
+    with poutine.block(hide_fn=lambda m: m["type"] == "sample"), valid:
+        return poutine.trace(run).get_trace(*args, **kwargs)
+
+
+@dataclass
+class RunMemory:
+    """The mode of running that last worked, and for which callable.
+
+    Kept by an engine across calls (see each engine's docstring for what it
+    remembers). One slot: a different callable starts again from the first mode.
+
+    :param tuple key: :func:`~pyro_mpt.conditionals.base.callable_key` of the callable.
+    :param str mode: the mode that worked for it.
+    """
+
+    key: Optional[tuple] = None
+    mode: Optional[str] = None
+
+    def recall(self, fn):
+        """The remembered mode for ``fn``, or None."""
+        return self.mode if self.key == callable_key(fn) else None
+
+    def remember(self, fn, mode):
+        self.key, self.mode = callable_key(fn), mode
+
+
+def run_with_fallback(modes, attempt, *, memory=None, fn=None, passes=(EngineNotApplicable,),
+                      on_fallback=None, failure=None):
+    """Try ``attempt(mode)`` for each mode in order; the one fallback policy of the engines.
+
+    The mode remembered for ``fn`` in ``memory`` is tried first, and the modes
+    before it are skipped (they failed for ``fn`` before). The first mode that
+    works is remembered (when there was a choice) and its result returned.
+
+    :param tuple modes: the modes, most preferred first.
+    :param callable attempt: ``attempt(mode)`` runs one mode.
+    :param RunMemory memory: where the working mode is kept (None: nowhere).
+    :param callable fn: the callable the memory is about.
+    :param passes: exception types (or a predicate on the exception) that
+        pass through instead of triggering the next mode.
+    :param callable on_fallback: ``on_fallback(mode, error)`` when ``mode``
+        failed and a next one is tried (e.g. to warn).
+    :param callable failure: ``failure(errors) -> Exception`` raised (from the
+        last error) when every mode fails; by default the last error is raised
+        from the first.
+    :returns: ``(mode, result)``.
+
+    Example::
+
+        >>> mode, trace = run_with_fallback(("compact", "full"), run, memory=engine_memory, fn=model)
+    """
+    known = None if memory is None else memory.recall(fn)
+    if known in modes:
+        modes = modes[modes.index(known):]
+    passing = passes if callable(passes) and not isinstance(passes, type) else (lambda e: isinstance(e, passes))
+    errors = []
+    for i, mode in enumerate(modes):
+        try:
+            out = attempt(mode)
+        except Exception as e:
+            if passing(e):
+                raise
+            errors.append(e)
+            if on_fallback is not None and i + 1 < len(modes):
+                on_fallback(mode, e)
+            continue
+        if memory is not None and len(modes) > 1:
+            memory.remember(fn, mode)
+        return mode, out
+    if failure is not None:
+        raise failure(errors) from errors[-1]
+    if len(errors) > 1:
+        raise errors[-1] from errors[0]
+    raise errors[0]

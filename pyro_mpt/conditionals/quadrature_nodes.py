@@ -1,0 +1,239 @@
+r"""The quadrature engine's model runs: latents at grid nodes, token log-likelihoods out.
+
+The nodes live in coordinates :math:`u \in \mathbb R^K` in which each latent
+is generated from its (conditional) prior (see
+:mod:`~pyro_mpt.conditionals.quadrature`): Normal and MultivariateNormal
+latents are :math:`z = \mu + L u`, other continuous scalar latents
+:math:`z = T(u)` with :math:`T` = ``biject_to(support)``. :class:`NodeRunner`
+runs the model once per chunk of nodes in the plate ``_mpt_nodes`` with every
+latent set to its node values, and returns the prior log-density of the nodes
+in :math:`u`, :math:`\log \pi(u)`, with the table
+:math:`T_{qd} = \log p(x_d \mid z_q)`.
+"""
+
+import math
+
+import torch
+import pyro.distributions as dist
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
+from torch.distributions import biject_to
+
+from ..sites import check_local_latent
+from .base import EngineNotApplicable
+from .distributions import compact, unwrap
+from .plate_runs import RunMemory, latent_layout, run_in_plate, run_with_fallback
+
+__all__ = ["NotQuadratureError", "quadrature_layout", "NodeRunner", "latent_dtype", "NODE_PLATE", "ALTERNATIVES"]
+
+#: the plate the nodes run in
+NODE_PLATE = "_mpt_nodes"
+#: the engines named when quadrature cannot serve a model
+ALTERNATIVES = "conditionals='importance' or 'encode_decode'"
+_LOG_2PI = math.log(2 * math.pi)
+
+
+class NotQuadratureError(EngineNotApplicable):
+    """The model is outside what tensor-grid quadrature serves."""
+
+
+def quadrature_layout(tokens):
+    """Check the latent sites; give each a slice of the node coordinates.
+
+    :returns: ``(layout, K)`` (see :func:`~pyro_mpt.conditionals.plate_runs.latent_layout`),
+        each latent of kind ``"normal"``, ``"mvn"`` or ``"transform"``.
+    :raises NotQuadratureError: naming the site the rule cannot cover.
+    """
+    return latent_layout(tokens, lambda site: _latent_kind(tokens, site))
+
+
+def _latent_kind(tokens, site):
+    name = site["name"]
+    fn = site["fn"]
+    base, _ = unwrap(fn)
+    kind_name = type(base).__name__
+    try:
+        discrete = fn.support.is_discrete
+    except NotImplementedError:  # a dependent support: decided by biject_to below
+        discrete = False
+    if discrete or getattr(base, "has_enumerate_support", False):
+        raise NotQuadratureError(
+            f"conditionals='quadrature' integrates continuous latents; latent site "
+            f"{name!r} is discrete ({kind_name}). Sum it out in the model, or use "
+            f"{ALTERNATIVES}."
+        )
+    check_local_latent(tokens, site, NotQuadratureError)
+    if isinstance(base, dist.Normal):
+        kind = "normal"
+    elif isinstance(base, (dist.MultivariateNormal, dist.LowRankMultivariateNormal)):
+        kind = "mvn"
+    elif isinstance(base, (dist.Delta, dist.VonMises)) or len(base.event_shape) > 0:
+        raise NotQuadratureError(
+            f"conditionals='quadrature' cannot parameterize latent site {name!r} "
+            f"({kind_name}{'' if not base.event_shape else ' with event shape ' + str(tuple(base.event_shape))}): "
+            f"it supports Normal and MultivariateNormal latents and continuous "
+            f"scalar latents on an interval or half-line (Gamma, Beta, Uniform, "
+            f"LogNormal, ...). Reparameterize it with such latents, or use "
+            f"{ALTERNATIVES}."
+        )
+    else:
+        try:
+            biject_to(base.support)
+        except NotImplementedError:
+            raise NotQuadratureError(
+                f"Latent site {name!r} ({kind_name}) has support {base.support} "
+                f"with no bijection to the real line, so the quadrature rule "
+                f"cannot cover it; use {ALTERNATIVES}."
+            ) from None
+        kind = "transform"
+    return kind
+
+
+class _NodeLatents(Messenger):
+    """Set each latent site to its values at a batch of nodes ``u`` of shape ``(P, r, K)``."""
+
+    def __init__(self, layout, u, node_dim, batch_shape, compact):
+        super().__init__()
+        self.layout = layout
+        self.u = u
+        self.node_dim = node_dim  # the node plate's dim, counted from the batch end
+        self.batch_shape = tuple(batch_shape)
+        self.compact = compact
+        self.log_pi = None
+
+    def _shape(self, event_shape):
+        P, r = self.u.shape[:2]
+        nb = len(self.batch_shape)
+        batch = self.batch_shape if r > 1 else (1,) * nb
+        return (P,) + (1,) * (self.node_dim - 1 - nb) + batch + tuple(event_shape)
+
+    def _pyro_sample(self, msg):
+        name = msg["name"]
+        if msg["is_observed"] or site_is_subsample(msg) or name not in self.layout:
+            return
+        entry = self.layout[name]
+        fn = msg["fn"]
+        base, _ = unwrap(fn)
+        E = len(fn.event_shape)
+        P = self.u.shape[0]
+        u = self.u[..., entry.offset : entry.offset + entry.numel].reshape(self._shape(fn.event_shape))
+        if entry.kind == "normal":
+            loc, scale = base.loc, base.scale
+            if self.compact:
+                loc, scale = compact(loc), compact(scale)
+            value = loc + scale * u
+            log_pi = -0.5 * (u.pow(2) + _LOG_2PI)
+        elif entry.kind == "mvn":
+            loc, tril = base.loc, base.scale_tril
+            if self.compact:
+                loc, tril = compact(loc), compact(tril)
+            value = loc + (tril @ u.unsqueeze(-1)).squeeze(-1)
+            log_pi = -0.5 * (u.pow(2) + _LOG_2PI)
+        else:
+            t = biject_to(base.support)
+            value = t(u)
+            log_pi = base.log_prob(value) + t.log_abs_det_jacobian(u, value)
+            # nodes whose image hits the boundary in floating point carry no mass
+            log_pi = torch.where(torch.isnan(log_pi), torch.full_like(log_pi, -math.inf), log_pi)
+        if E:
+            log_pi = log_pi.sum(tuple(range(-E, 0)))
+        if not self.compact:
+            full = (P,) + (1,) * (self.node_dim - 1 - len(fn.batch_shape)) + tuple(fn.shape())
+            value = value.expand(torch.broadcast_shapes(value.shape, full))
+        log_pi = log_pi.reshape(P, -1)
+        self.log_pi = log_pi if self.log_pi is None else self.log_pi + log_pi
+        msg["value"] = value
+        msg["done"] = True
+
+
+class NodeRunner:
+    """Runs the Pyro model with its latents at a batch of nodes, vectorized in a plate.
+
+    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :param callable model: the Pyro model.
+    :param tuple args: its arguments.
+    :param dict kwargs: its keyword arguments.
+    :param dict layout: from :func:`quadrature_layout`.
+    :param ~pyro_mpt.conditionals.plate_runs.RunMemory memory: whether the
+        model ran with its shared latent parameters kept at size one
+        (``"compact"``) or at full batch shape (``"full"``); None: a memory of
+        its own (decided on the first run).
+    """
+
+    def __init__(self, tokens, model, args, kwargs, layout, memory=None):
+        self.tokens = tokens
+        self.model = model
+        self.args = args
+        self.kwargs = kwargs
+        self.layout = layout
+        self.replay = tokens.subsample_trace()
+        self.node_dim = tokens.max_plate_nesting + 1
+        self.memory = RunMemory() if memory is None else memory
+
+    def _trace(self, u, compact):
+        handler = _NodeLatents(self.layout, u, self.node_dim, self.tokens.batch_shape, compact)
+        # the observed values were validated when the model was first traced
+        trace = run_in_plate(self.model, self.args, self.kwargs, name=NODE_PLATE, size=u.shape[0],
+                             dim=self.node_dim, replay=self.replay, inside=handler, validation=False)
+        return trace, handler
+
+    def _failed(self, errors):
+        e = errors[-1]
+        return NotQuadratureError(
+            f"conditionals='quadrature' runs the model with its latents at "
+            f"many nodes at once, in a pyro.plate at dim {-self.node_dim}, "
+            f"and the model failed there ({type(e).__name__}: {e}). Write "
+            f"the model so that it broadcasts over extra batch dims on the "
+            f"left (use '...' indexing, torch.matmul, .expand), or set "
+            f"max_plate_nesting correctly."
+        )
+
+    def run(self, u):
+        """Per-node prior log-densities ``(P, r')`` and token log-likelihoods ``(P, n, D)``.
+
+        :param torch.Tensor u: node coordinates ``(P, r, K)``, ``r`` in ``{1, n}``.
+        """
+        _, out = run_with_fallback(
+            ("compact", "full"), lambda mode: self._run(u, mode == "compact"),
+            memory=self.memory, fn=self.model, failure=self._failed,
+        )
+        return out
+
+    def _run(self, u, compact):
+        tokens = self.tokens
+        P = u.shape[0]
+        n, D = tokens.num_data, tokens.num_tokens
+        trace, handler = self._trace(u, compact)
+        site = trace.nodes[tokens.name]
+        fn = site["fn"]
+        base, _ = unwrap(fn, masks=True)
+        # missing tokens are evaluated at a filled-in value and then zeroed: they
+        # then add nothing to any context, joint or posterior of the table
+        value = site["value"] if tokens.observed is None else tokens.site_value
+        logp = base.log_prob(value)
+        full = torch.broadcast_shapes(logp.shape, fn.batch_shape + fn.event_shape)
+        logp = tokens.to_tokens(logp.expand(full))
+        if logp.numel() != P * n * D:
+            raise ValueError(
+                f"Observed site {tokens.name!r} has shape {tuple(full)} when the model "
+                f"runs at {P} quadrature nodes; expected {P} x {n} datapoints x {D} "
+                f"tokens. The observation must broadcast over the node plate at dim "
+                f"{-self.node_dim} and keep one value per datapoint and token; check "
+                f"max_plate_nesting."
+            )
+        logp = logp.reshape(P, n, D)
+        if tokens.observed is not None:
+            logp = torch.where(tokens.observed, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
+        log_pi = handler.log_pi
+        if log_pi is None:
+            log_pi = logp.new_zeros(P, 1)
+        return log_pi, logp
+
+
+def latent_dtype(tokens):
+    """The dtype of the first floating-point latent value (else the data's): the nodes' dtype."""
+    for site in tokens.latent_sites():
+        v = site["value"]
+        if torch.is_tensor(v) and torch.is_floating_point(v):
+            return v.dtype
+    return tokens.value.dtype
