@@ -130,7 +130,7 @@ class RunMemory:
     Kept by an engine across calls (see each engine's docstring for what it
     remembers). One slot: a different callable starts again from the first mode.
 
-    :param tuple key: :func:`~pyro_mpt.conditionals.base.callable_key` of the callable.
+    :param tuple key: ``callable_key(fn)`` of the callable (see ``conditionals.base``).
     :param str mode: the mode that worked for it.
     """
 
