@@ -51,6 +51,13 @@ Two proposals (``proposal=``):
   :func:`~pyro_mpt.conditionals.latent_runs.locate_data_arg`), or with
   ``impute=False``, the guide runs on the original data: still a valid
   proposal, if a narrower one.
+  Pyro's autoguides (``AutoNormal``, ``AutoDiagonalNormal``,
+  ``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``, an
+  ``AutoGuideList`` of them) do not read the data, so imputation would not
+  change them: their proposal is the defensive mixture
+  :math:`\alpha\,p(z) + (1-\alpha)\,q(z)` for every query, drawn once per
+  call into a table shared by all queries (as for the prior), with the
+  density :math:`q(z)` of :class:`~pyro_mpt.guide_proposals.AutoguideProposal`.
 * ``"auto"`` (default) -- ``"guide"`` when a guide that samples the model's
   latents is given, else ``"prior"`` (e.g. with the no-op guide
   ``lambda x: None`` usual for MPT). With missing (masked) tokens ``"auto"``
@@ -79,6 +86,7 @@ from typing import Optional
 import torch
 
 from ..guide_checks import check_proposal_density
+from ..guide_proposals import AutoguideProposal, is_autoguide
 from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import check_factorized
@@ -220,11 +228,14 @@ class ImportanceConditionals(ConditionalEngine):
         if proposal == "auto":
             proposal = "guide" if covered and tokens.observed is None else "prior"
         if proposal == "guide":
-            refuse_missing(tokens, f"{who} with proposal='guide'")
             check_proposal_density(
                 tokens, who, "a guide with a density over the latents (e.g. AutoNormal), "
                 "proposal='prior', or conditionals='gaussian' / 'quadrature' where the model allows",
             )
+            if is_autoguide(guide):
+                # it does not read the data, so missing tokens are no obstacle
+                return self._autoguide_table(tokens, model, guide, args, kwargs, who)
+            refuse_missing(tokens, f"{who} with proposal='guide'")
         n, D = tokens.num_data, tokens.num_tokens
         if proposal == "prior":
             runner = LatentRunner(tokens, model, None, args, kwargs, None, who)
@@ -255,10 +266,50 @@ class ImportanceConditionals(ConditionalEngine):
         init = initial_tokens(runner, self.init, who) if data is not None else None
         return ImportanceState("guide", n, D, runner, init=init, imputed=data is not None)
 
+    def _autoguide_table(self, tokens, model, guide, args, kwargs, who):
+        r"""The table of one set of draws shared by every query, for a Pyro autoguide.
+
+        An autoguide does not read the data (its parameters are per datapoint or
+        global), so imputing the masked tokens would not change it: the
+        proposal is the defensive mixture :math:`\alpha p(z) + (1-\alpha) q(z)`
+        for every query, and its draws form a table like the prior's, with
+        per-datapoint log-weights :math:`\log p(z_s) - \log r(z_s) - \log S`.
+        """
+        runner = LatentRunner(tokens, model, guide, args, kwargs, None, who)
+        source = AutoguideProposal(guide, runner, who)
+        n, D = tokens.num_data, tokens.num_tokens
+        S = self.num_samples
+        S_p = min(S - 1, int(round(self.prior_weight * S)))
+        alpha = S_p / S
+        step = max(1, self.max_elements // max(1, n * D))
+        logws, tables = [], []
+        for start in range(0, S, step):
+            rows = min(step, S - start)
+            # this chunk's share of prior draws, so that the whole set has S_p of them
+            k_p = (start + rows) * S_p // S - start * S_p // S
+            values, trace = source.sample(rows)
+            if k_p:
+                prior = runner.sample_prior(k_p).trace
+                values = {
+                    name: torch.cat([v[: rows - k_p], prior.nodes[name]["value"].expand((k_p,) + v.shape[1:])], 0)
+                    for name, v in values.items()
+                }
+            log_q = source.log_prob(trace, values, rows)
+            dec = runner.decode(values, rows)
+            log_p = dec.log_prior()
+            log_r = log_q
+            if S_p:
+                log_r = torch.logaddexp(log_q + math.log1p(-alpha), log_p + math.log(alpha))
+            logws.append((log_p - log_r).T)
+            tables.append(dec.token_log_prob(tokens.value).transpose(0, 1))
+        logw = torch.cat(logws, 1) - math.log(S)  # (n, S)
+        T = torch.cat(tables, 1).contiguous()  # (n, S, D)
+        return ImportanceState("guide", n, D, runner, chunk=MixtureChunk(logw, T), imputed=False)
+
     # ------------------------------------------------------------------ queries
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
-        if state.proposal == "prior":
+        if state.chunk is not None:
             return self._prior_mask(state, mask)
         S = self.num_samples
         n, D = x.shape
@@ -308,7 +359,7 @@ class ImportanceConditionals(ConditionalEngine):
                     "stderr": err,
                     "khat": khat,
                     "num_samples": S,
-                    "proposal": "prior",
+                    "proposal": state.proposal,
                 }
         return out
 
@@ -368,7 +419,7 @@ class ImportanceConditionals(ConditionalEngine):
 
     def chain_log_prob(self, state, x, order):
         self._check_x(state, x)
-        if state.proposal != "prior":
+        if state.chunk is None:
             return super().chain_log_prob(state, x, order)
         chunk = state.chunk
         L = chunk.chain_partials(order, self.max_elements)
@@ -381,7 +432,7 @@ class ImportanceConditionals(ConditionalEngine):
                 ess = torch.exp(2 * L1[..., 1:] - L2[..., 1:])
                 khat = self._check_chain(state, T, order, ess)
                 self.last_diagnostics = {
-                    "ess": ess, "khat": khat, "num_samples": self.num_samples, "proposal": "prior"
+                    "ess": ess, "khat": khat, "num_samples": self.num_samples, "proposal": state.proposal
                 }
         # the prior integrates to one: the empty context (last entry) has normalizer 1
         return chain_terms(L)
@@ -389,7 +440,7 @@ class ImportanceConditionals(ConditionalEngine):
     def log_evidence(self, state, x):
         r"""Importance-sampled :math:`\log p(x_i)`, ``(n,)``: the prior draws' mixture, or the guide on the full data."""
         self._check_x(state, x)
-        if state.proposal == "prior":
+        if state.chunk is not None:
             joint = state.chunk.joint()  # (n, S)
             if self.diagnostics:
                 with torch.no_grad():

@@ -554,9 +554,11 @@ class LatentRunner:
                 if not self.data_dims <= dims:
                     raise ValueError(
                         f"Auxiliary guide site {name!r} is outside the data plate(s) of observed "
-                        f"site {tokens.name!r}, so its density is shared by all datapoints (as in "
-                        f"AutoMultivariateNormal) and {self.who} cannot form per-datapoint "
-                        f"weights; use a guide with one distribution per datapoint, e.g. AutoNormal."
+                        f"site {tokens.name!r}, so its density is shared by all datapoints and "
+                        f"{self.who} cannot form per-datapoint weights from it; use a guide with "
+                        f"one distribution per datapoint, or one of Pyro's autoguides (AutoNormal, "
+                        f"AutoDiagonalNormal, AutoMultivariateNormal, AutoLowRankMultivariateNormal), "
+                        f"whose per-datapoint marginals are computed from their parameters."
                     )
                 lq = self.per_datapoint(_site_log_prob(site), rows, batch).reshape(rows, versions, n)
                 log_q = lq if log_q is None else log_q + lq
@@ -698,8 +700,8 @@ class LatentRunner:
         if aux:
             raise ValueError(
                 f"{self.who} scores given latent values under the guide, but the guide draws them "
-                f"through auxiliary site(s) {', '.join(map(repr, aux))} (as AutoNormal does), whose "
-                f"values cannot be replayed. Use impute=False (the guide on the original data), "
+                f"through auxiliary site(s) {', '.join(map(repr, aux))}, whose values cannot be "
+                f"replayed. Use one of Pyro's autoguides (served directly), impute=False (the guide on the original data), "
                 f"proposal='prior', or a guide that samples the model's latents directly."
             )
 

@@ -51,6 +51,7 @@ import torch
 from ..conditionals.base import EngineNotApplicable
 from ..conditionals.latent_runs import LatentRunner, logmeanexp, refuse_missing
 from ..guide_checks import check_proposal_density
+from ..guide_proposals import AutoguideProposal, is_autoguide
 from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
 from .result import EvidenceResult
 
@@ -83,12 +84,14 @@ def importance_log_weights(
         runner = LatentRunner(tokens, model, guide, args, kwargs, None, who)
     except EngineNotApplicable as e:
         raise ValueError(str(e)) from e
+    # an autoguide's density comes from its parameters (per-datapoint marginals of a joint one)
+    source = AutoguideProposal(guide, runner, who) if is_autoguide(guide) else runner
     n, D = tokens.num_data, tokens.num_tokens
     if chunk_size is None:
         chunk_size = max(1, int(max_elements) // max(1, n * D))
     parts = []
     for start in range(0, num_samples, chunk_size):
-        parts.append(runner.log_weights(min(chunk_size, num_samples - start)))
+        parts.append(source.log_weights(min(chunk_size, num_samples - start)))
     return torch.cat(parts, 0)
 
 

@@ -167,20 +167,74 @@ def _():
     MaskedPretrainingLoss().loss(model, guide, x)
 
 
+def _shared_aux_guide(x):
+    # a hand-written guide with one auxiliary draw for all datapoints (not one of Pyro's autoguides)
+    u = pyro.sample("u", dist.Normal(torch.zeros(x.shape[0], dtype=x.dtype), 1.0).to_event(1),
+                    infer={"is_auxiliary": True})
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("z", dist.Delta(u[..., None], event_dim=1))
+
+
+def _local_aux_guide(x):
+    with pyro.plate("data", x.shape[0]):
+        u = pyro.sample("z_u", dist.Normal(torch.zeros(x.shape[0], 1, dtype=x.dtype), 1.0).to_event(1),
+                        infer={"is_auxiliary": True})
+        pyro.sample("z", dist.Delta(u, event_dim=1))
+
+
 @trigger("runner-auxiliary-outside-data-plate")
 def _():
-    from pyro.infer.autoguide import AutoMultivariateNormal
-
     model, x = _ppca()
-    Evidence(model, AutoMultivariateNormal(model), method="importance", num_samples=10)(x)
+    Evidence(model, _shared_aux_guide, method="importance", num_samples=10)(x)
 
 
 @trigger("runner-auxiliary-not-replayable")
 def _():
-    from pyro.infer.autoguide import AutoNormal
-
     model, x = _ppca()
     engine = ImportanceConditionals(16, proposal="guide")
-    MaskedPretrainingLoss(conditionals=engine).loss(model, AutoNormal(model), x)
+    MaskedPretrainingLoss(conditionals=engine).loss(model, _local_aux_guide, x)
 
 
+@trigger("autoguide-part-point-mass")
+def _():
+    from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoNormal
+
+    model, x = _split_latent_ppca()
+    guide = AutoGuideList(model)
+    guide.append(AutoNormal(pyro.poutine.block(model, expose=["a"])))
+    guide.append(AutoDelta(pyro.poutine.block(model, expose=["b"])))
+    Evidence(model, guide, method="importance", num_samples=10)(x)
+
+
+@trigger("autoguide-not-served")
+def _():
+    from pyro.infer.autoguide import AutoIAFNormal
+
+    model, x, _ = make_ppca(3, 2, 4, dtype=torch.float32)  # the flow's networks are float32
+    Evidence(model, AutoIAFNormal(model), method="importance", num_samples=10)(x)
+
+
+def _split_latent_ppca():
+    W = torch.tensor([[1.0, 0.5], [0.2, 1.0], [0.3, -0.4]], dtype=torch.float64)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            a = pyro.sample("a", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
+            b = pyro.sample("b", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
+            pyro.sample("x", dist.Normal(torch.stack([a, b], -1) @ W.T, 1.0).to_event(1), obs=x)
+
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    return model, x
+
+
+
+
+@trigger("autoguide-foreign-site")
+def _():
+    from pyro.infer.autoguide import AutoNormal
+
+    model, x = _split_latent_ppca()
+    other, _ = _ppca()
+    guide = AutoNormal(other)
+    guide(x)  # built on another model, whose latent is 'z'
+    Evidence(model, guide, method="importance", num_samples=10)(x)
