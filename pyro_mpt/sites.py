@@ -5,8 +5,10 @@ the flattened event elements of one observed sample site, together with the
 elements of any *token plates* (``pyro.plate`` s over the tokens rather than over
 datapoints), and the datapoints are the elements of the site's other plates.
 :func:`trace_tokens` runs the guide and the model once and returns an
-:class:`ObservedTokens` record that the schedules, the conditional engines and
-the evidence estimators all share.
+:class:`ObservedTokens` record -- the observed site's tokens, their
+:class:`~pyro_mpt.token_layout.TokenLayout` and the traces, built once and frozen -- that the
+schedules, the conditional engines and the evidence estimators all share.
+The checks of the site's data live in :mod:`pyro_mpt.site_checks`.
 
 **Token plates.** A site written ``with pyro.plate("tokens", D, dim=-1):
 pyro.sample("x", dist.Normal(loc, s), obs=x)`` inside a data plate has its
@@ -45,46 +47,42 @@ is dropped, which changes the model. :func:`trace_tokens` refuses such a model
 unless ``extra_sites="drop"`` asks for exactly that computation.
 """
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import pyro.distributions as dist
-from pyro.distributions.util import broadcast_shape
-from pyro.distributions.hmm import HiddenMarkovModel
 from pyro import poutine
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.indep_messenger import IndepMessenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
-from torch.distributions import constraints
+
+from .site_checks import check_dtype, check_extra_sites, check_shape, data_event_shape, is_factor, validate_values
+from .token_layout import TokenLayout
 
 __all__ = ["ObservedTokens", "trace_tokens", "guess_max_plate_nesting", "check_local_latent"]
 
 
-@dataclass
-class ObservedTokens:
-    """The observed site of a model, flattened to a ``(n, D)`` token matrix.
+@dataclass(frozen=True)
+class ObservedTokens(TokenLayout):
+    """The observed site of a model, flattened to a ``(n, D)`` token matrix, with its traces.
+
+    Built once by :func:`trace_tokens` and never changed; the shapes of the
+    layout (:class:`~pyro_mpt.token_layout.TokenLayout`) and everything derived from them are
+    properties.
 
     :param str name: name of the observed sample site.
     :param torch.Tensor value: observed values of shape ``(n, D)``, where ``n``
         is the number of datapoints and ``D`` the number of tokens (token-plate
         sizes times event size); missing tokens hold a fill value.
-    :param torch.Size batch_shape: the datapoints' batch shape in the site's
-        plate layout: the site's batch shape with token-plate dims set to 1
-        (the batch shape of a latent local to each datapoint).
-    :param torch.Size event_shape: the site's event shape.
     :param torch.Tensor scale: per-datapoint scale of shape ``(n,)``; carries the
         ``N / batch_size`` factor of subsampled plates and any ``poutine.scale``.
     :param model_trace: the model trace (replayed against the guide trace).
     :param guide_trace: the guide trace (empty when there is no guide).
-    :param list latent_names: names of the model's latent sample sites.
+    :param tuple latent_names: names of the model's latent sample sites.
     :param int max_plate_nesting: number of plate dims the model uses.
-    :param tuple token_dims: the batch dims (negative, from the right) of the
-        site's token plates; empty when the tokens are the event dims only.
-    :param tuple token_plates: the names of those plates.
-    :param torch.Size site_batch_shape: the site's own batch shape.
+    :param tuple token_plates: the names of the token plates.
     :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens;
         None when no token is missing.
     :param torch.Tensor site_value: the observed value in the site's layout and
@@ -93,41 +91,19 @@ class ObservedTokens:
 
     name: str
     value: torch.Tensor
-    batch_shape: torch.Size
-    event_shape: torch.Size
     scale: torch.Tensor
     model_trace: Trace
     guide_trace: Trace
-    latent_names: list = field(default_factory=list)
+    latent_names: tuple = ()
     max_plate_nesting: int = 0
-    token_dims: tuple = ()
     token_plates: tuple = ()
-    site_batch_shape: Optional[torch.Size] = None
     observed: Optional[torch.Tensor] = None
     site_value: Optional[torch.Tensor] = None
 
-    def __post_init__(self):
-        if self.site_batch_shape is None:
-            self.site_batch_shape = self.batch_shape
-
-    @property
-    def num_tokens(self):
-        """``D``, the number of tokens per datapoint."""
-        return self.value.shape[-1]
-
-    @property
-    def num_data(self):
-        """``n``, the number of datapoints in this (mini)batch."""
-        return self.value.shape[0]
-
     @property
     def site(self):
+        """The observed site in the model trace."""
         return self.model_trace.nodes[self.name]
-
-    @property
-    def site_shape(self):
-        """The observed site's shape, ``site_batch_shape + event_shape``."""
-        return self.site_batch_shape + self.event_shape
 
     @property
     def data_frames(self):
@@ -135,14 +111,8 @@ class ObservedTokens:
         token_plates = set(self.token_plates)
         return {f for f in _vectorized_frames(self.site) if f.name not in token_plates}
 
-    @property
-    def datapoint_shape(self):
-        """The site's batch shape without its token-plate dims: the shape of per-datapoint results."""
-        nb = len(self.site_batch_shape)
-        drop = {nb + d for d in self.token_dims}
-        return torch.Size(s for i, s in enumerate(self.site_batch_shape) if i not in drop)
-
     def latent_sites(self):
+        """The model's latent sample sites, in trace order."""
         return [self.model_trace.nodes[name] for name in self.latent_names]
 
     def subsample_trace(self):
@@ -152,52 +122,6 @@ class ObservedTokens:
             if site["type"] == "sample" and site_is_subsample(site):
                 trace.add_node(name, **site)
         return trace
-
-    def unflatten(self, values):
-        """Reshape ``(..., n)`` per-datapoint values to ``(..., *datapoint_shape)``."""
-        return values.reshape(values.shape[:-1] + self.datapoint_shape)
-
-    def to_tokens(self, t):
-        """Bring a tensor in the site's layout to token layout.
-
-        :param torch.Tensor t: broadcastable to ``(*lead, *site_batch_shape,
-            *event_shape)`` (any leading dims, e.g. a particle plate's).
-        :returns: ``(*lead, *datapoint_shape, D)``: the token-plate dims move
-            next to the event dims and are flattened with them. Dims that are
-            broadcast (stride 0) outside the tokens stay broadcast.
-        """
-        E = len(self.event_shape)
-        # pyro's broadcast_shape: torch.broadcast_shapes imports sympy on first use (seconds)
-        shape = torch.Size(broadcast_shape(t.shape, self.site_shape))
-        t = t.expand(shape)
-        nb = len(shape) - E
-        T = len(self.token_dims)
-        if T:
-            src = [nb + d for d in sorted(self.token_dims)]
-            t = t.movedim(src, list(range(nb - T, nb)))
-        keep = len(shape) - T - E
-        # narrow broadcast leading dims before flattening so they are not materialized
-        lead = t.shape[:keep]
-        for i in range(keep):
-            if t.stride(i) == 0 and t.shape[i] > 1:
-                t = t.narrow(i, 0, 1)
-        t = t.reshape(t.shape[:keep] + (-1,))
-        return t.expand(lead + (t.shape[-1],))
-
-    def to_site(self, x):
-        """Inverse of :meth:`to_tokens` for ``(*lead, n, D)`` token tensors.
-
-        :returns: ``(*lead, *site_batch_shape, *event_shape)``.
-        """
-        lead = x.shape[:-2]
-        sizes = [self.site_batch_shape[d] for d in sorted(self.token_dims)]
-        t = x.reshape(lead + self.datapoint_shape + tuple(sizes) + self.event_shape)
-        T = len(self.token_dims)
-        if T:
-            nd = len(lead) + len(self.datapoint_shape)
-            nb = len(lead) + len(self.site_batch_shape)
-            t = t.movedim(list(range(nd, nd + T)), [nb + d for d in sorted(self.token_dims)])
-        return t
 
 
 def _vectorized_frames(site, min_size=1):
@@ -384,218 +308,14 @@ def _run_traces(model, guide, args, kwargs):
         ) from e
 
 
-def _is_factor(site):
-    """Whether an observed site is a ``pyro.factor`` (a ``Unit`` distribution)."""
-    return isinstance(site["fn"], dist.Unit)
-
-
-def _check_extra_sites(site, others, extra_sites):
-    """Refuse observed sites and factors other than ``site`` that the estimate would drop,
-    unless ``extra_sites="drop"``."""
-    if extra_sites not in ("error", "drop"):
-        raise ValueError(
-            f"extra_sites={extra_sites!r}: use 'error' (refuse models with other observed "
-            f"sites or pyro.factor sites) or 'drop' (score {site['name']!r} alone)."
-        )
-    if not others or extra_sites == "drop":
-        return
-    observed = [s["name"] for s in others if not _is_factor(s)]
-    factors = [s["name"] for s in others if _is_factor(s)]
-    parts = []
-    if observed:
-        parts.append(
-            f"observed site(s) {', '.join(map(repr, observed))} (integrated out: the "
-            f"result is log p({site['name']}), not log p({site['name']} | "
-            f"{', '.join(observed)}))"
-        )
-    if factors:
-        parts.append(
-            f"pyro.factor site(s) {', '.join(map(repr, factors))} (left out: the result "
-            f"is that of the model without them)"
-        )
-    # one observed site per time step (Pyro's HMM tutorial) means the tokens are spread
-    # over sites; pyro_mpt reads tokens from one site, so point to the one-site form
-    markov = any("_markov_scope" in s["infer"] for s in others + [site])
-    hint = (
-        " The observed sites are steps of a pyro.markov chain: write the sequence as one "
-        "dist.DiscreteHMM site whose event dim is time (conditionals='hmm'), so that its "
-        "steps are the tokens."
-        if markov
-        else ""
-    )
-    raise ValueError(
-        f"Masked pre-training and the evidence score observed site {site['name']!r} "
-        f"alone and would drop {' and '.join(parts)}.{hint} Pass extra_sites=\"drop\" to "
-        f"MaskedPretrainingLoss / Evidence to accept exactly that, or remove those sites "
-        f"from the model (e.g. poutine.block(model, hide=[...]))."
-    )
-
-
-def _levels(fn):
-    """``fn`` and the distributions it wraps (``base_dist`` chain)."""
-    while fn is not None:
-        yield fn
-        fn = getattr(fn, "base_dist", None)
-
-
-def _check_dtype(site, raw):
-    """Refuse an observation that computes in float16 or bfloat16."""
-    tensors = [raw] + [
-        v
-        for level in _levels(site["fn"])
-        for k in getattr(level, "arg_constraints", {})
-        for v in [level.__dict__.get(k)]  # stored parameters only: no lazy property is computed
-        if isinstance(v, torch.Tensor)
-    ]
-    floats = [t.dtype for t in tensors if torch.is_floating_point(t)]
-    if not floats:
-        return
-    dtype = floats[0]
-    for d in floats[1:]:
-        dtype = torch.promote_types(dtype, d)
-    if dtype in (torch.float16, torch.bfloat16):
-        name = str(dtype).replace("torch.", "")
-        raise ValueError(
-            f"Observed site {site['name']!r} computes in {name} (its data and the "
-            f"parameters of its {type(_elementwise(site['fn'])).__name__} distribution); "
-            f"pyro_mpt needs float32 or float64: torch has no {name} Cholesky on the CPU, "
-            f"and {name} keeps too few digits for log-densities summed over tokens. Convert "
-            f"the data and the model's parameters, e.g. x.double() and module.double()."
-        )
-
-
-def _data_event_shape(fn, value):
-    """The event shape the data give ``fn``: a hidden Markov model without a fixed
-    ``duration`` declares one time step and takes the number of steps from its data."""
-    event = fn.event_shape
-    hmm = _elementwise(fn)
-    if isinstance(hmm, HiddenMarkovModel) and hmm.duration is None:
-        if value.dim() >= len(event):
-            # time is the HMM's own first event dim, right of any dims .to_event added
-            t = len(event) - len(hmm.event_shape)
-            steps = value.shape[value.dim() - len(event) + t]
-            return torch.Size(tuple(event[:t]) + (steps,) + tuple(event[t + 1 :]))
-    return event
-
-
-def _check_shape(site, raw):
-    """Refuse observed data whose shape does not fit the site's distribution."""
-    fn = site["fn"]
-    event, batch = tuple(_data_event_shape(fn, raw)), tuple(fn.batch_shape)
-    E = len(event)
-    shape = tuple(raw.shape)
-    fits = len(shape) >= E and shape[len(shape) - E:] == event
-    if fits:
-        try:
-            fits = torch.broadcast_shapes(shape[: len(shape) - E], batch) == torch.Size(batch)
-        except RuntimeError:
-            fits = False
-    if not fits:
-        raise ValueError(
-            f"Observed site {site['name']!r} got data of shape {shape}, but its "
-            f"{type(_elementwise(fn)).__name__} distribution has batch shape {batch} and "
-            f"event shape {event}: the data's last {E} dim(s) must equal {event} and the others must "
-            f"broadcast to {batch}. Pass data with the model's number of tokens per "
-            f"datapoint, or build the model for this data (e.g. sizes read from x.shape)."
-        )
-
-
-def _elementwise(fn):
-    """The distribution under the ``Independent`` and mask wrappers of ``fn``: its
-    support is checked element by element."""
-    while isinstance(fn, (dist.Independent, torch.distributions.Independent, dist.MaskedDistribution)):
-        fn = fn.base_dist
-    return fn
-
-
-def _support_ok(tokens, site):
-    """Bool ``(n, D)``: True where a token's observed value is in the support of the
-    site's distribution; None when the support cannot be checked."""
-    base = _elementwise(site["fn"])
-    try:
-        support = base.support
-    except NotImplementedError:  # a user distribution that declares no support
-        return None
-    if constraints.is_dependent(support):
-        return None
-    ok = support.check(site["value"].expand(tokens.site_shape))
-    ok = ok.reshape(ok.shape + (1,) * (len(tokens.site_shape) - ok.dim())).expand(tokens.site_shape)
-    return tokens.to_tokens(ok).reshape(tokens.num_data, -1)
-
-
-def _validate_values(tokens, site, flat, observed):
-    """Refuse non-finite tokens and tokens outside the support of the site's distribution
-    (observed ones only: missing tokens may hold any placeholder)."""
-    name = site["name"]
-    finite = torch.isfinite(flat)
-    if observed is not None:
-        finite = finite | ~observed
-    if not finite.all():
-        bad = int((~finite).sum())
-        raise ValueError(
-            f"Observed site {name!r} contains {bad} NaN or infinite value(s)"
-            f"{' at observed tokens' if observed is not None else ''}; remove "
-            f"or impute them before computing masked pre-training scores"
-            f"{'' if observed is not None else ', or mark them missing with obs_mask='}."
-        )
-    ok = _support_ok(tokens, site)
-    if ok is None:
-        return
-    if observed is not None:
-        ok = ok | ~observed
-    if not ok.all():
-        i, j = (~ok).nonzero()[0].tolist()
-        base = _elementwise(site["fn"])
-        raise ValueError(
-            f"Observed site {name!r} has {int((~ok).sum())} value(s) outside the support "
-            f"{base.support} of its {type(base).__name__} distribution, e.g. "
-            f"{float(flat[i, j]):g} at datapoint {i}, token {j}; Pyro's log_prob refuses "
-            f"such data (Trace_ELBO raises on it). Pass data in the support (e.g. 0/1 for a "
-            f"Bernoulli, non-negative integers for a Poisson), use an observation "
-            f"distribution whose support holds the data, or mark the values missing with "
-            f"obs_mask=."
-        )
-
-
-def trace_tokens(
-    model, guide, args, kwargs, obs_site=None, max_plate_nesting=None, token_plates=None, extra_sites="error"
-):
-    r"""Run ``guide`` then ``model`` (replayed on the guide) and locate the tokens.
-
-    :param callable model: a Pyro model with one observed site (or ``obs_site``).
-    :param callable guide: a Pyro guide, or ``None``.
-    :param tuple args: positional arguments of model and guide.
-    :param dict kwargs: keyword arguments of model and guide.
-    :param str obs_site: name of the observed site holding the tokens; needed
-        when the model observes more than one site.
-    :param int max_plate_nesting: plate dims the model uses; guessed from the
-        trace when ``None``.
-    :param token_plates: names of the observed site's plates that run over
-        tokens (see the module docstring); None detects them when unambiguous,
-        ``()`` takes every plate as a datapoint plate.
-    :param str extra_sites: what to do with observed sites other than the tokens'
-        and with ``pyro.factor`` sites, which every estimate leaves out (see the
-        module docstring): ``"error"`` (default) refuses the model, naming them;
-        ``"drop"`` scores the token site alone, :math:`\log p(x_i)` of the
-        model without those factors, with the other observed sites integrated
-        out (their values still enter wherever the model reads them).
-    :returns: the observed tokens and the traces.
-    :rtype: ObservedTokens
-
-    Example::
-
-        >>> tokens = trace_tokens(model, None, (x,), {}, token_plates=("tokens",))
-        >>> tokens.value.shape          # (n, D)
-    """
-    guide_trace, model_trace = _run_traces(model, guide, args, kwargs)
-    if max_plate_nesting is None or max_plate_nesting == float("inf"):
-        max_plate_nesting = guess_max_plate_nesting(model_trace, guide_trace)
-
+# ---------------------------------------------------------------------- building the record
+def _locate_site(model_trace, obs_site):
+    """The observed token site, the latent sites and the other observed and factor sites."""
     sites = _sample_sites(model_trace)
     # pyro.deterministic sites (and the combined site Pyro records for obs_mask) hold no data
     observed = [s for s in sites if s["is_observed"] and not s["infer"].get("_deterministic")]
-    factors = [s for s in observed if _is_factor(s)]
-    observed = [s for s in observed if not _is_factor(s)]
+    factors = [s for s in observed if is_factor(s)]
+    observed = [s for s in observed if not is_factor(s)]
     if obs_site is None:
         if not observed:
             raise ValueError(
@@ -635,12 +355,16 @@ def trace_tokens(
         if companion in model_trace.nodes and not model_trace.nodes[companion]["is_observed"]:
             ignored.add(companion)
     latents = [s for s in sites if not s["is_observed"] and s["name"] not in ignored]
-    _check_extra_sites(site, [s for s in observed + factors if s is not site], extra_sites)
-    validate = is_validation_enabled()
+    others = [s for s in observed + factors if s is not site]
+    return site, latents, others
 
-    fn = site["fn"]
-    event_shape = _data_event_shape(fn, site["value"])
-    site_batch_shape = fn.batch_shape
+
+def _token_layout(site, latents, token_plates):
+    """The site's :class:`TokenLayout` and the names of its token plates, refusing
+    layouts the engines cannot serve."""
+    name = site["name"]
+    event_shape = data_event_shape(site["fn"], site["value"])
+    site_batch_shape = site["fn"].batch_shape
     tframes = _token_frames(site, latents, token_plates)
     if not tframes and not event_shape:
         named = "" if token_plates is None else f" and token_plates={token_plates!r} names none of its plates"
@@ -667,7 +391,6 @@ def trace_tokens(
                 f"Normal per-token offset adds its variance to the noise), or make it one "
                 f"latent of the datapoint with event dims over the tokens (.to_event)."
             )
-    token_dims = tuple(sorted(f.dim for f in tframes))
     plate_dims = {f.dim for f in site["cond_indep_stack"] if f.vectorized}
     for i, size in enumerate(site_batch_shape):
         dim = i - len(site_batch_shape)
@@ -677,66 +400,110 @@ def trace_tokens(
                 f"dim {dim} (size {size}) is not a pyro.plate: put the datapoints in "
                 f"a pyro.plate, or move token dims into the event with .to_event()."
             )
-    nb = len(site_batch_shape)
-    batch_shape = torch.Size(
-        1 if i - nb in token_dims else s for i, s in enumerate(site_batch_shape)
-    )
+    layout = TokenLayout(site_batch_shape, event_shape, tuple(sorted(f.dim for f in tframes)))
+    return layout, tuple(sorted(token_names))
+
+
+def _token_values(layout, site, dtype, validate):
+    """The tokens ``(n, D)`` in ``dtype``, the observed-token mask (or None) and the
+    site's value with missing tokens filled, after the value checks when ``validate``."""
     raw = site["value"]
-    _check_shape(site, raw)
-    _check_dtype(site, raw)
-    dtype = raw.dtype if torch.is_floating_point(raw) else torch.get_default_dtype()
-    tokens = ObservedTokens(
-        name=name,
-        value=raw,  # replaced below
-        batch_shape=batch_shape,
-        event_shape=event_shape,
-        scale=None,
-        model_trace=model_trace,
-        guide_trace=guide_trace,
-        latent_names=[s["name"] for s in latents],
-        max_plate_nesting=int(max_plate_nesting),
-        token_dims=token_dims,
-        token_plates=tuple(sorted(token_names)),
-        site_batch_shape=site_batch_shape,
-    )
-    n = math.prod(tokens.datapoint_shape)
-    num_tokens = math.prod(tokens.site_shape) // max(n, 1)
-    if num_tokens == 0:
-        # caught here, before any per-token bookkeeping indexes an empty token axis
-        raise ValueError(
-            f"Masked pre-training needs at least one token, got D=0 at observed site "
-            f"{name!r} (shape {tuple(tokens.site_shape)}). Give each datapoint at least one token."
-        )
-    raw_flat = tokens.to_tokens(raw).reshape(n, -1)
-    flat = raw_flat.to(dtype)
+    n = layout.num_data
+    raw_flat = layout.to_tokens(raw).reshape(n, -1)
     mask = _observed_mask(site)
-    observed_tokens = None if mask is None else tokens.to_tokens(mask).reshape(n, -1)
+    observed = None if mask is None else layout.to_tokens(mask).reshape(n, -1)
     if validate:
-        _validate_values(tokens, site, flat, observed_tokens)
-    site_value = raw.expand(tokens.site_shape)
-    if observed_tokens is not None:
-        # fill the raw values once (integer tokens stay integers at the site) and cast
-        raw_flat = _fill_missing(raw_flat, observed_tokens)
-        site_value = tokens.to_site(raw_flat)
-        flat = raw_flat.to(dtype)
-    tokens.value = flat
-    tokens.observed = observed_tokens
-    tokens.site_value = site_value
-    scale = torch.as_tensor(site["scale"], dtype=dtype, device=raw.device)
-    if token_dims and scale.numel() > 1:
+        validate_values(layout, site, raw_flat.to(dtype), observed)
+    if observed is None:
+        return raw_flat.to(dtype), None, raw.expand(layout.site_shape)
+    # fill the raw values once (integer tokens stay integers at the site) and cast
+    raw_flat = _fill_missing(raw_flat, observed)
+    return raw_flat.to(dtype), observed, layout.to_site(raw_flat)
+
+
+def _datapoint_scale(layout, site, token_plates, dtype, validate):
+    """The scale of each datapoint ``(n,)``: the site's scale, which must not vary over
+    its tokens (checked when ``validate``)."""
+    scale = torch.as_tensor(site["scale"], dtype=dtype, device=site["value"].device)
+    if layout.token_dims and scale.numel() > 1:
         # a scale is batch-shaped, so only token plates can make it vary over tokens;
         # compare it with its first entry along each token dim it has, unexpanded
         first = scale
-        for d in token_dims:
+        for d in layout.token_dims:
             if scale.dim() >= -d and scale.shape[d] > 1:
                 first = first.narrow(d, 0, 1)
         if first.shape != scale.shape:
             if validate and not bool((scale == first).all()):
                 raise ValueError(
-                    f"Observed site {name!r} has a scale that varies over its tokens; masked "
+                    f"Observed site {site['name']!r} has a scale that varies over its tokens; masked "
                     f"pre-training scales whole datapoints. Apply poutine.scale outside the "
-                    f"token plate(s) {', '.join(map(repr, tokens.token_plates))}."
+                    f"token plate(s) {', '.join(map(repr, token_plates))}."
                 )
             scale = first
-    tokens.scale = scale.expand(tokens.batch_shape).reshape(n)
-    return tokens
+    return scale.expand(layout.batch_shape).reshape(layout.num_data)
+
+
+def trace_tokens(
+    model, guide, args, kwargs, obs_site=None, max_plate_nesting=None, token_plates=None, extra_sites="error"
+):
+    r"""Run ``guide`` then ``model`` (replayed on the guide) and locate the tokens.
+
+    :param callable model: a Pyro model with one observed site (or ``obs_site``).
+    :param callable guide: a Pyro guide, or ``None``.
+    :param tuple args: positional arguments of model and guide.
+    :param dict kwargs: keyword arguments of model and guide.
+    :param str obs_site: name of the observed site holding the tokens; needed
+        when the model observes more than one site.
+    :param int max_plate_nesting: plate dims the model uses; guessed from the
+        trace when ``None``.
+    :param token_plates: names of the observed site's plates that run over
+        tokens (see the module docstring); None detects them when unambiguous,
+        ``()`` takes every plate as a datapoint plate.
+    :param str extra_sites: what to do with observed sites other than the tokens'
+        and with ``pyro.factor`` sites, which every estimate leaves out (see the
+        module docstring): ``"error"`` (default) refuses the model, naming them;
+        ``"drop"`` scores the token site alone, :math:`\log p(x_i)` of the
+        model without those factors, with the other observed sites integrated
+        out (their values still enter wherever the model reads them).
+    :returns: the observed tokens and the traces.
+    :rtype: ObservedTokens
+
+    Example::
+
+        >>> tokens = trace_tokens(model, None, (x,), {}, token_plates=("tokens",))
+        >>> tokens.value.shape          # (n, D)
+    """
+    guide_trace, model_trace = _run_traces(model, guide, args, kwargs)
+    if max_plate_nesting is None or max_plate_nesting == float("inf"):
+        max_plate_nesting = guess_max_plate_nesting(model_trace, guide_trace)
+    site, latents, others = _locate_site(model_trace, obs_site)
+    check_extra_sites(site, others, extra_sites)
+    layout, plates = _token_layout(site, latents, token_plates)
+    raw = site["value"]
+    check_shape(site, raw)
+    check_dtype(site, raw)
+    if layout.num_tokens == 0:
+        # caught here, before any per-token bookkeeping indexes an empty token axis
+        raise ValueError(
+            f"Masked pre-training needs at least one token, got D=0 at observed site "
+            f"{site['name']!r} (shape {tuple(layout.site_shape)}). Give each datapoint at least one token."
+        )
+    dtype = raw.dtype if torch.is_floating_point(raw) else torch.get_default_dtype()
+    # Pyro's own log_prob checks run only while validation is on; so do the per-step ones here
+    validate = is_validation_enabled()
+    value, observed, site_value = _token_values(layout, site, dtype, validate)
+    return ObservedTokens(
+        site_batch_shape=layout.site_batch_shape,
+        event_shape=layout.event_shape,
+        token_dims=layout.token_dims,
+        name=site["name"],
+        value=value,
+        scale=_datapoint_scale(layout, site, plates, dtype, validate),
+        model_trace=model_trace,
+        guide_trace=guide_trace,
+        latent_names=tuple(s["name"] for s in latents),
+        max_plate_nesting=int(max_plate_nesting),
+        token_plates=plates,
+        observed=observed,
+        site_value=site_value,
+    )

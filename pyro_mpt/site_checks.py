@@ -1,0 +1,209 @@
+r"""Checks of an observed site's data: which models and values the tokens can come from.
+
+:func:`~pyro_mpt.sites.trace_tokens` runs them on every trace. The shape,
+dtype and extra-site checks always run (what they refuse would end in an
+error from inside torch or Pyro, or in a silently different model);
+:func:`validate_values` (finite values, values in the support) runs only
+while Pyro's validation is on, as Pyro gates its own ``log_prob`` checks
+(:func:`pyro.infer.util.is_validation_enabled`).
+"""
+
+import torch
+import pyro.distributions as dist
+from pyro.distributions.hmm import HiddenMarkovModel
+from torch.distributions import constraints
+
+__all__ = [
+    "elementwise",
+    "data_event_shape",
+    "is_factor",
+    "check_extra_sites",
+    "check_dtype",
+    "check_shape",
+    "support_ok",
+    "validate_values",
+]
+
+
+def elementwise(fn):
+    """The distribution under the ``Independent`` and mask wrappers of ``fn``: its
+    support is checked element by element."""
+    while isinstance(fn, (dist.Independent, torch.distributions.Independent, dist.MaskedDistribution)):
+        fn = fn.base_dist
+    return fn
+
+
+def data_event_shape(fn, value):
+    """The event shape the data give ``fn``: a hidden Markov model without a fixed
+    ``duration`` declares one time step and takes the number of steps from its data."""
+    event = fn.event_shape
+    hmm = elementwise(fn)
+    if isinstance(hmm, HiddenMarkovModel) and hmm.duration is None:
+        if value.dim() >= len(event):
+            # time is the HMM's own first event dim, right of any dims .to_event added
+            t = len(event) - len(hmm.event_shape)
+            steps = value.shape[value.dim() - len(event) + t]
+            return torch.Size(tuple(event[:t]) + (steps,) + tuple(event[t + 1 :]))
+    return event
+
+
+def is_factor(site):
+    """Whether an observed site is a ``pyro.factor`` (a ``Unit`` distribution)."""
+    return isinstance(site["fn"], dist.Unit)
+
+
+def check_extra_sites(site, others, extra_sites):
+    """Refuse observed sites and factors other than ``site`` that the estimate would drop,
+    unless ``extra_sites="drop"``."""
+    if extra_sites not in ("error", "drop"):
+        raise ValueError(
+            f"extra_sites={extra_sites!r}: use 'error' (refuse models with other observed "
+            f"sites or pyro.factor sites) or 'drop' (score {site['name']!r} alone)."
+        )
+    if not others or extra_sites == "drop":
+        return
+    observed = [s["name"] for s in others if not is_factor(s)]
+    factors = [s["name"] for s in others if is_factor(s)]
+    parts = []
+    if observed:
+        parts.append(
+            f"observed site(s) {', '.join(map(repr, observed))} (integrated out: the "
+            f"result is log p({site['name']}), not log p({site['name']} | "
+            f"{', '.join(observed)}))"
+        )
+    if factors:
+        parts.append(
+            f"pyro.factor site(s) {', '.join(map(repr, factors))} (left out: the result "
+            f"is that of the model without them)"
+        )
+    # one observed site per time step (Pyro's HMM tutorial) means the tokens are spread
+    # over sites; pyro_mpt reads tokens from one site, so point to the one-site form
+    markov = any("_markov_scope" in s["infer"] for s in others + [site])
+    hint = (
+        " The observed sites are steps of a pyro.markov chain: write the sequence as one "
+        "dist.DiscreteHMM site whose event dim is time (conditionals='hmm'), so that its "
+        "steps are the tokens."
+        if markov
+        else ""
+    )
+    raise ValueError(
+        f"Masked pre-training and the evidence score observed site {site['name']!r} "
+        f"alone and would drop {' and '.join(parts)}.{hint} Pass extra_sites=\"drop\" to "
+        f"MaskedPretrainingLoss / Evidence to accept exactly that, or remove those sites "
+        f"from the model (e.g. poutine.block(model, hide=[...]))."
+    )
+
+
+def _levels(fn):
+    """``fn`` and the distributions it wraps (``base_dist`` chain)."""
+    while fn is not None:
+        yield fn
+        fn = getattr(fn, "base_dist", None)
+
+
+def check_dtype(site, raw):
+    """Refuse an observation that computes in float16 or bfloat16."""
+    tensors = [raw] + [
+        v
+        for level in _levels(site["fn"])
+        for k in getattr(level, "arg_constraints", {})
+        for v in [level.__dict__.get(k)]  # stored parameters only: no lazy property is computed
+        if isinstance(v, torch.Tensor)
+    ]
+    floats = [t.dtype for t in tensors if torch.is_floating_point(t)]
+    if not floats:
+        return
+    dtype = floats[0]
+    for d in floats[1:]:
+        dtype = torch.promote_types(dtype, d)
+    if dtype in (torch.float16, torch.bfloat16):
+        name = str(dtype).replace("torch.", "")
+        raise ValueError(
+            f"Observed site {site['name']!r} computes in {name} (its data and the "
+            f"parameters of its {type(elementwise(site['fn'])).__name__} distribution); "
+            f"pyro_mpt needs float32 or float64: torch has no {name} Cholesky on the CPU, "
+            f"and {name} keeps too few digits for log-densities summed over tokens. Convert "
+            f"the data and the model's parameters, e.g. x.double() and module.double()."
+        )
+
+
+def check_shape(site, raw):
+    """Refuse observed data whose shape does not fit the site's distribution."""
+    fn = site["fn"]
+    event, batch = tuple(data_event_shape(fn, raw)), tuple(fn.batch_shape)
+    E = len(event)
+    shape = tuple(raw.shape)
+    fits = len(shape) >= E and shape[len(shape) - E:] == event
+    if fits:
+        try:
+            fits = torch.broadcast_shapes(shape[: len(shape) - E], batch) == torch.Size(batch)
+        except RuntimeError:
+            fits = False
+    if not fits:
+        raise ValueError(
+            f"Observed site {site['name']!r} got data of shape {shape}, but its "
+            f"{type(elementwise(fn)).__name__} distribution has batch shape {batch} and "
+            f"event shape {event}: the data's last {E} dim(s) must equal {event} and the others must "
+            f"broadcast to {batch}. Pass data with the model's number of tokens per "
+            f"datapoint, or build the model for this data (e.g. sizes read from x.shape)."
+        )
+
+
+def support_ok(layout, site):
+    """Bool ``(n, D)``: True where a token's observed value is in the support of the
+    site's distribution; None when the support cannot be checked.
+
+    :param ~pyro_mpt.token_layout.TokenLayout layout: the site's token layout.
+    :param dict site: the observed trace site.
+    """
+    base = elementwise(site["fn"])
+    try:
+        support = base.support
+    except NotImplementedError:  # a user distribution that declares no support
+        return None
+    if constraints.is_dependent(support):
+        return None
+    ok = support.check(site["value"].expand(layout.site_shape))
+    ok = ok.reshape(ok.shape + (1,) * (len(layout.site_shape) - ok.dim())).expand(layout.site_shape)
+    return layout.to_tokens(ok).reshape(layout.num_data, -1)
+
+
+def validate_values(layout, site, flat, observed):
+    """Refuse non-finite tokens and tokens outside the support of the site's distribution
+    (observed ones only: missing tokens may hold any placeholder).
+
+    :param ~pyro_mpt.token_layout.TokenLayout layout: the site's token layout.
+    :param dict site: the observed trace site.
+    :param torch.Tensor flat: the tokens ``(n, D)``.
+    :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens, or None.
+    :raises ValueError: naming the site, the count and a first offending token.
+    """
+    name = site["name"]
+    finite = torch.isfinite(flat)
+    if observed is not None:
+        finite = finite | ~observed
+    if not finite.all():
+        bad = int((~finite).sum())
+        raise ValueError(
+            f"Observed site {name!r} contains {bad} NaN or infinite value(s)"
+            f"{' at observed tokens' if observed is not None else ''}; remove "
+            f"or impute them before computing masked pre-training scores"
+            f"{'' if observed is not None else ', or mark them missing with obs_mask='}."
+        )
+    ok = support_ok(layout, site)
+    if ok is None:
+        return
+    if observed is not None:
+        ok = ok | ~observed
+    if not ok.all():
+        i, j = (~ok).nonzero()[0].tolist()
+        base = elementwise(site["fn"])
+        raise ValueError(
+            f"Observed site {name!r} has {int((~ok).sum())} value(s) outside the support "
+            f"{base.support} of its {type(base).__name__} distribution, e.g. "
+            f"{float(flat[i, j]):g} at datapoint {i}, token {j}; Pyro's log_prob refuses "
+            f"such data (Trace_ELBO raises on it). Pass data in the support (e.g. 0/1 for a "
+            f"Bernoulli, non-negative integers for a Poisson), use an observation "
+            f"distribution whose support holds the data, or mark the values missing with "
+            f"obs_mask=."
+        )
