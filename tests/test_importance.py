@@ -511,3 +511,29 @@ def test_a_partial_guide_warns_and_matching_or_no_op_guides_do_not():
         warnings.simplefilter("error")
         MaskedPretrainingLoss(conditionals="gaussian").loss(model, lambda x: None, x)
         MaskedPretrainingLoss(conditionals="gaussian").loss(model, AutoNormal(model), x)
+
+
+def test_self_normalized_conditionals_match_logsumexp_in_value_and_gradient():
+    from pyro_mpt.conditionals.importance import self_normalized_conditionals
+
+    g = torch.Generator().manual_seed(0)
+    S, q, n, D = 9, 2, 3, 5
+    lw0 = torch.randn(S, q, n, generator=g, dtype=torch.float64, requires_grad=True)
+    T = (-3 * torch.rand(S, q, n, D, generator=g, dtype=torch.float64)).requires_grad_()
+    ctx = (torch.rand(q, n, D, generator=g) < 0.5).double()
+    G = torch.randn(q, n, D, generator=g, dtype=torch.float64)
+    out, lw, omega, pi2, pi_omega = self_normalized_conditionals(lw0, T, ctx)
+    grads = torch.autograd.grad((out * G).sum(), (lw0, T))
+    # reference: the estimator written out with autograd through logsumexp, and the
+    # diagnostics' sums by a loop over draws
+    lw_ref = lw0 + (T * ctx).sum(-1)
+    ref = torch.logsumexp(lw_ref.unsqueeze(-1) + T, 0) - torch.logsumexp(lw_ref, 0).unsqueeze(-1)
+    ref_grads = torch.autograd.grad((ref * G).sum(), (lw0, T))
+    w = torch.softmax(lw_ref.detach(), 0)
+    p = torch.softmax(lw_ref.detach().unsqueeze(-1) + T.detach(), 0)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-12)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    assert torch.allclose(omega, w, rtol=0, atol=1e-14)
+    assert torch.allclose(pi2, sum(p[s] ** 2 for s in range(S)), rtol=0, atol=1e-14)
+    assert torch.allclose(pi_omega, sum(p[s] * w[s].unsqueeze(-1) for s in range(S)), rtol=0, atol=1e-14)
