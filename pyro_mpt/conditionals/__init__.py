@@ -58,7 +58,7 @@ from .enumerate import EnumerateConditionals, EnumerateState
 from .hmm import DiscreteHMMConditionals, DiscreteHMMState
 from .gaussian_mixture import GaussianMixtureTable
 from .mixture import MixtureTable
-from .latent_runs import guide_latents
+from .data_args import guide_latents
 
 __all__ = [
     "ConditionalEngine",

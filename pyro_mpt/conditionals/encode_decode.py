@@ -75,9 +75,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import ConditionalEngine, EngineNotApplicable
+from .base import ConditionalEngine, EngineNotApplicable, callable_key
 from .distributions import check_factorized
-from .latent_runs import LatentRunner, callable_key, guide_latents, locate_data_arg, logmeanexp, refuse_missing
+from .data_args import guide_latents, locate_data_arg, refuse_missing
+from .latent_runs import GuideMemory, LatentRunner, logmeanexp
 
 __all__ = ["EncodeDecodeConditionals", "EncodeDecodeState", "initial_tokens", "run_chains"]
 
@@ -215,9 +216,8 @@ class EncodeDecodeConditionals(ConditionalEngine):
         self.encoder_grad = bool(encoder_grad)
         self.data_arg = data_arg
         self.check_amortized = check_amortized
-        self._checked = set()
         self.last_diagnostics = None
-        self._stacking = {}  # id(guide) -> whether it accepts stacked copies of the data
+        self.memory = GuideMemory()  # what it remembers about the guide, see GuideMemory
 
     def __repr__(self):
         return (
@@ -242,11 +242,11 @@ class EncodeDecodeConditionals(ConditionalEngine):
         check_factorized(tokens.site["fn"], tokens.name, who)
         refuse_missing(tokens, who)
         data = locate_data_arg(tokens, guide, args, kwargs, self.data_arg, who)
-        runner = LatentRunner(tokens, model, guide, args, kwargs, data, who, self._stacking.get(callable_key(guide)))
+        runner = LatentRunner(tokens, model, guide, args, kwargs, data, who, self.memory)
         init = initial_tokens(runner, self.init, who)
-        if self.check_amortized and callable_key(guide) not in self._checked:
+        if self.check_amortized and self.memory.checked != callable_key(guide):
             self._check_amortized(runner, init, who)
-            self._checked.add(callable_key(guide))
+            self.memory.checked = callable_key(guide)
         return EncodeDecodeState(runner, init, tokens.num_data, tokens.num_tokens)
 
     def _check_amortized(self, runner, init, who):
@@ -276,8 +276,6 @@ class EncodeDecodeConditionals(ConditionalEngine):
             outs.append(out)
             errs.append(err)
         self.last_diagnostics = {"stderr": torch.cat(errs, 0), "num_samples": S}
-        if state.runner.stacking is not None:
-            self._stacking[callable_key(state.runner.guide)] = state.runner.stacking
         return torch.cat(outs, 0)
 
     def _block(self, state, x, mask):

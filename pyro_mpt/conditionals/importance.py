@@ -48,7 +48,7 @@ Two proposals (``proposal=``):
   :math:`C` components (one extra guide run with the draws replayed). Draws are per query,
   vectorized over queries as in encode–decode. If the argument holding the data
   cannot be found (see
-  :func:`~pyro_mpt.conditionals.latent_runs.locate_data_arg`), or with
+  :func:`~pyro_mpt.conditionals.data_args.locate_data_arg`), or with
   ``impute=False``, the guide runs on the original data: still a valid
   proposal, if a narrower one.
   Pyro's autoguides (``AutoNormal``, ``AutoDiagonalNormal``,
@@ -91,7 +91,8 @@ from ..importance_weights import effective_sample_size, psis_khat, warn_poor_wei
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import check_factorized
 from .encode_decode import initial_tokens, run_chains
-from .latent_runs import LatentRunner, callable_key, guide_latents, locate_data_arg, logmeanexp, refuse_missing
+from .data_args import guide_latents, locate_data_arg, refuse_missing
+from .latent_runs import GuideMemory, LatentRunner, logmeanexp
 from .mixture import MixtureChunk, chain_terms, normalize_empty
 
 __all__ = ["ImportanceConditionals", "ImportanceState"]
@@ -283,7 +284,7 @@ class ImportanceConditionals(ConditionalEngine):
         self.min_ess = float(min_ess)
         self.psis = bool(psis)
         self.last_diagnostics = None
-        self._stacking = {}  # id(guide) -> whether it accepts stacked copies of the data
+        self.memory = GuideMemory()  # what it remembers about the guide, see GuideMemory
 
     def __repr__(self):
         return f"ImportanceConditionals(num_samples={self.num_samples}, proposal={self.proposal!r})"
@@ -331,7 +332,7 @@ class ImportanceConditionals(ConditionalEngine):
             except EngineNotApplicable:
                 if self.data_arg is not None:
                     raise
-        runner = LatentRunner(tokens, model, guide, args, kwargs, data, who, self._stacking.get(callable_key(guide)))
+        runner = LatentRunner(tokens, model, guide, args, kwargs, data, who, self.memory)
         init = initial_tokens(runner, self.init, who) if data is not None else None
         return ImportanceState("guide", n, D, runner, init=init, imputed=data is not None)
 
@@ -398,8 +399,6 @@ class ImportanceConditionals(ConditionalEngine):
                 "num_samples": S,
                 "proposal": "guide",
             }
-        if state.runner.stacking is not None:
-            self._stacking[callable_key(state.runner.guide)] = state.runner.stacking
         return torch.cat(outs, 0)
 
     def _prior_mask(self, state, mask):

@@ -23,12 +23,8 @@ dims of any other plate (e.g. a plate over a datapoint's latent dims) are
 summed, and the scale of subsampled plates is *not* applied (the caller applies
 it outside any log-sum-exp).
 
-**Which argument is the data.** To run the guide on imputed data the runner
-must know which argument of ``model(*args, **kwargs)`` / ``guide(...)`` holds
-the observed tokens. By default it is the argument that *is* the value passed
-to the observed site (``obs=x``), or else the only tensor argument equal to it;
-``data_arg=`` (a position or a keyword name) overrides. The argument must hold
-exactly the minibatch's tokens (not a full dataset indexed inside the model).
+**Which argument is the data** is found by
+:mod:`~pyro_mpt.conditionals.data_args`.
 
 **Many imputations per datapoint.** To encode ``B`` imputed versions of the
 batch (one per mask query and chain) in one guide call, the runner stacks them
@@ -39,34 +35,28 @@ subsampled plates, other per-datapoint arguments) it falls back to one guide
 call per imputed version, each vectorized over particles and datapoints.
 """
 
-import inspect
 import math
 import warnings
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
-import pyro
-from pyro import poutine
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
 from ..sites import check_local_latent
-from .base import EngineNotApplicable, callable_key
+from .base import EngineNotApplicable
 from .distributions import check_factorized
+from .plate_runs import RunMemory, run_in_plate, run_with_fallback
 
 __all__ = [
     "PARTICLE_PLATE",
-    "callable_key",
-    "guide_latents",
-    "DataArgument",
-    "locate_data_arg",
+    "GuideMemory",
     "LatentRunner",
     "Decoded",
     "Encoded",
     "logmeanexp",
-    "refuse_missing",
 ]
 
 #: name of the vectorized particle plate the runs use
@@ -78,168 +68,21 @@ def logmeanexp(t, dim):
     return torch.logsumexp(t, dim) - math.log(t.shape[dim])
 
 
-# ---------------------------------------------------------------------- data argument
 @dataclass
-class DataArgument:
-    """Where the observed tokens enter ``model(*args, **kwargs)`` and the guide.
+class GuideMemory:
+    """All that a sampling engine remembers about the guide across calls.
 
-    :param key: the position (int) in ``args`` or the keyword (str) in ``kwargs``.
-    :param torch.Tensor value: the original argument.
-    :param bool rows: True when the argument's leading dim holds the ``n``
-        datapoints, so that imputed copies can be stacked along it.
+    :param ~pyro_mpt.conditionals.plate_runs.RunMemory stacking: whether the
+        guide took imputed copies of the batch stacked along its data argument
+        (``"stacked"``) or needed one call per copy (``"per_copy"``); decided
+        on the first encode of several copies, and kept so that a guide that
+        cannot stack is not tried (and warned about) at every step.
+    :param tuple checked: ``callable_key`` of the guide last found amortized
+        (:class:`~pyro_mpt.conditionals.EncodeDecodeConditionals` checks once).
     """
 
-    key: Union[int, str]
-    value: torch.Tensor
-    rows: bool
-    tokens: object = None
-
-    def substitute(self, args, kwargs, xt):
-        """``(args, kwargs)`` with the data replaced by imputed tokens.
-
-        :param torch.Tensor xt: ``(n, D)``, or ``(B, n, D)`` stacked along the
-            leading dim (needs ``rows``).
-        """
-        shape = self.value.shape
-        site = xt if self.tokens is None else self.tokens.to_site(xt)  # the site's layout
-        if xt.dim() == 3:
-            new = site.reshape((xt.shape[0] * shape[0],) + tuple(shape[1:]))
-        else:
-            new = site.reshape(shape)
-        new = new.to(dtype=self.value.dtype, device=self.value.device)
-        if isinstance(self.key, int):
-            args = tuple(new if i == self.key else a for i, a in enumerate(args))
-        else:
-            kwargs = dict(kwargs)
-            kwargs[self.key] = new
-        return args, kwargs
-
-    def describe(self):
-        return f"positional argument {self.key}" if isinstance(self.key, int) else f"keyword argument {self.key!r}"
-
-
-def _matches(a, tokens):
-    n, D = tokens.value.shape
-    if not torch.is_tensor(a) or a.numel() != n * D:
-        return False
-    try:
-        flat = tokens.to_tokens(a.detach().reshape(tokens.site_shape)).reshape(n, D)
-        return bool(torch.equal(flat.to(tokens.value), tokens.value))
-    except RuntimeError:
-        return False
-
-
-def locate_data_arg(tokens, fn, args, kwargs, data_arg=None, who="this engine"):
-    """Find the argument that holds the observed tokens.
-
-    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
-    :param callable fn: the guide (used to map a keyword ``data_arg`` to a position).
-    :param tuple args: positional arguments of model and guide.
-    :param dict kwargs: keyword arguments.
-    :param data_arg: None (find it), an int position or a str keyword.
-    :param str who: engine name for error messages.
-    :rtype: DataArgument
-    :raises EngineNotApplicable: when no argument, or several different ones, hold the data.
-    """
-    n, D = tokens.value.shape
-    name = tokens.name
-    hint = (
-        f"Pass data_arg=<position or keyword> to say which argument holds the tokens "
-        f"of site {name!r}, and pass the minibatch itself (shape "
-        f"{tuple(tokens.site_shape)}) rather than a full "
-        f"dataset indexed inside the model."
-    )
-    if data_arg is not None:
-        if isinstance(data_arg, bool) or not isinstance(data_arg, (int, str)):
-            raise ValueError(f"{who}: data_arg must be an int position or a str keyword, got {data_arg!r}.")
-        key = data_arg
-        if isinstance(key, str) and key not in kwargs:
-            try:
-                params = list(inspect.signature(fn).parameters)
-            except (TypeError, ValueError):
-                params = []
-            if key in params and params.index(key) < len(args):
-                key = params.index(key)
-            else:
-                raise ValueError(
-                    f"{who}: data_arg={data_arg!r} is neither a keyword argument of this "
-                    f"call nor a positional parameter of the guide."
-                )
-        if isinstance(key, int):
-            if not -len(args) <= key < len(args):
-                raise ValueError(f"{who}: data_arg={data_arg} but the model got {len(args)} positional argument(s).")
-            key = key % len(args)
-            value = args[key]
-        else:
-            value = kwargs[key]
-        if not _matches(value, tokens):
-            raise ValueError(
-                f"{who}: data_arg={data_arg!r} does not hold the tokens of observed site "
-                f"{name!r} (expected a tensor with {n * D} elements equal to them). {hint}"
-            )
-    else:
-        target = tokens.site["value"]
-        items = list(enumerate(args)) + list(kwargs.items())
-        found = [(k, a) for k, a in items if a is target]
-        if not found:
-            found = [(k, a) for k, a in items if _matches(a, tokens)]
-        if not found:
-            raise EngineNotApplicable(
-                f"{who} runs the guide on imputed data, but no argument of the model "
-                f"equals the value of observed site {name!r}. {hint}"
-            )
-        if len({id(a) for _, a in found}) > 1:
-            keys = ", ".join(repr(k) for k, _ in found)
-            raise EngineNotApplicable(
-                f"{who}: several arguments ({keys}) equal the tokens of site {name!r}; "
-                f"pass data_arg=<position or keyword> to pick one."
-            )
-        key, value = found[0]
-    # copies stack along the leading dim only when it is the one datapoint dim
-    # and every token plate sits to its right
-    rows = (
-        len(tokens.datapoint_shape) == 1
-        and all(d > -len(tokens.site_batch_shape) for d in tokens.token_dims)
-        and value.dim() >= 1
-        and value.shape[0] == n
-        and value.numel() == n * D
-    )
-    return DataArgument(key, value, rows, tokens)
-
-
-_LEAVE_OUT = (
-    "conditionals='gaussian', 'quadrature' or 'importance' with proposal='prior' "
-    "(each leaves missing tokens out exactly)"
-)
-
-
-def refuse_missing(tokens, who, error=EngineNotApplicable, instead=_LEAVE_OUT):
-    """Raise ``error`` when some tokens of the observed site are missing (masked).
-
-    For the paths that run the guide on the data: the guide would read the
-    missing tokens' placeholder values as data.
-
-    :param str instead: the options that leave missing tokens out exactly, named
-        in the message (None when the caller has none).
-    """
-    if tokens.observed is not None:
-        k = int((~tokens.observed).sum())
-        fix = "Impute" if instead is None else f"Use {instead}, or impute"
-        raise error(
-            f"{who} runs the guide on the data, which does not support missing tokens: "
-            f"observed site {tokens.name!r} has {k} missing (masked) token(s). {fix} the "
-            f"missing tokens, or drop the datapoints that have them."
-        )
-
-
-def guide_latents(tokens):
-    """Names of the model's latents that the traced guide samples (empty for a no-op guide)."""
-    latent = set(tokens.latent_names)
-    return [
-        name
-        for name, site in tokens.guide_trace.nodes.items()
-        if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site) and name in latent
-    ]
+    stacking: RunMemory = field(default_factory=RunMemory)
+    checked: Optional[tuple] = None
 
 
 # ---------------------------------------------------------------------- messengers
@@ -418,12 +261,12 @@ class LatentRunner:
     :param DataArgument data: where the tokens enter the guide (needed by
         :meth:`encode` only).
     :param str who: the caller's name, for error messages.
-    :param bool stacking: whether the guide accepts stacked copies of the data
-        (None: try on the first :meth:`encode` of several copies).
+    :param GuideMemory memory: what the engine remembers about the guide
+        (None: a memory of this runner's own).
     :raises EngineNotApplicable: when a latent is shared by several datapoints.
     """
 
-    def __init__(self, tokens, model, guide, args, kwargs, data=None, who="this engine", stacking=None):
+    def __init__(self, tokens, model, guide, args, kwargs, data=None, who="this engine", memory=None):
         self.tokens = tokens
         self.model = model
         self.guide = guide
@@ -435,7 +278,7 @@ class LatentRunner:
         data_frames = tokens.data_frames
         self.data_dims = {f.dim for f in data_frames}
         self.replay = tokens.subsample_trace()
-        self.stacking = stacking  # decided on the first encode of several versions
+        self.memory = GuideMemory() if memory is None else memory
         for site in tokens.latent_sites():
             check_local_latent(tokens, site, EngineNotApplicable, allow_extra_plates=True,
                                consequence=f"{who} cannot integrate it per datapoint")
@@ -463,19 +306,14 @@ class LatentRunner:
         return log_p.expand(full).reshape(rows, -1)
 
     # ------------------------------------------------------------------ running
+    @property
+    def stacking(self):
+        """True when the guide takes the imputed copies stacked along its data argument."""
+        return self.memory.stacking.recall(self.guide) == "stacked"
+
     def _run(self, fn, rows, args, kwargs, replay, handler=None):
-        rank = self.rank
-
-        def wrapped(*a, **k):
-            with pyro.plate(PARTICLE_PLATE, rows, dim=-rank):
-                return fn(*a, **k)
-
-        run = wrapped if replay is None else poutine.replay(wrapped, trace=replay)
-        if handler is not None:
-            run = handler(run)
-        # hide the runs' samples from outer handlers (SVI still sees the params)
-        with poutine.block(hide_fn=lambda m: m["type"] == "sample"):
-            return poutine.trace(run).get_trace(*args, **kwargs)
+        return run_in_plate(fn, args, kwargs, name=PARTICLE_PLATE, size=rows, dim=self.rank,
+                            replay=replay, outside=handler)
 
     def _model_failed(self, e):
         return EngineNotApplicable(
@@ -609,46 +447,54 @@ class LatentRunner:
             raise ValueError(f"{self.who}: encoding needs a guide and its data argument.")
         B = xt.shape[0]
         P = int(num_particles)
-        if B > 1 and self.data.rows and self.stacking is not False:
+
+        def stacked():
             args, kwargs = self.data.substitute(self.args, self.kwargs, xt)
-            try:
-                trace = self._guide_run(args, kwargs, P, mean, None)
-                values, log_q = self._guide_values(trace, P, B, stacked=True)
-                self.stacking = True
-                return Encoded(values, None if mean else log_q, P, B)
-            except Exception as e:
-                if self.stacking or "no latent counterpart" in str(e):
-                    raise
-                self.stacking = False
-                warnings.warn(
-                    f"{self.who}: the guide failed on {B} imputed copies of the batch "
-                    f"stacked along its {self.data.describe()} ({type(e).__name__}: {e}); "
-                    f"calling it once per copy instead, which is slower. Let the guide "
-                    f"take its plate size from the data (pyro.plate('data', x.shape[0])) "
-                    f"and no other per-datapoint argument to stack the copies.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        parts = []
-        for b in range(B):
-            args, kwargs = self.data.substitute(self.args, self.kwargs, xt[b])
-            try:
-                trace = self._guide_run(args, kwargs, P, mean, self.replay)
-            except Exception as e:
-                raise EngineNotApplicable(
-                    f"{self.who} runs the guide on imputed data with {P} particle(s) in "
-                    f"a pyro.plate at dim {-self.rank}, and the guide failed there "
-                    f"({type(e).__name__}: {e}). The guide must take the data through "
-                    f"{self.data.describe()} and broadcast over extra batch dims on the "
-                    f"left."
-                ) from e
-            parts.append(self._guide_values(trace, P, 1, stacked=False))
-        values = {}
-        for name in parts[0][0]:
-            v = torch.stack([p[0][name] for p in parts], 1)  # (P, B, ...)
-            values[name] = v.reshape((P * B,) + tuple(v.shape[2:]))
-        log_q = None if mean else torch.cat([p[1] for p in parts], 1)
-        return Encoded(values, log_q, P, B)
+            trace = self._guide_run(args, kwargs, P, mean, None)
+            values, log_q = self._guide_values(trace, P, B, stacked=True)
+            return Encoded(values, None if mean else log_q, P, B)
+
+        def per_copy():
+            parts = []
+            for b in range(B):
+                args, kwargs = self.data.substitute(self.args, self.kwargs, xt[b])
+                try:
+                    trace = self._guide_run(args, kwargs, P, mean, self.replay)
+                except Exception as e:
+                    raise EngineNotApplicable(
+                        f"{self.who} runs the guide on imputed data with {P} particle(s) in "
+                        f"a pyro.plate at dim {-self.rank}, and the guide failed there "
+                        f"({type(e).__name__}: {e}). The guide must take the data through "
+                        f"{self.data.describe()} and broadcast over extra batch dims on the "
+                        f"left."
+                    ) from e
+                parts.append(self._guide_values(trace, P, 1, stacked=False))
+            values = {}
+            for name in parts[0][0]:
+                v = torch.stack([p[0][name] for p in parts], 1)  # (P, B, ...)
+                values[name] = v.reshape((P * B,) + tuple(v.shape[2:]))
+            log_q = None if mean else torch.cat([p[1] for p in parts], 1)
+            return Encoded(values, log_q, P, B)
+
+        def warn(mode, e):
+            warnings.warn(
+                f"{self.who}: the guide failed on {B} imputed copies of the batch "
+                f"stacked along its {self.data.describe()} ({type(e).__name__}: {e}); "
+                f"calling it once per copy instead, which is slower. Let the guide "
+                f"take its plate size from the data (pyro.plate('data', x.shape[0])) "
+                f"and no other per-datapoint argument to stack the copies.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+
+        modes = ("stacked", "per_copy") if B > 1 and self.data.rows else ("per_copy",)
+        runs = {"stacked": stacked, "per_copy": per_copy}
+        _, out = run_with_fallback(
+            modes, lambda mode: runs[mode](), memory=self.memory.stacking, fn=self.guide,
+            # a guide over other sites than the model's latents fails in every mode
+            passes=lambda e: "no latent counterpart" in str(e), on_fallback=warn,
+        )
+        return out
 
     def guide_log_prob(self, xt, values, num_particles):
         r"""Guide log-densities :math:`\log q(z_s \mid \tilde x_b)` of given latents under several inputs.

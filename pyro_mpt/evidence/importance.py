@@ -49,7 +49,8 @@ import math
 import torch
 
 from ..conditionals.base import EngineNotApplicable
-from ..conditionals.latent_runs import LatentRunner, logmeanexp, refuse_missing
+from ..conditionals.data_args import refuse_missing
+from ..conditionals.latent_runs import LatentRunner, logmeanexp
 from ..guide_checks import check_proposal_density
 from ..guide_proposals import AutoguideProposal, is_autoguide
 from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
