@@ -37,7 +37,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gallery_common
 
-from gallery_common import make_ppca, ppca_data, settings_markdown, update_results  # noqa: E402
+from gallery_common import make_ppca, ppca_data  # noqa: E402
+from gallery_report import report_area  # noqa: E402
 
 
 def guide(x):
@@ -82,7 +83,7 @@ def main(argv=None):
     P_train_curve = 10 if q else 100
     lr = 0.01
     out = {"settings": dict(quick=q, N=N, D=D, K=K, N50=N50, D50=D50, K50=K50, P50=P50, epochs=epochs, lr=lr,
-                            P_train_curve=P_train_curve)}
+                            P_train_curve=P_train_curve, Nt=Nt, Dt=Dt, Kt=Kt, seed=args.seed)}
 
     # ---------------------------------------------------------------- Fig. 4
     pyro.clear_param_store()
@@ -146,37 +147,7 @@ def main(argv=None):
     out["png"] = [fig4_path, fig5_path]
     out["seconds"] = time.time() - t0
 
-    # ---------------------------------------------------------------- report
-    print(f"Fig.4 true LML {true_lml:.3f}: area P=1 {fig4['area_P1']:.3f} ± {fig4['area_P1_stderr']:.3f}, "
-          f"P=100 {fig4['area_P100']:.3f} ± {fig4['area_P100_stderr']:.3f}; K={K50}: LML {true_lml50:.3f}, "
-          f"area {fig4['area_K50']:.3f} ± {fig4['area_K50_stderr']:.3f}")
-    for s in out["fig5"]:
-        print(f"Fig.5 epoch {s['epoch']:4d}: area {s['area']:.3f} ± {s['area_stderr']:.3f}, exact LML {s['lml']:.3f} "
-              f"(true LML {true_lml_t:.3f})")
-    md = ["## Fig. 4 and Fig. 5 (left): area under the MPT curve (`examples/gallery_area.py`)", "",
-          f"Settings: {'--quick' if q else 'default'}; PPCA, noise std 0.5, W, mu ~ N(0, 1); Fig. 4 curves with "
-          f"masks=\"all\" (every size, P random masks each, one mask set shared by the batch as in the paper, "
-          f"so P=1 shows a single mask per size); mean per datapoint; seed {args.seed}; {out['seconds']:.0f} s. "
-          "Areas are ± MPTCurve.area_stderr(), the standard error over datapoints: it counts the spread of "
-          "log p(x_i) over the data and, with shared masks, leaves the mask draw out (the P=1 spread over mask "
-          "seeds is Table 1's P=1 column). Black lines mark 15 % and 85 % masking, as in the paper.", "",
-          "![Fig. 4](fig4_area.png)", "",
-          "| model | true LML | area (this run) | paper |", "|---|---|---|---|",
-          f"| D={D}, K={K}, N={N}, generating params, P=1 | {true_lml:.3f} | {fig4['area_P1']:.3f} ± {fig4['area_P1_stderr']:.3f} | "
-          "noisier curve, area slightly off the LML |",
-          f"| D={D}, K={K}, N={N}, generating params, P=100 | {true_lml:.3f} | {fig4['area_P100']:.3f} ± {fig4['area_P100_stderr']:.3f} | "
-          "area ≈ LML |",
-          f"| D={D50}, K={K50}, N={N50}, generating params, P={P50} | {true_lml50:.3f} | {fig4['area_K50']:.3f} ± {fig4['area_K50_stderr']:.3f} | "
-          "decay begins ~50 % masking (masks shared across the batch here) |", "",
-          "![Fig. 5 left](fig5_training_area.png)", "",
-          f"Fig. 5 (left), D={Dt}, K={Kt}, N={Nt}: SVI with MaskedPretrainingLoss(masks=\"uniform\", num_masks=1), Adam lr={lr}, full batch, "
-          f"init W ~ 0.1 N(0, 1), mu = 0, s = 1; curves with P={P_train_curve} independent masks per datapoint. Paper: flat low curve at init, area "
-          "converging to the true LML after 600 epochs.", "",
-          "| epoch | area | exact LML of current params | true LML |", "|---|---|---|---|"]
-    md += [f"| {s['epoch']} | {s['area']:.3f} ± {s['area_stderr']:.3f} | {s['lml']:.3f} | {true_lml_t:.3f} |" for s in out["fig5"]]
-    update_results(os.path.join(args.out_dir, "RESULTS.md"), "area", "\n".join(md))
-    update_results(os.path.join(args.out_dir, "RESULTS.md"), "settings", settings_markdown())
-    print(f"wrote {fig4_path}, {fig5_path} and RESULTS.md in {out['seconds']:.1f} s")
+    report_area(out, args)
     return out
 
 

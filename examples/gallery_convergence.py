@@ -46,14 +46,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gallery_common
 
-from gallery_common import authors_ppca_data, make_ppca, ppca_data, settings_markdown, update_results  # noqa: E402
-
-PAPER_TABLE1 = {"lml": -60.34, 1: (-60.44, 0.47), 10: (-60.22, 0.12), 100: (-60.34, 0.03)}
-# The authors' own script (their masks, their data), run by the issue's reviewers: mean ± std over 5 seeds.
-AUTHORS_SCRIPT_TABLE1 = {"lml": -60.3436, 1: (-60.444, 0.476), 10: (-60.223, 0.130), 100: (-60.341, 0.030)}
-# Paper, Fig. 1 right: fixed 15 % masking at D=512 is biased by +7.3 nats, 6.0 % of |LML|.
-PAPER_FIG1_BIAS = {"bias": 7.3, "rel_bias": 0.060}
-
+from gallery_common import authors_ppca_data, make_ppca, ppca_data  # noqa: E402
+from gallery_report import report_convergence  # noqa: E402
 
 def ppca_model(D, K, N, seed, noise=0.5):
     """PPCA ``x = W z + mu + eps`` and N datapoints drawn from it (independent noise per token)."""
@@ -102,8 +96,10 @@ def main(argv=None):
     tab_seeds = 5
     # 5 seeds know a std to ~35 %; the P=1 spread is also measured over more seeds (single masks are cheap)
     spread_seeds = 20 if q else 60
+    auth_m = 76  # the authors' fixed mask size at D=512 (int(0.15 * 512))
     out = {"settings": dict(quick=q, n_fig=n_fig, p_max=p_max, n_seeds=n_seeds, rate=rate, bias_masks=bias_masks,
-                            table=dict(N=tab_N, D=tab_D, K=tab_K, P=tab_P, seeds=tab_seeds))}
+                            table=dict(N=tab_N, D=tab_D, K=tab_K, P=tab_P, seeds=tab_seeds),
+                            seed=args.seed, paper=args.paper, spread_seeds=spread_seeds, authors_m=auth_m)}
 
     # ---------------------------------------------------------------- Fig. 1
     panels = []
@@ -166,7 +162,6 @@ def main(argv=None):
     # ---------------------------------------------------------------- Fig. 1, cause of the bias gap
     # The paper's fixed-rate panel is on the authors' construction (D=512, K=2, N=100, beta=5, seed 4, m=76),
     # whose broadcast noise inflates the bias; the same W and Z with the noise the model assumes do not.
-    auth_m = 76  # the authors' fixed mask size at D=512 (int(0.15 * 512))
     auth_rate = auth_m / 512  # FixedRate(auth_rate).size(512) == 76
     causes = {}
     for name, broadcast in (("authors' data (broadcast noise)", True), ("authors' W, Z, independent noise", False)):
@@ -204,81 +199,7 @@ def main(argv=None):
     out["png"] = [fig1_path]
     out["seconds"] = time.time() - t0
 
-    # ---------------------------------------------------------------- report
-    ta, ti = tables["authors"], tables["independent"]
-    for name, t in tables.items():
-        print(f"Table 1 ({name} data; mean per datapoint, mean ± std over {tab_seeds} mask seeds): true LML "
-              f"{t['lml']:.4f}; " + "; ".join(f"P={P_}: {t[P_][0]:.3f} ± {t[P_][1]:.3f}" for P_ in tab_P))
-    for pn in out["fig1"]:
-        extra = f", bias {pn['bias']:+.2f} (rel {pn['rel_bias']:+.4f})" if "bias" in pn else ""
-        extra += f", exhaustive area {pn['exhaustive_area']:.4f}" if "exhaustive_area" in pn else ""
-        print(f"Fig.1 D={pn['D']} masks={pn['masks']}: LML {pn['lml']:.3f}, rel diff P=1 "
-              f"{np.abs(pn['rel_first']).mean():.2e} -> P={p_max} {np.abs(pn['rel_final']).mean():.2e} "
-              f"(mean |.| over seeds){extra}")
-    for name, c in causes.items():
-        print(f"Fig.1 fixed m={auth_m} at D=512 on {name}: LML {c['lml']:.3f}, bias {c['bias']:+.2f} "
-              f"(rel {c['rel_bias']:+.4f})")
-
-    def row(label, t, fmt="{:.2f} ± {:.3f}"):
-        cells = [fmt.format(*t[P_]) if P_ in t else "" for P_ in (1, 10, 100)]
-        return f"| {label} | {t['lml']:.2f} | " + " | ".join(cells) + " |"
-
-    md = ["## Fig. 1 and Table 1: convergence of the cumulative MPT score (`examples/gallery_convergence.py`)", ""]
-    md.append(f"Settings: {'--quick' if q else ('--paper' if args.paper else 'default')}; PPCA at the generating parameters; masks shared across "
-              f"the batch (`share_masks=True`, as the authors' code); seed {args.seed}; {out['seconds']:.0f} s.")
-    md += ["", "![Fig. 1](fig1_convergence.png)", "",
-           (f"Fig. 1 (--paper: the authors' construction, beta=5 noise broadcast per datapoint, seed 4; N={n_fig} "
-            if args.paper else
-            f"Fig. 1 (our PPCA: noise std 0.5, W, mu ~ N(0, 1), independent noise per token; N={n_fig} ")
-           + f"datapoints, K=2, P=1..{p_max}, {n_seeds} mask seeds):", "",
-           "| D | masks | true LML | mean abs rel. diff P=1 | mean abs rel. diff P=%d | note |" % p_max,
-           "|---|---|---|---|---|---|"]
-    for pn in out["fig1"]:
-        note = ""
-        if "bias" in pn:
-            note = (f"fixed M={pn['M']}: D*S(x;M) = {pn['biased_value']:.2f} (estimated with {bias_masks} "
-                    f"independent masks per datapoint), bias {pn['bias']:+.2f} (rel {pn['rel_bias']:+.4f}); "
-                    f"P={p_max} estimates {np.mean(pn['final']):.2f}")
-        if "exhaustive_area" in pn:
-            note = f"exhaustive curve area {pn['exhaustive_area']:.4f} = LML"
-        md.append(f"| {pn['D']} | {pn['masks']} | {pn['lml']:.3f} | {np.abs(pn['rel_first']).mean():.2e} | "
-                  f"{np.abs(pn['rel_final']).mean():.2e} | {note} |")
-    md += ["", f"Why our fixed-rate bias ({out['fig1'][2]['rel_bias']:+.1%} of |LML|) is smaller than the paper's "
-           f"(+{PAPER_FIG1_BIAS['bias']} nats, {PAPER_FIG1_BIAS['rel_bias']:.1%}): the paper's panel is on the authors' "
-           "construction (D=512, K=2, N=100, noise precision beta=5, seed 4, fixed m=76), whose data carry one noise "
-           "draw per datapoint broadcast to all tokens while its LML assumes independent noise. The same fixed-size "
-           f"estimator ({bias_masks} independent masks per datapoint), computed in this run on that construction:", "",
-           "| data | true LML | D*S(x; 76) - LML | relative |", "|---|---|---|---|"]
-    for name, c in causes.items():
-        md.append(f"| {name} | {c['lml']:.2f} | {c['bias']:+.2f} | {c['rel_bias']:+.2%} |")
-    md.append(f"| paper, Fig. 1 right | | +{PAPER_FIG1_BIAS['bias']:.1f} | +{PAPER_FIG1_BIAS['rel_bias']:.1%} |")
-    md += ["", "The broadcast noise makes the tokens of a datapoint strongly correlated beyond what the model assumes, "
-           "so a few context tokens predict the rest better than the model's own marginal says, which inflates "
-           "D*S(x; M) - LML; with the noise drawn as the model assumes, the bias is of the size of ours.", ""]
-    md += [f"Table 1 (N={tab_N}, D={tab_D}, K={tab_K}; mean per datapoint of the cumulative MPT estimate "
-           f"`masks=\"all\"` — for each size M, P independent random masks shared by the batch, the paper's "
-           f"estimator — mean ± std (ddof 1) over {tab_seeds} mask seeds).", "",
-           "On the authors' data: their generator (torch seed 1991; W, Z ~ N(0, 1); one noise draw of std 0.2 per "
-           "datapoint broadcast to all tokens) and their LML (independent noise of variance 0.2 per token). "
-           "The paper's ± mixes ddof 0 and 1; the authors'-script row is our run of their script:", "",
-           "| | true LML | P=1 | P=10 | P=100 |", "|---|---|---|---|---|",
-           row("this run, pyro_mpt", ta, "{:.3f} ± {:.3f}"),
-           row("authors' script", AUTHORS_SCRIPT_TABLE1, "{:.3f} ± {:.3f}"),
-           row("paper", PAPER_TABLE1, "{:.2f} ± {:.2f}"), "",
-           f"P=1 spread over mask seeds: {ta[1][1]:.3f} here, {PAPER_TABLE1[1][1]:.2f} in the paper (ratio "
-           f"{ta[1][1] / PAPER_TABLE1[1][1]:.2f}); with {tab_seeds} seeds a std is known to about "
-           f"±{100 / np.sqrt(2 * (tab_seeds - 1)):.0f} %. Over {spread_seeds} mask seeds (the same estimator, "
-           f"seeds 0..{spread_seeds - 1}) the P=1 spread is {ta['spread_P1']:.3f} (ratio "
-           f"{ta['spread_P1'] / PAPER_TABLE1[1][1]:.2f} to the paper's; known to about "
-           f"±{100 / np.sqrt(2 * (spread_seeds - 1)):.0f} %), so the paper's ±0.47 is the estimator's spread and "
-           "a 5-seed value far from it is the chance of a 5-seed std.", "",
-           "The same W and Z with the noise the model assumes (independent per token, std sqrt(0.2)); "
-           "no paper column, the paper has no such run:", "",
-           "| | true LML | P=1 | P=10 | P=100 |", "|---|---|---|---|---|",
-           row("this run, pyro_mpt", ti, "{:.3f} ± {:.3f}")]
-    update_results(os.path.join(args.out_dir, "RESULTS.md"), "convergence", "\n".join(md))
-    update_results(os.path.join(args.out_dir, "RESULTS.md"), "settings", settings_markdown())
-    print(f"wrote {fig1_path} and {os.path.join(args.out_dir, 'RESULTS.md')} in {out['seconds']:.1f} s")
+    report_convergence(out, args)
     return out
 
 

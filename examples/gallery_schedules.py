@@ -50,7 +50,8 @@ from pyro_mpt import Evidence, FixedRate, MaskedPretrainingLoss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gallery_common
 
-from gallery_common import compact_png, make_ppca, ppca_data, update_results  # noqa: E402
+from gallery_common import compact_png, make_ppca, ppca_data  # noqa: E402
+from gallery_report import report_schedules  # noqa: E402
 
 SCHEDULES = ("all", "nested", "uniform", "stratified", "order")
 RATES = (0.15, 0.2)
@@ -254,69 +255,8 @@ def main(argv=None):
     for png in out["png"]:
         compact_png(png)
     out["seconds"] = time.time() - t0
-    report(out, args)
+    report_schedules(out, args)
     return out
-
-
-def nested_ratio(rows):
-    """std of "nested" over std of "all" at their first (smallest) P."""
-    first = {r["masks"]: r["std"] for r in reversed(rows) if r["masks"] in ("all", "nested")}
-    return first["nested"] / first["all"]
-
-
-def report(out, args):
-    s = out["settings"]["variance"]
-    print(f"(a) PPCA D={s['D']}, K={s['K']}, N={s['N']}, exact LML {out['variance_lml']:.4f} per datapoint, "
-          f"{s['repeats']} estimates per datapoint")
-    for r in out["variance"]:
-        print(f"  {r['masks']:10s} P={r['P']:4d} token-queries {r['compute']:7.1f}  std {r['std']:.3e}  "
-              f"mean error {r['mean_error']:+.4f} ± {r['mean_error_se']:.4f}")
-    print(f"  nested / all std at the smallest P: {nested_ratio(out['variance']):.2f}")
-    print("(b) D S(x; round(rD)) - log p(x), nats per datapoint")
-    for pn in out["bias"]:
-        pts = "; ".join(f"r={100 * r:.0f}% (M={pt['M']}): {pt['bias']:+.3f} ± {pt['bias_se']:.3f}, "
-                        f"masks={r} estimator {pt['estimator']:+.3f} ± {pt['estimator_se']:.3f}"
-                        for r, pt in pn["points"].items())
-        print(f"  D={pn['D']} ({'exact' if pn['exact'] else 'P=%d' % pn['P']}), LML {pn['lml']:.3f}, "
-              f"area - LML {pn['area_minus_lml']:+.1e}: {pts}")
-
-    v = out["variance"]
-    md = ["## Beyond the paper: schedule variance and fixed-rate bias (`examples/gallery_schedules.py`)", "",
-          f"Settings: {'--quick' if out['settings']['quick'] else 'default'}; PPCA (K=2, noise std "
-          f"0.5, W, mu ~ N(0, 1)) at its generating parameters, float64, Gaussian engine; seed {args.seed}; "
-          f"{out['seconds']:.0f} s. The paper has no such figures; the exact LML is the reference.", "",
-          "![schedule variance](schedule_variance.png)", "",
-          f"(a) D={s['D']}, N={s['N']} datapoints, {s['repeats']} independent estimates of each log p(x_i); "
-          f"exact LML {out['variance_lml']:.4f} per datapoint. Compute = token-queries (log-conditionals) per "
-          "datapoint; std = RMS over datapoints of the per-datapoint standard deviation. \"order\" is exact with "
-          f"this engine: its largest std is {max(r['std'] for r in v if r['masks'] == 'order'):.1g} (drawn on the "
-          "axis floor). \"all\" is the paper's estimator (an independent mask per size); \"nested\" spends "
-          "the same compute on masks nested in one permutation, whose per-size errors add up coherently: "
-          f"at P = {v[0]['P']} its std is {nested_ratio(v):.1f} times that of \"all\".", "",
-          "| schedule | P | token-queries | std | std x sqrt(token-queries) | mean - exact LML |",
-          "|---|---|---|---|---|---|"]
-    md += [f"| {r['masks']} | {r['P']} | {r['compute']:.0f} | {r['std']:.3g} | "
-           f"{r['std'] * np.sqrt(r['compute']):.3g} | "
-           f"{r['mean_error']:+.4f} ± {r['mean_error_se']:.4f} |" for r in v]
-    md += ["", "![fixed-rate bias](fixed_rate_bias.png)", "",
-           "(b) Bias of a fixed rate, D S(x; round(rD)) - log p(x), mean per datapoint (positive: the fixed rate "
-           "overestimates the LML). Exact for the exhaustive D; else \"all\" with P masks per size. The "
-           "masks=r column is the library's fixed-rate estimator (P masks per datapoint) minus the LML. For "
-           "reference, the paper's Fig. 1 (right) shows the 15 % bias at D=512 (our "
-           "`gallery_convergence.py`: +1.7 % of |LML|).", "",
-           "| D | N | LML | how | r | M | D S(x; M) - LML | masks=r estimator - LML | relative bias |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    for pn in out["bias"]:
-        how = "exhaustive (exact)" if pn["exact"] else f"all, P={pn['P']}"
-        for r, pt in pn["points"].items():
-            md.append(f"| {pn['D']} | {pn['N']} | {pn['lml']:.3f} | {how} | {100 * r:.0f}% | {pt['M']} | "
-                      f"{pt['bias']:+.3f} ± {pt['bias_se']:.3f} | "
-                      f"{pt['estimator']:+.3f} ± {pt['estimator_se']:.3f} | {pt['bias'] / abs(pn['lml']):+.4f} |")
-    md.append("")
-    md.append("± values: for D S(x; M) - LML, the standard error over datapoints (and masks, where estimated); for "
-              "the estimator, the standard error of its masks alone (the data are the same).")
-    update_results(os.path.join(args.out_dir, "RESULTS.md"), "schedules", "\n".join(md))
-    print(f"wrote {', '.join(out['png'])} and RESULTS.md in {out['seconds']:.1f} s")
 
 
 if __name__ == "__main__":

@@ -34,120 +34,10 @@ import os
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling examples
 
-from gallery_common import compact_png, settings_markdown, update_results  # noqa: E402
-
-#: the paper's Fig. 2 and Fig. 3 give curves, not numbers: what they show
-PAPER_FIG2 = {
-    "MPT uniform": "negative MPT loss centred on the LML; exact LML converges to the GT LML",
-    "MPT fixed 20%": "negative MPT loss converges to a biased value, the same from every initialization; "
-                     "exact LML still maximized, converges to the GT LML",
-}
-
-#: the authors' own Fig. 2 script (their data: one noise draw per datapoint broadcast to all tokens, GT LML
-#: -6.25), as run by the project's reviewers: final exact LML per method
-AUTHORS_SCRIPT_FIG2 = {
-    "MPT uniform": "final LML -6.23, above the GT LML -6.25 (the broadcast noise)",
-    "MPT fixed 20%": "final LML -6.55 … -6.87, 0.30–0.62 short of the GT LML -6.25",
-}
-
-
-def fig2_markdown(results, seconds=None):
-    """The Fig. 2 section of RESULTS.md from the results of ``ppca_mpt_vs_elbo.main``."""
-    cfg, true, ml = results["config"], results["true_lml"], results["ml_lml"]
-    md = ["## Fig. 2: PPCA training curves (`examples/ppca_mpt_vs_elbo.py`)", "",
-          f"Settings: {'--quick' if cfg['quick'] else 'default'}; N={cfg['num_data']}, D=10, K=2, noise std 0.5, data "
-          f"drawn from the model; {cfg['inits']} initializations per method, {cfg['epochs']} full-batch epochs, Adam "
-          f"lr={cfg['lr']} decayed 10x, one mask per datapoint and epoch (the paper's P=1); seed {cfg['seed']}"
-          + (f"; {seconds:.0f} s." if seconds is not None else "."), "",
-          "![Fig. 2](fig2_training.png)", "",
-          f"Per datapoint: LML of the generating parameters (GT, dashed in the figure) {true:.4f}, closed-form "
-          f"maximum-likelihood LML {ml:.4f}. Final values, mean ± std over initializations; 'objective - LML' is the "
-          "training objective (mean over the last 10 % of epochs) minus the exact LML at the end.", "",
-          "| method | final exact LML | LML - ML LML | LML - GT LML | objective - LML | paper | authors' script |",
-          "|---|---|---|---|---|---|---|"]
-    for name, r in results["methods"].items():
-        f = np.asarray(r["final_lml"])
-        gap = np.asarray(r["final_objective"]) - f
-        md.append(f"| {name} | {f.mean():.4f} ± {f.std(ddof=1) if f.size > 1 else 0:.4f} | {(f - ml).mean():+.4f} | "
-                  f"{(f - true).mean():+.4f} | {gap.mean():+.3f} ± {gap.std(ddof=1) if gap.size > 1 else 0:.3f} | "
-                  f"{PAPER_FIG2.get(name, '(not in the paper)')} | {AUTHORS_SCRIPT_FIG2.get(name, '')} |")
-    fixed = results["methods"].get("MPT fixed 20%")
-    short = f" ({np.mean(np.asarray(fixed['final_lml']) - ml):+.2f} nats from the ML LML in this run)" if fixed else ""
-    md += ["", "The fixed 20 % objective settles at a biased value from every initialization, as in the paper. Its "
-           f"exact LML rises too but stops short of the ML value{short}: with most tokens in context the objective "
-           "is nearly flat in the scale of W (the docstring of `ppca_mpt_vs_elbo.py`). The paper's figure seems to "
-           "show it reaching the ground truth, but the authors' own script stops short as well (-6.55 … -6.87 "
-           "against -6.25, the authors'-script column). Their unfixed runs end *above* their ground truth (-6.23 "
-           "against -6.25) because their data carry one noise draw per datapoint broadcast to all tokens, which "
-           "their LML does not assume, so the generating parameters are not the best fit; our data are drawn from "
-           "the model, and the unbiased runs end at the ML LML, within noise of the GT."]
-    return "\n".join(md)
-
-
-def linear_vae_markdown(results):
-    """The Fig. 3 (top) part of RESULTS.md from the results of ``linear_vae.main``."""
-    cfg = results["config"]
-    md = [f"Fig. 3 (top), linear VAE (`examples/linear_vae.py`): {cfg['dataset']}, N={cfg['num_data']} binarized "
-          f"images, D={cfg['num_tokens']}, K=2, full-batch epochs: {cfg['epochs']} for MPT (masks={cfg['masks']!r} x"
-          f"{cfg['num_masks']} with quadrature conditionals), {cfg['elbo_epochs']} for the ELBO, which climbs more "
-          f"slowly (`--elbo-epochs`); LML by adaptive quadrature.", "",
-          f"| method | LML at epoch 0 | LML at epoch {cfg['epochs']} | final LML (epoch) | final objective | paper |",
-          "|---|---|---|---|---|---|"]
-    paper = {"MPT": "MPT and ELBO converge to a similar LML (MNIST / FMNIST, N=2000, D=784)",
-             "ELBO": "(same panel)"}
-    for name, r in results["methods"].items():
-        tail = r["objective"][-max(1, len(r["objective"]) // 10):].mean()
-        at = r["lml"][np.searchsorted(r["lml_epochs"], min(cfg["epochs"], r["lml_epochs"][-1]))]
-        md.append(f"| {name} | {r['lml'][0]:.3f} | {at:.3f} | {r['lml'][-1]:.3f} ({r['lml_epochs'][-1]}) | "
-                  f"{tail:.3f} | {paper[name]} |")
-    m, e = results["methods"].get("MPT"), results["methods"].get("ELBO")
-    if m is not None and e is not None:
-        e_at = e["lml"][np.searchsorted(e["lml_epochs"], min(cfg["epochs"], e["lml_epochs"][-1]))]
-        md += ["", f"At equal epochs ({cfg['epochs']}) the ELBO's LML is {m['lml'][-1] - e_at:.3f} nats below MPT's; run "
-               f"to epoch {e['lml_epochs'][-1]} it ends {e['lml'][-1] - m['lml'][-1]:+.3f} nats from MPT's final LML."]
-    if cfg["dataset"] == "digits":
-        md += ["", "Offline data: scikit-learn's 8x8 digits, not the paper's MNIST / Fashion-MNIST subsets, so the "
-               "values are not comparable with the paper's; the pattern is: both raise the LML from the same start "
-               "and their objectives track it (the negative MPT loss around it, the ELBO below it)."]
-    return "\n".join(md)
-
-
-def deep_vae_markdown(result, args):
-    """The Fig. 3 (bottom) part of RESULTS.md from the :class:`~pyro_mpt.experiments.compare.Comparison` of ``deep_vae.main``."""
-    s = result.settings
-    md = [f"Fig. 3 (bottom), deep VAE (`examples/deep_vae.py`): {args['dataset']} ({args['likelihood']} likelihood), "
-          f"MPT encoder trained by {args['mpt_encoder'].upper()}, {s['num_train']} training / {s['num_test']} held-out images, K={args['latent_dim']}, {s['epochs']} epochs, "
-          f"minibatches of {s['batch_size']}; held-out LML by importance sampling with the encoder as proposal "
-          f"({s['final_samples']} samples at the end).", "",
-          "| loss | held-out LML at first evaluation | final held-out LML (± s.e.) | minus ELBO's (paired s.e.) "
-          "| paper |",
-          "|---|---|---|---|---|"]
-    paper = {"mpt:0.33": "33 % masks: held-out LML maximized along with the MPT objective (MNIST, Gaussian)"}
-    ok = {r.name for r in result.results if r.error is None and r.values}
-    below = []
-    for r in result.results:
-        if r.error is not None:
-            md.append(f"| {r.name} | failed: {r.error} | | | |")
-            continue
-        first = next(h["heldout"] for h in r.history if "heldout" in h)
-        diff = ""
-        if r.name != "elbo" and {"elbo", r.name} <= ok:
-            d, se = result.paired(r.name, "elbo")
-            diff = f"{d:+.3f} ({se:.3f})"
-            below.append(d < -2 * se)
-        md.append(f"| {r.name} | {first:.3f} | {r.heldout:.3f} ± {r.stderr:.3f} | {diff} | {paper.get(r.name, '')} |")
-    if args["dataset"] == "digits":
-        data = "binarized 8x8 digits" if args["likelihood"] == "bernoulli" else "8x8 digits scaled to [0, 1]"
-        md += ["", f"Offline data ({data}) and a small network: not comparable with the paper's values, "
-               "only the pattern: every loss raises the held-out LML along with its objective."
-               + (" Here the ELBO-trained model ends highest (the MPT rows' paired differences are more than 2 s.e. "
-                  "below zero)." if below and all(below) else "")]
-    return "\n".join(md)
-
+from gallery_common import compact_png  # noqa: E402
+from gallery_report import fig2_markdown, fig3_markdown, settings_markdown, update_results  # noqa: E402
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -207,24 +97,7 @@ def main(argv=None):
     out["deep_vae_elbo_encoder"] = deep_runs["elbo"][0]
     deep_seconds = time.time() - t0
 
-    md = ["## Fig. 3: linear and deep VAEs, MPT vs the ELBO (`examples/linear_vae.py`, `examples/deep_vae.py`)", "",
-          f"Settings: {'--quick' if args.quick else ('--paper' if args.paper else 'default')} settings of both examples; seed {args.seed}; "
-          f"{lin_seconds:.0f} s and {deep_seconds:.0f} s.", "",
-          "![Fig. 3 top](fig3_linear_vae.png)", "", linear_vae_markdown(out["linear_vae"]), ""]
-    if "linear_vae_fashion" in out:
-        md += ["![Fig. 3 top, Fashion-MNIST](fig3_linear_vae_fashion_mnist.png)", "",
-               linear_vae_markdown(out["linear_vae_fashion"]), ""]
-    md += [
-          "Deep VAE in the paper's setting: Gaussian likelihood, encoder and decoder trained through the MPT loss "
-          "(`--mpt-encoder mpt`).", "",
-          "![Fig. 3 bottom](fig3_deep_vae.png)", "", deep_vae_markdown(*deep_runs["mpt"]), "",
-          "The same with the encoder of the MPT runs trained by the ELBO alongside (`--mpt-encoder elbo`): the MPT "
-          "loss asks the encoder only for good masked conditionals, while the held-out LML is estimated by "
-          "importance sampling with the encoder as proposal, so an MPT-trained encoder can make the evaluation, "
-          "not the model, look worse. Both rows are shown so the model's quality can be told apart from the "
-          "proposal's.", "",
-          "![Fig. 3 bottom, ELBO encoder](fig3_deep_vae_elbo_encoder.png)", "", deep_vae_markdown(*deep_runs["elbo"])]
-    update_results(results_md, "fig3", "\n".join(md))
+    update_results(results_md, "fig3", fig3_markdown(out, deep_runs, args, lin_seconds, deep_seconds))
     update_results(results_md, "settings", settings_markdown())
     for png in out["png"]:
         compact_png(png)  # the examples save at 120 dpi in full colour

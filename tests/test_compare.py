@@ -115,7 +115,7 @@ def test_deep_vae_example_quick(tmp_path):
         lml = [h["heldout"] for h in r.history if "heldout" in h]
         assert lml[-1] > lml[0]
     # examples/gallery_training.py writes these numbers into docs/gallery/RESULTS.md
-    gallery = load_script("examples/gallery_training.py")
+    gallery = load_script("examples/gallery_report.py")
     text = gallery.deep_vae_markdown(res, vars(module.parse_args(["--quick"])))
     for r in res.results:
         assert f"| {r.name} | " in text and f"{r.heldout:.3f} ± {r.stderr:.3f}" in text

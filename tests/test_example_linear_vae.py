@@ -106,8 +106,8 @@ def test_torchvision_path_with_a_stand_in(monkeypatch, tmp_path):
 
 
 def test_gallery_fig3_section(demo):
-    """examples/gallery_training.py writes this run's numbers into docs/gallery/RESULTS.md."""
-    gallery = load_script("examples/gallery_training.py")
+    """examples/gallery_training.py writes this run's numbers into docs/gallery/RESULTS.md (examples/gallery_report.py)."""
+    gallery = load_script("examples/gallery_report.py")
     results, _ = demo
     text = gallery.linear_vae_markdown(results)
     for name, r in results["methods"].items():

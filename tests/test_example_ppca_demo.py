@@ -105,8 +105,8 @@ def test_fixed_rate_objective_is_biased(demo):
 
 
 def test_gallery_fig2_section(demo):
-    """examples/gallery_training.py writes this run's numbers into docs/gallery/RESULTS.md."""
-    gallery = load_script("examples/gallery_training.py")
+    """examples/gallery_training.py writes this run's numbers into docs/gallery/RESULTS.md (examples/gallery_report.py)."""
+    gallery = load_script("examples/gallery_report.py")
     results, _ = demo
     text = gallery.fig2_markdown(results, seconds=1.0)
     assert f"{results['true_lml']:.4f}" in text and f"{results['ml_lml']:.4f}" in text
