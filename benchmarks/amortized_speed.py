@@ -52,7 +52,6 @@ Usage::
 """
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -73,7 +72,7 @@ from pyro_mpt.conditionals.quadrature_rules import default_num_nodes
 from pyro_mpt.experiments.vae import DeepVAE
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling harness
-from harness import Timing, fmt_ratio, machine_line, run_interleaved, write_markdown  # noqa: E402
+from harness import Timing, fmt_ratio, machine_line, run_interleaved, timed, write_markdown  # noqa: E402
 
 ENGINES = ("encode_decode", "importance", "quadrature", "auto")
 BEGIN, END = "<!-- amortized_speed:begin -->", "<!-- amortized_speed:end -->"
@@ -233,9 +232,7 @@ def instrumented(vae, timers):
 def breakdown(vae, step, x):
     timers = Timers()
     with instrumented(vae, timers):
-        t0 = time.perf_counter()
-        step(x)
-        total = time.perf_counter() - t0
+        _, total = timed(lambda: step(x))
     parts = {k: timers.total.get(k, 0.0) for k in ("networks", "observation", "pyro tracing", "backward")}
     parts["reductions and rest"] = total - sum(parts.values())
     return total, parts
@@ -314,12 +311,7 @@ def run_engine(name, vae, x, repeats, engine_options=None):
     elbo_best = []
 
     def run_elbo(p):
-        best = math.inf
-        for _ in range(5):
-            t0 = time.perf_counter()
-            elbo(p[0])
-            best = min(best, time.perf_counter() - t0)
-        elbo_best.append(best)
+        elbo_best.append(min(timed(lambda: elbo(p[0]))[1] for _ in range(5)))
 
     (_, _), (t_step, _), (t_floor, _) = run_interleaved(
         prepare, [run_elbo, lambda p: step(p[0]), run_floor], repeats
