@@ -16,6 +16,7 @@ engines never see a schedule.
 """
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from .masks import ChainBlock, MaskBlock
@@ -138,7 +139,10 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
         missing tokens the schedule receives ``observed=`` and leaves them out.
     :param ~pyro_mpt.conditionals.ConditionalEngine engine: the engine.
     :param state: the engine's state for ``tokens``.
-    :param int max_elements: bound on ``queries * n * D`` per block.
+    :param int max_elements: bound on ``queries * n * D`` per block. Peak
+        memory is bounded by one block's working set, with gradients too:
+        every block after the first is recomputed in the backward pass
+        instead of kept alive for it.
     :param ~pyro_mpt.curve.CurveAccumulator accumulator: when given, every
         query's score is also added to it by size (for curves).
     :param str progress: a progress-bar label, or None for no bar.
@@ -157,9 +161,35 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
     if progress is not None:
         blocks = tqdm(blocks, desc=progress, leave=False)
     estimate = x.new_zeros(x.shape[0])
-    for block in blocks:
-        shat, size, weight = block_scores(block, engine, state, x, per_size=accumulator is not None)
+    for k, block in enumerate(blocks):
+        if accumulator is None:
+            # the first block keeps its intermediates (one block's worth, and no
+            # recomputation when the schedule yields a single block)
+            estimate = estimate + _block_estimate(block, engine, state, x, recompute=k > 0)
+            continue
+        shat, size, weight = block_scores(block, engine, state, x, per_size=True)
         estimate = estimate + (weight * shat).sum(0)
-        if accumulator is not None:
-            accumulator.add(shat, size)
+        accumulator.add(shat, size)
     return estimate
+
+
+def _weighted_sum(block, engine, state, x):
+    shat, _, weight = block_scores(block, engine, state, x)
+    return (weight * shat).sum(0)
+
+
+def _block_estimate(block, engine, state, x, recompute=True):
+    r"""One block's contribution :math:`\sum_q w_q \hat S_q` to the estimate, ``(n,)``.
+
+    With gradients on and ``recompute``, the block is evaluated under
+    non-reentrant activation checkpointing: none of its intermediate tensors
+    outlives the forward pass, and the backward pass recomputes them one block
+    at a time (from the same random state, so a sampling engine redraws the
+    same samples). Kept instead, every block's intermediates would stay alive
+    until ``backward()``: peak memory would grow with the number of blocks
+    rather than be bounded by the block size. The price is a second forward
+    evaluation of the recomputed blocks.
+    """
+    if not (recompute and torch.is_grad_enabled()):
+        return _weighted_sum(block, engine, state, x)
+    return checkpoint(_weighted_sum, block, engine, state, x, use_reentrant=False, preserve_rng_state=True)

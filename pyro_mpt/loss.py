@@ -88,7 +88,11 @@ class MaskedPretrainingLoss(ELBO):
         and is cheaper, but the mask noise then does not average out over the
         batch.
     :param int chunk_size: bound on ``queries * datapoints * D`` per block of
-        queries; lower it to save memory.
+        queries; lower it to save memory. Peak memory is bounded by one
+        block's working set *with gradients too*: every block after the first
+        is recomputed in the backward pass (activation checkpointing) instead
+        of kept alive for it, at the cost of a second forward evaluation of
+        those blocks; sampling engines redraw the same samples.
     :param bool progress: show a progress bar in :meth:`score` and :meth:`curve`.
     :param engine_options: keyword options for the engine chosen by name or
         by ``"auto"`` (e.g. ``jitter=1e-6``).
