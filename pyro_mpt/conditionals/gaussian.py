@@ -36,6 +36,7 @@ path reads every conditional off one Cholesky factor of the permuted covariance.
 
 import math
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -46,7 +47,7 @@ from .gaussian_blocks import BlockGaussianState, block_marginal
 from .plate_runs import RunMemory
 from .gaussian_marginal import GaussianMarginal, gaussian_marginal
 
-__all__ = ["GaussianConditionals"]
+__all__ = ["GaussianConditionals", "GaussianMemory"]
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -162,6 +163,24 @@ def _to_data(state, out):
     return out if state.data_dtype is None else out.to(state.data_dtype)
 
 
+@dataclass
+class GaussianMemory:
+    """All that a :class:`GaussianConditionals` engine remembers across calls.
+
+    :param ~pyro_mpt.conditionals.plate_runs.RunMemory run_mode: which entry
+        of :data:`~pyro_mpt.conditionals.gaussian_marginal.RUN_MODES` ran the
+        model at the noise points; tried first at the next call, so that a
+        model that does not broadcast is not run in the failing modes at every
+        step.
+    :param dict jitter: the relative jitter the Cholesky rescue reached, per
+        ``(observed site, dtype)``; later calls start from it and warn only
+        when it grows.
+    """
+
+    run_mode: RunMemory = field(default_factory=RunMemory)
+    jitter: dict = field(default_factory=dict)
+
+
 class GaussianConditionals(ConditionalEngine):
     r"""Exact masked conditionals of linear-Gaussian and Gaussian models.
 
@@ -193,8 +212,8 @@ class GaussianConditionals(ConditionalEngine):
         to ``max_jitter`` times it, warning
         (:class:`~pyro_mpt.conditionals.base.NumericalWarning`) with the
         amount and its estimated change of log p (``log_prob_change``); 0 disables the rescue. The engine keeps the relative jitter
-        it reached per observed site and dtype: later calls (the next
-        training steps) start from it and warn only when it grows.
+        it reached per observed site and dtype (:class:`GaussianMemory`): later
+        calls (the next training steps) start from it and warn only when it grows.
     :param bool vectorize: derive the marginal with one vectorized model run.
     :param int max_elements: bound on the elements of intermediate tensors.
 
@@ -221,8 +240,7 @@ class GaussianConditionals(ConditionalEngine):
         self.jitter = float(jitter)
         self.max_jitter = float(max_jitter)
         self.vectorize = vectorize
-        self._rel_jitter = {}  # (site, dtype) -> relative jitter the rescue reached
-        self._run_modes = RunMemory()  # how gaussian_marginal could run the model
+        self.memory = GaussianMemory()
 
     def prepare(self, tokens, model, guide, args, kwargs):
         blocks = block_marginal(tokens, GaussianMarginal)
@@ -230,7 +248,7 @@ class GaussianConditionals(ConditionalEngine):
             # independent blocks of tokens (a multi-output GP): served as n * B datapoints
             marginal, num_blocks = blocks
             return BlockGaussianState(self._prepare_marginal(marginal, tokens.name), num_blocks, tokens.num_data)
-        marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize, memory=self._run_modes)
+        marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize, memory=self.memory.run_mode)
         return self._prepare_marginal(marginal, tokens.name)
 
     def _prepare_marginal(self, marginal, site):
@@ -286,7 +304,7 @@ class GaussianConditionals(ConditionalEngine):
                 marginal.loc.to(work), covariance=cov.to(work), site=site,
                 data_dtype=None if work == data_dtype else data_dtype,
             )
-        rel = self._rel_jitter.get((site, state.loc.dtype))
+        rel = self.memory.jitter.get((site, state.loc.dtype))
         if rel is not None:
             # start from the jitter an earlier call reached (it warned then)
             scale = self._mean_diagonal(state)
@@ -379,7 +397,7 @@ class GaussianConditionals(ConditionalEngine):
             ) from None
         tau = rel * scale
         self._set_jitter(state, tau)
-        self._rel_jitter[(state.site, dtype)] = rel
+        self.memory.jitter[(state.site, dtype)] = rel
         change = self._log_det_change(state)
         name = str(dtype).replace("torch.", "")
         if state.data_dtype is not None:

@@ -195,7 +195,8 @@ class QuadratureConditionals(ConditionalEngine):
     continuous latents local to each datapoint with at most
     :data:`~pyro_mpt.conditionals.quadrature_rules.MAX_LATENT_DIM` dims in all.
     See the module docstring for the rules, the adaptive grid and the memory
-    bound.
+    bound. What the engine remembers across calls (the run mode, the warm
+    start) is its :attr:`memory`, a :class:`QuadratureMemory`.
 
     :param int num_nodes: nodes per latent dimension (``Q = num_nodes ** K``);
         None picks :func:`~pyro_mpt.conditionals.quadrature_rules.default_num_nodes`.
