@@ -162,8 +162,9 @@ def run_with_fallback(modes, attempt, *, memory=None, fn=None, passes=(EngineNot
     :param callable on_fallback: ``on_fallback(mode, error)`` when ``mode``
         failed and a next one is tried (e.g. to warn).
     :param callable failure: ``failure(errors) -> Exception`` raised (from the
-        last error) when every mode fails; by default the last error is raised,
-        from the first one when it has no cause of its own.
+        last error) when every mode fails; by default the last error is raised
+        from the first (the mode that asks least of the model, chained to the
+        one that asks most).
     :returns: ``(mode, result)``.
 
     Example::
@@ -190,6 +191,6 @@ def run_with_fallback(modes, attempt, *, memory=None, fn=None, passes=(EngineNot
         return mode, out
     if failure is not None:
         raise failure(errors) from errors[-1]
-    if len(errors) > 1 and errors[-1].__cause__ is None:
+    if len(errors) > 1:
         raise errors[-1] from errors[0]
-    raise errors[-1]
+    raise errors[0]

@@ -196,7 +196,7 @@ class QuadratureConditionals(ConditionalEngine):
     :data:`~pyro_mpt.conditionals.quadrature_rules.MAX_LATENT_DIM` dims in all.
     See the module docstring for the rules, the adaptive grid and the memory
     bound. What the engine remembers across calls (the run mode, the warm
-    start) is its :attr:`memory`, a :class:`QuadratureMemory`.
+    start) is its ``memory``, a :class:`QuadratureMemory`.
 
     :param int num_nodes: nodes per latent dimension (``Q = num_nodes ** K``);
         None picks :func:`~pyro_mpt.conditionals.quadrature_rules.default_num_nodes`.
