@@ -36,9 +36,9 @@ def test_sampling_chains_approach_the_closed_form_as_S_and_T_grow():
     for S, T in [(16, 0), (64, 2), (256, 5), (2000, 30)]:
         engine = EncodeDecodeConditionals(S, T, encode="sample", decode="sample")
         state = engine.prepare(tokens, model, guide, (x,), {})
-        out = engine.mask_log_prob(state, x, mask)
+        out, diag = engine.mask_log_prob_and_diagnostics(state, x, mask)
         errors.append(float((out - ref)[mask].abs().mean()))
-        assert engine.last_diagnostics["stderr"].shape == mask.shape
+        assert diag["stderr"].shape == mask.shape
     # measured (3 seeds): 0.93-1.75, 0.30-0.62, 0.12-0.21, 0.011-0.030
     assert errors == sorted(errors, reverse=True), errors
     assert errors[0] > 0.5
@@ -64,8 +64,8 @@ def test_mean_rounds_converge_to_the_full_posterior_variance_formula():
             expected[qi, i] = torch.distributions.Normal(W @ m + mu, var.sqrt()).log_prob(x[i])
     engine = EncodeDecodeConditionals(4000, 60, encode="mean", decode="mean")
     state = engine.prepare(tokens, model, guide, (x,), {})
-    out = engine.mask_log_prob(state, x, mask)
-    z = ((out - expected) / engine.last_diagnostics["stderr"])[mask]
+    out, diag = engine.mask_log_prob_and_diagnostics(state, x, mask)
+    z = ((out - expected) / diag["stderr"])[mask]
     assert float(z.abs().max()) < 4.5, z
     # and it is biased against the true conditional (the variance is too small)
     assert float((out - ref)[mask].abs().mean()) > 5 * float((out - expected)[mask].abs().mean())
@@ -93,15 +93,15 @@ def test_guides_that_cannot_stack_fall_back_to_one_call_per_query():
         state = engine.prepare(tokens2, m, g, args, {})
         if m is model2:
             with pytest.warns(RuntimeWarning, match="once per copy"):
-                out = engine.mask_log_prob(state, x, mask)
+                out, diag = engine.mask_log_prob_and_diagnostics(state, x, mask)
             assert state.runner.stacking is False
             # the decision is remembered: no second trial, no second warning
             state = engine.prepare(tokens2, m, g, args, {})
             assert state.runner.stacking is False
         else:
-            out = engine.mask_log_prob(state, x, mask)
+            out, diag = engine.mask_log_prob_and_diagnostics(state, x, mask)
             assert state.runner.stacking is True
-        outs.append((out, engine.last_diagnostics["stderr"]))
+        outs.append((out, diag["stderr"]))
     (a, sa), (b, sb) = outs
     z = ((a - b) / (sa**2 + sb**2).sqrt())[mask]
     assert float(z.abs().max()) < 4.5

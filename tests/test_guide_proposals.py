@@ -137,8 +137,9 @@ def test_importance_conditionals_with_an_autoguide_telescope_to_its_evidence_and
         state = engine.prepare(tokens, model, guide, (x,), {})
         evidence = engine.log_evidence(state, x).detach()
         order = torch.stack([torch.randperm(D) for _ in range(3)])[:, None, :]
-        chain = engine.chain_log_prob(state, x, order).sum(-1).detach()  # (3, n)
-    assert state.proposal == "guide" and engine.last_diagnostics["proposal"] == "guide"
+        chain, diag = engine.chain_log_prob_and_diagnostics(state, x, order)
+        chain = chain.sum(-1).detach()  # (3, n)
+    assert state.proposal == "guide" and diag["proposal"] == "guide"
     np.testing.assert_allclose(chain.numpy(), evidence.expand(3, N).numpy(), rtol=0, atol=1e-10)
     ess = state.diagnostics["ess"].numpy()
     stderr = np.sqrt((S / ess - 1) / (S - 1))

@@ -126,8 +126,7 @@ def test_prior_importance_conditionals_match_the_gaussian_closed_form_within_std
     engine = ImportanceConditionals(20000, proposal="prior")
     state = engine.prepare(tokens, model, None, (x,), {})
     mask = _masks(4, 6, 6)
-    out = engine.mask_log_prob(state, x, mask)
-    diag = engine.last_diagnostics
+    out, diag = engine.mask_log_prob_and_diagnostics(state, x, mask)
     assert diag["ess"].shape == (4, 6) and diag["stderr"].shape == (4, 6, 6)
     z = ((out - ref) / diag["stderr"])[mask]
     assert float(z.abs().max()) < 4.5, z
@@ -148,8 +147,7 @@ def test_guide_importance_conditionals_match_the_closed_form_within_stderr():
     engine = ImportanceConditionals(4000, proposal="guide", num_chains=8, num_iterations=3)
     state = engine.prepare(tokens, model, guide, (x,), {})
     assert state.imputed and state.runner.data.key == 0
-    out = engine.mask_log_prob(state, x, mask)
-    diag = engine.last_diagnostics
+    out, diag = engine.mask_log_prob_and_diagnostics(state, x, mask)
     z = ((out - ref) / diag["stderr"])[mask]
     assert float(z.abs().max()) < 4.5, z
     assert float((out - ref)[mask].abs().max()) < 0.25
@@ -165,9 +163,10 @@ def test_prior_draws_form_one_joint_so_the_chain_rule_and_exhaustive_sum_telesco
     state = engine.prepare(tokens, model, None, (x,), {})
     lml = engine.log_evidence(state, x)
     order = torch.stack([torch.randperm(5) for _ in range(3)])[:, None, :]
-    chain = engine.chain_log_prob(state, x, order).sum(-1)  # (3, n)
+    chain, diag = engine.chain_log_prob_and_diagnostics(state, x, order)
+    chain = chain.sum(-1)  # (3, n)
     assert torch.allclose(chain, lml.expand(3, 4), atol=1e-9)
-    assert engine.last_diagnostics["ess"].shape == (3, 4, 5)
+    assert diag["ess"].shape == (3, 4, 5)
     # the exhaustive Proposition-1 sum through the mask path agrees too
     loss = MaskedPretrainingLoss(conditionals=engine, masks="exhaustive")
     est = loss._estimate(loss.schedule, tokens, engine, state)
@@ -244,8 +243,8 @@ def test_several_latent_sites_match_the_closed_form_within_stderr():
     gauss = GaussianConditionals()
     ref = gauss.mask_log_prob(gauss.prepare(tokens, model, None, (x,), {}), x, mask)
     engine = ImportanceConditionals(20000, proposal="prior")
-    out = engine.mask_log_prob(engine.prepare(tokens, model, None, (x,), {}), x, mask)
-    z = ((out - ref) / engine.last_diagnostics["stderr"])[mask]
+    out, diag = engine.mask_log_prob_and_diagnostics(engine.prepare(tokens, model, None, (x,), {}), x, mask)
+    z = ((out - ref) / diag["stderr"])[mask]
     assert float(z.abs().max()) < 4.5, z
     res = Evidence(model, None, method="importance", num_samples=20000).estimate(x)
     ex = Evidence(model, None, method="exact")(x)
@@ -298,8 +297,8 @@ def test_integer_tokens_match_quadrature_within_stderr():
     quad = QuadratureConditionals(120)  # converged to ~1e-4 (40 nodes are off by 1e-2)
     ref = quad.mask_log_prob(quad.prepare(tokens, model, None, (x,), {}), tokens.value, mask)
     engine = ImportanceConditionals(20000, proposal="prior")
-    out = engine.mask_log_prob(engine.prepare(tokens, model, None, (x,), {}), tokens.value, mask)
-    z = ((out - ref) / engine.last_diagnostics["stderr"])[mask]
+    out, diag = engine.mask_log_prob_and_diagnostics(engine.prepare(tokens, model, None, (x,), {}), tokens.value, mask)
+    z = ((out - ref) / diag["stderr"])[mask]
     assert float(z.abs().max()) < 4.5, z
 
 
@@ -384,7 +383,7 @@ def _pyromodule_ppca(D, K, sigma, N, seed=0):
 
 def test_importance_engine_warns_once_when_prior_draws_miss_the_posterior():
     """PyroModule PPCA, 20 tokens, noise 0.1: 4096 prior draws are off by nats; one warning
-    per evaluation, with k-hat on the state, on the warning and in last_diagnostics."""
+    per evaluation, with k-hat on the state, on the warning and in the returned diagnostics."""
     m, x = _pyromodule_ppca(20, 2, 0.1, N=6)
     exact = Evidence(m, method="exact")(x).detach()
     engine = ImportanceConditionals(4096, proposal="prior")
@@ -398,7 +397,12 @@ def test_importance_engine_warns_once_when_prior_draws_miss_the_posterior():
     assert float((score - exact).abs().max()) > 0.5  # the estimate is indeed off
     warning = found[0].message
     assert float(warning.khat.nan_to_num(-1).max()) > 0.7 and warning.ess.shape == (6,)
-    assert engine.last_diagnostics["khat"].shape == (6,)
+    # the orderings' diagnostics come back with their terms, k-hat per datapoint
+    tokens, _, state = loss._prepare(m, None, (x,), {})
+    order = torch.stack([torch.randperm(20) for _ in range(3)])[:, None, :]
+    with pytest.warns(ImportanceSamplingWarning):
+        _, diag = engine.chain_log_prob_and_diagnostics(state, tokens.value, order)
+    assert diag["khat"].shape == (6,)
     # the state carries the whole evaluation's diagnostics
     tokens, _, state = loss._prepare(m, None, (x,), {})
     with pytest.warns(ImportanceSamplingWarning):

@@ -172,7 +172,7 @@ class EncodeDecodeConditionals(ConditionalEngine):
         encoder) and raise :class:`EngineNotApplicable` if not.
     :param int max_elements: bound on ``S * q * n * D`` per chunk of queries.
 
-    After each :meth:`mask_log_prob` call, :attr:`last_diagnostics` holds
+    :meth:`mask_log_prob_and_diagnostics` returns with the log-conditionals
     ``{"stderr": (q, n, D)}``, the delta-method standard error of each
     log-conditional over the :math:`S` draws (detached), and ``"num_samples"``.
 
@@ -216,7 +216,6 @@ class EncodeDecodeConditionals(ConditionalEngine):
         self.encoder_grad = bool(encoder_grad)
         self.data_arg = data_arg
         self.check_amortized = check_amortized
-        self.last_diagnostics = None
         self.memory = GuideMemory()  # what it remembers about the guide, see GuideMemory
 
     def __repr__(self):
@@ -265,6 +264,20 @@ class EncodeDecodeConditionals(ConditionalEngine):
             )
 
     def mask_log_prob(self, state, x, mask):
+        return self.mask_log_prob_and_diagnostics(state, x, mask)[0]
+
+    def mask_log_prob_and_diagnostics(self, state, x, mask):
+        r""":meth:`mask_log_prob` with the standard error of each log-conditional.
+
+        :returns: the log-conditionals ``(q, n, D)`` and a dict with
+            ``"stderr"``, the delta-method standard error over the :math:`S`
+            encoder draws, ``(q, n, D)`` (detached), and ``"num_samples"``.
+
+        Example::
+
+            >>> out, diag = engine.mask_log_prob_and_diagnostics(state, x, mask)
+            >>> ((out - reference) / diag["stderr"])[mask]      # z-scores
+        """
         self._check_x(state, x)
         S = self.num_samples
         n, D = x.shape
@@ -275,8 +288,8 @@ class EncodeDecodeConditionals(ConditionalEngine):
             out, err = self._block(state, x, mask[start : start + per])
             outs.append(out)
             errs.append(err)
-        self.last_diagnostics = {"stderr": torch.cat(errs, 0), "num_samples": S}
-        return torch.cat(outs, 0)
+        diagnostics = {"stderr": torch.cat(errs, 0), "num_samples": S}
+        return torch.cat(outs, 0), diagnostics
 
     def _block(self, state, x, mask):
         runner = state.runner

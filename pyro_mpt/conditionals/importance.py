@@ -25,7 +25,8 @@ Two proposals (``proposal=``):
   its :math:`\log p(x)` estimate and the ``"order"`` schedule has zero variance
   given the draws. Good for few tokens or broad posteriors; with many tokens
   the posterior is much narrower than the prior and the effective sample size
-  collapses (watch :attr:`ImportanceConditionals.last_diagnostics`).
+  collapses (watch the ``"ess"`` of
+  :meth:`ImportanceConditionals.mask_log_prob_and_diagnostics`).
 * ``"guide"`` -- a mixture of the guide run on *imputed* data,
   :math:`r(z) = \frac1C\sum_{c=1}^C q(z \mid \tilde x^{(c)})`, where
   :math:`\tilde x^{(c)} = (x_{\mathcal R}, \tilde x^{(c)}_{\mathcal M})` are
@@ -64,8 +65,9 @@ Two proposals (``proposal=``):
   is ``"prior"``: the prior proposal leaves missing tokens out exactly, and the
   guide proposal refuses them.
 
-**Diagnostics.** After each call, :attr:`ImportanceConditionals.last_diagnostics`
-holds (detached) ``"ess"`` -- the effective sample size
+**Diagnostics.** :meth:`ImportanceConditionals.mask_log_prob_and_diagnostics`
+(and ``chain_log_prob_and_diagnostics``) return with the log-conditionals
+(detached) ``"ess"`` -- the effective sample size
 :math:`(\sum_s w_s)^2 / \sum_s w_s^2` per query and datapoint, ``(q, n)``
 (``(p, n, D)`` per position for orderings) -- and, for mask queries,
 ``"stderr"`` ``(q, n, D)``: the delta-method standard error of each
@@ -218,7 +220,7 @@ class ImportanceConditionals(ConditionalEngine):
     :param int num_iterations: for the guide: sampling encode–decode rounds of
         each chain before the draws.
     :param data_arg: which model/guide argument holds the tokens (None: found).
-    :param bool diagnostics: compute :attr:`last_diagnostics` (ESS, standard
+    :param bool diagnostics: compute the diagnostics (ESS, standard
         errors, :math:`\hat k`) at each call and warn when the weights are
         poor; costs a few extra matrix products and one Pareto fit per
         datapoint and block of queries.
@@ -236,7 +238,8 @@ class ImportanceConditionals(ConditionalEngine):
         >>> engine = ImportanceConditionals(num_samples=1000, proposal="prior")
         >>> loss = MaskedPretrainingLoss(conditionals=engine, masks="order")
         >>> loss.score(model, None, x)
-        >>> engine.last_diagnostics["ess"].min()
+        >>> out, diag = engine.mask_log_prob_and_diagnostics(state, x, mask)
+        >>> diag["ess"].min()
     """
 
     name = "importance"
@@ -283,7 +286,6 @@ class ImportanceConditionals(ConditionalEngine):
         self.khat_threshold = float(khat_threshold)
         self.min_ess = float(min_ess)
         self.psis = bool(psis)
-        self.last_diagnostics = None
         self.memory = GuideMemory()  # what it remembers about the guide, see GuideMemory
 
     def __repr__(self):
@@ -378,6 +380,22 @@ class ImportanceConditionals(ConditionalEngine):
 
     # ------------------------------------------------------------------ queries
     def mask_log_prob(self, state, x, mask):
+        return self.mask_log_prob_and_diagnostics(state, x, mask)[0]
+
+    def mask_log_prob_and_diagnostics(self, state, x, mask):
+        r""":meth:`mask_log_prob` with the diagnostics of its weights.
+
+        :returns: the log-conditionals ``(q, n, D)`` and a dict of detached
+            tensors (None with ``diagnostics=False``): ``"ess"`` ``(q, n)``,
+            ``"stderr"`` ``(q, n, D)``, ``"khat"`` ``(n,)`` (each datapoint's
+            query with the fewest effective samples), ``"num_samples"`` and
+            ``"proposal"``. See the module docstring.
+
+        Example::
+
+            >>> out, diag = engine.mask_log_prob_and_diagnostics(state, x, mask)
+            >>> diag["ess"].min(), diag["khat"].max()
+        """
         self._check_x(state, x)
         if state.chunk is not None:
             return self._prior_mask(state, mask)
@@ -391,15 +409,16 @@ class ImportanceConditionals(ConditionalEngine):
             ess.append(e)
             err.append(s)
             khats.append(k)
+        diagnostics = None
         if self.diagnostics:
-            self.last_diagnostics = {
+            diagnostics = {
                 "ess": torch.cat(ess, 0),
                 "stderr": torch.cat(err, 0),
                 "khat": functools.reduce(torch.fmax, khats),
                 "num_samples": S,
                 "proposal": "guide",
             }
-        return torch.cat(outs, 0)
+        return torch.cat(outs, 0), diagnostics
 
     def _prior_mask(self, state, mask):
         chunk = state.chunk
@@ -407,6 +426,7 @@ class ImportanceConditionals(ConditionalEngine):
         num, den = chunk.mask_partials(ctx)
         den = normalize_empty(den, ~mask)
         out = num - den.unsqueeze(-1)
+        diagnostics = None
         if self.diagnostics:
             with torch.no_grad():
                 lw, T = chunk.log_weights.detach(), chunk.table.detach()
@@ -422,14 +442,14 @@ class ImportanceConditionals(ConditionalEngine):
                 worst = ess.argmin(0)  # each datapoint's query with the fewest effective samples
                 ctx_w = ctx.expand(ess.shape + ctx.shape[-1:])[worst, torch.arange(n, device=worst.device)]
                 khat = self._check_weights(state, torch.einsum("nsd,nd->sn", T, ctx_w), ess.amin(0))
-                self.last_diagnostics = {
+                diagnostics = {
                     "ess": ess,
                     "stderr": err,
                     "khat": khat,
                     "num_samples": S,
                     "proposal": state.proposal,
                 }
-        return out
+        return out, diagnostics
 
     def _guide_block(self, state, x, mask):
         runner = state.runner
@@ -483,11 +503,30 @@ class ImportanceConditionals(ConditionalEngine):
         return out, ess, err, khat
 
     def chain_log_prob(self, state, x, order):
+        return self.chain_log_prob_and_diagnostics(state, x, order)[0]
+
+    def chain_log_prob_and_diagnostics(self, state, x, order):
+        r""":meth:`chain_log_prob` with the diagnostics of its weights.
+
+        :returns: the chain-rule terms ``(p, n, D)`` and a dict (None with
+            ``diagnostics=False``) holding ``"num_samples"`` and
+            ``"proposal"``; with the prior's draws also ``"ess"`` per position
+            ``(p, n, D)`` and ``"khat"`` ``(n,)`` (each datapoint's position
+            with the fewest effective samples). The guide's per-query
+            diagnostics come from :meth:`mask_log_prob_and_diagnostics`.
+
+        Example::
+
+            >>> terms, diag = engine.chain_log_prob_and_diagnostics(state, x, order)
+            >>> terms.sum(-1), diag["ess"].min()
+        """
         self._check_x(state, x)
         if state.chunk is None:
-            return super().chain_log_prob(state, x, order)
+            terms = super().chain_log_prob(state, x, order)
+            return terms, {"num_samples": self.num_samples, "proposal": state.proposal} if self.diagnostics else None
         chunk = state.chunk
         L = chunk.chain_partials(order, self.max_elements)
+        diagnostics = None
         if self.diagnostics:
             with torch.no_grad():
                 lw, T = chunk.log_weights.detach(), chunk.table.detach()
@@ -496,11 +535,11 @@ class ImportanceConditionals(ConditionalEngine):
                 # weights of position t use the context after it: entry t + 1
                 ess = torch.exp(2 * L1[..., 1:] - L2[..., 1:])
                 khat = self._check_chain(state, T, order, ess)
-                self.last_diagnostics = {
+                diagnostics = {
                     "ess": ess, "khat": khat, "num_samples": self.num_samples, "proposal": state.proposal
                 }
         # the prior integrates to one: the empty context (last entry) has normalizer 1
-        return chain_terms(L)
+        return chain_terms(L), diagnostics
 
     def log_evidence(self, state, x):
         r"""Importance-sampled :math:`\log p(x_i)`, ``(n,)``: the prior draws' mixture, or the guide on the full data."""
