@@ -139,6 +139,14 @@ class DiscreteHMMConditionals(ConditionalEngine):
                 f"is {type(obs).__name__} with event shape {tuple(obs.event_shape)}. Write "
                 f"it as independent elements, e.g. dist.Normal(loc, scale).to_event(1)."
             )
+        outer = len(tokens.event_shape) - len(hmm.event_shape)
+        if outer:
+            raise EngineNotApplicable(
+                f"{_WHO} reads one sequence per datapoint, but observed site {tokens.name!r} "
+                f"holds {tokens.event_shape[:outer].numel()} per datapoint (a DiscreteHMM with "
+                f"{outer} extra event dim(s), e.g. .to_event(1) over a batch of sequences). Put "
+                f"the sequences in a pyro.plate instead, so that each is a datapoint."
+            )
         obs_event = hmm.event_shape[1:]
         value = tokens.site_value  # (*batch, T, *obs_event), missing tokens filled
         T = value.shape[len(tokens.site_batch_shape)]

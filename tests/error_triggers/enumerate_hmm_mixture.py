@@ -145,6 +145,17 @@ def _():
     MaskedPretrainingLoss(conditionals="hmm").loss(_hmm_obs(emission), None, torch.randn(3, 5, 2))
 
 
+@trigger("hmm-extra-event-dims")
+def _():
+    hmm = dist.DiscreteHMM(torch.zeros(2), torch.zeros(2, 2), dist.Normal(torch.zeros(2), 1.0))
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", hmm.expand_by([2]).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="hmm").loss(model, None, torch.randn(3, 2, 5))
+
+
 @trigger("mixture-table-shape")
 def _():
     pyro_mpt.conditionals.MixtureTable(torch.zeros(3), torch.zeros(3, 4))
