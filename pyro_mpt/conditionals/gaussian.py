@@ -477,7 +477,7 @@ class GaussianConditionals(ConditionalEngine):
     # ------------------------------------------------------------------ masks
     def mask_log_prob(self, state, x, mask):
         if isinstance(state, BlockGaussianState):
-            return state.tokens(self.mask_log_prob(state.inner, state.rows(x), state.rows(mask)))
+            return state.tokens(self._active_blocks(self.mask_log_prob, state, x, mask))
         x = _to_work(state, x)
         return _to_data(state, self._rescued(state, lambda: self._mask_log_prob(state, x, mask)))
 
@@ -490,7 +490,7 @@ class GaussianConditionals(ConditionalEngine):
 
     def mask_sums(self, state, x, mask):
         if isinstance(state, BlockGaussianState):
-            return state.per_datapoint(self.mask_sums(state.inner, state.rows(x), state.rows(mask)))
+            return state.per_datapoint(self._active_blocks(self.mask_sums, state, x, mask))
         x = _to_work(state, x)
         if state.is_low_rank and mask.shape[1] == 1 and state.cov_factor.shape[0] == 1:
             # masks and covariance shared by the batch: sums by matrix products
@@ -504,6 +504,20 @@ class GaussianConditionals(ConditionalEngine):
         logc = self._rescued(state, lambda: self._mask_log_prob(state, x, mask))
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
         return _to_data(state, torch.where(mask, logc, zero).sum(-1))
+
+    @staticmethod
+    def _active_blocks(method, state, x, mask):
+        """``method`` (:meth:`mask_log_prob` or :meth:`mask_sums`) on the blocks, asked
+        only for the (query, block) pairs that have a target: the others contribute
+        nothing (a leave-one-out query has a target in one block of B). Returns
+        ``(q, n B, ...)``, zeros for the pairs without a target."""
+        xb, mb = state.rows(x), state.rows(mask)  # (n B, N), (q, n B, N)
+        q_idx, r_idx = mb.any(-1).nonzero(as_tuple=True)
+        tail = mb.shape[-1:] if method.__name__ == "mask_log_prob" else ()
+        if q_idx.numel() == 0:
+            return xb.new_zeros(mb.shape[:2] + tail)
+        out = method(_slice_marginal(state.inner, r_idx), xb[r_idx], mb[q_idx, r_idx].unsqueeze(0))[0]
+        return out.new_zeros(mb.shape[:2] + tail).index_put((q_idx, r_idx), out)
 
     def chain_log_prob(self, state, x, order):
         if isinstance(state, BlockGaussianState):
