@@ -346,13 +346,15 @@ class MixtureChunk:
         self._exp_table = None
 
     def exp_table(self):
-        """``(exp(T - m), m)`` with ``m`` the per-token max over points (detached), kept."""
+        """``(exp(T - m), m)`` with ``m`` the per-token max over points, kept; both
+        detached: :meth:`mask_partials` differentiates through them by hand."""
         if self._exp_table is None:
-            T = self.table
-            m = T.detach().amax(1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            self._shift = m
-            self._exp_table = torch.exp((T - m).clamp_min(exp_floor(T.dtype)))
+            with torch.no_grad():
+                T = self.table
+                m = T.amax(1, keepdim=True)
+                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+                self._shift = m
+                self._exp_table = (T - m).clamp_min_(exp_floor(T.dtype)).exp_()
         return self._exp_table, self._shift
 
     def joint(self):
@@ -365,31 +367,36 @@ class MixtureChunk:
         :returns: ``(num, den)``, shapes ``(q, n, D)`` and ``(q, n)``, with
             ``num[q, i, j] = logsumexp_k(logw_k + (T_i ctx_q)_k + T_ikj)`` and
             ``den[q, i] = logsumexp_k(logw_k + (T_i ctx_q)_k)``.
+
+        Both are matrix products in exp-space with max shifts, differentiated by
+        hand (:class:`_MaskPartials`); where a product underflows against the
+        clamped exponents the whole chunk is redone with autograd and an exact
+        log-sum-exp at those entries.
         """
+        B, mT = self.exp_table()  # (n, Qc, D), (n, 1, D)
+        num, den, bad = _MaskPartials.apply(self.log_weights, self.table, ctx, B, mT)
+        if bool(bad.any()):
+            return self._mask_partials_exact(ctx)
+        return num.transpose(0, 1), den.T
+
+    def _mask_partials_exact(self, ctx):
+        """:meth:`mask_partials` by autograd, with an exact log-sum-exp where the products underflow."""
         logw, T = self.log_weights, self.table
         n, Qc, D = T.shape
-        q = ctx.shape[0]
-        if ctx.shape[1] == 1:
-            lin = (T.reshape(n * Qc, D) @ ctx[:, 0, :].T).reshape(n, Qc, q).transpose(1, 2)
-        else:
-            lin = torch.bmm(ctx.transpose(0, 1), T.transpose(1, 2))  # (n, q, Qc)
-        base = logw[:, None, :] + lin  # (n, q, Qc)
+        base = logw[:, None, :] + _context_sums(T, ctx)  # (n, q, Qc)
         mb = base.detach().amax(-1, keepdim=True)
         mb = torch.where(torch.isfinite(mb), mb, torch.zeros_like(mb))
         floor = exp_floor(T.dtype)
         A = torch.exp((base - mb).clamp_min(floor))
         den = mb.squeeze(-1) + A.sum(-1).log()  # (n, q)
-        B, mT = self.exp_table()  # (n, Qc, D), (n, 1, D)
+        mT = self.exp_table()[1]
+        B = torch.exp((T - mT).clamp_min(floor))
         S = torch.bmm(A, B)  # (n, q, D)
-        finfo = torch.finfo(S.dtype)
-        # the clamped exponents move S by at most 3 Qc sqrt(tiny); where S is not
-        # large against that (relative precision eps), recompute exactly in log space
-        bad = S.detach() < 3 * Qc * math.exp(floor) / finfo.eps
+        bad = _underflow(S.detach(), Qc)
         num = torch.where(bad, torch.ones_like(S), S).log() + mb + mT
-        if bool(bad.any()):
-            i, k, j = bad.nonzero(as_tuple=True)
-            exact = stable_logsumexp(base[i, k, :] + T[i, :, j], -1)
-            num = num.index_put((i, k, j), exact)
+        i, k, j = bad.nonzero(as_tuple=True)
+        exact = stable_logsumexp(base[i, k, :] + T[i, :, j], -1)
+        num = num.index_put((i, k, j), exact)
         return num.transpose(0, 1), den.T
 
     def chain_partials(self, order, max_elements):
@@ -422,3 +429,77 @@ class MixtureChunk:
                 parts.append(stable_logsumexp(C, 2))  # (pc, nc, D + 1)
             out.append(torch.cat(parts, 1))
         return torch.cat(out, 0)
+
+
+def _context_sums(T, ctx):
+    """``(n, q, Q_c)``: each point's log-likelihood of each query's context, ``sum_d ctx_qd T_ikd``."""
+    if ctx.shape[1] == 1:  # a batched product: T may be a strided view
+        return torch.matmul(T, ctx[:, 0, :].T).transpose(1, 2)
+    return torch.bmm(ctx.transpose(0, 1), T.transpose(1, 2))
+
+
+def _underflow(S, Qc):
+    """Where an exp-space sum of ``Q_c`` terms is not large against the clamped exponents.
+
+    The clamp moves ``S`` by at most ``3 Q_c sqrt(tiny)``; where ``S`` is not large
+    against that (relative precision eps), the log-sum-exp is recomputed exactly.
+    """
+    return S < 3 * Qc * math.exp(exp_floor(S.dtype)) / torch.finfo(S.dtype).eps
+
+
+class _MaskPartials(torch.autograd.Function):
+    r"""``(num, den, bad)`` of :meth:`MixtureChunk.mask_partials` in the ``(n, q, .)``
+    layout, with a hand-written backward.
+
+    With :math:`b_{qk} = \log w_k + \sum_d c_{qd} T_{kd}`, :math:`A_{qk} = e^{b_{qk} - m_q}`,
+    :math:`B_{kd} = e^{T_{kd} - m_d}` and :math:`S = AB` (per datapoint),
+    :math:`\text{num}_{qd} = \log S_{qd} + m_q + m_d` and
+    :math:`\text{den}_q = \log\sum_k A_{qk} + m_q`. For upstream gradients
+    :math:`G, g` and :math:`H = G / S`,
+
+    .. math::
+
+        \frac{\partial L}{\partial b} = A \odot \big(H B^\top + g / \textstyle\sum_k A\big), \qquad
+        \frac{\partial L}{\partial T} = B \odot (A^\top H) + \Big(\frac{\partial L}{\partial b}\Big)^{\!\top} c,
+
+    three matrix products and one elementwise pass over the ``(n, Q_c, D)``
+    table, where autograd through the exponentials would keep and pass over
+    several copies of it. The clamped exponents (see :func:`exp_floor`) are
+    treated as unclamped: their share of a sum is below its rounding.
+    ``bad`` marks the products that underflow; the caller then redoes the chunk.
+    """
+
+    @staticmethod
+    def forward(fctx, logw, T, ctx, B, mT):
+        n, Qc, D = T.shape
+        base = logw[:, None, :] + _context_sums(T, ctx)  # (n, q, Qc)
+        mb = base.amax(-1, keepdim=True)
+        mb = torch.where(torch.isfinite(mb), mb, torch.zeros_like(mb))
+        A = base.sub_(mb).clamp_min_(exp_floor(T.dtype)).exp_()
+        sA = A.sum(-1)
+        den = mb.squeeze(-1) + sA.log()
+        S = torch.bmm(A, B)  # (n, q, D)
+        bad = _underflow(S, Qc)
+        num = torch.where(bad, torch.ones_like(S), S).log_().add_(mb).add_(mT)
+        fctx.save_for_backward(A, sA, S, B, ctx)
+        fctx.logw_rows = logw.shape[0]
+        fctx.mark_non_differentiable(bad)
+        return num, den, bad
+
+    @staticmethod
+    def backward(fctx, G, g, _):
+        A, sA, S, B, ctx = fctx.saved_tensors
+        n, Qc, D = B.shape
+        H = G / S  # (n, q, D)
+        grad_base = torch.bmm(H, B.transpose(1, 2)).add_((g / sA).unsqueeze(-1)).mul_(A)  # (n, q, Qc)
+        grad_logw = grad_base.sum(1)
+        if fctx.logw_rows == 1:
+            grad_logw = grad_logw.sum(0, keepdim=True)
+        grad_T = None
+        if fctx.needs_input_grad[1]:
+            grad_T = torch.bmm(A.transpose(1, 2), H).mul_(B)  # (n, Qc, D)
+            if ctx.shape[1] == 1:
+                grad_T += (grad_base.transpose(1, 2).reshape(n * Qc, -1) @ ctx[:, 0, :]).reshape(n, Qc, D)
+            else:
+                grad_T.baddbmm_(grad_base.transpose(1, 2), ctx.transpose(0, 1))
+        return grad_logw if fctx.needs_input_grad[0] else None, grad_T, None, None, None

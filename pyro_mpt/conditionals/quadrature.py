@@ -182,7 +182,8 @@ class QuadratureState:
         u = self.nodes[:, sl].transpose(0, 1)  # (Qc, r, K)
         log_pi, logp = self.runner.run(u)
         logw = self.log_weights[:, sl] + log_pi.transpose(0, 1)
-        return MixtureChunk(logw, logp.transpose(0, 1).contiguous())
+        # a strided view: the reductions are batched matrix products that read it as is
+        return MixtureChunk(logw, logp.transpose(0, 1))
 
 
 # ---------------------------------------------------------------------- engine
