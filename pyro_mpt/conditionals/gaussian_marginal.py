@@ -26,14 +26,12 @@ from typing import Optional
 
 import torch
 import pyro.distributions as dist
-from pyro.poutine.messenger import Messenger
-from pyro.poutine.util import site_is_subsample
 
 from ..sites import check_local_latent
 from .base import EngineNotApplicable
 from .distributions import compact, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
-from .plate_runs import latent_layout, run_in_plate, run_with_fallback
+from .plate_runs import CoordinateLatents, latent_layout, run_in_plate, run_with_fallback
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
 
@@ -120,52 +118,6 @@ def _latent_kind(tokens, site):
     return "mvn" if isinstance(base, dist.MultivariateNormal) else "normal"
 
 
-class _AffineLatents(Messenger):
-    """Set each latent to ``loc + scale * eps`` for a batch of noise vectors ``eps``."""
-
-    def __init__(self, layout, eps, lead_dim, compact):
-        super().__init__()
-        self.layout = layout
-        self.eps = eps  # (B, K)
-        self.lead_dim = lead_dim  # dim of the basis batch, counted from the batch end
-        self.compact = compact
-        self.scales = {}
-
-    def _pyro_sample(self, msg):
-        name = msg["name"]
-        if msg["is_observed"] or site_is_subsample(msg) or name not in self.layout:
-            return
-        entry = self.layout[name]
-        event_shape = entry.event_shape
-        base, _ = unwrap(msg["fn"])
-        eps = self.eps[:, entry.offset : entry.offset + entry.numel]
-        if self.lead_dim is None:
-            eps = eps.reshape(event_shape)
-        else:
-            eps = eps.reshape((eps.shape[0],) + (1,) * (self.lead_dim - 1) + event_shape)
-        if isinstance(base, dist.MultivariateNormal):
-            loc, scale = base.loc, base.scale_tril
-            if self.compact:
-                loc, scale = compact(loc), compact(scale)
-            value = loc + (scale @ eps.unsqueeze(-1)).squeeze(-1)
-        else:
-            loc, scale = base.loc, base.scale
-            if self.compact:
-                loc, scale = compact(loc), compact(scale)
-            value = loc + scale * eps
-        if not self.compact:
-            shape = torch.broadcast_shapes(value.shape, msg["fn"].shape())
-            value = value.expand(shape)
-        # keep the scale with the basis dim first, to check it does not vary with eps
-        event_nd = len(event_shape) + isinstance(base, dist.MultivariateNormal)
-        if self.lead_dim is not None:
-            bdim = scale.dim() - self.lead_dim - event_nd
-            scale = scale.movedim(bdim, 0) if bdim >= 0 else scale[None]
-        self.scales[name] = scale
-        msg["value"] = value
-        msg["done"] = True
-
-
 def _observation_parts(fn, tokens):
     """Location, noise as (cov_factor, cov_diag) or dense covariance, and batch shape of the obs site.
 
@@ -249,7 +201,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
         return trace.nodes[tokens.name]["fn"], handler.scales
 
     def vectorized(compact):
-        handler = _AffineLatents(layout, basis, mpn + 1, compact)
+        handler = CoordinateLatents(layout, basis[:, None], mpn + 1, compact=compact)
         fn, scales = run(handler, K + 2)
         loc, noise, batch_shape = _observation_parts(fn, tokens)
         for name, scale in scales.items():
@@ -259,7 +211,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
     def per_point():
         locs, noises, all_scales = [], [], []
         for b in range(K + 2):
-            handler = _AffineLatents(layout, basis[b : b + 1], None, False)
+            handler = CoordinateLatents(layout, basis[b : b + 1], None, compact=False)
             fn, scales = run(handler, None)
             loc_b, noise_b, batch_shape = _observation_parts(fn, tokens)
             loc_b, noise_b = _basis_rows(loc_b, noise_b, batch_shape, 1)

@@ -315,6 +315,16 @@ class LatentRunner:
         return run_in_plate(fn, args, kwargs, name=PARTICLE_PLATE, size=rows, dim=self.rank,
                             replay=replay, outside=handler)
 
+    def _replay_with(self, values, subsample=True):
+        """A trace to replay: the given latent values, after the minibatch's subsample sites."""
+        replay = Trace()
+        if subsample:
+            for name, site in self.replay.nodes.items():
+                replay.add_node(name, **site)
+        for name, v in values.items():
+            replay.add_node(name, type="sample", name=name, is_observed=False, value=v, infer={})
+        return replay
+
     def _model_failed(self, e):
         return EngineNotApplicable(
             f"{self.who} runs the model with many latent values at once, in a "
@@ -333,11 +343,7 @@ class LatentRunner:
         :param dict values: latent name -> value with leading dim ``rows``.
         :rtype: Decoded
         """
-        replay = Trace()
-        for name, site in self.replay.nodes.items():
-            replay.add_node(name, **site)
-        for name, v in values.items():
-            replay.add_node(name, type="sample", name=name, is_observed=False, value=v, infer={})
+        replay = self._replay_with(values)
         try:
             trace = self._run(self.model, rows, self.args, self.kwargs, replay)
         except EngineNotApplicable:
@@ -514,13 +520,13 @@ class LatentRunner:
         rank = self.rank
         if self.stacking:
             (d,) = self.data_dims
-            replay = Trace()
+            i = rank + d + 2  # the data dim, after (S, C, Q)
+            stacked = {}
             for name, v in values.items():
                 v = v.reshape((S, Q) + tuple(v.shape[1:]))
-                i = rank + d + 2  # the data dim, after (S, C, Q)
                 v = v.unsqueeze(1).expand((S, C) + tuple(v.shape[1:]))
-                v = v.movedim((1, 2), (i - 2, i - 1)).flatten(i - 2, i)
-                replay.add_node(name, type="sample", name=name, is_observed=False, value=v, infer={})
+                stacked[name] = v.movedim((1, 2), (i - 2, i - 1)).flatten(i - 2, i)
+            replay = self._replay_with(stacked, subsample=False)
             args, kwargs = self.data.substitute(self.args, self.kwargs, xt)
             trace = self._run(self.guide, S, args, kwargs, replay)
             self._refuse_auxiliary(trace)
@@ -529,12 +535,7 @@ class LatentRunner:
         out = []
         for b in range(B):
             j = b % Q
-            replay = Trace()
-            for name, site in self.replay.nodes.items():
-                replay.add_node(name, **site)
-            for name, v in values.items():
-                v = v.reshape((S, Q) + tuple(v.shape[1:]))[:, j]
-                replay.add_node(name, type="sample", name=name, is_observed=False, value=v, infer={})
+            replay = self._replay_with({name: v.reshape((S, Q) + tuple(v.shape[1:]))[:, j] for name, v in values.items()})
             args, kwargs = self.data.substitute(self.args, self.kwargs, xt[b])
             trace = self._run(self.guide, S, args, kwargs, replay)
             self._refuse_auxiliary(trace)

@@ -26,16 +26,23 @@ a :class:`LatentSlice` of it.
 """
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import pyro
 from pyro import poutine
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
+from torch.distributions import biject_to
 
 from .base import EngineNotApplicable, callable_key
+from .distributions import compact, unwrap
 
-__all__ = ["LatentSlice", "latent_layout", "run_in_plate", "RunMemory", "run_with_fallback"]
+__all__ = ["LatentSlice", "latent_layout", "CoordinateLatents", "run_in_plate", "RunMemory", "run_with_fallback"]
+
+_LOG_2PI = math.log(2 * math.pi)
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,91 @@ def latent_layout(tokens, kind_of):
         layout[site["name"]] = LatentSlice(site["name"], offset, event_shape.numel(), event_shape, kind)
         offset += event_shape.numel()
     return layout, offset
+
+
+class CoordinateLatents(Messenger):
+    r"""Set each latent site of a layout to its values at a batch of coordinates ``u``.
+
+    By the latent's kind (:class:`LatentSlice`): ``"normal"``,
+    :math:`z = \mu + \sigma u`; ``"mvn"``, :math:`z = \mu + L u`; ``"transform"``,
+    :math:`z = T(u)` with :math:`T` = ``biject_to(support)``. Enter it inside
+    the plate of the points (:func:`run_in_plate`'s ``inside``), so that it
+    sees each distribution before the plate broadcasts it.
+
+    :param dict layout: ``{name: LatentSlice}`` (:func:`latent_layout`).
+    :param torch.Tensor u: coordinates ``(P, r, K)``, ``r`` 1 (shared by the
+        datapoints) or ``n``; with ``dim=None`` (no plate) ``(1, K)``.
+    :param int dim: the points' plate dim, counted from the batch end, or None.
+    :param batch_shape: the observed site's batch shape (the layout of ``r = n``).
+    :param bool compact: keep the latents' parameters shared by the
+        datapoints at size one (:func:`~pyro_mpt.conditionals.distributions.compact`);
+        else expand the values to the sites' full shapes.
+
+    After the run, :attr:`log_pi` holds the log-density of the points in the
+    coordinates, :math:`\sum_l \log \pi_l(u)`, ``(P, r')`` (None without
+    latents or plate), and :attr:`scales` the scale (or ``scale_tril``) of
+    each normal latent, with the points' dim first.
+
+    Example::
+
+        >>> handler = CoordinateLatents(layout, u, dim=2, batch_shape=(n,), compact=True)
+        >>> trace = run_in_plate(model, (x,), {}, name="_mpt_nodes", size=P, dim=2, inside=handler)
+    """
+
+    def __init__(self, layout, u, dim, batch_shape=(), compact=True):
+        super().__init__()
+        self.layout = layout
+        self.u = u
+        self.dim = dim
+        self.batch_shape = tuple(batch_shape)
+        self.compact = compact
+        self.log_pi = None
+        self.scales = {}
+
+    def _shape(self, event_shape):
+        if self.dim is None:
+            return tuple(event_shape)
+        P, r = self.u.shape[:2]
+        nb = len(self.batch_shape)
+        batch = self.batch_shape if r > 1 else (1,) * nb
+        return (P,) + (1,) * (self.dim - 1 - nb) + batch + tuple(event_shape)
+
+    def _pyro_sample(self, msg):
+        name = msg["name"]
+        if msg["is_observed"] or site_is_subsample(msg) or name not in self.layout:
+            return
+        entry = self.layout[name]
+        fn = msg["fn"]
+        base, _ = unwrap(fn)
+        E = len(fn.event_shape)
+        u = self.u[..., entry.offset : entry.offset + entry.numel].reshape(self._shape(fn.event_shape))
+        if entry.kind in ("normal", "mvn"):
+            mvn = entry.kind == "mvn"
+            loc, scale = (base.loc, base.scale_tril) if mvn else (base.loc, base.scale)
+            if self.compact:
+                loc, scale = compact(loc), compact(scale)
+            value = loc + ((scale @ u.unsqueeze(-1)).squeeze(-1) if mvn else scale * u)
+            log_pi = -0.5 * (u.pow(2) + _LOG_2PI)
+            if self.dim is not None:
+                # the scale with the points' dim first (a linear-Gaussian model's does not vary)
+                bdim = scale.dim() - self.dim - E - mvn
+                scale = scale.movedim(bdim, 0) if bdim >= 0 else scale[None]
+            self.scales[name] = scale
+        else:
+            t = biject_to(base.support)
+            value = t(u)
+            log_pi = base.log_prob(value) + t.log_abs_det_jacobian(u, value)
+            # points whose image hits the boundary in floating point carry no mass
+            log_pi = torch.where(torch.isnan(log_pi), torch.full_like(log_pi, -math.inf), log_pi)
+        if not self.compact:
+            value = value.expand(torch.broadcast_shapes(value.shape, fn.shape()))
+        if self.dim is not None:
+            if E:
+                log_pi = log_pi.sum(tuple(range(-E, 0)))
+            log_pi = log_pi.reshape(self.u.shape[0], -1)
+            self.log_pi = log_pi if self.log_pi is None else self.log_pi + log_pi
+        msg["value"] = value
+        msg["done"] = True
 
 
 def run_in_plate(fn, args, kwargs, *, name=None, size=None, dim=None, replay=None,

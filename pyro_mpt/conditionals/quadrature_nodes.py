@@ -11,18 +11,15 @@ in :math:`u`, :math:`\log \pi(u)`, with the table
 :math:`T_{qd} = \log p(x_d \mid z_q)`.
 """
 
-import math
 
 import torch
 import pyro.distributions as dist
-from pyro.poutine.messenger import Messenger
-from pyro.poutine.util import site_is_subsample
 from torch.distributions import biject_to
 
 from ..sites import check_local_latent
 from .base import EngineNotApplicable
-from .distributions import compact, unwrap
-from .plate_runs import RunMemory, latent_layout, run_in_plate, run_with_fallback
+from .distributions import unwrap
+from .plate_runs import CoordinateLatents, RunMemory, latent_layout, run_in_plate, run_with_fallback
 
 __all__ = ["NotQuadratureError", "quadrature_layout", "NodeRunner", "latent_dtype", "NODE_PLATE", "ALTERNATIVES"]
 
@@ -30,7 +27,6 @@ __all__ = ["NotQuadratureError", "quadrature_layout", "NodeRunner", "latent_dtyp
 NODE_PLATE = "_mpt_nodes"
 #: the engines named when quadrature cannot serve a model
 ALTERNATIVES = "conditionals='importance' or 'encode_decode'"
-_LOG_2PI = math.log(2 * math.pi)
 
 
 class NotQuadratureError(EngineNotApplicable):
@@ -89,63 +85,6 @@ def _latent_kind(tokens, site):
     return kind
 
 
-class _NodeLatents(Messenger):
-    """Set each latent site to its values at a batch of nodes ``u`` of shape ``(P, r, K)``."""
-
-    def __init__(self, layout, u, node_dim, batch_shape, compact):
-        super().__init__()
-        self.layout = layout
-        self.u = u
-        self.node_dim = node_dim  # the node plate's dim, counted from the batch end
-        self.batch_shape = tuple(batch_shape)
-        self.compact = compact
-        self.log_pi = None
-
-    def _shape(self, event_shape):
-        P, r = self.u.shape[:2]
-        nb = len(self.batch_shape)
-        batch = self.batch_shape if r > 1 else (1,) * nb
-        return (P,) + (1,) * (self.node_dim - 1 - nb) + batch + tuple(event_shape)
-
-    def _pyro_sample(self, msg):
-        name = msg["name"]
-        if msg["is_observed"] or site_is_subsample(msg) or name not in self.layout:
-            return
-        entry = self.layout[name]
-        fn = msg["fn"]
-        base, _ = unwrap(fn)
-        E = len(fn.event_shape)
-        P = self.u.shape[0]
-        u = self.u[..., entry.offset : entry.offset + entry.numel].reshape(self._shape(fn.event_shape))
-        if entry.kind == "normal":
-            loc, scale = base.loc, base.scale
-            if self.compact:
-                loc, scale = compact(loc), compact(scale)
-            value = loc + scale * u
-            log_pi = -0.5 * (u.pow(2) + _LOG_2PI)
-        elif entry.kind == "mvn":
-            loc, tril = base.loc, base.scale_tril
-            if self.compact:
-                loc, tril = compact(loc), compact(tril)
-            value = loc + (tril @ u.unsqueeze(-1)).squeeze(-1)
-            log_pi = -0.5 * (u.pow(2) + _LOG_2PI)
-        else:
-            t = biject_to(base.support)
-            value = t(u)
-            log_pi = base.log_prob(value) + t.log_abs_det_jacobian(u, value)
-            # nodes whose image hits the boundary in floating point carry no mass
-            log_pi = torch.where(torch.isnan(log_pi), torch.full_like(log_pi, -math.inf), log_pi)
-        if E:
-            log_pi = log_pi.sum(tuple(range(-E, 0)))
-        if not self.compact:
-            full = (P,) + (1,) * (self.node_dim - 1 - len(fn.batch_shape)) + tuple(fn.shape())
-            value = value.expand(torch.broadcast_shapes(value.shape, full))
-        log_pi = log_pi.reshape(P, -1)
-        self.log_pi = log_pi if self.log_pi is None else self.log_pi + log_pi
-        msg["value"] = value
-        msg["done"] = True
-
-
 class NodeRunner:
     """Runs the Pyro model with its latents at a batch of nodes, vectorized in a plate.
 
@@ -171,7 +110,7 @@ class NodeRunner:
         self.memory = RunMemory() if memory is None else memory
 
     def _trace(self, u, compact):
-        handler = _NodeLatents(self.layout, u, self.node_dim, self.tokens.batch_shape, compact)
+        handler = CoordinateLatents(self.layout, u, self.node_dim, self.tokens.batch_shape, compact)
         # the observed values were validated when the model was first traced
         trace = run_in_plate(self.model, self.args, self.kwargs, name=NODE_PLATE, size=u.shape[0],
                              dim=self.node_dim, replay=self.replay, inside=handler, validation=False)
