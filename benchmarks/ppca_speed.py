@@ -48,7 +48,8 @@ import torch
 import pyro
 import pyro.distributions as dist
 from pyro_mpt import Evidence, MaskedPretrainingLoss
-from pyro_mpt.masks import AllSizes, MaskBlock, MaskSchedule, RandomOrders, UniformSizes
+from pyro_mpt.mask_blocks import MaskBlock
+from pyro_mpt.masks import AllSizes, MaskSchedule, RandomOrders, UniformSizes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling harness
 from harness import Timing, fmt_ratio, machine_line, run_interleaved, run_timed, write_markdown  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from .masks import ChainBlock, MaskBlock
+from .mask_blocks import ChainBlock, MaskBlock
 
 __all__ = ["block_scores", "mpt_estimate"]
 
@@ -27,8 +27,8 @@ __all__ = ["block_scores", "mpt_estimate"]
 def block_scores(block, engine, state, x, per_size=False):
     r"""Per-query scores :math:`\hat S_q`, sizes :math:`M_q` and weights :math:`w_q` of one block.
 
-    :param block: a :class:`~pyro_mpt.masks.MaskBlock` or
-        :class:`~pyro_mpt.masks.ChainBlock`.
+    :param block: a :class:`~pyro_mpt.mask_blocks.MaskBlock` or
+        :class:`~pyro_mpt.mask_blocks.ChainBlock`.
     :param ~pyro_mpt.conditionals.ConditionalEngine engine: the engine.
     :param state: the engine's state from ``prepare``.
     :param torch.Tensor x: tokens ``(n, D)``.
@@ -53,7 +53,7 @@ def block_scores(block, engine, state, x, per_size=False):
         return _chain_scores(block, engine, state, x, per_size)
     raise TypeError(
         f"A mask schedule yielded {type(block).__name__}; schedules yield MaskBlock or ChainBlock "
-        f"(pyro_mpt.masks)."
+        f"(pyro_mpt.mask_blocks)."
     )
 
 

@@ -15,13 +15,14 @@ A schedule chooses masks and weights :math:`w` so that
 known biased version of it), with :math:`\hat S_q = \frac1M\sum_{j\in\mathcal M_q}
 \log p(x_j\mid x_{\mathcal R_q})` the score of query :math:`q`.
 
-Schedules emit queries in *blocks* whose size is bounded by an element budget,
-so that any schedule runs in bounded memory with any engine:
+Schedules emit queries in *blocks* (:mod:`pyro_mpt.mask_blocks`) whose size
+is bounded by an element budget, so that any schedule runs in bounded memory
+with any engine:
 
-* :class:`MaskBlock` -- ``mask`` of shape ``(q, n, D)`` (``n`` may be 1 when the
+* :class:`~pyro_mpt.mask_blocks.MaskBlock` -- ``mask`` of shape ``(q, n, D)`` (``n`` may be 1 when the
   masks are shared across the batch); the masked tokens are the targets, the
   others the context.
-* :class:`ChainBlock` -- ``order`` of shape ``(p, n, D)``; position ``t`` of an
+* :class:`~pyro_mpt.mask_blocks.ChainBlock` -- ``order`` of shape ``(p, n, D)``; position ``t`` of an
   ordering is a query whose target is ``order[..., t]`` and whose context is
   ``order[..., t+1:]``. It is the chain rule :math:`\log p(x) =
   \sum_t \log p(x_{\pi_t}\mid x_{\pi_{t+1:D}})`; engines may compute it with a
@@ -44,11 +45,12 @@ observed token has them in its context. For curves, :math:`S(x_i; M) = 0` for
 """
 
 import math
-from dataclasses import dataclass
 from numbers import Real
-from typing import Optional
 
 import torch
+
+from .mask_blocks import ChainBlock, MaskBlock
+from .mask_draws import random_masks, random_order, random_ranks
 
 __all__ = [
     "MaskSchedule",
@@ -58,103 +60,12 @@ __all__ = [
     "Exhaustive",
     "FixedRate",
     "PseudoLikelihood",
-    "MaskBlock",
-    "ChainBlock",
     "make_schedule",
     "MAX_EXHAUSTIVE_TOKENS",
 ]
 
 #: ``"exhaustive"`` enumerates :math:`2^D - 1` masks; beyond this D it refuses.
 MAX_EXHAUSTIVE_TOKENS = 16
-
-
-@dataclass
-class MaskBlock:
-    """A block of mask queries.
-
-    :param torch.Tensor mask: bool, ``(q, n, D)`` with ``n`` the batch size or 1;
-        True marks a masked (target) token.
-    :param torch.Tensor size: long, ``(q, n)`` or ``(q, 1)``; the mask size M.
-    :param torch.Tensor weight: ``(q, n)`` or ``(q, 1)``; the weight of each
-        query's score :math:`\\hat S_q` in the estimate.
-    :param torch.Tensor context: bool ``(1, n, D)``, the tokens that may be
-        context (the observed ones); None: every unmasked token.
-    :param torch.Tensor gain: ``(q, n)`` factor on each score; 0 where a
-        datapoint has no such query (a mask size above its :math:`D_i`).
-    """
-
-    mask: torch.Tensor
-    size: torch.Tensor
-    weight: torch.Tensor
-    context: Optional[torch.Tensor] = None
-    gain: Optional[torch.Tensor] = None
-
-
-@dataclass
-class ChainBlock:
-    """A block of complete orderings for the chain rule.
-
-    :param torch.Tensor order: long, ``(p, n, D)`` or ``(p, 1, D)``; each row is a
-        permutation of the tokens.
-    :param torch.Tensor weight: ``(p, n)`` or ``(p, 1)``; weight of each ordering.
-    :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens; the
-        orderings list each datapoint's missing tokens first. None when none is
-        missing.
-    """
-
-    order: torch.Tensor
-    weight: torch.Tensor
-    observed: Optional[torch.Tensor] = None
-
-
-def _random_order(shape, device, observed=None):
-    """Uniformly random orderings of the tokens (argsort of i.i.d. uniforms).
-
-    With ``observed`` (bool ``(n, D)``) each row lists its missing tokens first
-    and then its observed ones, both in uniformly random order: the chain rule
-    conditions each position on the positions after it, so no observed token
-    has a missing one in its context.
-    """
-    # float64 keys: float32 has 2^24 values, so at D = 512 about 1 % of the rows
-    # would hold a tie, which argsort breaks by position rather than at random
-    u = torch.rand(shape, device=device, dtype=torch.float64)
-    if observed is not None:
-        u = u - (~observed).to(u.dtype)
-    return u.argsort(-1)
-
-
-def _random_ranks(shape, device, observed=None):
-    """Ranks of the tokens in a uniformly random order, for masks ``ranks < M``.
-
-    With ``observed`` (bool ``(n, D)``) the observed tokens take the first ranks,
-    in uniformly random order, and the missing ones the last.
-    """
-    ranks = _random_order(shape, device, observed).argsort(-1)
-    if observed is not None:
-        # the order lists the missing tokens first: rotate them to the last ranks
-        ranks = (ranks - (~observed).sum(-1, keepdim=True)) % shape[-1]
-    return ranks
-
-
-def _random_masks(sizes, shape, device, observed=None):
-    """Independent uniformly random masks of the given sizes, bool ``shape = (q, rows, D)``.
-
-    ``sizes`` (long, broadcastable to ``(q, rows)``) gives each mask's size M;
-    the mask holds the first M tokens of a fresh uniformly random ordering
-    (one sort of i.i.d. uniforms and one scatter, an exact size M). With
-    ``observed`` (bool ``(rows, D)``) the masks are drawn among each row's
-    observed tokens (the orderings list the missing ones first).
-    """
-    order = _random_order(shape, device, observed)
-    pos = torch.arange(shape[-1], device=device)
-    first = sizes[..., None]
-    if observed is not None:
-        # skip the m_i missing tokens that lead each ordering
-        skip = (~observed).sum(-1, keepdim=True)  # (rows, 1)
-        take = (pos >= skip) & (pos < skip + first)
-    else:
-        take = pos < first
-    return torch.zeros(shape, dtype=torch.bool, device=device).scatter_(-1, order, take.expand(shape))
 
 
 class MaskSchedule:
@@ -189,7 +100,7 @@ class MaskSchedule:
             )
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
-        """Yield :class:`MaskBlock` or :class:`ChainBlock` objects.
+        """Yield :class:`~pyro_mpt.mask_blocks.MaskBlock` or :class:`~pyro_mpt.mask_blocks.ChainBlock` objects.
 
         :param int n: number of datapoints.
         :param int D: number of tokens per datapoint.
@@ -267,7 +178,7 @@ class AllSizes(MaskSchedule):
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
         rows = self._rows(n, observed)
-        ranks = _random_ranks((self.num_masks, rows, D), device, observed) if self.nested else None
+        ranks = random_ranks((self.num_masks, rows, D), device, observed) if self.nested else None
         sizes = torch.arange(1, D + 1, device=device)
         per_block = max(1, max_elements // (n * D))
         weight = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
@@ -282,7 +193,7 @@ class AllSizes(MaskSchedule):
             if self.nested:
                 mask = ranks[p] < m[:, None, None]
             else:
-                mask = _random_masks(m[:, None], (q, rows, D), device, observed)
+                mask = random_masks(m[:, None], (q, rows, D), device, observed)
             if observed is None:
                 yield MaskBlock(mask, m[:, None].expand(q, 1), weight.expand(q, 1))
             else:
@@ -342,7 +253,7 @@ class UniformSizes(MaskSchedule):
         rows = self._rows(n, observed)
         counts = None if observed is None else observed.sum(-1)
         sizes = self._sizes(rows, D if counts is None else counts, device)
-        ranks = _random_ranks((self.num_masks, rows, D), device, observed)
+        ranks = random_ranks((self.num_masks, rows, D), device, observed)
         per_block = max(1, max_elements // (n * D))
         if counts is None:
             w = torch.full((1, 1), float(D) / self.num_masks, dtype=torch.float64, device=device)
@@ -387,7 +298,7 @@ class RandomOrders(MaskSchedule):
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
         rows = self._rows(n, observed)
-        order = _random_order((self.num_masks, rows, D), device, observed)  # missing tokens first
+        order = random_order((self.num_masks, rows, D), device, observed)  # missing tokens first
         per_block = max(1, max_elements // (n * D))
         w = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
         for start in range(0, self.num_masks, per_block):
@@ -552,7 +463,7 @@ class FixedRate(MaskSchedule):
         per_block = max(1, max_elements // (n * D))
         for start in range(0, self.num_masks, per_block):
             q = min(self.num_masks, start + per_block) - start
-            ranks = _random_ranks((q, rows, D), device)
+            ranks = random_ranks((q, rows, D), device)
             size = torch.full((q, 1), M, device=device)
             w = torch.full((q, 1), float(D) / self.num_masks, dtype=torch.float64, device=device)
             yield MaskBlock(ranks < M, size, w)
@@ -574,7 +485,7 @@ class FixedRate(MaskSchedule):
         w = (counts.to(torch.float64) / self.num_masks)[None]
         for start in range(0, self.num_masks, per_block):
             q = min(self.num_masks, start + per_block) - start
-            ranks = _random_ranks((q, n, D), device, observed)
+            ranks = random_ranks((q, n, D), device, observed)
             size = M[None].expand(q, n)
             yield MaskBlock(ranks < M[:, None], size, w.expand(q, n), observed[None], (counts > 0)[None].expand(q, n))
 

@@ -9,9 +9,10 @@ import pyro.distributions as dist
 
 from pyro_mpt import MaskedPretrainingLoss
 from pyro_mpt.masks import (
-    AllSizes, ChainBlock, Exhaustive, FixedRate, MaskBlock, PseudoLikelihood, RandomOrders, UniformSizes, _random_ranks,
+    AllSizes, ChainBlock, Exhaustive, FixedRate, MaskBlock, PseudoLikelihood, RandomOrders, UniformSizes,
     make_schedule,
 )
+from pyro_mpt.mask_draws import random_ranks
 
 from models import make_ppca
 
@@ -129,7 +130,7 @@ def test_random_ranks_put_missing_tokens_last_and_orders_put_them_first():
     observed[0] = False
     observed[1] = True
     counts = observed.sum(-1)
-    ranks = _random_ranks((200, 6, 9), None, observed)
+    ranks = random_ranks((200, 6, 9), None, observed)
     assert torch.equal(ranks.sort(-1).values, torch.arange(9).expand(200, 6, 9))  # permutations
     assert bool(((ranks < counts[:, None]) == observed).all())  # observed tokens take the first ranks
     (block,) = RandomOrders(200).blocks(6, 9, observed=observed)

@@ -13,7 +13,7 @@ tokens and scatters the results back per sequence.
 
 import torch
 
-from ..masks import ChainBlock, MaskBlock
+from ..mask_blocks import ChainBlock, MaskBlock
 from .batching import group_by_length, pack
 from .rates import item_seed
 
@@ -49,8 +49,8 @@ def schedule_jobs(schedule, seed, item, L):
 
     The schedule draws its masks from a stream seeded by ``(seed, item)``, so a
     sequence's masks do not depend on the batch or on sharding. A
-    :class:`~pyro_mpt.masks.MaskBlock` row is weighted ``weight / size`` on
-    each masked token; a :class:`~pyro_mpt.masks.ChainBlock` ordering
+    :class:`~pyro_mpt.mask_blocks.MaskBlock` row is weighted ``weight / size`` on
+    each masked token; a :class:`~pyro_mpt.mask_blocks.ChainBlock` ordering
     :math:`\pi` becomes :math:`L` copies, copy :math:`t` masking
     :math:`\pi_0..\pi_t` and scoring :math:`\pi_t` alone.
 

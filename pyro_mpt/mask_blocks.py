@@ -1,0 +1,52 @@
+"""The queries a mask schedule emits, in blocks: :class:`MaskBlock` and :class:`ChainBlock`.
+
+A block says which masks (or orderings) to ask and how to weight each
+query's score; :func:`~pyro_mpt.estimate.block_scores` runs it through an
+engine. See :mod:`pyro_mpt.masks` for the schedules that make them.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["MaskBlock", "ChainBlock"]
+
+
+@dataclass
+class MaskBlock:
+    """A block of mask queries.
+
+    :param torch.Tensor mask: bool, ``(q, n, D)`` with ``n`` the batch size or 1;
+        True marks a masked (target) token.
+    :param torch.Tensor size: long, ``(q, n)`` or ``(q, 1)``; the mask size M.
+    :param torch.Tensor weight: ``(q, n)`` or ``(q, 1)``; the weight of each
+        query's score :math:`\\hat S_q` in the estimate.
+    :param torch.Tensor context: bool ``(1, n, D)``, the tokens that may be
+        context (the observed ones); None: every unmasked token.
+    :param torch.Tensor gain: ``(q, n)`` factor on each score; 0 where a
+        datapoint has no such query (a mask size above its :math:`D_i`).
+    """
+
+    mask: torch.Tensor
+    size: torch.Tensor
+    weight: torch.Tensor
+    context: Optional[torch.Tensor] = None
+    gain: Optional[torch.Tensor] = None
+
+
+@dataclass
+class ChainBlock:
+    """A block of complete orderings for the chain rule.
+
+    :param torch.Tensor order: long, ``(p, n, D)`` or ``(p, 1, D)``; each row is a
+        permutation of the tokens.
+    :param torch.Tensor weight: ``(p, n)`` or ``(p, 1)``; weight of each ordering.
+    :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens; the
+        orderings list each datapoint's missing tokens first. None when none is
+        missing.
+    """
+
+    order: torch.Tensor
+    weight: torch.Tensor
+    observed: Optional[torch.Tensor] = None
