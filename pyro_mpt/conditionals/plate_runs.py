@@ -104,9 +104,9 @@ class CoordinateLatents(Messenger):
         datapoints at size one (:func:`~pyro_mpt.conditionals.distributions.compact`);
         else expand the values to the sites' full shapes.
 
-    After the run, :attr:`log_pi` holds the log-density of the points in the
+    After the run, ``log_pi`` holds the log-density of the points in the
     coordinates, :math:`\sum_l \log \pi_l(u)`, ``(P, r')`` (None without
-    latents or plate), and :attr:`scales` the scale (or ``scale_tril``) of
+    latents or plate), and ``scales`` the scale (or ``scale_tril``) of
     each normal latent, with the points' dim first.
 
     Example::
