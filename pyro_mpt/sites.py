@@ -148,11 +148,28 @@ def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=Fal
     missing = obs_frames - own
     if missing:
         plates = ", ".join(repr(f.name) for f in missing)
+        names = tuple(f.name for f in missing)
         raise error(
             f"Latent site {name!r} is outside the plate(s) {plates} of observed "
             f"site {tokens.name!r}: it is shared by all datapoints (a global "
-            f"latent), so {consequence}. Make it a pyro.param, or move it inside "
-            f"the data plate."
+            f"latent), so {consequence}. The quantity to ask for is then the whole "
+            f"dataset's evidence log p(x_1..N): pass token_plates={names!r} so that all "
+            f"observations are the tokens of one datapoint (exact for linear-Gaussian "
+            f"hierarchies with conditionals='hierarchical' or Evidence(method='exact'); "
+            f"otherwise conditionals='importance' or Evidence(method='importance') with a "
+            f"guide over all the latents). Or make it a pyro.param."
+        )
+    token_names = set(tokens.token_plates)
+    inside = sorted(f.name for f in own if f.name in token_names)
+    if inside and not allow_extra_plates:
+        raise error(
+            f"Latent site {name!r} sits in token plate(s) {', '.join(map(repr, inside))} "
+            f"of observed site {tokens.name!r}: one latent per unit of tokens, which this "
+            f"engine does not integrate (it needs the latents of a whole datapoint). Use "
+            f"conditionals='hierarchical' (or Evidence(method='exact')) when the model is "
+            f"linear-Gaussian, conditionals='importance' (or Evidence(method='importance')) "
+            f"otherwise; or integrate it out in the observation (a Normal per-token offset "
+            f"adds its variance to the noise)."
         )
     extra = own - obs_frames
     if extra and not allow_extra_plates:
@@ -380,16 +397,6 @@ def _token_layout(site, latents, token_plates):
                 f"Token plate {f.name!r} of observed site {name!r} subsamples {f.size} of "
                 f"{f.full_size} tokens; masked pre-training needs every token of a "
                 f"datapoint. Subsample the datapoint plate instead."
-            )
-    for s in latents:
-        inside = sorted(f.name for f in _vectorized_frames(s) if f.name in token_names)
-        if inside:
-            raise ValueError(
-                f"Latent site {s['name']!r} sits in token plate(s) {', '.join(map(repr, inside))} "
-                f"of observed site {name!r}: one latent per token, which the conditional "
-                f"engines do not integrate. Integrate it out in the observation (e.g. a "
-                f"Normal per-token offset adds its variance to the noise), or make it one "
-                f"latent of the datapoint with event dims over the tokens (.to_event)."
             )
     plate_dims = {f.dim for f in site["cond_indep_stack"] if f.vectorized}
     for i, size in enumerate(site_batch_shape):

@@ -301,8 +301,13 @@ def test_token_plate_refusals_name_the_plates_and_the_option(float64):
                 e = pyro.sample("e", dist.Normal(0.0, 1.0))
                 pyro.sample("x", dist.Normal(z + e, 1.0), obs=x)
 
-    with pytest.raises(ValueError, match="Latent site 'e' sits in token plate\\(s\\) 'tokens'.*one latent per token"):
-        MaskedPretrainingLoss(token_plates=("tokens",)).loss(per_token_latent, None, x)
+    # a latent per token: the per-datapoint engines refuse it, the hierarchical one serves it
+    with pytest.raises(ValueError, match="Latent site 'e' sits in token plate\\(s\\) 'tokens'.*one latent per unit of tokens.*conditionals='hierarchical'"):
+        MaskedPretrainingLoss(conditionals="gaussian", token_plates=("tokens",)).loss(per_token_latent, None, x)
+    cov = torch.ones(D, D) + 2 * torch.eye(D)  # z + e + noise: 1 + 1 + 1 on the diagonal
+    ref = torch.distributions.MultivariateNormal(torch.zeros(D), cov).log_prob(x)
+    value = MaskedPretrainingLoss(masks="order", token_plates=("tokens",)).score(per_token_latent, None, x)
+    assert torch.allclose(value, ref, atol=TOL)
 
     def subsampled_tokens(x):
         with pyro.plate("data", N, dim=-2):
@@ -591,7 +596,7 @@ def test_pyro_module_with_pyro_sample_weight_priors_is_refused_as_global(float64
                 return pyro.sample("x", dist.Normal(z @ weight.T + self.linear.bias, SIGMA).to_event(1), obs=x)
 
     model = BayesianDecoder()
-    with pytest.raises(ValueError, match="(?s)'linear.weight' is outside the plate\\(s\\) 'data'.*global latent"):
+    with pytest.raises(ValueError, match="(?s)'linear.weight' is outside the plate\\(s\\) 'data'.*global latent.*token_plates=\\('data',\\)"):
         MaskedPretrainingLoss().loss(model, None, x)
 
 

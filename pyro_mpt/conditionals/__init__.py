@@ -1,21 +1,25 @@
 """Conditional engines: how :math:`\\log p(x_j \\mid x_{\\mathcal R})` is computed.
 
-=================  ==========================================================
-name               what the model needs
-=================  ==========================================================
-``"gaussian"``     a Gaussian marginal: Gaussian observation without latents
-                   (also in independent blocks, e.g. a multi-output GP, or a
-                   ``GaussianHMM``), or Normal latents with a Normal
-                   observation affine in them
-``"quadrature"``   tokens independent given continuous latents local to each
-                   datapoint with at most 4 dims in all (any factorized
-                   observation: Bernoulli, Categorical, Poisson, Normal, ...)
-``"enumerate"``    tokens independent given discrete latents with finite
-                   support local to each datapoint (Categorical, Bernoulli,
-                   ...), summed over their joint support
-``"hmm"``          an observed ``dist.DiscreteHMM`` (time steps as tokens),
-                   by forward--backward
-=================  ==========================================================
+===================  =============================================================
+name                 what the model needs
+===================  =============================================================
+``"gaussian"``       a Gaussian marginal: Gaussian observation without latents
+                     (also in independent blocks, e.g. a multi-output GP, or a
+                     ``GaussianHMM``), or Normal latents with a Normal
+                     observation affine in them
+``"hierarchical"``   a linear-Gaussian hierarchy: global latents and local
+                     latents in a token plate of units
+                     (``token_plates=("data",)`` makes the whole dataset one
+                     datapoint), at a cost linear in the tokens
+``"quadrature"``     tokens independent given continuous latents local to each
+                     datapoint with at most 4 dims in all (any factorized
+                     observation: Bernoulli, Categorical, Poisson, Normal, ...)
+``"enumerate"``      tokens independent given discrete latents with finite
+                     support local to each datapoint (Categorical, Bernoulli,
+                     ...), summed over their joint support
+``"hmm"``            an observed ``dist.DiscreteHMM`` (time steps as tokens),
+                     by forward--backward
+===================  =============================================================
 
 Sampling engines, for latent models beyond closed forms and grids:
 
@@ -49,6 +53,7 @@ import warnings
 
 from .base import ConditionalEngine, EngineNotApplicable, NumericalWarning, SlowEngineWarning
 from .gaussian import GaussianConditionals
+from .hierarchical import HierarchicalGaussianConditionals, HierarchicalGaussianState
 from .gaussian_marginal import GaussianMarginal, NotLinearGaussianError, gaussian_marginal
 from .quadrature import QuadratureConditionals, QuadratureState
 from .quadrature_nodes import NotQuadratureError
@@ -66,6 +71,8 @@ __all__ = [
     "NumericalWarning",
     "SlowEngineWarning",
     "GaussianConditionals",
+    "HierarchicalGaussianConditionals",
+    "HierarchicalGaussianState",
     "GaussianMarginal",
     "NotLinearGaussianError",
     "gaussian_marginal",
@@ -91,6 +98,7 @@ __all__ = [
 #: engines by name, tried in this order by ``conditionals="auto"``
 ENGINES = {
     "gaussian": GaussianConditionals,
+    "hierarchical": HierarchicalGaussianConditionals,
     "quadrature": QuadratureConditionals,
     "enumerate": EnumerateConditionals,
     "hmm": DiscreteHMMConditionals,
@@ -110,6 +118,9 @@ REQUIREMENTS = {
     "gaussian": "Normal latents local to each datapoint and a Normal (or "
     "MultivariateNormal) observation whose location is affine in them, or a "
     "Gaussian observation without latents",
+    "hierarchical": "a linear-Gaussian hierarchy: Normal latents inside one token plate "
+    "of units (e.g. token_plates=('data',)) and outside it, and a Normal observation "
+    "affine in them",
     "quadrature": "an observation that factorizes over tokens given continuous "
     "latents local to each datapoint (Normal/MultivariateNormal, or scalar "
     "Gamma, Beta, Uniform, ...) with at most 4 latent dims per datapoint",

@@ -2,6 +2,8 @@ r"""``Evidence(method="exact")``: :math:`\log p(x_i)` in closed form or by exact
 
 * models with a Gaussian marginal: :math:`\log\mathcal N(x_i; \mu, \Sigma)`
   (see :func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal`);
+* linear-Gaussian hierarchies, global latents and local ones in a token plate
+  (see :mod:`~pyro_mpt.conditionals.hierarchical`);
 * models whose latents are all discrete: the sum over the joint support (see
   :mod:`~pyro_mpt.conditionals.enumerate`);
 * an observed ``DiscreteHMM``: the forward algorithm (see
@@ -13,7 +15,12 @@ sub-vector.
 
 import torch
 
-from ..conditionals import DiscreteHMMConditionals, EnumerateConditionals, GaussianConditionals
+from ..conditionals import (
+    DiscreteHMMConditionals,
+    EnumerateConditionals,
+    GaussianConditionals,
+    HierarchicalGaussianConditionals,
+)
 from ..conditionals.base import EngineNotApplicable
 from .result import EvidenceResult
 
@@ -44,8 +51,9 @@ def exact_evidence(evidence, tokens, args, kwargs):
     try:
         state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
     except EngineNotApplicable as e:
-        # exact sums over discrete latents (a finite mixture, or an HMM's chain)
-        for other in (EnumerateConditionals(), DiscreteHMMConditionals()):
+        # a linear-Gaussian hierarchy (local latents in a token plate), or exact sums
+        # over discrete latents (a finite mixture, or an HMM's chain)
+        for other in (HierarchicalGaussianConditionals(), EnumerateConditionals(), DiscreteHMMConditionals()):
             try:
                 engine, state = other, other.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
                 break

@@ -117,7 +117,7 @@ def _():
 @trigger("sites-latent-in-token-plate")
 def _():
     model = lambda x: _token_plate_model(x, latent_in_tokens=True)  # noqa: E731
-    MaskedPretrainingLoss(token_plates=("tokens",)).loss(model, None, _x())
+    MaskedPretrainingLoss(conditionals="gaussian", token_plates=("tokens",)).loss(model, None, _x())
 
 
 @trigger("sites-batch-dim-not-a-plate")

@@ -1,0 +1,375 @@
+r"""Exact conditionals of linear-Gaussian hierarchies: global latents, and local latents per unit of tokens.
+
+A model with latents shared by all datapoints (``mu`` outside the data plate)
+has one honest quantity, the whole dataset's evidence
+:math:`\log p(x_1, \dots, x_N)`: with ``token_plates=("data",)`` every
+observation is a token of one datapoint, and the data plate's elements become
+*units* of :math:`E` tokens each (the observation's event elements). Latents
+then come in two kinds:
+
+* **global** latents :math:`g` (outside the unit plate), :math:`K_g` coordinates;
+* **local** latents :math:`z_u` (inside the unit plate), :math:`K_l` per unit.
+
+For a *linear-Gaussian* hierarchy -- Normal latents whose locations are affine
+in earlier latents, e.g. :math:`\mu \sim \mathcal N(0, I)`,
+:math:`z_u \sim \mathcal N(A\mu, \cdot)`, and a Normal observation
+:math:`x_u \sim \mathcal N(W z_u + \dots, \operatorname{diag}\psi_u)` affine in
+them with a scale that does not depend on them -- each token is
+:math:`x_t = \mu_t + a_t^\top\varepsilon_g + b_t^\top\varepsilon_{u(t)} + \sigma_t\xi_t`
+in the standard-normal noises of the latents. Given a context
+:math:`\mathcal R`, the posterior precision of the noises is an *arrowhead*
+matrix: with :math:`w_t = [t\in\mathcal R]/\psi_t`,
+
+.. math::
+
+    P_{gg} = I + \sum_t w_t a_t a_t^\top, \quad
+    P_{gu} = \sum_{t\in u} w_t a_t b_t^\top, \quad
+    P_{uu} = I + \sum_{t\in u} w_t b_t b_t^\top,
+
+and no block between two units. Eliminating the units (one :math:`K_l\times K_l`
+factor each) leaves the Schur complement
+:math:`S = P_{gg} - \sum_u P_{gu}P_{uu}^{-1}P_{ug}` over the globals, so
+
+.. math::
+
+    \mathbb E[x_t \mid x_{\mathcal R}] = \mu_t + a_t^\top m_g + b_t^\top m_{u(t)},
+    \qquad
+    \operatorname{Var}[x_t \mid x_{\mathcal R}] = \psi_t
+        + b_t^\top P_{uu}^{-1} b_t + h_t^\top S^{-1} h_t,
+    \quad h_t = a_t - P_{gu}P_{uu}^{-1} b_t,
+
+with :math:`m_g = S^{-1}\tilde\eta`, :math:`m_u = P_{uu}^{-1}(\eta_u - P_{ug}m_g)`.
+The evidence follows from the determinant lemma,
+:math:`\log|\Sigma| = \sum_t\log\psi_t + \sum_u\log|P_{uu}| + \log|S|`.
+A query costs :math:`O(D(K_g + K_l)^2 + UK_l^3 + K_g^3)`: linear in the number
+of tokens :math:`D = UE`, where the Gaussian engine's dense path costs
+:math:`O(D^3)` and its low-rank path :math:`O(D(K_g + UK_l)^2)`.
+
+**Reading the model.** The loadings come from :math:`K_g + K_l + 2` runs of the
+model in one vectorized plate: every noise at 0, each global coordinate at 1,
+each local coordinate at 1 *in every unit at once* (a unit's loading is read
+off its own tokens), and one random point at which the location must equal its
+affine prediction. That check fails (the model is refused) when the location
+is not affine, or when a unit's tokens depend on another unit's local latents
+-- the units are then not conditionally independent given the globals.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import pyro.distributions as dist
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
+
+from ..sites import check_local_latent
+from .base import ConditionalEngine, EngineNotApplicable
+from .distributions import unwrap
+from .plate_runs import run_in_plate
+
+__all__ = ["HierarchicalGaussianConditionals", "HierarchicalGaussianState", "NotHierarchicalError"]
+
+_LOG_2PI = math.log(2 * math.pi)
+_WHO = "conditionals='hierarchical'"
+
+
+class NotHierarchicalError(EngineNotApplicable):
+    """The model is not a linear-Gaussian hierarchy with local latents in a token plate."""
+
+
+def _not_linear_gaussian(site, detail):
+    """The refusal of a model with local latents in a token plate that is not linear-Gaussian."""
+    return NotHierarchicalError(
+        f"{_WHO} cannot serve the model of observed site {site!r}: {detail}, so it is not "
+        f"a linear-Gaussian hierarchy. Use conditionals='importance' (and "
+        f"Evidence(method='importance') with a guide over all the latents) for it."
+    )
+
+
+@dataclass
+class HierarchicalGaussianState:
+    r"""The loadings of one evaluation.
+
+    :param torch.Tensor loc: :math:`\mu`, ``(n|1, D)``.
+    :param torch.Tensor psi: the observation variances :math:`\psi`, ``(n|1, D)``.
+    :param torch.Tensor a: global loadings, ``(n|1, U, E, K_g)``.
+    :param torch.Tensor b: local loadings, ``(n|1, U, E, K_l)``.
+    """
+
+    num_data: int
+    num_tokens: int
+    loc: torch.Tensor
+    psi: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    site: Optional[str] = None
+
+    @property
+    def units(self):
+        return self.b.shape[-3]
+
+
+@dataclass
+class _Site:
+    name: str
+    local: bool
+    offset: int  # first coordinate in its kind's block
+    numel: int
+    event_shape: torch.Size
+
+
+class _AffineNoise(Messenger):
+    """Set each latent to ``loc + scale @ eps`` for a batch of noises (basis rows first)."""
+
+    def __init__(self, sites, eps_g, eps_l, unit_dim, rank):
+        super().__init__()
+        self.sites = sites
+        self.eps_g = eps_g  # (B, K_g)
+        self.eps_l = eps_l  # (B, U, K_l)
+        self.unit_dim = unit_dim
+        self.rank = rank  # batch dims of a site in the run, the basis plate included
+        self.scales = {}
+
+    def _pyro_sample(self, msg):
+        info = self.sites.get(msg["name"])
+        if info is None or msg["is_observed"] or site_is_subsample(msg):
+            return
+        base, _ = unwrap(msg["fn"])
+        ev = info.event_shape
+        B = self.eps_g.shape[0]
+        if info.local:
+            e = self.eps_l[..., info.offset : info.offset + info.numel]  # (B, U, k)
+            U = e.shape[1]
+            shape = [B] + [1] * (self.rank - 1)
+            shape[self.rank + self.unit_dim] = U
+            e = e.reshape(tuple(shape) + tuple(ev))
+        else:
+            e = self.eps_g[:, info.offset : info.offset + info.numel]
+            e = e.reshape((B,) + (1,) * (self.rank - 1) + tuple(ev))
+        if isinstance(base, dist.MultivariateNormal):
+            loc, scale = base.loc, base.scale_tril
+            value = loc + (scale @ e.unsqueeze(-1)).squeeze(-1)
+        else:
+            loc, scale = base.loc, base.scale
+            value = loc + scale * e
+        value = value.expand(torch.broadcast_shapes(value.shape, msg["fn"].shape()))
+        self.scales[msg["name"]] = scale
+        msg["value"] = value
+        msg["done"] = True
+
+
+def _rows_equal(t):
+    t = t.detach()
+    return t.dim() == 0 or t.shape[0] == 1 or bool(torch.equal(t, t[:1].expand_as(t)))
+
+
+def hierarchical_loadings(tokens, model, args, kwargs):
+    """Read :math:`\\mu, \\psi` and the loadings of a linear-Gaussian hierarchy off the model.
+
+    :param ~pyro_mpt.sites.ObservedTokens tokens: traced with the unit plate as
+        a token plate (e.g. ``token_plates=("data",)``).
+    :returns: :class:`HierarchicalGaussianState`.
+    :raises NotHierarchicalError: naming the site, when the model is not one.
+
+    Example::
+
+        >>> tokens = trace_tokens(model, None, (x,), {}, token_plates=("data",))
+        >>> state = hierarchical_loadings(tokens, model, (x,), {})
+    """
+    if len(tokens.token_dims) != 1:
+        raise NotHierarchicalError(
+            f"{_WHO} needs exactly one token plate over the units of observed site "
+            f"{tokens.name!r} (e.g. token_plates=('data',) over datapoints that share "
+            f"global latents); it has {len(tokens.token_dims)}."
+        )
+    (unit_dim,) = tokens.token_dims
+    (unit_plate,) = tokens.token_plates
+    U = tokens.site_batch_shape[unit_dim]
+    D = tokens.num_tokens
+    E = D // U
+    sites, K_g, K_l = {}, 0, 0
+    for site in tokens.latent_sites():
+        base, _ = unwrap(site["fn"])
+        if not isinstance(base, (dist.Normal, dist.MultivariateNormal)) or isinstance(
+            base, dist.LowRankMultivariateNormal
+        ):
+            raise _not_linear_gaussian(tokens.name, f"latent site {site['name']!r} is {type(base).__name__}, "
+                                       f"not Normal or MultivariateNormal")
+        check_local_latent(tokens, site, NotHierarchicalError, allow_extra_plates=True, consequence=f"{_WHO} cannot serve it")
+        frames = {f.name: f for f in site["cond_indep_stack"] if f.vectorized and f.size > 1}
+        local = unit_plate in frames
+        others = [f for f in frames if f != unit_plate and f not in {g.name for g in tokens.data_frames}]
+        if others:
+            raise _not_linear_gaussian(tokens.name, f"latent site {site['name']!r} sits in plate(s) "
+                                       f"{', '.join(map(repr, others))} that the observation lacks "
+                                       f"(declare such dims as event dims, .to_event(1))")
+        numel = site["fn"].event_shape.numel()
+        if local:
+            sites[site["name"]] = _Site(site["name"], True, K_l, numel, site["fn"].event_shape)
+            K_l += numel
+        else:
+            sites[site["name"]] = _Site(site["name"], False, K_g, numel, site["fn"].event_shape)
+            K_g += numel
+    if K_l == 0:
+        raise NotHierarchicalError(
+            f"{_WHO} serves latents inside the token plate {unit_plate!r} of observed site "
+            f"{tokens.name!r}; this model has none there (use conditionals='gaussian')."
+        )
+    value = tokens.value
+    dt, dev = value.dtype, value.device
+    # a fixed generator: the affinity check must not consume the user's random stream
+    gen = torch.Generator(device="cpu").manual_seed(20231207)
+    rg = torch.randn(1, K_g, generator=gen, dtype=dt).to(dev)
+    rl = torch.randn(1, U, K_l, generator=gen, dtype=dt).to(dev)
+    B = K_g + K_l + 2
+    eps_g = torch.zeros(B, K_g, dtype=dt, device=dev)
+    eps_l = torch.zeros(B, U, K_l, dtype=dt, device=dev)
+    eps_g[1 : 1 + K_g] = torch.eye(K_g, dtype=dt, device=dev)
+    eps_l[1 + K_g : 1 + K_g + K_l] = torch.eye(K_l, dtype=dt, device=dev)[:, None, :]
+    eps_g[-1], eps_l[-1] = rg[0], rl[0]
+    rank = tokens.max_plate_nesting + 1
+    handler = _AffineNoise(sites, eps_g, eps_l, unit_dim, rank)
+    try:
+        trace = run_in_plate(model, args, kwargs, name="_mpt_basis", size=B, dim=rank,
+                             replay=tokens.subsample_trace(), inside=handler, validation=False)
+    except EngineNotApplicable:
+        raise
+    except Exception as e:  # e.g. a shape error: the model does not broadcast
+        raise _not_linear_gaussian(tokens.name, f"the model failed when run at {B} noise points in a "
+                                   f"pyro.plate at dim {-rank} ({type(e).__name__}: {e}; write it so "
+                                   f"that it broadcasts over an extra batch dim on the left)") from e
+    for name, scale in handler.scales.items():
+        info = sites[name]
+        event_nd = len(info.event_shape) + (scale.dim() > 0 and isinstance(
+            unwrap(tokens.model_trace.nodes[name]["fn"])[0], dist.MultivariateNormal))
+        bdim = scale.dim() - rank - event_nd  # the basis plate's dim, when the scale has it
+        if bdim >= 0 and not _rows_equal(scale.movedim(bdim, 0)):
+            raise _not_linear_gaussian(tokens.name, f"the scale of latent site {name!r} depends on other latents")
+    fn = trace.nodes[tokens.name]["fn"]
+    base, _ = unwrap(fn, masks=True)
+    if not isinstance(base, dist.Normal):
+        raise _not_linear_gaussian(tokens.name, f"the observation is {type(base).__name__}, not Normal")
+    shape = torch.Size((B,)) + tokens.site_shape
+    loc = tokens.to_tokens(base.loc.expand(torch.broadcast_shapes(base.loc.shape, shape))).reshape(B, -1, D)
+    scale = tokens.to_tokens(base.scale.expand(torch.broadcast_shapes(base.scale.shape, shape))).reshape(B, -1, D)
+    if not _rows_equal(scale):
+        raise _not_linear_gaussian(tokens.name, "the observation's scale depends on the latents")
+    mu = loc[0]  # (n, D)
+    A = (loc[1 : 1 + K_g] - mu).permute(1, 2, 0)  # (n, D, K_g)
+    Bl = (loc[1 + K_g : 1 + K_g + K_l] - mu).permute(1, 2, 0)  # (n, D, K_l)
+    n = mu.shape[0]
+    a = A.reshape(n, U, E, K_g)
+    b = Bl.reshape(n, U, E, K_l)
+    pred = mu + (A @ rg[0]) + torch.einsum("nuek,uk->nue", b, rl[0]).reshape(n, D)
+    err = (loc[-1] - pred).abs().amax()
+    tol = torch.finfo(dt).eps ** 0.5 * (mu.abs().amax() + loc.abs().amax() * (K_g + K_l + 1) + 1.0)
+    if not bool(err <= tol):
+        raise _not_linear_gaussian(tokens.name, f"its location is not affine in the latents with each unit "
+                                   f"of plate {unit_plate!r} reading only its own local latents (off "
+                                   f"by {float(err):.3g} at a random point)")
+    psi = scale[0] ** 2
+    return HierarchicalGaussianState(n, D, mu, psi, a, b, tokens.name)
+
+
+def _posterior(state, r, ctx):
+    """The arrowhead posterior of the noises given contexts ``ctx`` ``(q, n, D)``.
+
+    :returns: ``(L_u, L_S, X, m_g, m_u, w)``: the Cholesky factors of
+        :math:`P_{uu}` ``(q, n, U, K_l, K_l)`` and :math:`S` ``(q, n, K_g, K_g)``,
+        :math:`X = P_{uu}^{-1}P_{ug}` ``(q, n, U, K_l, K_g)``, the posterior means,
+        and the weights :math:`w` ``(q, n, U, E)``.
+    """
+    a, b = state.a, state.b
+    n_, U, E, K_l = b.shape
+    K_g = a.shape[-1]
+    q = ctx.shape[0]
+    w = (ctx / state.psi).reshape(q, -1, U, E)
+    r = r.reshape(-1, U, E)
+    eye_l = torch.eye(K_l, dtype=b.dtype, device=b.device)
+    eye_g = torch.eye(K_g, dtype=b.dtype, device=b.device)
+    wb = w.unsqueeze(-1) * b  # (q, n, U, E, K_l)
+    P_uu = eye_l + wb.transpose(-1, -2) @ b
+    P_ug = wb.transpose(-1, -2) @ a  # (q, n, U, K_l, K_g)
+    eta_u = (wb * r.unsqueeze(-1)).sum(-2)  # (q, n, U, K_l)
+    wa = w.unsqueeze(-1) * a
+    P_gg = eye_g + torch.einsum("qnuek,nuel->qnkl", wa, a.expand(w.shape[1:] + (K_g,)))
+    eta_g = torch.einsum("qnuek,nue->qnk", wa, r.expand(w.shape[1:]))
+    L_u = torch.linalg.cholesky(P_uu)
+    X = torch.cholesky_solve(P_ug, L_u)
+    y = torch.cholesky_solve(eta_u.unsqueeze(-1), L_u).squeeze(-1)
+    S = P_gg - (P_ug.transpose(-1, -2) @ X).sum(-3)
+    eta_s = eta_g - (P_ug.transpose(-1, -2) @ y.unsqueeze(-1)).squeeze(-1).sum(-2)
+    L_S = torch.linalg.cholesky(S)
+    m_g = torch.cholesky_solve(eta_s.unsqueeze(-1), L_S).squeeze(-1)  # (q, n, K_g)
+    m_u = y - (X @ m_g[:, :, None, :, None]).squeeze(-1)  # (q, n, U, K_l)
+    return L_u, L_S, X, m_g, m_u, eta_s, eta_u, y
+
+
+class HierarchicalGaussianConditionals(ConditionalEngine):
+    r"""Exact masked conditionals and evidence of linear-Gaussian hierarchies, linear in the tokens.
+
+    Serves models whose observed site has one token plate of *units* (e.g. the
+    data plate under ``token_plates=("data",)``), Normal latents inside it
+    (local) and outside it (global), and a Normal observation affine in them;
+    see the module docstring for the algebra. Latents outside the data plate
+    make the whole dataset one datapoint: ``score`` and ``Evidence`` then give
+    :math:`\log p(x_1, \dots, x_N)`.
+
+    :param int max_elements: bound on the elements of intermediate tensors
+        (queries are answered in chunks).
+
+    Example::
+
+        >>> loss = MaskedPretrainingLoss(conditionals="hierarchical", token_plates=("data",), masks="order")
+        >>> loss.score(model, None, x)   # log p(x_1..N), one number
+        >>> Evidence(model, method="exact", token_plates=("data",))(x)
+    """
+
+    name = "hierarchical"
+
+    def prepare(self, tokens, model, guide, args, kwargs):
+        return hierarchical_loadings(tokens, model, args, kwargs)
+
+    def _per_chunk(self, state):
+        U, E, K_l = state.b.shape[-3:]
+        K = state.a.shape[-1] + K_l
+        per = state.num_data * state.num_tokens * (K + 1) + state.num_data * U * K_l * (K + 1)
+        return max(1, self.max_elements // max(1, per))
+
+    def mask_log_prob(self, state, x, mask):
+        self._check_x(state, x)
+        step = self._per_chunk(state)
+        return torch.cat([self._masks(state, x, mask[s : s + step]) for s in range(0, mask.shape[0], step)], 0)
+
+    def _masks(self, state, x, mask):
+        ctx = (~mask).to(state.loc.dtype)
+        r = x - state.loc
+        L_u, L_S, X, m_g, m_u, _, _, _ = _posterior(state, r, ctx)
+        a, b = state.a, state.b
+        U, E = b.shape[-3], b.shape[-2]
+        q = ctx.shape[0]
+        mean = torch.einsum("nuek,qnk->qnue", a, m_g) + torch.einsum("nuel,qnul->qnue", b, m_u)
+        mean = state.loc + mean.reshape(q, -1, U * E)
+        Q = X.shape[1]
+        bt = b.expand((q, Q) + b.shape[-3:])
+        # P_uu^{-1/2} b_t, and h_t = a_t - X^T b_t
+        Vb = torch.linalg.solve_triangular(L_u, bt.transpose(-1, -2), upper=False)  # (q, n, U, K_l, E)
+        h = a - (bt @ X)  # (q, n, U, E, K_g)
+        Vh = torch.linalg.solve_triangular(L_S[:, :, None], h.transpose(-1, -2), upper=False)  # (q, n, U, K_g, E)
+        var = state.psi + (Vb.pow(2).sum(-2) + Vh.pow(2).sum(-2)).reshape(q, Q, U * E)
+        return -0.5 * (_LOG_2PI + var.log() + (x - mean) ** 2 / var)
+
+    def log_evidence(self, state, x, observed=None):
+        r""":math:`\log p(x)` per datapoint, ``(n,)``; with ``observed`` ``(n, D)`` the density of the observed tokens."""
+        self._check_x(state, x)
+        ctx = torch.ones_like(x)[None] if observed is None else observed.to(x.dtype)[None]
+        r = x - state.loc
+        L_u, L_S, X, m_g, m_u, eta_s, eta_u, y = _posterior(state, r, ctx)
+        logdet = 2 * torch.diagonal(L_u, dim1=-2, dim2=-1).log().sum((-1, -2)) + 2 * torch.diagonal(
+            L_S, dim1=-2, dim2=-1
+        ).log().sum(-1)
+        quad = (ctx * r**2 / state.psi).sum(-1) - (eta_u * y).sum((-1, -2)) - (eta_s * m_g).sum(-1)
+        logpsi = (ctx * state.psi.log()).sum(-1)
+        D_obs = ctx.sum(-1)
+        return (-0.5 * (D_obs * _LOG_2PI + logpsi + logdet + quad))[0]

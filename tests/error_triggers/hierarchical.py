@@ -1,0 +1,41 @@
+"""Triggers of the docs/errors.md rows raised by conditionals/hierarchical.py."""
+
+import torch
+import pyro
+import pyro.distributions as dist
+
+from pyro_mpt import MaskedPretrainingLoss
+
+from error_triggers.registry import trigger
+from error_triggers.common import _ppca
+
+
+def _x(n=4, D=2):
+    return torch.randn(n, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+
+@trigger("hierarchical-one-token-plate")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(conditionals="hierarchical").loss(model, None, x)
+
+
+@trigger("hierarchical-no-local-latent")
+def _():
+    def regression(x):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.Normal(w, 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="hierarchical", token_plates=("data",)).loss(regression, None, _x())
+
+
+@trigger("hierarchical-not-linear-gaussian")
+def _():
+    def lognormal_scale(x):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(mu, 1.0))
+            pyro.sample("x", dist.Normal(z[..., None].expand(z.shape + (2,)), mu.exp()[..., None]).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="hierarchical", token_plates=("data",)).loss(lognormal_scale, None, _x())
