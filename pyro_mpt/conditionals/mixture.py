@@ -369,7 +369,7 @@ class MixtureChunk:
             ``den[q, i] = logsumexp_k(logw_k + (T_i ctx_q)_k)``.
 
         Both are matrix products in exp-space with max shifts, differentiated by
-        hand (:class:`_MaskPartials`); where a product underflows against the
+        hand (``_MaskPartials``); where a product underflows against the
         clamped exponents the whole chunk is redone with autograd and an exact
         log-sum-exp at those entries.
         """
