@@ -27,6 +27,7 @@ import math
 import warnings
 
 import torch
+from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import site_is_subsample
 
 __all__ = ["check_guide_sites", "check_proposal_density"]
@@ -50,12 +51,16 @@ def _names(names):
 def check_guide_sites(tokens):
     """Warn when the guide samples sites the model lacks, or leaves some of the model's latents out.
 
+    A per-step check: like Pyro's own ``check_model_guide_match``, it runs only
+    while Pyro's validation is on (:func:`pyro.infer.util.is_validation_enabled`).
+
     :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens (with the guide trace).
     :returns: ``(extra, missing)``: guide sites that are not latents of the
-        model, and model latents the guide does not sample.
+        model, and model latents the guide does not sample (both empty while
+        validation is off).
     """
     sampled = _guide_sample_sites(tokens.guide_trace)
-    if not sampled:
+    if not sampled or not is_validation_enabled():
         return [], []
     model_latents = {
         name

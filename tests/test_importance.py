@@ -495,6 +495,22 @@ def test_a_guide_whose_names_miss_the_model_warns(conditionals):
         Evidence(model, _renamed_guide, method="importance", num_samples=10)(x)
 
 
+def test_the_guide_check_runs_only_with_pyro_validation():
+    """Like Pyro's check_model_guide_match, the guide check is a per-step validation: off
+    under pyro.validation_enabled(False). The Gaussian engine ignores the guide, so the
+    score is the exact log p(x_i) either way."""
+    model, x, exact = make_ppca(5, 2, N=6)
+    loss = MaskedPretrainingLoss(conditionals="gaussian", masks="order")
+    with pytest.warns(UserWarning, match="does not match the model"):
+        on = loss.score(model, _renamed_guide, x)
+    with pyro.validation_enabled(False), warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        off = loss.score(model, _renamed_guide, x)
+    assert not [w for w in rec if "does not match the model" in str(w.message)]
+    ref = exact(x)  # the closed-form MultivariateNormal marginal
+    assert torch.allclose(on, ref, atol=1e-8) and torch.allclose(off, ref, atol=1e-8)
+
+
 def test_a_partial_guide_warns_and_matching_or_no_op_guides_do_not():
     from pyro.infer.autoguide import AutoNormal
 
