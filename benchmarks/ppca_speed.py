@@ -513,7 +513,9 @@ def first_calls(args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     calls = {
         "Evidence": "lambda: -Evidence(ppca)(x).sum()",
-        'MaskedPretrainingLoss(masks="uniform")': 'lambda: MaskedPretrainingLoss(masks="uniform").differentiable_loss(ppca, None, x)',
+        'MaskedPretrainingLoss(masks="uniform", share_masks=True)': (
+            'lambda: MaskedPretrainingLoss(masks="uniform", share_masks=True).differentiable_loss(ppca, None, x)'
+        ),
     }
     out = []
     for name, fn in calls.items():

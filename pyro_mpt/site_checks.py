@@ -9,6 +9,7 @@ while Pyro's validation is on, as Pyro gates its own ``log_prob`` checks
 """
 
 import torch
+from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
 import pyro.distributions as dist
 from pyro.distributions.hmm import HiddenMarkovModel
 from torch.distributions import constraints
@@ -136,8 +137,8 @@ def check_shape(site, raw):
     fits = len(shape) >= E and shape[len(shape) - E:] == event
     if fits:
         try:
-            fits = torch.broadcast_shapes(shape[: len(shape) - E], batch) == torch.Size(batch)
-        except RuntimeError:
+            fits = tuple(broadcast_shape(shape[: len(shape) - E], batch)) == tuple(batch)
+        except ValueError:
             fits = False
     if not fits:
         raise ValueError(

@@ -505,3 +505,26 @@ def test_not_positive_definite_covariance_is_rescued_or_says_what_to_try():
     assert value == pytest.approx(exact(1e-8), rel=2e-9, abs=0)
     jittered = MaskedPretrainingLoss(masks="order", conditionals=GaussianConditionals(method="dense", jitter=1e-3))
     assert jittered.loss(model, None, x) == pytest.approx(exact(1e-3), rel=1e-12, abs=0)
+
+
+def test_first_call_imports_no_sympy():
+    """torch.broadcast_shapes imports sympy on its first call (2-3 s); the loss and
+    Evidence use Pyro's broadcast_shape, so a fresh interpreter never loads it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, pyro, pyro.distributions as dist\n"
+        "from pyro_mpt import Evidence, MaskedPretrainingLoss\n"
+        "def ppca(x):\n"
+        "    W = pyro.param('W', torch.ones(6, 2))\n"
+        "    with pyro.plate('data', x.shape[0]):\n"
+        "        z = pyro.sample('z', dist.Normal(0.0, 1.0).expand([2]).to_event(1))\n"
+        "        pyro.sample('x', dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)\n"
+        "x = torch.randn(5, 6)\n"
+        "Evidence(ppca)(x).sum().backward()\n"
+        "MaskedPretrainingLoss(masks='all').differentiable_loss(ppca, None, x).backward()\n"
+        "print('sympy' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "False"

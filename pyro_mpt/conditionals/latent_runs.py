@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
@@ -203,7 +204,7 @@ class Decoded:
     def _token_tensor(self, t):
         r = self.runner
         fn = self.obs_fn
-        full = torch.broadcast_shapes(t.shape, fn.batch_shape + fn.event_shape)
+        full = broadcast_shape(t.shape, fn.batch_shape + fn.event_shape)
         t = r.tokens.to_tokens(t.expand(full))
         n, D = r.tokens.num_data, r.tokens.num_tokens
         if t.numel() != self.rows * n * D:

@@ -33,6 +33,7 @@ is kept as :math:`M`, :math:`b` and the scales directly.
 """
 
 import torch
+from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
 
 __all__ = ["gaussian_hmm_moments"]
 
@@ -80,7 +81,7 @@ def gaussian_hmm_moments(hmm, num_steps):
     m0 = (S0 @ init.info_vec.unsqueeze(-1)).squeeze(-1)
     A, b, Q = _factor_parts(hmm._trans, H)  # (..., T|1, H, H), (..., T|1, H), (..., T|1, H, H)
     C, d, R = _factor_parts(hmm._obs, H)  # (..., T|1, H, O), (..., T|1, O), (..., T|1, O, O)
-    batch = torch.broadcast_shapes(hmm.batch_shape, A.shape[:-3], C.shape[:-3], m0.shape[:-1])
+    batch = torch.Size(broadcast_shape(hmm.batch_shape, A.shape[:-3], C.shape[:-3], m0.shape[:-1]))
 
     A, b, Q = (_over_time(t, batch, T, nd) for t, nd in ((A, 2), (b, 1), (Q, 2)))
     C, d, R = (_over_time(t, batch, T, nd) for t, nd in ((C, 2), (d, 1), (R, 2)))

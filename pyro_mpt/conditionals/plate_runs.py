@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
 import pyro
 from pyro import poutine
 from pyro.poutine.messenger import Messenger
@@ -161,7 +162,7 @@ class CoordinateLatents(Messenger):
             # points whose image hits the boundary in floating point carry no mass
             log_pi = torch.where(torch.isnan(log_pi), torch.full_like(log_pi, -math.inf), log_pi)
         if not self.compact:
-            value = value.expand(torch.broadcast_shapes(value.shape, fn.shape()))
+            value = value.expand(broadcast_shape(value.shape, fn.shape()))
         if self.dim is not None:
             if E:
                 log_pi = log_pi.sum(tuple(range(-E, 0)))

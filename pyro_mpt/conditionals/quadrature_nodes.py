@@ -13,6 +13,7 @@ in :math:`u`, :math:`\log \pi(u)`, with the table
 
 
 import torch
+from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
 import pyro.distributions as dist
 from torch.distributions import biject_to
 
@@ -150,7 +151,7 @@ class NodeRunner:
         # then add nothing to any context, joint or posterior of the table
         value = site["value"] if tokens.observed is None else tokens.site_value
         logp = base.log_prob(value)
-        full = torch.broadcast_shapes(logp.shape, fn.batch_shape + fn.event_shape)
+        full = broadcast_shape(logp.shape, fn.batch_shape + fn.event_shape)
         logp = tokens.to_tokens(logp.expand(full))
         if logp.numel() != P * n * D:
             raise ValueError(
