@@ -7,6 +7,8 @@
   from Python's import machinery, not from the design. Imports run one way:
   loss and evidence build on the engines (``conditionals``), which build on
   the tokens (``sites``) and the schedules (``masks``).
+* Imports run one way through the layers (:data:`LAYERS`): tokens and
+  schedules, engines, losses and evidence, applications.
 """
 
 import ast
@@ -175,3 +177,49 @@ def test_no_import_cycle_among_pyro_mpt_modules():
     assert cycle is None, "import cycle (module-level or inside a function): " + " -> ".join(
         f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])
     ) + f" -> {cycle[-1]}"
+
+
+# ---------------------------------------------------------------------- layers
+#: pyro_mpt's layers, lowest first, by the name under ``pyro_mpt``: a module imports
+#: only from its own layer and the ones below. Tokens and schedules know no engine,
+#: engines know no loss, estimate or evidence. Modules not listed are not checked.
+LAYERS = [
+    ["token_layout", "site_checks", "sites", "mask_blocks", "mask_draws", "masks",
+     "importance_weights", "guide_checks", "curve"],
+    ["conditionals", "guide_proposals"],
+    ["estimate", "loss", "evidence", "importance_weighted_elbo", "guide_elbo"],
+    ["adapters", "experiments"],
+]
+
+
+def layer_violations(graph, layers=LAYERS):
+    """``(module, line, imported)`` for every import of a module in a higher layer."""
+    rank = {name: i for i, names in enumerate(layers) for name in names}
+
+    def layer(module):
+        parts = module.split(".")
+        return rank.get(parts[1]) if len(parts) > 1 else None
+
+    return [
+        (m, line, t)
+        for m, imports in sorted(graph.items())
+        for t, line in sorted(imports.items())
+        if layer(m) is not None and layer(t) is not None and layer(t) > layer(m)
+    ]
+
+
+def test_the_layer_check_finds_an_engine_importing_the_evidence():
+    graph = {
+        "pyro_mpt.conditionals.quadrature": {"pyro_mpt.sites": 3, "pyro_mpt.evidence.result": 9},
+        "pyro_mpt.evidence": {"pyro_mpt.conditionals": 1},
+        "pyro_mpt.masks": {"pyro_mpt.mask_blocks": 2, "pyro_mpt.newmodule": 4},
+        "pyro_mpt.sites": {},
+    }
+    assert layer_violations(graph) == [("pyro_mpt.conditionals.quadrature", 9, "pyro_mpt.evidence.result")]
+
+
+def test_imports_run_one_way_through_the_layers():
+    bad = layer_violations(import_graph(_package_sources()))
+    assert not bad, "imports against the layers (loss/evidence -> conditionals -> sites/masks):\n" + "\n".join(
+        f"{m} (line {line}) imports {t}" for m, line, t in bad
+    )
