@@ -16,7 +16,9 @@ SVI step (loss + gradient + Adam) interleaved, round by round, with
 * the engine's **unavoidable evaluations** ("floor"): the encoder and decoder
   forward passes, the observation's log-densities or draws, and the backward
   pass through the decoder that the engine's algorithm needs at its sizes,
-  written in plain PyTorch (no Pyro, no reductions): one trace of model and
+  written in plain PyTorch (no Pyro, no reductions; the Bernoulli log-density
+  by its cheapest closed form, :math:`-\operatorname{softplus}(\ell(1-2x))`, as the
+  engines read it): one trace of model and
   guide on the batch (to read the tokens), then
 
   - ``encode_decode`` (``S`` samples, ``T`` rounds, ``q`` masks): the decoder
@@ -104,6 +106,11 @@ def engine_for(name, **options):
 
 
 # ---------------------------------------------------------------------- floors
+def bernoulli_log_prob(logits, x):
+    """The Bernoulli log-density at binary tokens by its cheapest closed form (as the engines read it)."""
+    return -F.softplus(logits * (1 - 2 * x))
+
+
 def _encode(vae, x):
     h = vae.encoder(x)
     K = vae.latent_dim
@@ -115,7 +122,7 @@ def _trace_once(vae, x):
     with torch.no_grad():
         loc, scale = _encode(vae, x)
         z = loc + scale * torch.randn_like(loc)
-        dist.Bernoulli(logits=vae.decoder(z)).log_prob(x)
+        bernoulli_log_prob(vae.decoder(z), x)
 
 
 def _rounds(vae, x, mask, chains, rounds):
@@ -140,7 +147,7 @@ def floor_encode_decode(vae, x, mask, S, T):
     with torch.no_grad():
         loc, scale = _encode(vae, xt)
         z = loc + scale * torch.randn_like(loc)
-    dist.Bernoulli(logits=vae.decoder(z)).log_prob(x.repeat(S, 1)).sum().backward()
+    bernoulli_log_prob(vae.decoder(z), x.repeat(S, 1)).sum().backward()
 
 
 def floor_importance(vae, x, mask, S, C, T, alpha):
@@ -159,8 +166,7 @@ def floor_importance(vae, x, mask, S, C, T, alpha):
         log_q = dist.Normal(loc, scale).log_prob(z[:, None]).sum(-1)  # (S, C, n)
         log_p = dist.Normal(0.0, 1.0).log_prob(z).sum(-1)
         del log_q, log_p
-    logits = vae.decoder(z)  # (S, n, D)
-    dist.Bernoulli(logits=logits).log_prob(x).sum().backward()
+    bernoulli_log_prob(vae.decoder(z), x).sum().backward()  # (S, n, D)
 
 
 def floor_quadrature(vae, x, Q, chunk):
@@ -168,7 +174,7 @@ def floor_quadrature(vae, x, Q, chunk):
     _trace_once(vae, x)
     for s in range(0, Q, chunk):
         z = torch.randn(min(chunk, Q - s), n, vae.latent_dim)
-        dist.Bernoulli(logits=vae.decoder(z)).log_prob(x).sum().backward()
+        bernoulli_log_prob(vae.decoder(z), x).sum().backward()
 
 
 # ---------------------------------------------------------------------- instrumented step
@@ -213,11 +219,21 @@ def instrumented(vae, timers):
         (poutine.trace_messenger.TraceHandler, "get_trace", "pyro tracing"),
         (torch.Tensor, "backward", "backward"),
     ]
+    # the engines' closed-form token log-densities, where a module imported it
+    import importlib
+
+    for mod_name in ("latent_runs", "quadrature_nodes", "plate_runs"):
+        try:
+            mod = importlib.import_module(f"pyro_mpt.conditionals.{mod_name}")
+        except ImportError:
+            continue
+        if hasattr(mod, "token_log_prob"):
+            cls_patches.append((mod, "token_log_prob", "observation"))
     saved = []
     for obj, attr, new in patches:
         setattr(obj, attr, new)
     for cls, attr, name in cls_patches:
-        old = cls.__dict__[attr]
+        old = vars(cls)[attr]
         saved.append((cls, attr, old))
         setattr(cls, attr, timers.wrap(name, old))
     try:

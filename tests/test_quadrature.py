@@ -690,3 +690,26 @@ def test_conditional_error_estimate_covers_leave_one_out_errors(float64):
         if m == 8:
             assert true.max() > 0.1
         assert (cover * true <= err + 1e-8).all(), (m, true, err)
+
+
+def test_token_log_prob_closed_form_matches_the_bernoulli_density():
+    import numpy as np
+
+    from pyro_mpt.conditionals.distributions import token_log_prob
+
+    g = torch.Generator().manual_seed(0)
+    logits = 30 * torch.randn(4, 5, 6, generator=g, dtype=torch.float64)
+    x = torch.bernoulli(torch.full((5, 6), 0.5), generator=g).double()
+    lp = token_log_prob(dist.Bernoulli(logits=logits), x)
+    l, xv = logits.numpy(), x.numpy()
+    ref = xv * -np.logaddexp(0, -l) + (1 - xv) * -np.logaddexp(0, l)  # log sigmoid, log (1 - sigmoid)
+    assert lp.shape == (4, 5, 6)
+    assert np.allclose(lp.numpy(), ref, rtol=1e-14, atol=1e-14)
+    # probs-given Bernoulli and non-binary values go to log_prob itself
+    with pyro.validation_enabled(False):
+        soft = torch.full((5, 6), 0.25, dtype=torch.float64)
+        lp_soft = token_log_prob(dist.Bernoulli(logits=logits, validate_args=False), soft)
+    ref_soft = 0.25 * -np.logaddexp(0, -l) + 0.75 * -np.logaddexp(0, l)
+    assert np.allclose(lp_soft.numpy(), ref_soft, rtol=1e-12, atol=1e-12)
+    probs = torch.sigmoid(logits[..., :1]).clamp(1e-6, 1 - 1e-6)
+    assert torch.equal(token_log_prob(dist.Bernoulli(probs=probs), x[..., :1]), dist.Bernoulli(probs=probs).log_prob(x[..., :1]))

@@ -12,12 +12,14 @@ independent given the latents, i.e. the observed log-density to factorize,
 which holds exactly when the base distribution has no event dims.
 """
 
+import math
+
 import torch
 import pyro.distributions as dist
 
 from .base import EngineNotApplicable
 
-__all__ = ["unwrap", "base_distribution", "compact", "take_rows", "check_factorized"]
+__all__ = ["unwrap", "base_distribution", "token_log_prob", "compact", "take_rows", "check_factorized"]
 
 
 def unwrap(fn, masks=False):
@@ -52,6 +54,39 @@ def base_distribution(fn):
         >>> base_distribution(dist.Bernoulli(p).to_event(1).mask(m))  # Bernoulli
     """
     return unwrap(fn, masks=True)[0]
+
+
+def token_log_prob(base, value):
+    r"""``base.log_prob(value)``, by a cheaper closed form for the common token distributions.
+
+    For a ``Bernoulli`` given by its logits :math:`\ell` at binary tokens,
+    :math:`\log p(x \mid \ell) = -\operatorname{softplus}(\ell\,(1 - 2x))`: one
+    product and one softplus, about half the passes of
+    ``binary_cross_entropy_with_logits`` (which ``Bernoulli.log_prob`` calls and
+    negates) over tables of millions of entries. Other distributions, and
+    non-binary values, go to ``base.log_prob``.
+
+    :param base: a distribution with no event dims (see :func:`base_distribution`).
+    :param torch.Tensor value: tokens broadcastable against its batch shape.
+    :returns: the per-token log-densities, broadcast shape of the two.
+
+    Example::
+
+        >>> token_log_prob(dist.Bernoulli(logits=l), x)  # == dist.Bernoulli(logits=l).log_prob(x)
+    """
+    if (
+        type(base) in (dist.Bernoulli, torch.distributions.Bernoulli)
+        and "logits" in base.__dict__  # given by its logits (no conversion from probs)
+        and torch.is_tensor(value)
+        and torch.is_floating_point(value)
+        and bool(((value == 0) | (value == 1)).all())
+    ):
+        y = base.logits * (1 - 2 * value)
+        # softplus(y) = y above the threshold; torch's default (20) is off by
+        # exp(-20) = 2e-9, visible in float64: put it where exp(-t) is below rounding
+        threshold = 2.0 - math.log(torch.finfo(y.dtype).eps)
+        return torch.nn.functional.softplus(y, threshold=threshold).neg_()
+    return base.log_prob(value)
 
 
 def compact(t):

@@ -48,7 +48,7 @@ from pyro.poutine.util import site_is_subsample
 
 from ..sites import check_local_latent
 from .base import EngineNotApplicable
-from .distributions import check_factorized
+from .distributions import check_factorized, token_log_prob
 from .plate_runs import RunMemory, run_in_plate, run_with_fallback
 
 __all__ = [
@@ -229,7 +229,7 @@ class Decoded:
         orig = self.trace.nodes[r.tokens.name]["value"]
         if torch.is_tensor(orig) and not torch.is_floating_point(orig):
             xv = xv.to(orig.dtype)  # integer tokens (Categorical, Poisson counts)
-        out = self._token_tensor(base.log_prob(xv))
+        out = self._token_tensor(token_log_prob(base, xv))
         if r.tokens.observed is not None:
             out = torch.where(r.tokens.observed, out, torch.zeros((), dtype=out.dtype, device=out.device))
         return out

@@ -19,7 +19,7 @@ from torch.distributions import biject_to
 
 from ..sites import check_local_latent
 from .base import EngineNotApplicable
-from .distributions import unwrap
+from .distributions import token_log_prob, unwrap
 from .plate_runs import CoordinateLatents, RunMemory, latent_layout, run_in_plate, run_with_fallback
 
 __all__ = ["NotQuadratureError", "quadrature_layout", "NodeRunner", "latent_dtype", "NODE_PLATE", "ALTERNATIVES"]
@@ -150,7 +150,7 @@ class NodeRunner:
         # missing tokens are evaluated at a filled-in value and then zeroed: they
         # then add nothing to any context, joint or posterior of the table
         value = site["value"] if tokens.observed is None else tokens.site_value
-        logp = base.log_prob(value)
+        logp = token_log_prob(base, value)
         full = broadcast_shape(logp.shape, fn.batch_shape + fn.event_shape)
         logp = tokens.to_tokens(logp.expand(full))
         if logp.numel() != P * n * D:
