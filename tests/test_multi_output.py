@@ -280,3 +280,54 @@ def test_missing_blocks_are_left_out(float64):
     assert np.abs(Evidence(masked)(x).numpy() - want).max() < 1e-8
     assert np.abs(MaskedPretrainingLoss(masks="order").score(masked, None, x).numpy() - want).max() < 1e-8
     assert np.abs(MaskedPretrainingLoss(masks="exhaustive").score(masked, None, x).numpy() - want).max() < 1e-8
+
+
+def numpy_lds_moments(m0, S0, A, b, Q, C, d, R, T):
+    """Mean and covariance of x_0..x_{T-1} of z_{-1} ~ N(m0, S0), z_t = z_{t-1} A + N(b, Q),
+    x_t = z_t C + N(d, R) (homogeneous, row vectors), by writing every z_t as a linear map
+    of the stacked noises, in numpy."""
+    H, O = C.shape
+    K = (T + 1) * H
+    Z = np.zeros((H, K))
+    Z[:, :H] = np.eye(H)
+    mz = m0.copy()
+    rows, mean = [], []
+    for t in range(T):
+        E = np.zeros((H, K))
+        E[:, H * (t + 1) : H * (t + 2)] = np.eye(H)
+        Z = A.T @ Z + E
+        mz = mz @ A + b
+        rows.append(C.T @ Z)
+        mean.append(mz @ C + d)
+    W = np.concatenate(rows, 0)
+    S = block_diag(S0, *[Q] * T)
+    return np.concatenate(mean), W @ S @ W.T + block_diag(*[R] * T)
+
+
+def test_gaussian_hmm_with_a_latent_offset_matches_numpy_moments(float64):
+    """A GaussianHMM whose observation offset is a latent z ~ N(0, 1) per sequence: the
+    marginal is N(mu, Sigma + 1 1^T) with (mu, Sigma) the linear dynamical system's moments,
+    written in numpy; Evidence and exhaustive MPT equal scipy's density (1e-8)."""
+    g = torch.Generator().manual_seed(11)
+    H, O, T = 2, 2, 3
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64)
+
+    m0, L0, A, b, C, d = r(H), r(H, H), 0.5 * r(H, H), r(H), r(H, O), r(O)
+    S0 = L0 @ L0.T + torch.eye(H)
+    q, s = torch.rand(H, generator=g) + 0.5, torch.rand(O, generator=g) + 0.5
+    x = r(4, T, O)
+
+    def model(x):
+        with pyro.plate("sequences", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            obs = dist.Normal(d + z[..., None, None], s).to_event(1)
+            hmm = dist.GaussianHMM(dist.MultivariateNormal(m0, S0), A, dist.Normal(b, q).to_event(1), C, obs)
+            pyro.sample("x", hmm, obs=x)
+
+    mean, cov = numpy_lds_moments(m0.numpy(), S0.numpy(), A.numpy(), b.numpy(), np.diag(q.numpy() ** 2),
+                                  C.numpy(), d.numpy(), np.diag(s.numpy() ** 2), T)
+    want = multivariate_normal.logpdf(x.reshape(4, -1).numpy(), mean, cov + 1.0)
+    assert np.abs(Evidence(model)(x).numpy() - want).max() < 1e-8
+    assert np.abs(MaskedPretrainingLoss(masks="exhaustive").score(model, None, x).numpy() - want).max() < 1e-8
