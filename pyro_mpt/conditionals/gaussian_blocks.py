@@ -53,9 +53,19 @@ def _own_event_ndim(base):
 
 
 def is_block_gaussian(base, fn, tokens):
-    """True when ``base`` (the observation's distribution without wrappers) is a
-    Gaussian with event dims whose tokens need this module: it covers several
-    blocks, or it is a ``GaussianHMM`` (whose moments are built here)."""
+    """True when the observation's tokens need this module: its base is a
+    Gaussian with event dims that covers several blocks, or a ``GaussianHMM``
+    (whose moments are built here).
+
+    :param base: the observation's distribution under its wrappers.
+    :param fn: the observed site's distribution.
+    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :rtype: bool
+
+    Example::
+
+        >>> is_block_gaussian(mvn, mvn.expand_by([2]).to_event(1), tokens)  # True: 2 blocks
+    """
     if not isinstance(base, _GAUSSIANS):
         return False
     return isinstance(base, dist.GaussianHMM) or bool(tokens.token_dims) or len(fn.event_shape) != _own_event_ndim(base)
@@ -104,7 +114,12 @@ def block_diagonal_parts(base, fn, tokens):
 
     :returns: ``(loc, ("dense", cov), batch_shape)`` with ``loc``
         ``(*lead, *datapoint_shape, D)`` and ``cov`` ``(*lead, *datapoint_shape, D, D)``
-        in token layout, as the Gaussian marginal's observation parts.
+        in token layout, as the Gaussian marginal's observation parts:
+        :math:`\Sigma = \operatorname{blockdiag}(\Sigma_1, \dots, \Sigma_B)`.
+
+    Example::
+
+        >>> loc, (kind, cov), batch_shape = block_diagonal_parts(base, fn, tokens)
     """
     lead, outer, own = _shape_parts(base, fn, tokens)
     N = math.prod(own)
@@ -142,6 +157,11 @@ def block_marginal(tokens, marginal_cls):
     :param type marginal_cls: the marginal's class (``GaussianMarginal``).
     :returns: ``(marginal, num_blocks)``: ``marginal`` over ``N`` tokens with
         leading dim ``n * num_blocks`` (datapoint-major), or 1 when shared.
+
+    Example::
+
+        >>> marginal, B = block_marginal(trace_tokens(gpr.model, None, (), {}), GaussianMarginal)
+        >>> marginal.covariance.shape  # (1, N, N): the outputs share the kernel
     """
     if tokens.latent_names:
         return None
