@@ -47,7 +47,7 @@ from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
 from ..sites import check_local_latent
-from .base import EngineNotApplicable
+from .base import EngineNotApplicable, SlowEngineWarning
 from .distributions import check_factorized, token_log_prob
 from .plate_runs import RunMemory, run_in_plate, run_with_fallback
 
@@ -250,6 +250,43 @@ class Decoded:
         return self._token_tensor(self._base().sample())
 
 
+class StackedDecoded:
+    """Several :class:`Decoded` runs of one point each, read as one run of ``R`` points.
+
+    The per-point fallback of :meth:`LatentRunner.decode` and
+    :meth:`LatentRunner.sample_prior` for models that do not run vectorized:
+    every method concatenates the points' results along the leading dim.
+    """
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.rows = len(parts)
+        self.names = parts[0].names if parts else []
+
+    def _cat(self, method, *args):
+        return torch.cat([getattr(p, method)(*args) for p in self.parts], 0)
+
+    def log_prior(self):
+        return self._cat("log_prior")
+
+    def obs_log_prob(self):
+        return self._cat("obs_log_prob")
+
+    def token_log_prob(self, x):
+        return self._cat("token_log_prob", x)
+
+    def mean(self):
+        return self._cat("mean")
+
+    def sample(self):
+        return self._cat("sample")
+
+
+#: the most model runs one call may make one point at a time, for a model that does not
+#: run vectorized (:meth:`LatentRunner.decode`); beyond it the call is refused
+MAX_POINT_RUNS = 2048
+
+
 # ---------------------------------------------------------------------- runner
 class LatentRunner:
     """Runs a model (and guide) at many latent values at once; see the module docstring.
@@ -280,6 +317,7 @@ class LatentRunner:
         self.data_dims = {f.dim for f in data_frames}
         self.replay = tokens.subsample_trace()
         self.memory = GuideMemory() if memory is None else memory
+        self.warned_per_point = False
         for site in tokens.latent_sites():
             check_local_latent(tokens, site, EngineNotApplicable, allow_extra_plates=True,
                                consequence=f"{who} cannot integrate it per datapoint")
@@ -350,8 +388,50 @@ class LatentRunner:
         except EngineNotApplicable:
             raise
         except Exception as e:
-            raise self._model_failed(e) from e
+            return self._per_point(e, rows, values)
         return Decoded(self, trace, rows, list(values))
+
+    def _per_point(self, error, rows, values=None):
+        """The model run once per point, without the particle plate: the fallback for
+        models that do not broadcast over it (e.g. ``nn.Linear`` with sampled weights,
+        whose ``F.linear`` takes a 2-D weight only)."""
+        if rows > MAX_POINT_RUNS:
+            raise EngineNotApplicable(
+                f"{self.who} runs the model with {rows} latent values at once, in a pyro.plate "
+                f"at dim {-self.rank}, and the model failed there ({type(error).__name__}: "
+                f"{error}); one run per value would take {rows} model runs, more than "
+                f"{MAX_POINT_RUNS}. Write the model so that it broadcasts over extra batch dims "
+                f"on the left (torch.matmul instead of nn.Linear / F.linear on sampled weights, "
+                f"'...' indexing, .expand), or use fewer samples per call (num_samples, chunk_size)."
+            ) from error
+        if self.warned_per_point:
+            return self._point_runs(rows, values)
+        self.warned_per_point = True  # once per runner: one evaluation, however many chunks
+        warnings.warn(
+            f"{self.who}: the model failed when run with many latent values at once in a "
+            f"pyro.plate at dim {-self.rank} ({type(error).__name__}: {str(error).splitlines()[0]}); "
+            f"running it once per value instead, which is much slower. Write the model so "
+            f"that it broadcasts over extra batch dims on the left (torch.matmul instead of "
+            f"nn.Linear / F.linear on sampled weights) to run it vectorized.",
+            SlowEngineWarning,
+            stacklevel=4,
+        )
+        return self._point_runs(rows, values)
+
+    def _point_runs(self, rows, values):
+        shapes = {name: self.tokens.model_trace.nodes[name]["value"].shape for name in (values or {})}
+        parts = []
+        for i in range(rows):
+            point = {name: v[i].reshape(shapes[name]) if v[i].numel() == shapes[name].numel() else v[i]
+                     for name, v in (values or {}).items()}
+            replay = self._replay_with(point)
+            try:
+                trace = run_in_plate(self.model, self.args, self.kwargs, replay=replay)
+            except Exception as e:
+                # the model fails at one point too
+                raise self._model_failed(e) from e
+            parts.append(Decoded(self, trace, 1, list(point)))
+        return StackedDecoded(parts)
 
     def sample_prior(self, rows):
         """Run the model with ``rows`` prior draws of its latents per datapoint.
@@ -360,8 +440,10 @@ class LatentRunner:
         """
         try:
             trace = self._run(self.model, rows, self.args, self.kwargs, self.replay)
+        except EngineNotApplicable:
+            raise
         except Exception as e:
-            raise self._model_failed(e) from e
+            return self._per_point(e, rows)
         return Decoded(self, trace, rows, [])
 
     def prior_mean_tokens(self):

@@ -125,7 +125,8 @@ class NodeRunner:
             f"and the model failed there ({type(e).__name__}: {e}). Write "
             f"the model so that it broadcasts over extra batch dims on the "
             f"left (use '...' indexing, torch.matmul, .expand), or set "
-            f"max_plate_nesting correctly."
+            f"max_plate_nesting correctly; conditionals='importance' runs such a "
+            f"model one point at a time (slower)."
         )
 
     def run(self, u):

@@ -87,7 +87,28 @@ def _():
 
 @trigger("runner-model-does-not-broadcast")
 def _():
-    MaskedPretrainingLoss(conditionals="importance").loss(_mm_model, None, _x())
+    # a model that fails in every run after its first (vectorized or one point at a time)
+    runs = []
+
+    def model(x):
+        runs.append(1)
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1, dtype=x.dtype), 1.0).to_event(1))
+            if len(runs) > 1:
+                raise RuntimeError("the data source is exhausted")
+            pyro.sample("x", dist.Normal(z.expand(z.shape[:-1] + (3,)), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="importance").loss(model, None, _x())
+
+
+@trigger("runner-per-point-fallback")
+def _():
+    Evidence(_mm_model, method="importance", num_samples=20)(_x())
+
+
+@trigger("runner-per-point-too-many")
+def _():
+    Evidence(_mm_model, method="importance", num_samples=3000)(_x())
 
 
 @trigger("runner-guide-extra-site")
