@@ -821,22 +821,23 @@ def _lowrank_shared_sums(m, x, mask, max_elements, data):
         v = valid.to(x.dtype)
         Fm = F[idx] * v.unsqueeze(-1)  # (g, M, R), zero at padding
         psim = psi[idx]
-        h = zhat.expand(g, R, n)
         if C > 0:
             cidx = order[:, :C]
             cv = (torch.arange(C, device=x.device) < (D - size).unsqueeze(-1)).to(x.dtype).unsqueeze(-1)  # (g, C, 1)
             Fpc = Fp[cidx] * cv  # (g, C, R), zero at padding
             L = _cholesky(Fpc.transpose(-1, -2) @ F[cidx] + eye, "context precision I + F_R^T Psi_R^-1 F_R", m.site)
+            # Lambda >= I, so L^-1 has norm <= 1: its explicit inverse is accurate, and
+            # turns the solves over the data into matrix products
+            Linv = torch.linalg.solve_triangular(L, eye.expand(g, R, R), upper=False)
             Ec = eT.index_select(0, cidx.reshape(-1)).view(cidx.shape + (n,))  # (g, C, n)
-            h = h - Fpc.transpose(-1, -2) @ Ec
+            # h = L^-1 (zhat - F_R^T Psi_R^-1 e_R), V = L^-1 F_M^T
+            h = torch.baddbmm(Linv @ zhat, Linv @ Fpc.transpose(-1, -2), Ec, alpha=-1)  # (g, R, n)
+            V = Linv @ Fm.transpose(-1, -2)  # (g, R, M)
         else:
-            L = eye.expand(g, R, R)
-        # V = L^-1 F_M^T and h = L^-1 (zhat - F_R^T Psi_R^-1 e_R)
-        V = torch.linalg.solve_triangular(L, Fm.transpose(-1, -2), upper=False)  # (g, R, M)
-        h = torch.linalg.solve_triangular(L, h, upper=False)  # (g, R, n)
+            h, V = zhat.expand(g, R, n), Fm.transpose(-1, -2)
         var = psim + V.pow(2).sum(-2)  # (g, M)
         E = eT.index_select(0, idx.reshape(-1)).view(idx.shape + (n,))  # (g, M, n)
-        d = E + V.transpose(-1, -2) @ h  # masked residuals (g, M, n)
+        d = torch.baddbmm(E, V.transpose(-1, -2), h)  # masked residuals E + V^T h, (g, M, n)
         w = (v / var).unsqueeze(-2)  # (g, 1, M)
         quad = (w @ d.pow(2)).squeeze(-2)  # (g, n)
         logdet = (v * (_LOG_2PI + var.log())).sum(-1, keepdim=True)
