@@ -331,3 +331,21 @@ def test_gaussian_hmm_with_a_latent_offset_matches_numpy_moments(float64):
     want = multivariate_normal.logpdf(x.reshape(4, -1).numpy(), mean, cov + 1.0)
     assert np.abs(Evidence(model)(x).numpy() - want).max() < 1e-8
     assert np.abs(MaskedPretrainingLoss(masks="exhaustive").score(model, None, x).numpy() - want).max() < 1e-8
+
+
+def test_multi_output_sparse_gp_is_served_on_the_low_rank_path(float64):
+    """SparseGPRegression (approx "DTC" and "FITC") with y of shape (2, N) observes a
+    LowRankMultivariateNormal expanded over the outputs: Evidence and the order schedule
+    equal Pyro's log_prob of that site (1e-8), with one shared low-rank block."""
+    g = torch.Generator().manual_seed(12)
+    X = 5 * torch.rand(30, 1, generator=g, dtype=torch.float64)
+    y = torch.randn(2, 30, generator=g, dtype=torch.float64)
+    Xu = torch.linspace(0, 5, 6, dtype=torch.float64)[:, None]
+    for approx in ("DTC", "FITC"):
+        sgp = gp.models.SparseGPRegression(X, y, gp.kernels.RBF(1), Xu, noise=torch.tensor(0.1), approx=approx)
+        want = float(pyro.poutine.trace(sgp.model).get_trace().nodes["y"]["fn"].log_prob(y))
+        assert abs(float(Evidence(sgp.model)()) - want) < 1e-8
+        assert abs(float(MaskedPretrainingLoss(masks="order").score(sgp.model, None)) - want) < 1e-8
+        tokens = trace_tokens(sgp.model, None, (), {})
+        state = GaussianConditionals().prepare(tokens, sgp.model, None, (), {})
+        assert state.num_blocks == 2 and state.inner.is_low_rank and state.inner.cov_factor.shape[0] == 1

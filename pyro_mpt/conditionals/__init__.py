@@ -117,7 +117,8 @@ logger = logging.getLogger("pyro_mpt")
 REQUIREMENTS = {
     "gaussian": "Normal latents local to each datapoint and a Normal (or "
     "MultivariateNormal) observation whose location is affine in them, or a "
-    "Gaussian observation without latents",
+    "Gaussian observation without latents (MultivariateNormal, also over several "
+    "blocks as a multi-output GP, or GaussianHMM)",
     "hierarchical": "a linear-Gaussian hierarchy: Normal latents inside one token plate "
     "of units (e.g. token_plates=('data',)) and outside it, and a Normal observation "
     "affine in them",
