@@ -55,7 +55,8 @@ from .base import ConditionalEngine, EngineNotApplicable, NumericalWarning, Slow
 from .gaussian import GaussianConditionals
 from .hierarchical import HierarchicalGaussianConditionals, HierarchicalGaussianState
 from .gaussian_marginal import GaussianMarginal, NotLinearGaussianError, gaussian_marginal
-from .quadrature import QuadratureConditionals, QuadratureState
+from .quadrature import QuadratureConditionals
+from .quadrature_table import QuadratureState
 from .quadrature_nodes import NotQuadratureError
 from .encode_decode import EncodeDecodeConditionals, EncodeDecodeState
 from .importance import ImportanceConditionals, ImportanceState

@@ -88,13 +88,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from .base import ConditionalEngine
 from .distributions import check_factorized
 from .laplace import LaplaceSearch
-from .mixture import MixtureChunk, chain_terms, combine_partials, normalize_empty, stable_logsumexp
+from .mixture import MixtureChunk, chain_terms, normalize_empty, stable_logsumexp
 from .plate_runs import RunMemory
+from .quadrature_table import QuadratureState
 from .quadrature_nodes import ALTERNATIVES, NodeRunner, NotQuadratureError, latent_dtype, quadrature_layout
 from .quadrature_rules import (
     MAX_LATENT_DIM,
@@ -105,7 +105,7 @@ from .quadrature_rules import (
     gaussian_grid,
 )
 
-__all__ = ["QuadratureConditionals", "QuadratureState", "QuadratureMemory"]
+__all__ = ["QuadratureConditionals", "QuadratureMemory"]
 
 
 @dataclass
@@ -128,62 +128,6 @@ class QuadratureMemory:
     run_mode: RunMemory = field(default_factory=RunMemory)
     warm_key: Optional[tuple] = None
     warm_centres: Optional[torch.Tensor] = None
-
-
-# ---------------------------------------------------------------------- state
-@dataclass
-class QuadratureState:
-    """The quadrature rule of one loss evaluation, and its token table.
-
-    :param torch.Tensor nodes: node coordinates ``(r, Q, K)`` (``r`` is 1 when the
-        grid is shared by the batch, else ``n``); detached.
-    :param torch.Tensor log_weights: rule log-weights ``(r, Q)`` for Lebesgue
-        measure in the node coordinates; detached.
-    :param int num_data: ``n``.
-    :param int num_tokens: ``D``.
-    :param int node_chunk: nodes per chunk of the table.
-    :param list chunks: the cached table chunks, or None when streamed.
-    :param torch.Tensor ess: per-datapoint effective number of nodes of the
-        posterior given all tokens, ``(n,)`` (None when not checked; for a
-        streamed table it is filled by the first query).
-    :param torch.Tensor axis_ess: the same per grid axis, ``(n, K)``
-        (:func:`~pyro_mpt.conditionals.quadrature_rules.effective_nodes`).
-    """
-
-    nodes: torch.Tensor
-    log_weights: torch.Tensor
-    num_data: int
-    num_tokens: int
-    node_chunk: int
-    runner: object = field(repr=False)
-    chunks: Optional[list] = field(default=None, repr=False)
-    ess: Optional[torch.Tensor] = None
-    axis_ess: Optional[torch.Tensor] = None
-    ess_pending: bool = False
-
-    @property
-    def num_nodes(self):
-        """``Q``, the total number of nodes."""
-        return self.nodes.shape[1]
-
-    @property
-    def latent_dim(self):
-        return self.nodes.shape[2]
-
-    def slices(self):
-        Q = self.num_nodes
-        return [slice(s, min(Q, s + self.node_chunk)) for s in range(0, Q, self.node_chunk)]
-
-    def compute_chunk(self, sl):
-        """Run the model on the nodes ``sl``.
-
-        :rtype: ~pyro_mpt.conditionals.mixture.MixtureChunk
-        """
-        u = self.nodes[:, sl].transpose(0, 1)  # (Qc, r, K)
-        log_pi, logp = self.runner.run(u)
-        logw = self.log_weights[:, sl] + log_pi.transpose(0, 1)
-        # a strided view: the reductions are batched matrix products that read it as is
-        return MixtureChunk(logw, logp.transpose(0, 1))
 
 
 # ---------------------------------------------------------------------- engine
@@ -392,33 +336,8 @@ class QuadratureConditionals(ConditionalEngine):
             self.memory.warm_key = (x.detach().clone(), tuple(t.clone() for t in sub))
             self.memory.warm_centres = centre.detach()
 
-    # ------------------------------------------------------------------ chunk loop
     def _reduce(self, state, reducer, *inputs):
-        """Apply ``reducer(chunk, *inputs)`` to every node chunk; combine with logaddexp."""
-        total = None
-        if state.chunks is not None:
-            for chunk in state.chunks:
-                part = reducer(chunk, *inputs)
-                total = combine_partials(total, part)
-            return total
-        joints = []
-        for sl in state.slices():
-
-            def run(*inp, sl=sl):
-                chunk = state.compute_chunk(sl)
-                if state.ess_pending:  # not during the backward recomputation
-                    joints.append(chunk.joint().detach())
-                return reducer(chunk, *inp)
-
-            if torch.is_grad_enabled():
-                part = checkpoint(run, *inputs, use_reentrant=False)
-            else:
-                part = run(*inputs)
-            total = combine_partials(total, part)
-        if state.ess_pending:
-            state.ess_pending = False
-            self._check_ess(state, torch.cat(joints, -1))
-        return total
+        return state.reduce(reducer, *inputs, check_ess=self._check_ess)
 
     def _check_ess(self, state, lj):
         """Effective number of nodes of each posterior given all tokens, in all

@@ -1,0 +1,111 @@
+r"""The quadrature engine's table: the rule's nodes and the token log-likelihoods at them.
+
+:class:`QuadratureState` holds the nodes and log-weights of one evaluation's
+rule and the table :math:`T_{iqd} = \log p(x_{id} \mid z_q)` in chunks of
+nodes (:class:`~pyro_mpt.conditionals.mixture.MixtureChunk`): kept whole when
+small, else streamed -- rebuilt by the model run at each pass, under
+activation checkpointing -- and reduced chunk by chunk (:meth:`QuadratureState.reduce`).
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .mixture import MixtureChunk, combine_partials
+
+__all__ = ["QuadratureState"]
+
+
+@dataclass
+class QuadratureState:
+    """The quadrature rule of one loss evaluation, and its token table.
+
+    :param torch.Tensor nodes: node coordinates ``(r, Q, K)`` (``r`` is 1 when the
+        grid is shared by the batch, else ``n``); detached.
+    :param torch.Tensor log_weights: rule log-weights ``(r, Q)`` for Lebesgue
+        measure in the node coordinates; detached.
+    :param int num_data: ``n``.
+    :param int num_tokens: ``D``.
+    :param int node_chunk: nodes per chunk of the table.
+    :param list chunks: the cached table chunks, or None when streamed.
+    :param torch.Tensor ess: per-datapoint effective number of nodes of the
+        posterior given all tokens, ``(n,)`` (None when not checked; for a
+        streamed table it is filled by the first query).
+    :param torch.Tensor axis_ess: the same per grid axis, ``(n, K)``
+        (:func:`~pyro_mpt.conditionals.quadrature_rules.effective_nodes`).
+    """
+
+    nodes: torch.Tensor
+    log_weights: torch.Tensor
+    num_data: int
+    num_tokens: int
+    node_chunk: int
+    runner: object = field(repr=False)
+    chunks: Optional[list] = field(default=None, repr=False)
+    ess: Optional[torch.Tensor] = None
+    axis_ess: Optional[torch.Tensor] = None
+    ess_pending: bool = False
+
+    @property
+    def num_nodes(self):
+        """``Q``, the total number of nodes."""
+        return self.nodes.shape[1]
+
+    @property
+    def latent_dim(self):
+        return self.nodes.shape[2]
+
+    def slices(self):
+        Q = self.num_nodes
+        return [slice(s, min(Q, s + self.node_chunk)) for s in range(0, Q, self.node_chunk)]
+
+    def compute_chunk(self, sl):
+        """Run the model on the nodes ``sl``.
+
+        :rtype: ~pyro_mpt.conditionals.mixture.MixtureChunk
+        """
+        u = self.nodes[:, sl].transpose(0, 1)  # (Qc, r, K)
+        log_pi, logp = self.runner.run(u)
+        logw = self.log_weights[:, sl] + log_pi.transpose(0, 1)
+        # a strided view: the reductions are batched matrix products that read it as is
+        return MixtureChunk(logw, logp.transpose(0, 1))
+
+    def reduce(self, reducer, *inputs, check_ess=None):
+        """Apply ``reducer(chunk, *inputs)`` to every chunk of the table; combine with logaddexp.
+
+        A streamed table is rebuilt chunk by chunk under activation
+        checkpointing, so that the backward pass recomputes each chunk instead
+        of keeping it. On the first pass over a streamed table with
+        ``ess_pending``, ``check_ess(state, log_joints)`` gets the per-node log
+        joints ``(n, Q)`` (no extra pass).
+
+        :param callable reducer: ``reducer(chunk, *inputs)`` -> a tuple of
+            partial log-sums (:class:`~pyro_mpt.conditionals.mixture.MixtureChunk`).
+        :returns: the combined tuple (:func:`~pyro_mpt.conditionals.mixture.combine_partials`).
+        """
+        total = None
+        if self.chunks is not None:
+            for chunk in self.chunks:
+                total = combine_partials(total, reducer(chunk, *inputs))
+            return total
+        joints = []
+        for sl in self.slices():
+
+            def run(*inp, sl=sl):
+                chunk = self.compute_chunk(sl)
+                if self.ess_pending:  # not during the backward recomputation
+                    joints.append(chunk.joint().detach())
+                return reducer(chunk, *inp)
+
+            if torch.is_grad_enabled():
+                part = checkpoint(run, *inputs, use_reentrant=False)
+            else:
+                part = run(*inputs)
+            total = combine_partials(total, part)
+        if self.ess_pending:
+            self.ess_pending = False
+            if check_ess is not None:
+                check_ess(self, torch.cat(joints, -1))
+        return total
