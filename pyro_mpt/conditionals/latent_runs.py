@@ -41,22 +41,19 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
 from ..sites import check_local_latent
 from .base import EngineNotApplicable, SlowEngineWarning
-from .distributions import check_factorized, token_log_prob
+from .decoded import Decoded, Encoded, StackedDecoded, pad_batch, site_log_prob
 from .plate_runs import RunMemory, run_in_plate, run_with_fallback
 
 __all__ = [
     "PARTICLE_PLATE",
     "GuideMemory",
     "LatentRunner",
-    "Decoded",
-    "Encoded",
     "logmeanexp",
 ]
 
@@ -118,170 +115,6 @@ class _MeanValues(Messenger):
         msg["done"] = True
 
 
-# ---------------------------------------------------------------------- helpers
-def _pad(t, rank):
-    """Left-pad a batch tensor with size-1 dims to ``rank`` dims."""
-    if t.dim() > rank:
-        raise ValueError(
-            f"A log-density of shape {tuple(t.shape)} has more than the {rank} batch dims "
-            f"expected (max_plate_nesting + 1 for the particle plate); set max_plate_nesting "
-            f"to the number of plate dims the model uses."
-        )
-    return t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
-
-
-def _site_log_prob(site):
-    lp = site["fn"].log_prob(site["value"])
-    mask = site.get("mask")
-    if torch.is_tensor(mask):
-        lp = torch.where(mask, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
-    return lp
-
-
-@dataclass
-class Encoded:
-    """Latent values drawn by the guide, laid out for :meth:`LatentRunner.decode`.
-
-    :param dict values: latent name -> value with leading dim ``P * B``
-        (particles outer, imputed versions inner) in the particle plate's layout.
-    :param torch.Tensor log_q: :math:`\\log q(z \\mid \\tilde x)` per datapoint,
-        ``(P, B, n)``; None for means.
-    """
-
-    values: dict
-    log_q: Optional[torch.Tensor]
-    num_particles: int
-    num_versions: int
-
-
-class Decoded:
-    """The model run at given latent values: a trace in a particle plate of size ``R``."""
-
-    def __init__(self, runner, trace, rows, names):
-        self.runner = runner
-        self.trace = trace
-        self.rows = rows
-        self.names = names  # latents whose values were given (their log p is counted)
-
-    @property
-    def obs_fn(self):
-        return self.trace.nodes[self.runner.tokens.name]["fn"]
-
-    def log_prior(self):
-        """:math:`\\sum_l \\log p(z_l)` over the given latents, per datapoint, ``(R, n)``."""
-        r = self.runner
-        total = None
-        for name in self.names:
-            lp = r.per_datapoint(_site_log_prob(self.trace.nodes[name]), self.rows)
-            total = lp if total is None else total + lp
-        if total is None:
-            total = r.tokens.value.new_zeros(self.rows, r.tokens.num_data)
-        return total
-
-    def obs_log_prob(self):
-        """:math:`\\log p(x \\mid z)` at the data, per datapoint, ``(R, n)``.
-
-        With missing tokens, the sum of :meth:`token_log_prob` over the observed ones.
-        """
-        r = self.runner
-        if r.tokens.observed is not None:
-            return self.token_log_prob(r.tokens.value).sum(-1)
-        site = self.trace.nodes[r.tokens.name]
-        lp = site["fn"].log_prob(site["value"])
-        bs = r.tokens.site_batch_shape
-        expected = (self.rows,) + (1,) * (r.rank - 1 - len(bs)) + tuple(bs)
-        shape = _pad(lp, r.rank).shape
-        if any(a != b and a != 1 for a, b in zip(shape, expected)):
-            raise EngineNotApplicable(
-                f"Observed site {r.tokens.name!r} has batch shape {tuple(lp.shape)} when the "
-                f"model runs with {self.rows} latent values per datapoint in a pyro.plate at "
-                f"dim {-r.rank}; expected {expected}. The model does not broadcast over that "
-                f"dim: keep the latents' batch dims when computing the observation (e.g. "
-                f"unsqueeze the dim of a plate you reduce over), or set max_plate_nesting."
-            )
-        return r.per_datapoint(lp, self.rows)
-
-    def _token_tensor(self, t):
-        r = self.runner
-        fn = self.obs_fn
-        full = broadcast_shape(t.shape, fn.batch_shape + fn.event_shape)
-        t = r.tokens.to_tokens(t.expand(full))
-        n, D = r.tokens.num_data, r.tokens.num_tokens
-        if t.numel() != self.rows * n * D:
-            raise EngineNotApplicable(
-                f"Observed site {r.tokens.name!r} has shape {tuple(full)} when the model "
-                f"runs in a plate of {self.rows} particles; expected {self.rows} x {n} "
-                f"datapoints x {D} tokens. {r.who} needs every latent local to a datapoint."
-            )
-        return t.reshape(self.rows, n, D)
-
-    def _base(self):
-        return check_factorized(self.obs_fn, self.runner.tokens.name, self.runner.who)
-
-    def token_log_prob(self, x):
-        """:math:`\\log p(x_d \\mid z)` per token at tokens ``x`` ``(n, D)``: ``(R, n, D)``.
-
-        Missing tokens (``tokens.observed``) get 0.
-        """
-        r = self.runner
-        base = self._base()
-        xv = r.tokens.to_site(x)
-        orig = self.trace.nodes[r.tokens.name]["value"]
-        if torch.is_tensor(orig) and not torch.is_floating_point(orig):
-            xv = xv.to(orig.dtype)  # integer tokens (Categorical, Poisson counts)
-        out = self._token_tensor(token_log_prob(base, xv))
-        if r.tokens.observed is not None:
-            out = torch.where(r.tokens.observed, out, torch.zeros((), dtype=out.dtype, device=out.device))
-        return out
-
-    def mean(self):
-        """The observation's mean per token (mode where the mean is not finite), ``(R, n, D)``."""
-        base = self._base()
-        try:
-            m = base.mean
-        except NotImplementedError:
-            m = None
-        if m is None or not bool(torch.isfinite(m).all()):
-            m = base.mode
-        return self._token_tensor(m)
-
-    def sample(self):
-        """One draw of the tokens from :math:`p(x \\mid z)`, ``(R, n, D)``."""
-        return self._token_tensor(self._base().sample())
-
-
-class StackedDecoded:
-    """Several :class:`Decoded` runs of one point each, read as one run of ``R`` points.
-
-    The per-point fallback of :meth:`LatentRunner.decode` and
-    :meth:`LatentRunner.sample_prior` for models that do not run vectorized:
-    every method concatenates the points' results along the leading dim.
-    """
-
-    def __init__(self, parts):
-        self.parts = parts
-        self.rows = len(parts)
-        self.names = parts[0].names if parts else []
-
-    def _cat(self, method, *args):
-        return torch.cat([getattr(p, method)(*args) for p in self.parts], 0)
-
-    def log_prior(self):
-        return self._cat("log_prior")
-
-    def obs_log_prob(self):
-        return self._cat("obs_log_prob")
-
-    def token_log_prob(self, x):
-        return self._cat("token_log_prob", x)
-
-    def mean(self):
-        return self._cat("mean")
-
-    def sample(self):
-        return self._cat("sample")
-
-
 #: the most model runs one call may make one point at a time, for a model that does not
 #: run vectorized (:meth:`LatentRunner.decode`); beyond it the call is refused
 MAX_POINT_RUNS = 2048
@@ -337,7 +170,7 @@ class LatentRunner:
         rank = self.rank
         if batch_shape is None:
             batch_shape = self.tokens.batch_shape
-        log_p = _pad(log_p, rank)
+        log_p = pad_batch(log_p, rank)
         dims = [i for i in range(1, rank) if (i - rank) not in self.data_dims and log_p.shape[i] > 1]
         if dims:
             log_p = log_p.sum(dims, keepdim=True)
@@ -377,10 +210,10 @@ class LatentRunner:
         """Run the model in a particle plate of size ``rows`` with latents set to ``values``.
 
         Latents missing from ``values`` are drawn from the prior (their
-        :math:`\\log p` is not counted in :meth:`Decoded.log_prior`).
+        :math:`\\log p` is not counted in :meth:`~pyro_mpt.conditionals.decoded.Decoded.log_prior`).
 
         :param dict values: latent name -> value with leading dim ``rows``.
-        :rtype: Decoded
+        :rtype: ~pyro_mpt.conditionals.decoded.Decoded
         """
         replay = self._replay_with(values)
         try:
@@ -436,7 +269,7 @@ class LatentRunner:
     def sample_prior(self, rows):
         """Run the model with ``rows`` prior draws of its latents per datapoint.
 
-        :rtype: Decoded
+        :rtype: ~pyro_mpt.conditionals.decoded.Decoded
         """
         try:
             trace = self._run(self.model, rows, self.args, self.kwargs, self.replay)
@@ -487,7 +320,7 @@ class LatentRunner:
                         f"AutoDiagonalNormal, AutoMultivariateNormal, AutoLowRankMultivariateNormal), "
                         f"whose per-datapoint marginals are computed from their parameters."
                     )
-                lq = self.per_datapoint(_site_log_prob(site), rows, batch).reshape(rows, versions, n)
+                lq = self.per_datapoint(site_log_prob(site), rows, batch).reshape(rows, versions, n)
                 log_q = lq if log_q is None else log_q + lq
                 continue
             if name not in latent:
@@ -513,7 +346,7 @@ class LatentRunner:
             else:
                 v = v.unsqueeze(1)
             values[name] = v.reshape((rows * versions,) + tuple(v.shape[2:]))
-            lq = self.per_datapoint(_site_log_prob(site), rows, batch).reshape(rows, versions, n)
+            lq = self.per_datapoint(site_log_prob(site), rows, batch).reshape(rows, versions, n)
             log_q = lq if log_q is None else log_q + lq
         if log_q is None:
             log_q = tokens.value.new_zeros(rows, versions, n)
@@ -530,7 +363,7 @@ class LatentRunner:
         :param int num_particles: draws per version and datapoint (``P``).
         :param bool mean: set each latent to the mean of its guide distribution
             instead of sampling (``P`` should be 1).
-        :rtype: Encoded
+        :rtype: ~pyro_mpt.conditionals.decoded.Encoded
         """
         if self.guide is None or self.data is None:
             raise ValueError(f"{self.who}: encoding needs a guide and its data argument.")
@@ -591,7 +424,7 @@ class LatentRunner:
         :param torch.Tensor xt: ``(B, n, D)`` inputs, ``B = C * Q``; input ``b``
             belongs to query ``b % Q``.
         :param dict values: latent name -> value ``(S * Q, ...)`` in the layout of
-            ``values`` of :class:`Encoded` (draws outer, queries inner).
+            ``values`` of :class:`~pyro_mpt.conditionals.decoded.Encoded` (draws outer, queries inner).
         :param int num_particles: ``S``.
         :returns: ``(S, C, Q, n)``: every draw of query ``j`` scored under each of
             that query's ``C`` inputs.
@@ -638,7 +471,7 @@ class LatentRunner:
     def encode_original(self, rows):
         """Run the guide on the original data with ``rows`` particles.
 
-        :rtype: Encoded (with ``B = 1``)
+        :rtype: ~pyro_mpt.conditionals.decoded.Encoded (with ``B = 1``)
         """
         try:
             trace = self._guide_run(self.args, self.kwargs, rows, False, self.replay)

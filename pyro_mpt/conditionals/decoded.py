@@ -1,0 +1,192 @@
+r"""What the model and guide runs of :mod:`~pyro_mpt.conditionals.latent_runs` return.
+
+:class:`Encoded` holds the latent values a guide drew (and their
+:math:`\log q`), laid out for decoding; :class:`Decoded` is the model run at
+given latent values, read per datapoint (:math:`\log p(z)`,
+:math:`\log p(x \mid z)`) or token by token (log-densities, means, draws).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
+
+from .base import EngineNotApplicable
+from .distributions import check_factorized, token_log_prob
+
+__all__ = ["Encoded", "Decoded", "StackedDecoded", "pad_batch", "site_log_prob"]
+
+
+def pad_batch(t, rank):
+    """Left-pad a batch tensor with size-1 dims to ``rank`` dims.
+
+    Example::
+
+        >>> pad_batch(torch.zeros(4), 3).shape  # torch.Size([1, 1, 4])
+    """
+    if t.dim() > rank:
+        raise ValueError(
+            f"A log-density of shape {tuple(t.shape)} has more than the {rank} batch dims "
+            f"expected (max_plate_nesting + 1 for the particle plate); set max_plate_nesting "
+            f"to the number of plate dims the model uses."
+        )
+    return t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
+
+
+def site_log_prob(site):
+    """A trace site's log-density at its value, 0 where the site's mask is False.
+
+    Example::
+
+        >>> site_log_prob(trace.nodes["z"])  # the site's batch shape
+    """
+    lp = site["fn"].log_prob(site["value"])
+    mask = site.get("mask")
+    if torch.is_tensor(mask):
+        lp = torch.where(mask, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
+    return lp
+
+
+@dataclass
+class Encoded:
+    """Latent values drawn by the guide, laid out for :meth:`~pyro_mpt.conditionals.latent_runs.LatentRunner.decode`.
+
+    :param dict values: latent name -> value with leading dim ``P * B``
+        (particles outer, imputed versions inner) in the particle plate's layout.
+    :param torch.Tensor log_q: :math:`\\log q(z \\mid \\tilde x)` per datapoint,
+        ``(P, B, n)``; None for means.
+    """
+
+    values: dict
+    log_q: Optional[torch.Tensor]
+    num_particles: int
+    num_versions: int
+
+
+class Decoded:
+    """The model run at given latent values: a trace in a particle plate of size ``R``."""
+
+    def __init__(self, runner, trace, rows, names):
+        self.runner = runner
+        self.trace = trace
+        self.rows = rows
+        self.names = names  # latents whose values were given (their log p is counted)
+
+    @property
+    def obs_fn(self):
+        return self.trace.nodes[self.runner.tokens.name]["fn"]
+
+    def log_prior(self):
+        """:math:`\\sum_l \\log p(z_l)` over the given latents, per datapoint, ``(R, n)``."""
+        r = self.runner
+        total = None
+        for name in self.names:
+            lp = r.per_datapoint(site_log_prob(self.trace.nodes[name]), self.rows)
+            total = lp if total is None else total + lp
+        if total is None:
+            total = r.tokens.value.new_zeros(self.rows, r.tokens.num_data)
+        return total
+
+    def obs_log_prob(self):
+        """:math:`\\log p(x \\mid z)` at the data, per datapoint, ``(R, n)``.
+
+        With missing tokens, the sum of :meth:`token_log_prob` over the observed ones.
+        """
+        r = self.runner
+        if r.tokens.observed is not None:
+            return self.token_log_prob(r.tokens.value).sum(-1)
+        site = self.trace.nodes[r.tokens.name]
+        lp = site["fn"].log_prob(site["value"])
+        bs = r.tokens.site_batch_shape
+        expected = (self.rows,) + (1,) * (r.rank - 1 - len(bs)) + tuple(bs)
+        shape = pad_batch(lp, r.rank).shape
+        if any(a != b and a != 1 for a, b in zip(shape, expected)):
+            raise EngineNotApplicable(
+                f"Observed site {r.tokens.name!r} has batch shape {tuple(lp.shape)} when the "
+                f"model runs with {self.rows} latent values per datapoint in a pyro.plate at "
+                f"dim {-r.rank}; expected {expected}. The model does not broadcast over that "
+                f"dim: keep the latents' batch dims when computing the observation (e.g. "
+                f"unsqueeze the dim of a plate you reduce over), or set max_plate_nesting."
+            )
+        return r.per_datapoint(lp, self.rows)
+
+    def _token_tensor(self, t):
+        r = self.runner
+        fn = self.obs_fn
+        full = broadcast_shape(t.shape, fn.batch_shape + fn.event_shape)
+        t = r.tokens.to_tokens(t.expand(full))
+        n, D = r.tokens.num_data, r.tokens.num_tokens
+        if t.numel() != self.rows * n * D:
+            raise EngineNotApplicable(
+                f"Observed site {r.tokens.name!r} has shape {tuple(full)} when the model "
+                f"runs in a plate of {self.rows} particles; expected {self.rows} x {n} "
+                f"datapoints x {D} tokens. {r.who} needs every latent local to a datapoint."
+            )
+        return t.reshape(self.rows, n, D)
+
+    def _base(self):
+        return check_factorized(self.obs_fn, self.runner.tokens.name, self.runner.who)
+
+    def token_log_prob(self, x):
+        """:math:`\\log p(x_d \\mid z)` per token at tokens ``x`` ``(n, D)``: ``(R, n, D)``.
+
+        Missing tokens (``tokens.observed``) get 0.
+        """
+        r = self.runner
+        base = self._base()
+        xv = r.tokens.to_site(x)
+        orig = self.trace.nodes[r.tokens.name]["value"]
+        if torch.is_tensor(orig) and not torch.is_floating_point(orig):
+            xv = xv.to(orig.dtype)  # integer tokens (Categorical, Poisson counts)
+        out = self._token_tensor(token_log_prob(base, xv))
+        if r.tokens.observed is not None:
+            out = torch.where(r.tokens.observed, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return out
+
+    def mean(self):
+        """The observation's mean per token (mode where the mean is not finite), ``(R, n, D)``."""
+        base = self._base()
+        try:
+            m = base.mean
+        except NotImplementedError:
+            m = None
+        if m is None or not bool(torch.isfinite(m).all()):
+            m = base.mode
+        return self._token_tensor(m)
+
+    def sample(self):
+        """One draw of the tokens from :math:`p(x \\mid z)`, ``(R, n, D)``."""
+        return self._token_tensor(self._base().sample())
+
+
+class StackedDecoded:
+    """Several :class:`Decoded` runs of one point each, read as one run of ``R`` points.
+
+    The per-point fallback of :meth:`~pyro_mpt.conditionals.latent_runs.LatentRunner.decode` and
+    :meth:`~pyro_mpt.conditionals.latent_runs.LatentRunner.sample_prior` for models that do not run vectorized:
+    every method concatenates the points' results along the leading dim.
+    """
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.rows = len(parts)
+        self.names = parts[0].names if parts else []
+
+    def _cat(self, method, *args):
+        return torch.cat([getattr(p, method)(*args) for p in self.parts], 0)
+
+    def log_prior(self):
+        return self._cat("log_prior")
+
+    def obs_log_prob(self):
+        return self._cat("obs_log_prob")
+
+    def token_log_prob(self, x):
+        return self._cat("token_log_prob", x)
+
+    def mean(self):
+        return self._cat("mean")
+
+    def sample(self):
+        return self._cat("sample")
