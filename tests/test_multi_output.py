@@ -113,13 +113,24 @@ def test_multi_output_gp_exhaustive_order_and_chains_equal_the_evidence(float64)
 def test_multi_output_gp_pll_is_the_brute_force_leave_one_out(float64):
     """masks="pll": sum over the 2N tokens of log p(y_kj | y_-kj), which for independent
     outputs is each output's leave-one-out (numpy Schur complement on the 2N x 2N
-    block-diagonal covariance, 1e-8)."""
+    block-diagonal covariance, 1e-8); the loss's gradient in the kernel and noise
+    parameters equals autograd of the closed-form leave-one-out (1e-8)."""
     gpr, X, y, K = _gp()
     cov = block_diag(K, K)
     x = y.reshape(-1).numpy()
     want = sum(numpy_conditional(x, np.zeros(10), cov, j, np.arange(10) != j) for j in range(10))
     got = MaskedPretrainingLoss(masks="pll").score(gpr.model, None)
     assert abs(float(got) - want) < 1e-8
+
+    # gradient: autograd of Rasmussen & Williams eq. 5.12 per output, written with torch.linalg.inv
+    params = [gpr.kernel.variance_unconstrained, gpr.kernel.lengthscale_unconstrained, gpr.noise_unconstrained]
+    loss = MaskedPretrainingLoss(masks="pll").differentiable_loss(gpr.model, lambda: None)
+    Ki = torch.linalg.inv(gpr.kernel(X) + (gpr.noise + gpr.jitter) * torch.eye(5))
+    v = 1 / torch.diagonal(Ki)
+    ref = -(-0.5 * torch.log(2 * np.pi * v) - 0.5 * (y @ Ki) ** 2 * v).sum()
+    assert abs(float(loss) - float(ref)) < 1e-8
+    for a, b in zip(torch.autograd.grad(loss, params), torch.autograd.grad(ref, params)):
+        assert abs(float(a) - float(b)) < 1e-8 * max(1.0, abs(float(b)))
 
 
 # ---------------------------------------------------------------------- per-block covariances

@@ -487,7 +487,7 @@ class GaussianConditionals(ConditionalEngine):
     # ------------------------------------------------------------------ masks
     def mask_log_prob(self, state, x, mask):
         if isinstance(state, BlockGaussianState):
-            return state.tokens(self._active_blocks(self.mask_log_prob, state, x, mask))
+            return state.tokens(self._active_blocks(self.mask_log_prob, state, x, mask, per_token=True))
         x = _to_work(state, x)
         return _to_data(state, self._rescued(state, lambda: self._mask_log_prob(state, x, mask)))
 
@@ -500,7 +500,7 @@ class GaussianConditionals(ConditionalEngine):
 
     def mask_sums(self, state, x, mask):
         if isinstance(state, BlockGaussianState):
-            return state.per_datapoint(self._active_blocks(self.mask_sums, state, x, mask))
+            return state.per_datapoint(self._active_blocks(self.mask_sums, state, x, mask, per_token=False))
         x_data, x = x, _to_work(state, x)
         if mask.shape[1] == 1:
             # masks shared by the batch: each mask's factor once, the data by batched
@@ -513,14 +513,14 @@ class GaussianConditionals(ConditionalEngine):
         return _to_data(state, torch.where(mask, logc, zero).sum(-1))
 
     @staticmethod
-    def _active_blocks(method, state, x, mask):
+    def _active_blocks(method, state, x, mask, per_token):
         """``method`` (:meth:`mask_log_prob` or :meth:`mask_sums`) on the blocks, asked
         only for the (query, block) pairs that have a target: the others contribute
         nothing (a leave-one-out query has a target in one block of B). Returns
         ``(q, n B, ...)``, zeros for the pairs without a target."""
         xb, mb = state.rows(x), state.rows(mask)  # (n B, N), (q, n B, N)
         q_idx, r_idx = mb.any(-1).nonzero(as_tuple=True)
-        tail = mb.shape[-1:] if method.__name__ == "mask_log_prob" else ()
+        tail = mb.shape[-1:] if per_token else ()
         if q_idx.numel() == 0:
             return xb.new_zeros(mb.shape[:2] + tail)
         out = method(_slice_marginal(state.inner, r_idx), xb[r_idx], mb[q_idx, r_idx].unsqueeze(0))[0]
