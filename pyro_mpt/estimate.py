@@ -163,8 +163,10 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
     estimate = x.new_zeros(x.shape[0])
     for k, block in enumerate(blocks):
         if accumulator is None:
-            # the first block keeps its intermediates (one block's worth, and no
-            # recomputation when the schedule yields a single block)
+            # the first block keeps its intermediates: one block's worth, no
+            # recomputation when the schedule yields a single block, and what an
+            # engine caches across blocks (mask-free pieces) is computed outside
+            # any recomputed block, so every recomputation repeats its forward
             estimate = estimate + _block_estimate(block, engine, state, x, recompute=k > 0)
             continue
         shat, size, weight = block_scores(block, engine, state, x, per_size=True)

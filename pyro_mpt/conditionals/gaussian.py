@@ -508,6 +508,15 @@ class GaussianConditionals(ConditionalEngine):
             shared = state.cov_factor if state.is_low_rank else state.covariance
             if shared.shape[0] == 1:
                 return _to_data(state, self._rescued(state, lambda: self._shared_sums(state, x_data, x, mask[:, 0])))
+        if state.is_low_rank and state.cov_factor.shape[0] == 1:
+            # masks per datapoint, covariance shared: products over the flattened
+            # (q n, D) contexts, in chunks of max_elements
+            R = state.cov_factor.shape[-1]
+            n, D = x.shape
+            q_step = max(1, self.max_elements // max(1, n * (D * 4 + R * R)))
+            return _to_data(state, self._rescued(state, lambda: torch.cat(
+                [_lowrank_independent_sums(state, x, mask[i : i + q_step]) for i in range(0, mask.shape[0], q_step)]
+            )))
         logc = self._rescued(state, lambda: self._mask_log_prob(state, x, mask))
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
         return _to_data(state, torch.where(mask, logc, zero).sum(-1))
@@ -726,6 +735,40 @@ def _lowrank_masks(m, x, mask):
     var = psi + V.pow(2).sum(-2)  # (q, m', D)
     mean = (h.transpose(-1, -2) @ V).squeeze(-2)  # (q, n, D)
     return _normal_log_prob(resid, mean, var)
+
+
+def _lowrank_independent_sums(m, x, mask):
+    r"""Summed Woodbury log-conditionals for masks ``(q, n, D)`` drawn per datapoint, ``(q, n)``.
+
+    With the context indicators :math:`C` flattened to ``(q n, D)``, every
+    per-query quantity is a matrix product with the shared loading :math:`F`
+    (no ``(q, n, R, D)`` table, no batched triangular solves):
+    :math:`\Lambda = I + C\,(F \odot F / \psi)` (rows of :math:`R^2`),
+    :math:`\eta_{qi} = \sum_j C_{qij} (r_{ij}/\psi_j) f_j` (one batched product
+    per datapoint), and with :math:`B = \Lambda^{-1}` the conditional variance
+    :math:`v_{qij} = \psi_j + f_j^	op B_{qi} f_j = \psi_j + \operatorname{vec}(B_{qi})^	op
+    (f_j \otimes f_j)` and mean :math:`f_j^	op B_{qi}\eta_{qi}` are two more
+    products over ``(q n, R^2) x (R^2, D)``.
+    """
+    F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
+    q, n, D = mask.shape
+    R = F.shape[-1]
+    r = x - m.loc  # (n, D)
+    ctx = (~mask).to(x.dtype)  # (q, n, D)
+    FF = (F.unsqueeze(-1) * F.unsqueeze(-2)).reshape(D, R * R)
+    A = (ctx.reshape(q * n, D) @ (FF / psi.unsqueeze(-1))).reshape(q, n, R, R)
+    A = A + torch.eye(R, dtype=x.dtype, device=x.device)
+    # per datapoint, (q, D) contexts times its (D, R) weighted loading
+    G = (r / psi).unsqueeze(-1) * F  # (n, D, R)
+    eta = (ctx.transpose(0, 1) @ G).transpose(0, 1)  # (q, n, R)
+    L = _cholesky(A, "context precision I + F_R^T Psi_R^-1 F_R", m.site)
+    B = torch.cholesky_inverse(L)  # (q, n, R, R)
+    c = (B @ eta.unsqueeze(-1)).reshape(q * n, R)
+    var = (B.reshape(q * n, R * R) @ FF.T).reshape(q, n, D) + psi
+    mean = (c @ F.T).reshape(q, n, D)
+    terms = var.log() + (r - mean).pow(2) / var
+    zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
+    return -0.5 * (torch.where(mask, terms, zero).sum(-1) + _LOG_2PI * mask.sum(-1).to(terms.dtype))
 
 
 def _dense_masks(m, x, mask):
