@@ -33,8 +33,6 @@ from pyro_mpt.conditionals import ConditionalEngine, EngineNotApplicable
 class LatentClassConditionals(ConditionalEngine):
     """Exact masked conditionals of a model with one Categorical latent per datapoint."""
 
-    name = "latent_class"
-
     def prepare(self, tokens, model, guide, args, kwargs):
         latents = tokens.latent_sites()
         if len(latents) != 1 or not isinstance(latents[0]["fn"], dist.Categorical):

@@ -183,8 +183,6 @@ class EncodeDecodeConditionals(ConditionalEngine):
         >>> svi = SVI(vae.model, vae.guide, Adam({"lr": 1e-3}), loss)
     """
 
-    name = "encode_decode"
-
     def __init__(
         self,
         num_samples=8,

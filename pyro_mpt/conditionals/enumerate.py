@@ -100,8 +100,6 @@ class EnumerateConditionals(ConditionalEngine):
         >>> MaskedPretrainingLoss(conditionals="enumerate", masks="exhaustive").score(gmm, None, x)
     """
 
-    name = "enumerate"
-
     def __init__(self, *, max_support=4096, max_elements=2**24):
         super().__init__(max_elements=max_elements)
         self.max_support = int(max_support)

@@ -231,8 +231,6 @@ class GaussianConditionals(ConditionalEngine):
         >>> loss = MaskedPretrainingLoss(conditionals=GaussianConditionals(method="dense"))
     """
 
-    name = "gaussian"
-
     def __init__(self, method="auto", *, jitter=0.0, max_jitter=1e-4, vectorize=True, max_elements=2**24):
         super().__init__(max_elements=max_elements)
         if method not in ("auto", "lowrank", "dense"):

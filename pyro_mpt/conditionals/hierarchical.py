@@ -326,8 +326,6 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         >>> Evidence(model, method="exact", token_plates=("data",))(x)
     """
 
-    name = "hierarchical"
-
     def prepare(self, tokens, model, guide, args, kwargs):
         return hierarchical_loadings(tokens, model, args, kwargs)
 

@@ -111,8 +111,6 @@ class DiscreteHMMConditionals(ConditionalEngine):
         >>> MaskedPretrainingLoss(conditionals="hmm", masks="order").score(hmm, None, x)
     """
 
-    name = "hmm"
-
     def prepare(self, tokens, model, guide, args, kwargs):
         hmm = base_distribution(tokens.site["fn"])
         if not isinstance(hmm, dist.DiscreteHMM):

@@ -242,8 +242,6 @@ class ImportanceConditionals(ConditionalEngine):
         >>> diag["ess"].min()
     """
 
-    name = "importance"
-
     def __init__(
         self,
         num_samples=256,

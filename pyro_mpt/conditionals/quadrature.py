@@ -181,8 +181,6 @@ class QuadratureConditionals(ConditionalEngine):
         >>> svi = SVI(linear_vae, lambda x: None, Adam({"lr": 1e-2}), loss)
     """
 
-    name = "quadrature"
-
     def __init__(
         self,
         num_nodes=None,
