@@ -443,7 +443,7 @@ def test_evidence_is_differentiable(float64):
 def test_mask_sums_stay_exact_when_the_matrix_product_underflows(float64):
     """The exp-space product underflows when a target is very unlikely under the
     context's posterior; those entries are recomputed in log space."""
-    from pyro_mpt.conditionals.mixture import MixtureChunk
+    from pyro_mpt.conditionals.mixture_chunks import MixtureChunk
 
     g = torch.Generator().manual_seed(12)
     n, Q, D, q = 3, 5, 4, 6

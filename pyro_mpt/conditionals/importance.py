@@ -95,7 +95,8 @@ from .distributions import check_factorized
 from .encode_decode import initial_tokens, run_chains
 from .data_args import guide_latents, locate_data_arg, refuse_missing
 from .latent_runs import GuideMemory, LatentRunner, logmeanexp
-from .mixture import MixtureChunk, chain_terms, normalize_empty
+from .mixture import chain_terms, normalize_empty
+from .mixture_chunks import MixtureChunk
 
 __all__ = ["ImportanceConditionals", "ImportanceState"]
 

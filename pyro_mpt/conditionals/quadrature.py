@@ -92,7 +92,8 @@ import torch
 from .base import ConditionalEngine
 from .distributions import check_factorized
 from .laplace import LaplaceSearch
-from .mixture import MixtureChunk, chain_terms, normalize_empty, stable_logsumexp
+from .mixture import chain_terms, normalize_empty
+from .mixture_chunks import MixtureChunk, stable_logsumexp
 from .plate_runs import RunMemory
 from .quadrature_table import QuadratureState
 from .quadrature_nodes import ALTERNATIVES, NodeRunner, NotQuadratureError, latent_dtype, quadrature_layout

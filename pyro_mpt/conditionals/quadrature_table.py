@@ -2,7 +2,7 @@ r"""The quadrature engine's table: the rule's nodes and the token log-likelihood
 
 :class:`QuadratureState` holds the nodes and log-weights of one evaluation's
 rule and the table :math:`T_{iqd} = \log p(x_{id} \mid z_q)` in chunks of
-nodes (:class:`~pyro_mpt.conditionals.mixture.MixtureChunk`): kept whole when
+nodes (:class:`~pyro_mpt.conditionals.mixture_chunks.MixtureChunk`): kept whole when
 small, else streamed -- rebuilt by the model run at each pass, under
 activation checkpointing -- and reduced chunk by chunk (:meth:`QuadratureState.reduce`).
 """
@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .mixture import MixtureChunk, combine_partials
+from .mixture import combine_partials
+from .mixture_chunks import MixtureChunk
 
 __all__ = ["QuadratureState"]
 
@@ -64,7 +65,7 @@ class QuadratureState:
     def compute_chunk(self, sl):
         """Run the model on the nodes ``sl``.
 
-        :rtype: ~pyro_mpt.conditionals.mixture.MixtureChunk
+        :rtype: ~pyro_mpt.conditionals.mixture_chunks.MixtureChunk
         """
         u = self.nodes[:, sl].transpose(0, 1)  # (Qc, r, K)
         log_pi, logp = self.runner.run(u)
@@ -82,7 +83,7 @@ class QuadratureState:
         joints ``(n, Q)`` (no extra pass).
 
         :param callable reducer: ``reducer(chunk, *inputs)`` -> a tuple of
-            partial log-sums (:class:`~pyro_mpt.conditionals.mixture.MixtureChunk`).
+            partial log-sums (:class:`~pyro_mpt.conditionals.mixture_chunks.MixtureChunk`).
         :returns: the combined tuple (:func:`~pyro_mpt.conditionals.mixture.combine_partials`).
         """
         total = None

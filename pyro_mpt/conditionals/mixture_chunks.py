@@ -1,0 +1,229 @@
+r"""One chunk of a mixture's points, reduced by matrix products in exp-space.
+
+The engines with many latent points (quadrature nodes, prior importance
+draws) keep the table of :class:`~pyro_mpt.conditionals.mixture.MixtureTable`
+in chunks of ``Q_c`` points in the layout ``(n, Q_c, D)``. A chunk's mask
+reduction is two matrix products in exp-space with max shifts, with a
+hand-written backward; its partial log-sums are combined across chunks with
+:func:`~pyro_mpt.conditionals.mixture.combine_partials` and normalized once
+(:func:`~pyro_mpt.conditionals.mixture.normalize_empty`,
+:func:`~pyro_mpt.conditionals.mixture.chain_terms`).
+"""
+
+import math
+
+import torch
+
+from .distributions import take_rows
+
+__all__ = ["MixtureChunk", "exp_floor", "stable_logsumexp"]
+
+
+def exp_floor(dtype):
+    """``log(sqrt(tiny))`` of ``dtype``.
+
+    Exponents are clamped here so that no exp, product or sum meets subnormal
+    numbers (which are slow on CPUs); the clamp changes a sum of ``Q_c`` terms
+    by at most ``Q_c * sqrt(tiny)``.
+    """
+    return 0.5 * math.log(torch.finfo(dtype).tiny)
+
+
+def stable_logsumexp(t, dim):
+    """``torch.logsumexp`` without subnormals (see :func:`exp_floor`); keeps ``-inf``.
+
+    Example::
+
+        >>> stable_logsumexp(torch.tensor([0.0, -math.inf]), 0)  # tensor(0.)
+    """
+    m = t.detach().amax(dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s = torch.exp((t - m).clamp_min(exp_floor(t.dtype))).sum(dim, keepdim=True)
+    out = (s.log() + m).squeeze(dim)
+    allneg = torch.isneginf(t).all(dim)
+    return torch.where(allneg, torch.full_like(out, -math.inf), out) if bool(allneg.any()) else out
+
+
+class MixtureChunk:
+    r"""One chunk of ``Q_c`` points of a mixture, in the layout of the matrix-product reductions.
+
+    :param torch.Tensor log_weights: :math:`\log w_k`, ``(r, Q_c)`` with ``r``
+        1 (shared) or ``n``.
+    :param torch.Tensor table: :math:`T_{ikd} = \log p(x_{id} \mid z_k)`,
+        ``(n, Q_c, D)``.
+
+    The reductions return *unnormalized* partial log-sums over the chunk's
+    points; combine chunks with :func:`~pyro_mpt.conditionals.mixture.combine_partials`.
+
+    Example::
+
+        >>> chunk = MixtureChunk(torch.full((1, S), -math.log(S)), T)  # T (n, S, D)
+        >>> num, den = chunk.mask_partials((~mask).to(T.dtype))
+    """
+
+    __slots__ = ("log_weights", "table", "_shift", "_exp_table")
+
+    def __init__(self, log_weights, table):
+        self.log_weights = log_weights
+        self.table = table
+        self._shift = None
+        self._exp_table = None
+
+    def exp_table(self):
+        """``(exp(T - m), m)`` with ``m`` the per-token max over points, kept; both
+        detached: :meth:`mask_partials` differentiates through them by hand."""
+        if self._exp_table is None:
+            with torch.no_grad():
+                T = self.table
+                m = T.amax(1, keepdim=True)
+                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+                self._shift = m
+                self._exp_table = (T - m).clamp_min_(exp_floor(T.dtype)).exp_()
+        return self._exp_table, self._shift
+
+    def joint(self):
+        """Per-point log-joints ``log w + sum_d T``, ``(n, Q_c)``."""
+        return self.log_weights + self.table.sum(-1)
+
+    def mask_partials(self, ctx):
+        """Partial log-sums for context masks ``ctx`` (float, 1 in the context) ``(q, r, D)``.
+
+        :returns: ``(num, den)``, shapes ``(q, n, D)`` and ``(q, n)``, with
+            ``num[q, i, j] = logsumexp_k(logw_k + (T_i ctx_q)_k + T_ikj)`` and
+            ``den[q, i] = logsumexp_k(logw_k + (T_i ctx_q)_k)``.
+
+        Both are matrix products in exp-space with max shifts, differentiated by
+        hand (``_MaskPartials``); where a product underflows against the
+        clamped exponents the whole chunk is redone with autograd and an exact
+        log-sum-exp at those entries.
+        """
+        B, mT = self.exp_table()  # (n, Qc, D), (n, 1, D)
+        num, den, bad = _MaskPartials.apply(self.log_weights, self.table, ctx, B, mT)
+        if bool(bad.any()):
+            return self._mask_partials_exact(ctx)
+        return num.transpose(0, 1), den.T
+
+    def _mask_partials_exact(self, ctx):
+        """:meth:`mask_partials` by autograd, with an exact log-sum-exp where the products underflow."""
+        logw, T = self.log_weights, self.table
+        n, Qc, D = T.shape
+        base = logw[:, None, :] + _context_sums(T, ctx)  # (n, q, Qc)
+        mb = base.detach().amax(-1, keepdim=True)
+        mb = torch.where(torch.isfinite(mb), mb, torch.zeros_like(mb))
+        floor = exp_floor(T.dtype)
+        A = torch.exp((base - mb).clamp_min(floor))
+        den = mb.squeeze(-1) + A.sum(-1).log()  # (n, q)
+        mT = self.exp_table()[1]
+        B = torch.exp((T - mT).clamp_min(floor))
+        S = torch.bmm(A, B)  # (n, q, D)
+        bad = _underflow(S.detach(), Qc)
+        num = torch.where(bad, torch.ones_like(S), S).log() + mb + mT
+        i, k, j = bad.nonzero(as_tuple=True)
+        exact = stable_logsumexp(base[i, k, :] + T[i, :, j], -1)
+        num = num.index_put((i, k, j), exact)
+        return num.transpose(0, 1), den.T
+
+    def chain_partials(self, order, max_elements):
+        """Partial suffix log-sums along orderings ``(p, r, D)``: ``(p, n, D + 1)`` whose entry
+        ``t`` is ``logsumexp_k(logw_k + sum_{s >= t} T_{k, order_s})`` (0 sum at ``t = D``).
+
+        :param int max_elements: bound on the entries of each intermediate.
+        """
+        logw, T = self.log_weights, self.table
+        n, Qc, D = T.shape
+        p = order.shape[0]
+        per = max(1, max_elements // (Qc * (D + 1)))  # (ordering, datapoint) pairs per piece
+        n_step = min(n, per)
+        p_step = max(1, per // n_step)
+        out = []
+        for ps in range(0, p, p_step):
+            o = order[ps : ps + p_step]
+            pc = o.shape[0]
+            parts = []
+            for ns in range(0, n, n_step):
+                rows = torch.arange(ns, min(n, ns + n_step), device=T.device)
+                Ti = T[rows]  # (nc, Qc, D)
+                oi = o if o.shape[1] == 1 else o[:, rows]
+                nc = Ti.shape[0]
+                idx = oi[:, :, None, :].expand(pc, nc, Qc, D)
+                Tp = torch.gather(Ti.unsqueeze(0).expand(pc, nc, Qc, D), -1, idx)
+                C = Tp.flip(-1).cumsum(-1).flip(-1)
+                C = torch.cat([C, torch.zeros_like(C[..., :1])], -1)
+                C = C + take_rows(logw, rows)[None, :, :, None]
+                parts.append(stable_logsumexp(C, 2))  # (pc, nc, D + 1)
+            out.append(torch.cat(parts, 1))
+        return torch.cat(out, 0)
+
+
+def _context_sums(T, ctx):
+    """``(n, q, Q_c)``: each point's log-likelihood of each query's context, ``sum_d ctx_qd T_ikd``."""
+    if ctx.shape[1] == 1:  # a batched product: T may be a strided view
+        return torch.matmul(T, ctx[:, 0, :].T).transpose(1, 2)
+    return torch.bmm(ctx.transpose(0, 1), T.transpose(1, 2))
+
+
+def _underflow(S, Qc):
+    """Where an exp-space sum of ``Q_c`` terms is not large against the clamped exponents.
+
+    The clamp moves ``S`` by at most ``3 Q_c sqrt(tiny)``; where ``S`` is not large
+    against that (relative precision eps), the log-sum-exp is recomputed exactly.
+    """
+    return S < 3 * Qc * math.exp(exp_floor(S.dtype)) / torch.finfo(S.dtype).eps
+
+
+class _MaskPartials(torch.autograd.Function):
+    r"""``(num, den, bad)`` of :meth:`MixtureChunk.mask_partials` in the ``(n, q, .)``
+    layout, with a hand-written backward.
+
+    With :math:`b_{qk} = \log w_k + \sum_d c_{qd} T_{kd}`, :math:`A_{qk} = e^{b_{qk} - m_q}`,
+    :math:`B_{kd} = e^{T_{kd} - m_d}` and :math:`S = AB` (per datapoint),
+    :math:`\text{num}_{qd} = \log S_{qd} + m_q + m_d` and
+    :math:`\text{den}_q = \log\sum_k A_{qk} + m_q`. For upstream gradients
+    :math:`G, g` and :math:`H = G / S`,
+
+    .. math::
+
+        \frac{\partial L}{\partial b} = A \odot \big(H B^\top + g / \textstyle\sum_k A\big), \qquad
+        \frac{\partial L}{\partial T} = B \odot (A^\top H) + \Big(\frac{\partial L}{\partial b}\Big)^{\!\top} c,
+
+    three matrix products and one elementwise pass over the ``(n, Q_c, D)``
+    table, where autograd through the exponentials would keep and pass over
+    several copies of it. The clamped exponents (see :func:`exp_floor`) are
+    treated as unclamped: their share of a sum is below its rounding.
+    ``bad`` marks the products that underflow; the caller then redoes the chunk.
+    """
+
+    @staticmethod
+    def forward(fctx, logw, T, ctx, B, mT):
+        n, Qc, D = T.shape
+        base = logw[:, None, :] + _context_sums(T, ctx)  # (n, q, Qc)
+        mb = base.amax(-1, keepdim=True)
+        mb = torch.where(torch.isfinite(mb), mb, torch.zeros_like(mb))
+        A = base.sub_(mb).clamp_min_(exp_floor(T.dtype)).exp_()
+        sA = A.sum(-1)
+        den = mb.squeeze(-1) + sA.log()
+        S = torch.bmm(A, B)  # (n, q, D)
+        bad = _underflow(S, Qc)
+        num = torch.where(bad, torch.ones_like(S), S).log_().add_(mb).add_(mT)
+        fctx.save_for_backward(A, sA, S, B, ctx)
+        fctx.logw_rows = logw.shape[0]
+        fctx.mark_non_differentiable(bad)
+        return num, den, bad
+
+    @staticmethod
+    def backward(fctx, G, g, _):
+        A, sA, S, B, ctx = fctx.saved_tensors
+        n, Qc, D = B.shape
+        H = G / S  # (n, q, D)
+        grad_base = torch.bmm(H, B.transpose(1, 2)).add_((g / sA).unsqueeze(-1)).mul_(A)  # (n, q, Qc)
+        grad_logw = grad_base.sum(1)
+        if fctx.logw_rows == 1:
+            grad_logw = grad_logw.sum(0, keepdim=True)
+        grad_T = None
+        if fctx.needs_input_grad[1]:
+            grad_T = torch.bmm(A.transpose(1, 2), H).mul_(B)  # (n, Qc, D)
+            if ctx.shape[1] == 1:
+                grad_T += (grad_base.transpose(1, 2).reshape(n * Qc, -1) @ ctx[:, 0, :]).reshape(n, Qc, D)
+            else:
+                grad_T.baddbmm_(grad_base.transpose(1, 2), ctx.transpose(0, 1))
+        return grad_logw if fctx.needs_input_grad[0] else None, grad_T, None, None, None
