@@ -141,13 +141,25 @@ def _rounds(vae, x, mask, chains, rounds):
     return xt
 
 
-def floor_encode_decode(vae, x, mask, S, T):
+def floor_encode_decode(vae, x, mask, S, T, stochastic=True):
     _trace_once(vae, x)
-    xt = _rounds(vae, x, mask, S, T)
+    if stochastic:  # S chains, one draw from each
+        xt = _rounds(vae, x, mask, S, T)
+        with torch.no_grad():
+            loc, scale = _encode(vae, xt)
+            z = loc + scale * torch.randn_like(loc)
+        bernoulli_log_prob(vae.decoder(z), x.repeat(S, 1)).sum().backward()
+        return
+    # deterministic rounds (means): one chain, S draws from its final encoding
+    n, D = x.shape
     with torch.no_grad():
+        xt = torch.where(mask, torch.sigmoid(vae.decoder(x.new_zeros(n, vae.latent_dim))), x)
+        for _ in range(T):
+            loc, _ = _encode(vae, xt)
+            xt = torch.where(mask, torch.sigmoid(vae.decoder(loc)), xt)
         loc, scale = _encode(vae, xt)
-        z = loc + scale * torch.randn_like(loc)
-    bernoulli_log_prob(vae.decoder(z), x.repeat(S, 1)).sum().backward()
+        z = loc + scale * torch.randn(S, n, vae.latent_dim)
+    bernoulli_log_prob(vae.decoder(z), x).sum().backward()
 
 
 def floor_importance(vae, x, mask, S, C, T, alpha):
@@ -274,7 +286,9 @@ def floor_for(name, vae, x, engine_options, resolved):
     n, D = x.shape
     if resolved == "encode_decode":
         e = EncodeDecodeConditionals(**engine_options)
-        return lambda x, mask: floor_encode_decode(vae, x, mask, e.num_samples, e.num_iterations), e
+        return lambda x, mask: floor_encode_decode(
+            vae, x, mask, e.num_samples, e.num_iterations, e.stochastic
+        ), e
     if resolved == "importance":
         e = ImportanceConditionals(**engine_options)
         return lambda x, mask: floor_importance(

@@ -184,8 +184,13 @@ class LatentRunner:
         return self.memory.stacking.recall(self.guide) == "stacked"
 
     def _run(self, fn, rows, args, kwargs, replay, handler=None):
+        # the model's runs skip validation: the trace of the data checked its
+        # observed values, and re-checking the (rows, n, D) parameters of the
+        # observation (e.g. that Bernoulli logits are real) costs passes over
+        # tables of millions of entries; the guide's runs, on imputed data, keep it
+        validation = False if fn is self.model else None
         return run_in_plate(fn, args, kwargs, name=PARTICLE_PLATE, size=rows, dim=self.rank,
-                            replay=replay, outside=handler)
+                            replay=replay, outside=handler, validation=validation)
 
     def _replay_with(self, values, subsample=True):
         """A trace to replay: the given latent values, after the minibatch's subsample sites."""
