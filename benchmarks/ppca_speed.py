@@ -120,7 +120,11 @@ def draw_blocks(schedule, n, D, seed, sizes=None):
     of the given mask sizes, re-chunked like the schedule chunks them."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        blocks = list(schedule.blocks(n, D, max_elements=CHUNK))
+        # masks drawn here, once (a block may draw them when read): every replay sees the same
+        blocks = [
+            MaskBlock(b.masks(), b.size, b.weight, b.context, b.gain) if isinstance(b, MaskBlock) else b
+            for b in schedule.blocks(n, D, max_elements=CHUNK)
+        ]
     if sizes is None:
         return blocks
     keep = []

@@ -59,14 +59,15 @@ def block_scores(block, engine, state, x, per_size=False):
 
 def _mask_scores(block, engine, state, x):
     n = x.shape[0]
+    mask = block.masks()  # drawn once per evaluation for a block that draws them
     if block.context is None:
-        sums = engine.mask_sums(state, x, block.mask)  # (q, n)
+        sums = engine.mask_sums(state, x, mask)  # (q, n)
     else:
         # tokens outside the context (missing ones) go to the engine as masked,
         # so that none is conditioned on, and are left out of the sums
-        logc = engine.mask_log_prob(state, x, block.mask | ~block.context)
+        logc = engine.mask_log_prob(state, x, mask | ~block.context)
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
-        sums = torch.where(block.mask, logc, zero).sum(-1)
+        sums = torch.where(mask, logc, zero).sum(-1)
     shat = sums / block.size.to(sums.dtype).clamp_min(1)
     if block.gain is not None:
         gain = block.gain.to(sums.dtype)

@@ -6,7 +6,7 @@ engine. See :mod:`pyro_mpt.masks` for the schedules that make them.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -26,13 +26,29 @@ class MaskBlock:
         context (the observed ones); None: every unmasked token.
     :param torch.Tensor gain: ``(q, n)`` factor on each score; 0 where a
         datapoint has no such query (a mask size above its :math:`D_i`).
+    :param callable draw: when given (``mask`` is then None), a function of no
+        arguments that draws the block's masks from the global random state.
+        They are drawn each time the block is evaluated and do not outlive the
+        evaluation: a block recomputed in the backward pass redraws the same
+        masks from the same random state instead of keeping them alive (one
+        byte per query and token). Read the masks with :meth:`masks`.
+
+    Example::
+
+        >>> block = next(AllSizes(1).blocks(n, D))
+        >>> block.masks().sum(-1)          # (q, n): the sizes block.size
     """
 
-    mask: torch.Tensor
+    mask: Optional[torch.Tensor]
     size: torch.Tensor
     weight: torch.Tensor
     context: Optional[torch.Tensor] = None
     gain: Optional[torch.Tensor] = None
+    draw: Optional[Callable[[], torch.Tensor]] = None
+
+    def masks(self):
+        """The block's masks, bool ``(q, n, D)`` or ``(q, 1, D)``: ``mask``, or a fresh ``draw()``."""
+        return self.mask if self.draw is None else self.draw()
 
 
 @dataclass

@@ -44,6 +44,7 @@ observed token has them in its context. For curves, :math:`S(x_i; M) = 0` for
 :math:`M > D_i`, so the area stays the mean :math:`\log p(x_{O_i})`.
 """
 
+import functools
 import math
 from numbers import Real
 
@@ -190,6 +191,12 @@ class AllSizes(MaskSchedule):
             idx = torch.arange(start, min(total, start + per_block), device=device)
             p, m = idx // D, sizes[idx % D]
             q = idx.numel()
+            if not self.nested and observed is None and rows > 1:
+                # masks per datapoint (q n D bytes a block) are drawn when the block
+                # is evaluated, and redrawn if it is recomputed: none stays alive
+                draw = functools.partial(random_masks, m[:, None], (q, rows, D), device)
+                yield MaskBlock(None, m[:, None].expand(q, 1), weight.expand(q, 1), draw=draw)
+                continue
             if self.nested:
                 mask = ranks[p] < m[:, None, None]
             else:

@@ -104,11 +104,12 @@ def test_masks_independent_across_datapoints_by_default():
 def test_block_structure_and_budget():
     n, D = 6, 5
     all_blocks = list(AllSizes(2).blocks(n, D, max_elements=n * D * 3))
-    assert all(b.mask.shape[0] <= 3 for b in all_blocks)
+    assert all(b.masks().shape[0] <= 3 for b in all_blocks)
     sizes = torch.cat([b.size.reshape(-1) for b in all_blocks])
     assert sorted(sizes.tolist()) == sorted(list(range(1, D + 1)) * 2)
     for b in all_blocks:
-        assert torch.equal(b.mask.sum(-1), b.size.expand(b.mask.shape[:2]))
+        m = b.masks()
+        assert torch.equal(m.sum(-1), b.size.expand(m.shape[:2]))
     ex = list(Exhaustive().blocks(n, D))
     assert sum(b.mask.shape[0] for b in ex) == 2**D - 1
     weights = torch.cat([b.weight.reshape(-1) for b in ex])
@@ -170,14 +171,15 @@ def test_all_draws_independent_uniform_masks_per_size_and_nested_does_not():
     repetition are nested only by chance, while "nested" masks always are."""
     n, D = 400, 8
     (blk,) = list(AllSizes(1).blocks(n, D))
-    assert torch.equal(blk.mask.sum(-1), blk.size.expand(D, n))
-    freq = blk.mask.double().mean(1)  # (M, D): frequency of each token at each size
+    masks = blk.masks()  # drawn when read: once
+    assert torch.equal(masks.sum(-1), blk.size.expand(D, n))
+    freq = masks.double().mean(1)  # (M, D): frequency of each token at each size
     expected = torch.arange(1, D + 1, dtype=torch.float64)[:, None] / D
     # binomial standard error of a frequency over n = 400 rows is at most 0.025
     assert float((freq - expected).abs().max()) < 0.11
     # independent masks: the size-4 mask lies inside the size-6 one with probability
     # C(D-4, 2) / C(D, 6) = 6/28 (within 4 binomial standard errors over n rows)
-    nested = ~(blk.mask[3] & ~blk.mask[5]).any(-1)
+    nested = ~(masks[3] & ~masks[5]).any(-1)
     p = 6 / 28
     assert abs(float(nested.double().mean()) - p) < 4 * math.sqrt(p * (1 - p) / n)
     (nb,) = list(AllSizes(1, nested=True).blocks(n, D))

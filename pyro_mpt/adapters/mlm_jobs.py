@@ -63,7 +63,7 @@ def schedule_jobs(schedule, seed, item, L):
     masks, weights = [], []
     for b in blocks:
         if isinstance(b, MaskBlock):
-            m = b.mask[:, 0, :]
+            m = b.masks()[:, 0, :]
             w = b.weight.double().reshape(-1) / b.size.double().reshape(-1)
             masks.append(m)
             weights.append(m.double() * w[:, None])
