@@ -133,6 +133,17 @@ def test_units_in_groups_and_per_token_latents():
 
     value = Evidence(model, method="exact", token_plates=("units",))(torch.tensor(X))
     assert value.shape == (G,)
+    # the orderings' suffix-sum path equals one mask query per position (the base engine's)
+    from pyro_mpt.conditionals.base import ConditionalEngine
+
+    engine = HierarchicalGaussianConditionals()
+    tokens = trace_tokens(model, None, (torch.tensor(X),), {}, token_plates=("units",))
+    state = engine.prepare(tokens, model, None, (torch.tensor(X),), {})
+    order = torch.stack([torch.stack([torch.randperm(U * D) for _ in range(G)]) for _ in range(3)])
+    fast = engine.chain_log_prob(state, tokens.value, order)
+    slow = ConditionalEngine.chain_log_prob(engine, state, tokens.value, order)
+    assert float((fast - slow).abs().max()) < TOL
+    assert float((fast.sum(-1) - value.detach()).abs().max()) < TOL
     a_vec = np.tile(0.5 * w + b, U)  # loading of m on the U*D tokens
     B = np.kron(np.eye(U), 0.9 * w[:, None])
     cov = np.outer(a_vec, a_vec) + B @ B.T + 0.36 * np.eye(U * D)

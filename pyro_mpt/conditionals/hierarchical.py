@@ -45,6 +45,10 @@ A query costs :math:`O(D(K_g + K_l)^2 + UK_l^3 + K_g^3)`: linear in the number
 of tokens :math:`D = UE`, where the Gaussian engine's dense path costs
 :math:`O(D^3)` and its low-rank path :math:`O(D(K_g + UK_l)^2)`.
 
+**Orderings.** The contexts of an ordering are nested, so the ``"order"``
+schedule reads all :math:`D` chain-rule terms off suffix sums along it
+(:func:`chain_terms`), at :math:`O(D(K_g + K_l)^3)` per ordering.
+
 **Reading the model.** The loadings come from :math:`K_g + K_l + 2` runs of the
 model in one vectorized plate: every noise at 0, each global coordinate at 1,
 each local coordinate at 1 *in every unit at once* (a unit's loading is read
@@ -68,7 +72,7 @@ from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import unwrap
 from .plate_runs import run_in_plate
 
-__all__ = ["HierarchicalGaussianConditionals", "HierarchicalGaussianState", "NotHierarchicalError"]
+__all__ = ["HierarchicalGaussianConditionals", "HierarchicalGaussianState", "NotHierarchicalError", "hierarchical_loadings", "chain_terms"]
 
 _LOG_2PI = math.log(2 * math.pi)
 _WHO = "conditionals='hierarchical'"
@@ -358,6 +362,15 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         var = state.psi + (Vb.pow(2).sum(-2) + Vh.pow(2).sum(-2)).reshape(q, Q, U * E)
         return -0.5 * (_LOG_2PI + var.log() + (x - mean) ** 2 / var)
 
+    def chain_log_prob(self, state, x, order):
+        """Chain-rule terms along orderings ``(p, n|1, D)``, ``(p, n, D)``, by suffix sums
+        (see :func:`chain_terms`), in chunks of orderings."""
+        self._check_x(state, x)
+        U, E, K_l = state.b.shape[-3:]
+        K = state.a.shape[-1] + K_l
+        per = max(1, self.max_elements // max(1, state.num_data * state.num_tokens * K * K * 8))
+        return torch.cat([chain_terms(state, x, order[s : s + per]) for s in range(0, order.shape[0], per)], 0)
+
     def log_evidence(self, state, x, observed=None):
         r""":math:`\log p(x)` per datapoint, ``(n,)``; with ``observed`` ``(n, D)`` the density of the observed tokens."""
         self._check_x(state, x)
@@ -371,3 +384,91 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         logpsi = (ctx * state.psi.log()).sum(-1)
         D_obs = ctx.sum(-1)
         return (-0.5 * (D_obs * _LOG_2PI + logpsi + logdet + quad))[0]
+
+
+def _suffix(t, dim):
+    """Inclusive suffix sums along ``dim``: entry ``i`` is the sum of entries ``>= i``."""
+    return t.flip(dim).cumsum(dim).flip(dim)
+
+
+def _chol_parts(P, Pug, eta):
+    """Cholesky factor of ``P``, :math:`X = P^{-1}P_{ug}`, :math:`y = P^{-1}\\eta`,
+    :math:`\\Gamma = P_{ug}^\\top X` and :math:`\\tau = P_{ug}^\\top y`."""
+    L = torch.linalg.cholesky(P)
+    X = torch.cholesky_solve(Pug, L)
+    y = torch.cholesky_solve(eta.unsqueeze(-1), L)
+    PgU = Pug.transpose(-1, -2)
+    return L, X, y.squeeze(-1), PgU @ X, (PgU @ y).squeeze(-1)
+
+
+def chain_terms(state, x, order):
+    r"""Chain-rule terms of :class:`HierarchicalGaussianConditionals` along orderings, ``(p, n, D)``.
+
+    The contexts of an ordering are nested, so every quantity is a suffix sum
+    along it: a unit's :math:`P_{uu}, P_{ug}, \eta_u` over its tokens after
+    position :math:`t` (its tokens sorted by position, a suffix sum along the
+    :math:`E` tokens of each unit), and the Schur complement
+    :math:`S_t = I + \sum_{s > t} (w_s a_s a_s^\top - \Delta\Gamma_s)`, where
+    :math:`\Delta\Gamma_s` is the change of the unit's term
+    :math:`P_{gu}P_{uu}^{-1}P_{ug}` when token :math:`s` joins its context (the
+    terms of a unit telescope). Cost :math:`O(D(K_g + K_l)^3)` per ordering,
+    with no loop over positions.
+    """
+    a, b, psi = state.a, state.b, state.psi
+    nb, U, E, K_l = b.shape
+    K_g = a.shape[-1]
+    p = order.shape[0]
+    n = x.shape[0]
+    D = U * E
+    order = order.expand(p, n, D)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(D, device=order.device).expand_as(order))
+    r = (x - state.loc).reshape(n, U, E)
+    w = (1.0 / psi).expand(n, D).reshape(n, U, E)
+    a_, b_ = a.expand(n, U, E, K_g), b.expand(n, U, E, K_l)
+    own = {  # each token's own term, when it joins the context
+        "uu": (w[..., None, None] * b_.unsqueeze(-1) * b_.unsqueeze(-2)),
+        "ug": (w[..., None, None] * b_.unsqueeze(-1) * a_.unsqueeze(-2)),
+        "eu": (w * r).unsqueeze(-1) * b_,
+        "gg": (w[..., None, None] * a_.unsqueeze(-1) * a_.unsqueeze(-2)),
+        "eg": (w * r).unsqueeze(-1) * a_,
+    }
+    # each unit's tokens in the order they leave the context (ascending position)
+    srt = rank.reshape(p, n, U, E).argsort(-1)
+
+    def sorted_(t):
+        idx = srt.reshape(srt.shape + (1,) * (t.dim() - 3))
+        return torch.gather(t.expand((p,) + t.shape), 3, idx.expand((p,) + t.shape))
+
+    eye_l = torch.eye(K_l, dtype=b.dtype, device=b.device)
+    o_uu, o_ug, o_eu = sorted_(own["uu"]), sorted_(own["ug"]), sorted_(own["eu"])
+    inc_uu, inc_ug, inc_eu = _suffix(o_uu, 3) + eye_l, _suffix(o_ug, 3), _suffix(o_eu, 3)
+    exc_uu, exc_ug, exc_eu = inc_uu - o_uu, inc_ug - o_ug, inc_eu - o_eu
+    _, _, _, G_inc, t_inc = _chol_parts(inc_uu, inc_ug, inc_eu)
+    L_ex, X_ex, y_ex, G_ex, t_ex = _chol_parts(exc_uu, exc_ug, exc_eu)
+
+    def positions(t_sorted):
+        """A per-token quantity in sorted layout ``(p, n, U, E, ...)`` -> position order ``(p, n, D, ...)``."""
+        tail = t_sorted.shape[4:]
+        idx = srt.reshape(srt.shape + (1,) * len(tail)).expand(t_sorted.shape)
+        tok = torch.empty_like(t_sorted).scatter_(3, idx, t_sorted).reshape((p, n, D) + tail)
+        return torch.gather(tok, 2, order.reshape(order.shape + (1,) * len(tail)).expand((p, n, D) + tail))
+
+    gg = positions(sorted_(own["gg"]) - (G_inc - G_ex))
+    eg = positions(sorted_(own["eg"]) - (t_inc - t_ex))
+    # the context of position t: positions after it (exclusive suffix sums)
+    S = _suffix(gg, 2) - gg + torch.eye(K_g, dtype=b.dtype, device=b.device)
+    eta = _suffix(eg, 2) - eg
+    L_S = torch.linalg.cholesky(S)
+    m_g = torch.cholesky_solve(eta.unsqueeze(-1), L_S).squeeze(-1)  # (p, n, D, K_g)
+    L_ex, X_ex, y_ex, exc_ug = positions(L_ex), positions(X_ex), positions(y_ex), positions(exc_ug)
+    tok = lambda t: torch.gather(t.reshape((n, D) + t.shape[3:]).expand((p, n, D) + t.shape[3:]), 2,  # noqa: E731
+                                 order.reshape(order.shape + (1,) * (t.dim() - 3)).expand((p, n, D) + t.shape[3:]))
+    at, bt = tok(a_), tok(b_)
+    m_u = y_ex - (X_ex @ m_g.unsqueeze(-1)).squeeze(-1)
+    mean = torch.gather(state.loc.expand(n, D).expand(p, n, D), 2, order) + (at * m_g).sum(-1) + (bt * m_u).sum(-1)
+    Vb = torch.linalg.solve_triangular(L_ex, bt.unsqueeze(-1), upper=False).squeeze(-1)
+    h = at - (X_ex.transpose(-1, -2) @ bt.unsqueeze(-1)).squeeze(-1)
+    Vh = torch.linalg.solve_triangular(L_S, h.unsqueeze(-1), upper=False).squeeze(-1)
+    var = torch.gather(psi.expand(n, D).expand(p, n, D), 2, order) + Vb.pow(2).sum(-1) + Vh.pow(2).sum(-1)
+    xt = torch.gather(x.expand(p, n, D), 2, order)
+    return -0.5 * (_LOG_2PI + var.log() + (xt - mean) ** 2 / var)
