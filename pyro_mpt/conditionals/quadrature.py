@@ -346,7 +346,7 @@ class QuadratureConditionals(ConditionalEngine):
             ess, axis_ess = effective_nodes(lj, state.latent_dim)
         state.ess, state.axis_ess = ess, axis_ess
         K = state.latent_dim
-        m = round(state.num_nodes ** (1.0 / max(1, K)))
+        m = state.nodes_per_dim
         hint = (
             "use more nodes per dimension (num_nodes=...)"
             if self.adaptive
@@ -445,8 +445,7 @@ class QuadratureConditionals(ConditionalEngine):
             >>> lp = engine.mask_log_prob(state, x, mask)
             >>> err = engine.mask_log_prob_error(state, x, mask)  # same shape
         """
-        K = state.latent_dim
-        m = round(state.num_nodes ** (1.0 / K)) if K else 1
+        m = state.nodes_per_dim
         if error_nodes is None:
             error_nodes = max(1, (2 * m) // 3)
         with torch.no_grad():

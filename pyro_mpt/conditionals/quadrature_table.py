@@ -55,6 +55,11 @@ class QuadratureState:
         return self.nodes.shape[1]
 
     @property
+    def nodes_per_dim(self):
+        """``m``, nodes per latent dim of the tensor grid (``Q = m ** K``; ``Q`` when ``K`` is 0)."""
+        return round(self.num_nodes ** (1.0 / max(1, self.latent_dim)))
+
+    @property
     def latent_dim(self):
         return self.nodes.shape[2]
 
