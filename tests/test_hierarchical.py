@@ -263,3 +263,25 @@ def test_gradient_matches_the_dense_gaussian_and_svi_runs():
                          MaskedPretrainingLoss(masks="uniform", token_plates=("data",)))
     losses = [svi.step(x) for _ in range(3)]
     assert np.isfinite(losses).all() and not torch.equal(pyro.param("W").detach(), W0)
+
+
+def test_missing_tokens_give_the_evidence_of_the_observed_tokens():
+    N = 4
+    W, A, c, X = _params(3, 2, 2, seed=6)
+    Wt, At, ct = (torch.tensor(t) for t in (W, A, c))
+    m = torch.rand(N, 3, generator=torch.Generator().manual_seed(1)) > 0.3
+
+    def masked(x):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(mu @ At.T, 0.8).to_event(1))
+            pyro.sample("x", dist.Normal(z @ Wt.T + ct, 0.7).mask(m).to_event(1), obs=x)
+
+    _, dense = _hierarchy(W, A, c)
+    mean, cov = dense(X[:N])
+    o = m.numpy().reshape(-1)
+    ref = _gauss_logpdf(X[:N].reshape(-1)[o], mean[o], cov[np.ix_(o, o)])
+    x = torch.tensor(X[:N])
+    assert abs(float(Evidence(masked, method="exact", token_plates=("data",))(x)) - ref) < TOL
+    score = MaskedPretrainingLoss(masks="order", token_plates=("data",)).score(masked, None, x)
+    assert abs(float(score) - ref) < TOL
