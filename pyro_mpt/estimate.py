@@ -15,6 +15,9 @@ so neither side knows the other: schedules never call an engine, and
 engines never see a schedule.
 """
 
+import dataclasses
+import functools
+
 import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
@@ -195,4 +198,26 @@ def _block_estimate(block, engine, state, x, recompute=True):
     """
     if not (recompute and torch.is_grad_enabled()):
         return _weighted_sum(block, engine, state, x)
+    if isinstance(block, MaskBlock) and block.draw is not None:
+        # masks drawn once and kept as bits for the recomputation (an eighth of
+        # the bool masks): redrawing them would cost more than the engine's work
+        mask = block.masks()
+        block = dataclasses.replace(block, draw=functools.partial(_unpack_bits, _pack_bits(mask), mask.shape[-1]))
     return checkpoint(_weighted_sum, block, engine, state, x, use_reentrant=False, preserve_rng_state=True)
+
+
+def _pack_bits(mask):
+    """Bool ``(..., D)`` as uint8 ``(..., ceil(D / 8))``, eight tokens a byte."""
+    pad = -mask.shape[-1] % 8
+    if pad:
+        mask = torch.nn.functional.pad(mask, (0, pad))
+    bits = mask.reshape(mask.shape[:-1] + (-1, 8)).to(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    return (bits << shifts).sum(-1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed, D):
+    """The bool ``(..., D)`` of :func:`_pack_bits`."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(packed.shape[:-1] + (-1,))[..., :D].bool()

@@ -69,6 +69,11 @@ __all__ = [
 MAX_EXHAUSTIVE_TOKENS = 16
 
 
+def _nested_masks(ranks, p, sizes):
+    """The masks of sizes ``sizes`` (``(q,)``) nested in the orderings ``ranks[p]``."""
+    return ranks[p] < sizes[:, None, None]
+
+
 class MaskSchedule:
     """Base class of mask schedules.
 
@@ -191,10 +196,13 @@ class AllSizes(MaskSchedule):
             idx = torch.arange(start, min(total, start + per_block), device=device)
             p, m = idx // D, sizes[idx % D]
             q = idx.numel()
-            if not self.nested and observed is None and rows > 1:
-                # masks per datapoint (q n D bytes a block) are drawn when the block
-                # is evaluated, and redrawn if it is recomputed: none stays alive
-                draw = functools.partial(random_masks, m[:, None], (q, rows, D), device)
+            if observed is None and rows > 1:
+                # masks per datapoint (q n D bytes a block) are made when the block
+                # is evaluated, so that none waits in memory for the backward pass
+                if self.nested:
+                    draw = functools.partial(_nested_masks, ranks, p, m)
+                else:
+                    draw = functools.partial(random_masks, m[:, None], (q, rows, D), device)
                 yield MaskBlock(None, m[:, None].expand(q, 1), weight.expand(q, 1), draw=draw)
                 continue
             if self.nested:

@@ -183,8 +183,9 @@ def test_all_draws_independent_uniform_masks_per_size_and_nested_does_not():
     p = 6 / 28
     assert abs(float(nested.double().mean()) - p) < 4 * math.sqrt(p * (1 - p) / n)
     (nb,) = list(AllSizes(1, nested=True).blocks(n, D))
-    assert not bool((nb.mask[:-1] & ~nb.mask[1:]).any())  # each mask holds the smaller ones
-    assert torch.equal(nb.mask.sum(-1), nb.size.expand(D, n))
+    nested_masks = nb.masks()
+    assert not bool((nested_masks[:-1] & ~nested_masks[1:]).any())  # each mask holds the smaller ones
+    assert torch.equal(nested_masks.sum(-1), nb.size.expand(D, n))
     # missing tokens: masks among the observed tokens only, of the asked size where it fits
     observed = torch.rand(n, D) > 0.3
     counts = observed.sum(-1)
