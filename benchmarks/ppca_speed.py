@@ -217,10 +217,18 @@ def flop_bound(D, K, N, blocks):
 
 
 def measure_peak(fn):
-    """Peak resident memory above the level before ``fn()``, in MiB (sampled)."""
+    """Peak resident memory above the level before ``fn()``, in MiB (sampled).
+
+    Memory freed by earlier calls is first handed back to the system
+    (``malloc_trim``), else a call reusing it would not raise the resident size."""
+    import ctypes
     import gc
 
     gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     sampler = PeakRSS()
     start = sampler.peak
     sampler.start()
