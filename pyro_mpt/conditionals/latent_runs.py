@@ -220,41 +220,44 @@ class LatentRunner:
         :param dict values: latent name -> value with leading dim ``rows``.
         :rtype: ~pyro_mpt.conditionals.decoded.Decoded
         """
-        replay = self._replay_with(values)
-        try:
-            trace = self._run(self.model, rows, self.args, self.kwargs, replay)
-        except EngineNotApplicable:
-            raise
-        except Exception as e:
-            return self._per_point(e, rows, values)
-        return Decoded(self, trace, rows, list(values))
+        return self._decode(rows, values, self._replay_with(values))
 
-    def _per_point(self, error, rows, values=None):
-        """The model run once per point, without the particle plate: the fallback for
-        models that do not broadcast over it (e.g. ``nn.Linear`` with sampled weights,
-        whose ``F.linear`` takes a 2-D weight only)."""
-        if rows > MAX_POINT_RUNS:
-            raise EngineNotApplicable(
-                f"{self.who} runs the model with {rows} latent values at once, in a pyro.plate "
-                f"at dim {-self.rank}, and the model failed there ({type(error).__name__}: "
-                f"{error}); one run per value would take {rows} model runs, more than "
-                f"{MAX_POINT_RUNS}. Write the model so that it broadcasts over extra batch dims "
-                f"on the left (torch.matmul instead of nn.Linear / F.linear on sampled weights, "
-                f"'...' indexing, .expand), or use fewer samples per call (num_samples, chunk_size)."
-            ) from error
-        if self.warned_per_point:
-            return self._point_runs(rows, values)
-        self.warned_per_point = True  # once per runner: one evaluation, however many chunks
-        warnings.warn(
-            f"{self.who}: the model failed when run with many latent values at once in a "
-            f"pyro.plate at dim {-self.rank} ({type(error).__name__}: {str(error).splitlines()[0]}); "
-            f"running it once per value instead, which is much slower. Write the model so "
-            f"that it broadcasts over extra batch dims on the left (torch.matmul instead of "
-            f"nn.Linear / F.linear on sampled weights) to run it vectorized.",
-            SlowEngineWarning,
-            stacklevel=4,
-        )
-        return self._point_runs(rows, values)
+    def _decode(self, rows, values, replay):
+        """The model in the particle plate, or else once per point: a model that does not
+        broadcast over the plate (e.g. ``nn.Linear`` with sampled weights, whose
+        ``F.linear`` takes a 2-D weight only) still runs, slowly, warned once per runner."""
+
+        def attempt(mode):
+            if mode == "per_point":
+                return self._point_runs(rows, values)
+            trace = self._run(self.model, rows, self.args, self.kwargs, replay)
+            return Decoded(self, trace, rows, list(values or {}))
+
+        def before_point_runs(mode, error):
+            if rows > MAX_POINT_RUNS:
+                raise EngineNotApplicable(
+                    f"{self.who} runs the model with {rows} latent values at once, in a pyro.plate "
+                    f"at dim {-self.rank}, and the model failed there ({type(error).__name__}: "
+                    f"{error}); one run per value would take {rows} model runs, more than "
+                    f"{MAX_POINT_RUNS}. Write the model so that it broadcasts over extra batch dims "
+                    f"on the left (torch.matmul instead of nn.Linear / F.linear on sampled weights, "
+                    f"'...' indexing, .expand), or use fewer samples per call (num_samples, chunk_size)."
+                ) from error
+            if not self.warned_per_point:
+                self.warned_per_point = True  # once per runner: one evaluation, however many chunks
+                warnings.warn(
+                    f"{self.who}: the model failed when run with many latent values at once in a "
+                    f"pyro.plate at dim {-self.rank} ({type(error).__name__}: {str(error).splitlines()[0]}); "
+                    f"running it once per value instead, which is much slower. Write the model so "
+                    f"that it broadcasts over extra batch dims on the left (torch.matmul instead of "
+                    f"nn.Linear / F.linear on sampled weights) to run it vectorized.",
+                    SlowEngineWarning,
+                    stacklevel=6,
+                )
+
+        # the per-point runs raise EngineNotApplicable themselves when the model fails at a point
+        _, out = run_with_fallback(("vectorized", "per_point"), attempt, on_fallback=before_point_runs)
+        return out
 
     def _point_runs(self, rows, values):
         shapes = {name: self.tokens.model_trace.nodes[name]["value"].shape for name in (values or {})}
@@ -276,13 +279,7 @@ class LatentRunner:
 
         :rtype: ~pyro_mpt.conditionals.decoded.Decoded
         """
-        try:
-            trace = self._run(self.model, rows, self.args, self.kwargs, self.replay)
-        except EngineNotApplicable:
-            raise
-        except Exception as e:
-            return self._per_point(e, rows)
-        return Decoded(self, trace, rows, [])
+        return self._decode(rows, None, self.replay)
 
     def prior_mean_tokens(self):
         """The observation's mean per token with every latent at its prior mean, ``(n, D)``."""
