@@ -110,7 +110,7 @@ def _shape_parts(base, fn, tokens):
 
 
 def block_diagonal_parts(base, fn, tokens):
-    """Location and dense block-diagonal covariance of an observation :func:`is_block_gaussian`.
+    r"""Location and dense block-diagonal covariance of an observation :func:`is_block_gaussian`.
 
     :returns: ``(loc, ("dense", cov), batch_shape)`` with ``loc``
         ``(*lead, *datapoint_shape, D)`` and ``cov`` ``(*lead, *datapoint_shape, D, D)``
