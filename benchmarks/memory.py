@@ -229,8 +229,8 @@ def main():
         "|---|---|---|---|---|---|---|---|",
     ]
     for n in (N // 4, N):
-        default = full if n == N else in_subprocess(dict(common, **cfg, N=n, share=False))
-        fixed = in_subprocess(dict(common, **cfg, N=n, share=False), MALLOC_ENV)
+        default = full if n == N else in_subprocess(dict(common, **dict(cfg, N=n, share=False)))
+        fixed = in_subprocess(dict(common, **dict(cfg, N=n, share=False)), MALLOC_ENV)
         blocks = math.ceil(D / max(1, 2**22 // (n * D)))
         line = (
             f"| {n} | {blocks} | {cell(default, 'peak_mb', mb)} | {cell(default, 'step_mb', mb)} "
