@@ -21,7 +21,7 @@ from pyro_mpt import (
     QuadratureConditionals,
 )
 from pyro_mpt.conditionals import GaussianMarginal
-from pyro_mpt.conditionals.gaussian import _lowrank_log_prob
+from pyro_mpt.conditionals.gaussian_lowrank import lowrank_log_prob
 from pyro_mpt.sites import trace_tokens
 
 from models import evidence_case, exact_posterior_guide, make_ppca, make_singular_ppca, score_case
@@ -159,7 +159,7 @@ def test_centred_lowrank_log_density_equals_torch_with_gradients(rows):
     psi = (0.1 + torch.rand(rows, D, generator=g, dtype=torch.float64)).requires_grad_()
     loc = torch.randn(rows, D, generator=g, dtype=torch.float64).requires_grad_()
     x = torch.randn(n, D, generator=g, dtype=torch.float64)
-    ours = _lowrank_log_prob(GaussianMarginal(loc, cov_factor=F, cov_diag=psi), x)
+    ours = lowrank_log_prob(GaussianMarginal(loc, cov_factor=F, cov_diag=psi), x)
     ref = dist.LowRankMultivariateNormal(loc, F, psi).log_prob(x)
     assert ours.shape == (n,)
     assert torch.allclose(ours, ref, atol=1e-11, rtol=0)

@@ -1,0 +1,139 @@
+r"""What every path of the Gaussian engine shares: a Cholesky factorization that
+fails when its pivots lose their digits, the first jitter of the engine's rescue,
+the dtype each path computes in, the normal log-density and token gathers.
+
+Used by :mod:`~pyro_mpt.conditionals.gaussian` and its kernels
+(``gaussian_lowrank``, ``gaussian_dense``, ``gaussian_shared``).
+"""
+
+import math
+
+import torch
+
+#: :math:`\log 2\pi`, the constant of every normal log-density
+LOG_2PI = math.log(2 * math.pi)
+
+
+def normal_log_prob(x, mean, var):
+    r""":math:`\log\mathcal N(x; \text{mean}, \text{var})`, elementwise."""
+    return -0.5 * (LOG_2PI + var.log() + (x - mean) ** 2 / var)
+
+
+class NotPositiveDefinite(ValueError):
+    """A Cholesky factorization failed; ``GaussianConditionals._rescued`` catches it."""
+
+
+def cholesky(A, what, site=None):
+    """Cholesky factor of ``A``; raises :class:`NotPositiveDefinite` when it fails
+    or when a pivot :math:`L_{kk}^2` falls below ``10 eps`` times its diagonal
+    entry: rounding errors in a pivot are of order ``eps`` times the diagonal,
+    so such a pivot (and the log-determinant and solves built on it) has lost
+    all its digits even where the factorization happens to succeed."""
+    L, info = torch.linalg.cholesky_ex(A)
+    with torch.no_grad():
+        pivots = torch.diagonal(L, dim1=-2, dim2=-1).pow(2)
+        diag = torch.diagonal(A, dim1=-2, dim2=-1)
+        # one host sync for both checks (the pivots of a failed factor are junk, but then info says so)
+        bad = bool(((info != 0) | (pivots < 10 * torch.finfo(A.dtype).eps * diag).any(-1)).any())
+    if bad:
+        where = "" if site is None else f" of site {site!r}"
+        raise NotPositiveDefinite(
+            f"The {what}{where} is not positive definite to working precision (its "
+            f"Cholesky factorization failed or lost all digits)"
+        )
+    return L
+
+
+def first_jitter(dtype):
+    """The first relative jitter of the rescue: 1e-8 in float64, 1e-5 in float32
+    (a power of ten well above the ``10 eps`` pivot floor of :func:`cholesky`,
+    so that the blocks of the jittered covariance clear it too)."""
+    return 10.0 ** math.ceil(math.log10(max(1e-8, 50 * torch.finfo(dtype).eps)))
+
+
+#: the rounding error, relative to the quantities summed into a log-density, up to
+#: which a path computes in the data's dtype; beyond it the engine widens the dtype
+#: (float32 -> float64) or, when float64 is not enough either, changes path
+PRECISION = 1e-3
+
+
+def lowrank_dtype(F, psi, dtypes=None):
+    r"""The first of ``dtypes`` (default: ``F``'s dtype, then float64) in which the
+    low-rank pieces of :math:`\Sigma = FF^\top + \Psi` are accurate; None when
+    none is (or :math:`\Psi` has zeros).
+
+    With :math:`\kappa = \max_i \operatorname{tr}(F^\top\Psi^{-1}F)`, the
+    largest total signal-to-noise ratio over the datapoints, a context
+    precision :math:`I + F_{\mathcal R}^\top\Psi_{\mathcal R}^{-1}F_{\mathcal R}`
+    is formed with rounding errors up to :math:`\epsilon\kappa`. When the
+    loading is rank-deficient (two equal columns) or a context is smaller than
+    the rank, that matrix has eigenvalues near 1, and errors of
+    :math:`\epsilon\kappa` change them, and log p, by about as much:
+    :math:`\epsilon\kappa` must stay below ``PRECISION``. With one column
+    (:math:`R = 1`) the precision is a scalar :math:`1 + g^2` that no rounding
+    cancels, and the bound is that of the centred residual
+    :math:`e^2/\psi`, :math:`\epsilon^2\kappa`.
+    """
+    if dtypes is None:
+        dtypes = tuple(dict.fromkeys((F.dtype, torch.float64)))
+    with torch.no_grad():
+        psi = psi.double()
+        ratio = F.double().pow(2).sum(-1) / psi.clamp_min(torch.finfo(torch.float64).tiny)
+        kappa = float(torch.where(psi > 0, ratio, math.inf).sum(-1).max())
+    power = 2 if F.shape[-1] == 1 else 1
+    for dtype in dtypes:
+        if torch.finfo(dtype).eps ** power * kappa <= PRECISION:
+            return dtype
+    return None
+
+
+def dense_dtype(cov):
+    r"""``cov``'s dtype when Cholesky solves with it are accurate in that dtype, else float64.
+
+    Solves with a Cholesky factor of :math:`\Sigma` carry relative errors of about
+    ``eps`` times the condition number of the diagonally scaled
+    :math:`S^{-1/2}\Sigma S^{-1/2}` (:math:`S` the diagonal of :math:`\Sigma`),
+    and so do the Mahalanobis terms of log p. That condition number is estimated
+    as :math:`D / \lambda_{\min}` (:math:`D` bounds the largest eigenvalue, the
+    trace), with :math:`\lambda_{\min}` from a few steps of inverse iteration on
+    the factor; it must stay below ``PRECISION / eps``.
+    """
+    if cov.dtype == torch.float64:
+        return cov.dtype
+    with torch.no_grad():
+        d = torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(torch.finfo(cov.dtype).tiny).sqrt()
+        L, info = torch.linalg.cholesky_ex(cov / (d.unsqueeze(-1) * d.unsqueeze(-2)))
+        if bool((info != 0).any()):
+            return torch.float64
+        D = cov.shape[-1]
+        # a start with a component along every eigenvector, unlike a constant one could miss
+        v = torch.linspace(1.0, 2.0, D, dtype=cov.dtype, device=cov.device).expand(L.shape[:-1]).unsqueeze(-1)
+        for _ in range(8):
+            v = torch.cholesky_solve(v, L)
+            v = v / v.norm(dim=-2, keepdim=True)
+        lam_min = 1.0 / torch.cholesky_solve(v, L).norm(dim=-2)
+        bad = bool((~(torch.finfo(cov.dtype).eps * D / lam_min <= PRECISION)).any())
+    return torch.float64 if bad else cov.dtype
+
+
+def posterior_precision_factor(F, psi, site):
+    r"""Cholesky factor of :math:`I + F^\top\Psi^{-1}F`, ``(..., R, R)``."""
+    eye = torch.eye(F.shape[-1], dtype=F.dtype, device=F.device)
+    return cholesky(eye + F.transpose(-1, -2) @ (F / psi.unsqueeze(-1)), "posterior precision I + F^T Psi^-1 F", site)
+
+
+def missing_as_standard_normal(observed, x):
+    """``(o, missing_term)``: the observed tokens as 0/1 weights, and the log-density
+    ``0.5 log(2 pi)`` per missing token that undoes their stand-in ``N(0; 0, 1)``."""
+    o = observed.to(x.dtype)
+    return o, 0.5 * LOG_2PI * (1.0 - o).sum(-1)
+
+
+def gather_tokens(t, order):
+    """``t[..., order]`` along the token dim for ``t`` of shape ``(r, D, *rest)``."""
+    p, rows, D = order.shape
+    r = t.shape[0]
+    k = max(rows, r)
+    rest = t.shape[2:]
+    idx = order.expand(p, k, D).reshape((p, k, D) + (1,) * len(rest)).expand((p, k, D) + rest)
+    return torch.gather(t.unsqueeze(0).expand((p, k) + t.shape[1:]), 2, idx)
