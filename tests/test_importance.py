@@ -534,7 +534,7 @@ def test_a_partial_guide_warns_and_matching_or_no_op_guides_do_not():
 
 
 def test_self_normalized_conditionals_match_logsumexp_in_value_and_gradient():
-    from pyro_mpt.conditionals.importance import self_normalized_conditionals
+    from pyro_mpt.conditionals.importance_self_normalized import self_normalized_conditionals
 
     g = torch.Generator().manual_seed(0)
     S, q, n, D = 9, 2, 3, 5

@@ -88,12 +88,14 @@ from typing import Optional
 import torch
 
 from ..guide_checks import check_proposal_density
-from ..guide_proposals import AutoguideProposal, is_autoguide
+from ..guide_proposals import is_autoguide
 from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import check_factorized
-from .encode_decode import initial_tokens, run_chains
+from .encode_decode import initial_tokens
 from .data_args import guide_latents, locate_data_arg, refuse_missing
+from .importance_guide import autoguide_table, guide_draws
+from .importance_self_normalized import self_normalized_conditionals
 from .latent_runs import GuideMemory, LatentRunner, logmeanexp
 from .mixture import chain_terms, normalize_empty
 from .mixture_chunks import MixtureChunk
@@ -124,75 +126,6 @@ class ImportanceState:
     #: (largest :math:`\hat k`, NaN where undefined) and ``"ess"`` (smallest ESS)
     diagnostics: dict = field(default_factory=dict)
     warned: bool = False
-
-
-class _SelfNormalized(torch.autograd.Function):
-    r"""Self-normalized importance-sampled log-conditionals with a hand-written backward.
-
-    With log-weights :math:`\ell_s = \ell^0_s + \sum_d c_d T_{sd}` (:math:`c` the
-    context indicator), :math:`\omega_s = \operatorname{softmax}_s \ell_s` and
-    :math:`\pi_{sd} = \operatorname{softmax}_s(\ell_s + T_{sd})`,
-
-    .. math::
-
-        o_d = \log\sum_s e^{\ell_s + T_{sd}} - \log\sum_s e^{\ell_s}, \qquad
-        \frac{\partial L}{\partial T_{sd}} = G_d \pi_{sd} + c_d\, r_s, \quad
-        \frac{\partial L}{\partial \ell^0_s} = r_s = \sum_d G_d (\pi_{sd} - \omega_s)
-
-    for an upstream gradient :math:`G = \partial L / \partial o`. The table
-    :math:`\pi` (``S q n D`` entries) is formed once, in place, and kept for the
-    backward; autograd through ``logsumexp`` would form and keep several such
-    tables and pass over them many times more.
-
-    Inputs: ``lw0`` ``(S, q, n)``, ``T`` ``(S, q, n, D)``, ``ctx`` ``(q, n, D)``.
-    Outputs: ``out`` ``(q, n, D)``; and, detached, the log-weights ``(S, q, n)``,
-    :math:`\omega` ``(S, q, n)``, :math:`\sum_s \pi_{sd}^2` and
-    :math:`\sum_s \pi_{sd}\omega_s` ``(q, n, D)`` for the diagnostics.
-    """
-
-    @staticmethod
-    def forward(fctx, lw0, T, ctx):
-        lw = lw0 + torch.einsum("sqnd,qnd->sqn", T, ctx)
-        den = torch.logsumexp(lw, 0)
-        omega = torch.exp(lw - den)
-        pi = T + lw.unsqueeze(-1)
-        m = pi.amax(0)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        pi.sub_(m).exp_()
-        Z = pi.sum(0)
-        pi.div_(Z.clamp_min(torch.finfo(Z.dtype).tiny))  # a token impossible under every draw: pi = 0
-        out = Z.log_() + m - den.unsqueeze(-1)
-        sum_pi2 = torch.einsum("sqnd,sqnd->qnd", pi, pi)
-        sum_pi_omega = torch.einsum("sqnd,sqn->qnd", pi, omega)
-        fctx.save_for_backward(pi, omega, ctx)
-        fctx.mark_non_differentiable(lw, omega, sum_pi2, sum_pi_omega)
-        return out, lw, omega, sum_pi2, sum_pi_omega
-
-    @staticmethod
-    def backward(fctx, G, *_):
-        pi, omega, ctx = fctx.saved_tensors
-        r = torch.einsum("sqnd,qnd->sqn", pi, G) - omega * G.sum(-1)
-        grad_T = (pi * G).addcmul_(ctx, r.unsqueeze(-1)) if fctx.needs_input_grad[1] else None
-        return r if fctx.needs_input_grad[0] else None, grad_T, None
-
-
-def self_normalized_conditionals(lw0, T, ctx):
-    r"""Self-normalized importance-sampled log-conditionals of every token, with their weights.
-
-    :param torch.Tensor lw0: :math:`\log p(z_s) - \log r(z_s)` per draw, query and
-        datapoint, ``(S, q, n)``.
-    :param torch.Tensor T: :math:`\log p(x_d \mid z_s)`, ``(S, q, n, D)``.
-    :param torch.Tensor ctx: 1.0 at context tokens, 0.0 at targets, ``(q, n, D)``.
-    :returns: ``(out, lw, omega, sum_pi2, sum_pi_omega)``: the log-conditionals
-        ``(q, n, D)`` (differentiable in ``lw0`` and ``T``), and, detached, the
-        log-weights and normalized weights ``(S, q, n)`` and
-        :math:`\sum_s \pi_{sd}^2`, :math:`\sum_s \pi_{sd}\omega_s` ``(q, n, D)``.
-
-    Example::
-
-        >>> out = self_normalized_conditionals(lw0, T, (~mask).to(T.dtype))[0]
-    """
-    return _SelfNormalized.apply(lw0, T, ctx)
 
 
 class ImportanceConditionals(ConditionalEngine):
@@ -305,7 +238,10 @@ class ImportanceConditionals(ConditionalEngine):
             )
             if is_autoguide(guide):
                 # it does not read the data, so missing tokens are no obstacle
-                return self._autoguide_table(tokens, model, guide, args, kwargs, who)
+                runner, chunk = autoguide_table(
+                    tokens, model, guide, args, kwargs, who, self.num_samples, self.prior_weight, self.max_elements
+                )
+                return ImportanceState("guide", tokens.num_data, tokens.num_tokens, runner, chunk=chunk, imputed=False)
             refuse_missing(tokens, f"{who} with proposal='guide'")
         n, D = tokens.num_data, tokens.num_tokens
         if proposal == "prior":
@@ -336,46 +272,6 @@ class ImportanceConditionals(ConditionalEngine):
         runner = LatentRunner(tokens, model, guide, args, kwargs, data, who, self.memory)
         init = initial_tokens(runner, self.init, who) if data is not None else None
         return ImportanceState("guide", n, D, runner, init=init, imputed=data is not None)
-
-    def _autoguide_table(self, tokens, model, guide, args, kwargs, who):
-        r"""The table of one set of draws shared by every query, for a Pyro autoguide.
-
-        An autoguide does not read the data (its parameters are per datapoint or
-        global), so imputing the masked tokens would not change it: the
-        proposal is the defensive mixture :math:`\alpha p(z) + (1-\alpha) q(z)`
-        for every query, and its draws form a table like the prior's, with
-        per-datapoint log-weights :math:`\log p(z_s) - \log r(z_s) - \log S`.
-        """
-        runner = LatentRunner(tokens, model, guide, args, kwargs, None, who)
-        source = AutoguideProposal(guide, runner, who)
-        n, D = tokens.num_data, tokens.num_tokens
-        S = self.num_samples
-        S_p = min(S - 1, int(round(self.prior_weight * S)))
-        alpha = S_p / S
-        step = max(1, self.max_elements // max(1, n * D))
-        logws, tables = [], []
-        for start in range(0, S, step):
-            rows = min(step, S - start)
-            # this chunk's share of prior draws, so that the whole set has S_p of them
-            k_p = (start + rows) * S_p // S - start * S_p // S
-            values, trace = source.sample(rows)
-            if k_p:
-                prior = runner.sample_prior(k_p).trace
-                values = {
-                    name: torch.cat([v[: rows - k_p], prior.nodes[name]["value"].expand((k_p,) + v.shape[1:])], 0)
-                    for name, v in values.items()
-                }
-            log_q = source.log_prob(trace, values, rows)
-            dec = runner.decode(values, rows)
-            log_p = dec.log_prior()
-            log_r = log_q
-            if S_p:
-                log_r = torch.logaddexp(log_q + math.log1p(-alpha), log_p + math.log(alpha))
-            logws.append((log_p - log_r).T)
-            tables.append(dec.token_log_prob(tokens.value).transpose(0, 1))
-        logw = torch.cat(logws, 1) - math.log(S)  # (n, S)
-        T = torch.cat(tables, 1).contiguous()  # (n, S, D)
-        return ImportanceState("guide", n, D, runner, chunk=MixtureChunk(logw, T), imputed=False)
 
     # ------------------------------------------------------------------ queries
     def mask_log_prob(self, state, x, mask):
@@ -451,43 +347,15 @@ class ImportanceConditionals(ConditionalEngine):
         return out, diagnostics
 
     def _guide_block(self, state, x, mask):
-        runner = state.runner
         S = self.num_samples
         q = mask.shape[0]
         n, D = x.shape
-        if state.imputed:
-            share = max(1, S - int(round(self.prior_weight * S)))
-            C = min(self.num_chains, share)
-            S_g = C * (share // C)
-            S_p = S - S_g
-            xt = run_chains(runner, x, mask, state.init, self.num_iterations, C)
-            xt = xt.reshape(C * q, n, D)
-            enc = runner.encode(xt, S_g // C)  # draw s = p * C + c uses chain c
-            values = enc.values
-            if S_p:
-                prior = runner.sample_prior(S_p * q)
-                values = {
-                    k: torch.cat([v, prior.trace.nodes[k]["value"].expand((S_p * q,) + v.shape[1:])], 0)
-                    for k, v in values.items()
-                }
-            if C == 1 and not S_p:
-                log_r = enc.log_q.reshape(S, q, n)
-            else:
-                scores = runner.guide_log_prob(xt, values, S)  # (S, C, q, n)
-                log_r = torch.logsumexp(scores, 1) - math.log(C)
-        else:
-            S_p = 0
-            enc = runner.encode_original(S)
-            log_r = enc.log_q.expand(S, q, n)
-            values = {k: v.repeat_interleave(q, 0) if q > 1 else v for k, v in enc.values.items()}
-        dec = runner.decode(values, S * q)
-        log_p = dec.log_prior().reshape(S, q, n)
-        if S_p:
-            alpha = S_p / S
-            log_r = torch.logaddexp(log_r + math.log1p(-alpha), log_p + math.log(alpha))
-        T = dec.token_log_prob(x).reshape(S, q, n, D)
+        lw0, T = guide_draws(
+            state.runner, x, mask, state.init, state.imputed,
+            S, self.prior_weight, self.num_chains, self.num_iterations,
+        )
         ctx = (~mask).to(T.dtype).expand(q, n, D)
-        out, lw, omega, sum_pi2, sum_pi_omega = self_normalized_conditionals(log_p - log_r, T, ctx)
+        out, lw, omega, sum_pi2, sum_pi_omega = self_normalized_conditionals(lw0, T, ctx)
         ess = err = khat = None
         if self.diagnostics:
             with torch.no_grad():

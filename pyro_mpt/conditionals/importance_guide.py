@@ -1,0 +1,111 @@
+r"""The guide's proposals for the ``"importance"`` engine
+(:mod:`~pyro_mpt.conditionals.importance`): one table of draws shared by every
+query for a Pyro autoguide, and per-query draws from the mixture of the guide
+run on imputed data (encode--decode chains), defended by a share of prior draws.
+"""
+
+import math
+
+import torch
+
+from ..guide_proposals import AutoguideProposal
+from .encode_decode import run_chains
+from .latent_runs import LatentRunner
+from .mixture_chunks import MixtureChunk
+
+
+def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_weight, max_elements):
+    r"""The table of one set of draws shared by every query, for a Pyro autoguide.
+
+    An autoguide does not read the data (its parameters are per datapoint or
+    global), so imputing the masked tokens would not change it: the
+    proposal is the defensive mixture :math:`\alpha p(z) + (1-\alpha) q(z)`
+    for every query, and its draws form a table like the prior's, with
+    per-datapoint log-weights :math:`\log p(z_s) - \log r(z_s) - \log S`.
+
+    :param int num_samples: :math:`S`, the draws.
+    :param float prior_weight: the share :math:`\alpha` of them taken from the prior.
+    :param int max_elements: bound on the elements of one chunk's table.
+    :returns: ``(runner, chunk)``: the
+        :class:`~pyro_mpt.conditionals.latent_runs.LatentRunner` and the
+        :class:`~pyro_mpt.conditionals.mixture_chunks.MixtureChunk` of the
+        log-weights ``(n, S)`` and the table ``(n, S, D)``.
+    """
+    runner = LatentRunner(tokens, model, guide, args, kwargs, None, who)
+    source = AutoguideProposal(guide, runner, who)
+    n, D = tokens.num_data, tokens.num_tokens
+    S = num_samples
+    S_p = min(S - 1, int(round(prior_weight * S)))
+    alpha = S_p / S
+    step = max(1, max_elements // max(1, n * D))
+    logws, tables = [], []
+    for start in range(0, S, step):
+        rows = min(step, S - start)
+        # this chunk's share of prior draws, so that the whole set has S_p of them
+        k_p = (start + rows) * S_p // S - start * S_p // S
+        values, trace = source.sample(rows)
+        if k_p:
+            prior = runner.sample_prior(k_p).trace
+            values = {
+                name: torch.cat([v[: rows - k_p], prior.nodes[name]["value"].expand((k_p,) + v.shape[1:])], 0)
+                for name, v in values.items()
+            }
+        log_q = source.log_prob(trace, values, rows)
+        dec = runner.decode(values, rows)
+        log_p = dec.log_prior()
+        log_r = log_q
+        if S_p:
+            log_r = torch.logaddexp(log_q + math.log1p(-alpha), log_p + math.log(alpha))
+        logws.append((log_p - log_r).T)
+        tables.append(dec.token_log_prob(tokens.value).transpose(0, 1))
+    logw = torch.cat(logws, 1) - math.log(S)  # (n, S)
+    T = torch.cat(tables, 1).contiguous()  # (n, S, D)
+    return runner, MixtureChunk(logw, T)
+
+
+def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_chains, num_iterations):
+    r"""Draws of the guide proposal for masks ``(q, n|1, D)``, ``S`` per query and datapoint.
+
+    With ``imputed``, the defensive mixture of the prior (share ``prior_weight``)
+    and the guide run on the states of ``num_chains`` encode--decode chains
+    after ``num_iterations`` rounds from ``init``; else the guide on the original data.
+
+    :returns: ``(lw0, T)``: :math:`\log p(z_s) - \log r(z_s)` ``(S, q, n)`` and
+        :math:`\log p(x_d \mid z_s)` ``(S, q, n, D)``, as
+        :func:`~pyro_mpt.conditionals.importance_self_normalized.self_normalized_conditionals` takes them.
+    """
+    S = num_samples
+    q = mask.shape[0]
+    n, D = x.shape
+    if imputed:
+        share = max(1, S - int(round(prior_weight * S)))
+        C = min(num_chains, share)
+        S_g = C * (share // C)
+        S_p = S - S_g
+        xt = run_chains(runner, x, mask, init, num_iterations, C)
+        xt = xt.reshape(C * q, n, D)
+        enc = runner.encode(xt, S_g // C)  # draw s = p * C + c uses chain c
+        values = enc.values
+        if S_p:
+            prior = runner.sample_prior(S_p * q)
+            values = {
+                k: torch.cat([v, prior.trace.nodes[k]["value"].expand((S_p * q,) + v.shape[1:])], 0)
+                for k, v in values.items()
+            }
+        if C == 1 and not S_p:
+            log_r = enc.log_q.reshape(S, q, n)
+        else:
+            scores = runner.guide_log_prob(xt, values, S)  # (S, C, q, n)
+            log_r = torch.logsumexp(scores, 1) - math.log(C)
+    else:
+        S_p = 0
+        enc = runner.encode_original(S)
+        log_r = enc.log_q.expand(S, q, n)
+        values = {k: v.repeat_interleave(q, 0) if q > 1 else v for k, v in enc.values.items()}
+    dec = runner.decode(values, S * q)
+    log_p = dec.log_prior().reshape(S, q, n)
+    if S_p:
+        alpha = S_p / S
+        log_r = torch.logaddexp(log_r + math.log1p(-alpha), log_p + math.log(alpha))
+    T = dec.token_log_prob(x).reshape(S, q, n, D)
+    return log_p - log_r, T
