@@ -15,7 +15,7 @@ import pyro
 import pyro.distributions as dist
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
-from pyro_mpt.conditionals import HierarchicalGaussianConditionals
+from pyro_mpt.conditionals import EngineNotApplicable, HierarchicalGaussianConditionals
 from pyro_mpt.sites import trace_tokens
 
 TOL = 1e-8
@@ -285,3 +285,22 @@ def test_missing_tokens_give_the_evidence_of_the_observed_tokens():
     assert abs(float(Evidence(masked, method="exact", token_plates=("data",))(x)) - ref) < TOL
     score = MaskedPretrainingLoss(masks="order", token_plates=("data",)).score(masked, None, x)
     assert abs(float(score) - ref) < TOL
+
+
+def test_a_model_that_does_not_broadcast_is_refused_with_the_shape_and_the_fix():
+    # (g @ A.T).unsqueeze(-2) is right for an unbatched g but adds a dim under an extra plate:
+    # read as tokens, the run would mix noise points and datapoints
+    torch.manual_seed(3)
+    N, D, G = 6, 3, 2
+    A = torch.randn(D, G, dtype=torch.float64)
+
+    def model(x):
+        g = pyro.sample("g", dist.Normal(torch.zeros(G, dtype=x.dtype), 1.3).to_event(1))
+        with pyro.plate("data", N):
+            u = pyro.sample("u", dist.Normal(torch.tensor(0.0, dtype=x.dtype), 1.0))
+            pyro.sample("x", dist.Normal((g @ A.T).unsqueeze(-2) + 2.0 * u.unsqueeze(-1), 0.7).to_event(1), obs=x)
+
+    x = torch.randn(N, D, dtype=torch.float64)
+    with pytest.raises(EngineNotApplicable, match=r"'hierarchical': .*loc has shape \(5, 5, 6, 3\), which does not "
+                                                  r"broadcast to \(5, 6, 3\).*g @ W.T rather than W @ g"):
+        Evidence(model, token_plates=("data",))(x)

@@ -64,6 +64,7 @@ from typing import Optional
 
 import torch
 import pyro.distributions as dist
+from pyro.distributions.util import broadcast_shape
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
@@ -255,8 +256,19 @@ def hierarchical_loadings(tokens, model, args, kwargs):
     if not isinstance(base, dist.Normal):
         raise _not_linear_gaussian(tokens.name, f"the observation is {type(base).__name__}, not Normal")
     shape = torch.Size((B,)) + tokens.site_shape
-    loc = tokens.to_tokens(base.loc.expand(torch.broadcast_shapes(base.loc.shape, shape))).reshape(B, -1, D)
-    scale = tokens.to_tokens(base.scale.expand(torch.broadcast_shapes(base.scale.shape, shape))).reshape(B, -1, D)
+    for part in ("loc", "scale"):
+        # a model that does not broadcast over the extra plate grows the observation's shape instead
+        # (e.g. a leading dim added twice); reading it as tokens would then mix noise points and datapoints
+        got = tuple(getattr(base, part).shape)
+        if broadcast_shape(got, tuple(shape)) != tuple(shape):
+            raise _not_linear_gaussian(tokens.name, f"run at {B} noise points in a pyro.plate at dim {-rank}, "
+                                       f"the observation's {part} has shape {got}, which does not broadcast to "
+                                       f"{tuple(shape)} (the noise points, then the site's shape "
+                                       f"{tuple(tokens.site_shape)}); write the model so that it broadcasts over "
+                                       f"an extra batch dim on the left (e.g. g @ W.T rather than W @ g, no "
+                                       f"unsqueeze that assumes the latents' shape)")
+    loc = tokens.to_tokens(base.loc.expand(shape)).reshape(B, -1, D)
+    scale = tokens.to_tokens(base.scale.expand(shape)).reshape(B, -1, D)
     if not _rows_equal(scale):
         raise _not_linear_gaussian(tokens.name, "the observation's scale depends on the latents")
     mu = loc[0]  # (n, D)

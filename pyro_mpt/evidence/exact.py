@@ -53,16 +53,20 @@ def exact_evidence(evidence, tokens, args, kwargs):
     except EngineNotApplicable as e:
         # a linear-Gaussian hierarchy (local latents in a token plate), or exact sums
         # over discrete latents (a finite mixture, or an HMM's chain)
-        for other in (HierarchicalGaussianConditionals(), EnumerateConditionals(), DiscreteHMMConditionals()):
+        declined = []
+        for label, other in (("hierarchical", HierarchicalGaussianConditionals()),
+                             ("enumerate", EnumerateConditionals()), ("hmm", DiscreteHMMConditionals())):
             try:
                 engine, state = other, other.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
                 break
-            except EngineNotApplicable:
-                pass
+            except EngineNotApplicable as why:
+                declined.append(f"{label!r}: {why}")
         else:
+            # every route's reason: the one that nearly applies is often not the Gaussian one
             raise type(e)(
                 f"Evidence(method='exact') needs a model with a Gaussian marginal, discrete "
-                f"latents only, or a DiscreteHMM observation. {e}"
+                f"latents only, or a DiscreteHMM observation. {e} The other exact routes declined -- "
+                + " | ".join(declined)
             ) from e
     value = engine.log_evidence(state, tokens.value, tokens.observed)
     return EvidenceResult(value, torch.zeros_like(value.detach()))
