@@ -66,7 +66,7 @@ def exact_evidence(evidence, tokens, args, kwargs):
             raise type(e)(
                 f"Evidence(method='exact') needs a model with a Gaussian marginal, discrete "
                 f"latents only, or a DiscreteHMM observation. {e} The other exact routes declined -- "
-                + " | ".join(declined)
+                + " ".join(declined)
             ) from e
     value = engine.log_evidence(state, tokens.value, tokens.observed)
     return EvidenceResult(value, torch.zeros_like(value.detach()))
