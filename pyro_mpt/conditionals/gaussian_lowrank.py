@@ -139,8 +139,8 @@ def lowrank_independent_sums(m, x, mask):
     :math:`\Lambda = I + C\,(F \odot F / \psi)` (rows of :math:`R^2`),
     :math:`\eta_{qi} = \sum_j C_{qij} (r_{ij}/\psi_j) f_j` (one batched product
     per datapoint), and with :math:`B = \Lambda^{-1}` the conditional variance
-    :math:`v_{qij} = \psi_j + f_j^	op B_{qi} f_j = \psi_j + \operatorname{vec}(B_{qi})^	op
-    (f_j \otimes f_j)` and mean :math:`f_j^	op B_{qi}\eta_{qi}` are two more
+    :math:`v_{qij} = \psi_j + f_j^\top B_{qi} f_j = \psi_j + \operatorname{vec}(B_{qi})^\top
+    (f_j \otimes f_j)` and mean :math:`f_j^\top B_{qi}\eta_{qi}` are two more
     products over ``(q n, R^2) x (R^2, D)``.
     """
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
