@@ -150,7 +150,10 @@ def report_convergence(out, args):
            f"seeds 0..{spread_seeds - 1}) the P=1 spread is {ta['spread_P1']:.3f} (ratio "
            f"{ta['spread_P1'] / PAPER_TABLE1[1][1]:.2f} to the paper's; known to about "
            f"±{100 / np.sqrt(2 * (spread_seeds - 1)):.0f} %), so the paper's ±0.47 is the estimator's spread and "
-           "a 5-seed value far from it is the chance of a 5-seed std.", "",
+           "a 5-seed value far from it is the chance of a 5-seed std. The 5-seed std of each of the "
+           f"{len(ta['spread_P1_groups'])} disjoint groups of 5 seeds: mean {np.mean(ta['spread_P1_groups']):.3f} "
+           f"(ratio {np.mean(ta['spread_P1_groups']) / PAPER_TABLE1[1][1]:.2f} to the paper's), range "
+           f"{min(ta['spread_P1_groups']):.3f} … {max(ta['spread_P1_groups']):.3f}; the first group is the table's row.", "",
            "The same W and Z with the noise the model assumes (independent per token, std sqrt(0.2)); "
            "no paper column, the paper has no such run:", "",
            "| | true LML | P=1 | P=10 | P=100 |", "|---|---|---|---|---|",

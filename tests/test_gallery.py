@@ -74,6 +74,9 @@ def test_table1_on_the_authors_data(convergence):
     # over 20 seeds the std is known to ~16 %: within the factor 1.5 of the paper's 0.47
     assert t["spread_seeds"] == 20
     assert 0.47 / 1.5 < t["spread_P1"] < 0.47 * 1.5, t["spread_P1"]
+    # and the "at 5 seeds": the mean 5-seed std over the 4 disjoint groups of 5 seeds
+    assert len(t["spread_P1_groups"]) == 4
+    assert 0.47 / 1.5 < np.mean(t["spread_P1_groups"]) < 0.47 * 1.5, t["spread_P1_groups"]
 
 
 def test_fig1_bias_cause(convergence):
