@@ -223,3 +223,43 @@ def test_imports_run_one_way_through_the_layers():
     assert not bad, "imports against the layers (loss/evidence -> conditionals -> sites/masks):\n" + "\n".join(
         f"{m} (line {line}) imports {t}" for m, line, t in bad
     )
+
+
+def documented_modules(text):
+    """``{package path: {module file names}}`` from the layout tables of ``docs/architecture.md``.
+
+    A table belongs to the last bold heading naming a package, e.g. ``**Engines: `pyro_mpt/conditionals/`**``.
+    """
+    import re
+
+    found, package = {}, None
+    for line in text.splitlines():
+        heading = re.match(r"^\*\*.*`(pyro_mpt/[\w/]*)`\*\*\s*$", line)
+        if heading:
+            package = heading.group(1).rstrip("/")
+            found.setdefault(package, set())
+            continue
+        row = re.match(r"^\|\s*`([\w.]+\.py)`\s*\|", line)
+        if row and package:
+            found[package].add(row.group(1))
+    return found
+
+
+def test_the_layout_check_reads_the_tables():
+    text = "**Engines: `pyro_mpt/conditionals/`**\n\n| module | job |\n|---|---|\n| `base.py` | the base |\n"
+    assert documented_modules(text) == {"pyro_mpt/conditionals": {"base.py"}}
+
+
+def test_docs_architecture_has_one_row_per_module():
+    # the page is "the truth" about the layout: a module added, moved or removed must change it too
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    documented = documented_modules(text)
+    on_disk = {}
+    for path in PACKAGE.rglob("*.py"):
+        on_disk.setdefault(str(path.parent.relative_to(PACKAGE.parent)), set()).add(path.name)
+    assert documented == on_disk, {
+        pkg: {"undocumented": sorted(on_disk.get(pkg, set()) - documented.get(pkg, set())),
+              "stale": sorted(documented.get(pkg, set()) - on_disk.get(pkg, set()))}
+        for pkg in set(documented) | set(on_disk)
+        if documented.get(pkg) != on_disk.get(pkg)
+    }
