@@ -64,7 +64,7 @@ from typing import Optional
 
 import torch
 import pyro.distributions as dist
-from pyro.distributions.util import broadcast_shape
+from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
@@ -158,7 +158,7 @@ class _AffineNoise(Messenger):
         else:
             loc, scale = base.loc, base.scale
             value = loc + scale * e
-        value = value.expand(torch.broadcast_shapes(value.shape, msg["fn"].shape()))
+        value = value.expand(broadcast_shape(value.shape, msg["fn"].shape()))
         self.scales[msg["name"]] = scale
         msg["value"] = value
         msg["done"] = True
