@@ -186,7 +186,7 @@ def test_no_import_cycle_among_pyro_mpt_modules():
 LAYERS = [
     ["token_layout", "site_checks", "sites", "mask_blocks", "mask_draws", "masks",
      "importance_weights", "guide_checks", "curve"],
-    ["conditionals", "guide_proposals"],
+    ["conditionals"],
     ["estimate", "loss", "evidence", "importance_weighted_elbo", "guide_elbo"],
     ["adapters", "experiments"],
 ]

@@ -58,7 +58,7 @@ Two proposals (``proposal=``):
   change them: their proposal is the defensive mixture
   :math:`\alpha\,p(z) + (1-\alpha)\,q(z)` for every query, drawn once per
   call into a table shared by all queries (as for the prior), with the
-  density :math:`q(z)` of :class:`~pyro_mpt.guide_proposals.AutoguideProposal`.
+  density :math:`q(z)` of :class:`~pyro_mpt.conditionals.guide_proposals.AutoguideProposal`.
 * ``"auto"`` (default) -- ``"guide"`` when a guide that samples the model's
   latents is given, else ``"prior"`` (e.g. with the no-op guide
   ``lambda x: None`` usual for MPT). With missing (masked) tokens ``"auto"``
@@ -88,7 +88,7 @@ from typing import Optional
 import torch
 
 from ..guide_checks import check_proposal_density
-from ..guide_proposals import is_autoguide
+from .guide_proposals import is_autoguide
 from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import check_factorized

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..guide_proposals import AutoguideProposal
+from .guide_proposals import AutoguideProposal
 from .encode_decode import run_chains
 from .latent_runs import LatentRunner
 from .mixture_chunks import MixtureChunk

@@ -52,7 +52,7 @@ from ..conditionals.base import EngineNotApplicable
 from ..conditionals.data_args import refuse_missing
 from ..conditionals.latent_runs import LatentRunner, logmeanexp
 from ..guide_checks import check_proposal_density
-from ..guide_proposals import AutoguideProposal, is_autoguide
+from ..conditionals.guide_proposals import AutoguideProposal, is_autoguide
 from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
 from .result import EvidenceResult
 

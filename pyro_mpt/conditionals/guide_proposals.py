@@ -50,7 +50,7 @@ from pyro.infer.autoguide import (
 from torch.distributions import biject_to
 import pyro.distributions as dist
 
-from .conditionals.latent_runs import PARTICLE_PLATE
+from .latent_runs import PARTICLE_PLATE
 
 __all__ = ["AUTOGUIDES", "is_autoguide", "AutoguideProposal"]
 
