@@ -150,6 +150,14 @@ def check_shape(site, raw):
         )
 
 
+def _support(site):
+    """The elementwise support of the site's distribution, or None when it declares none."""
+    try:
+        return elementwise(site["fn"]).support
+    except NotImplementedError:  # a user distribution that declares no support
+        return None
+
+
 def support_ok(layout, site):
     """Bool ``(n, D)``: True where a token's observed value is in the support of the
     site's distribution; None when the support cannot be checked.
@@ -157,12 +165,8 @@ def support_ok(layout, site):
     :param ~pyro_mpt.token_layout.TokenLayout layout: the site's token layout.
     :param dict site: the observed trace site.
     """
-    base = elementwise(site["fn"])
-    try:
-        support = base.support
-    except NotImplementedError:  # a user distribution that declares no support
-        return None
-    if constraints.is_dependent(support):
+    support = _support(site)
+    if support is None or constraints.is_dependent(support):
         return None
     ok = support.check(site["value"].expand(layout.site_shape))
     ok = ok.reshape(ok.shape + (1,) * (len(layout.site_shape) - ok.dim())).expand(layout.site_shape)
@@ -180,17 +184,24 @@ def validate_values(layout, site, flat, observed):
     :raises ValueError: naming the site, the count and a first offending token.
     """
     name = site["name"]
-    finite = torch.isfinite(flat)
-    if observed is not None:
-        finite = finite | ~observed
-    if not finite.all():
-        bad = int((~finite).sum())
-        raise ValueError(
-            f"Observed site {name!r} contains {bad} NaN or infinite value(s)"
-            f"{' at observed tokens' if observed is not None else ''}; remove "
-            f"or impute them before computing masked pre-training scores"
-            f"{'' if observed is not None else ', or mark them missing with obs_mask='}."
-        )
+    # one reduction decides the common case: a sum is finite only if every term is
+    # (NaN and infinities propagate); only a sum that is not (a bad token, or an
+    # overflow of large finite ones) needs the elementwise look that finds the culprit
+    if not bool(torch.isfinite(flat.sum())):
+        finite = torch.isfinite(flat)
+        if observed is not None:
+            finite = finite | ~observed
+        if not finite.all():
+            bad = int((~finite).sum())
+            raise ValueError(
+                f"Observed site {name!r} contains {bad} NaN or infinite value(s)"
+                f"{' at observed tokens' if observed is not None else ''}; remove "
+                f"or impute them before computing masked pre-training scores"
+                f"{'' if observed is not None else ', or mark them missing with obs_mask='}."
+            )
+    if _support(site) is constraints.real:
+        # every finite (observed) token is real: the support check would repeat the one above
+        return
     ok = support_ok(layout, site)
     if ok is None:
         return

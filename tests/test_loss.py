@@ -11,6 +11,7 @@ from pyro.nn import PyroModule, PyroParam, PyroSample
 from pyro.optim import Adam
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
+from pyro_mpt.sites import trace_tokens
 
 from models import make_ppca
 
@@ -208,6 +209,19 @@ def test_nan_or_inf_observation_names_the_site(bad):
     x[1, 2] = bad
     with pytest.raises(ValueError, match=r"Observed site 'x' contains 1 NaN or infinite"):
         MaskedPretrainingLoss().loss(model, None, x)
+
+
+def test_finite_tokens_whose_sum_overflows_pass_the_value_check():
+    # the check sums the tokens first (finite iff every token is, unless the sum
+    # overflows): an overflowing sum of finite tokens must fall back, not refuse them
+    model, x, _ = make_ppca(4, 2, N=3, dtype=torch.float32)
+    x = torch.full_like(x, 3e38)
+    assert not torch.isfinite(x.sum())
+    tokens = trace_tokens(model, None, (x,), {})
+    assert tokens.value.shape == (3, 4)
+    x[2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"Observed site 'x' contains 1 NaN or infinite"):
+        trace_tokens(model, None, (x,), {})
 
 
 def test_tokens_without_event_dims_are_refused():
