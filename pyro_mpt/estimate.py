@@ -17,6 +17,7 @@ engines never see a schedule.
 
 import dataclasses
 import functools
+import inspect
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -121,18 +122,18 @@ def _schedule_blocks(schedule, tokens, max_elements):
     n, D = x.shape
     if tokens.observed is None:
         return schedule.blocks(n, D, max_elements=max_elements, device=x.device)
-    try:
-        return schedule.blocks(n, D, max_elements=max_elements, device=x.device, observed=tokens.observed)
-    except TypeError as e:
-        # observed= is part of the schedule contract; a schedule written before
-        # missing tokens existed cannot leave them out
-        if "observed" not in str(e):
-            raise
+    # observed= is part of MaskSchedule.blocks' contract; a schedule written
+    # without it would fail inside its own code with a TypeError naming no fix
+    params = inspect.signature(schedule.blocks).parameters.values()
+    if not any(p.name == "observed" or p.kind is p.VAR_KEYWORD for p in params):
         raise ValueError(
             f"Observed site {tokens.name!r} has missing (masked) tokens, but the "
             f"mask schedule {schedule!r} takes no observed= argument to leave them "
-            f"out; use a built-in schedule, or impute the missing tokens."
-        ) from e
+            f"out; give its blocks an observed=None argument and draw through "
+            f"self.maskable_tokens(n, D, device, observed) (pyro_mpt.missing_tokens), "
+            f"use a built-in schedule, or impute the missing tokens."
+        )
+    return schedule.blocks(n, D, max_elements=max_elements, device=x.device, observed=tokens.observed)
 
 
 def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumulator=None, progress=None):

@@ -15,33 +15,23 @@ A schedule chooses masks and weights :math:`w` so that
 known biased version of it), with :math:`\hat S_q = \frac1M\sum_{j\in\mathcal M_q}
 \log p(x_j\mid x_{\mathcal R_q})` the score of query :math:`q`.
 
-Schedules emit queries in *blocks* (:mod:`pyro_mpt.mask_blocks`) whose size
-is bounded by an element budget, so that any schedule runs in bounded memory
-with any engine:
-
-* :class:`~pyro_mpt.mask_blocks.MaskBlock` -- ``mask`` of shape ``(q, n, D)`` (``n`` may be 1 when the
-  masks are shared across the batch); the masked tokens are the targets, the
-  others the context.
-* :class:`~pyro_mpt.mask_blocks.ChainBlock` -- ``order`` of shape ``(p, n, D)``; position ``t`` of an
-  ordering is a query whose target is ``order[..., t]`` and whose context is
-  ``order[..., t+1:]``. It is the chain rule :math:`\log p(x) =
-  \sum_t \log p(x_{\pi_t}\mid x_{\pi_{t+1:D}})`; engines may compute it with a
-  faster path than :math:`D` separate mask queries.
+Schedules emit queries in *blocks* bounded by an element budget, so that any
+schedule runs in bounded memory with any engine: masks
+(:class:`~pyro_mpt.mask_blocks.MaskBlock`, the masked tokens are the targets,
+the others the context) or orderings for the chain rule :math:`\log p(x) =
+\sum_t \log p(x_{\pi_t}\mid x_{\pi_{t+1:D}})`
+(:class:`~pyro_mpt.mask_blocks.ChainBlock`), which engines may compute faster
+than :math:`D` separate mask queries.
 
 Within a block, the term at size :math:`M` is an unbiased estimate of
 :math:`S(x; M)`, which is what :class:`~pyro_mpt.curve.MPTCurve` averages.
 A schedule only says which queries and which weights; running them through
 an engine is :func:`~pyro_mpt.estimate.mpt_estimate`'s job.
 
-**Missing tokens.** With ``observed=`` (bool ``(n, D)``, from a masked
-observation), datapoint :math:`i` has :math:`D_i` observed tokens and
-Proposition 1 runs over them: :math:`\log p(x_{O_i}) = \sum_{M=1}^{D_i}
-S(x_{O_i}; M)`. Masks are drawn per datapoint among its observed tokens, the
-missing tokens are hidden from the engines as extra masked tokens (so they are
-never context) and left out of the sums (so they are never targets), and the
-weights use :math:`D_i`. Orderings put the missing tokens first, so that no
-observed token has them in its context. For curves, :math:`S(x_i; M) = 0` for
-:math:`M > D_i`, so the area stays the mean :math:`\log p(x_{O_i})`.
+**Missing tokens.** With ``observed=`` (bool ``(n, D)``) Proposition 1 runs
+over each datapoint's :math:`D_i` observed tokens; every schedule draws and
+builds its blocks through :class:`~pyro_mpt.missing_tokens.MaskableTokens`,
+which says how once for all (see :mod:`pyro_mpt.missing_tokens`).
 """
 
 import functools
@@ -50,8 +40,7 @@ from numbers import Real
 
 import torch
 
-from .mask_blocks import ChainBlock, MaskBlock
-from .mask_draws import random_masks, random_order, random_ranks
+from .missing_tokens import MaskableTokens
 
 __all__ = [
     "MaskSchedule",
@@ -69,9 +58,10 @@ __all__ = [
 MAX_EXHAUSTIVE_TOKENS = 16
 
 
-def _nested_masks(ranks, p, sizes):
-    """The masks of sizes ``sizes`` (``(q,)``) nested in the orderings ``ranks[p]``."""
-    return ranks[p] < sizes[:, None, None]
+def _draw_masks(tokens, ranks, p, sizes):
+    """Masks of sizes ``sizes`` (``(q,)``): nested in the orderings ``ranks[p]``, or independent when ``ranks`` is None."""
+    mask = tokens.masks(sizes[:, None], sizes.numel()) if ranks is None else ranks[p] < sizes[:, None, None]
+    return tokens.observed_only(mask)
 
 
 class MaskSchedule:
@@ -112,10 +102,11 @@ class MaskSchedule:
         :param int D: number of tokens per datapoint.
         :param int max_elements: bound on ``q * n * D`` per block.
         :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens;
-            None when none is missing (see the module docstring). Masks are
-            then drawn per datapoint, whatever ``share_masks`` says. Part of
-            the contract: every schedule takes it, and a schedule whose
-            ``blocks`` does not is refused when tokens are missing.
+            None when none is missing (see :mod:`pyro_mpt.missing_tokens`).
+            Masks are then drawn per datapoint, whatever ``share_masks``
+            says. Part of the contract: every schedule takes it, and a
+            schedule whose ``blocks`` does not is refused when tokens are
+            missing.
         """
         raise NotImplementedError
 
@@ -134,10 +125,9 @@ class MaskSchedule:
         share = self.share_masks if share_masks is None else share_masks
         return AllSizes(self.num_masks, share_masks=share)
 
-    def _rows(self, n, observed=None):
-        """The rows masks are drawn for: 1 when shared by the batch, else ``n``
-        (always ``n`` with missing tokens, whose masks are per datapoint)."""
-        return 1 if self.share_masks and observed is None else n
+    def maskable_tokens(self, n, D, device=None, observed=None):
+        """The tokens this schedule draws its masks among."""
+        return MaskableTokens(n, D, observed, share_masks=self.share_masks, device=device)
 
     def __repr__(self):
         return f"{type(self).__name__}(num_masks={self.num_masks})"
@@ -183,40 +173,19 @@ class AllSizes(MaskSchedule):
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        rows = self._rows(n, observed)
-        ranks = random_ranks((self.num_masks, rows, D), device, observed) if self.nested else None
+        tokens = self.maskable_tokens(n, D, device, observed)
+        ranks = tokens.ranks(self.num_masks) if self.nested else None
         sizes = torch.arange(1, D + 1, device=device)
-        per_block = max(1, max_elements // (n * D))
         weight = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
-        counts = None if observed is None else observed.sum(-1)
         # queries enumerate (mask set p, size M) pairs; independent masks are
         # drawn block by block, so drawing them stays within the block's budget
-        total = self.num_masks * D
-        for start in range(0, total, per_block):
-            idx = torch.arange(start, min(total, start + per_block), device=device)
+        for start, stop in tokens.spans(self.num_masks * D, max_elements):
+            idx = torch.arange(start, stop, device=device)
             p, m = idx // D, sizes[idx % D]
             q = idx.numel()
-            if observed is None and rows > 1:
-                # masks per datapoint (q n D bytes a block) are made when the block
-                # is evaluated, so that none waits in memory for the backward pass
-                if self.nested:
-                    draw = functools.partial(_nested_masks, ranks, p, m)
-                else:
-                    draw = functools.partial(random_masks, m[:, None], (q, rows, D), device)
-                yield MaskBlock(None, m[:, None].expand(q, 1), weight.expand(q, 1), draw=draw)
-                continue
-            if self.nested:
-                mask = ranks[p] < m[:, None, None]
-            else:
-                mask = random_masks(m[:, None], (q, rows, D), device, observed)
-            if observed is None:
-                yield MaskBlock(mask, m[:, None].expand(q, 1), weight.expand(q, 1))
-            else:
-                # sizes above a datapoint's D_i have no mask: S(x_i; M) = 0 there
-                valid = m[:, None] <= counts
-                yield MaskBlock(
-                    mask & observed, m[:, None].expand(q, n), weight.expand(q, 1), observed[None], valid
-                )
+            draw = functools.partial(_draw_masks, tokens, ranks, p, m)
+            # sizes above a datapoint's D_i have no mask: S(x_i; M) = 0 there
+            yield tokens.block(None, m[:, None].expand(q, 1), weight.expand(q, 1), m[:, None] <= tokens.count, draw=draw)
 
     def __repr__(self):
         extra = ", nested=True" if self.nested else ""
@@ -265,26 +234,13 @@ class UniformSizes(MaskSchedule):
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        rows = self._rows(n, observed)
-        counts = None if observed is None else observed.sum(-1)
-        sizes = self._sizes(rows, D if counts is None else counts, device)
-        ranks = random_ranks((self.num_masks, rows, D), device, observed)
-        per_block = max(1, max_elements // (n * D))
-        if counts is None:
-            w = torch.full((1, 1), float(D) / self.num_masks, dtype=torch.float64, device=device)
-        else:
-            w = (counts.to(torch.float64) / self.num_masks)[None]
-        for start in range(0, self.num_masks, per_block):
-            stop = min(self.num_masks, start + per_block)
+        tokens = self.maskable_tokens(n, D, device, observed)
+        sizes = self._sizes(tokens.rows, tokens.count, device)
+        ranks = tokens.ranks(self.num_masks)
+        w = tokens.per_token(self.num_masks)
+        for start, stop in tokens.spans(self.num_masks, max_elements):
             m = sizes[start:stop]
-            if counts is None:
-                yield MaskBlock(ranks[start:stop] < m[..., None], m, w.expand(stop - start, 1))
-            else:
-                # a datapoint with no observed token has log p = 0: weight 0
-                yield MaskBlock(
-                    ranks[start:stop] < m[..., None], m, w.expand(stop - start, n),
-                    observed[None], (counts > 0)[None].expand(stop - start, n),
-                )
+            yield tokens.block(ranks[start:stop] < m[..., None], m, w.expand(stop - start, -1))
 
     def __repr__(self):
         return f"UniformSizes(num_masks={self.num_masks}, stratified={self.stratified})"
@@ -312,13 +268,11 @@ class RandomOrders(MaskSchedule):
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        rows = self._rows(n, observed)
-        order = random_order((self.num_masks, rows, D), device, observed)  # missing tokens first
-        per_block = max(1, max_elements // (n * D))
+        tokens = self.maskable_tokens(n, D, device, observed)
+        order = tokens.order(self.num_masks)  # missing tokens first
         w = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
-        for start in range(0, self.num_masks, per_block):
-            stop = min(self.num_masks, start + per_block)
-            yield ChainBlock(order[start:stop], w.expand(stop - start, 1), observed)
+        for start, stop in tokens.spans(self.num_masks, max_elements):
+            yield tokens.chain(order[start:stop], w.expand(stop - start, 1))
 
 
 class Exhaustive(MaskSchedule):
@@ -358,19 +312,15 @@ class Exhaustive(MaskSchedule):
             device=device,
         )  # binom[c, m] = C(c, m)
         weights = 1.0 / binom[D, sizes]
-        per_block = max(1, max_elements // (n * D))
-        counts = None if observed is None else observed.sum(-1)
-        for start in range(0, codes.numel(), per_block):
-            sl = slice(start, start + per_block)
-            if observed is None:
-                yield MaskBlock(masks[sl, None, :], sizes[sl, None], weights[sl, None])
-                continue
-            # the subsets of each datapoint's observed tokens, weighted 1 / C(D_i, M):
-            # the gain C(D, M) / C(D_i, M) turns the shared weight 1 / C(D, M) into it
-            m, s = masks[sl], sizes[sl]
-            valid = ~(m[:, None, :] & ~observed).any(-1)  # (q, n)
-            gain = torch.where(valid, binom[D, s][:, None] / binom[counts][:, s].T, 0.0)
-            yield MaskBlock(m[:, None, :], s[:, None], weights[sl, None], observed[None], gain)
+        tokens = self.maskable_tokens(n, D, device, observed)
+        for start, stop in tokens.spans(codes.numel(), max_elements):
+            m, s = masks[start:stop, None, :], sizes[start:stop]
+            gain = None
+            if observed is not None:
+                # the subsets of each datapoint's observed tokens, weighted 1 / C(D_i, M):
+                # the gain C(D, M) / C(D_i, M) turns the shared weight 1 / C(D, M) into it
+                gain = torch.where(tokens.within(m), binom[D, s][:, None] / binom[tokens.count][:, s].T, 0.0)
+            yield tokens.block(m, s[:, None], weights[start:stop, None], gain)
 
     def __repr__(self):
         return "Exhaustive()"
@@ -406,19 +356,15 @@ class PseudoLikelihood(MaskSchedule):
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
-        per_block = max(1, max_elements // (n * D))
+        tokens = self.maskable_tokens(n, D, device, observed)
         eye = torch.eye(D, dtype=torch.bool, device=device)
         one = torch.ones((1, 1), dtype=torch.long, device=device)
         w = torch.ones((1, 1), dtype=torch.float64, device=device)
-        for start in range(0, D, per_block):
-            stop = min(D, start + per_block)
+        for start, stop in tokens.spans(D, max_elements):
             mask = eye[start:stop, None, :]  # (q, 1, D): token j alone is the target
             q = stop - start
-            if observed is None:
-                yield MaskBlock(mask, one.expand(q, 1), w.expand(q, 1))
-            else:
-                # a missing token is no target (gain 0) and no one's context
-                yield MaskBlock(mask, one.expand(q, 1), w.expand(q, 1), observed[None], observed[:, start:stop].T)
+            # a missing token is no target (gain 0) and no one's context
+            yield tokens.block(mask, one.expand(q, 1), w.expand(q, 1), tokens.within(mask))
 
     def __repr__(self):
         return "PseudoLikelihood()"
@@ -452,6 +398,9 @@ class FixedRate(MaskSchedule):
         self.rate = float(rate)
 
     def size(self, D):
+        r"""The mask size :math:`\operatorname{round}(r D)`: an int for an int ``D``, long ``(n,)`` for counts ``(n,)``."""
+        if torch.is_tensor(D):
+            return (self.rate * D.to(torch.float64) + 0.5).floor().long()
         return int(math.floor(self.rate * D + 0.5))
 
     def check(self, D):
@@ -468,26 +417,9 @@ class FixedRate(MaskSchedule):
                 f"use a rate of at least {0.5 / D:.3g}."
             )
 
-    def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
-        self.check(D)
-        if observed is not None:
-            yield from self._blocks_missing(n, D, max_elements, device, observed)
-            return
-        rows = self._rows(n)
-        M = self.size(D)
-        per_block = max(1, max_elements // (n * D))
-        for start in range(0, self.num_masks, per_block):
-            q = min(self.num_masks, start + per_block) - start
-            ranks = random_ranks((q, rows, D), device)
-            size = torch.full((q, 1), M, device=device)
-            w = torch.full((q, 1), float(D) / self.num_masks, dtype=torch.float64, device=device)
-            yield MaskBlock(ranks < M, size, w)
-
-    def _blocks_missing(self, n, D, max_elements, device, observed):
-        """Per datapoint ``M_i = round(rate D_i)`` of its ``D_i`` observed tokens, weight ``D_i``."""
-        counts = observed.sum(-1)
-        M = (self.rate * counts.to(torch.float64) + 0.5).floor().long()
-        short = (counts > 0) & (M < 1)
+    def _check_counts(self, counts):
+        """Raise ``ValueError`` when the rate masks no token of a datapoint's ``counts`` (long ``(n,)``) observed ones."""
+        short = (counts > 0) & (self.size(counts) < 1)
         if bool(short.any()):
             fewest = int(counts[short].min())
             raise ValueError(
@@ -496,13 +428,18 @@ class FixedRate(MaskSchedule):
                 f"D_i = {fewest}); use a rate of at least {0.5 / fewest:.3g}, or "
                 f'masks="uniform".'
             )
-        per_block = max(1, max_elements // (n * D))
-        w = (counts.to(torch.float64) / self.num_masks)[None]
-        for start in range(0, self.num_masks, per_block):
-            q = min(self.num_masks, start + per_block) - start
-            ranks = random_ranks((q, n, D), device, observed)
-            size = M[None].expand(q, n)
-            yield MaskBlock(ranks < M[:, None], size, w.expand(q, n), observed[None], (counts > 0)[None].expand(q, n))
+
+    def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
+        self.check(D)
+        tokens = self.maskable_tokens(n, D, device, observed)
+        if observed is not None:
+            self._check_counts(tokens.count)
+        # M = round(rate D), or per datapoint round(rate D_i) of its observed tokens
+        size = torch.as_tensor(self.size(tokens.count), device=device).reshape(1, -1)
+        w = tokens.per_token(self.num_masks)
+        for start, stop in tokens.spans(self.num_masks, max_elements):
+            q = stop - start
+            yield tokens.block(tokens.ranks(q) < size[..., None], size.expand(q, -1), w.expand(q, -1))
 
     def __repr__(self):
         return f"FixedRate({self.rate}, num_masks={self.num_masks})"

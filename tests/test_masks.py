@@ -8,9 +8,9 @@ import pyro
 import pyro.distributions as dist
 
 from pyro_mpt import MaskedPretrainingLoss
+from pyro_mpt.mask_blocks import ChainBlock, MaskBlock
 from pyro_mpt.masks import (
-    AllSizes, ChainBlock, Exhaustive, FixedRate, MaskBlock, PseudoLikelihood, RandomOrders, UniformSizes,
-    make_schedule,
+    AllSizes, Exhaustive, FixedRate, PseudoLikelihood, RandomOrders, UniformSizes, make_schedule,
 )
 from pyro_mpt.mask_draws import random_ranks
 
