@@ -36,7 +36,7 @@ running, so absolute times vary by 2x between runs; ratios are from one run):
   ``torch.broadcast_shapes`` imported sympy), 0.000 s for the loss after it;
 * evidence: 0.42-1.3 s against 0.018-0.044 s, 10-35x. Almost all of it is the
   backward pass: the vectorized derivation of the marginal
-  (``conditionals/gaussian_marginal.py``, ``sites.ObservedTokens.to_tokens``)
+  (``conditionals/gaussian_marginal.py``, ``observed_tokens.ObservedTokens.to_tokens``)
   expands the observation's location to (K + 2, N, D) = (52, 1000, 512) and
   narrows the stride-0 dims, and the backward of those slices and expands
   fills and sums 26.6M-element tensors (4 fills, 0.6 s of 1.1 s).

@@ -34,7 +34,7 @@ import pyro.distributions as dist
 
 from pyro_mpt import Evidence
 from pyro_mpt.conditionals import HierarchicalGaussianConditionals
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling harness
 from harness import Timing, fmt_ratio, machine_line, run_interleaved, timed  # noqa: E402

@@ -40,7 +40,7 @@ from pyro.infer import SVI
 from pyro.optim import Adam
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss, QuadratureConditionals
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling harness
 from harness import max_rss_mb, timed, timed_cpu  # noqa: E402

@@ -140,7 +140,7 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
     r"""The MPT estimate :math:`\sum_q w_q \hat S_q` of :math:`\log p(x_i)` per datapoint, ``(n,)``.
 
     :param ~pyro_mpt.masks.MaskSchedule schedule: which queries, with which weights.
-    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens; with
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens; with
         missing tokens the schedule receives ``observed=`` and leaves them out.
     :param ~pyro_mpt.conditionals.ConditionalEngine engine: the engine.
     :param state: the engine's state for ``tokens``.

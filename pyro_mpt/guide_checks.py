@@ -54,7 +54,7 @@ def check_guide_sites(tokens):
     A per-step check: like Pyro's own ``check_model_guide_match``, it runs only
     while Pyro's validation is on (:func:`pyro.infer.util.is_validation_enabled`).
 
-    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens (with the guide trace).
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens (with the guide trace).
     :returns: ``(extra, missing)``: guide sites that are not latents of the
         model, and model latents the guide does not sample (both empty while
         validation is off).
@@ -110,7 +110,7 @@ def _point_mass(site, discrete):
 def check_proposal_density(tokens, who, instead):
     """Refuse a guide that is a point mass at some latent site and datapoint.
 
-    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens (with the guide trace).
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens (with the guide trace).
     :param str who: the caller, named in the message.
     :param str instead: what to use instead, named in the message.
     :raises ValueError: naming the site, its distribution and the datapoints.

@@ -13,7 +13,7 @@ from pyro.util import warn_if_nan
 from .conditionals.latent_runs import logmeanexp
 from .evidence.importance import importance_log_weights
 from .guide_checks import check_guide_sites
-from .sites import trace_tokens
+from .observed_tokens import trace_tokens
 
 __all__ = ["ImportanceWeightedELBO"]
 

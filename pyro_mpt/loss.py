@@ -28,7 +28,7 @@ from .curve import CurveAccumulator
 from .estimate import mpt_estimate
 from .guide_checks import check_guide_sites
 from .masks import MaskSchedule, make_schedule
-from .sites import trace_tokens
+from .observed_tokens import trace_tokens
 
 __all__ = ["MaskedPretrainingLoss"]
 
@@ -79,7 +79,7 @@ class MaskedPretrainingLoss(ELBO):
     :param tuple token_plates: names of the observed site's ``pyro.plate`` s that
         run over tokens rather than datapoints (their elements become tokens,
         flattened with the event dims); None detects them when unambiguous,
-        ``()`` takes every plate as a datapoint plate (see :mod:`pyro_mpt.sites`).
+        ``()`` takes every plate as a datapoint plate (see :mod:`pyro_mpt.observed_tokens`).
     :param int max_plate_nesting: plate dims of the model; guessed when inf.
     :param bool share_masks: one mask set for the whole batch (True) or
         independent masks per datapoint (False). The default None draws masks

@@ -1,6 +1,6 @@
 r"""Checks of an observed site's data: which models and values the tokens can come from.
 
-:func:`~pyro_mpt.sites.trace_tokens` runs them on every trace. The shape,
+:func:`~pyro_mpt.observed_tokens.trace_tokens` runs them on every trace. The shape,
 dtype and extra-site checks always run (what they refuse would end in an
 error from inside torch or Pyro, or in a silently different model);
 :func:`validate_values` (finite values, values in the support) runs only

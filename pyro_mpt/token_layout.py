@@ -2,7 +2,7 @@
 
 The tokens of a datapoint are the flattened event elements of the observed
 site together with the elements of its token plates (see
-:mod:`pyro_mpt.sites`); a layout maps tensors between the site's shape and the
+:mod:`pyro_mpt.observed_tokens`); a layout maps tensors between the site's shape and the
 ``(n, D)`` token matrix every engine works on.
 """
 

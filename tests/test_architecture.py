@@ -6,7 +6,7 @@
   much as module-level ones: moving an import into a function hides a cycle
   from Python's import machinery, not from the design. Imports run one way:
   loss and evidence build on the engines (``conditionals``), which build on
-  the tokens (``sites``) and the schedules (``masks``).
+  the tokens (``observed_tokens``) and the schedules (``masks``).
 * Imports run one way through the layers (:data:`LAYERS`): tokens and
   schedules, engines, losses and evidence, applications.
 """
@@ -184,7 +184,7 @@ def test_no_import_cycle_among_pyro_mpt_modules():
 #: only from its own layer and the ones below. Tokens and schedules know no engine,
 #: engines know no loss, estimate or evidence. Modules not listed are not checked.
 LAYERS = [
-    ["token_layout", "site_checks", "sites", "mask_blocks", "mask_draws", "missing_tokens", "masks",
+    ["token_layout", "site_checks", "token_site", "observed_tokens", "mask_blocks", "mask_draws", "missing_tokens", "masks",
      "importance_weights", "guide_checks", "curve"],
     ["conditionals"],
     ["estimate", "loss", "evidence", "importance_weighted_elbo", "guide_elbo"],
@@ -210,17 +210,17 @@ def layer_violations(graph, layers=LAYERS):
 
 def test_the_layer_check_finds_an_engine_importing_the_evidence():
     graph = {
-        "pyro_mpt.conditionals.quadrature": {"pyro_mpt.sites": 3, "pyro_mpt.evidence.result": 9},
+        "pyro_mpt.conditionals.quadrature": {"pyro_mpt.observed_tokens": 3, "pyro_mpt.evidence.result": 9},
         "pyro_mpt.evidence": {"pyro_mpt.conditionals": 1},
         "pyro_mpt.masks": {"pyro_mpt.mask_blocks": 2, "pyro_mpt.newmodule": 4},
-        "pyro_mpt.sites": {},
+        "pyro_mpt.observed_tokens": {},
     }
     assert layer_violations(graph) == [("pyro_mpt.conditionals.quadrature", 9, "pyro_mpt.evidence.result")]
 
 
 def test_imports_run_one_way_through_the_layers():
     bad = layer_violations(import_graph(_package_sources()))
-    assert not bad, "imports against the layers (loss/evidence -> conditionals -> sites/masks):\n" + "\n".join(
+    assert not bad, "imports against the layers (loss/evidence -> conditionals -> observed_tokens/masks):\n" + "\n".join(
         f"{m} (line {line}) imports {t}" for m, line, t in bad
     )
 

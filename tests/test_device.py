@@ -44,7 +44,7 @@ from pyro_mpt import (
     MaskedPretrainingLoss,
     QuadratureConditionals,
 )
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 from models import evidence_case, exact_posterior_guide, make_ppca, score_case, tiny_bert, tiny_vit_mae
 

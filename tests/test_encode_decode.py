@@ -10,7 +10,7 @@ import pyro.distributions as dist
 from pyro_mpt import EncodeDecodeConditionals, MaskedPretrainingLoss
 from pyro_mpt.conditionals import EngineNotApplicable, GaussianConditionals
 from pyro_mpt.guide_elbo import WithGuideELBO
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 from pyro_mpt.experiments.vae import DeepVAE
 
 from models import exact_posterior_guide, make_ppca

@@ -22,7 +22,7 @@ from pyro_mpt.conditionals import (
     MixtureTable,
     auto_engine,
 )
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 
 # ---------------------------------------------------------------------- models

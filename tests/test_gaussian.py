@@ -10,7 +10,7 @@ import pyro.distributions as dist
 
 from pyro_mpt import Evidence, GaussianConditionals, MaskedPretrainingLoss, NumericalWarning
 from pyro_mpt.conditionals import NotLinearGaussianError, gaussian_marginal
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 from models import make_full_gaussian, make_ppca
 

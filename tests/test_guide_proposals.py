@@ -120,7 +120,7 @@ def test_importance_conditionals_with_an_autoguide_telescope_to_its_evidence_and
     # every query, so each ordering's chain rule telescopes to that table's evidence
     # estimate, which is within its standard error of the exact evidence
     from pyro_mpt.conditionals import ImportanceConditionals
-    from pyro_mpt.sites import trace_tokens
+    from pyro_mpt.observed_tokens import trace_tokens
 
     pyro.clear_param_store()
     pyro.set_rng_seed(1)

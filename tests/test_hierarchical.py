@@ -16,7 +16,7 @@ import pyro.distributions as dist
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.conditionals import EngineNotApplicable, HierarchicalGaussianConditionals
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 TOL = 1e-8
 

@@ -15,7 +15,7 @@ from scipy.stats import norm
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.conditionals import DiscreteHMMConditionals, EngineNotApplicable, EnumerateConditionals, auto_engine
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 
 # ---------------------------------------------------------------------- references

@@ -10,7 +10,7 @@ import pyro.distributions as dist
 
 from pyro_mpt import Evidence, ImportanceConditionals, ImportanceSamplingWarning, ImportanceWeightedELBO, MaskedPretrainingLoss
 from pyro_mpt.conditionals import EngineNotApplicable, GaussianConditionals, QuadratureConditionals
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 from models import exact_posterior_guide, make_ppca
 

@@ -11,7 +11,7 @@ from pyro.nn import PyroModule, PyroParam, PyroSample
 from pyro.optim import Adam
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 from models import make_ppca
 

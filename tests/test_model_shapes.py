@@ -20,7 +20,7 @@ from pyro_mpt.conditionals import EncodeDecodeConditionals, EngineNotApplicable,
 from pyro_mpt.conditionals.base import ConditionalEngine
 from pyro_mpt.importance_weighted_elbo import ImportanceWeightedELBO
 from pyro_mpt.masks import MaskSchedule, RandomOrders
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 N, D, K, SIGMA = 6, 4, 2, 0.5
 TOL = 1e-10

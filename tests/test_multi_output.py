@@ -14,7 +14,7 @@ from scipy.stats import multivariate_normal
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.conditionals import GaussianConditionals, auto_engine
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 
 # ---------------------------------------------------------------------- references

@@ -22,7 +22,7 @@ from pyro_mpt import (
 )
 from pyro_mpt.conditionals import GaussianMarginal
 from pyro_mpt.conditionals.gaussian_lowrank import lowrank_log_prob
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 from models import evidence_case, exact_posterior_guide, make_ppca, make_singular_ppca, score_case
 

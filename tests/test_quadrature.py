@@ -17,7 +17,7 @@ from pyro_mpt.conditionals import (
     make_engine,
 )
 from pyro_mpt.conditionals.quadrature_rules import MAX_LATENT_DIM, affine_grid, gaussian_grid, hermite_rule
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 from models import make_ppca
 

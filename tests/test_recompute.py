@@ -23,7 +23,7 @@ from pyro_mpt.conditionals import (
 )
 from pyro_mpt.estimate import block_scores
 from pyro_mpt.masks import AllSizes, MaskSchedule, RandomOrders
-from pyro_mpt.sites import trace_tokens
+from pyro_mpt.observed_tokens import trace_tokens
 
 from models import assert_close_to_rounding, exact_posterior_guide, make_ppca
 

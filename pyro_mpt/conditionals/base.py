@@ -86,7 +86,7 @@ class ConditionalEngine(ABC):
     def prepare(self, tokens, model, guide, args, kwargs):
         """Build the engine state for one evaluation.
 
-        :param ~pyro_mpt.sites.ObservedTokens tokens: the traced observed tokens.
+        :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced observed tokens.
         :param callable model: the Pyro model.
         :param callable guide: the Pyro guide or ``None``.
         :param tuple args: model arguments.

@@ -79,7 +79,7 @@ def _matches(a, tokens):
 def locate_data_arg(tokens, fn, args, kwargs, data_arg=None, who="this engine"):
     """Find the argument that holds the observed tokens.
 
-    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
     :param callable fn: the guide (used to map a keyword ``data_arg`` to a position).
     :param tuple args: positional arguments of model and guide.
     :param dict kwargs: keyword arguments.

@@ -27,7 +27,7 @@ def unwrap(fn, masks=False):
 
     :param fn: a distribution.
     :param bool masks: strip ``MaskedDistribution`` wrappers too (for the
-        observed site, whose mask :func:`~pyro_mpt.sites.trace_tokens` has read
+        observed site, whose mask :func:`~pyro_mpt.observed_tokens.trace_tokens` has read
         into ``tokens.observed``).
     :returns: ``(base, reinterpreted)``.
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from pyro import poutine
 
-from ..sites import check_local_latent
+from ..observed_tokens import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_factorized
 from .gaussian_marginal import gaussian_marginal

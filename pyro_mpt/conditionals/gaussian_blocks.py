@@ -59,7 +59,7 @@ def is_block_gaussian(base, fn, tokens):
 
     :param base: the observation's distribution under its wrappers.
     :param fn: the observed site's distribution.
-    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
     :rtype: bool
 
     Example::
@@ -153,7 +153,7 @@ def block_marginal(tokens, marginal_cls):
     """The Gaussian marginal of each block, when the model has no latent and its
     observation :func:`is_block_gaussian` covers several blocks; else None.
 
-    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
     :param type marginal_cls: the marginal's class (``GaussianMarginal``).
     :returns: ``(marginal, num_blocks)``: ``marginal`` over ``N`` tokens with
         leading dim ``n * num_blocks`` (datapoint-major), or 1 when shared.

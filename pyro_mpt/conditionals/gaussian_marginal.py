@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import pyro.distributions as dist
 
-from ..sites import check_local_latent
+from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable
 from .distributions import compact, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
@@ -148,7 +148,7 @@ def _observation_parts(fn, tokens):
 def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
     """Derive the Gaussian marginal of the observed tokens from a Pyro model.
 
-    :param ~pyro_mpt.sites.ObservedTokens tokens: from :func:`~pyro_mpt.sites.trace_tokens`.
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: from :func:`~pyro_mpt.observed_tokens.trace_tokens`.
     :param callable model: the Pyro model.
     :param tuple args: model arguments.
     :param dict kwargs: model keyword arguments.

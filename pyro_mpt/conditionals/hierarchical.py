@@ -68,7 +68,7 @@ from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes im
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
-from ..sites import check_local_latent
+from ..observed_tokens import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import unwrap
 from .plate_runs import run_in_plate
@@ -172,7 +172,7 @@ def _rows_equal(t):
 def hierarchical_loadings(tokens, model, args, kwargs):
     """Read :math:`\\mu, \\psi` and the loadings of a linear-Gaussian hierarchy off the model.
 
-    :param ~pyro_mpt.sites.ObservedTokens tokens: traced with the unit plate as
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: traced with the unit plate as
         a token plate (e.g. ``token_plates=("data",)``).
     :returns: :class:`HierarchicalGaussianState`.
     :raises NotHierarchicalError: naming the site, when the model is not one.

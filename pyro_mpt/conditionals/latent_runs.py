@@ -45,7 +45,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
-from ..sites import check_local_latent
+from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable, SlowEngineWarning
 from .decoded import Decoded, Encoded, StackedDecoded, pad_batch, site_log_prob
 from .plate_runs import RunMemory, run_in_plate, run_with_fallback
@@ -124,7 +124,7 @@ MAX_POINT_RUNS = 2048
 class LatentRunner:
     """Runs a model (and guide) at many latent values at once; see the module docstring.
 
-    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
     :param callable model: the Pyro model.
     :param callable guide: the guide or None.
     :param tuple args: model/guide arguments.

@@ -68,7 +68,7 @@ class LatentSlice:
 def latent_layout(tokens, kind_of):
     """Give each latent site of ``tokens`` a :class:`LatentSlice` of the stacked coordinates.
 
-    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
     :param callable kind_of: ``kind_of(site) -> str``; checks the site (raising
         the engine's error when it cannot serve it) and names its kind.
     :returns: ``(layout, K)``: ``{name: LatentSlice}`` in site order and the

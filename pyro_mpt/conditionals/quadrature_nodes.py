@@ -17,7 +17,7 @@ from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes im
 import pyro.distributions as dist
 from torch.distributions import biject_to
 
-from ..sites import check_local_latent
+from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable
 from .distributions import token_log_prob, unwrap
 from .plate_runs import CoordinateLatents, RunMemory, latent_layout, run_in_plate, run_with_fallback
@@ -89,7 +89,7 @@ def _latent_kind(tokens, site):
 class NodeRunner:
     """Runs the Pyro model with its latents at a batch of nodes, vectorized in a plate.
 
-    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
     :param callable model: the Pyro model.
     :param tuple args: its arguments.
     :param dict kwargs: its keyword arguments.

@@ -31,7 +31,7 @@ diagnostics) and calling the object returns the values.
 """
 
 from ..guide_checks import check_guide_sites
-from ..sites import trace_tokens
+from ..observed_tokens import trace_tokens
 from .exact import exact_evidence
 from .importance import importance_evidence
 from .quadrature import quadrature_evidence

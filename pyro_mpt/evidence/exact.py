@@ -36,7 +36,7 @@ def exact_evidence(evidence, tokens, args, kwargs):
     ``method`` names the estimator) --, ``jitter``, ``max_jitter``, ``vectorize``.
 
     :param ~pyro_mpt.evidence.Evidence evidence: the estimator (model, guide, options).
-    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
     :returns: :class:`~pyro_mpt.evidence.EvidenceResult` with values of
         shape ``(n,)``.
     :raises EngineNotApplicable: when the model has no Gaussian marginal, has

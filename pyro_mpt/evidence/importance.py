@@ -65,7 +65,7 @@ def importance_log_weights(
 ):
     r"""Log-weights :math:`\log p(x_i, z_s) - \log r(z_s \mid x_i)`, ``(S, n)``.
 
-    :param ~pyro_mpt.sites.ObservedTokens tokens: the traced tokens.
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
     :param callable model: the Pyro model.
     :param callable guide: the proposal (a guide), or None for the prior.
     :param int num_samples: ``S``.

@@ -27,7 +27,7 @@ def _():
 
 @trigger("engine-x-shape")
 def _():
-    from pyro_mpt.sites import trace_tokens
+    from pyro_mpt.observed_tokens import trace_tokens
 
     model, x = _ppca()
     tokens = trace_tokens(model, None, (x,), {})

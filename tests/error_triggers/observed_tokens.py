@@ -1,4 +1,4 @@
-"""Triggers of the docs/errors.md rows raised by sites.py."""
+"""Triggers of the docs/errors.md rows raised by observed_tokens.py and token_site.py (ids "sites-...")."""
 
 import math
 

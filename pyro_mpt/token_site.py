@@ -1,0 +1,183 @@
+r"""Where the tokens are in a Pyro trace: the observed token site, its latents, its token plates and layout.
+
+:func:`~pyro_mpt.observed_tokens.trace_tokens` runs the model and asks this module which
+sample site holds the tokens (:func:`locate_site`) and how they sit in its
+value (:func:`site_layout`); the errors name the site and say what to pass
+instead.
+
+**Token plates.** A site written ``with pyro.plate("tokens", D, dim=-1):
+pyro.sample("x", dist.Normal(loc, s), obs=x)`` inside a data plate has its
+tokens in a plate instead of in its event. ``token_plates=("tokens",)`` says so
+explicitly; without it a plate of the observed site is taken as a token plate
+when no latent site sits in it while every latent inside the other plates of
+the observed site sits in all of them (their elements are then the datapoints,
+and the token plate's elements share those latents, so they cannot be
+datapoints themselves). The flattened token order is the site's layout: the
+token-plate dims in their batch order, then the event dims.
+"""
+
+from pyro.poutine.util import site_is_subsample
+
+from .site_checks import data_event_shape, is_factor
+from .token_layout import TokenLayout
+
+__all__ = ["locate_site", "site_layout", "vectorized_frames", "sample_sites"]
+
+
+def vectorized_frames(site, min_size=1):
+    """The vectorized plate frames of a trace site with at least ``min_size`` elements."""
+    return {f for f in site["cond_indep_stack"] if f.vectorized and f.size >= min_size}
+
+
+def sample_sites(trace):
+    """The sample sites of ``trace``, in trace order, without the plates' subsample sites."""
+    return [
+        site
+        for site in trace.nodes.values()
+        if site["type"] == "sample" and not site_is_subsample(site)
+    ]
+
+
+def _describe_plates(frames):
+    return ", ".join(f"{f.name!r} (dim {f.dim}, size {f.size})" for f in sorted(frames, key=lambda f: f.dim))
+
+
+_EVENT_DIMS_HINT = (
+    "Declare the tokens of one datapoint as event dims, e.g. dist.Normal(loc, scale).to_event(1), "
+    "inside a pyro.plate over datapoints"
+)
+
+
+def _token_frames(site, latents, token_plates):
+    """The frames of observed ``site`` that are token plates (see the module docstring);
+    empty when none is."""
+    name = site["name"]
+    frames = vectorized_frames(site)
+    if token_plates is not None:
+        names = (token_plates,) if isinstance(token_plates, str) else tuple(token_plates)
+        unknown = [p for p in names if p not in {f.name for f in frames}]
+        if unknown:
+            raise ValueError(
+                f"token_plates={names!r}: observed site {name!r} is in no plate named "
+                f"{', '.join(map(repr, unknown))}; its plates: {_describe_plates(frames) or 'none'}."
+            )
+        return {f for f in frames if f.name in names}
+    # latents are matched to plates by identity, whatever their size (a data plate
+    # of one datapoint still holds the latents); only token candidates need size > 1,
+    # and plates of size 1 cannot tell the latents' layouts apart
+    in_latents = [vectorized_frames(s) & frames for s in latents]
+    holding = set().union(*in_latents) if in_latents else set()
+    candidates = {f for f in frames - holding if f.size > 1}
+    local = [{f for f in fr if f.size > 1} for fr in in_latents if fr]
+    if candidates and local and all(fr == {f for f in holding if f.size > 1} for fr in local):
+        return candidates
+    big = {f for f in frames if f.size > 1}
+    if not site["fn"].event_shape and len(big) > 1:
+        raise ValueError(
+            f"Observed site {name!r} has no event dims and sits in the plates "
+            f"{_describe_plates(big)}; which of them run over tokens and which over "
+            f"datapoints is ambiguous (the latent sites do not tell them apart). "
+            f"Pass token_plates=(<names>) to MaskedPretrainingLoss / Evidence, "
+            f"or: {_EVENT_DIMS_HINT}."
+        )
+    return set()
+
+
+def locate_site(model_trace, obs_site):
+    """The observed token site of a model trace, its latent sites and its other observed and factor sites.
+
+    :param model_trace: a model trace (Pyro ``Trace``).
+    :param str obs_site: the name of the token site; None takes the one observed site.
+    :returns: ``(site, latents, others)``: the token site, the list of latent
+        sites and the list of other observed and ``pyro.factor`` sites.
+    :raises ValueError: when there is no such site, or several and no ``obs_site``.
+    """
+    sites = sample_sites(model_trace)
+    # pyro.deterministic sites (and the combined site Pyro records for obs_mask) hold no data
+    observed = [s for s in sites if s["is_observed"] and not s["infer"].get("_deterministic")]
+    factors = [s for s in observed if is_factor(s)]
+    observed = [s for s in observed if not is_factor(s)]
+    if obs_site is None:
+        if not observed:
+            raise ValueError(
+                "The model has no observed sample site: masked pre-training needs "
+                "data. Pass the data with pyro.sample(name, dist, obs=x)."
+            )
+        if len(observed) > 1:
+            names = ", ".join(repr(s["name"]) for s in observed)
+            raise ValueError(
+                f"The model observes several sites ({names}); say which one holds "
+                f"the tokens with obs_site=<name>. (The tokens of a datapoint come from "
+                f"one site: an HMM written with one observed site per step is one "
+                f"dist.DiscreteHMM site whose event dim is time.)"
+            )
+        site = observed[0]
+    else:
+        if obs_site not in model_trace.nodes:
+            names = ", ".join(repr(s["name"]) for s in observed) or "none"
+            raise ValueError(
+                f"obs_site={obs_site!r} is not a site of the model; observed sites: {names}."
+            )
+        site = model_trace.nodes[obs_site]
+        if site["type"] == "sample" and site["infer"].get("_deterministic"):
+            # obs_mask=... records the data at '<name>_observed'
+            site = model_trace.nodes.get(f"{obs_site}_observed", site)
+        if site["type"] != "sample" or not site["is_observed"] or site["infer"].get("_deterministic"):
+            raise ValueError(
+                f"obs_site={obs_site!r} is not an observed sample site; pass the data "
+                f"with pyro.sample({obs_site!r}, dist, obs=x)."
+            )
+    name = site["name"]
+    # obs_mask=m makes Pyro sample the missing values as '<base>_unobserved': integrating
+    # them out is exactly leaving the missing tokens out, so it is not a latent here
+    ignored = set()
+    if name.endswith("_observed") and site.get("mask") is not None:
+        companion = name[: -len("_observed")] + "_unobserved"
+        if companion in model_trace.nodes and not model_trace.nodes[companion]["is_observed"]:
+            ignored.add(companion)
+    latents = [s for s in sites if not s["is_observed"] and s["name"] not in ignored]
+    others = [s for s in observed + factors if s is not site]
+    return site, latents, others
+
+
+def site_layout(site, latents, token_plates):
+    """The token site's :class:`~pyro_mpt.token_layout.TokenLayout` and the names of its token plates.
+
+    :param dict site: the token site, from :func:`locate_site`.
+    :param list latents: the latent sites (they tell token plates from data plates).
+    :param token_plates: the names of the token plates, or None to detect them
+        (see the module docstring).
+    :returns: ``(layout, names)``.
+    :raises ValueError: for a layout the engines cannot serve (no tokens, a
+        subsampled token plate, a batch dim that is no plate).
+    """
+    name = site["name"]
+    event_shape = data_event_shape(site["fn"], site["value"])
+    site_batch_shape = site["fn"].batch_shape
+    tframes = _token_frames(site, latents, token_plates)
+    if not tframes and not event_shape:
+        named = "" if token_plates is None else f" and token_plates={token_plates!r} names none of its plates"
+        raise ValueError(
+            f"Observed site {name!r} has no event dims{named}, so it has no tokens. "
+            f"{_EVENT_DIMS_HINT}; or, when a pyro.plate runs over the tokens, name it "
+            f"with token_plates=(<name>,)."
+        )
+    token_names = {f.name for f in tframes}
+    for f in tframes:
+        if f.full_size is not None and f.size != f.full_size:
+            raise ValueError(
+                f"Token plate {f.name!r} of observed site {name!r} subsamples {f.size} of "
+                f"{f.full_size} tokens; masked pre-training needs every token of a "
+                f"datapoint. Subsample the datapoint plate instead."
+            )
+    plate_dims = {f.dim for f in site["cond_indep_stack"] if f.vectorized}
+    for i, size in enumerate(site_batch_shape):
+        dim = i - len(site_batch_shape)
+        if size > 1 and dim not in plate_dims:
+            raise ValueError(
+                f"Observed site {name!r} has batch shape {tuple(site_batch_shape)} but its "
+                f"dim {dim} (size {size}) is not a pyro.plate: put the datapoints in "
+                f"a pyro.plate, or move token dims into the event with .to_event()."
+            )
+    layout = TokenLayout(site_batch_shape, event_shape, tuple(sorted(f.dim for f in tframes)))
+    return layout, tuple(sorted(token_names))
