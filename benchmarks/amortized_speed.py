@@ -391,7 +391,7 @@ KNOBS = [
     ("importance", {"num_samples": 256, "diagnostics": False}),
     ("quadrature", {"num_nodes": 3}),
     ("quadrature", {"num_nodes": 4}),
-    ("quadrature", {"cache_elements": 2**27}),
+    ("quadrature", {"cache_elements": 2**25}),
 ]
 
 

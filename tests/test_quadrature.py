@@ -272,25 +272,30 @@ def test_chunked_equals_unchunked(float64, adaptive):
     whole = QuadratureConditionals(num_nodes=5, adaptive=adaptive)
     # one node per chunk, datapoint chunks in the chain path, streamed table
     chunked = QuadratureConditionals(num_nodes=5, adaptive=adaptive, max_elements=20, cache_elements=0)
+    # the first 3 one-node chunks (7 x 6 entries each) kept, the other 22 streamed
+    partly = QuadratureConditionals(num_nodes=5, adaptive=adaptive, max_elements=20, cache_elements=3 * 42 + 41)
     tokens, sw = prepared(whole, model, x)
     _, sc = prepared(chunked, model, x)
+    _, sp = prepared(partly, model, x)
     assert sw.chunks is not None and len(sw.chunks) == 1
     assert sc.chunks is None and len(sc.slices()) == 25
+    assert len(sp.chunks) == 3 and len(sp.streamed_slices()) == 22
     mask = random_masks(5, 7, 6)
     order = torch.rand(3, 7, 6, generator=torch.Generator().manual_seed(1)).argsort(-1)
-    pairs = [
-        (whole.mask_log_prob(sw, x, mask), chunked.mask_log_prob(sc, x, mask)),
-        (whole.chain_log_prob(sw, x, order), chunked.chain_log_prob(sc, x, order)),
-        (whole.log_evidence(sw, x), chunked.log_evidence(sc, x)),
-    ]
-    for a, b in pairs:
-        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
-    # gradients through the streamed (checkpointed) table agree too
-    params = [pyro.param("W").unconstrained(), pyro.param("b").unconstrained()]
-    ga = torch.autograd.grad(sum(a.sum() for a, _ in pairs), params)
-    gb = torch.autograd.grad(sum(b.sum() for _, b in pairs), params)
-    for a, b in zip(ga, gb):
-        assert torch.allclose(a, b, rtol=1e-10, atol=1e-10)
+    for engine, state in ((chunked, sc), (partly, sp)):
+        pairs = [
+            (whole.mask_log_prob(sw, x, mask), engine.mask_log_prob(state, x, mask)),
+            (whole.chain_log_prob(sw, x, order), engine.chain_log_prob(state, x, order)),
+            (whole.log_evidence(sw, x), engine.log_evidence(state, x)),
+        ]
+        for a, b in pairs:
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+        # gradients through the streamed (checkpointed) chunks agree too
+        params = [pyro.param("W").unconstrained(), pyro.param("b").unconstrained()]
+        ga = torch.autograd.grad(sum(a.sum() for a, _ in pairs), params, retain_graph=True)
+        gb = torch.autograd.grad(sum(b.sum() for _, b in pairs), params, retain_graph=True)
+        for a, b in zip(ga, gb):
+            assert torch.allclose(a, b, rtol=1e-10, atol=1e-10)
 
 
 # ---------------------------------------------------------------------- minibatches
@@ -418,6 +423,12 @@ def test_error_too_few_nodes(float64):
     state = streamed.prepare(tokens, model, None, (x,), {})
     with pytest.raises(ValueError, match="min_ess"):
         streamed.log_evidence(state, tokens.value)
+    # partly kept (one node per chunk, the first 100 kept): checked on the first pass too
+    partly = QuadratureConditionals(num_nodes=16, adaptive=False, max_elements=1, cache_elements=100 * 20 * 64)
+    state = partly.prepare(tokens, model, None, (x,), {})
+    assert len(state.chunks) == 100 and len(state.streamed_slices()) == 156
+    with pytest.raises(ValueError, match="min_ess"):
+        partly.log_evidence(state, tokens.value)
     # the adaptive rule resolves the same posteriors with a few nodes
     QuadratureConditionals(num_nodes=6).prepare(tokens, model, None, (x,), {})
     with pytest.raises(ValueError, match="too few for tol"):

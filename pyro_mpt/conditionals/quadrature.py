@@ -72,13 +72,20 @@ Poisson, Beta, ...).
 ``(q, Q) x (Q, D)`` matrix product per datapoint (in exp-space with max shifts,
 falling back to an exact log-sum-exp where the product underflows). The chain
 rule along orderings uses cumulative sums of the table. The table is built in
-chunks of ``Q_c = max(1, max_elements // (n D))`` nodes; if the whole table has
-at most ``cache_elements`` entries it is kept for the loss evaluation, otherwise
-it is streamed: every query block re-runs the model chunk by chunk under
-activation checkpointing, so that peak memory is about
-``(c + 3) * max(max_elements, n D)`` elements (``c`` the model's own
-intermediates per table entry; a chunk holds at least one node, and the model
-runs on the whole batch) plus the block's ``q n D`` outputs, whatever ``Q``.
+chunks of ``Q_c = max(1, max_elements // (n D))`` nodes; the leading chunks, up to
+``cache_elements`` entries (all of them when the table is that small), are kept
+with their graph for the loss evaluation, the others are streamed: every query
+block re-runs the model on them chunk by chunk under activation checkpointing,
+so that peak memory is about ``cache_elements`` kept entries (each with the
+model's intermediates) plus ``(c + 3) * max(max_elements, n D)`` elements
+(``c`` the model's own intermediates per table entry; a chunk holds at least one
+node, and the model runs on the whole batch) plus the block's ``q n D``
+outputs, whatever ``Q``. A streamed chunk costs one more model run per pass
+(the backward pass runs it again), so the default cache (``2**27`` entries,
+about 2 GB with the tutorial VAE's decoder) keeps the tables of typical
+minibatches whole: Pyro's tutorial VAE (batch 256, 625 nodes) streamed cost
+1.8-2.0 times the model evaluations it needs, kept 1.25 times
+(``docs/benchmarks.md``); lower it where memory is scarce.
 With the defaults (``max_elements = 2**24``) N=2000, D=784, K=2 runs in about
 1.1 GB (float32, adaptive 8 x 8 grid; see ``docs/quadrature.md``).
 """
@@ -171,8 +178,9 @@ class QuadratureConditionals(ConditionalEngine):
         :data:`~pyro_mpt.conditionals.quadrature_rules.RESOLVED_AXIS_ESS`, the
         default); None disables the warning.
     :param int max_latent_dim: refuse models with more latent dims than this.
-    :param int cache_elements: keep the whole ``n x Q x D`` table when it has at
-        most this many entries; otherwise stream it chunk by chunk.
+    :param int cache_elements: keep the ``n x Q x D`` table, chunk by chunk from the
+        first, up to this many entries (all of it when it has at most this many);
+        stream the other chunks (each costs one more model run per pass).
     :param int max_elements: entries per table chunk (``Q_c n D``) and per
         intermediate of the chain-rule path.
 
@@ -193,7 +201,7 @@ class QuadratureConditionals(ConditionalEngine):
         min_ess=1.5,
         ess_warning=RESOLVED_AXIS_ESS,
         max_latent_dim=MAX_LATENT_DIM,
-        cache_elements=2**25,
+        cache_elements=2**27,
         max_elements=2**24,
     ):
         super().__init__(max_elements=max_elements)
@@ -296,10 +304,15 @@ class QuadratureConditionals(ConditionalEngine):
             node_chunk=node_chunk,
             runner=runner,
         )
-        if Q * n * D <= self.cache_elements:
-            state.chunks = [state.compute_chunk(sl) for sl in state.slices()]
+        slices = state.slices()
+        # as many leading chunks as cache_elements holds are kept with their graph; the
+        # rest stream (a kept chunk saves its model run in every later pass and in the
+        # backward pass, so the cost falls smoothly as the cache grows)
+        keep = len(slices) if Q * n * D <= self.cache_elements else self.cache_elements // max(1, node_chunk * n * D)
+        if keep > 0:
+            state.chunks = [state.compute_chunk(sl) for sl in slices[:keep]]
         if (self.min_ess is not None or self.ess_warning is not None) and Q > 1:
-            if state.chunks is not None:
+            if state.streamed_slices() == []:
                 with torch.no_grad():
                     self._check_ess(state, torch.cat([c.joint() for c in state.chunks], -1))
             else:

@@ -2,9 +2,10 @@ r"""The quadrature engine's table: the rule's nodes and the token log-likelihood
 
 :class:`QuadratureState` holds the nodes and log-weights of one evaluation's
 rule and the table :math:`T_{iqd} = \log p(x_{id} \mid z_q)` in chunks of
-nodes (:class:`~pyro_mpt.conditionals.mixture_chunks.MixtureChunk`): kept whole when
-small, else streamed -- rebuilt by the model run at each pass, under
-activation checkpointing -- and reduced chunk by chunk (:meth:`QuadratureState.reduce`).
+nodes (:class:`~pyro_mpt.conditionals.mixture_chunks.MixtureChunk`): the leading
+chunks kept (all of them when the table is small), the others streamed -- rebuilt
+by the model run at each pass, under activation checkpointing -- and reduced
+chunk by chunk (:meth:`QuadratureState.reduce`).
 """
 
 from dataclasses import dataclass, field
@@ -30,7 +31,8 @@ class QuadratureState:
     :param int num_data: ``n``.
     :param int num_tokens: ``D``.
     :param int node_chunk: nodes per chunk of the table.
-    :param list chunks: the cached table chunks, or None when streamed.
+    :param list chunks: the cached table chunks, the leading ones of :meth:`slices`
+        (all of them when the table fits the cache), or None when all are streamed.
     :param torch.Tensor ess: per-datapoint effective number of nodes of the
         posterior given all tokens, ``(n,)`` (None when not checked; for a
         streamed table it is filled by the first query).
@@ -67,6 +69,10 @@ class QuadratureState:
         Q = self.num_nodes
         return [slice(s, min(Q, s + self.node_chunk)) for s in range(0, Q, self.node_chunk)]
 
+    def streamed_slices(self):
+        """The node slices not kept in :attr:`chunks` (all of them when none is kept)."""
+        return self.slices()[len(self.chunks or ()):]
+
     def compute_chunk(self, sl):
         """Run the model on the nodes ``sl``.
 
@@ -81,9 +87,9 @@ class QuadratureState:
     def reduce(self, reducer, *inputs, check_ess=None):
         """Apply ``reducer(chunk, *inputs)`` to every chunk of the table; combine with logaddexp.
 
-        A streamed table is rebuilt chunk by chunk under activation
-        checkpointing, so that the backward pass recomputes each chunk instead
-        of keeping it. On the first pass over a streamed table with
+        The kept chunks are reduced as they are; the streamed ones are rebuilt
+        chunk by chunk under activation checkpointing, so that the backward pass
+        recomputes each of them instead of keeping it. On the first pass over a streamed table with
         ``ess_pending``, ``check_ess(state, log_joints)`` gets the per-node log
         joints ``(n, Q)`` (no extra pass).
 
@@ -92,12 +98,12 @@ class QuadratureState:
         :returns: the combined tuple (:func:`~pyro_mpt.conditionals.mixture.combine_partials`).
         """
         total = None
-        if self.chunks is not None:
-            for chunk in self.chunks:
-                total = combine_partials(total, reducer(chunk, *inputs))
-            return total
         joints = []
-        for sl in self.slices():
+        for chunk in self.chunks or ():
+            if self.ess_pending:
+                joints.append(chunk.joint().detach())
+            total = combine_partials(total, reducer(chunk, *inputs))
+        for sl in self.streamed_slices():
 
             def run(*inp, sl=sl):
                 chunk = self.compute_chunk(sl)
