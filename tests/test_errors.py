@@ -121,7 +121,7 @@ INTERNAL = {
     "adapters/mlm_jobs.py::schedule_jobs": "a MaskBlock type not wired into the adapter",
     "conditionals/base.py::ConditionalEngine.log_evidence": "the default of engines without log p(x)",
     "conditionals/quadrature_rules.py::effective_nodes": "the engine passes tensor grids only",
-    "conditionals/gaussian.py::GaussianConditionals._factor_whole": "caught by the jitter rescue",
+    "conditionals/gaussian_jitter.py::factor_whole": "caught by the jitter rescue",
     "conditionals/decoded.py::pad_batch": "Pyro's plate checks fire first",
     "conditionals/decoded.py::Decoded.obs_log_prob": "models that do not broadcast fail earlier",
     "conditionals/decoded.py::Decoded._token_tensor": "models that do not broadcast fail earlier",

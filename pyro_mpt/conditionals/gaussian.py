@@ -34,25 +34,17 @@ form: the contexts are nested, so the low-rank path accumulates
 path reads every conditional off one Cholesky factor of the permuted covariance.
 """
 
-import math
-import warnings
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from .base import ConditionalEngine, NumericalWarning
+from .base import ConditionalEngine
 from .distributions import take_rows
 from .gaussian_blocks import BlockGaussianState, block_marginal
 from .gaussian_dense import dense_chain, dense_log_prob, dense_masks
-from .gaussian_linalg import (
-    NotPositiveDefinite,
-    cholesky,
-    dense_dtype,
-    first_jitter,
-    lowrank_dtype,
-    posterior_precision_factor,
-)
+from .gaussian_jitter import add_jitter, factor_whole, resume_jitter
+from .gaussian_linalg import NotPositiveDefinite, dense_dtype, lowrank_dtype
 from .gaussian_lowrank import (
     lowrank_chain,
     lowrank_independent_sums,
@@ -223,137 +215,20 @@ class GaussianConditionals(ConditionalEngine):
                 marginal.loc.to(work), covariance=cov.to(work), site=site,
                 data_dtype=None if work == data_dtype else data_dtype,
             )
-        rel = self.memory.jitter.get((site, state.loc.dtype))
-        if rel is not None:
-            # start from the jitter an earlier call reached (it warned then)
-            scale = self._mean_diagonal(state)
-            if scale > 0 and math.isfinite(scale):
-                self._set_jitter(state, rel * scale)
+        resume_jitter(state, self.memory.jitter)
         # factor the whole covariance once, so that a near-singular one is
         # rescued before any query; its principal blocks are no worse conditioned
-        self._rescued(state, lambda: self._factor_whole(state))
+        self._rescued(state, lambda: factor_whole(state))
         return state
 
-    # ------------------------------------------------------------------ jitter rescue
-    @staticmethod
-    def _factor_whole(state):
-        """Factor the state's covariance and keep the factor on the state (with its
-        gradient, for the exact log-density). On the low-rank path, a noise
-        variance with zeros, or too small against the loading for the state's
-        dtype (see ``gaussian_linalg.lowrank_dtype``), fails like a Cholesky factorization,
-        so that the rescue's jitter raises it."""
-        if not state.is_low_rank:
-            state.factor = cholesky(state.covariance, "covariance", state.site)
-            return
-        F, psi = state.cov_factor, state.cov_diag
-        zeros = int((psi.detach() <= 0).sum())
-        if zeros:
-            raise NotPositiveDefinite(
-                f"The covariance of site {state.site!r} is not positive definite (its "
-                f"noise variance has {zeros} zero entries)"
-            )
-        if lowrank_dtype(F, psi, (state.loc.dtype,)) is None:
-            raise NotPositiveDefinite(
-                f"The covariance of site {state.site!r} is not positive definite to "
-                f"working precision on the low-rank path (its noise variance is too "
-                f"small against the loading: rounding errors swamp the identity in "
-                f"I + F^T Psi^-1 F)"
-            )
-        state.factor = posterior_precision_factor(F, psi, state.site)
-
     def _rescued(self, state, compute):
-        r"""``compute()``, retried with more jitter on the state's covariance while a
-        Cholesky factorization fails.
-
-        The jitter goes into the model's covariance (the state), not into the
-        one matrix that failed, so all conditionals keep coming from one joint
-        :math:`\mathcal N(\mu, \Sigma + \tau I)`; it grows tenfold per retry
-        from ``gaussian_linalg.first_jitter`` times the mean diagonal of :math:`\Sigma` up
-        to ``max_jitter`` times it, and each increase warns with the total.
-        """
+        """``compute()``, retried with more jitter on the state's covariance while a
+        Cholesky factorization fails (see :mod:`~pyro_mpt.conditionals.gaussian_jitter`)."""
         while True:
             try:
                 return compute()
             except NotPositiveDefinite as error:
-                self._add_jitter(state, error)
-
-    @staticmethod
-    def _mean_diagonal(state):
-        """The mean diagonal of the state's covariance without the rescue's jitter."""
-        with torch.no_grad():
-            if state.is_low_rank:
-                diag = state.cov_diag + state.cov_factor.pow(2).sum(-1)
-            else:
-                diag = torch.diagonal(state.covariance, dim1=-2, dim2=-1)
-            return float(diag.mean()) - state.jitter
-
-    @staticmethod
-    def _set_jitter(state, tau):
-        """Make the rescue's jitter on the state's diagonal ``tau`` in total."""
-        delta = tau - state.jitter
-        state.factor = None  # the factor of the old covariance
-        if state.is_low_rank:
-            state.cov_diag = state.cov_diag + delta
-        else:
-            eye = torch.eye(state.num_tokens, dtype=state.loc.dtype, device=state.loc.device)
-            state.covariance = state.covariance + delta * eye
-        state.jitter = tau
-
-    def _add_jitter(self, state, error):
-        scale = self._mean_diagonal(state)
-        dtype = state.loc.dtype
-        if state.jitter:
-            k = round(math.log10(state.jitter / scale)) + 1
-        else:
-            k = round(math.log10(first_jitter(dtype)))
-        rel = 10.0**k
-        if not (scale > 0 and math.isfinite(scale)) or rel > self.max_jitter * (1 + 1e-9):
-            raise ValueError(
-                f"{error} even with jitter up to {self.max_jitter:g} x the mean diagonal "
-                f"{scale:.3g} of its covariance: the covariance is singular or ill-conditioned. "
-                f"Try float64 data and parameters, more observation noise, or "
-                f"GaussianConditionals(jitter=...) with a larger value."
-            ) from None
-        tau = rel * scale
-        self._set_jitter(state, tau)
-        self.memory.jitter[(state.site, dtype)] = rel
-        change = self._log_det_change(state)
-        name = str(dtype).replace("torch.", "")
-        if state.data_dtype is not None:
-            name += f" (computed in {name} for {str(state.data_dtype).replace('torch.', '')} data)"
-        warning = NumericalWarning(
-            f"GaussianConditionals: the covariance of site {state.site!r} is not positive "
-            f"definite in {name} (Cholesky failed: it is singular or nearly so); added "
-            f"jitter {tau:.3g} ({rel:.0e} x its mean diagonal {scale:.3g}) to its diagonal, "
-            f"which changes log p through its log-determinant by an estimated {change:.3g} "
-            f"nats per datapoint. Use float64 data and parameters where they are not "
-            f"float64 already, pass GaussianConditionals(jitter=...) to choose the amount, "
-            f"or give the model more observation noise.",
-            site=state.site,
-            jitter=tau,
-        )
-        warning.log_prob_change = change
-        warnings.warn(warning, stacklevel=4)
-
-    @staticmethod
-    def _log_det_change(state):
-        r"""How much the rescue's jitter :math:`\tau` changes log p per datapoint
-        through the log-determinant: :math:`\tfrac12\sum_k\log(1 + \tau/\lambda_k)`
-        over the eigenvalues :math:`\lambda_k` of the covariance, the most over the
-        datapoints. On the low-rank path the noise variances :math:`\psi_j` stand
-        in for the eigenvalues (:math:`FF^\top + \Psi \succeq \Psi`), which makes
-        it an upper bound; on the dense path eigenvalues below rounding (``eps``
-        times the largest) are taken at that floor, which makes it an estimate
-        from below."""
-        tau = state.jitter
-        with torch.no_grad():
-            if state.is_low_rank:
-                lam = (state.cov_diag - tau).double()
-            else:
-                eye = torch.eye(state.num_tokens, dtype=state.loc.dtype, device=state.loc.device)
-                lam = torch.linalg.eigvalsh((state.covariance - tau * eye).double())
-                lam = lam.clamp_min(torch.finfo(torch.float64).eps * float(lam.abs().max()))
-            return float(0.5 * torch.log1p(tau / lam).sum(-1).max())
+                add_jitter(state, error, self.max_jitter, self.memory.jitter)
 
     def log_evidence(self, state, x, observed=None):
         r"""Exact :math:`\log\mathcal N(x_i; \mu, \Sigma)` per datapoint, ``(n,)``.
