@@ -147,7 +147,14 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
     :param int max_elements: bound on ``queries * n * D`` per block. Peak
         memory is bounded by one block's working set, with gradients too:
         every block after the first is recomputed in the backward pass
-        instead of kept alive for it.
+        instead of kept alive for it. Without ``accumulator``, consecutive
+        blocks of masks shared by the batch (no missing tokens) are merged
+        into groups of ``max_elements`` over the engine's working set per
+        query (:meth:`~pyro_mpt.conditionals.ConditionalEngine.weighted_sum_elements`),
+        each one :meth:`~pyro_mpt.conditionals.ConditionalEngine.weighted_mask_sum`
+        call, when that working set is below ``n * D`` (otherwise the blocks
+        are evaluated as the schedule yields them, so that a sampling engine
+        draws as it did).
     :param ~pyro_mpt.curve.CurveAccumulator accumulator: when given, every
         query's score is also added to it by size (for curves).
     :param str progress: a progress-bar label, or None for no bar.
@@ -166,18 +173,88 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
     if progress is not None:
         blocks = tqdm(blocks, desc=progress, leave=False)
     estimate = x.new_zeros(x.shape[0])
-    for k, block in enumerate(blocks):
-        if accumulator is None:
-            # the first block keeps its intermediates: one block's worth, no
-            # recomputation when the schedule yields a single block, and what an
-            # engine caches across blocks (mask-free pieces) is computed outside
-            # any recomputed block, so every recomputation repeats its forward
-            estimate = estimate + _block_estimate(block, engine, state, x, recompute=k > 0)
-            continue
-        shat, size, weight = block_scores(block, engine, state, x, per_size=True)
-        estimate = estimate + (weight * shat).sum(0)
-        accumulator.add(shat, size)
+    if accumulator is not None:
+        for block in blocks:
+            shat, size, weight = block_scores(block, engine, state, x, per_size=True)
+            estimate = estimate + (weight * shat).sum(0)
+            accumulator.add(shat, size)
+        return estimate
+    per_query = max(1, int(engine.weighted_sum_elements(state, x)))
+    if per_query < x.shape[0] * x.shape[1]:
+        # the engine's weighted sum needs less than the n * D per query the
+        # schedule chunked by: fewer, larger groups
+        blocks = _merged(blocks, max(1, max_elements // per_query))
+    for k, item in enumerate(blocks):
+        # the first item keeps its intermediates: one item's worth, no
+        # recomputation when the schedule fits a single one, and what an
+        # engine caches across items (mask-free pieces) is computed outside
+        # any recomputed one, so every recomputation repeats its forward
+        if isinstance(item, _SharedGroup):
+            estimate = estimate + _group_estimate(item, engine, state, x, recompute=k > 0)
+        else:
+            estimate = estimate + _block_estimate(item, engine, state, x, recompute=k > 0)
     return estimate
+
+
+@dataclasses.dataclass
+class _SharedGroup:
+    """Masks shared by the batch, from one or more consecutive blocks: ``mask``
+    bool ``(q, D)`` and ``coef`` ``(q,)``, each query's weight over its size."""
+
+    mask: torch.Tensor
+    coef: torch.Tensor
+
+
+def _shared(block):
+    """The block as ``(mask (q, D), coef (q,))`` when its queries are shared by the
+    batch with one weight each, without context or gain; else None."""
+    if not isinstance(block, MaskBlock) or block.mask is None or block.context is not None or block.gain is not None:
+        return None
+    if block.mask.shape[1] != 1 or block.size.shape[-1] != 1 or block.weight.shape[-1] != 1:
+        return None
+    size = block.size[:, 0].to(torch.float64).clamp_min(1)
+    return block.mask[:, 0], block.weight[:, 0].to(torch.float64) / size
+
+
+def _merged(blocks, per_group):
+    """The blocks, with runs of consecutive shared-mask blocks merged into
+    :class:`_SharedGroup` objects of at most ``per_group`` queries: a schedule
+    chunks its blocks by ``n * D`` per query, an engine's weighted sum may need
+    far less (:meth:`~pyro_mpt.conditionals.ConditionalEngine.weighted_sum_elements`)."""
+    masks, coefs, count = [], [], 0
+    for block in blocks:
+        shared = _shared(block)
+        if shared is None:
+            if masks:
+                yield from _groups(masks, coefs, per_group)
+                masks, coefs, count = [], [], 0
+            yield block
+            continue
+        masks.append(shared[0])
+        coefs.append(shared[1])
+        count += shared[0].shape[0]
+        if count >= per_group:
+            # full groups go out now: the schedule's later blocks wait unmade
+            mask, coef = torch.cat(masks), torch.cat(coefs)
+            full = (count // per_group) * per_group
+            yield from _groups([mask[:full]], [coef[:full]], per_group)
+            masks, coefs, count = [mask[full:]], [coef[full:]], count - full
+    if count:
+        yield from _groups(masks, coefs, per_group)
+
+
+def _groups(masks, coefs, per_group):
+    mask, coef = torch.cat(masks), torch.cat(coefs)
+    for start in range(0, mask.shape[0], per_group):
+        yield _SharedGroup(mask[start : start + per_group], coef[start : start + per_group])
+
+
+def _group_estimate(group, engine, state, x, recompute=True):
+    """One group's contribution to the estimate, ``(n,)``, recomputed in the
+    backward pass like :func:`_block_estimate`'s blocks."""
+    if not (recompute and torch.is_grad_enabled()):
+        return engine.weighted_mask_sum(state, x, group.mask, group.coef)
+    return checkpoint(engine.weighted_mask_sum, state, x, group.mask, group.coef, use_reentrant=False, preserve_rng_state=True)
 
 
 def _weighted_sum(block, engine, state, x):

@@ -160,6 +160,48 @@ class ConditionalEngine(ABC):
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
         return torch.where(mask, logc, zero).sum(-1)
 
+    def weighted_mask_sum(self, state, x, mask, coef):
+        r"""The coefficient-weighted sum of the summed log-conditionals of masks
+        shared by the batch, shape ``(n,)``:
+
+        .. math:: \sum_q c_q \sum_{j \in \mathcal M_q}
+            \log p(x_{ij} \mid x_{i\mathcal R_q}),
+
+        what a loss needs from a group of shared masks when no per-query score
+        is kept (no curve): :func:`~pyro_mpt.estimate.mpt_estimate` asks it with
+        :math:`c_q = w_q / M_q` (the schedule's weight over the mask size). The
+        default sums :meth:`mask_sums`; an engine whose conditionals are
+        quadratic forms in the data overrides it with one aggregated form for
+        all queries (:class:`~pyro_mpt.conditionals.GaussianConditionals`).
+
+        :param state: the object returned by :meth:`prepare`.
+        :param torch.Tensor x: tokens, shape ``(n, D)``.
+        :param torch.Tensor mask: bool, shape ``(q, D)``, shared by the batch;
+            True marks a target.
+        :param torch.Tensor coef: shape ``(q,)``, the coefficients :math:`c_q`.
+        :returns: shape ``(n,)``.
+
+        Example::
+
+            >>> engine.weighted_mask_sum(state, x, mask, weight / mask.sum(-1))   # (n,)
+        """
+        sums = self.mask_sums(state, x, mask.unsqueeze(1))  # (q, n)
+        return (coef.to(sums.dtype).unsqueeze(-1) * sums).sum(0)
+
+    def weighted_sum_elements(self, state, x):
+        """Elements of :meth:`weighted_mask_sum`'s working set per query, for tokens ``x``.
+
+        :func:`~pyro_mpt.estimate.mpt_estimate` merges the blocks of shared
+        masks a schedule yields into groups of at most ``max_elements`` over
+        this many queries, one :meth:`weighted_mask_sum` call each. The
+        default, ``n * D``, is the size of one query's table of conditionals;
+        an engine whose working set per query does not grow with the data
+        declares less, and gets fewer, larger groups.
+
+        :returns: int.
+        """
+        return x.shape[0] * x.shape[1]
+
     def chain_sums(self, state, x, order, observed=None):
         r"""Chain-rule sums along complete orderings, shape ``(p, n)``.
 

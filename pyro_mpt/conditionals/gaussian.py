@@ -41,6 +41,13 @@ import torch
 
 from .base import ConditionalEngine
 from .distributions import take_rows
+from .gaussian_aggregated import (
+    aggregated_cheaper,
+    aggregated_elements,
+    dense_weighted_sum,
+    lowrank_aggregate_data,
+    lowrank_weighted_sum,
+)
 from .gaussian_blocks import BlockGaussianState, block_marginal
 from .gaussian_dense import dense_chain, dense_log_prob, dense_masks
 from .gaussian_jitter import add_jitter, factor_whole, resume_jitter
@@ -319,11 +326,10 @@ class GaussianConditionals(ConditionalEngine):
         out = method(_slice_marginal(state.inner, r_idx), xb[r_idx], mb[q_idx, r_idx].unsqueeze(0))[0]
         return out.new_zeros(mb.shape[:2] + tail).index_put((q_idx, r_idx), out)
 
-    def _shared_sums(self, state, x_data, x, mask):
-        if not state.is_low_rank:
-            return dense_shared_sums(state, x, mask, self.max_elements)
-        # the mask-free pieces once per state and data: a loss evaluation asks
-        # for its blocks of masks one by one, all on the same state and data
+    def _shared_data(self, state, x_data, x):
+        """The mask-free pieces of the low-rank shared paths, once per state and
+        data: a loss evaluation asks for its blocks of masks one by one, all on
+        the same state and data."""
         cache = self._shared_cache
         key = (state.loc, state.cov_factor, state.cov_diag, state.factor)
         if cache is None or cache[0]() is not state or cache[1]() is not x_data or any(
@@ -331,12 +337,61 @@ class GaussianConditionals(ConditionalEngine):
         ):
             data = lowrank_shared_data(state, x)
             self._shared_cache = cache = (weakref.ref(state), weakref.ref(x_data), key, data)
+        return cache[3]
+
+    def _shared_sums(self, state, x_data, x, mask):
+        if not state.is_low_rank:
+            return dense_shared_sums(state, x, mask, self.max_elements)
+        data = self._shared_data(state, x_data, x)
         R = state.cov_factor.shape[-1]
         if R <= EMBEDDED_MAX_RANK:
             n, D = x.shape
             step = max(1, self.max_elements // max(1, (n + D) * (R + 1)))
-            return torch.cat([lowrank_shared_sums_embedded(state, x, mask[i : i + step], cache[3]) for i in range(0, mask.shape[0], step)])
-        return lowrank_shared_sums(state, x, mask, self.max_elements, cache[3])
+            return torch.cat([lowrank_shared_sums_embedded(state, x, mask[i : i + step], data) for i in range(0, mask.shape[0], step)])
+        return lowrank_shared_sums(state, x, mask, self.max_elements, data)
+
+    def _aggregated_rank(self, state, x):
+        """``(True, R)`` when :meth:`weighted_mask_sum` takes the aggregated form
+        (``R`` the rank, None on the dense path), ``(False, None)`` when per-mask
+        products with the data are cheaper or the covariance is not shared."""
+        if isinstance(state, BlockGaussianState):
+            return False, None
+        n, D = x.shape
+        if state.is_low_rank:
+            if state.cov_factor.shape[0] != 1:
+                return False, None
+            R = state.cov_factor.shape[-1]
+            return aggregated_cheaper(n, D, R), R
+        if state.covariance.shape[0] != 1:
+            return False, None
+        return aggregated_cheaper(n, D), None
+
+    def weighted_sum_elements(self, state, x):
+        aggregated, R = self._aggregated_rank(state, x)
+        if not aggregated:
+            return super().weighted_sum_elements(state, x)
+        return aggregated_elements(x.shape[-1], R)
+
+    def weighted_mask_sum(self, state, x, mask, coef):
+        r"""The weighted sum over masks shared by the batch as one quadratic form
+        per datapoint, :math:`-\tfrac12(c + y_i^\top A y_i)` with
+        :math:`A = \sum_q c_q Q_q` aggregated over the masks (see
+        :mod:`~pyro_mpt.conditionals.gaussian_aggregated` for the forms), when
+        that costs fewer flops than per-mask products with the data (the data
+        are many against the tokens, :math:`(D+R)^2 \le 2nD` on the low-rank
+        path, :math:`6D \le n` on the dense one); else the per-mask sums."""
+        aggregated, _ = self._aggregated_rank(state, x)
+        if not aggregated:
+            return super().weighted_mask_sum(state, x, mask, coef)
+        x_data, x = x, _to_work(state, x)
+        if state.is_low_rank:
+            def compute():
+                data = lowrank_aggregate_data(self._shared_data(state, x_data, x))
+                return lowrank_weighted_sum(state, mask, coef, data)
+        else:
+            def compute():
+                return dense_weighted_sum(state, x, mask, coef)
+        return _to_data(state, self._rescued(state, compute))
 
     def chain_log_prob(self, state, x, order):
         if isinstance(state, BlockGaussianState):

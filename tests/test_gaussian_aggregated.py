@@ -1,0 +1,181 @@
+"""The Gaussian engine's weighted sum over masks shared by the batch (one aggregated
+quadratic form per datapoint), against dense conditionals computed mask by mask in
+numpy, and its use by the loss (blocks of shared masks merged into groups)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import pyro
+
+from pyro_mpt import GaussianConditionals, MaskedPretrainingLoss
+from pyro_mpt.conditionals.gaussian_aggregated import aggregated_cheaper
+from pyro_mpt.conditionals.gaussian_marginal import GaussianMarginal
+from pyro_mpt.mask_blocks import MaskBlock
+from pyro_mpt.masks import MaskSchedule
+
+from models import make_ppca
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def numpy_weighted_sum(S, mu, x, mask, coef):
+    """sum_q coef_q sum_{j in M_q} log N(x_j; conditional mean, variance), a loop over masks in numpy."""
+    S, mu, x, mask, coef = (np.asarray(a) for a in (S, mu, x, mask, coef))
+    out = np.zeros(x.shape[0])
+    for q in range(mask.shape[0]):
+        T, R = np.flatnonzero(mask[q]), np.flatnonzero(~mask[q])
+        mean = np.broadcast_to(mu[T], (x.shape[0], T.size))
+        var = np.diag(S[np.ix_(T, T)]).copy()
+        if R.size:
+            B = np.linalg.solve(S[np.ix_(R, R)], S[np.ix_(R, T)])
+            mean = mean + (x[:, R] - mu[R]) @ B
+            var -= np.einsum("rt,rt->t", S[np.ix_(R, T)], B)
+        out += coef[q] * (-0.5 * (np.log(2 * np.pi * var) + (x[:, T] - mean) ** 2 / var)).sum(-1)
+    return out
+
+
+def torch_weighted_sum(S, mu, x, mask, coef):
+    """The same loop in torch (differentiable), for gradient references."""
+    out = x.new_zeros(x.shape[0])
+    for q in range(mask.shape[0]):
+        T, R = mask[q].nonzero()[:, 0], (~mask[q]).nonzero()[:, 0]
+        mean, var = mu[T].expand(x.shape[0], -1), torch.diagonal(S[T][:, T])
+        if R.numel():
+            B = torch.linalg.solve(S[R][:, R], S[R][:, T])
+            mean = mean + (x[:, R] - mu[R]) @ B
+            var = var - (S[R][:, T] * B).sum(0)
+        out = out + coef[q] * (-0.5 * (torch.log(2 * math.pi * var) + (x[:, T] - mean) ** 2 / var)).sum(-1)
+    return out
+
+
+def problem(n, D, R, P, seed):
+    g = torch.Generator().manual_seed(seed)
+    F = torch.randn(D, R, generator=g, dtype=torch.float64)
+    psi = 0.3 + torch.rand(D, generator=g, dtype=torch.float64)
+    mu = torch.randn(D, generator=g, dtype=torch.float64)
+    S = F @ F.T + torch.diag(psi)
+    x = mu + torch.randn(n, D, generator=g, dtype=torch.float64) @ torch.linalg.cholesky(S).T
+    sizes = torch.randint(1, D + 1, (P,), generator=g)
+    mask = torch.rand(P, D, generator=g).argsort(-1) < sizes[:, None]
+    mask[0] = True  # an empty context
+    coef = torch.rand(P, generator=g, dtype=torch.float64)
+    return F, psi, mu, S, x, mask, coef
+
+
+def state_of(F, psi, mu, dense, dtype=torch.float64):
+    if dense:
+        m = GaussianMarginal(mu[None].to(dtype), covariance=(F @ F.T + torch.diag(psi))[None].to(dtype), site="x")
+    else:
+        m = GaussianMarginal(mu[None].to(dtype), cov_factor=F[None].to(dtype), cov_diag=psi[None].to(dtype), site="x")
+    GaussianConditionals._factor_whole(m)
+    return m
+
+
+# (n, D, R, dense): the aggregated form where the data are many against the tokens
+AGGREGATED = [(300, 12, 3, False), (200, 30, 7, False), (300, 12, 3, True), (200, 20, 20, True)]
+
+
+@pytest.mark.parametrize("n,D,R,dense", AGGREGATED)
+def test_aggregated_equals_numpy(n, D, R, dense):
+    F, psi, mu, S, x, mask, coef = problem(n, D, R, P=23, seed=D + R)
+    assert aggregated_cheaper(n, D, None if dense else R)
+    engine = GaussianConditionals()
+    m = state_of(F, psi, mu, dense)
+    assert engine.weighted_sum_elements(m, x) < n * D  # the aggregated form's working set
+    got = engine.weighted_mask_sum(m, x, mask, coef)
+    want = numpy_weighted_sum(S, mu, x, mask, coef)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-8)
+
+
+@pytest.mark.parametrize("n,D,R,dense", AGGREGATED[:1] + AGGREGATED[2:3])
+def test_aggregated_gradient_equals_autograd_of_loop(n, D, R, dense):
+    F, psi, mu, S, x, mask, coef = problem(n, D, R, P=9, seed=7)
+    F, psi, mu, x = (t.clone().requires_grad_() for t in (F, psi, mu, x))
+    engine = GaussianConditionals()
+    u = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    m = state_of(F, psi, mu, dense)
+    got = torch.autograd.grad((u * engine.weighted_mask_sum(m, x, mask, coef)).sum(), (F, psi, mu, x))
+    want = torch.autograd.grad((u * torch_weighted_sum(F @ F.T + torch.diag(psi), mu, x, mask, coef)).sum(), (F, psi, mu, x))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8, atol=1e-8 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("n,D,R,dense", AGGREGATED)
+def test_aggregated_float32_within_rounding(n, D, R, dense):
+    F, psi, mu, S, x, mask, coef = problem(n, D, R, P=23, seed=3)
+    m = state_of(F, psi, mu, dense, torch.float32)
+    got = GaussianConditionals().weighted_mask_sum(m, x.float(), mask, coef.float())
+    assert got.dtype == torch.float32
+    want = numpy_weighted_sum(S, mu, x, mask, coef)
+    # float32 rounding of the data and parameters moves each conditional by
+    # about eps times its standardized residual and the sums over D tokens
+    tol = 50 * D * torch.finfo(torch.float32).eps * np.abs(want).max()
+    assert np.abs(got.double().numpy() - want).max() <= tol
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_few_data_take_the_per_mask_path(dense):
+    n, D, R = 5, 30, 4
+    F, psi, mu, S, x, mask, coef = problem(n, D, R, P=11, seed=2)
+    assert not aggregated_cheaper(n, D, None if dense else R)
+    engine = GaussianConditionals()
+    m = state_of(F, psi, mu, dense)
+    assert engine.weighted_sum_elements(m, x) == n * D  # the per-mask sums' working set
+    got = engine.weighted_mask_sum(m, x, mask, coef)
+    np.testing.assert_allclose(got.numpy(), numpy_weighted_sum(S, mu, x, mask, coef), rtol=1e-10, atol=1e-8)
+
+
+class Replay(MaskSchedule):
+    """Pre-drawn shared blocks, in small pieces (as a schedule chunks them at large n * D)."""
+
+    def __init__(self, blocks):
+        super().__init__(1, share_masks=True)
+        self._blocks = blocks
+
+    def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
+        yield from self._blocks
+
+
+class Counting(GaussianConditionals):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = []
+
+    def weighted_mask_sum(self, state, x, mask, coef):
+        self.calls.append(mask.shape[0])
+        return super().weighted_mask_sum(state, x, mask, coef)
+
+
+@pytest.mark.parametrize("method", ["lowrank", "dense"])
+@pytest.mark.parametrize("chunk_size", [2**22, 60])
+def test_loss_merges_shared_blocks_and_matches_the_loop(method, chunk_size):
+    D, K, N = 10, 3, 200
+    model, x, _ = make_ppca(D, K, N, seed=4)
+    g = torch.Generator().manual_seed(0)
+    masks = torch.stack([torch.randperm(D, generator=g) < M for M in range(1, D + 1)])
+    weight = torch.rand(D, 1, generator=g, dtype=torch.float64)
+    # one mask a block: merged into one group, or several with a small chunk_size
+    blocks = [MaskBlock(masks[i : i + 1, None], torch.tensor([[i + 1]]), weight[i : i + 1]) for i in range(D)]
+    engine = Counting(method=method)
+    loss = MaskedPretrainingLoss(masks=Replay(blocks), conditionals=engine, chunk_size=chunk_size)
+
+    W, mu, s = (pyro.param(k).unconstrained() for k in ("W", "mu", "s"))
+    est = loss.score(model, None, x)
+    S = pyro.param("W") @ pyro.param("W").T + pyro.param("s") ** 2 * torch.eye(D)
+    coef = weight[:, 0] / torch.arange(1, D + 1)
+    want = torch_weighted_sum(S, pyro.param("mu"), x, masks, coef)
+    np.testing.assert_allclose(est.detach().numpy(), want.detach().numpy(), rtol=1e-10, atol=1e-8)
+    assert sum(engine.calls) == D
+    # the default chunk_size holds all masks in one group; 60 elements one mask a group
+    assert len(engine.calls) == 1 if chunk_size == 2**22 else len(engine.calls) > 1
+    # gradients through the merged (and, past the first group, recomputed) groups
+    engine.calls.clear()
+    got = torch.autograd.grad(loss.differentiable_loss(model, None, x), (W, mu, s))
+    ref = -torch_weighted_sum(
+        pyro.param("W") @ pyro.param("W").T + pyro.param("s") ** 2 * torch.eye(D), pyro.param("mu"), x, masks, coef
+    ).sum()
+    want_g = torch.autograd.grad(ref, (W, mu, s))
+    for a, b in zip(got, want_g):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8, atol=1e-8 * float(b.abs().max()))
