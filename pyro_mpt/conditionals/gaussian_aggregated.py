@@ -85,8 +85,8 @@ def lowrank_weighted_sum(m, mask, coef, data):
     :param m: the low-rank state (cov_factor ``(1, D, R)``, cov_diag ``(1, D)``).
     :param torch.Tensor mask: bool ``(P, D)``.
     :param torch.Tensor coef: ``(P,)``.
-    :param dict data: the mask-free pieces of
-        :func:`~pyro_mpt.conditionals.gaussian_shared.lowrank_shared_data`.
+    :param dict data: the mask-free pieces (``gaussian_shared.lowrank_shared_data``,
+        completed by :func:`lowrank_aggregate_data`).
     :returns: ``(n,)``.
     """
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
