@@ -11,6 +11,7 @@ import pyro
 
 from pyro_mpt import GaussianConditionals, MaskedPretrainingLoss
 from pyro_mpt.conditionals.gaussian_aggregated import aggregated_cheaper
+from pyro_mpt.conditionals.gaussian_jitter import factor_whole
 from pyro_mpt.conditionals.gaussian_marginal import GaussianMarginal
 from pyro_mpt.mask_blocks import MaskBlock
 from pyro_mpt.masks import MaskSchedule
@@ -69,7 +70,7 @@ def state_of(F, psi, mu, dense, dtype=torch.float64):
         m = GaussianMarginal(mu[None].to(dtype), covariance=(F @ F.T + torch.diag(psi))[None].to(dtype), site="x")
     else:
         m = GaussianMarginal(mu[None].to(dtype), cov_factor=F[None].to(dtype), cov_diag=psi[None].to(dtype), site="x")
-    GaussianConditionals._factor_whole(m)
+    factor_whole(m)
     return m
 
 
