@@ -65,13 +65,11 @@ from typing import Optional
 import torch
 import pyro.distributions as dist
 from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
-from pyro.poutine.messenger import Messenger
-from pyro.poutine.util import site_is_subsample
 
 from ..observed_tokens import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import unwrap
-from .plate_runs import run_in_plate
+from .plate_runs import CoordinateLatents, LatentSlice, run_in_plate
 
 __all__ = ["HierarchicalGaussianConditionals", "HierarchicalGaussianState", "NotHierarchicalError", "hierarchical_loadings", "chain_terms"]
 
@@ -115,55 +113,6 @@ class HierarchicalGaussianState:
         return self.b.shape[-3]
 
 
-@dataclass
-class _Site:
-    name: str
-    local: bool
-    offset: int  # first coordinate in its kind's block
-    numel: int
-    event_shape: torch.Size
-
-
-class _AffineNoise(Messenger):
-    """Set each latent to ``loc + scale @ eps`` for a batch of noises (basis rows first)."""
-
-    def __init__(self, sites, eps_g, eps_l, unit_dim, rank):
-        super().__init__()
-        self.sites = sites
-        self.eps_g = eps_g  # (B, K_g)
-        self.eps_l = eps_l  # (B, U, K_l)
-        self.unit_dim = unit_dim
-        self.rank = rank  # batch dims of a site in the run, the basis plate included
-        self.scales = {}
-
-    def _pyro_sample(self, msg):
-        info = self.sites.get(msg["name"])
-        if info is None or msg["is_observed"] or site_is_subsample(msg):
-            return
-        base, _ = unwrap(msg["fn"])
-        ev = info.event_shape
-        B = self.eps_g.shape[0]
-        if info.local:
-            e = self.eps_l[..., info.offset : info.offset + info.numel]  # (B, U, k)
-            U = e.shape[1]
-            shape = [B] + [1] * (self.rank - 1)
-            shape[self.rank + self.unit_dim] = U
-            e = e.reshape(tuple(shape) + tuple(ev))
-        else:
-            e = self.eps_g[:, info.offset : info.offset + info.numel]
-            e = e.reshape((B,) + (1,) * (self.rank - 1) + tuple(ev))
-        if isinstance(base, dist.MultivariateNormal):
-            loc, scale = base.loc, base.scale_tril
-            value = loc + (scale @ e.unsqueeze(-1)).squeeze(-1)
-        else:
-            loc, scale = base.loc, base.scale
-            value = loc + scale * e
-        value = value.expand(broadcast_shape(value.shape, msg["fn"].shape()))
-        self.scales[msg["name"]] = scale
-        msg["value"] = value
-        msg["done"] = True
-
-
 def _rows_equal(t):
     t = t.detach()
     return t.dim() == 0 or t.shape[0] == 1 or bool(torch.equal(t, t[:1].expand_as(t)))
@@ -193,7 +142,7 @@ def hierarchical_loadings(tokens, model, args, kwargs):
     U = tokens.site_batch_shape[unit_dim]
     D = tokens.num_tokens
     E = D // U
-    sites, K_g, K_l = {}, 0, 0
+    global_layout, local_layout, K_g, K_l = {}, {}, 0, 0
     for site in tokens.latent_sites():
         base, _ = unwrap(site["fn"])
         if not isinstance(base, (dist.Normal, dist.MultivariateNormal)) or isinstance(
@@ -209,13 +158,14 @@ def hierarchical_loadings(tokens, model, args, kwargs):
             raise _not_linear_gaussian(tokens.name, f"latent site {site['name']!r} sits in plate(s) "
                                        f"{', '.join(map(repr, others))} that the observation lacks "
                                        f"(declare such dims as event dims, .to_event(1))")
-        numel = site["fn"].event_shape.numel()
+        event_shape = site["fn"].event_shape
+        kind = "mvn" if isinstance(base, dist.MultivariateNormal) else "normal"
         if local:
-            sites[site["name"]] = _Site(site["name"], True, K_l, numel, site["fn"].event_shape)
-            K_l += numel
+            local_layout[site["name"]] = LatentSlice(site["name"], K_l, event_shape.numel(), event_shape, kind)
+            K_l += event_shape.numel()
         else:
-            sites[site["name"]] = _Site(site["name"], False, K_g, numel, site["fn"].event_shape)
-            K_g += numel
+            global_layout[site["name"]] = LatentSlice(site["name"], K_g, event_shape.numel(), event_shape, kind)
+            K_g += event_shape.numel()
     if K_l == 0:
         raise NotHierarchicalError(
             f"{_WHO} serves latents inside the token plate {unit_plate!r} of observed site "
@@ -234,22 +184,22 @@ def hierarchical_loadings(tokens, model, args, kwargs):
     eps_l[1 + K_g : 1 + K_g + K_l] = torch.eye(K_l, dtype=dt, device=dev)[:, None, :]
     eps_g[-1], eps_l[-1] = rg[0], rl[0]
     rank = tokens.max_plate_nesting + 1
-    handler = _AffineNoise(sites, eps_g, eps_l, unit_dim, rank)
+    # the global noises are shared by the units, the local ones lie along the unit plate's dim
+    handlers = [
+        CoordinateLatents(global_layout, eps_g[:, None], rank, compact=False),
+        CoordinateLatents(local_layout, eps_l, rank, (U,) + (1,) * (-unit_dim - 1), compact=False),
+    ]
     try:
         trace = run_in_plate(model, args, kwargs, name="_mpt_basis", size=B, dim=rank,
-                             replay=tokens.subsample_trace(), inside=handler, validation=False)
+                             replay=tokens.subsample_trace(), inside=handlers, validation=False)
     except EngineNotApplicable:
         raise
     except Exception as e:  # e.g. a shape error: the model does not broadcast
         raise _not_linear_gaussian(tokens.name, f"the model failed when run at {B} noise points in a "
                                    f"pyro.plate at dim {-rank} ({type(e).__name__}: {e}; write it so "
                                    f"that it broadcasts over an extra batch dim on the left)") from e
-    for name, scale in handler.scales.items():
-        info = sites[name]
-        event_nd = len(info.event_shape) + (scale.dim() > 0 and isinstance(
-            unwrap(tokens.model_trace.nodes[name]["fn"])[0], dist.MultivariateNormal))
-        bdim = scale.dim() - rank - event_nd  # the basis plate's dim, when the scale has it
-        if bdim >= 0 and not _rows_equal(scale.movedim(bdim, 0)):
+    for name, scale in {**handlers[0].scales, **handlers[1].scales}.items():
+        if not _rows_equal(scale):  # the noise points' dim first
             raise _not_linear_gaussian(tokens.name, f"the scale of latent site {name!r} depends on other latents")
     fn = trace.nodes[tokens.name]["fn"]
     base, _ = unwrap(fn, masks=True)

@@ -41,14 +41,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from pyro.poutine.messenger import Messenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
 from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable, SlowEngineWarning
 from .decoded import Decoded, Encoded, StackedDecoded, pad_batch, site_log_prob
-from .plate_runs import RunMemory, run_in_plate, run_with_fallback
+from .plate_runs import MeanLatents, RunMemory, run_in_plate, run_with_fallback
 
 __all__ = [
     "PARTICLE_PLATE",
@@ -81,38 +80,6 @@ class GuideMemory:
 
     stacking: RunMemory = field(default_factory=RunMemory)
     checked: Optional[tuple] = None
-
-
-# ---------------------------------------------------------------------- messengers
-class _MeanValues(Messenger):
-    """Set latent sites to the mean of their distribution (mode when it has no finite mean)."""
-
-    def __init__(self, names=None):
-        super().__init__()
-        self.names = names
-
-    def _pyro_sample(self, msg):
-        if msg["is_observed"] or site_is_subsample(msg):
-            return
-        if self.names is not None and msg["name"] not in self.names:
-            return
-        fn = msg["fn"]
-        value = None
-        try:
-            value = fn.mean
-        except NotImplementedError:
-            pass
-        if value is None or not bool(torch.isfinite(value).all()):
-            try:
-                value = fn.mode
-            except NotImplementedError:
-                raise ValueError(
-                    f"Site {msg['name']!r} ({type(fn).__name__}) has neither a finite mean "
-                    f"nor a mode, so it cannot be set to its mean; use sampling instead "
-                    f"(encode='sample') or another init."
-                ) from None
-        msg["value"] = value.expand(fn.shape())
-        msg["done"] = True
 
 
 #: the most model runs one call may make one point at a time, for a model that does not
@@ -283,7 +250,7 @@ class LatentRunner:
 
     def prior_mean_tokens(self):
         """The observation's mean per token with every latent at its prior mean, ``(n, D)``."""
-        handler = _MeanValues(set(self.tokens.latent_names))
+        handler = MeanLatents(set(self.tokens.latent_names))
         try:
             trace = self._run(self.model, 1, self.args, self.kwargs, self.replay, handler)
         except ValueError:
@@ -355,7 +322,7 @@ class LatentRunner:
         return values, log_q
 
     def _guide_run(self, args, kwargs, rows, mean, replay):
-        handler = _MeanValues() if mean else None
+        handler = MeanLatents() if mean else None
         return self._run(self.guide, rows, args, kwargs, replay, handler)
 
     def encode(self, xt, num_particles, mean=False):

@@ -3,8 +3,9 @@ r"""Running a Pyro model (or guide) at many latent values at once, in an extra v
 Several engines evaluate the model at a batch of ``P`` latent values per
 datapoint: the Gaussian marginal at noise points
 (:mod:`~pyro_mpt.conditionals.gaussian_marginal`), quadrature at grid nodes
-(:mod:`~pyro_mpt.conditionals.quadrature`), the sampling engines at particles
-(:mod:`~pyro_mpt.conditionals.latent_runs`). Each runs the callable once inside
+(:mod:`~pyro_mpt.conditionals.quadrature`), the hierarchical engine at noise
+points (:mod:`~pyro_mpt.conditionals.hierarchical`), the sampling engines at
+particles (:mod:`~pyro_mpt.conditionals.latent_runs`). Each runs the callable once inside
 ``pyro.plate(name, P, dim=-(max_plate_nesting + 1))`` (:func:`run_in_plate`),
 with the subsample sites of the traced minibatch replayed so that minibatches
 match, with a messenger that sets the latents, and with the runs' sample sites
@@ -20,9 +21,11 @@ outside the engine's reach (``EngineNotApplicable``) is not a reason to try
 another mode: it passes through. When every mode fails, the caller's error is
 raised from the last failure.
 
-**Latent layout** (:func:`latent_layout`). Engines that set all latents from
-one coordinate vector :math:`u \in \mathbb R^K` per point give each latent site
-a :class:`LatentSlice` of it.
+**Setting the latents.** One messenger per way of choosing the latents'
+values: :class:`CoordinateLatents` at given coordinates (engines that set all
+latents from one coordinate vector :math:`u \in \mathbb R^K` per point give
+each latent site a :class:`LatentSlice` of it, :func:`latent_layout`), and
+:class:`MeanLatents` at their means. Given values themselves are replayed.
 """
 
 import contextlib
@@ -41,7 +44,7 @@ from torch.distributions import biject_to
 from .base import EngineNotApplicable, callable_key
 from .distributions import compact, unwrap
 
-__all__ = ["LatentSlice", "latent_layout", "CoordinateLatents", "run_in_plate", "RunMemory", "run_with_fallback"]
+__all__ = ["LatentSlice", "latent_layout", "CoordinateLatents", "MeanLatents", "run_in_plate", "RunMemory", "run_with_fallback"]
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -172,6 +175,44 @@ class CoordinateLatents(Messenger):
         msg["done"] = True
 
 
+class MeanLatents(Messenger):
+    """Set latent sites to the mean of their distribution (its mode when it has no finite mean).
+
+    :param set names: the latent sites to set; None: every latent site.
+
+    Example::
+
+        >>> trace = run_in_plate(guide, (x,), {}, outside=MeanLatents())   # the guide's means
+    """
+
+    def __init__(self, names=None):
+        super().__init__()
+        self.names = names
+
+    def _pyro_sample(self, msg):
+        if msg["is_observed"] or site_is_subsample(msg):
+            return
+        if self.names is not None and msg["name"] not in self.names:
+            return
+        fn = msg["fn"]
+        value = None
+        try:
+            value = fn.mean
+        except NotImplementedError:
+            pass
+        if value is None or not bool(torch.isfinite(value).all()):
+            try:
+                value = fn.mode
+            except NotImplementedError:
+                raise ValueError(
+                    f"Site {msg['name']!r} ({type(fn).__name__}) has neither a finite mean "
+                    f"nor a mode, so it cannot be set to its mean; use sampling instead "
+                    f"(encode='sample') or another init."
+                ) from None
+        msg["value"] = value.expand(fn.shape())
+        msg["done"] = True
+
+
 def run_in_plate(fn, args, kwargs, *, name=None, size=None, dim=None, replay=None,
                  inside=None, outside=None, validation=None):
     """Trace ``fn(*args, **kwargs)`` inside an extra vectorized plate.
@@ -184,8 +225,8 @@ def run_in_plate(fn, args, kwargs, *, name=None, size=None, dim=None, replay=Non
     :param int dim: the plate sits at dim ``-dim`` (``max_plate_nesting + 1``).
     :param ~pyro.poutine.Trace replay: sites to replay (the minibatch's
         subsample sites, given latent values), or None.
-    :param inside: a messenger entered inside the plate: it sees each site
-        before the plate broadcasts its distribution.
+    :param inside: a messenger (or a sequence of them) entered inside the
+        plate: it sees each site before the plate broadcasts its distribution.
     :param outside: a messenger wrapped around the plate and the replay: it
         sees each site after them.
     :param bool validation: None leaves Pyro's validation as it is; False
@@ -203,8 +244,8 @@ def run_in_plate(fn, args, kwargs, *, name=None, size=None, dim=None, replay=Non
         with contextlib.ExitStack() as stack:
             if size is not None:
                 stack.enter_context(pyro.plate(name, size, dim=-dim))
-            if inside is not None:
-                stack.enter_context(inside)
+            for handler in (() if inside is None else inside if isinstance(inside, (list, tuple)) else (inside,)):
+                stack.enter_context(handler)
             return fn(*a, **k)
 
     run = wrapped if replay is None else poutine.replay(wrapped, trace=replay)
