@@ -309,7 +309,7 @@ def resolve(name, vae, x):
         loss.loss(vae.model, vae.guide, x)
     from pyro_mpt.conditionals import ENGINES
 
-    chosen = type(next(iter(loss._auto_engines.values())))
+    chosen = type(next(iter(loss.memory.auto_engines.values())))
     return next(k for k, cls in ENGINES.items() if cls is chosen)
 
 

@@ -17,6 +17,8 @@ in a subsampled ``pyro.plate`` of size ``N`` and batch ``B``, times any
 full-data loss whenever the schedule is unbiased.
 """
 
+from dataclasses import dataclass, field
+
 import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
@@ -30,7 +32,27 @@ from .guide_checks import check_guide_sites
 from .masks import MaskSchedule, make_schedule
 from .observed_tokens import trace_tokens
 
-__all__ = ["MaskedPretrainingLoss"]
+__all__ = ["MaskedPretrainingLoss", "LossMemory"]
+
+
+@dataclass
+class LossMemory:
+    """All that a :class:`MaskedPretrainingLoss` remembers across calls.
+
+    :param dict auto_engines: the engine ``conditionals="auto"`` chose, per
+        ``(callable_key(model), observed site)`` (``callable_key`` of
+        ``conditionals.base``: a bound method is a new object at each access,
+        so it is identified by its owner and function). An engine keeps its
+        own memory across steps (e.g.
+        :class:`~pyro_mpt.conditionals.quadrature.QuadratureMemory`'s
+        warm-started grids); keeping the chosen engine keeps that memory, and
+        spares the engines before it in ``ENGINES`` a failing ``prepare`` at
+        every step. It is asked first at the next call; when it no longer
+        applies, ``"auto"`` chooses again. ``auto_engines.clear()`` forgets
+        them.
+    """
+
+    auto_engines: dict = field(default_factory=dict)
 
 
 class MaskedPretrainingLoss(ELBO):
@@ -96,6 +118,8 @@ class MaskedPretrainingLoss(ELBO):
     :param bool progress: show a progress bar in :meth:`score` and :meth:`curve`.
     :param engine_options: keyword options for the engine chosen by name or
         by ``"auto"`` (e.g. ``jitter=1e-6``).
+    :ivar LossMemory memory: what the loss remembers across calls (the
+        engines ``"auto"`` chose).
 
     Example::
 
@@ -134,7 +158,7 @@ class MaskedPretrainingLoss(ELBO):
             self._curve_share = True
         self.engine_options = engine_options
         self.engine = make_engine(conditionals, **engine_options)
-        self._auto_engines = {}
+        self.memory = LossMemory()
         self.obs_site = obs_site
         self.extra_sites = extra_sites
         self.token_plates = token_plates
@@ -153,18 +177,15 @@ class MaskedPretrainingLoss(ELBO):
     def _prepare(self, model, guide, args, kwargs):
         tokens = self._trace_tokens(model, guide, args, kwargs)
         if self.engine is None:
-            # keep the engine "auto" chose for this model: engines carry state
-            # across steps (e.g. warm-started adaptive quadrature grids); a bound
-            # method is a new object at each access, so it is keyed by its owner
-            key = (callable_key(model), tokens.name)
-            engine = self._auto_engines.get(key)
+            key = (callable_key(model), tokens.name)  # see LossMemory
+            engine = self.memory.auto_engines.get(key)
             if engine is not None:
                 try:
                     return tokens, engine, engine.prepare(tokens, model, guide, args, kwargs)
                 except EngineNotApplicable:
                     pass
             engine, state = auto_engine(tokens, model, guide, args, kwargs, **self.engine_options)
-            self._auto_engines[key] = engine
+            self.memory.auto_engines[key] = engine
         else:
             engine = self.engine
             state = engine.prepare(tokens, model, guide, args, kwargs)
