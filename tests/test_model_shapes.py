@@ -739,6 +739,37 @@ def test_schedule_whose_blocks_takes_kwargs_serves_missing_tokens():
         assert float((score - _exact(W, b, x, observed)).abs().max()) < 1e-10
 
 
+
+def test_a_schedule_written_on_maskable_tokens_serves_missing_tokens(float64):
+    """The recipe of docs/architecture.md: a schedule that draws and builds its blocks through
+    MaskSchedule.maskable_tokens handles missing tokens without a branch of its own. Its
+    leave-one-out masks give sum_{j in O_i} log p(x_j | x_{O_i minus j}) (brute-force Gaussian
+    conditioning on each observed sub-vector) and its orderings log p(x_{O_i}) (the closed form)."""
+    class LeaveOneOutThenOrder(MaskSchedule):
+        def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
+            tokens = self.maskable_tokens(n, D, device, observed)
+            eye = torch.eye(D, dtype=torch.bool)[:, None, :]  # (D, 1, D), shared by the batch
+            one = torch.ones((D, 1), dtype=torch.long)
+            yield tokens.block(eye, one, torch.ones((D, 1), dtype=torch.float64), tokens.within(eye))
+            yield tokens.chain(tokens.order(2), torch.full((2, 1), 0.5, dtype=torch.float64))
+
+    W, b, x = _params()
+    m = _mask()
+    model = _missing_models(W, b, m)["dist.mask"]
+    S = (W @ W.T + SIGMA**2 * torch.eye(D, dtype=torch.float64)).numpy()
+    loo = np.zeros(N)
+    for i in range(N):
+        o = np.flatnonzero(m[i].numpy())
+        for j in o:
+            r = o[o != j]
+            xi, mu = x[i].numpy(), b.numpy()
+            k = S[j, r] @ np.linalg.inv(S[np.ix_(r, r)]) if len(r) else np.zeros(0)
+            mean, var = mu[j] + k @ (xi[r] - mu[r]), S[j, j] - k @ S[r, j]
+            loo[i] += -0.5 * (np.log(2 * np.pi * var) + (xi[j] - mean) ** 2 / var)
+    got = MaskedPretrainingLoss(conditionals="gaussian", masks=LeaveOneOutThenOrder()).score(model, None, x)
+    want = torch.from_numpy(loo) + _exact(W, b, x, m)
+    assert torch.allclose(got, want, atol=1e-8, rtol=0), (got, want)
+
 # ---------------------------------------------------------------------- validating the observed site
 def _shared_logit_model(likelihood):
     """One standard normal latent z per datapoint shared by its 3 tokens: Bernoulli(logits=z)
