@@ -66,11 +66,12 @@ class QuadratureState:
         return self.nodes.shape[2]
 
     def slices(self):
+        """The node slices of the table's chunks, ``node_chunk`` nodes each (the last may be shorter)."""
         Q = self.num_nodes
         return [slice(s, min(Q, s + self.node_chunk)) for s in range(0, Q, self.node_chunk)]
 
     def streamed_slices(self):
-        """The node slices not kept in :attr:`chunks` (all of them when none is kept)."""
+        """The node slices not kept in ``chunks`` (all of them when none is kept)."""
         return self.slices()[len(self.chunks or ()):]
 
     def compute_chunk(self, sl):
