@@ -157,11 +157,52 @@ def lowrank_independent_sums(m, x, mask):
     L = cholesky(A, "context precision I + F_R^T Psi_R^-1 F_R", m.site)
     B = torch.cholesky_inverse(L)  # (q, n, R, R)
     c = (B @ eta.unsqueeze(-1)).reshape(q * n, R)
-    var = (B.reshape(q * n, R * R) @ FF.T).reshape(q, n, D) + psi
+    var = torch.addmm(psi, B.reshape(q * n, R * R), FF.T).reshape(q, n, D)
     mean = (c @ F.T).reshape(q, n, D)
-    terms = var.log() + (r - mean).pow(2) / var
-    zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
-    return -0.5 * (torch.where(mask, terms, zero).sum(-1) + LOG_2PI * mask.sum(-1).to(terms.dtype))
+    target = mask.to(x.dtype)
+    return -0.5 * (MaskedNormalTerms.apply(r, mean, var, target) + LOG_2PI * target.sum(-1))
+
+
+class MaskedNormalTerms(torch.autograd.Function):
+    r""":math:`\sum_j t_j\,[\log v_j + (r_j - \mu_j)^2 / v_j]` over the last dim, with
+    its gradient in closed form.
+
+    With :math:`a_j = (r_j - \mu_j)/v_j` and upstream weight :math:`g`:
+    :math:`\partial/\partial\mu_j = -2 g t_j a_j = -\partial/\partial r_j` and
+    :math:`\partial/\partial v_j = g t_j (1/v_j - a_j^2)`. Autograd through the
+    elementwise expression keeps five full-size intermediates and makes a dozen
+    passes over them in the backward pass; this keeps none (the inputs are
+    saved) and makes about half as many passes, on the independent-mask path
+    where these tables are ``(q, n, D)``.
+
+    :param torch.Tensor r: ``(n, D)``, broadcast against the others.
+    :param torch.Tensor mean: ``(q, n, D)``.
+    :param torch.Tensor var: ``(q, n, D)``, positive.
+    :param torch.Tensor target: ``(q, n, D)``, the weights :math:`t_j` (1 at a masked token); no gradient.
+    :returns: ``(q, n)``.
+    """
+
+    @staticmethod
+    def forward(ctx, r, mean, var, target):
+        e = r - mean
+        e.mul_(e).div_(var)
+        terms = var.log().add_(e).mul_(target)
+        ctx.save_for_backward(r, mean, var, target)
+        return terms.sum(-1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        r, mean, var, target = ctx.saved_tensors
+        inv = var.reciprocal()
+        a = (r - mean).mul_(inv)
+        weight = target * g.unsqueeze(-1)
+        d_mean = (a * weight).mul_(-2.0)
+        d_var = inv.sub_(a.mul_(a)).mul_(weight)
+        d_r = None
+        if ctx.needs_input_grad[0]:
+            d_r = (-d_mean).sum_to_size(r.shape)
+        return d_r, d_mean, d_var, None
 
 
 def lowrank_shared_chain(m, x, order, max_elements):
