@@ -387,7 +387,7 @@ class GaussianConditionals(ConditionalEngine):
         if state.is_low_rank:
             def compute():
                 data = lowrank_aggregate_data(self._shared_data(state, x_data, x))
-                return lowrank_weighted_sum(state, mask, coef, data)
+                return lowrank_weighted_sum(state, mask, coef, data, self.max_elements)
         else:
             def compute():
                 return dense_weighted_sum(state, x, mask, coef)

@@ -24,6 +24,7 @@ import torch
 from .gaussian_linalg import LOG_2PI, cholesky
 
 __all__ = [
+    "StackedForm",
     "aggregated_cheaper", "aggregated_elements", "lowrank_aggregate_data", "lowrank_weighted_sum", "dense_weighted_sum",
 ]
 
@@ -41,12 +42,14 @@ def aggregated_cheaper(n, D, R=None):
 
 
 def aggregated_elements(D, R=None):
-    """Elements of the aggregated form's largest intermediate per mask (the stacked
-    :math:`D\times D` regressions, or the :math:`R\times(D+R)` pieces of the low-rank form)."""
-    return D * D if R is None else R * (D + R)
+    """Elements of the aggregated form's working set per mask: the stacked
+    :math:`D\times D` regressions of the dense form; the pieces the low-rank form
+    keeps for the backward pass (a few :math:`R\times R` factors and
+    :math:`D`-vectors; :class:`StackedForm` remakes its larger ones)."""
+    return D * D if R is None else 5 * (R * R + D)
 
 
-def lowrank_weighted_sum(m, mask, coef, data):
+def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
     r"""Aggregated weighted sum for :math:`\Sigma = FF^\top + \Psi`, ``(n,)``.
 
     With :math:`r = x - \mu`, :math:`\Lambda_0 = I + F^\top\Psi^{-1}F`, the
@@ -65,11 +68,11 @@ def lowrank_weighted_sum(m, mask, coef, data):
         h = L^{-1}\big(F^\top\Psi^{-1}\operatorname{diag}(t)\,e + \delta\big) = K y,
 
     with :math:`y = [e; \delta] \in \mathbb R^{D+R}` and :math:`K = L^{-1}
-    [(t \circ F/\psi)^\top,\ I_R]`: the context's projection
+    [(t \circ F/\psi)^\top,\ I_R] = [V\operatorname{diag}(t/\psi),\ L^{-1}]`: the context's projection
     :math:`F_{\mathcal R}^\top\Psi_{\mathcal R}^{-1}e_{\mathcal R} = \hat z + \delta - F^\top\Psi^{-1}\operatorname{diag}(t)e`
     is written through the targets, so that the form holds small centred terms only.
     Then :math:`\sum_j w_j d_j^2 = e^\top W e + y^\top K^\top N y` with
-    :math:`N = 2(V\circ w)E + (VWV^\top)K` (:math:`E = [I_D, 0]`), and over
+    :math:`N = 2VWE + (VWV^\top)K` (:math:`E = [I_D, 0]`), and over
     the masks with coefficients :math:`a_m`,
 
     .. math::
@@ -87,36 +90,113 @@ def lowrank_weighted_sum(m, mask, coef, data):
     :param torch.Tensor coef: ``(P,)``.
     :param dict data: the mask-free pieces (``gaussian_shared.lowrank_shared_data``,
         completed by :func:`lowrank_aggregate_data`).
+    :param int max_elements: bound on the elements of the stacked pieces
+        :math:`K_m`, :math:`N_m` made at once (chunks of masks, :class:`StackedForm`).
     :returns: ``(n,)``.
     """
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
     D, R = F.shape
     P = mask.shape[0]
     dtype = F.dtype
-    a = coef.to(dtype)
     t = mask.to(dtype)
-    G = data["Fp"]  # F / psi
+    a = coef.to(dtype).unsqueeze(-1)
     eye = torch.eye(R, dtype=dtype, device=F.device)
+    # every per-mask R x R piece from one product with F's row outer products
     FF = (F[:, :, None] * F[:, None, :]).reshape(D, R * R)
-    L = cholesky((((1 - t) / psi) @ FF).reshape(P, R, R) + eye, "context precision I + F_R^T Psi_R^-1 F_R", m.site)
+    L = cholesky((((1 - t) / psi) @ FF).view(P, R, R) + eye, "context precision I + F_R^T Psi_R^-1 F_R", m.site)
     # Lambda >= I, so L^-1 has norm <= 1: its explicit inverse is accurate
     Linv = torch.linalg.solve_triangular(L, eye.expand(P, R, R), upper=False)
-    V = Linv @ F.T  # (P, R, D)
-    var = psi + V.pow(2).sum(-2)  # (P, D)
-    w = t / var
-    Vw = V * w.unsqueeze(-2)  # (P, R, D), zero at the context
-    Z = (Vw @ V.transpose(-1, -2)) @ Linv  # V W V^T L^-1, (P, R, R)
-    # the stacked [K_1^T ... K_P^T] = [t o (G L^-T); L^-T], built in its (D+R, P R)
-    # layout (no copy), and N = a [2 V o w + (Z G^T) o t, Z] as (P R, D+R)
-    LT = Linv.transpose(-1, -2).permute(1, 0, 2).reshape(R, P * R)  # [L_1^-T ... L_P^-T]
-    Kt = torch.cat([(G @ LT).view(D, P, R).mul(t.T.unsqueeze(-1)).view(D, P * R), LT], 0)
-    N = torch.cat([2 * Vw + (Z @ G.T) * t.unsqueeze(-2), Z], 2) * a[:, None, None]  # (P, R, D+R)
-    A = Kt @ N.view(P * R, D + R)
-    diag = a @ w  # (D,)
-    logdet = a @ (t * (LOG_2PI + var.log())).sum(-1)
+    var = psi + (Linv.transpose(-1, -2) @ Linv).view(P, R * R) @ FF.T  # psi + diag(F Lambda^-1 F^T)
+    aw = a * t / var
+    M = Linv @ (aw @ FF).view(P, R, R) @ Linv.transpose(-1, -2)  # a V W V^T
+    A = StackedForm.apply(F, Linv, M, t / psi, 2 * aw, max(1, max_elements // (R * (D + R))))
+    logdet = (a * t * (LOG_2PI + var.log())).sum()
     y = data["y"]  # (n, D + R)
-    quad = ((y @ A) * y).sum(-1) + data["e2"] @ diag
+    quad = ((y @ A) * y).sum(-1) + data["e2"] @ aw.sum(0)
     return -0.5 * (logdet + quad)
+
+
+def _stacked_pieces(F, Linv, M, s, u):
+    """The pieces of :class:`StackedForm` for a chunk of ``c`` masks:
+    ``V = L^-1 F^T``, ``W = M L^-1 F^T`` ``(c, R, D)``; with rows ``(mask, r)``,
+    ``K_top = V o s``, ``N_top = V o u + W o s`` ``(c R, D)``, ``N_bottom = M L^-1``
+    ``(c R, R)``; and ``s``, ``u`` as ``(c, 1, D)``."""
+    c, R, _ = Linv.shape
+    D = F.shape[0]
+    Nb = M @ Linv
+    VW = torch.cat([Linv, Nb]).reshape(2 * c * R, R) @ F.T  # [V; W], one product
+    V, W = VW[: c * R].view(c, R, D), VW[c * R :].view(c, R, D)
+    s, u = s.unsqueeze(1), u.unsqueeze(1)  # (c, 1, D): the same for every row r of a mask
+    Kt = V * s
+    Nt = torch.addcmul(V * u, W, s)
+    return V, W, Kt.view(c * R, D), Nt.view(c * R, D), Nb.reshape(c * R, R), s, u
+
+
+class StackedForm(torch.autograd.Function):
+    r""":math:`A = \sum_m K_m^\top N_m`, ``(D + R, D + R)``, with
+    :math:`V_m = L_m^{-1}F^\top`, :math:`K_m = [V_m\operatorname{diag}(s_m),\ L_m^{-1}]`
+    and :math:`N_m = [V_m\operatorname{diag}(u_m),\ 0] + M_mK_m`.
+
+    The :math:`R\times(D+R)` pieces of each mask are made in chunks of
+    ``chunk`` masks and summed into :math:`A` by matrix products over the
+    stacked masks, block by block (:math:`D\times D`, :math:`D\times R`, ...);
+    none is kept for the backward pass, which remakes them from the inputs
+    (:math:`O(R^2D)` per mask) rather than keep :math:`O(R(D+R))` per mask alive:
+    the backward pass costs the two products of :math:`A`'s gradient with the
+    pieces, and no second forward product.
+
+    :param F: ``(D, R)``. :param Linv: ``(P, R, R)``. :param M: ``(P, R, R)``.
+    :param s: ``(P, D)``. :param u: ``(P, D)``. :param int chunk: masks per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, F, Linv, M, s, u, chunk):
+        ctx.save_for_backward(F, Linv, M, s, u)
+        ctx.chunk = chunk
+        D, R = F.shape
+        A = F.new_zeros(D + R, D + R)
+        for i in range(0, Linv.shape[0], chunk):
+            Li = Linv[i : i + chunk].reshape(-1, R)
+            _, _, Kt, Nt, Nb, _, _ = _stacked_pieces(F, Linv[i : i + chunk], M[i : i + chunk], s[i : i + chunk], u[i : i + chunk])
+            A[:D, :D].addmm_(Kt.T, Nt)
+            A[:D, D:].addmm_(Kt.T, Nb)
+            A[D:, :D].addmm_(Li.T, Nt)
+            A[D:, D:].addmm_(Li.T, Nb)
+        return A
+
+    @staticmethod
+    def backward(ctx, gA):
+        F, Linv, M, s, u = ctx.saved_tensors
+        chunk = ctx.chunk
+        D, R = F.shape
+        gF = torch.zeros_like(F)
+        gTL, gTR, gBL, gBR = gA[:D, :D], gA[:D, D:], gA[D:, :D], gA[D:, D:]
+        parts = []
+        for i in range(0, Linv.shape[0], chunk):
+            sl = slice(i, i + chunk)
+            c = Linv[sl].shape[0]
+            Li = Linv[sl].reshape(c * R, R)
+            V, W, Kt, Nt, Nb, sr, ur = _stacked_pieces(F, Linv[sl], M[sl], s[sl], u[sl])
+            # A_TL = Kt^T Nt, A_TR = Kt^T Nb, A_BL = L^T Nt, A_BR = L^T Nb (rows (mask, r))
+            gKt = torch.addmm(Nb @ gTR.T, Nt, gTL.T)
+            gNt = torch.addmm(Li @ gBL, Kt, gTL)
+            gNb = torch.addmm(Li @ gBR, Kt, gTR)
+            gL = torch.addmm(Nb @ gBR.T, Nt, gBL.T)
+            # Kt = V o s, Nt = V o u + W o s, W = Nb F^T, V = L F^T, Nb = M L
+            gKt, gNt = gKt.view(c, R, D), gNt.view(c, R, D)
+            gV = torch.addcmul(gKt * sr, gNt, ur).view(c * R, D)
+            gW = (gNt * sr).view(c * R, D)
+            gs = torch.addcmul(gKt * V, gNt, W).sum(1)
+            gu = (gNt * V).sum(1)
+            gNb = gNb.addmm_(gW, F)
+            gL = gL.addmm_(gV, F)
+            gF.addmm_(gV.T, Li).addmm_(gW.T, Nb)
+            gNb = gNb.view(c, R, R)
+            gM = gNb @ Linv[sl].transpose(-1, -2)
+            gL = gL.view(c, R, R) + M[sl].transpose(-1, -2) @ gNb
+            parts.append((gL, gM, gs, gu))
+        gL, gM, gs, gu = (torch.cat(g) for g in zip(*parts))
+        return gF, gL, gM, gs, gu, None
 
 
 def lowrank_aggregate_data(data):
