@@ -116,12 +116,12 @@ def _selected_masks(sizes, shape, device):
         return mask
     sizes = sizes.to(device=device)
     want = sizes[:, None].expand(q, rows).reshape(-1)
-    mask = smallest_keys(random_keys(shape, device).reshape(q * rows, D), want)
-    redraw = (mask.sum(-1, dtype=torch.int16) != want).nonzero()[:, 0]
+    mask, exact = smallest_keys(random_keys(shape, device).reshape(q * rows, D), want)
+    redraw = (~exact).nonzero()[:, 0]
     while redraw.numel():
-        again = smallest_keys(random_keys((redraw.numel(), D), device), want[redraw])
+        again, exact = smallest_keys(random_keys((redraw.numel(), D), device), want[redraw])
         mask[redraw] = again
-        redraw = redraw[again.sum(-1, dtype=torch.int16) != want[redraw]]
+        redraw = redraw[~exact]
     return mask.reshape(shape)
 
 
@@ -142,20 +142,23 @@ def random_keys(shape, device):
 
 
 def smallest_keys(keys, sizes):
-    r"""Bool ``(rows, D)``: the keys at most each row's M-th smallest, ``M = sizes``.
+    r"""The keys at most each row's M-th smallest, ``M = sizes``, and whether they are M.
 
     Two counting passes instead of a selection per row: the histogram of each
     row's high key bits locates the bin of its M-th smallest key, the histogram
     of the low bits within that bin its value :math:`t`; the mask is
-    :math:`k \le t`. It has M tokens unless keys tie at :math:`t` (then more).
+    :math:`k \le t`. It has M tokens unless keys tie at :math:`t` (then more),
+    which the histograms count too.
 
     :param torch.Tensor keys: int16 ``(rows, D)`` in ``0 .. 2**KEY_BITS - 1``.
     :param torch.Tensor sizes: long ``(rows,)``, each in ``1..D``.
+    :returns: bool ``(rows, D)``, the mask, and bool ``(rows,)``, True where it has
+        exactly M tokens.
 
     Example::
 
         >>> smallest_keys(torch.tensor([[5, 1, 9, 3]], dtype=torch.int16), torch.tensor([2]))
-        tensor([[False,  True, False,  True]])
+        (tensor([[False,  True, False,  True]]), tensor([True]))
     """
     rows, D = keys.shape
     low_bits = max(0, KEY_BITS - 8)
@@ -170,5 +173,7 @@ def smallest_keys(keys, sizes):
     low = torch.where(high == b[:, None].to(high.dtype), keys & (width - 1), width)
     counts = torch.zeros(rows, width + 1, dtype=torch.int32, device=keys.device)
     within = counts.scatter_add_(1, low.long(), one)[:, :width].cumsum(-1, dtype=torch.int32)
-    t = b * width + (within < (sizes - before)[:, None]).sum(-1)
-    return keys <= t[:, None].to(keys.dtype)
+    l = (within < (sizes - before)[:, None]).sum(-1)
+    t = b * width + l
+    exact = before + within.gather(1, l[:, None])[:, 0] == sizes
+    return keys <= t[:, None].to(keys.dtype), exact

@@ -71,7 +71,10 @@ def test_smallest_keys_is_the_brute_force_order_statistic():
     keys[:100] = keys[:100] % 7  # many ties
     sizes = torch.randint(1, D + 1, (rows,), generator=g)
     kth = keys.long().sort(-1).values.gather(1, (sizes - 1)[:, None])
-    assert torch.equal(smallest_keys(keys, sizes), keys.long() <= kth)
+    mask, exact = smallest_keys(keys, sizes)
+    assert torch.equal(mask, keys.long() <= kth)
+    assert torch.equal(exact, mask.sum(-1) == sizes)
+    assert 0 < int((~exact).sum()) < rows  # the test has ties and rows without
 
 
 def test_random_keys_are_uniform_in_every_word():
