@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import pyro
+import pyro.distributions as dist
 
 from pyro_mpt import GaussianConditionals, MaskedPretrainingLoss
 from pyro_mpt.conditionals.gaussian_aggregated import aggregated_cheaper
@@ -180,3 +181,42 @@ def test_loss_merges_shared_blocks_and_matches_the_loop(method, chunk_size):
     want_g = torch.autograd.grad(ref, (W, mu, s))
     for a, b in zip(got, want_g):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8, atol=1e-8 * float(b.abs().max()))
+
+
+def tokens_model(W, mu, observed=None):
+    D, K = W.shape
+
+    def model(x):
+        with pyro.plate("data", x.shape[0], dim=-2):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K), 1.0).to_event(1))  # (N, 1, K)
+            with pyro.plate("tokens", D, dim=-1):
+                pyro.sample("x", dist.Normal((z * W).sum(-1) + mu, 0.5), obs=x, obs_mask=observed)
+
+    return model
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_exhaustive_through_the_aggregated_form_is_exact(missing):
+    """Every subset of D = 6 tokens, shared by the batch: with no token missing the
+    engine's weighted sum takes the aggregated form and the estimate is log N(x_i; mu, S)
+    (Proposition 1); with missing tokens (blocks with a context and per-datapoint gains)
+    the blocks fall back to the per-mask sums, and it is log N(x_{O_i}), both in numpy."""
+    D, K, N = 6, 2, 60
+    assert aggregated_cheaper(N, D, K)
+    g = torch.Generator().manual_seed(8)
+    W, mu = torch.randn(D, K, generator=g), torch.randn(D, generator=g)
+    x = mu + torch.randn(N, K, generator=g) @ W.T + 0.5 * torch.randn(N, D, generator=g)
+    observed = None
+    if missing:
+        observed = torch.rand(N, D, generator=g) > 0.3
+        observed[0] = True
+    engine = Counting()
+    got = MaskedPretrainingLoss(masks="exhaustive", conditionals=engine).score(tokens_model(W, mu, observed), None, x)
+    assert (len(engine.calls) == 0) == missing
+    S = (W @ W.T + 0.25 * torch.eye(D)).numpy()
+    for i in range(N):
+        o = np.ones(D, bool) if observed is None else observed[i].numpy()
+        r = (x[i] - mu).numpy()[o]
+        So = S[np.ix_(o, o)]
+        want = -0.5 * (o.sum() * np.log(2 * np.pi) + np.linalg.slogdet(So)[1] + r @ np.linalg.solve(So, r))
+        assert abs(float(got[i]) - want) < 1e-8 * max(1.0, abs(want)), (i, float(got[i]), want)
