@@ -42,7 +42,7 @@ class SharedLowRankLogProb(torch.autograd.Function):
         if L is None:
             L = posterior_precision_factor(F, psi, site)
         zhat = torch.cholesky_solve((r @ Fp).T, L).T  # (n, R)
-        e = r - zhat @ F.T
+        e = torch.addmm(r, zhat, F.T, alpha=-1)  # r - F zhat, one pass
         alpha = e / psi
         maha = (e * alpha).sum(-1) + zhat.pow(2).sum(-1)
         logdet = psi.log().sum() + 2 * torch.diagonal(L).log().sum()
