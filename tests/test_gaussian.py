@@ -375,6 +375,25 @@ def test_covariates_in_the_location_leave_the_covariance_shared(noise):
     assert np.allclose(got.numpy(), ref, atol=1e-9, rtol=0)
 
 
+def test_noise_written_out_per_datapoint_is_shared_by_the_batch():
+    # s * torch.ones_like(x) holds one value per datapoint and token, all rows
+    # equal: the marginal keeps it at one row (as for an expanded scale), and
+    # the scores are those of the model written with the scalar scale
+    model, x, exact = make_ppca(6, K=2, N=9, seed=3)
+
+    def written_out(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(x.shape[0], 2), torch.ones(x.shape[0], 2)).to_event(1))
+            W = pyro.param("W")
+            pyro.sample("x", dist.Normal(z @ W.T + pyro.param("mu"), pyro.param("s") * torch.ones_like(x)).to_event(1), obs=x)
+
+    model(x)  # the params
+    m, _ = _marginal(written_out, x)
+    assert m.cov_factor.shape[0] == 1 and m.cov_diag.shape[0] == 1
+    loss = MaskedPretrainingLoss(masks="order")
+    assert torch.allclose(loss.score(written_out, None, x), exact(x), atol=1e-9, rtol=0)
+
+
 def test_hierarchical_linear_gaussian_latents():
     D, N = 5, 4
     A = torch.randn(3, 2)

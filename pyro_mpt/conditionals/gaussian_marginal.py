@@ -275,8 +275,18 @@ def _basis_rows(loc, noise, batch_shape, rows):
     """Bring location and noise tensors to ``(rows, n|1, *event)``."""
     event_ndims = {"diag": (1,), "lowrank": (2, 1), "dense": (2,)}[noise[0]]
     loc = _to_rows(loc, batch_shape, 1, rows)
-    parts = tuple(_to_rows(t, batch_shape, e, rows) for t, e in zip(noise[1:], event_ndims))
+    parts = tuple(_equal_rows_once(_to_rows(t, batch_shape, e, rows)) for t, e in zip(noise[1:], event_ndims))
     return loc, (noise[0],) + parts
+
+
+def _equal_rows_once(t):
+    """``(rows, n, *event)`` at ``(rows, 1, *event)`` when every datapoint's row is
+    the first's: a noise scale written out per datapoint (``s * torch.ones_like(x)``)
+    is shared by the batch as much as an expanded one, and kept per datapoint it
+    would make the engine factor every mask once per datapoint."""
+    if t.shape[1] > 1 and bool(torch.equal(t, t[:, :1].expand_as(t))):
+        return t[:, :1]
+    return t
 
 
 def _to_rows(t, batch_shape, event_ndim, rows):
