@@ -81,7 +81,13 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
             + y^\top \big[K_1^\top \cdots K_P^\top\big]
               \begin{bmatrix} a_1 N_1 \\ \vdots \\ a_P N_P\end{bmatrix} y,
 
-    one :math:`(D+R)\times PR\times(D+R)` matrix product for all masks. The
+    whose :math:`D\times D` block is one :math:`D\times PR\times D` matrix
+    product for all masks (:class:`StackedForm`); the blocks that meet
+    :math:`\delta` reduce to sums over the masks of :math:`R\times R` pieces,
+    :math:`\sum_m \operatorname{diag}(t_m/\psi)FQ_m` and
+    :math:`\sum_m(\Lambda_m^{-1}F^\top\operatorname{diag}(2a_mw_m) +
+    Q_mF^\top\operatorname{diag}(t_m/\psi))` with :math:`Q_m = a_m\Lambda_m^{-1}F^\top
+    W_mF\Lambda_m^{-1}`, i.e. products with :math:`D\times P` tables. The
     result is :math:`-\tfrac12\big(\sum_m a_m \sum_j t_{mj}\log(2\pi v_{mj}) +
     \text{the form}\big)`.
 
@@ -106,10 +112,23 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
     L = cholesky((((1 - t) / psi) @ FF).view(P, R, R) + eye, "context precision I + F_R^T Psi_R^-1 F_R", m.site)
     # Lambda >= I, so L^-1 has norm <= 1: its explicit inverse is accurate
     Linv = torch.linalg.solve_triangular(L, eye.expand(P, R, R), upper=False)
-    var = psi + (Linv.transpose(-1, -2) @ Linv).view(P, R * R) @ FF.T  # psi + diag(F Lambda^-1 F^T)
+    Linv_sq = Linv.transpose(-1, -2) @ Linv  # Lambda^-1
+    var = psi + Linv_sq.view(P, R * R) @ FF.T  # psi + diag(F Lambda^-1 F^T)
     aw = a * t / var
-    M = Linv @ (aw @ FF).view(P, R, R) @ Linv.transpose(-1, -2)  # a V W V^T
-    A = StackedForm.apply(F, Linv, M, t / psi, 2 * aw, max(1, max_elements // (R * (D + R))))
+    Mw = (aw @ FF).view(P, R, R)  # a F^T W F
+    M = Linv @ Mw @ Linv.transpose(-1, -2)  # a V W V^T
+    s, u = t / psi, 2 * aw
+    # A's D x D block: the one product over all masks' rank-R pieces
+    A_ee = StackedForm.apply(F, Linv, M, s, u, max(1, max_elements // (R * D)))
+    # the blocks with delta: sum_m diag(s_m) F Q_m and sum_m (Lambda_m^-1 F^T diag(u_m) + Q_m F^T diag(s_m)),
+    # Q = L^-T M L^-1 = Lambda^-1 (a F^T W F) Lambda^-1, as products over the masks of R x R pieces
+    Q = Linv_sq @ Mw @ Linv_sq
+    T1 = (s.T @ Q.view(P, R * R)).view(D, R, R)
+    T2 = (torch.cat([u, s], 1).view(P, 2, D).transpose(0, 1).reshape(2 * P, D).T
+          @ torch.cat([Linv_sq, Q]).view(2 * P, R * R)).view(D, R, R)
+    A_ed = (F.unsqueeze(-1) * T1).sum(1)  # (D, R)
+    A_de = (T2 @ F.unsqueeze(-1)).squeeze(-1).T  # (R, D)
+    A = torch.cat([torch.cat([A_ee, A_ed], 1), torch.cat([A_de, Q.sum(0)], 1)], 0)
     logdet = (a * t * (LOG_2PI + var.log())).sum()
     y = data["y"]  # (n, D + R)
     quad = ((y @ A) * y).sum(-1) + data["e2"] @ aw.sum(0)
@@ -117,33 +136,32 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
 
 
 def _stacked_pieces(F, Linv, M, s, u):
-    """The pieces of :class:`StackedForm` for a chunk of ``c`` masks:
-    ``V = L^-1 F^T``, ``W = M L^-1 F^T`` ``(c, R, D)``; with rows ``(mask, r)``,
-    ``K_top = V o s``, ``N_top = V o u + W o s`` ``(c R, D)``, ``N_bottom = M L^-1``
-    ``(c R, R)``; and ``s``, ``u`` as ``(c, 1, D)``."""
+    """The pieces of :class:`StackedForm` for a chunk of ``c`` masks: ``[L^-1; M L^-1]``
+    ``(2 c R, R)``, ``[V; W] = [L^-1; M L^-1] F^T`` ``(2, c, R, D)``, and with rows
+    ``(mask, r)`` ``K = V o s``, ``N = V o u + W o s`` ``(c R, D)``; ``s``, ``u`` as ``(c, 1, D)``."""
     c, R, _ = Linv.shape
     D = F.shape[0]
-    Nb = M @ Linv
-    VW = torch.cat([Linv, Nb]).reshape(2 * c * R, R) @ F.T  # [V; W], one product
-    V, W = VW[: c * R].view(c, R, D), VW[c * R :].view(c, R, D)
-    s, u = s.unsqueeze(1), u.unsqueeze(1)  # (c, 1, D): the same for every row r of a mask
-    Kt = V * s
-    Nt = torch.addcmul(V * u, W, s)
-    return V, W, Kt.view(c * R, D), Nt.view(c * R, D), Nb.reshape(c * R, R), s, u
+    LN = torch.cat([Linv, M @ Linv]).reshape(2 * c * R, R)
+    VW = (LN @ F.T).view(2, c, R, D)  # one product for both
+    V, W = VW[0], VW[1]
+    s, u = s.unsqueeze(1), u.unsqueeze(1)  # the same for every row r of a mask
+    K = V * s
+    N = torch.addcmul(V * u, W, s)
+    return LN, V, W, K.view(c * R, D), N.view(c * R, D), s, u
 
 
 class StackedForm(torch.autograd.Function):
-    r""":math:`A = \sum_m K_m^\top N_m`, ``(D + R, D + R)``, with
-    :math:`V_m = L_m^{-1}F^\top`, :math:`K_m = [V_m\operatorname{diag}(s_m),\ L_m^{-1}]`
-    and :math:`N_m = [V_m\operatorname{diag}(u_m),\ 0] + M_mK_m`.
+    r""":math:`\sum_m K_m^\top N_m`, ``(D, D)``, with :math:`V_m = L_m^{-1}F^\top`,
+    :math:`W_m = M_mV_m`, :math:`K_m = V_m\operatorname{diag}(s_m)` and
+    :math:`N_m = V_m\operatorname{diag}(u_m) + W_m\operatorname{diag}(s_m)`
+    (:math:`R\times D` each).
 
-    The :math:`R\times(D+R)` pieces of each mask are made in chunks of
-    ``chunk`` masks and summed into :math:`A` by matrix products over the
-    stacked masks, block by block (:math:`D\times D`, :math:`D\times R`, ...);
-    none is kept for the backward pass, which remakes them from the inputs
-    (:math:`O(R^2D)` per mask) rather than keep :math:`O(R(D+R))` per mask alive:
-    the backward pass costs the two products of :math:`A`'s gradient with the
-    pieces, and no second forward product.
+    The pieces are made in chunks of ``chunk`` masks and summed by one matrix
+    product over the stacked masks per chunk; none is kept for the backward
+    pass, which remakes them from the inputs (:math:`O(R^2D)` per mask) rather
+    than keep :math:`O(RD)` per mask alive: the backward pass costs the two
+    products of the result's gradient with the pieces, and no second forward
+    product.
 
     :param F: ``(D, R)``. :param Linv: ``(P, R, R)``. :param M: ``(P, R, R)``.
     :param s: ``(P, D)``. :param u: ``(P, D)``. :param int chunk: masks per chunk.
@@ -153,15 +171,11 @@ class StackedForm(torch.autograd.Function):
     def forward(ctx, F, Linv, M, s, u, chunk):
         ctx.save_for_backward(F, Linv, M, s, u)
         ctx.chunk = chunk
-        D, R = F.shape
-        A = F.new_zeros(D + R, D + R)
+        D = F.shape[0]
+        A = F.new_zeros(D, D)
         for i in range(0, Linv.shape[0], chunk):
-            Li = Linv[i : i + chunk].reshape(-1, R)
-            _, _, Kt, Nt, Nb, _, _ = _stacked_pieces(F, Linv[i : i + chunk], M[i : i + chunk], s[i : i + chunk], u[i : i + chunk])
-            A[:D, :D].addmm_(Kt.T, Nt)
-            A[:D, D:].addmm_(Kt.T, Nb)
-            A[D:, :D].addmm_(Li.T, Nt)
-            A[D:, D:].addmm_(Li.T, Nb)
+            _, _, _, K, N, _, _ = _stacked_pieces(F, Linv[i : i + chunk], M[i : i + chunk], s[i : i + chunk], u[i : i + chunk])
+            A.addmm_(K.T, N)
         return A
 
     @staticmethod
@@ -170,30 +184,25 @@ class StackedForm(torch.autograd.Function):
         chunk = ctx.chunk
         D, R = F.shape
         gF = torch.zeros_like(F)
-        gTL, gTR, gBL, gBR = gA[:D, :D], gA[:D, D:], gA[D:, :D], gA[D:, D:]
         parts = []
         for i in range(0, Linv.shape[0], chunk):
             sl = slice(i, i + chunk)
-            c = Linv[sl].shape[0]
-            Li = Linv[sl].reshape(c * R, R)
-            V, W, Kt, Nt, Nb, sr, ur = _stacked_pieces(F, Linv[sl], M[sl], s[sl], u[sl])
-            # A_TL = Kt^T Nt, A_TR = Kt^T Nb, A_BL = L^T Nt, A_BR = L^T Nb (rows (mask, r))
-            gKt = torch.addmm(Nb @ gTR.T, Nt, gTL.T)
-            gNt = torch.addmm(Li @ gBL, Kt, gTL)
-            gNb = torch.addmm(Li @ gBR, Kt, gTR)
-            gL = torch.addmm(Nb @ gBR.T, Nt, gBL.T)
-            # Kt = V o s, Nt = V o u + W o s, W = Nb F^T, V = L F^T, Nb = M L
-            gKt, gNt = gKt.view(c, R, D), gNt.view(c, R, D)
-            gV = torch.addcmul(gKt * sr, gNt, ur).view(c * R, D)
-            gW = (gNt * sr).view(c * R, D)
-            gs = torch.addcmul(gKt * V, gNt, W).sum(1)
-            gu = (gNt * V).sum(1)
-            gNb = gNb.addmm_(gW, F)
-            gL = gL.addmm_(gV, F)
-            gF.addmm_(gV.T, Li).addmm_(gW.T, Nb)
-            gNb = gNb.view(c, R, R)
-            gM = gNb @ Linv[sl].transpose(-1, -2)
-            gL = gL.view(c, R, R) + M[sl].transpose(-1, -2) @ gNb
+            Li, Mi = Linv[sl], M[sl]
+            c = Li.shape[0]
+            LN, V, W, K, N, sr, ur = _stacked_pieces(F, Li, Mi, s[sl], u[sl])
+            gK = (N @ gA.T).view(c, R, D)
+            gN = (K @ gA).view(c, R, D)
+            # K = V o s, N = V o u + W o s, [V; W] = [L^-1; M L^-1] F^T
+            gVW = torch.empty(2, c, R, D, dtype=F.dtype, device=F.device)
+            torch.addcmul(gK * sr, gN, ur, out=gVW[0])
+            torch.mul(gN, sr, out=gVW[1])
+            gs = torch.addcmul(gK * V, gN, W).sum(1)
+            gu = (gN * V).sum(1)
+            gVW = gVW.view(2 * c * R, D)
+            gLN = (gVW @ F).view(2, c, R, R)
+            gF.addmm_(gVW.T, LN)
+            gM = gLN[1] @ Li.transpose(-1, -2)
+            gL = gLN[0] + Mi.transpose(-1, -2) @ gLN[1]
             parts.append((gL, gM, gs, gu))
         gL, gM, gs, gu = (torch.cat(g) for g in zip(*parts))
         return gF, gL, gM, gs, gu, None
