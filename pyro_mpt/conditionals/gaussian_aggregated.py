@@ -169,6 +169,7 @@ class StackedForm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, F, Linv, M, s, u, chunk):
+        """The sum over the masks, ``(D, D)``."""
         ctx.save_for_backward(F, Linv, M, s, u)
         ctx.chunk = chunk
         D = F.shape[0]
@@ -180,6 +181,7 @@ class StackedForm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gA):
+        """The gradients of ``F``, ``Linv``, ``M``, ``s`` and ``u``, from the pieces remade chunk by chunk."""
         F, Linv, M, s, u = ctx.saved_tensors
         chunk = ctx.chunk
         D, R = F.shape
