@@ -141,14 +141,22 @@ def random_keys(shape, device):
     return words.view(torch.int16)[..., :D] & ((1 << KEY_BITS) - 1)
 
 
+def _index_dtype(top):
+    return torch.int32 if top < 2**31 else torch.int64
+
+
+def _row_counts(index, rows, bins):
+    """Counts ``(rows, bins)`` of the row-offset bin indices ``index`` ``(rows, D)``."""
+    return torch.bincount(index.reshape(-1), minlength=rows * bins).view(rows, bins)
+
+
 def smallest_keys(keys, sizes):
     r"""The keys at most each row's M-th smallest, ``M = sizes``, and whether they are M.
 
-    Two counting passes instead of a selection per row: the histogram of each
-    row's high key bits locates the bin of its M-th smallest key, the histogram
-    of the low bits within that bin its value :math:`t`; the mask is
-    :math:`k \le t`. It has M tokens unless keys tie at :math:`t` (then more),
-    which the histograms count too.
+    A counting pass instead of a selection per row: the histogram of each row's
+    high key bits locates the bin of its M-th smallest key; the few keys in that
+    bin, sorted, give its value :math:`t`; the mask is :math:`k \le t`. It has
+    M tokens unless keys tie at :math:`t` (then more), which the sorted keys show.
 
     :param torch.Tensor keys: int16 ``(rows, D)`` in ``0 .. 2**KEY_BITS - 1``.
     :param torch.Tensor sizes: long ``(rows,)``, each in ``1..D``.
@@ -161,19 +169,24 @@ def smallest_keys(keys, sizes):
         (tensor([[False,  True, False,  True]]), tensor([True]))
     """
     rows, D = keys.shape
-    low_bits = max(0, KEY_BITS - 8)
-    one = torch.ones((), dtype=torch.int32, device=keys.device).expand(rows, D)
+    low_bits = max(0, KEY_BITS - 7)
+    bins, width = 1 << (KEY_BITS - low_bits), 1 << low_bits
+    # per-row histograms as one bincount over row-offset bins (int32 offsets: a
+    # scatter would need an int64 index, twice the passes)
+    rows_at = torch.arange(rows, device=keys.device, dtype=_index_dtype(rows * bins))[:, None]
     high = keys >> low_bits
-    counts = torch.zeros(rows, 1 << (KEY_BITS - low_bits), dtype=torch.int32, device=keys.device)
-    below = counts.scatter_add_(1, high.long(), one).cumsum(-1, dtype=torch.int32)
+    below = _row_counts(high + rows_at * bins, rows, bins).cumsum(-1)
     b = (below < sizes[:, None]).sum(-1)  # the bin of the M-th smallest key
     before = torch.where(b > 0, below.gather(1, (b - 1).clamp_min(0)[:, None])[:, 0], 0)
-    # the low bits of the keys in that bin; the others counted in an extra last bin
-    width = 1 << low_bits
-    low = torch.where(high == b[:, None].to(high.dtype), keys & (width - 1), width)
-    counts = torch.zeros(rows, width + 1, dtype=torch.int32, device=keys.device)
-    within = counts.scatter_add_(1, low.long(), one)[:, :width].cumsum(-1, dtype=torch.int32)
-    l = (within < (sizes - before)[:, None]).sum(-1)
-    t = b * width + l
-    exact = before + within.gather(1, l[:, None])[:, 0] == sizes
+    need = sizes - before  # the need-th smallest of the keys in bin b, >= 1
+    count = below.gather(1, b[:, None])[:, 0] - before  # keys in bin b, >= need
+    # those keys are few (about D / bins a row): list them, sorted by (row, low bits)
+    rows_in, cols_in = (high == b[:, None].to(high.dtype)).nonzero(as_tuple=True)
+    low = (keys[rows_in, cols_in] & (width - 1)).long()
+    listed = (rows_in * width + low).sort().values
+    start = count.cumsum(0) - count
+    t = listed[start + need - 1] - torch.arange(rows, device=keys.device) * width + b * width
+    # a tie at t: the next key of the bin (when there is one) has the same low bits
+    nxt = listed[(start + need).clamp_max(listed.numel() - 1)]
+    exact = (need == count) | (nxt != listed[start + need - 1])
     return keys <= t[:, None].to(keys.dtype), exact
