@@ -47,7 +47,14 @@ def exact_evidence(evidence, tokens, args, kwargs):
         >>> Evidence(ppca, method="exact", path="dense").estimate(x).log_evidence   # (N,)
     """
     options = dict(evidence.options)
-    engine = GaussianConditionals(options.pop("path", "auto"), **options)
+    # kept in Evidence.engines, as the loss keeps its engine: later calls start
+    # from the way of running the model that worked (a model that does not
+    # broadcast is not run in the failing modes again; one whose location
+    # varies by datapoint is run at three points, not K + 2)
+    key = ("exact", repr(sorted(options.items())))
+    if key not in evidence.engines:
+        evidence.engines[key] = GaussianConditionals(options.pop("path", "auto"), **options)
+    engine = evidence.engines[key]
     try:
         state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
     except EngineNotApplicable as e:
