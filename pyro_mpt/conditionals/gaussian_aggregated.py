@@ -97,7 +97,7 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
     :param dict data: the mask-free pieces (``gaussian_shared.lowrank_shared_data``,
         completed by :func:`lowrank_aggregate_data`).
     :param int max_elements: bound on the elements of the stacked pieces
-        :math:`K_m`, :math:`N_m` made at once (chunks of masks, :class:`StackedForm`).
+        alive at once (chunks of masks, :class:`StackedForm`).
     :returns: ``(n,)``.
     """
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
@@ -119,7 +119,8 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
     M = Linv @ Mw @ Linv.transpose(-1, -2)  # a V W V^T
     s, u = t / psi, 2 * aw
     # A's D x D block: the one product over all masks' rank-R pieces
-    A_ee = StackedForm.apply(F, Linv, M, s, u, max(1, max_elements // (R * D)))
+    # chunks whose pieces (about eight (c R, D) tables alive in the backward pass) stay within max_elements
+    A_ee = StackedForm.apply(F, Linv, M, s, u, max(1, max_elements // (8 * R * D)))
     # the blocks with delta: sum_m diag(s_m) F Q_m and sum_m (Lambda_m^-1 F^T diag(u_m) + Q_m F^T diag(s_m)),
     # Q = L^-T M L^-1 = Lambda^-1 (a F^T W F) Lambda^-1, as products over the masks of R x R pieces
     Q = Linv_sq @ Mw @ Linv_sq
