@@ -142,3 +142,39 @@ def test_a_loading_that_varies_by_datapoint_is_not_taken_for_a_shared_one():
     F = c[:, None, None] * W0  # (n, D, K)
     ref = torch.distributions.LowRankMultivariateNormal(b, F, torch.full((D,), 0.16, dtype=torch.float64)).log_prob(x)
     assert torch.allclose(first, ref, atol=1e-9, rtol=0) and torch.allclose(second, ref, atol=1e-9, rtol=0)
+
+
+def test_a_model_that_does_not_broadcast_is_run_three_times_not_k_plus_two():
+    # loc.reshape(n, 3, 4) (an image written for its own batch) cannot run
+    # under an extra batch dim, so the marginal runs the model once per point.
+    # With a shared loading, three per-datapoint points do instead of K + 2
+    # (52 runs at K=50: 27-56x the PPCA written to broadcast)
+    n, D, K = 50, 12, 20
+    g = torch.Generator().manual_seed(9)
+    W0 = torch.randn(D, K, generator=g, dtype=torch.float64) / K**0.5
+    mu0 = torch.randn(D, generator=g, dtype=torch.float64)
+    x = torch.randn(n, 3, 4, generator=g, dtype=torch.float64)
+    calls = []
+
+    def image(x):
+        calls.append(1)
+        W, mu = pyro.param("W", W0.clone()), pyro.param("mu", mu0.clone())
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            loc = (z @ W.T + mu).reshape(x.shape[0], 3, 4)
+            pyro.sample("x", dist.Normal(loc, 0.5).to_event(2), obs=x)
+
+    pyro.clear_param_store()
+    evidence = Evidence(image)
+    evidence(x)  # finds the mode that works
+    calls.clear()
+    lp = evidence(x)
+    assert len(calls) == 1 + 3, len(calls)  # the trace of the data, three points
+
+    W, mu = W0.clone().requires_grad_(), mu0.clone().requires_grad_()
+    ref = torch.distributions.LowRankMultivariateNormal(mu, W, torch.full((D,), 0.25, dtype=torch.float64))
+    ref = ref.log_prob(x.reshape(n, D))
+    assert torch.allclose(lp, ref, atol=1e-9, rtol=0)
+    got = torch.autograd.grad(lp.sum(), [pyro.param("W").unconstrained(), pyro.param("mu").unconstrained()])
+    for a, b in zip(got, torch.autograd.grad(ref.sum(), [W, mu])):
+        assert torch.allclose(a, b, atol=1e-9, rtol=1e-9)

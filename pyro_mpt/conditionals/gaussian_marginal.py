@@ -214,21 +214,25 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
 
     n = value.shape[0]
 
-    def by_rows():
+    def by_rows(vectorized):
         # three points, each datapoint at its own coordinates: 0, e_i for the
         # first K datapoints, and a random point each. A location that varies
         # by datapoint (covariates, a prior mean per datapoint) with a shared
         # loading then costs 3 n D instead of (K + 2) n D (and as much again
-        # in the backward pass): 50 times the exact log-density at K=50, D=200
+        # in the backward pass): 50 times the exact log-density at K=50, D=200;
+        # a model that does not broadcast is run 3 times instead of K + 2
         u = torch.zeros(3, n, K, dtype=value.dtype, device=value.device)
         u[1, :K] = torch.eye(K, dtype=value.dtype, device=value.device)
         u[2] = torch.randn(n, K, generator=gen, dtype=value.dtype, device="cpu").to(value.device)
-        handler = CoordinateLatents(layout, u, mpn + 1, tokens.batch_shape, compact=True)
-        fn, scales = run(handler, 3)
-        loc, noise, batch_shape = _observation_parts(fn, tokens)
-        for name, scale in scales.items():
-            _check_scale_rows(name, scale)
-        loc, noise = _basis_rows(loc, noise, batch_shape[1:], 3)
+        if vectorized:
+            handler = CoordinateLatents(layout, u, mpn + 1, tokens.batch_shape, compact=True)
+            fn, scales = run(handler, 3)
+            loc, noise, batch_shape = _observation_parts(fn, tokens)
+            for name, scale in scales.items():
+                _check_scale_rows(name, scale)
+            loc, noise = _basis_rows(loc, noise, batch_shape[1:], 3)
+        else:
+            loc, noise = per_point(list(u))
         if loc.shape[1] != n or not all(_rows_equal(t) for t in noise[1:]):
             raise _RowsDeclined()
         mu = loc[0]
@@ -248,10 +252,10 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
         _check_affine(loc[K + 1], mu, W, eps_r[0], tokens.name)
         return mu, W, noise
 
-    def per_point():
+    def per_point(points):
         locs, noises, all_scales = [], [], []
-        for b in range(K + 2):
-            handler = CoordinateLatents(layout, basis[b : b + 1], None, compact=False)
+        for u_b in points:
+            handler = CoordinateLatents(layout, u_b, None, tokens.batch_shape, compact=False)
             fn, scales = run(handler, None)
             loc_b, noise_b, batch_shape = _observation_parts(fn, tokens)
             loc_b, noise_b = _basis_rows(loc_b, noise_b, batch_shape, 1)
@@ -269,22 +273,27 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
         return loc, noise
 
     runs = {
-        "rows": by_rows,
+        "rows": lambda: by_rows(True),
         "compact": lambda: at_points(vectorized(True)),
         "full": lambda: at_points(vectorized(False)),
-        "per_point": lambda: at_points(per_point()),
+        "rows_per_point": lambda: by_rows(False),
+        "per_point": lambda: at_points(per_point([basis[b : b + 1] for b in range(K + 2)])),
     }
     # e.g. a model that does not broadcast shared latents, or not over an extra
-    # batch dim on the left: the next mode asks less of it. "rows" is tried
-    # only once "compact" found a location that varies by datapoint
+    # batch dim on the left: the next mode asks less of it. The "rows" modes
+    # are tried once "compact" found a location that varies by datapoint, or
+    # "per_point" a model that does not broadcast, with a shared loading
     modes = RUN_MODES if vectorize else ("per_point",)
-    if vectorize and memory is not None and memory.recall(model) == "rows":
+    known = None if memory is None else memory.recall(model)
+    if known == "rows" and vectorize:
         modes = ("rows",) + modes
+    elif known == "rows_per_point":
+        modes = ("rows_per_point", "per_point")
     mode, (mu, W, noise) = run_with_fallback(
         modes, lambda mode: runs[mode](), memory=memory, fn=model, passes=(NotLinearGaussianError,),
     )
-    if mode == "compact" and memory is not None and mu.shape[0] > K > 1 and W.shape[1] == 1:
-        memory.remember(model, "rows")
+    if memory is not None and mode in ("compact", "per_point") and mu.shape[0] > K > 1 and W.shape[1] == 1:
+        memory.remember(model, "rows" if mode == "compact" else "rows_per_point")
 
     for t in noise[1:]:
         if not _rows_equal(t):

@@ -101,7 +101,7 @@ class CoordinateLatents(Messenger):
 
     :param dict layout: ``{name: LatentSlice}`` (:func:`latent_layout`).
     :param torch.Tensor u: coordinates ``(P, r, K)``, ``r`` 1 (shared by the
-        datapoints) or ``n``; with ``dim=None`` (no plate) ``(1, K)``.
+        datapoints) or ``n``; with ``dim=None`` (no plate) ``(1, K)`` or ``(n, K)``.
     :param int dim: the points' plate dim, counted from the batch end, or None.
     :param batch_shape: the observed site's batch shape (the layout of ``r = n``).
     :param bool compact: keep the latents' parameters shared by the
@@ -131,7 +131,8 @@ class CoordinateLatents(Messenger):
 
     def _shape(self, event_shape):
         if self.dim is None:
-            return tuple(event_shape)
+            # one point for the batch, or one per datapoint
+            return (self.batch_shape if self.u.shape[0] > 1 else ()) + tuple(event_shape)
         P, r = self.u.shape[:2]
         nb = len(self.batch_shape)
         batch = self.batch_shape if r > 1 else (1,) * nb
