@@ -519,7 +519,8 @@ def _non_broadcasting_ppca(fail=False, N=6, D=4, K=2, sigma=0.5):
 
 def test_gaussian_marginal_remembers_the_run_mode_that_worked():
     """Step 1 runs the model once to trace it, once in each failing vectorized mode
-    and K + 2 times per point; later steps go straight to the per-point runs."""
+    and K + 2 times per point; later steps go straight to the per-point runs, at
+    three per-datapoint points (the loading is shared)."""
     K = 2
     model, x, runs, exact = _non_broadcasting_ppca(K=K)
     loss = MaskedPretrainingLoss(conditionals="gaussian", masks="order")
@@ -528,8 +529,9 @@ def test_gaussian_marginal_remembers_the_run_mode_that_worked():
         runs.clear()
         values.append(loss.loss(model, None, x))
         counts.append(len(runs))
-    assert counts == [1 + 2 + (K + 2), 1 + (K + 2), 1 + (K + 2)]
-    assert values == [values[0]] * 3
+    assert counts == [1 + 2 + (K + 2), 1 + 3, 1 + 3]
+    # step 1 (K + 2 points) and later steps (three) round differently
+    assert max(abs(v - values[0]) for v in values) < 1e-10
     assert abs(values[0] + float(exact(x).sum())) < 1e-10
 
 
