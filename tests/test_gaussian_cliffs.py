@@ -13,7 +13,9 @@ import pyro
 import pyro.distributions as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pyro_mpt import Evidence
+from pyro_mpt import Evidence, MaskedPretrainingLoss
+from pyro_mpt.conditionals import gaussian_marginal
+from pyro_mpt.observed_tokens import trace_tokens
 
 
 class LargestTensor(TorchDispatchMode):
@@ -178,3 +180,66 @@ def test_a_model_that_does_not_broadcast_is_run_three_times_not_k_plus_two():
     got = torch.autograd.grad(lp.sum(), [pyro.param("W").unconstrained(), pyro.param("mu").unconstrained()])
     for a, b in zip(got, torch.autograd.grad(ref.sum(), [W, mu])):
         assert torch.allclose(a, b, atol=1e-9, rtol=1e-9)
+
+
+def _mvn_noise_model(n, D, K, noise):
+    g = torch.Generator().manual_seed(10)
+    W0 = torch.randn(D, K, generator=g, dtype=torch.float64)
+    psi0 = torch.rand(D, generator=g, dtype=torch.float64) + 0.3
+
+    def model(x):
+        W = pyro.param("W", W0.clone())
+        psi = pyro.param("psi", psi0.clone(), constraint=dist.constraints.positive)
+        if noise == "scale_tril":
+            kw = dict(scale_tril=psi.sqrt().diag_embed())
+        elif noise == "covariance":
+            kw = dict(covariance_matrix=torch.diag(psi))
+        else:  # a Cholesky parameter that starts diagonal: its off-diagonal entries are free
+            kw = dict(scale_tril=pyro.param("L", psi0.sqrt().diag_embed(), constraint=dist.constraints.lower_cholesky))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.MultivariateNormal(z @ W.T, **kw), obs=x)
+
+    return model, W0, psi0
+
+
+@pytest.mark.parametrize("noise", ["scale_tril", "covariance", "free_cholesky"])
+def test_a_diagonal_noise_written_as_a_multivariate_normal_takes_the_low_rank_path(noise):
+    # MultivariateNormal(loc, scale_tril=s * I) is Normal(loc, s).to_event(1):
+    # kept dense, every mask cost O(D^3) (uniform masks: 17x PPCA at D=200,
+    # K=50). A Cholesky parameter that is diagonal only at its current value
+    # keeps the dense path: the gradient of its off-diagonal entries is not zero
+    n, D, K = 30, 6, 2
+    model, W0, psi0 = _mvn_noise_model(n, D, K, noise)
+    x = torch.randn(n, D, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    pyro.clear_param_store()
+    tokens = trace_tokens(model, None, (x,), {})
+    m = gaussian_marginal(tokens, model, (x,), {})
+    assert m.is_low_rank == (noise != "free_cholesky")
+    if m.is_low_rank:
+        assert m.cov_factor.shape == (1, D, K) and m.cov_diag.shape == (1, D)
+
+    names = ["W", "L"] if noise == "free_cholesky" else ["W", "psi"]
+    params = [pyro.param(k).unconstrained() for k in names]
+    lp = MaskedPretrainingLoss(masks="order").score(model, None, x)
+    got = torch.autograd.grad(lp.sum(), params)
+
+    # outside the library: torch.distributions' MultivariateNormal on the marginal
+    W = W0.clone().requires_grad_()
+    if noise == "free_cholesky":
+        L = psi0.sqrt().diag_embed().requires_grad_()
+        cov, wrt = W @ W.T + L @ L.T, [W, L]
+    else:
+        u = psi0.log().requires_grad_()  # psi's unconstrained value
+        cov, wrt = W @ W.T + torch.diag(u.exp()), [W, u]
+    ref = torch.distributions.MultivariateNormal(torch.zeros(D, dtype=torch.float64), cov).log_prob(x)
+    assert torch.allclose(lp, ref, atol=1e-9, rtol=0)
+    want = torch.autograd.grad(ref.sum(), wrt)
+    if noise == "free_cholesky":
+        # lower_cholesky's unconstrained space: off-diagonal entries as they are
+        assert bool(got[1].tril(-1).ne(0).any())
+        assert torch.allclose(got[1].tril(-1), want[1].tril(-1), atol=1e-8, rtol=1e-8)
+        want = want[:1]
+        got = got[:1]
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-8, rtol=1e-8)

@@ -321,10 +321,57 @@ def _assemble(mu, noise, kind, W):
         psi, *factors = _common_rows(psi, *factors)
         return GaussianMarginal(mu, cov_factor=torch.cat(factors, -1), cov_diag=psi)
     (cov,) = noise
+    var = _diagonal_variances(cov)
+    if var is not None:
+        if W is None:
+            return GaussianMarginal(mu, cov_diag=var)
+        var, W = _common_rows(var, W)
+        return GaussianMarginal(mu, cov_factor=W, cov_diag=var)
     if W is not None:
         cov, W = _common_rows(cov, W)
         cov = cov + W @ W.transpose(-1, -2)
     return GaussianMarginal(mu, covariance=cov)
+
+
+def _diagonal_variances(cov):
+    r"""The diagonal of a covariance written densely that is diagonal, or None.
+
+    ``MultivariateNormal(loc, scale_tril=s * torch.eye(D))`` is the noise of
+    ``Normal(loc, s).to_event(1)``; kept dense, every mask costs
+    :math:`O(D^3)` instead of :math:`O(D K^2)` (20-70 times PPCA's time at
+    D=100..200). The diagonal alone carries the whole gradient only when the
+    off-diagonal entries, zero in value, are also zero in their derivatives
+    with respect to whatever they are computed from (a ``scale_tril``
+    parameter that happens to be diagonal is not): checked by one product of
+    their Jacobian with a random vector.
+    """
+    eye = torch.eye(cov.shape[-1], dtype=torch.bool, device=cov.device)
+    off = cov.masked_fill(eye, 0.0)
+    if bool(off.detach().ne(0).any()):
+        return None
+    if off.requires_grad:
+        leaves = _graph_leaves(off.grad_fn)
+        gen = torch.Generator(device="cpu").manual_seed(20231208)
+        probe = torch.randn(off.shape, generator=gen, dtype=off.dtype).to(off.device)
+        grads = torch.autograd.grad(off, leaves, probe, retain_graph=True, allow_unused=True)
+        if any(g is not None and bool(g.ne(0).any()) for g in grads):
+            return None
+    return torch.diagonal(cov, dim1=-2, dim2=-1)
+
+
+def _graph_leaves(fn):
+    """The leaf tensors an autograd graph reaches from node ``fn``."""
+    leaves, seen, stack = [], set(), [fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            leaves.append(node.variable)
+        else:
+            stack.extend(child for child, _ in node.next_functions)
+    return leaves
 
 
 def _basis_rows(loc, noise, batch_shape, rows):
