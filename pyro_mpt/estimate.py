@@ -187,8 +187,9 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
     for k, item in enumerate(blocks):
         # the first item keeps its intermediates: one item's worth, no
         # recomputation when the schedule fits a single one, and what an
-        # engine caches across items (mask-free pieces) is computed outside
-        # any recomputed one, so every recomputation repeats its forward
+        # engine keeps on its state across items (mask-free pieces, e.g.
+        # GaussianMarginal.data_pieces) is computed outside any recomputed
+        # one, so every recomputation repeats only its own forward
         if isinstance(item, _SharedGroup):
             estimate = estimate + _group_estimate(item, engine, state, x, recompute=k > 0)
         else:

@@ -649,3 +649,32 @@ def test_first_call_imports_no_sympy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split()[-1] == "False"
+
+
+def test_mask_free_pieces_are_computed_once_per_loss_and_kept_on_the_state(monkeypatch):
+    # many blocks of shared masks on the per-mask path (few data against the
+    # tokens): the full-data pieces are computed once for the loss and its
+    # backward (recomputed blocks read them from the state), and a change of
+    # the jitter drops them with the factor they were computed from
+    import pyro_mpt.conditionals.gaussian as gaussian_module
+    from pyro_mpt.conditionals.gaussian_jitter import set_jitter
+
+    model, x, exact = make_ppca(30, K=2, N=3, seed=5)
+    calls = []
+    real = gaussian_module.lowrank_shared_data
+    monkeypatch.setattr(gaussian_module, "lowrank_shared_data", lambda m, x: calls.append(1) or real(m, x))
+    loss = MaskedPretrainingLoss(masks="all", share_masks=True, conditionals="gaussian", chunk_size=3 * 30 * 4)
+    value = loss.differentiable_loss(model, None, x)
+    value.backward()
+    assert len(calls) == 1
+    # (chunk_size gives 8 blocks of 4 masks; (D + R)^2 > 2nD keeps the per-mask path, unmerged)
+    engine = GaussianConditionals()
+    tokens = trace_tokens(model, None, (x,), {})
+    state = engine.prepare(tokens, model, None, (x,), {})
+    mask = torch.rand(5, 30).argsort(-1) < 10
+    first = engine.mask_sums(state, x, mask[:, None])
+    assert state.data_pieces is not None and state.data_pieces[0] is x
+    set_jitter(state, 1e-3)
+    assert state.data_pieces is None and state.factor is None
+    again = engine.mask_sums(state, x, mask[:, None])
+    assert not torch.allclose(first, again, atol=1e-9, rtol=0)  # the jittered covariance, not stale pieces

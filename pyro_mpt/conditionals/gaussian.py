@@ -34,7 +34,6 @@ form: the contexts are nested, so the low-rank path accumulates
 path reads every conditional off one Cholesky factor of the permuted covariance.
 """
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -158,7 +157,6 @@ class GaussianConditionals(ConditionalEngine):
         self.max_jitter = float(max_jitter)
         self.vectorize = vectorize
         self.memory = GaussianMemory()
-        self._shared_cache = None  # mask-free pieces of the last state and data (see mask_sums)
 
     def prepare(self, tokens, model, guide, args, kwargs):
         blocks = block_marginal(tokens, GaussianMarginal)
@@ -328,16 +326,11 @@ class GaussianConditionals(ConditionalEngine):
 
     def _shared_data(self, state, x_data, x):
         """The mask-free pieces of the low-rank shared paths, once per state and
-        data: a loss evaluation asks for its blocks of masks one by one, all on
-        the same state and data."""
-        cache = self._shared_cache
-        key = (state.loc, state.cov_factor, state.cov_diag, state.factor)
-        if cache is None or cache[0]() is not state or cache[1]() is not x_data or any(
-            a is not b for a, b in zip(cache[2], key)
-        ):
-            data = lowrank_shared_data(state, x)
-            self._shared_cache = cache = (weakref.ref(state), weakref.ref(x_data), key, data)
-        return cache[3]
+        data (kept on the state: :attr:`GaussianMarginal.data_pieces
+        <pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal>`)."""
+        if state.data_pieces is None or state.data_pieces[0] is not x_data:
+            state.data_pieces = (x_data, lowrank_shared_data(state, x))
+        return state.data_pieces[1]
 
     def _shared_sums(self, state, x_data, x, mask):
         if not state.is_low_rank:

@@ -61,6 +61,7 @@ def set_jitter(state, tau):
     """Make the rescue's jitter on the state's diagonal ``tau`` in total."""
     delta = tau - state.jitter
     state.factor = None  # the factor of the old covariance
+    state.data_pieces = None  # computed with the old one
     if state.is_low_rank:
         state.cov_diag = state.cov_diag + delta
     else:

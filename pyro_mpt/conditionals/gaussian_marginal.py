@@ -73,6 +73,14 @@ class GaussianMarginal:
     :param torch.dtype data_dtype: the dtype of the data when the engine
         computes in a wider one (float64 for float32 data whose low-rank
         pieces or covariance that dtype cannot hold); None otherwise.
+    :param tuple data_pieces: ``(x, pieces)``: what the engine's low-rank
+        paths for masks shared by the batch compute from the tokens ``x`` and
+        no mask (the full-data posterior mean and residuals), filled at the
+        first such query and read by every later one on the same ``x``: one
+        estimate asks for its blocks of masks one by one on one state. None
+        when not computed (or stale after a change of the jitter). It lives and
+        dies with the state, which :meth:`GaussianConditionals.prepare
+        <pyro_mpt.conditionals.GaussianConditionals.prepare>` builds per call.
     """
 
     loc: torch.Tensor
@@ -83,6 +91,7 @@ class GaussianMarginal:
     jitter: float = 0.0
     factor: Optional[torch.Tensor] = None
     data_dtype: Optional[torch.dtype] = None
+    data_pieces: Optional[tuple] = None
 
     @property
     def is_low_rank(self):
