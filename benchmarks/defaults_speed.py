@@ -28,18 +28,20 @@ reproducible times):
 Measured on the shared 2-core development machine (one thread, other jobs
 running, so absolute times vary by 2x between runs; ratios are from one run):
 
-* schedules: "all" / "nested" = 0.9-1.3x per datapoint (the extra cost is one
-  sort per query to draw its mask: 0.5 s of 3.6 s at D=128), 1.0-1.2x shared;
+* schedules: "all" / "nested" = 0.9-1.3x per datapoint (the extra cost is
+  drawing a mask per query: integer keys and a counting pass,
+  ``pyro_mpt.mask_draws.smallest_keys``), 1.0-1.2x shared;
 * curve: 0.46-0.78 s with the defaults (masks shared), 23-32 s with masks
   per datapoint (29-70x);
 * first call: 0.007 s of overhead for Evidence (2.4 s before, when
   ``torch.broadcast_shapes`` imported sympy), 0.000 s for the loss after it;
-* evidence: 0.42-1.3 s against 0.018-0.044 s, 10-35x. Almost all of it is the
-  backward pass: the vectorized derivation of the marginal
-  (``conditionals/gaussian_marginal.py``, ``observed_tokens.ObservedTokens.to_tokens``)
-  expands the observation's location to (K + 2, N, D) = (52, 1000, 512) and
-  narrows the stride-0 dims, and the backward of those slices and expands
-  fills and sums 26.6M-element tensors (4 fills, 0.6 s of 1.1 s).
+* evidence: 1.1-1.4x (12.5 ms against 10.2 ms on a quiet machine; 1.4x
+  under load average 5). What remains beyond the bare log-density is the
+  model's own trace (its ``z @ W.T`` and Pyro's argument checks), the
+  marginal's derivation and the value checks of the data (one sum: finite
+  iff every token is). Earlier: 10-35x, from the backward pass through the
+  (K + 2, N, D) expansion of the observation's location, then 1.5-1.7x with
+  an elementwise finiteness and support check of the data (3.4 of 16 ms).
 
 Usage::
 
