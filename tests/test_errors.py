@@ -123,7 +123,6 @@ INTERNAL = {
     "conditionals/quadrature_rules.py::effective_nodes": "the engine passes tensor grids only",
     "conditionals/gaussian_jitter.py::factor_whole": "caught by the jitter rescue",
     "conditionals/decoded.py::pad_batch": "Pyro's plate checks fire first",
-    "conditionals/decoded.py::Decoded.obs_log_prob": "models that do not broadcast fail earlier",
     "conditionals/decoded.py::Decoded._token_tensor": "models that do not broadcast fail earlier",
     "conditionals/latent_runs.py::LatentRunner._guide_values": "caught by encode, which falls back",
     "conditionals/latent_runs.py::LatentRunner.encode": "engines encode only after locate_data_arg",

@@ -243,3 +243,31 @@ def test_a_diagonal_noise_written_as_a_multivariate_normal_takes_the_low_rank_pa
         got = got[:1]
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-8, rtol=1e-8)
+
+
+def test_importance_runs_a_model_that_reshapes_by_its_batch_size_one_value_at_a_time():
+    # loc.reshape(n, 2, -1) runs in the particle plate but puts the particles into
+    # the event: the log-density then broadcast them against the data (a raw
+    # shape error, or 45 GB at n=1000, D=200). The runner now treats it as a model
+    # that does not broadcast: one run per value, warned, and the right numbers
+    from pyro_mpt.conditionals import SlowEngineWarning
+
+    n, D = 5, 6
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(D, generator=g, dtype=torch.float64)
+    y = torch.randn(n, 2, 3, generator=g, dtype=torch.float64)
+
+    def image(y):
+        with pyro.plate("data", y.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1, dtype=y.dtype), 1.0).to_event(1))
+            loc = (z * w).reshape(y.shape[0], 2, -1)
+            pyro.sample("x", dist.Normal(loc, 1.0).to_event(2), obs=y)
+
+    pyro.set_rng_seed(0)
+    with pytest.warns(SlowEngineWarning, match="does not broadcast over that dim"):
+        result = Evidence(image, method="importance", num_samples=400).estimate(y)
+    exact = torch.distributions.LowRankMultivariateNormal(
+        torch.zeros(D, dtype=torch.float64), w[:, None], torch.ones(D, dtype=torch.float64)
+    ).log_prob(y.reshape(n, D))
+    assert result.log_evidence.shape == (n,)
+    assert bool(((result.log_evidence - exact).abs() <= 5 * result.stderr + 1e-3).all()), (result.log_evidence, exact)

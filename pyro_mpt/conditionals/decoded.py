@@ -97,19 +97,38 @@ class Decoded:
         if r.tokens.observed is not None:
             return self.token_log_prob(r.tokens.value).sum(-1)
         site = self.trace.nodes[r.tokens.name]
+        self.check_broadcast()
         lp = site["fn"].log_prob(site["value"])
+        self.check_broadcast(lp.shape)
+        return r.per_datapoint(lp, self.rows)
+
+    def check_broadcast(self, batch_shape=None):
+        """Refuse an observation that did not broadcast over the plate of latent values.
+
+        Checked on the distribution before its log-density too: a model that
+        reshapes by its own batch size (``loc.reshape(n, h, w)``) puts the
+        latent values into the event dims, and the log-density would broadcast
+        them against the data (a raw shape error, or gigabytes).
+        """
+        r = self.runner
+        fn = self.obs_fn
+        shape = fn.batch_shape if batch_shape is None else batch_shape
         bs = r.tokens.site_batch_shape
         expected = (self.rows,) + (1,) * (r.rank - 1 - len(bs)) + tuple(bs)
-        shape = pad_batch(lp, r.rank).shape
-        if any(a != b and a != 1 for a, b in zip(shape, expected)):
+        event = r.tokens.site["fn"].event_shape
+        padded = (1,) * (r.rank - len(shape)) + tuple(shape)
+        if fn.event_shape != event or len(padded) != len(expected) or any(
+            a != b and a != 1 for a, b in zip(padded, expected)
+        ):
             raise EngineNotApplicable(
-                f"Observed site {r.tokens.name!r} has batch shape {tuple(lp.shape)} when the "
-                f"model runs with {self.rows} latent values per datapoint in a pyro.plate at "
-                f"dim {-r.rank}; expected {expected}. The model does not broadcast over that "
-                f"dim: keep the latents' batch dims when computing the observation (e.g. "
-                f"unsqueeze the dim of a plate you reduce over), or set max_plate_nesting."
+                f"Observed site {r.tokens.name!r} has batch shape {tuple(shape)} and event "
+                f"shape {tuple(fn.event_shape)} when the model runs with {self.rows} latent "
+                f"values per datapoint in a pyro.plate at dim {-r.rank}; expected {expected} "
+                f"and {tuple(event)}. The model does not broadcast over that dim: keep the "
+                f"latents' batch dims when computing the observation (e.g. unsqueeze the dim "
+                f"of a plate you reduce over, or reshape with loc.shape[:-1] instead of the "
+                f"batch size), or set max_plate_nesting."
             )
-        return r.per_datapoint(lp, self.rows)
 
     def _token_tensor(self, t):
         r = self.runner
@@ -134,6 +153,7 @@ class Decoded:
         Missing tokens (``tokens.observed``) get 0.
         """
         r = self.runner
+        self.check_broadcast()
         base = self._base()
         xv = r.tokens.to_site(x)
         orig = self.trace.nodes[r.tokens.name]["value"]

@@ -198,7 +198,15 @@ class LatentRunner:
             if mode == "per_point":
                 return self._point_runs(rows, values)
             trace = self._run(self.model, rows, self.args, self.kwargs, replay)
-            return Decoded(self, trace, rows, list(values or {}))
+            decoded = Decoded(self, trace, rows, list(values or {}))
+            # a model that ran but put the latent values into its observation's
+            # event (loc.reshape(n, h, w)) runs one point at a time, as one that failed
+            # (EngineNotApplicable would pass through the fallback)
+            try:
+                decoded.check_broadcast()
+            except EngineNotApplicable as e:
+                raise ValueError(str(e)) from e
+            return decoded
 
         def before_point_runs(mode, error):
             if rows > MAX_POINT_RUNS:

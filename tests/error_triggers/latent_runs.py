@@ -106,6 +106,20 @@ def _():
     Evidence(_mm_model, method="importance", num_samples=20)(_x())
 
 
+@trigger("runner-observation-does-not-broadcast")
+def _():
+    # runs, but the reshape by the batch size puts the latent values into the event
+    y = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(0))
+
+    def image(y):
+        with pyro.plate("data", y.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=y.dtype), 1.0).to_event(1))
+            loc = (z @ torch.ones(2, 6, dtype=y.dtype)).reshape(y.shape[0], 2, -1)
+            pyro.sample("x", dist.Normal(loc, 1.0).to_event(2), obs=y)
+
+    Evidence(image, method="importance", num_samples=20)(y)
+
+
 @trigger("runner-per-point-too-many")
 def _():
     Evidence(_mm_model, method="importance", num_samples=3000)(_x())
