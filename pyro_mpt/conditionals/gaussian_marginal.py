@@ -6,7 +6,7 @@ Two kinds of models have one:
   (``MultivariateNormal``, ``LowRankMultivariateNormal``,
   ``Normal(...).to_event(k)``);
 * *linear-Gaussian* latent models written the ordinary way: Normal (or
-  MultivariateNormal) latents :math:`z_l = m_l + L_l \varepsilon_l` whose
+  MultivariateNormal, LowRankMultivariateNormal) latents :math:`z_l = m_l + L_l \varepsilon_l` whose
   location may be affine in earlier latents, and a Normal observation whose
   location is affine in the latents and whose scale does not depend on them
   (PPCA, factor analysis, models with covariates, hierarchies of such).
@@ -116,19 +116,18 @@ class GaussianMarginal:
 
 
 def _latent_kind(tokens, site):
-    """Check a latent site: Normal or MultivariateNormal, local to each datapoint."""
+    """Check a latent site: Normal, MultivariateNormal or LowRankMultivariateNormal
+    (set through its ``scale_tril``, a K x K factor), local to each datapoint."""
     base, _ = unwrap(site["fn"])
-    if not isinstance(base, (dist.Normal, dist.MultivariateNormal)) or isinstance(
-        base, dist.LowRankMultivariateNormal
-    ):
+    if not isinstance(base, (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNormal)):
         raise NotLinearGaussianError(
-            f"conditionals='gaussian' needs Normal or MultivariateNormal latents; "
+            f"conditionals='gaussian' needs Normal, MultivariateNormal or LowRankMultivariateNormal latents; "
             f"latent site {site['name']!r} is {type(base).__name__}. Use "
             f"conditionals='quadrature' (low-dimensional latents) or "
             f"'importance'."
         )
     check_local_latent(tokens, site, NotLinearGaussianError)
-    return "mvn" if isinstance(base, dist.MultivariateNormal) else "normal"
+    return "normal" if isinstance(base, dist.Normal) else "mvn"
 
 
 def _observation_parts(fn, tokens):
