@@ -26,6 +26,7 @@ from .gaussian_linalg import LOG_2PI, cholesky
 __all__ = [
     "StackedForm",
     "aggregated_cheaper", "aggregated_elements", "lowrank_aggregate_data", "lowrank_weighted_sum", "dense_weighted_sum",
+    "DenseForm",
 ]
 
 
@@ -249,20 +250,79 @@ def dense_weighted_sum(m, x, mask, coef):
     """
     S = m.covariance[0]
     L0 = m.factor[0] if m.factor is not None else cholesky(S, "covariance", m.site)
-    D = S.shape[-1]
-    P = mask.shape[0]
-    a = coef.to(S.dtype)
-    t = mask.to(S.dtype)
-    c = 1 - t
-    S_emb = S * (c.unsqueeze(-1) * c.unsqueeze(-2)) + torch.diag_embed(t)  # (P, D, D)
-    L = cholesky(S_emb, "context covariance S_RR", m.site)
-    W = torch.linalg.solve_triangular(L, S * (c.unsqueeze(-1) * t.unsqueeze(-2)), upper=False)  # L^-1 S_RM
-    # the variances as a sum of squares: accurate to eps cond(L), not eps cond(S)
-    var = torch.where(mask, torch.diagonal(S) - W.pow(2).sum(-2), torch.ones((), dtype=S.dtype, device=S.device))
-    B = torch.linalg.solve_triangular(L.transpose(-1, -2), W, upper=True)  # zero rows at the targets
-    U = (torch.diag_embed(t) - B.transpose(-1, -2)) @ L0  # P_m L0, (P, D, D)
-    aw = a.unsqueeze(-1) * t / var  # (P, D)
-    A = U.reshape(P * D, D).T @ (U * aw.unsqueeze(-1)).reshape(P * D, D)
-    logdet = a @ (t * (LOG_2PI + var.log())).sum(-1)
+    A, logdet = DenseForm.apply(S, L0, mask, coef, m.site)
     eps = torch.linalg.solve_triangular(L0, (x - m.loc).T, upper=False).T  # (n, D)
     return -0.5 * (logdet + ((eps @ A) * eps).sum(-1))
+
+
+class DenseForm(torch.autograd.Function):
+    r"""The dense form's data-free pieces: :math:`A = \sum_m a_m U_m^\top W_m U_m`
+    ``(D, D)`` and :math:`\sum_m a_m \sum_{j\in\mathcal M_m}\log(2\pi v_{mj})`,
+    from :math:`\Sigma` and its Cholesky factor :math:`L_0` (see
+    :func:`dense_weighted_sum`), with the backward pass written out.
+
+    Recorded op by op, the backward pass differentiates the context factor's
+    Cholesky factorization and both triangular solves, about twice the forward
+    time and as many ``(P, D, D)`` temporaries again. Here, with
+    :math:`X = \Sigma_{\mathcal R\mathcal R}`, :math:`Y = \Sigma_{\mathcal R\mathcal M}`,
+    :math:`B = X^{-1}Y` and :math:`v_j = \Sigma_{jj} - (Y^\top X^{-1}Y)_{jj}`:
+    with :math:`G` the symmetric part of :math:`\bar A`, :math:`\bar U = 2WUG`,
+    :math:`\bar v_j = -a_m t_j (UGU^\top)_{jj}/v_j^2 + \bar\ell\, a_m t_j/v_j`,
+    :math:`\bar B = -L_0\bar U^\top` on the context-target block and
+    :math:`H = X^{-1}\bar B`, the gradient is :math:`\bar Y = H - 2B\operatorname{diag}(\bar v)`,
+    :math:`\bar X = B\operatorname{diag}(\bar v)B^\top - \operatorname{sym}(HB^\top)`
+    (symmetric, as a Cholesky factorization's), :math:`\bar\Sigma_{jj} = \bar v_j`
+    and :math:`\bar L_0 = \sum_m P_m^\top\bar U_m`, summed over the masks: a
+    few batched products and one pair of triangular solves.
+
+    :param S: ``(D, D)``. :param L0: ``(D, D)``. :param mask: bool ``(P, D)``.
+    :param coef: ``(P,)``. :param str site: for error messages.
+    """
+
+    @staticmethod
+    def forward(ctx, S, L0, mask, coef, site):
+        """``(A, logdet)``."""
+        D = S.shape[-1]
+        P = mask.shape[0]
+        a = coef.to(S.dtype)
+        t = mask.to(S.dtype)
+        ctx_ = ~mask
+        # selections, not products with 0/1 matrices: one pass over (P, D, D) each
+        eye = torch.eye(D, dtype=S.dtype, device=S.device)
+        L = cholesky(torch.where(ctx_.unsqueeze(-1) & ctx_.unsqueeze(-2), S, eye), "context covariance S_RR", site)
+        S_RM = torch.where(ctx_.unsqueeze(-1) & mask.unsqueeze(-2), S, torch.zeros((), dtype=S.dtype, device=S.device))
+        W = torch.linalg.solve_triangular(L, S_RM, upper=False)  # L^-1 S_RM
+        # the variances as a sum of squares: accurate to eps cond(L), not eps cond(S)
+        var = torch.where(mask, torch.diagonal(S) - W.pow(2).sum(-2), torch.ones((), dtype=S.dtype, device=S.device))
+        B = torch.linalg.solve_triangular(L.transpose(-1, -2), W, upper=True)  # zero rows at the targets
+        U = torch.where(mask.unsqueeze(-1), L0, torch.zeros((), dtype=S.dtype, device=S.device)) - B.transpose(-1, -2) @ L0  # P_m L0
+        aw = a.unsqueeze(-1) * t / var  # (P, D)
+        A = U.reshape(P * D, D).T @ (U * aw.unsqueeze(-1)).reshape(P * D, D)
+        logdet = a @ (t * (LOG_2PI + var.log())).sum(-1)
+        ctx.save_for_backward(L0, L, B, U, var, aw, a, t, mask)
+        return A, logdet
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gA, glog):
+        """The gradients of ``S`` and ``L0``."""
+        L0, L, B, U, var, aw, a, t, mask = ctx.saved_tensors
+        P, D, _ = U.shape
+        G = 0.5 * (gA + gA.T)
+        UG = (U.reshape(P * D, D) @ G).view(P, D, D)
+        gU = 2 * aw.unsqueeze(-1) * UG  # zero rows at the context
+        # aw = a t / v and the log-determinant's a t log v
+        gvar = (glog * a.unsqueeze(-1) * t - aw * (UG * U).sum(-1)) / var  # (P, D), zero at the context
+        # U = (T - B^T) L0; gU has zero context rows, so T gU = gU
+        gL0 = gU.sum(0) - (B @ gU).sum(0)
+        # B is zero outside its context-target block, so is its gradient there
+        gB = torch.where(
+            ~mask.unsqueeze(-1) & mask.unsqueeze(-2),
+            (gU.reshape(P * D, D) @ L0.T).view(P, D, D).transpose(-1, -2),
+            torch.zeros((), dtype=U.dtype, device=U.device),
+        )  # the sign goes into H
+        H = torch.cholesky_solve(gB, L)  # -X^-1 gB: zero rows at the targets
+        Bv = B * gvar.unsqueeze(-2)
+        Y = ((0.5 * Bv + 0.5 * H) @ B.transpose(-1, -2)).sum(0)
+        gS = Y + Y.T - (H + 2 * Bv).sum(0) + torch.diag(gvar.sum(0))
+        return gS, gL0, None, None, None
