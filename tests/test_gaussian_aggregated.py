@@ -137,6 +137,25 @@ def test_aggregated_float32_within_rounding(n, D, R, dense):
     assert np.abs(got.double().numpy() - want).max() <= tol
 
 
+def test_few_masks_on_the_lowrank_path_take_the_per_mask_path(monkeypatch):
+    # the aggregated form's one product with the data, 2 n (D + R)^2, is not
+    # repaid by fewer than 4 masks at n = 1000, D = 10, R = 2 (4 n D R - 2 R (D + R)^2 = 79424 a mask)
+    import pyro_mpt.conditionals.gaussian as gaussian_module
+
+    n, D, R = 1000, 10, 2
+    assert aggregated_cheaper(n, D, R) and not aggregated_cheaper(n, D, R, masks=3) and aggregated_cheaper(n, D, R, masks=4)
+    F, psi, mu, S, x, mask, coef = problem(n, D, R, P=23, seed=4)
+    calls = []
+    real = gaussian_module.lowrank_weighted_sum
+    monkeypatch.setattr(gaussian_module, "lowrank_weighted_sum", lambda *a, **k: calls.append(1) or real(*a, **k))
+    engine = GaussianConditionals()
+    for P, aggregated in ((1, 0), (3, 0), (4, 1), (23, 1)):
+        calls.clear()
+        got = engine.weighted_mask_sum(state_of(F, psi, mu, False), x, mask[:P], coef[:P])
+        assert len(calls) == aggregated
+        np.testing.assert_allclose(got.numpy(), numpy_weighted_sum(S, mu, x, mask[:P], coef[:P]), rtol=1e-10, atol=1e-8)
+
+
 @pytest.mark.parametrize("dense", [False, True])
 def test_few_data_take_the_per_mask_path(dense):
     n, D, R = 5, 30, 4

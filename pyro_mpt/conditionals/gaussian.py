@@ -372,8 +372,13 @@ class GaussianConditionals(ConditionalEngine):
         :mod:`~pyro_mpt.conditionals.gaussian_aggregated` for the forms), when
         that costs fewer flops than per-mask products with the data (the data
         are many against the tokens, :math:`(D+R)^2 \le 2nD` on the low-rank
-        path, :math:`6D \le n` on the dense one); else the per-mask sums."""
-        aggregated, _ = self._aggregated_rank(state, x)
+        path, :math:`6D \le n` on the dense one; on the low-rank path also
+        counting the form's one product with the data, which a few masks do
+        not repay, see :func:`~pyro_mpt.conditionals.gaussian_aggregated.aggregated_cheaper`);
+        else the per-mask sums."""
+        aggregated, R = self._aggregated_rank(state, x)
+        if aggregated and R is not None:
+            aggregated = aggregated_cheaper(*x.shape, R, masks=mask.shape[0])
         if not aggregated:
             return super().weighted_mask_sum(state, x, mask, coef)
         x_data, x = x, _to_work(state, x)

@@ -30,16 +30,24 @@ __all__ = [
 ]
 
 
-def aggregated_cheaper(n, D, R=None):
+def aggregated_cheaper(n, D, R=None, masks=None):
     r"""Whether the aggregated form costs fewer flops than per-mask products with the data.
 
     Low-rank (rank ``R``): about :math:`2R(D+R)^2` per mask against
     :math:`4nDR`; dense (``R`` None): about :math:`6D^3` per mask (its factor,
     the whitened regression and its share of :math:`A`) against :math:`nD^2`.
+    With ``masks``, the number :math:`P` of masks in the sum, the low-rank
+    form's one product of the data with the :math:`(D+R)^2` form,
+    :math:`2n(D+R)^2`, counts too: :math:`P(4nDR - 2R(D+R)^2) \ge 2n(D+R)^2`,
+    so that a few masks (the loss of one mask per call) take the per-mask
+    products (at :math:`n = 1000`, :math:`R = 2`: below 4 masks at
+    :math:`D = 10`, 14 at :math:`D = 50`).
     """
     if R is None:
         return 6 * D <= n
-    return (D + R) ** 2 <= 2 * n * D
+    if masks is None:
+        return (D + R) ** 2 <= 2 * n * D
+    return masks * (4 * n * D * R - 2 * R * (D + R) ** 2) >= 2 * n * (D + R) ** 2
 
 
 def aggregated_elements(D, R=None):
