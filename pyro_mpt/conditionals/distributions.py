@@ -19,7 +19,7 @@ import pyro.distributions as dist
 
 from .base import EngineNotApplicable
 
-__all__ = ["unwrap", "base_distribution", "token_log_prob", "compact", "take_rows", "check_factorized"]
+__all__ = ["unwrap", "affine_normal", "base_distribution", "token_log_prob", "compact", "take_rows", "check_factorized"]
 
 
 def unwrap(fn, masks=False):
@@ -44,6 +44,37 @@ def unwrap(fn, masks=False):
             fn = fn.base_dist
         else:
             return fn, reinterpreted
+
+
+def affine_normal(fn):
+    r"""The ``Normal`` that a ``TransformedDistribution`` of a ``Normal`` by affine maps is, or None.
+
+    ``TransformedDistribution(Normal(m, s), [AffineTransform(a, b)])`` is
+    :math:`\mathcal N(a + b m, |b| s)` (elementwise; ``Independent`` wrappers
+    of the base are stripped, the transforms' ``event_dim`` does not change an
+    elementwise map). Its batch and event dims are ``fn``'s, flattened into one
+    ``Normal`` of shape ``fn.batch_shape + fn.event_shape``.
+
+    Example::
+
+        >>> affine_normal(dist.TransformedDistribution(dist.Normal(0., 1.), [AffineTransform(1., 2.)]))  # Normal(1, 2)
+    """
+    if not isinstance(fn, torch.distributions.TransformedDistribution):
+        return None
+    base, _ = unwrap(fn.base_dist)
+    if type(base) not in (dist.Normal, torch.distributions.Normal):
+        return None
+    loc, scale = base.loc, base.scale
+    for t in fn.transforms:
+        if not isinstance(t, torch.distributions.AffineTransform):
+            return None
+        loc, scale = t.loc + t.scale * loc, torch.as_tensor(t.scale, dtype=loc.dtype, device=loc.device).abs() * scale
+    shape = fn.batch_shape + fn.event_shape
+    try:
+        loc, scale = torch.as_tensor(loc).expand(shape), torch.as_tensor(scale).expand(shape)
+    except RuntimeError:
+        return None
+    return dist.Normal(loc, scale)
 
 
 def base_distribution(fn):

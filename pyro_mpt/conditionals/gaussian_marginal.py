@@ -29,7 +29,7 @@ import pyro.distributions as dist
 
 from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable
-from .distributions import compact, unwrap
+from .distributions import affine_normal, compact, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
 from .plate_runs import CoordinateLatents, latent_layout, run_in_plate, run_with_fallback
 
@@ -119,6 +119,10 @@ def _latent_kind(tokens, site):
     """Check a latent site: Normal, MultivariateNormal or LowRankMultivariateNormal
     (set through its ``scale_tril``, a K x K factor), local to each datapoint."""
     base, _ = unwrap(site["fn"])
+    if affine_normal(base) is not None:
+        # TransformedDistribution(Normal, [AffineTransform]): a Normal
+        check_local_latent(tokens, site, NotLinearGaussianError)
+        return "normal"
     if not isinstance(base, (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNormal)):
         raise NotLinearGaussianError(
             f"conditionals='gaussian' needs Normal, MultivariateNormal or LowRankMultivariateNormal latents; "

@@ -42,7 +42,7 @@ from pyro.poutine.util import site_is_subsample
 from torch.distributions import biject_to
 
 from .base import EngineNotApplicable, callable_key
-from .distributions import compact, unwrap
+from .distributions import affine_normal, compact, unwrap
 
 __all__ = ["LatentSlice", "latent_layout", "CoordinateLatents", "MeanLatents", "run_in_plate", "RunMemory", "run_with_fallback"]
 
@@ -145,6 +145,8 @@ class CoordinateLatents(Messenger):
         entry = self.layout[name]
         fn = msg["fn"]
         base, _ = unwrap(fn)
+        if entry.kind == "normal" and affine_normal(base) is not None:
+            base = affine_normal(base)  # a Normal written as an affine transform of one
         E = len(fn.event_shape)
         u = self.u[..., entry.offset : entry.offset + entry.numel].reshape(self._shape(fn.event_shape))
         if entry.kind in ("normal", "mvn"):
