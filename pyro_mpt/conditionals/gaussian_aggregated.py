@@ -303,7 +303,8 @@ class DenseForm(torch.autograd.Function):
         # the variances as a sum of squares: accurate to eps cond(L), not eps cond(S)
         var = torch.where(mask, torch.diagonal(S) - W.pow(2).sum(-2), torch.ones((), dtype=S.dtype, device=S.device))
         B = torch.linalg.solve_triangular(L.transpose(-1, -2), W, upper=True)  # zero rows at the targets
-        U = torch.where(mask.unsqueeze(-1), L0, torch.zeros((), dtype=S.dtype, device=S.device)) - B.transpose(-1, -2) @ L0  # P_m L0
+        zero = torch.zeros((), dtype=S.dtype, device=S.device)
+        U = torch.baddbmm(torch.where(mask.unsqueeze(-1), L0, zero), B.transpose(-1, -2), L0.expand(P, D, D), alpha=-1)  # P_m L0
         aw = a.unsqueeze(-1) * t / var  # (P, D)
         A = U.reshape(P * D, D).T @ (U * aw.unsqueeze(-1)).reshape(P * D, D)
         logdet = a @ (t * (LOG_2PI + var.log())).sum(-1)
@@ -331,6 +332,6 @@ class DenseForm(torch.autograd.Function):
         )  # the sign goes into H
         H = torch.cholesky_solve(gB, L)  # -X^-1 gB: zero rows at the targets
         Bv = B * gvar.unsqueeze(-2)
-        Y = ((0.5 * Bv + 0.5 * H) @ B.transpose(-1, -2)).sum(0)
-        gS = Y + Y.T - (H + 2 * Bv).sum(0) + torch.diag(gvar.sum(0))
+        Y = (torch.add(Bv, H) @ B.transpose(-1, -2)).sum(0)
+        gS = 0.5 * (Y + Y.T) - torch.add(H, Bv, alpha=2).sum(0) + torch.diag(gvar.sum(0))
         return gS, gL0, None, None, None
