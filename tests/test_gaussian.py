@@ -678,3 +678,25 @@ def test_mask_free_pieces_are_computed_once_per_loss_and_kept_on_the_state(monke
     assert state.data_pieces is None and state.factor is None
     again = engine.mask_sums(state, x, mask[:, None])
     assert not torch.allclose(first, again, atol=1e-9, rtol=0)  # the jittered covariance, not stale pieces
+
+
+def test_lowrank_precision_is_checked_once_per_call_and_the_loss_unchanged(monkeypatch):
+    # the state's dtype is chosen by lowrank_dtype; the factorization of the
+    # whole covariance does not repeat the check (the jitter only raises psi),
+    # and the model's affinity check runs outside autograd: the loss and its
+    # gradient are those of the exact log-density (order schedule) all the same
+    import pyro_mpt.conditionals.gaussian as gaussian_module
+    import pyro_mpt.conditionals.gaussian_jitter as jitter_module
+
+    model, x, exact = make_ppca(8, K=2, N=40, seed=3)
+    calls = []
+    for module in (gaussian_module, jitter_module):
+        real = module.lowrank_dtype
+        monkeypatch.setattr(module, "lowrank_dtype", lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    value = MaskedPretrainingLoss(masks="order", share_masks=True, conditionals="gaussian").differentiable_loss(model, None, x)
+    assert len(calls) == 1
+    np.testing.assert_allclose(float(value), -float(exact(x).sum()), rtol=1e-10)
+    W = pyro.param("W").unconstrained()
+    got = torch.autograd.grad(value, W)[0]
+    want = torch.autograd.grad(-exact(x).sum(), W)[0]  # torch's MultivariateNormal
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-8, atol=1e-10)

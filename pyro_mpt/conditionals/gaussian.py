@@ -174,6 +174,7 @@ class GaussianConditionals(ConditionalEngine):
             self.method == "auto" and (not marginal.is_low_rank or marginal.rank >= D)
         )
         data_dtype = marginal.loc.dtype
+        checked = False  # whether lowrank_dtype chose the state's dtype
         if not dense:
             if not marginal.is_low_rank:
                 raise ValueError(
@@ -199,6 +200,7 @@ class GaussianConditionals(ConditionalEngine):
                 dense = True
             else:
                 # 'lowrank' asked for: the rescue raises the noise, in the widest dtype
+                checked = work is not None
                 work = torch.float64 if work is None else work
                 state = GaussianMarginal(
                     marginal.loc.to(work), cov_factor=F.to(work), cov_diag=psi.to(work), site=site,
@@ -223,7 +225,7 @@ class GaussianConditionals(ConditionalEngine):
         resume_jitter(state, self.memory.jitter)
         # factor the whole covariance once, so that a near-singular one is
         # rescued before any query; its principal blocks are no worse conditioned
-        self._rescued(state, lambda: factor_whole(state))
+        self._rescued(state, lambda: factor_whole(state, precision_checked=checked))
         return state
 
     def _rescued(self, state, compute):

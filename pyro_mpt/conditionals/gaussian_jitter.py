@@ -23,16 +23,24 @@ from .gaussian_linalg import NotPositiveDefinite, cholesky, first_jitter, lowran
 __all__ = ["factor_whole", "add_jitter", "resume_jitter", "mean_diagonal", "set_jitter", "log_det_change"]
 
 
-def factor_whole(state):
+def factor_whole(state, precision_checked=False):
     """Factor the state's covariance and keep the factor on the state (with its
     gradient, for the exact log-density). On the low-rank path, a noise
     variance with zeros, or too small against the loading for the state's
     dtype (see ``gaussian_linalg.lowrank_dtype``), fails like a Cholesky factorization,
-    so that the rescue's jitter raises it."""
+    so that the rescue's jitter raises it.
+
+    :param bool precision_checked: the caller chose the state's dtype by
+        ``gaussian_linalg.lowrank_dtype`` on this loading and a noise variance
+        no larger (exactly widened; the jitter only raises it), so both checks
+        pass: skip them rather than repeat them at every call."""
     if not state.is_low_rank:
         state.factor = cholesky(state.covariance, "covariance", state.site)
         return
     F, psi = state.cov_factor, state.cov_diag
+    if precision_checked:
+        state.factor = posterior_precision_factor(F, psi, state.site)
+        return
     zeros = int((psi.detach() <= 0).sum())
     if zeros:
         raise NotPositiveDefinite(
