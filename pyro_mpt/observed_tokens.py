@@ -117,7 +117,7 @@ class ObservedTokens(TokenLayout):
         return trace
 
 
-def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=False,
+def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=False, plates_as_event=False,
                        consequence="log p(x_i) does not factorize over datapoints"):
     """Raise ``error`` unless latent ``site`` is local to each datapoint.
 
@@ -128,6 +128,10 @@ def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=Fal
 
     :param bool allow_extra_plates: accept latents in plates the observed site
         lacks (engines that sum them per datapoint).
+    :param bool plates_as_event: accept latents in plates that are neither
+        data nor token plates of the observed site (engines that take such a
+        plate's dims as event dims of the latent,
+        :func:`~pyro_mpt.conditionals.plate_runs.latent_layout`).
     :param str consequence: what a shared latent breaks, for the message.
     """
     obs_frames = {f for f in tokens.data_frames if f.size > 1}
@@ -160,7 +164,7 @@ def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=Fal
             f"adds its variance to the noise)."
         )
     extra = own - obs_frames
-    if extra and not allow_extra_plates:
+    if extra and not (allow_extra_plates or plates_as_event):
         plates = ", ".join(repr(f.name) for f in extra)
         raise error(
             f"Latent site {name!r} sits in plate(s) {plates} that observed site "

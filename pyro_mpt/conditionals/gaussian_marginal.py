@@ -21,6 +21,7 @@ the random point :math:`\varepsilon_r` verifies that the location really is
 affine and that no scale depends on the latents.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,6 +44,17 @@ RUN_MODES = ("compact", "full", "per_point")
 
 class NotLinearGaussianError(EngineNotApplicable):
     """The model has no closed-form Gaussian marginal."""
+
+
+class _LayoutDeclined(Exception):
+    """The run's observed site has batch dims the data lacks: the model moved the
+    points' plate dim (e.g. by transposing a latent declared in a plate of its
+    own); the next run mode asks less of it."""
+
+
+def _check_run_rows(batch_shape, tokens):
+    if math.prod(batch_shape[1:]) not in (1, math.prod(tokens.batch_shape)):
+        raise _LayoutDeclined()
 
 
 class _RowsDeclined(Exception):
@@ -121,7 +133,7 @@ def _latent_kind(tokens, site):
     base, _ = unwrap(site["fn"])
     if affine_normal(base) is not None:
         # TransformedDistribution(Normal, [AffineTransform]): a Normal
-        check_local_latent(tokens, site, NotLinearGaussianError)
+        check_local_latent(tokens, site, NotLinearGaussianError, plates_as_event=True)
         return "normal"
     if not isinstance(base, (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNormal)):
         raise NotLinearGaussianError(
@@ -130,7 +142,7 @@ def _latent_kind(tokens, site):
             f"conditionals='quadrature' (low-dimensional latents) or "
             f"'importance'."
         )
-    check_local_latent(tokens, site, NotLinearGaussianError)
+    check_local_latent(tokens, site, NotLinearGaussianError, plates_as_event=True)
     return "normal" if isinstance(base, dist.Normal) else "mvn"
 
 
@@ -220,6 +232,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
         handler = CoordinateLatents(layout, basis[:, None], mpn + 1, compact=compact)
         fn, scales = run(handler, K + 2)
         loc, noise, batch_shape = _observation_parts(fn, tokens)
+        _check_run_rows(batch_shape, tokens)
         for name, scale in scales.items():
             _check_scale_rows(name, scale)
         return _basis_rows(loc, noise, batch_shape[1:], K + 2)
@@ -240,6 +253,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
             handler = CoordinateLatents(layout, u, mpn + 1, tokens.batch_shape, compact=True)
             fn, scales = run(handler, 3)
             loc, noise, batch_shape = _observation_parts(fn, tokens)
+            _check_run_rows(batch_shape, tokens)
             for name, scale in scales.items():
                 _check_scale_rows(name, scale)
             loc, noise = _basis_rows(loc, noise, batch_shape[1:], 3)

@@ -41,6 +41,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import biject_to
 
+from ..token_site import vectorized_frames
 from .base import EngineNotApplicable, callable_key
 from .distributions import affine_normal, compact, unwrap
 
@@ -59,6 +60,11 @@ class LatentSlice:
     :param torch.Size event_shape: the site's event shape.
     :param str kind: how the engine parameterizes it (e.g. ``"normal"``,
         ``"mvn"``, ``"transform"``).
+    :param tuple plates: ``((dim, size), ...)``: the site's plates that are
+        neither data nor token plates of the observed site (a datapoint's
+        latent dims declared as ``pyro.plate("k", K)``), taken as event dims:
+        the coordinates are ``(*sizes, *event_shape)`` flattened, so
+        ``numel`` counts them.
     """
 
     name: str
@@ -66,6 +72,7 @@ class LatentSlice:
     numel: int
     event_shape: torch.Size
     kind: str
+    plates: tuple = ()
 
 
 def latent_layout(tokens, kind_of):
@@ -82,11 +89,15 @@ def latent_layout(tokens, kind_of):
         >>> layout, K = latent_layout(tokens, lambda site: "normal")
     """
     layout, offset = {}, 0
+    data = {f.name for f in tokens.data_frames} | set(tokens.token_plates)
     for site in tokens.latent_sites():
         kind = kind_of(site)
         event_shape = site["fn"].event_shape
-        layout[site["name"]] = LatentSlice(site["name"], offset, event_shape.numel(), event_shape, kind)
-        offset += event_shape.numel()
+        # kind_of accepted any plate the observed site lacks as event dims of the latent
+        plates = tuple(sorted((f.dim, f.size) for f in vectorized_frames(site, 2) if f.name not in data))
+        numel = math.prod(size for _, size in plates) * event_shape.numel()
+        layout[site["name"]] = LatentSlice(site["name"], offset, numel, event_shape, kind, plates)
+        offset += numel
     return layout, offset
 
 
@@ -138,6 +149,26 @@ class CoordinateLatents(Messenger):
         batch = self.batch_shape if r > 1 else (1,) * nb
         return (P,) + (1,) * (self.dim - 1 - nb) + batch + tuple(event_shape)
 
+    def _place(self, u, plates, event_shape):
+        # u (P, r, numel) or, without plate, (r, numel); the layout of the
+        # batch dims is that of _shape with each plate's elements at its dim,
+        # where the observed site (hence the data layout) has size one
+        lead, r = u.shape[:-2], u.shape[-2]
+        dims, sizes = [d for d, _ in plates], [size for _, size in plates]
+        L = max(len(self.batch_shape), -min(dims))
+        data = list(self.batch_shape) if r > 1 else [1] * len(self.batch_shape)
+        data = [1] * (L - len(data)) + data
+        nl, m, E = len(lead), len(sizes), len(event_shape)
+        v = u.reshape(*lead, *data, *sizes, *event_shape)
+        block, displaced = list(range(nl, nl + L)), []
+        for i, d in enumerate(dims):
+            displaced.append(block[L + d])
+            block[L + d] = nl + L + i
+            data[L + d] = sizes[i]
+        order = list(range(nl)) + block + displaced + list(range(nl + L + m, nl + L + m + E))
+        pad = () if self.dim is None else (1,) * (self.dim - 1 - L)
+        return v.permute(order).reshape(*lead, *pad, *data, *event_shape)
+
     def _pyro_sample(self, msg):
         name = msg["name"]
         if msg["is_observed"] or site_is_subsample(msg) or name not in self.layout:
@@ -148,7 +179,8 @@ class CoordinateLatents(Messenger):
         if entry.kind == "normal" and affine_normal(base) is not None:
             base = affine_normal(base)  # a Normal written as an affine transform of one
         E = len(fn.event_shape)
-        u = self.u[..., entry.offset : entry.offset + entry.numel].reshape(self._shape(fn.event_shape))
+        u = self.u[..., entry.offset : entry.offset + entry.numel]
+        u = self._place(u, entry.plates, fn.event_shape) if entry.plates else u.reshape(self._shape(fn.event_shape))
         if entry.kind in ("normal", "mvn"):
             mvn = entry.kind == "mvn"
             loc, scale = (base.loc, base.scale_tril) if mvn else (base.loc, base.scale)
@@ -172,6 +204,8 @@ class CoordinateLatents(Messenger):
         if self.dim is not None:
             if E:
                 log_pi = log_pi.sum(tuple(range(-E, 0)))
+            if entry.plates:
+                log_pi = log_pi.sum(tuple(d for d, _ in entry.plates), keepdim=True)
             log_pi = log_pi.reshape(self.u.shape[0], -1)
             self.log_pi = log_pi if self.log_pi is None else self.log_pi + log_pi
         msg["value"] = value
