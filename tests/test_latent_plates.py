@@ -110,3 +110,37 @@ def test_a_latent_plate_and_an_event_dim_together():
 
     truth = torch.distributions.LowRankMultivariateNormal(mu, A.reshape(D, 2 * K), torch.full((D,), 0.25, dtype=torch.float64)).log_prob(x)
     assert float((Evidence(model, method="exact")(x) - truth).abs().max()) < 1e-8
+
+
+def test_quadrature_takes_the_plate_as_event_dims():
+    # non-Gaussian latents: the plate writing and the .to_event(1) writing are the same
+    # model, so quadrature's values agree (same nodes); Normal latents: exact
+    g = torch.Generator().manual_seed(7)
+    W = torch.randn(4, 2, generator=g, dtype=torch.float64)
+    mu = torch.randn(4, generator=g, dtype=torch.float64)
+    x = 2 * torch.randn(6, 4, generator=g, dtype=torch.float64)
+
+    def in_plate(prior):
+        def model(x):
+            with pyro.plate("data", 6, dim=-1):
+                with pyro.plate("k", 2, dim=-2):
+                    z = pyro.sample("z", prior)  # (..., 2, 6)
+                loc = (z.unsqueeze(-1) * W.T.unsqueeze(-2)).sum(-3, keepdim=True) + mu  # broadcasts over dims on the left
+                pyro.sample("x", dist.Normal(loc, 0.7).to_event(1), obs=x)
+        return model
+
+    def as_event(prior):
+        def model(x):
+            with pyro.plate("data", 6, dim=-1):
+                z = pyro.sample("z", prior.expand([2]).to_event(1))
+                pyro.sample("x", dist.Normal(z @ W.T + mu, 0.7).to_event(1), obs=x)
+        return model
+
+    gamma = dist.Gamma(torch.tensor(2.0, dtype=torch.float64), 1.0)
+    a = Evidence(in_plate(gamma), method="quadrature")(x).reshape(6)
+    b = Evidence(as_event(gamma), method="quadrature")(x)
+    assert float((a - b).abs().max()) < 1e-8 * float(b.abs().max())
+    normal = dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0)
+    truth = torch.distributions.LowRankMultivariateNormal(mu, W, torch.full((4,), 0.49, dtype=torch.float64)).log_prob(x)
+    score = MaskedPretrainingLoss(conditionals="quadrature", masks="order").score(in_plate(normal), None, x).reshape(6)
+    assert float((score - truth).abs().max()) < 1e-8

@@ -688,10 +688,11 @@ def test_nested_data_plates_and_extra_batch_dims(float64):
     assert torch.allclose(Evidence(nested, max_plate_nesting=4)(x2), exact, atol=TOL)
 
 
-def test_latent_in_a_plate_the_observation_lacks_is_refused_by_the_closed_forms(float64):
+def test_latent_in_a_plate_the_observation_lacks_is_event_dims_for_the_closed_forms(float64):
     """A datapoint's latent dims in a plate of their own: the Gaussian and quadrature engines
-    refuse it with the fix (importance sums it per datapoint, see
-    test_importance.py::test_latents_in_an_extra_plate_are_summed_per_datapoint)."""
+    take the plate's dims as event dims of the latent, exactly (importance sums it per
+    datapoint, see test_importance.py::test_latents_in_an_extra_plate_are_summed_per_datapoint;
+    more layouts in test_latent_plates.py)."""
     W, b, x = _params()
 
     def model(x):
@@ -702,8 +703,8 @@ def test_latent_in_a_plate_the_observation_lacks_is_refused_by_the_closed_forms(
             pyro.sample("x", dist.Normal(loc, SIGMA).to_event(1), obs=x)
 
     for engine in ["gaussian", "quadrature"]:
-        with pytest.raises(EngineNotApplicable, match="'z' sits in plate\\(s\\) 'k' that observed site 'x' lacks.*to_event"):
-            MaskedPretrainingLoss(conditionals=engine).loss(model, None, x)
+        score = MaskedPretrainingLoss(conditionals=engine, masks="order").score(model, None, x)
+        assert torch.allclose(score.reshape(-1), _exact(W, b, x), atol=1e-8)
 
 
 def test_missing_tokens_with_a_schedule_that_cannot_leave_them_out_is_refused(float64):
