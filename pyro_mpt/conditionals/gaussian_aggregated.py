@@ -281,7 +281,13 @@ class DenseForm(torch.autograd.Function):
     :math:`\bar X = B\operatorname{diag}(\bar v)B^\top - \operatorname{sym}(HB^\top)`
     (symmetric, as a Cholesky factorization's), :math:`\bar\Sigma_{jj} = \bar v_j`
     and :math:`\bar L_0 = \sum_m P_m^\top\bar U_m`, summed over the masks: a
-    few batched products and one pair of triangular solves.
+    few products and one pair of triangular solves. Only the target rows of
+    :math:`B^\top` and :math:`U` are nonzero (half of them on the ``"all"``
+    schedule): they are packed over the masks into ``(sum_m M_m, D)`` tables,
+    so that the products with :math:`L_0`, :math:`G` and the sums over the
+    masks are single matrix products of that height, and :math:`\bar B^\top`,
+    :math:`H^\top = \bar B^\top X^{-1}` are solved from the right in the
+    embedded layout.
 
     :param S: ``(D, D)``. :param L0: ``(D, D)``. :param mask: bool ``(P, D)``.
     :param coef: ``(P,)``. :param str site: for error messages.
@@ -292,46 +298,50 @@ class DenseForm(torch.autograd.Function):
         """``(A, logdet)``."""
         D = S.shape[-1]
         P = mask.shape[0]
-        a = coef.to(S.dtype)
-        t = mask.to(S.dtype)
         ctx_ = ~mask
+        zero = torch.zeros((), dtype=S.dtype, device=S.device)
         # selections, not products with 0/1 matrices: one pass over (P, D, D) each
         eye = torch.eye(D, dtype=S.dtype, device=S.device)
         L = cholesky(torch.where(ctx_.unsqueeze(-1) & ctx_.unsqueeze(-2), S, eye), "context covariance S_RR", site)
-        S_RM = torch.where(ctx_.unsqueeze(-1) & mask.unsqueeze(-2), S, torch.zeros((), dtype=S.dtype, device=S.device))
-        W = torch.linalg.solve_triangular(L, S_RM, upper=False)  # L^-1 S_RM
+        W = torch.linalg.solve_triangular(L, torch.where(ctx_.unsqueeze(-1) & mask.unsqueeze(-2), S, zero), upper=False)  # L^-1 S_RM
+        # B^T = W^T L^-1, zero rows at the context: only the target rows are kept,
+        # packed over the masks, (sum_m M_m, D); so are U's and the variances
+        Bt = torch.linalg.solve_triangular(L, W.transpose(-1, -2), upper=False, left=False)
+        rows = mask.reshape(-1).nonzero()[:, 0]  # m D + j for the targets j of mask m
+        m_of, j_of = rows // D, rows % D
+        Bt = Bt.reshape(P * D, D).index_select(0, rows)
         # the variances as a sum of squares: accurate to eps cond(L), not eps cond(S)
-        var = torch.where(mask, torch.diagonal(S) - W.pow(2).sum(-2), torch.ones((), dtype=S.dtype, device=S.device))
-        B = torch.linalg.solve_triangular(L.transpose(-1, -2), W, upper=True)  # zero rows at the targets
-        zero = torch.zeros((), dtype=S.dtype, device=S.device)
-        U = torch.baddbmm(torch.where(mask.unsqueeze(-1), L0, zero), B.transpose(-1, -2), L0.expand(P, D, D), alpha=-1)  # P_m L0
-        aw = a.unsqueeze(-1) * t / var  # (P, D)
-        A = U.reshape(P * D, D).T @ (U * aw.unsqueeze(-1)).reshape(P * D, D)
-        logdet = a @ (t * (LOG_2PI + var.log())).sum(-1)
-        ctx.save_for_backward(L0, L, B, U, var, aw, a, t, mask)
+        var = torch.diagonal(S).index_select(0, j_of) - W.pow(2).sum(-2).reshape(-1).index_select(0, rows)
+        U = torch.addmm(L0.index_select(0, j_of), Bt, L0, alpha=-1)  # target rows of P_m L0
+        a = coef.to(S.dtype).index_select(0, m_of)
+        aw = a / var
+        A = U.T @ (U * aw.unsqueeze(-1))
+        logdet = a @ (LOG_2PI + var.log())
+        ctx.save_for_backward(L0, L, Bt, U, var, aw, a, rows, mask)
         return A, logdet
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gA, glog):
         """The gradients of ``S`` and ``L0``."""
-        L0, L, B, U, var, aw, a, t, mask = ctx.saved_tensors
-        P, D, _ = U.shape
+        L0, L, Bt, U, var, aw, a, rows, mask = ctx.saved_tensors
+        P, D = mask.shape
+        j_of = rows % D
         G = 0.5 * (gA + gA.T)
-        UG = (U.reshape(P * D, D) @ G).view(P, D, D)
-        gU = 2 * aw.unsqueeze(-1) * UG  # zero rows at the context
-        # aw = a t / v and the log-determinant's a t log v
-        gvar = (glog * a.unsqueeze(-1) * t - aw * (UG * U).sum(-1)) / var  # (P, D), zero at the context
-        # U = (T - B^T) L0; gU has zero context rows, so T gU = gU
-        gL0 = gU.sum(0) - (B @ gU).sum(0)
-        # B is zero outside its context-target block, so is its gradient there
-        gB = torch.where(
-            ~mask.unsqueeze(-1) & mask.unsqueeze(-2),
-            (gU.reshape(P * D, D) @ L0.T).view(P, D, D).transpose(-1, -2),
-            torch.zeros((), dtype=U.dtype, device=U.device),
-        )  # the sign goes into H
-        H = torch.cholesky_solve(gB, L)  # -X^-1 gB: zero rows at the targets
-        Bv = B * gvar.unsqueeze(-2)
-        Y = (torch.add(Bv, H) @ B.transpose(-1, -2)).sum(0)
-        gS = 0.5 * (Y + Y.T) - torch.add(H, Bv, alpha=2).sum(0) + torch.diag(gvar.sum(0))
+        UG = U @ G
+        gU = 2 * aw.unsqueeze(-1) * UG
+        # aw = a / v and the log-determinant's a log v
+        gvar = (glog * a - aw * (UG * U).sum(-1)) / var
+        # U = L0[j] - B^T[j] L0
+        gL0 = torch.zeros_like(L0).index_add_(0, j_of, gU) - Bt.T @ gU
+        # B^T's gradient (sign in H), at the context columns of each target row
+        gBt = torch.zeros(P * D, D, dtype=U.dtype, device=U.device).index_copy_(0, rows, gU @ L0.T).view(P, D, D)
+        gBt = torch.where(~mask.unsqueeze(-2), gBt, torch.zeros((), dtype=U.dtype, device=U.device))
+        # H^T = gB^T X^-1, X = L L^T: zero rows at the context
+        Ht = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L.transpose(-1, -2), gBt, upper=True, left=False), upper=False, left=False)
+        Ht = Ht.reshape(P * D, D).index_select(0, rows)
+        Bvt = gvar.unsqueeze(-1) * Bt  # (B diag(gvar))^T, packed
+        Yt = Bt.T @ (Bvt + Ht)
+        cross = torch.zeros(D, D, dtype=U.dtype, device=U.device).index_add_(0, j_of, torch.add(Ht, Bvt, alpha=2))
+        gS = 0.5 * (Yt + Yt.T) - cross.T + torch.diag(torch.zeros(D, dtype=U.dtype, device=U.device).index_add_(0, j_of, gvar))
         return gS, gL0, None, None, None
