@@ -52,10 +52,17 @@ def _models(W, mu, log_s):
             loc = (z.unsqueeze(-1) * W.T.unsqueeze(-2)).sum(-3) + mu  # (..., N, D)
             pyro.sample("x", dist.Normal(loc, log_s.exp()).to_event(1), obs=x)
 
-    return {"data_left": data_left, "data_right": data_right, "implicit_dims": implicit_dims, "broadcasting": broadcasting}
+    def matrix_t(x):  # z.T, written for the plain (K, N) shape only
+        with pyro.plate("data", N):
+            with pyro.plate("k", K):
+                z = pyro.sample("z", dist.Normal(torch.zeros((), dtype=torch.float64), 1.0))
+            pyro.sample("x", dist.Normal(z.T @ W.T + mu, log_s.exp()).to_event(1), obs=x)
+
+    return {"data_left": data_left, "data_right": data_right, "implicit_dims": implicit_dims,
+            "broadcasting": broadcasting, "matrix_t": matrix_t}
 
 
-LAYOUTS = ["data_left", "data_right", "implicit_dims", "broadcasting"]
+LAYOUTS = ["data_left", "data_right", "implicit_dims", "broadcasting", "matrix_t"]
 
 
 def _reference(W, mu, log_s, x):
@@ -63,6 +70,7 @@ def _reference(W, mu, log_s, x):
     return torch.distributions.LowRankMultivariateNormal(mu, W, cov_diag).log_prob(x)
 
 
+@pytest.mark.filterwarnings("ignore:The use of `x.T`:UserWarning")  # matrix_t, run once with the points' dim
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_evidence_and_gradients_match_the_low_rank_normal(layout):
     W, mu, log_s, x = _params()
@@ -78,6 +86,7 @@ def test_evidence_and_gradients_match_the_low_rank_normal(layout):
         assert float((a - b).abs().max()) < 1e-8
 
 
+@pytest.mark.filterwarnings("ignore:The use of `x.T`:UserWarning")  # matrix_t, run once with the points' dim
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("masks", ["exhaustive", "order"])
 def test_mpt_score_is_exact_and_auto_picks_the_gaussian_engine(layout, masks):
