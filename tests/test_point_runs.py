@@ -96,3 +96,97 @@ def test_per_point_importance_conditionals_train_in_svi_and_large_calls_are_refu
     assert np.isfinite(losses).all()
     with pytest.raises(ValueError, match="3000 model runs, more than 2048.*torch.matmul instead of nn.Linear"):
         Evidence(model, method="importance", num_samples=3000, token_plates=("data",))(c, x)
+
+
+# ---------------------------------------------------------------------- quadrature, one node at a time
+NQ, DQ, KQ = 5, 4, 2
+
+
+def _ppca_pair():
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(DQ, KQ, generator=g, dtype=torch.float64)
+    x = torch.randn(NQ, KQ, generator=g, dtype=torch.float64) @ W.T + 0.6 * torch.randn(NQ, DQ, generator=g, dtype=torch.float64)
+
+    def fixed(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(KQ, dtype=x.dtype), 1.0).to_event(1))
+            loc = torch.einsum("nk,dk->nd", z, W)  # fixed indices: 2-D z only
+            pyro.sample("x", dist.Normal(loc, 0.6).to_event(1), obs=x)
+
+    def broadcast(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(KQ, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.6).to_event(1), obs=x)
+
+    return fixed, broadcast, W, x
+
+
+def _poisson_pair():
+    g = torch.Generator().manual_seed(5)
+    w = torch.rand(2 * 3, generator=g, dtype=torch.float64) + 0.5
+    x = torch.poisson(torch.full((NQ, 2, 3), 2.0, dtype=torch.float64), generator=g)
+    runs = []
+
+    def fixed(x):
+        runs.append(1)
+        n = x.shape[0]
+        with pyro.plate("data", n):
+            s = pyro.sample("s", dist.Gamma(torch.tensor([2.0], dtype=x.dtype), 1.0).to_event(1))
+            rate = (s * w).reshape(n, 2, -1)  # puts the nodes into the event in the node plate
+            pyro.sample("x", dist.Poisson(rate).to_event(2), obs=x)
+
+    def broadcast(x):
+        with pyro.plate("data", x.shape[0]):
+            s = pyro.sample("s", dist.Gamma(torch.tensor([2.0], dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Poisson((s * w).reshape(*s.shape[:-1], 2, 3)).to_event(2), obs=x)
+
+    return fixed, broadcast, x, runs
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_quadrature_runs_a_fixed_index_model_one_node_at_a_time(float64, adaptive):
+    from pyro_mpt import QuadratureConditionals
+
+    fixed, broadcast, W, x = _ppca_pair()
+    # a coarse prior-centred grid is not exact (min_ess=None), but the same for both
+    num_nodes, opts = (8, {"min_ess": None}) if not adaptive else (4, {})
+    with pytest.warns(SlowEngineWarning, match="once per node"):
+        ev = Evidence(fixed, method="quadrature", num_nodes=num_nodes, adaptive=adaptive, **opts)(x)
+    twin_ev = Evidence(broadcast, method="quadrature", num_nodes=num_nodes, adaptive=adaptive, **opts)(x)
+    assert float((ev - twin_ev).abs().max()) < 1e-8
+    # the marginal x_n ~ N(0, W W^T + 0.36 I), outside the library
+    exact = torch.distributions.LowRankMultivariateNormal(
+        torch.zeros(DQ, dtype=torch.float64), W, torch.full((DQ,), 0.36, dtype=torch.float64)).log_prob(x)
+    if adaptive:  # exact for a Gaussian posterior
+        assert float((ev - exact).abs().max()) < 1e-8
+    # masked pre-training scores agree with the twin's
+    engine = QuadratureConditionals(num_nodes=num_nodes, adaptive=adaptive, **opts)
+    with pytest.warns(SlowEngineWarning):
+        a = MaskedPretrainingLoss(conditionals=engine, masks="exhaustive").score(fixed, None, x)
+    b = MaskedPretrainingLoss(conditionals=QuadratureConditionals(num_nodes=num_nodes, adaptive=adaptive, **opts),
+                              masks="exhaustive").score(broadcast, None, x)
+    assert float((a - b).abs().max()) < 1e-8
+    assert engine.memory.run_mode.recall(fixed) == "per_node"
+
+
+def test_quadrature_remembers_the_per_node_mode(float64):
+    from pyro_mpt import QuadratureConditionals
+
+    fixed, broadcast, x, runs = _poisson_pair()
+    engine = QuadratureConditionals(num_nodes=12, adaptive=False, min_ess=None)
+    loss = MaskedPretrainingLoss(conditionals=engine, masks="exhaustive")
+    runs.clear()
+    with pytest.warns(SlowEngineWarning, match="once per node"):
+        a = loss.score(fixed, None, x)
+    first = len(runs)
+    assert engine.memory.run_mode.recall(fixed) == "per_node"
+    b = MaskedPretrainingLoss(conditionals=QuadratureConditionals(num_nodes=12, adaptive=False, min_ess=None),
+                              masks="exhaustive").score(broadcast, None, x)
+    assert float((a - b).abs().max()) < 1e-8
+    # second call: the same runs less the two failing vectorized ones ("compact", "full"), no warning
+    runs.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowEngineWarning)
+        c = loss.score(fixed, None, x)
+    assert first - len(runs) == 2
+    assert float((c - a).abs().max()) < 1e-12

@@ -15,6 +15,7 @@ from pyro_mpt.conditionals import (
     GaussianConditionals,
     auto_engine,
     make_engine,
+    SlowEngineWarning,
 )
 from pyro_mpt.conditionals.quadrature_rules import MAX_LATENT_DIM, affine_grid, gaussian_grid, hermite_rule
 from pyro_mpt.observed_tokens import trace_tokens
@@ -401,16 +402,25 @@ def test_error_global_latent():
     _refuses(model, x, "'z'", "global")
 
 
-def test_error_model_that_does_not_broadcast():
-    x = torch.bernoulli(torch.full((5, 4), 0.5))
+def test_model_that_does_not_broadcast_runs_one_node_at_a_time(float64):
+    # z.view(5, 2) fails in the node plate: the engine runs the model per node (exact)
+    x = torch.bernoulli(torch.full((5, 4), 0.5, dtype=torch.float64), generator=torch.Generator().manual_seed(1))
+    W = torch.tensor([[1.0, -0.5], [0.3, 0.8], [-1.2, 0.4], [0.6, 0.6]], dtype=torch.float64)
 
     def rigid(x):
-        W, b = pyro.param("W", torch.ones(4, 2)), pyro.param("b", torch.zeros(4))
         with pyro.plate("data", 5):
-            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
-            pyro.sample("x", dist.Bernoulli(logits=z.view(5, 2) @ W.T + b).to_event(1), obs=x)
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Bernoulli(logits=z.view(5, 2) @ W.T).to_event(1), obs=x)
 
-    _refuses(rigid, x, "broadcast")
+    def twin(x):
+        with pyro.plate("data", 5):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Bernoulli(logits=z @ W.T).to_event(1), obs=x)
+
+    with pytest.warns(SlowEngineWarning, match="once per node"):
+        a = Evidence(rigid, method="quadrature", num_nodes=5)(x)
+    b = Evidence(twin, method="quadrature", num_nodes=5)(x)
+    assert float((a - b).abs().max()) < 1e-8
 
 
 def test_error_too_few_nodes(float64):

@@ -120,8 +120,8 @@ class CoordinateLatents(Messenger):
         else expand the values to the sites' full shapes.
 
     After the run, ``log_pi`` holds the log-density of the points in the
-    coordinates, :math:`\sum_l \log \pi_l(u)`, ``(P, r')`` (None without
-    latents or plate), and ``scales`` the scale (or ``scale_tril``) of
+    coordinates, :math:`\sum_l \log \pi_l(u)`, ``(P, r')`` (``(1, r')``
+    without plate; None without latents), and ``scales`` the scale (or ``scale_tril``) of
     each normal latent, with the points' dim first.
 
     Example::
@@ -201,13 +201,13 @@ class CoordinateLatents(Messenger):
             log_pi = torch.where(torch.isnan(log_pi), torch.full_like(log_pi, -math.inf), log_pi)
         if not self.compact:
             value = value.expand(broadcast_shape(value.shape, fn.shape()))
-        if self.dim is not None:
-            if E:
-                log_pi = log_pi.sum(tuple(range(-E, 0)))
-            if entry.plates:
-                log_pi = log_pi.sum(tuple(d for d, _ in entry.plates), keepdim=True)
-            log_pi = log_pi.reshape(self.u.shape[0], -1)
-            self.log_pi = log_pi if self.log_pi is None else self.log_pi + log_pi
+        if E:
+            log_pi = log_pi.sum(tuple(range(-E, 0)))
+        if entry.plates:
+            log_pi = log_pi.sum(tuple(d for d, _ in entry.plates), keepdim=True)
+        # without plate the coordinates are one point: a leading size-one dim
+        log_pi = log_pi.reshape(1 if self.dim is None else self.u.shape[0], -1)
+        self.log_pi = log_pi if self.log_pi is None else self.log_pi + log_pi
         msg["value"] = value
         msg["done"] = True
 

@@ -34,7 +34,10 @@ model runs once per chunk of nodes inside an extra vectorized plate
 ``_mpt_nodes`` at dim ``-(max_plate_nesting + 1)``, with every latent site set to
 its node values by a messenger (subsample sites are replayed so minibatches
 match), and the observed site's distribution is unwrapped from ``Independent``
-to evaluate one log-density per token. Any observation whose base distribution
+to evaluate one log-density per token. A model that does not broadcast over
+that plate runs once per node without it (the engines' one fallback policy,
+:func:`~pyro_mpt.conditionals.plate_runs.run_with_fallback`; remembered in
+:class:`QuadratureMemory`). Any observation whose base distribution
 has no event dims works (Bernoulli, Normal, Categorical over a vocabulary,
 Poisson, Beta, ...).
 
@@ -122,8 +125,11 @@ class QuadratureMemory:
 
     :param ~pyro_mpt.conditionals.plate_runs.RunMemory run_mode: whether the
         model ran at the nodes with its shared latent parameters kept at size
-        one (``"compact"``) or only at full batch shape (``"full"``); the
-        working mode is tried first at the next call.
+        one (``"compact"``), only at full batch shape (``"full"``), or only one
+        node at a time (``"per_node"``, a model that does not broadcast over
+        the node plate; see
+        :data:`~pyro_mpt.conditionals.quadrature_nodes.RUN_MODES`); the working
+        mode is tried first at the next call.
     :param tuple warm_key: the data and minibatch indices (cloned) of the last
         adaptive search.
     :param torch.Tensor warm_centres: the converged posterior centres of that

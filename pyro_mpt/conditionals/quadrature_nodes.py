@@ -6,11 +6,14 @@ is generated from its (conditional) prior (see
 latents are :math:`z = \mu + L u`, other continuous scalar latents
 :math:`z = T(u)` with :math:`T` = ``biject_to(support)``. :class:`NodeRunner`
 runs the model once per chunk of nodes in the plate ``_mpt_nodes`` with every
-latent set to its node values, and returns the prior log-density of the nodes
+latent set to its node values (or, for a model that does not broadcast over
+that plate, once per node without it: :data:`RUN_MODES`), and returns the prior log-density of the nodes
 in :math:`u`, :math:`\log \pi(u)`, with the table
 :math:`T_{qd} = \log p(x_d \mid z_q)`.
 """
 
+
+import warnings
 
 import torch
 from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
@@ -18,16 +21,23 @@ import pyro.distributions as dist
 from torch.distributions import biject_to
 
 from ..observed_tokens import check_local_latent
-from .base import EngineNotApplicable
+from .base import EngineNotApplicable, SlowEngineWarning
 from .distributions import token_log_prob, unwrap
 from .plate_runs import CoordinateLatents, RunMemory, latent_layout, run_in_plate, run_with_fallback
 
-__all__ = ["NotQuadratureError", "quadrature_layout", "NodeRunner", "latent_dtype", "NODE_PLATE", "ALTERNATIVES"]
+__all__ = ["NotQuadratureError", "quadrature_layout", "NodeRunner", "latent_dtype", "NODE_PLATE", "ALTERNATIVES",
+           "RUN_MODES"]
 
 #: the plate the nodes run in
 NODE_PLATE = "_mpt_nodes"
 #: the engines named when quadrature cannot serve a model
 ALTERNATIVES = "conditionals='importance' or 'encode_decode'"
+#: how :class:`NodeRunner` runs the model, most preferred first: in the node
+#: plate with the latents' shared parameters at size one (``"compact"``) or
+#: expanded to full batch shape (``"full"``), or once per node without the
+#: plate, its latents at their traced shapes (``"per_node"``; exact, but one
+#: model run per node)
+RUN_MODES = ("compact", "full", "per_node")
 
 
 class NotQuadratureError(EngineNotApplicable):
@@ -94,10 +104,14 @@ class NodeRunner:
     :param tuple args: its arguments.
     :param dict kwargs: its keyword arguments.
     :param dict layout: from :func:`quadrature_layout`.
-    :param ~pyro_mpt.conditionals.plate_runs.RunMemory memory: whether the
-        model ran with its shared latent parameters kept at size one
-        (``"compact"``) or at full batch shape (``"full"``); None: a memory of
-        its own (decided on the first run).
+    :param ~pyro_mpt.conditionals.plate_runs.RunMemory memory: the entry of
+        :data:`RUN_MODES` that worked for the model, tried first next time;
+        None: a memory of its own (decided on the first run).
+
+    A model that fails in the node plate (or whose observation does not keep
+    one value per node, datapoint and token there) is run once per node, with
+    one :class:`~pyro_mpt.conditionals.base.SlowEngineWarning` when the
+    fallback is found (the remembered mode is used silently afterwards).
     """
 
     def __init__(self, tokens, model, args, kwargs, layout, memory=None):
@@ -110,41 +124,65 @@ class NodeRunner:
         self.node_dim = tokens.max_plate_nesting + 1
         self.memory = RunMemory() if memory is None else memory
 
-    def _trace(self, u, compact):
-        handler = CoordinateLatents(self.layout, u, self.node_dim, self.tokens.batch_shape, compact)
+    def _trace(self, u, compact, plate=True):
+        dim = self.node_dim if plate else None
+        handler = CoordinateLatents(self.layout, u, dim, self.tokens.batch_shape, compact)
         # the observed values were validated when the model was first traced
-        trace = run_in_plate(self.model, self.args, self.kwargs, name=NODE_PLATE, size=u.shape[0],
-                             dim=self.node_dim, replay=self.replay, inside=handler, validation=False)
+        trace = run_in_plate(self.model, self.args, self.kwargs, name=NODE_PLATE if plate else None,
+                             size=u.shape[0] if plate else None, dim=dim, replay=self.replay,
+                             inside=handler, validation=False)
         return trace, handler
 
     def _failed(self, errors):
-        e = errors[-1]
+        first, e = errors[0], errors[-1]
         return NotQuadratureError(
             f"conditionals='quadrature' runs the model with its latents at "
             f"many nodes at once, in a pyro.plate at dim {-self.node_dim}, "
-            f"and the model failed there ({type(e).__name__}: {e}). Write "
+            f"and the model failed there ({type(first).__name__}: {str(first).splitlines()[0]}) "
+            f"and also when run at one node at a time ({type(e).__name__}: {str(e).splitlines()[0]}). Write "
             f"the model so that it broadcasts over extra batch dims on the "
-            f"left (use '...' indexing, torch.matmul, .expand), or set "
-            f"max_plate_nesting correctly; conditionals='importance' runs such a "
-            f"model one point at a time (slower)."
+            f"left (use '...' indexing, torch.matmul, .expand) and runs at any "
+            f"latent value of the prior's support, or set max_plate_nesting "
+            f"correctly; or use {ALTERNATIVES}."
         )
+
+    def _before_per_node(self, mode, error):
+        if mode == "full":  # the next mode runs the model once per node
+            warnings.warn(
+                f"conditionals='quadrature': the model failed when run at many nodes at once in a "
+                f"pyro.plate at dim {-self.node_dim} ({type(error).__name__}: "
+                f"{str(error).splitlines()[0]}); running it once per node instead (exact, but one "
+                f"model run per node, which is much slower). Write the model so that it broadcasts "
+                f"over extra batch dims on the left ('...' indexing, torch.matmul, .expand) to run "
+                f"it vectorized.",
+                SlowEngineWarning,
+                stacklevel=2,
+            )
 
     def run(self, u):
         """Per-node prior log-densities ``(P, r')`` and token log-likelihoods ``(P, n, D)``.
 
         :param torch.Tensor u: node coordinates ``(P, r, K)``, ``r`` in ``{1, n}``.
         """
+
+        def attempt(mode):
+            if mode == "per_node":
+                parts = [self._run(u[p], compact=False, plate=False) for p in range(u.shape[0])]
+                return torch.cat([lp for lp, _ in parts]), torch.cat([t for _, t in parts])
+            return self._run(u, compact=mode == "compact")
+
         _, out = run_with_fallback(
-            ("compact", "full"), lambda mode: self._run(u, mode == "compact"),
-            memory=self.memory, fn=self.model, failure=self._failed,
+            RUN_MODES, attempt, memory=self.memory, fn=self.model, failure=self._failed,
+            on_fallback=self._before_per_node,
         )
         return out
 
-    def _run(self, u, compact):
+    def _run(self, u, compact, plate=True):
+        # u (P, r, K) in the node plate; (r, K), one node, without it
         tokens = self.tokens
-        P = u.shape[0]
+        P = u.shape[0] if plate else 1
         n, D = tokens.num_data, tokens.num_tokens
-        trace, handler = self._trace(u, compact)
+        trace, handler = self._trace(u, compact, plate)
         site = trace.nodes[tokens.name]
         fn = site["fn"]
         base, _ = unwrap(fn, masks=True)

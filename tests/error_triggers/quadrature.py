@@ -82,9 +82,23 @@ def _():
     MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, _x())
 
 
-@trigger("quadrature-model-does-not-broadcast")
+@trigger("quadrature-per-node-fallback")
 def _():
     MaskedPretrainingLoss(conditionals="quadrature").loss(_mm_model, None, _x())
+
+
+@trigger("quadrature-model-does-not-broadcast")
+def _():
+    def model(x):
+        W = torch.ones(3, 1)
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            loc = torch.mm(z, W.T)
+            if bool((z.abs() > 6).any()):
+                raise ValueError("the model was written for |z| <= 6")  # the outer Hermite nodes
+            pyro.sample("x", dist.Normal(loc, 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals=QuadratureConditionals(num_nodes=40, adaptive=False)).loss(model, None, _x())
 
 
 @trigger("quadrature-laplace-not-finite")
