@@ -406,3 +406,50 @@ def test_mixture_with_non_gaussian_component_is_refused(float64):
     with pytest.raises(EngineNotApplicable, match=r"with continuous latents \('r'\) needs each component to be linear-Gaussian\. .*latent site 'r' is Gamma"):
         MaskedPretrainingLoss(conditionals="enumerate").score(model, None, x)
     assert isinstance(auto_engine(trace_tokens(model, None, (x,), {}), model, None, (x,), {})[0], ImportanceConditionals)
+
+
+# ------------------------------------------- a mixture written as MixtureSameFamily
+def test_mixture_same_family_observation_is_enumerated():
+    """A GMM written as one ``dist.MixtureSameFamily`` observation (no latent site, as
+    many users write it) is served exactly by enumeration, also under ``"auto"``, which
+    before found no engine: the chain rule sums to scipy's log-sum-exp and its gradient
+    equals autograd of torch's ``MixtureSameFamily.log_prob``; masked conditionals
+    equal the ratio of scipy marginals."""
+    N, D, C = 40, 4, 3
+    g = torch.Generator().manual_seed(3)
+    locs = 2 * torch.randn(C, D, generator=g, dtype=torch.float64)
+    sc = 0.5 + torch.rand(C, D, generator=g, dtype=torch.float64)
+    w = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    x = torch.randn(N, D, generator=g, dtype=torch.float64) * 2
+
+    def model(x):
+        L = pyro.param("locs", locs.clone())
+        with pyro.plate("data", x.shape[0]):
+            mix = dist.MixtureSameFamily(dist.Categorical(w), dist.Normal(L, sc).to_event(1))
+            pyro.sample("x", mix, obs=x)
+
+    lp = norm.logpdf(x.numpy()[:, None, :], locs.numpy()[None], sc.numpy()[None])
+    ref = logsumexp(lp.sum(-1) + np.log(w.numpy()), axis=1)
+    L0 = locs.clone().requires_grad_()
+    torch.distributions.MixtureSameFamily(
+        torch.distributions.Categorical(w), torch.distributions.Independent(torch.distributions.Normal(L0, sc), 1)
+    ).log_prob(x).sum().backward()
+    for conditionals in ["auto", "enumerate"]:
+        pyro.clear_param_store()
+        loss = MaskedPretrainingLoss(conditionals=conditionals, masks="order")
+        value = loss.differentiable_loss(model, None, x)
+        assert abs(value.item() + ref.sum()) < 1e-8 * abs(ref.sum())
+        value.backward()
+        assert torch.allclose(pyro.param("locs").unconstrained().grad, -L0.grad, atol=1e-9)
+        if conditionals == "auto":
+            assert [type(e).__name__ for e in loss.memory.auto_engines.values()] == ["EnumerateConditionals"]
+    pyro.clear_param_store()
+    tokens = trace_tokens(model, None, (x,), {})
+    engine = EnumerateConditionals()
+    state = engine.prepare(tokens, model, None, (x,), {})
+    mask = torch.tensor([True, False, True, False]).expand(1, N, D)
+    got = engine.mask_log_prob(state, x, mask).detach().numpy()[0]  # (n, D): log p(x_j | x_1, x_3)
+    ctx = logsumexp(lp[..., [1, 3]].sum(-1) + np.log(w.numpy()), axis=1)
+    for j in [0, 2]:
+        with_j = logsumexp(lp[..., [j, 1, 3]].sum(-1) + np.log(w.numpy()), axis=1)
+        assert np.allclose(got[:, j], with_j - ctx, atol=1e-10)

@@ -21,6 +21,12 @@ each other (a ``Bernoulli`` whose probability is indexed by a ``Categorical``);
 the table holds the whole joint support, so it refuses supports larger than
 ``max_support`` (use ``conditionals="importance"`` there).
 
+**Mixtures written as one observation.** An observed site
+``dist.MixtureSameFamily(dist.Categorical(w), components)`` with no latent site,
+whose components factorize over the tokens (``dist.Normal(locs, scales).to_event(1)``),
+is the same finite mixture with the component index in place of a latent: its
+weights are :math:`\log p(z)` and its components' per-token log-densities the table.
+
 **Linear-Gaussian components.** Normal latents beside the discrete ones (a
 mixture of PPCA: :math:`z \sim \mathrm{Categorical}(w)`,
 :math:`u \sim \mathcal N(0, I)`, :math:`x \mid z, u \sim \mathcal N(W_z u + \mu_z,
@@ -79,6 +85,17 @@ class EnumerateState:
     support: dict
 
 
+def _mixture_observation(tokens):
+    """The observed site's ``MixtureSameFamily`` when it is the whole datapoint's
+    distribution (its event dims are the tokens, no token plates), else None."""
+    fn = base_distribution(tokens.site["fn"])
+    if not isinstance(fn, torch.distributions.MixtureSameFamily):
+        return None
+    if tuple(fn.event_shape) != tuple(tokens.event_shape) or tokens.site_batch_shape != tokens.batch_shape:
+        return None
+    return fn
+
+
 class EnumerateConditionals(ConditionalEngine):
     r"""Exact masked conditionals by summing over the discrete latents' joint support.
 
@@ -109,6 +126,8 @@ class EnumerateConditionals(ConditionalEngine):
 
     def _check(self, tokens):
         latents = tokens.latent_sites()
+        if not latents and _mixture_observation(tokens) is not None:
+            return None, None
         if not latents:
             raise EngineNotApplicable(
                 f"{_WHO} sums over discrete latents, but the model of observed site "
@@ -160,6 +179,8 @@ class EnumerateConditionals(ConditionalEngine):
 
     def prepare(self, tokens, model, guide, args, kwargs):
         sizes, continuous = self._check(tokens)
+        if sizes is None:
+            return self._mixture_same_family(tokens)
         mpn = tokens.max_plate_nesting
         names = set(sizes)
         replayed = poutine.replay(model, trace=tokens.subsample_trace())
@@ -223,6 +244,29 @@ class EnumerateConditionals(ConditionalEngine):
         table = tokens.to_tokens(lp).reshape(K, n, D)
         mixture = MixtureTable(log_w, table, max_elements=self.max_elements)
         return EnumerateState(mixture, n, D, sizes)
+
+    def _mixture_same_family(self, tokens):
+        """The table of an observation written as ``dist.MixtureSameFamily``: its
+        mixture weights are :math:`\\log p(z)` and its components' per-token
+        log-densities the table, as if the component index were a latent site."""
+        fn = _mixture_observation(tokens)
+        base = check_factorized(
+            fn.component_distribution, tokens.name, _WHO,
+            instead="a dist.DiscreteHMM observation is served by conditionals='hmm'",
+        )
+        event = len(fn.event_shape)
+        n, D = tokens.num_data, tokens.num_tokens
+        batch = tokens.site_batch_shape
+        log_w = fn.mixture_distribution.logits.movedim(-1, 0)  # Categorical's logits are normalized
+        K = log_w.shape[0]
+        log_w = log_w.reshape((K,) + (1,) * (len(batch) + 1 - log_w.dim()) + log_w.shape[1:])
+        log_w = log_w.expand((K,) + batch).reshape(K, n)
+        # the component dim sits left of the event dims in the component's batch shape
+        lp = base.log_prob(tokens.site_value.unsqueeze(-1 - event)).movedim(-1 - event, 0)
+        lp = lp.expand((K,) + tokens.site_shape)
+        table = tokens.to_tokens(lp).reshape(K, n, D)
+        mixture = MixtureTable(log_w, table, max_elements=self.max_elements)
+        return EnumerateState(mixture, n, D, {tokens.name: K})
 
     def _gaussian_components(self, tokens, model, args, kwargs, trace, dims, enum_shape, continuous, log_w):
         """The Gaussian marginal of each joint value of the discrete latents, as a
