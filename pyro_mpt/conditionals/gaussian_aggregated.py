@@ -298,20 +298,22 @@ class DenseForm(torch.autograd.Function):
         """``(A, logdet)``."""
         D = S.shape[-1]
         P = mask.shape[0]
-        ctx_ = ~mask
-        zero = torch.zeros((), dtype=S.dtype, device=S.device)
-        # selections, not products with 0/1 matrices: one pass over (P, D, D) each
-        eye = torch.eye(D, dtype=S.dtype, device=S.device)
-        L = cholesky(torch.where(ctx_.unsqueeze(-1) & ctx_.unsqueeze(-2), S, eye), "context covariance S_RR", site)
-        W = torch.linalg.solve_triangular(L, torch.where(ctx_.unsqueeze(-1) & mask.unsqueeze(-2), S, zero), upper=False)  # L^-1 S_RM
-        # B^T = W^T L^-1, zero rows at the context: only the target rows are kept,
-        # packed over the masks, (sum_m M_m, D); so are U's and the variances
-        Bt = torch.linalg.solve_triangular(L, W.transpose(-1, -2), upper=False, left=False)
+        # the embedded blocks as products with 0/1 rows and columns (exact for a
+        # finite S), which is a third of the time of selections with broadcast bool masks
+        c, t = (~mask).to(S.dtype), mask.to(S.dtype)
+        X = c.unsqueeze(-1) * S * c.unsqueeze(-2)
+        X.diagonal(dim1=-2, dim2=-1).add_(t)  # identity at the targets
+        L = cholesky(X, "context covariance S_RR", site)
+        # W^T = S_MR L^-T and B^T = W^T L^-1, both solved from the right on row-major
+        # tables (no transposed copies); B^T has zero rows at the context: only the
+        # target rows are kept, packed over the masks, (sum_m M_m, D); so are U's and the variances
+        Wt = torch.linalg.solve_triangular(L.transpose(-1, -2), t.unsqueeze(-1) * S * c.unsqueeze(-2), upper=True, left=False)
+        Bt = torch.linalg.solve_triangular(L, Wt, upper=False, left=False)
         rows = mask.reshape(-1).nonzero()[:, 0]  # m D + j for the targets j of mask m
         m_of, j_of = rows // D, rows % D
         Bt = Bt.reshape(P * D, D).index_select(0, rows)
         # the variances as a sum of squares: accurate to eps cond(L), not eps cond(S)
-        var = torch.diagonal(S).index_select(0, j_of) - W.pow(2).sum(-2).reshape(-1).index_select(0, rows)
+        var = torch.diagonal(S).index_select(0, j_of) - Wt.pow(2).sum(-1).reshape(-1).index_select(0, rows)
         U = torch.addmm(L0.index_select(0, j_of), Bt, L0, alpha=-1)  # target rows of P_m L0
         a = coef.to(S.dtype).index_select(0, m_of)
         aw = a / var
@@ -336,7 +338,7 @@ class DenseForm(torch.autograd.Function):
         gL0 = torch.zeros_like(L0).index_add_(0, j_of, gU) - Bt.T @ gU
         # B^T's gradient (sign in H), at the context columns of each target row
         gBt = torch.zeros(P * D, D, dtype=U.dtype, device=U.device).index_copy_(0, rows, gU @ L0.T).view(P, D, D)
-        gBt = torch.where(~mask.unsqueeze(-2), gBt, torch.zeros((), dtype=U.dtype, device=U.device))
+        gBt.mul_((~mask).to(U.dtype).unsqueeze(-2))  # finite entries: exact
         # H^T = gB^T X^-1, X = L L^T: zero rows at the context
         Ht = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L.transpose(-1, -2), gBt, upper=True, left=False), upper=False, left=False)
         Ht = Ht.reshape(P * D, D).index_select(0, rows)
