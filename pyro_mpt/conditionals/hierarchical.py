@@ -81,6 +81,15 @@ class NotHierarchicalError(EngineNotApplicable):
     """The model is not a linear-Gaussian hierarchy with local latents in a token plate."""
 
 
+class _GrownShape(Exception):
+    """A run in the noise points' plate whose observation grew a dim (the model does
+    not broadcast there); ``refusal`` is raised if running point by point fails too."""
+
+    def __init__(self, refusal):
+        super().__init__(str(refusal))
+        self.refusal = refusal
+
+
 def _not_linear_gaussian(site, detail):
     """The refusal of a model with local latents in a token plate that is not linear-Gaussian."""
     return NotHierarchicalError(
@@ -184,41 +193,76 @@ def hierarchical_loadings(tokens, model, args, kwargs):
     eps_l[1 + K_g : 1 + K_g + K_l] = torch.eye(K_l, dtype=dt, device=dev)[:, None, :]
     eps_g[-1], eps_l[-1] = rg[0], rl[0]
     rank = tokens.max_plate_nesting + 1
-    # the global noises are shared by the units, the local ones lie along the unit plate's dim
-    handlers = [
-        CoordinateLatents(global_layout, eps_g[:, None], rank, compact=False),
-        CoordinateLatents(local_layout, eps_l, rank, (U,) + (1,) * (-unit_dim - 1), compact=False),
-    ]
-    try:
+    shape = torch.Size((B,)) + tokens.site_shape
+    local_batch = (U,) + (1,) * (-unit_dim - 1)
+
+    def observation(trace):
+        base, _ = unwrap(trace.nodes[tokens.name]["fn"], masks=True)
+        if not isinstance(base, dist.Normal):
+            raise _not_linear_gaussian(tokens.name, f"the observation is {type(base).__name__}, not Normal")
+        return base
+
+    def in_plate():
+        # the global noises are shared by the units, the local ones lie along the unit plate's dim
+        handlers = [
+            CoordinateLatents(global_layout, eps_g[:, None], rank, compact=False),
+            CoordinateLatents(local_layout, eps_l, rank, local_batch, compact=False),
+        ]
         trace = run_in_plate(model, args, kwargs, name="_mpt_basis", size=B, dim=rank,
                              replay=tokens.subsample_trace(), inside=handlers, validation=False)
+        base = observation(trace)
+        for part in ("loc", "scale"):
+            # a model that does not broadcast over the extra plate grows the observation's shape instead
+            # (e.g. a leading dim added twice); reading it as tokens would then mix noise points and datapoints
+            got = tuple(getattr(base, part).shape)
+            if broadcast_shape(got, tuple(shape)) != tuple(shape):
+                raise _GrownShape(_not_linear_gaussian(tokens.name, f"run at {B} noise points in a pyro.plate at dim {-rank}, "
+                                           f"the observation's {part} has shape {got}, which does not broadcast to "
+                                           f"{tuple(shape)} (the noise points, then the site's shape "
+                                           f"{tuple(tokens.site_shape)}); write the model so that it broadcasts over "
+                                           f"an extra batch dim on the left (e.g. g @ W.T rather than W @ g, no "
+                                           f"unsqueeze that assumes the latents' shape)"))
+        return base.loc.expand(shape), base.scale.expand(shape), {**handlers[0].scales, **handlers[1].scales}
+
+    def per_point():
+        # a model that does not broadcast over an extra batch dim (a prior written
+        # out per datapoint with .expand(n, K)) runs once per noise point, without
+        # the plate: B = K_g + K_l + 2 runs, exact
+        locs, obs_scales, scales = [], [], {}
+        for p in range(B):
+            handlers = [
+                CoordinateLatents(global_layout, eps_g[p : p + 1], None, compact=False),
+                CoordinateLatents(local_layout, eps_l[p], None, local_batch, compact=False),
+            ]
+            trace = run_in_plate(model, args, kwargs, replay=tokens.subsample_trace(), inside=handlers,
+                                 validation=False)
+            base = observation(trace)
+            locs.append(base.loc.expand(tokens.site_shape))
+            obs_scales.append(base.scale.expand(tokens.site_shape))
+            for name, scale in {**handlers[0].scales, **handlers[1].scales}.items():
+                scales.setdefault(name, []).append(scale[None])
+        return torch.stack(locs), torch.stack(obs_scales), {k: torch.cat(v) for k, v in scales.items()}
+
+    try:
+        loc, scale, latent_scales = in_plate()
     except EngineNotApplicable:
         raise
-    except Exception as e:  # e.g. a shape error: the model does not broadcast
-        raise _not_linear_gaussian(tokens.name, f"the model failed when run at {B} noise points in a "
-                                   f"pyro.plate at dim {-rank} ({type(e).__name__}: {e}; write it so "
-                                   f"that it broadcasts over an extra batch dim on the left)") from e
-    for name, scale in {**handlers[0].scales, **handlers[1].scales}.items():
-        if not _rows_equal(scale):  # the noise points' dim first
+    except Exception as first:  # e.g. a shape error: the model does not broadcast over the plate
+        try:
+            loc, scale, latent_scales = per_point()
+        except EngineNotApplicable:
+            raise
+        except Exception as e:
+            if isinstance(first, _GrownShape):
+                raise first.refusal from e
+            raise _not_linear_gaussian(tokens.name, f"the model failed when run at {B} noise points in a "
+                                       f"pyro.plate at dim {-rank} ({type(first).__name__}: {first}; write it so "
+                                       f"that it broadcasts over an extra batch dim on the left)") from e
+    for name, latent_scale in latent_scales.items():
+        if not _rows_equal(latent_scale):  # the noise points' dim first
             raise _not_linear_gaussian(tokens.name, f"the scale of latent site {name!r} depends on other latents")
-    fn = trace.nodes[tokens.name]["fn"]
-    base, _ = unwrap(fn, masks=True)
-    if not isinstance(base, dist.Normal):
-        raise _not_linear_gaussian(tokens.name, f"the observation is {type(base).__name__}, not Normal")
-    shape = torch.Size((B,)) + tokens.site_shape
-    for part in ("loc", "scale"):
-        # a model that does not broadcast over the extra plate grows the observation's shape instead
-        # (e.g. a leading dim added twice); reading it as tokens would then mix noise points and datapoints
-        got = tuple(getattr(base, part).shape)
-        if broadcast_shape(got, tuple(shape)) != tuple(shape):
-            raise _not_linear_gaussian(tokens.name, f"run at {B} noise points in a pyro.plate at dim {-rank}, "
-                                       f"the observation's {part} has shape {got}, which does not broadcast to "
-                                       f"{tuple(shape)} (the noise points, then the site's shape "
-                                       f"{tuple(tokens.site_shape)}); write the model so that it broadcasts over "
-                                       f"an extra batch dim on the left (e.g. g @ W.T rather than W @ g, no "
-                                       f"unsqueeze that assumes the latents' shape)")
-    loc = tokens.to_tokens(base.loc.expand(shape)).reshape(B, -1, D)
-    scale = tokens.to_tokens(base.scale.expand(shape)).reshape(B, -1, D)
+    loc = tokens.to_tokens(loc).reshape(B, -1, D)
+    scale = tokens.to_tokens(scale).reshape(B, -1, D)
     if not _rows_equal(scale):
         raise _not_linear_gaussian(tokens.name, "the observation's scale depends on the latents")
     mu = loc[0]  # (n, D)
