@@ -336,3 +336,34 @@ def test_a_model_that_does_not_broadcast_runs_point_by_point():
     dref = (_dense_logpdf(x, A, 1.3, 2.0 * ones, 0.7 + h) - _dense_logpdf(x, A, 1.3, 2.0 * ones, 0.7 - h)) / (2 * h)
     grad = pyro.param("sd").unconstrained().grad  # d/d log sd
     assert abs(float(grad) + 0.7 * dref) < 1e-6 * max(1.0, abs(dref))
+
+
+def test_a_global_latent_in_a_plate_of_its_own():
+    """mu written as pyro.plate("g", G) around scalar Normals (not .to_event(1)) is a global
+    latent whose plate is its event dim: exact under "auto" (before: refused, and "auto"
+    fell to importance sampling, N=100: 113 nats off, 75x the time); evidence and order
+    MPT vs numpy's dense closed form, and equal to the .to_event(1) spelling."""
+    W, A, c, X = _params(3, 2, 2)
+    Wt, At, ct = (torch.tensor(t) for t in (W, A, c))
+    G = At.shape[1]
+
+    def model(x):
+        with pyro.plate("g", G):
+            mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(mu @ At.T, 0.8).to_event(1))
+            pyro.sample("x", dist.Normal(z @ Wt.T + ct, 0.7).to_event(1), obs=x)
+
+    evented, dense = _hierarchy(W, A, c)
+    x = torch.tensor(X[:5])
+    mean, cov = dense(X[:5])
+    ref = _gauss_logpdf(X[:5].reshape(-1), mean, cov)
+    assert abs(float(Evidence(model, method="exact", token_plates=("data",))(x)) - ref) < TOL
+    loss = MaskedPretrainingLoss(masks="order", token_plates=("data",))
+    assert abs(float(loss.loss(model, None, x)) + ref) < TOL
+    assert [type(e).__name__ for e in loss.memory.auto_engines.values()] == ["HierarchicalGaussianConditionals"]
+    torch.manual_seed(0)
+    a = MaskedPretrainingLoss(masks="uniform", num_masks=3, token_plates=("data",)).loss(model, None, x)
+    torch.manual_seed(0)
+    b = MaskedPretrainingLoss(masks="uniform", num_masks=3, token_plates=("data",)).loss(evented, None, x)
+    assert abs(a - b) < TOL

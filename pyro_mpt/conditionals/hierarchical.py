@@ -163,7 +163,7 @@ def hierarchical_loadings(tokens, model, args, kwargs):
         frames = {f.name: f for f in site["cond_indep_stack"] if f.vectorized and f.size > 1}
         local = unit_plate in frames
         others = [f for f in frames if f != unit_plate and f not in {g.name for g in tokens.data_frames}]
-        if others:
+        if others and local:
             raise _not_linear_gaussian(tokens.name, f"latent site {site['name']!r} sits in plate(s) "
                                        f"{', '.join(map(repr, others))} that the observation lacks "
                                        f"(declare such dims as event dims, .to_event(1))")
@@ -173,8 +173,11 @@ def hierarchical_loadings(tokens, model, args, kwargs):
             local_layout[site["name"]] = LatentSlice(site["name"], K_l, event_shape.numel(), event_shape, kind)
             K_l += event_shape.numel()
         else:
-            global_layout[site["name"]] = LatentSlice(site["name"], K_g, event_shape.numel(), event_shape, kind)
-            K_g += event_shape.numel()
+            # a global latent's own plates (pyro.plate("g", G) around it) are its event dims
+            plates = tuple(sorted((frames[f].dim, frames[f].size) for f in others))
+            numel = math.prod(size for _, size in plates) * event_shape.numel()
+            global_layout[site["name"]] = LatentSlice(site["name"], K_g, numel, event_shape, kind, plates)
+            K_g += numel
     if K_l == 0:
         raise NotHierarchicalError(
             f"{_WHO} serves latents inside the token plate {unit_plate!r} of observed site "
