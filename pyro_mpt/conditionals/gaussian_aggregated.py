@@ -311,7 +311,8 @@ class DenseForm(torch.autograd.Function):
         Bt = torch.linalg.solve_triangular(L, Wt, upper=False, left=False)
         rows = mask.reshape(-1).nonzero()[:, 0]  # m D + j for the targets j of mask m
         m_of, j_of = rows // D, rows % D
-        Bt = Bt.reshape(P * D, D).index_select(0, rows)
+        # the solves return column-major tables: gather the rows, not reshape (a transposing copy)
+        Bt = Bt[m_of, j_of]
         # the variances as a sum of squares: accurate to eps cond(L), not eps cond(S)
         var = torch.diagonal(S).index_select(0, j_of) - Wt.pow(2).sum(-1).reshape(-1).index_select(0, rows)
         U = torch.addmm(L0.index_select(0, j_of), Bt, L0, alpha=-1)  # target rows of P_m L0
@@ -341,7 +342,7 @@ class DenseForm(torch.autograd.Function):
         gBt.mul_((~mask).to(U.dtype).unsqueeze(-2))  # finite entries: exact
         # H^T = gB^T X^-1, X = L L^T: zero rows at the context
         Ht = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L.transpose(-1, -2), gBt, upper=True, left=False), upper=False, left=False)
-        Ht = Ht.reshape(P * D, D).index_select(0, rows)
+        Ht = Ht[rows // D, j_of]
         Bvt = gvar.unsqueeze(-1) * Bt  # (B diag(gvar))^T, packed
         Yt = Bt.T @ (Bvt + Ht)
         cross = torch.zeros(D, D, dtype=U.dtype, device=U.device).index_add_(0, j_of, torch.add(Ht, Bvt, alpha=2))
