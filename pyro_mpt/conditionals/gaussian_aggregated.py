@@ -297,7 +297,6 @@ class DenseForm(torch.autograd.Function):
     def forward(ctx, S, L0, mask, coef, site):
         """``(A, logdet)``."""
         D = S.shape[-1]
-        P = mask.shape[0]
         # the embedded blocks as products with 0/1 rows and columns (exact for a
         # finite S), which is a third of the time of selections with broadcast bool masks
         c, t = (~mask).to(S.dtype), mask.to(S.dtype)
