@@ -182,6 +182,8 @@ class DiscreteHMMConditionals(ConditionalEngine):
         self._check_x(state, x)
         n, T, S, E = state.emission.shape
         q = mask.shape[0]
+        if q > 1 and bool((mask.sum(-1) == 1).all()) and bool(torch.isfinite(state.emission).all()):
+            return torch.where(mask, self._leave_one_out(state), torch.zeros((), dtype=state.emission.dtype))
         per = max(1, self.max_elements // max(1, n * T * S**3))
         out = []
         for start in range(0, q, per):
@@ -191,6 +193,27 @@ class DiscreteHMMConditionals(ConditionalEngine):
             num = (alpha + beta).unsqueeze(-1).add(state.emission).logsumexp(-2)  # (qc, n, T, E)
             out.append(num.reshape(num.shape[0], n, T * E) - den.unsqueeze(-1))
         return torch.cat(out, 0)
+
+    def _leave_one_out(self, state):
+        r""":math:`\log p(x_j \mid x_{-j})` for every token ``j``, ``(n, D)``, from one
+        forward--backward pass over the whole sequence (queries that each hide one token,
+        e.g. the ``"pll"`` schedule, need no pass of their own): with the predictive
+        :math:`\pi_t(s) = \operatorname{logsumexp}_{s'}[\alpha_{t-1}(s') + \log A_t(s', s)]`
+        and :math:`c_{te}(s) = \pi_t(s) + \beta_t(s) + \sum_{e' \ne e} \log p(x_{te'} \mid s)`,
+        :math:`\log p(x_{te} \mid x_{-te}) = \operatorname{logsumexp}_s[c_{te}(s) + \log p(x_{te} \mid s)]
+        - \operatorname{logsumexp}_s c_{te}(s)`. Needs finite emissions (the other
+        elements' sum is the step's sum minus this one)."""
+        n, T, S, E = state.emission.shape
+        context = torch.ones((1, 1, T * E), dtype=torch.bool, device=state.emission.device)
+        alpha, beta, _ = self._messages(state, context)
+        alpha, beta = alpha[0], beta[0]  # (n, T, S)
+        start = state.initial[:, None, :].expand(alpha.shape[0], 1, S)
+        previous = torch.cat([start, alpha[:, :-1, :]], -2)  # alpha_{t-1}, the initial state's before step 0
+        predictive = (previous.unsqueeze(-1) + state.transition).logsumexp(-2)  # (n, T, S)
+        others = state.emission.sum(-1, keepdim=True) - state.emission  # (n, T, S, E)
+        c = (predictive + beta).unsqueeze(-1) + others
+        out = (c + state.emission).logsumexp(-2) - c.logsumexp(-2)  # (n, T, E)
+        return out.reshape(out.shape[0], T * E)
 
     def log_evidence(self, state, x, observed=None):
         r""":math:`\log p(x_i)` (of the observed tokens when ``observed`` is given), ``(n,)``."""
