@@ -15,7 +15,7 @@ import pyro
 import pyro.distributions as dist
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
-from pyro_mpt.conditionals import EngineNotApplicable, HierarchicalGaussianConditionals
+from pyro_mpt.conditionals import HierarchicalGaussianConditionals
 from pyro_mpt.observed_tokens import trace_tokens
 
 TOL = 1e-8
