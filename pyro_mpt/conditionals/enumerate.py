@@ -26,6 +26,8 @@ the table holds the whole joint support, so it refuses supports larger than
 whose components factorize over the tokens (``dist.Normal(locs, scales).to_event(1)``),
 is the same finite mixture with the component index in place of a latent: its
 weights are :math:`\log p(z)` and its components' per-token log-densities the table.
+Components that are ``MultivariateNormal`` (or ``LowRankMultivariateNormal``), a
+full-covariance Gaussian mixture, go to the Gaussian mixture table below.
 
 **Linear-Gaussian components.** Normal latents beside the discrete ones (a
 mixture of PPCA: :math:`z \sim \mathrm{Categorical}(w)`,
@@ -83,6 +85,18 @@ class EnumerateState:
     num_data: int
     num_tokens: int
     support: dict
+
+
+_GAUSSIANS = (torch.distributions.MultivariateNormal, torch.distributions.LowRankMultivariateNormal)
+
+
+def _component_rows(t, K, batch, n, tail):
+    """A component parameter ``(*b, K, *tail)`` as ``(K, n|1, *tail)``: one row when
+    the datapoints share it."""
+    t = t.movedim(-1 - len(tail), 0)
+    if t[0].numel() == math.prod(tail):
+        return t.reshape((K, 1) + tail)
+    return t.expand((K,) + tuple(batch) + tail).reshape((K, n) + tail)
 
 
 def _mixture_observation(tokens):
@@ -250,10 +264,6 @@ class EnumerateConditionals(ConditionalEngine):
         mixture weights are :math:`\\log p(z)` and its components' per-token
         log-densities the table, as if the component index were a latent site."""
         fn = _mixture_observation(tokens)
-        base = check_factorized(
-            fn.component_distribution, tokens.name, _WHO,
-            instead="a dist.DiscreteHMM observation is served by conditionals='hmm'",
-        )
         event = len(fn.event_shape)
         n, D = tokens.num_data, tokens.num_tokens
         batch = tokens.site_batch_shape
@@ -261,6 +271,17 @@ class EnumerateConditionals(ConditionalEngine):
         K = log_w.shape[0]
         log_w = log_w.reshape((K,) + (1,) * (len(batch) + 1 - log_w.dim()) + log_w.shape[1:])
         log_w = log_w.expand((K,) + batch).reshape(K, n)
+        gaussian = base_distribution(fn.component_distribution)
+        if isinstance(gaussian, _GAUSSIANS) and gaussian.event_shape == fn.event_shape and event == 1:
+            # a full-covariance Gaussian mixture: its components are the Gaussian table's
+            loc = _component_rows(gaussian.loc, K, batch, n, (D,))
+            cov = _component_rows(gaussian.covariance_matrix, K, batch, n, (D, D))
+            mixture = GaussianMixtureTable(log_w, loc, cov, tokens.value, max_elements=self.max_elements)
+            return EnumerateState(mixture, n, D, {tokens.name: K})
+        base = check_factorized(
+            fn.component_distribution, tokens.name, _WHO,
+            instead="a dist.DiscreteHMM observation is served by conditionals='hmm'",
+        )
         # the component dim sits left of the event dims in the component's batch shape
         lp = base.log_prob(tokens.site_value.unsqueeze(-1 - event)).movedim(-1 - event, 0)
         lp = lp.expand((K,) + tokens.site_shape)
