@@ -322,7 +322,17 @@ class EnumerateConditionals(ConditionalEngine):
 
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
-        return state.mixture.log_conditionals(~mask)
+        mixture = state.mixture
+        if (isinstance(mixture, MixtureTable) and mask.shape[0] > 1 and bool((mask.sum(-1) == 1).all())
+                and bool(torch.isfinite(mixture.table).all())):
+            # every query hides one token (the "pll" schedule): one pass over the table
+            # serves them all, log p(x_j | x_-j) = logsumexp_k[c_kj + T_kj] - logsumexp_k c_kj
+            # with c_kj = log w_k + sum_{d != j} T_kd
+            T = mixture.table
+            c = mixture.log_weights.unsqueeze(-1) + (T.sum(-1, keepdim=True) - T)
+            loo = (c + T).logsumexp(0) - c.logsumexp(0)  # (n, D)
+            return torch.where(mask, loo, torch.zeros((), dtype=T.dtype, device=T.device))
+        return mixture.log_conditionals(~mask)
 
     def chain_log_prob(self, state, x, order):
         self._check_x(state, x)
