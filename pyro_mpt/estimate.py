@@ -253,9 +253,7 @@ def _groups(masks, coefs, per_group):
 def _group_estimate(group, engine, state, x, recompute=True):
     """One group's contribution to the estimate, ``(n,)``, recomputed in the
     backward pass like :func:`_block_estimate`'s blocks."""
-    if not (recompute and torch.is_grad_enabled()):
-        return engine.weighted_mask_sum(state, x, group.mask, group.coef)
-    return checkpoint(engine.weighted_mask_sum, state, x, group.mask, group.coef, use_reentrant=False, preserve_rng_state=True)
+    return _recomputed(recompute, engine.weighted_mask_sum, state, x, group.mask, group.coef)
 
 
 def _weighted_sum(block, engine, state, x):
@@ -275,14 +273,21 @@ def _block_estimate(block, engine, state, x, recompute=True):
     rather than be bounded by the block size. The price is a second forward
     evaluation of the recomputed blocks.
     """
-    if not (recompute and torch.is_grad_enabled()):
-        return _weighted_sum(block, engine, state, x)
-    if isinstance(block, MaskBlock) and block.draw is not None:
+    if recompute and torch.is_grad_enabled() and isinstance(block, MaskBlock) and block.draw is not None:
         # masks drawn once and kept as bits for the recomputation (an eighth of
         # the bool masks): redrawing them would cost more than the engine's work
         mask = block.masks()
         block = dataclasses.replace(block, draw=functools.partial(_unpack_bits, _pack_bits(mask), mask.shape[-1]))
-    return checkpoint(_weighted_sum, block, engine, state, x, use_reentrant=False, preserve_rng_state=True)
+    return _recomputed(recompute, _weighted_sum, block, engine, state, x)
+
+
+def _recomputed(recompute, fn, *args):
+    """``fn(*args)``, under non-reentrant activation checkpointing (recomputed
+    in the backward pass, from the same random state) when ``recompute`` and
+    gradients are on."""
+    if not (recompute and torch.is_grad_enabled()):
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
 
 
 def _pack_bits(mask):
