@@ -413,9 +413,7 @@ def _equal_rows_once(t):
     the first's: a noise scale written out per datapoint (``s * torch.ones_like(x)``)
     is shared by the batch as much as an expanded one, and kept per datapoint it
     would make the engine factor every mask once per datapoint."""
-    if t.shape[1] > 1 and bool(torch.equal(t, t[:, :1].expand_as(t))):
-        return t[:, :1]
-    return t
+    return t[:, :1] if t.shape[1] > 1 and _rows_equal(t, dim=1) else t
 
 
 def _to_rows(t, batch_shape, event_ndim, rows):
@@ -467,9 +465,10 @@ def _shared_loading(loc_k, mu):
     return loc_k - mu
 
 
-def _rows_equal(t):
+def _rows_equal(t, dim=0):
+    """Whether every slice of ``t`` along ``dim`` equals the first (stride-0 dims without comparing)."""
     t = compact(t)
-    return t.shape[0] == 1 or bool(torch.equal(t, t[:1].expand_as(t)))
+    return t.shape[dim] == 1 or bool(torch.equal(t, t.narrow(dim, 0, 1).expand_as(t)))
 
 
 def _check_scale_rows(name, scale):
