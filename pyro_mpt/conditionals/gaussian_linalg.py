@@ -96,7 +96,9 @@ def dense_dtype(cov):
     and so do the Mahalanobis terms of log p. That condition number is estimated
     as :math:`D / \lambda_{\min}` (:math:`D` bounds the largest eigenvalue, the
     trace), with :math:`\lambda_{\min}` from a few steps of inverse iteration on
-    the factor; it must stay below ``PRECISION / eps``.
+    the factor; it must stay below ``PRECISION / eps``. The bound
+    :math:`\lambda_{\min} \ge 1/\operatorname{tr}\Sigma_s^{-1}` settles most
+    covariances before the iteration.
     """
     if cov.dtype == torch.float64:
         return cov.dtype
@@ -112,8 +114,13 @@ def dense_dtype(cov):
         # the direction is the same) is a dozen small ops in place of 48
         eye = torch.eye(D, dtype=cov.dtype, device=cov.device)
         Linv = torch.linalg.solve_triangular(L, eye.expand(L.shape), upper=False)
+        trace = Linv.pow(2).sum((-2, -1), keepdim=True)  # tr M = |L^-1|_F^2
+        # M's largest eigenvalue is at most its trace, so lambda_min >= 1 / tr M, and the
+        # estimate below is no smaller: when that bound passes, so would the estimate
+        if bool((torch.finfo(cov.dtype).eps * D * trace <= PRECISION).all()):
+            return cov.dtype
         M = Linv.transpose(-1, -2) @ Linv
-        M8 = M / Linv.pow(2).sum((-2, -1), keepdim=True)  # tr M = |L^-1|_F^2
+        M8 = M / trace
         for _ in range(3):
             M8 = M8 @ M8
         # a start with a component along every eigenvector, unlike a constant one could miss
