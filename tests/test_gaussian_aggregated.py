@@ -91,11 +91,12 @@ def test_aggregated_equals_numpy(n, D, R, dense):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-8)
 
 
-@pytest.mark.parametrize("n,D,R,dense", AGGREGATED[:1] + AGGREGATED[2:])
-def test_aggregated_gradient_equals_autograd_of_loop(n, D, R, dense):
+@pytest.mark.parametrize("n,D,R,dense,max_elements", [c + (2**24,) for c in AGGREGATED[:1] + AGGREGATED[2:]] + [(300, 12, 3, False, 1)])
+def test_aggregated_gradient_equals_autograd_of_loop(n, D, R, dense, max_elements):
+    # max_elements=1: the low-rank form's backward pass chunk by chunk, one mask each
     F, psi, mu, S, x, mask, coef = problem(n, D, R, P=9, seed=7)
     F, psi, mu, x = (t.clone().requires_grad_() for t in (F, psi, mu, x))
-    engine = GaussianConditionals()
+    engine = GaussianConditionals(max_elements=max_elements)
     u = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     m = state_of(F, psi, mu, dense)
     got = torch.autograd.grad((u * engine.weighted_mask_sum(m, x, mask, coef)).sum(), (F, psi, mu, x))

@@ -22,9 +22,9 @@ the whitened data.
 import torch
 
 from .gaussian_linalg import LOG_2PI, cholesky
+from .gaussian_lowrank_form import LowRankForm, lowrank_form_chunk
 
 __all__ = [
-    "StackedForm",
     "aggregated_cheaper", "aggregated_elements", "lowrank_aggregate_data", "lowrank_weighted_sum", "dense_weighted_sum",
     "DenseForm",
 ]
@@ -111,113 +111,11 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
     """
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
     D, R = F.shape
-    P = mask.shape[0]
-    dtype = F.dtype
-    t = mask.to(dtype)
-    a = coef.to(dtype).unsqueeze(-1)
-    eye = torch.eye(R, dtype=dtype, device=F.device)
-    # every per-mask R x R piece from one product with F's row outer products
-    FF = (F[:, :, None] * F[:, None, :]).reshape(D, R * R)
-    L = cholesky((((1 - t) / psi) @ FF).view(P, R, R) + eye, "context precision I + F_R^T Psi_R^-1 F_R", m.site)
-    # Lambda >= I, so L^-1 has norm <= 1: its explicit inverse is accurate
-    Linv = torch.linalg.solve_triangular(L, eye.expand(P, R, R), upper=False)
-    Linv_sq = Linv.transpose(-1, -2) @ Linv  # Lambda^-1
-    var = psi + Linv_sq.view(P, R * R) @ FF.T  # psi + diag(F Lambda^-1 F^T)
-    aw = a * t / var
-    Mw = (aw @ FF).view(P, R, R)  # a F^T W F
-    M = Linv @ Mw @ Linv.transpose(-1, -2)  # a V W V^T
-    s, u = t / psi, 2 * aw
-    # A's D x D block: the one product over all masks' rank-R pieces
-    # chunks whose pieces (about eight (c R, D) tables alive in the backward pass) stay within max_elements
-    A_ee = StackedForm.apply(F, Linv, M, s, u, max(1, max_elements // (8 * R * D)))
-    # the blocks with delta: sum_m diag(s_m) F Q_m and sum_m (Lambda_m^-1 F^T diag(u_m) + Q_m F^T diag(s_m)),
-    # Q = L^-T M L^-1 = Lambda^-1 (a F^T W F) Lambda^-1, as products over the masks of R x R pieces
-    Q = Linv_sq @ Mw @ Linv_sq
-    T1 = (s.T @ Q.view(P, R * R)).view(D, R, R)
-    T2 = (torch.cat([u, s], 1).view(P, 2, D).transpose(0, 1).reshape(2 * P, D).T
-          @ torch.cat([Linv_sq, Q]).view(2 * P, R * R)).view(D, R, R)
-    A_ed = (F.unsqueeze(-1) * T1).sum(1)  # (D, R)
-    A_de = (T2 @ F.unsqueeze(-1)).squeeze(-1).T  # (R, D)
-    A = torch.cat([torch.cat([A_ee, A_ed], 1), torch.cat([A_de, Q.sum(0)], 1)], 0)
-    logdet = (a * t * (LOG_2PI + var.log())).sum()
+    chunk = lowrank_form_chunk(D, R, F.dtype, max_elements)
+    A, wsum, logdet = LowRankForm.apply(F, psi, mask.to(F.dtype), coef.to(F.dtype), chunk, m.site)
     y = data["y"]  # (n, D + R)
-    quad = ((y @ A) * y).sum(-1) + data["e2"] @ aw.sum(0)
+    quad = ((y @ A) * y).sum(-1) + data["e2"] @ wsum
     return -0.5 * (logdet + quad)
-
-
-def _stacked_pieces(F, Linv, M, s, u):
-    """The pieces of :class:`StackedForm` for a chunk of ``c`` masks: ``[L^-1; M L^-1]``
-    ``(2 c R, R)``, ``[V; W] = [L^-1; M L^-1] F^T`` ``(2, c, R, D)``, and with rows
-    ``(mask, r)`` ``K = V o s``, ``N = V o u + W o s`` ``(c R, D)``; ``s``, ``u`` as ``(c, 1, D)``."""
-    c, R, _ = Linv.shape
-    D = F.shape[0]
-    LN = torch.cat([Linv, M @ Linv]).reshape(2 * c * R, R)
-    VW = (LN @ F.T).view(2, c, R, D)  # one product for both
-    V, W = VW[0], VW[1]
-    s, u = s.unsqueeze(1), u.unsqueeze(1)  # the same for every row r of a mask
-    K = V * s
-    N = torch.addcmul(V * u, W, s)
-    return LN, V, W, K.view(c * R, D), N.view(c * R, D), s, u
-
-
-class StackedForm(torch.autograd.Function):
-    r""":math:`\sum_m K_m^\top N_m`, ``(D, D)``, with :math:`V_m = L_m^{-1}F^\top`,
-    :math:`W_m = M_mV_m`, :math:`K_m = V_m\operatorname{diag}(s_m)` and
-    :math:`N_m = V_m\operatorname{diag}(u_m) + W_m\operatorname{diag}(s_m)`
-    (:math:`R\times D` each).
-
-    The pieces are made in chunks of ``chunk`` masks and summed by one matrix
-    product over the stacked masks per chunk; none is kept for the backward
-    pass, which remakes them from the inputs (:math:`O(R^2D)` per mask) rather
-    than keep :math:`O(RD)` per mask alive: the backward pass costs the two
-    products of the result's gradient with the pieces, and no second forward
-    product.
-
-    :param F: ``(D, R)``. :param Linv: ``(P, R, R)``. :param M: ``(P, R, R)``.
-    :param s: ``(P, D)``. :param u: ``(P, D)``. :param int chunk: masks per chunk.
-    """
-
-    @staticmethod
-    def forward(ctx, F, Linv, M, s, u, chunk):
-        """The sum over the masks, ``(D, D)``."""
-        ctx.save_for_backward(F, Linv, M, s, u)
-        ctx.chunk = chunk
-        D = F.shape[0]
-        A = F.new_zeros(D, D)
-        for i in range(0, Linv.shape[0], chunk):
-            _, _, _, K, N, _, _ = _stacked_pieces(F, Linv[i : i + chunk], M[i : i + chunk], s[i : i + chunk], u[i : i + chunk])
-            A.addmm_(K.T, N)
-        return A
-
-    @staticmethod
-    def backward(ctx, gA):
-        """The gradients of ``F``, ``Linv``, ``M``, ``s`` and ``u``, from the pieces remade chunk by chunk."""
-        F, Linv, M, s, u = ctx.saved_tensors
-        chunk = ctx.chunk
-        D, R = F.shape
-        gF = torch.zeros_like(F)
-        parts = []
-        for i in range(0, Linv.shape[0], chunk):
-            sl = slice(i, i + chunk)
-            Li, Mi = Linv[sl], M[sl]
-            c = Li.shape[0]
-            LN, V, W, K, N, sr, ur = _stacked_pieces(F, Li, Mi, s[sl], u[sl])
-            gK = (N @ gA.T).view(c, R, D)
-            gN = (K @ gA).view(c, R, D)
-            # K = V o s, N = V o u + W o s, [V; W] = [L^-1; M L^-1] F^T
-            gVW = torch.empty(2, c, R, D, dtype=F.dtype, device=F.device)
-            torch.addcmul(gK * sr, gN, ur, out=gVW[0])
-            torch.mul(gN, sr, out=gVW[1])
-            gs = torch.addcmul(gK * V, gN, W).sum(1)
-            gu = (gN * V).sum(1)
-            gVW = gVW.view(2 * c * R, D)
-            gLN = (gVW @ F).view(2, c, R, R)
-            gF.addmm_(gVW.T, LN)
-            gM = gLN[1] @ Li.transpose(-1, -2)
-            gL = gLN[0] + Mi.transpose(-1, -2) @ gLN[1]
-            parts.append((gL, gM, gs, gu))
-        gL, gM, gs, gu = (torch.cat(g) for g in zip(*parts))
-        return gF, gL, gM, gs, gu, None
 
 
 def lowrank_aggregate_data(data):
