@@ -25,7 +25,7 @@ from .gaussian_linalg import LOG_2PI, cholesky
 from .gaussian_lowrank_form import LowRankForm, lowrank_form_chunk
 
 __all__ = [
-    "aggregated_cheaper", "aggregated_elements", "lowrank_aggregate_data", "lowrank_weighted_sum", "dense_weighted_sum",
+    "aggregated_cheaper", "aggregated_elements", "aggregated_kept_elements", "lowrank_aggregate_data", "lowrank_weighted_sum", "dense_weighted_sum",
     "DenseForm",
 ]
 
@@ -51,11 +51,19 @@ def aggregated_cheaper(n, D, R=None, masks=None):
 
 
 def aggregated_elements(D, R=None):
-    """Elements of the aggregated form's working set per mask: the stacked
-    :math:`D\times D` regressions of the dense form; the pieces the low-rank form
-    keeps for the backward pass (a few :math:`R\times R` factors and
-    :math:`D`-vectors; :class:`StackedForm` remakes its larger ones)."""
-    return D * D if R is None else 5 * (R * R + D)
+    r"""Elements of the aggregated form's working set per mask: the stacked
+    :math:`D\times D` regressions of the dense form; the low-rank form's
+    :math:`R\times R` and :math:`D`-vector pieces alive at once in its backward
+    pass (:class:`~pyro_mpt.conditionals.gaussian_lowrank_form.LowRankForm`;
+    its ``(c, R, D)`` tables are chunked apart)."""
+    return D * D if R is None else 6 * R * R + 8 * D
+
+
+def aggregated_kept_elements(D, R=None):
+    r"""Elements per mask that the aggregated form keeps for the backward pass:
+    the dense form's working set; the low-rank form's :math:`\Lambda_m^{-1}`,
+    :math:`F^\top W_mF`, variances and targets."""
+    return D * D if R is None else 2 * (R * R + D)
 
 
 def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
