@@ -210,12 +210,13 @@ class DenseForm(torch.autograd.Function):
         # finite S), which is a third of the time of selections with broadcast bool masks.
         # Z = S diag(c) holds both blocks: its context rows are X's, its target rows Y^T's
         c, t = (~mask).to(S.dtype), mask.to(S.dtype)
-        Z = S * c.unsqueeze(-2)
+        # column-major, the layout the solve from the right takes without a transposing copy
+        Z = (c.unsqueeze(-1) * S.T.contiguous()).transpose(-1, -2)
         X = Z * c.unsqueeze(-1)
         X.diagonal(dim1=-2, dim2=-1).add_(t)  # identity at the targets
         L = cholesky(X, "context covariance S_RR", site)
-        # W^T = S_MR L^-T and B^T = W^T L^-1, both solved from the right on row-major
-        # tables (no transposed copies), and for Z's rows: a solve from the right treats
+        # W^T = S_MR L^-T and B^T = W^T L^-1, both solved from the right (no transposed
+        # copies), and for Z's rows: a solve from the right treats
         # the rows apart, and only the target rows are kept, packed over the masks,
         # (sum_m M_m, D); so are U's and the variances
         Wt = torch.linalg.solve_triangular(L.transpose(-1, -2), Z, upper=True, left=False)
@@ -225,7 +226,8 @@ class DenseForm(torch.autograd.Function):
         # the solves return column-major tables: gather the rows, not reshape (a transposing copy);
         # E - B^T, the target rows of P_m (B^T is zero at the targets)
         EB = Bt[m_of, j_of].neg_()
-        EB.index_put_((torch.arange(rows.shape[0], device=rows.device), j_of), torch.ones((), dtype=S.dtype, device=S.device))
+        diag = torch.arange(rows.shape[0], device=rows.device) * D + j_of  # entries (r, j_r) of the packed rows
+        EB.view(-1).index_fill_(0, diag, 1.0)
         # the variances as a sum of squares: accurate to eps cond(L), not eps cond(S)
         var = torch.diagonal(S).index_select(0, j_of) - Wt.pow(2).sum(-1).reshape(-1).index_select(0, rows)
         U = EB @ L0  # target rows of P_m L0
@@ -233,16 +235,15 @@ class DenseForm(torch.autograd.Function):
         aw = a / var
         A = U.T @ (U * aw.unsqueeze(-1))
         logdet = a @ (LOG_2PI + var.log())
-        ctx.save_for_backward(L0, L, EB, U, var, aw, a, rows, c)
+        ctx.save_for_backward(L0, L, EB, U, var, aw, a, m_of, j_of, diag, c)
         return A, logdet
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gA, glog):
         """The gradients of ``S`` and ``L0``."""
-        L0, L, EB, U, var, aw, a, rows, c = ctx.saved_tensors
+        L0, L, EB, U, var, aw, a, m_of, j_of, diag, c = ctx.saved_tensors
         P, D = c.shape
-        m_of, j_of = rows // D, rows % D
         G = 0.5 * (gA + gA.T)
         UG = U @ G
         gU = 2 * aw.unsqueeze(-1) * UG
@@ -251,11 +252,14 @@ class DenseForm(torch.autograd.Function):
         # U = (E - B^T) L0
         gL0 = EB.T @ gU
         # B^T's gradient (sign in H), at the context columns of each target row (finite entries: exact)
-        gBt = torch.zeros(P * D, D, dtype=U.dtype, device=U.device).index_copy_(0, rows, (gU @ L0.T).mul_(c.index_select(0, m_of)))
+        # (column-major, as the solve from the right takes it)
+        gBt = torch.zeros(P, D, D, dtype=U.dtype, device=U.device).transpose(-1, -2)
+        gBt[m_of, j_of] = (gU @ L0.T).mul_(c.index_select(0, m_of))
         # H^T = gB^T X^-1, X = L L^T: zero rows at the context
-        Ht = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L.transpose(-1, -2), gBt.view(P, D, D), upper=True, left=False), upper=False, left=False)
+        Ht = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L.transpose(-1, -2), gBt, upper=True, left=False), upper=False, left=False)
         Ht = Ht[m_of, j_of]
-        Bt = EB.neg().index_put_((torch.arange(rows.shape[0], device=rows.device), j_of), torch.zeros((), dtype=U.dtype, device=U.device))
+        Bt = EB.neg()
+        Bt.view(-1).index_fill_(0, diag, 0.0)
         Bvt = gvar.unsqueeze(-1) * Bt  # (B diag(gvar))^T, packed
         Yt = Bt.T @ (Bvt + Ht)
         cross = torch.zeros(D, D, dtype=U.dtype, device=U.device).index_add_(0, j_of, torch.add(Ht, Bvt, alpha=2))
