@@ -12,6 +12,8 @@ forward pass; here it keeps :math:`\Lambda_m^{-1}`, :math:`F^\top W_mF` and the
 variances, and remakes the rest.
 """
 
+import functools
+
 import torch
 
 from .gaussian_linalg import LOG_2PI, cholesky
@@ -38,13 +40,9 @@ class _Packing:
 
     def __init__(self, F):
         R = F.shape[1]
-        iu = torch.triu_indices(R, R, device=F.device)
+        iu, self.upper, self.full, weight = _packing_indices(R, F.device)
         self.R = R
-        self.upper = iu[0] * R + iu[1]
-        self.weight = (2 - (iu[0] == iu[1]).to(F.dtype))
-        full = torch.zeros(R, R, dtype=torch.long, device=F.device)
-        full[iu[0], iu[1]] = torch.arange(iu.shape[1], device=F.device)
-        self.full = torch.maximum(full, full.T).reshape(-1)
+        self.weight = weight.to(F.dtype)
         self.FF = F[:, iu[0]] * F[:, iu[1]]  # (D, R(R+1)/2)
 
     def pack(self, M):
@@ -61,6 +59,14 @@ class _Packing:
 
     def unpack(self, p):
         return p.index_select(-1, self.full).view(*p.shape[:-1], self.R, self.R)
+
+
+@functools.lru_cache(maxsize=16)
+def _packing_indices(R, device):
+    iu = torch.triu_indices(R, R, device=device)
+    full = torch.zeros(R, R, dtype=torch.long, device=device)
+    full[iu[0], iu[1]] = torch.arange(iu.shape[1], device=device)
+    return iu, iu[0] * R + iu[1], torch.maximum(full, full.T).reshape(-1), 2 - (iu[0] == iu[1]).to(torch.float64)
 
 
 def _symh(X):
@@ -128,7 +134,7 @@ class LowRankForm(torch.autograd.Function):
             Aed.addmm_(X.T, Q[sl].reshape(c * R, R))
             Ade.add_(Y.sum(0))
         A[D:, D:] = Q.sum(0)
-        ctx.save_for_backward(F, psi, t, a, Li, Mw, v)
+        ctx.save_for_backward(F, psi, t, a, Li, Mw, v, A)
         ctx.chunk = chunk
         return A, w.sum(0), logdet
 
@@ -136,7 +142,7 @@ class LowRankForm(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, gA, gwsum, glog):
         """The gradients of ``F`` and ``psi``."""
-        F, psi, t, a, Li, Mw, v = ctx.saved_tensors
+        F, psi, t, a, Li, Mw, v, A = ctx.saved_tensors
         D, R = F.shape
         P = t.shape[0]
         pk = _Packing(F)
@@ -147,26 +153,33 @@ class LowRankForm(torch.autograd.Function):
         LiMw = Li @ Mw
         Q = LiMw @ Li
         gF = torch.zeros_like(F)
-        gs, gu = torch.empty_like(s), torch.empty_like(s)
+        gu = torch.empty_like(s)
         gLi, gQ = torch.empty_like(Li), torch.empty_like(Q)
+        # s enters the gradient only through psi, as sum_m s_mj gs_mj: from X = F^T o s,
+        # sum_{m,r} gX o X = rowsum(A_ee o G_ee) + rowsum(A_ed o G_ed) (A_ee = X^T Y, A_ed = X^T Q,
+        # G symmetric); from Y's [Q F^T] o s, sum_{m,r} (gY o s) o [Q F^T] (the chunks add
+        # it) with gY's G_de part giving rowsum(A_ed o G_ed) again (sum_m Q_m F^T diag(s_m) = A_ed^T)
+        sgs = (A[:D, :D] * Gee).sum(1) + 2 * (A[:D, D:] * Ged).sum(1)
         for i in range(0, P, ctx.chunk):
             sl = slice(i, i + ctx.chunk)
-            _backward_chunk(F, Li[sl], Q[sl], w[sl], s[sl], Gee, Ged, Gde, gF, gs[sl], gu[sl], gLi[sl], gQ[sl])
-        gQ += Gdd
+            _backward_chunk(F, Li[sl], Q[sl], w[sl], s[sl], Gee, Ged, Gde, gF, sgs, gu[sl], gLi[sl], gQ[sl])
+        # Li and Q are symmetric for every F and psi: only their gradients' symmetric parts count
+        gQ = _symh(gQ.add_(Gdd))
         # Q = Li Mw Li
         gMw = Li @ gQ @ Li
-        gLi += gQ @ LiMw + LiMw.transpose(-1, -2) @ gQ
+        gQLM = gQ @ LiMw
+        gLi += gQLM + gQLM.transpose(-1, -2)
         # Mw = sum_j w_j F_j F_j^T, u = 2 w, w = a t / v, logdet = sum a t log v
-        gw = pk.inner(_symh(gMw)).add_(gwsum).add_(gu, alpha=2)
+        gw = pk.inner(gMw).add_(gwsum).add_(gu, alpha=2)
         gv = w * (glog - gw / v)
         # v = psi + F_j^T Li F_j, Li = Lambda^-1, Lambda = I + sum_j (c_j / psi_j) F_j F_j^T
-        gLi += pk.outer(gv)
+        gLi = _symh(gLi).add_(pk.outer(gv))
         gLam = -(Li @ gLi @ Li)
         cpsi = (1 - t) / psi
         # every row j's R x R gradient of F_j F_j^T, in one product for the three terms
-        rows = torch.cat([w, gv, cpsi]).T @ torch.cat([pk.pack(_symh(gMw)), pk.pack(Li), pk.pack(_symh(gLam))])
+        rows = torch.cat([w, gv, cpsi]).T @ torch.cat([pk.pack(gMw), pk.pack(Li), pk.pack(gLam)])
         gF += 2 * (pk.unpack(rows) @ F.unsqueeze(-1)).squeeze(-1)
-        gpsi = gv.sum(0) - ((cpsi * pk.inner(_symh(gLam))).sum(0) + (gs * s).sum(0)) / psi
+        gpsi = gv.sum(0) - ((cpsi * pk.inner(gLam)).sum(0) + sgs) / psi
         return gF, gpsi, None, None, None, None
 
 
@@ -184,12 +197,13 @@ def _pieces(F, Li, Q, w, s):
     return XY, LQF
 
 
-def _backward_chunk(F, Li, Q, w, s, Gee, Ged, Gde, gF, gs, gu, gLi, gQ):
+def _backward_chunk(F, Li, Q, w, s, Gee, Ged, Gde, gF, sgs, gu, gLi, gQ):
     r"""One chunk's share of the gradient, with :math:`G` the symmetric gradient of
     :math:`A`: :math:`\bar Y_m = X_m G_{ee} + G_{de}`, :math:`\bar X_m = Y_m G_{ee} + Q_mG_{de}`
     and :math:`\bar Q_m \mathrel{+}= X_m G_{ed}`, then through ``X`` and ``Y``'s
-    factors; ``gF`` is accumulated and ``gs``, ``gu`` (of :math:`u = 2w`),
-    ``gLi``, ``gQ`` (the chunk's rows) written in place."""
+    factors; ``gF`` and ``sgs`` (:math:`\sum_m s_m\circ\bar s_m`, the part of
+    ``Y``'s :math:`[Q_mF^\top]\circ s_m` the caller has not added) are accumulated
+    and ``gu`` (of :math:`u = 2w`), ``gLi``, ``gQ`` (the chunk's rows) written in place."""
     c, R, _ = Li.shape
     D = F.shape[0]
     XY, LQF = _pieces(F, Li, Q, w, s)
@@ -199,13 +213,13 @@ def _backward_chunk(F, Li, Q, w, s, Gee, Ged, Gde, gF, gs, gu, gLi, gQ):
     gY += Gde
     gX.view(c * R, D).addmm_(Q.reshape(c * R, R), Gde)
     s1 = s.unsqueeze(1)
-    gs.copy_((gX * F.T).sum(1) + (gY * LQF[:, 1]).sum(1))
     gu.copy_((gY * LQF[:, 0]).sum(1))
     gF.add_((gX * s1).sum(0).T)
     # Y's factors [Li F^T] o 2w and [Q F^T] o s
     Z = torch.empty(c, 2, R, D, dtype=F.dtype, device=F.device)
     torch.mul(gY, (2 * w).unsqueeze(1), out=Z[:, 0])
     torch.mul(gY, s1, out=Z[:, 1])
+    sgs.add_((Z[:, 1] * LQF[:, 1]).sum((0, 1)))
     Z = Z.view(2 * c * R, D)
     gLQ = (Z @ F).view(c, 2, R, R)
     gLi.copy_(gLQ[:, 0])
