@@ -99,14 +99,15 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
               \begin{bmatrix} a_1 N_1 \\ \vdots \\ a_P N_P\end{bmatrix} y,
 
     whose :math:`D\times D` block is one :math:`D\times PR\times D` matrix
-    product for all masks (:class:`StackedForm`); the blocks that meet
+    product for all masks; the blocks that meet
     :math:`\delta` reduce to sums over the masks of :math:`R\times R` pieces,
     :math:`\sum_m \operatorname{diag}(t_m/\psi)FQ_m` and
     :math:`\sum_m(\Lambda_m^{-1}F^\top\operatorname{diag}(2a_mw_m) +
     Q_mF^\top\operatorname{diag}(t_m/\psi))` with :math:`Q_m = a_m\Lambda_m^{-1}F^\top
     W_mF\Lambda_m^{-1}`, i.e. products with :math:`D\times P` tables. The
     result is :math:`-\tfrac12\big(\sum_m a_m \sum_j t_{mj}\log(2\pi v_{mj}) +
-    \text{the form}\big)`.
+    \text{the form}\big)`. The masks' part of the form, with its backward pass
+    written out, is :class:`~pyro_mpt.conditionals.gaussian_lowrank_form.LowRankForm`.
 
     :param m: the low-rank state (cov_factor ``(1, D, R)``, cov_diag ``(1, D)``).
     :param torch.Tensor mask: bool ``(P, D)``.
@@ -114,7 +115,7 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
     :param dict data: the mask-free pieces (``gaussian_shared.lowrank_shared_data``,
         completed by :func:`lowrank_aggregate_data`).
     :param int max_elements: bound on the elements of the stacked pieces
-        alive at once (chunks of masks, :class:`StackedForm`).
+        alive at once (chunks of masks, :func:`~pyro_mpt.conditionals.gaussian_lowrank_form.lowrank_form_chunk`).
     :returns: ``(n,)``.
     """
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
