@@ -283,3 +283,37 @@ def test_exhaustive_through_the_aggregated_form_is_exact(missing):
         So = S[np.ix_(o, o)]
         want = -0.5 * (o.sum() * np.log(2 * np.pi) + np.linalg.slogdet(So)[1] + r @ np.linalg.solve(So, r))
         assert abs(float(got[i]) - want) < 1e-8 * max(1.0, abs(want)), (i, float(got[i]), want)
+
+
+@pytest.mark.parametrize("loc_rows", [None, 1, 40])
+@pytest.mark.parametrize("x_grad", [False, True])
+def test_whitened_quad_value_and_gradients(loc_rows, x_grad):
+    # the dense form's data term with its backward pass written out: the value against
+    # numpy, the gradients of x, a location (shared as (D,) or (1, D), or per datapoint),
+    # M and a non-symmetric A against autograd of the plain expression with A's symmetric part
+    from pyro_mpt.conditionals.gaussian_aggregated import WhitenedQuad
+
+    n, D = 40, 7
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, D, generator=g, dtype=torch.float64)
+    loc = torch.randn((D,) if loc_rows is None else (loc_rows, D), generator=g, dtype=torch.float64)
+    M = torch.randn(D, D, generator=g, dtype=torch.float64)
+    A = torch.randn(D, D, generator=g, dtype=torch.float64)
+    w = torch.randn(n, generator=g, dtype=torch.float64)
+    e = (x - loc).numpy() @ M.numpy().T
+    want = np.einsum("ni,ij,nj->n", e, 0.5 * (A + A.T).numpy(), e)
+    leaves = [t.clone().requires_grad_() for t in (x, loc, M, A)]
+    if not x_grad:
+        leaves[0].requires_grad_(False)
+    got = WhitenedQuad.apply(*leaves)
+    np.testing.assert_allclose(got.detach().numpy(), want, rtol=1e-12)
+    wrt = leaves if x_grad else leaves[1:]
+    grads = torch.autograd.grad((w * got).sum(), wrt)
+    ref_leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
+    xr, lr, Mr, Ar = ref_leaves
+    er = (xr - lr) @ Mr.T
+    ref = (w * ((er @ (0.5 * (Ar + Ar.T))) * er).sum(-1)).sum()
+    want_g = torch.autograd.grad(ref, ref_leaves if x_grad else ref_leaves[1:])
+    for a, b in zip(grads, want_g):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12 * float(b.abs().max()))

@@ -26,7 +26,7 @@ from .gaussian_lowrank_form import LowRankForm, lowrank_form_chunk
 
 __all__ = [
     "aggregated_cheaper", "aggregated_elements", "aggregated_kept_elements", "lowrank_aggregate_data", "lowrank_weighted_sum", "dense_weighted_sum",
-    "DenseForm",
+    "DenseForm", "WhitenedQuad",
 ]
 
 
@@ -169,8 +169,61 @@ def dense_weighted_sum(m, x, mask, coef):
     # the whitening as a product with L0^-1 (a D x D solve): the solve with n right-hand
     # sides, forward and backward, costs about twice the two products with the data
     eye = torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
-    eps = (x - m.loc) @ torch.linalg.solve_triangular(L0, eye, upper=False).T  # (n, D)
-    return -0.5 * (logdet + ((eps @ A) * eps).sum(-1))
+    return -0.5 * (logdet + WhitenedQuad.apply(x, m.loc, torch.linalg.solve_triangular(L0, eye, upper=False), A))
+
+
+class WhitenedQuad(torch.autograd.Function):
+    r"""The quadratic forms :math:`\varepsilon_i^\top A_s\varepsilon_i` of the whitened
+    data :math:`\varepsilon_i = M(x_i - \mu)`, ``(n,)``, with :math:`A_s =
+    \tfrac12(A + A^\top)`, and the backward pass written out.
+
+    With :math:`g` the gradient of the result, :math:`\bar\varepsilon_i =
+    2g_iA_s\varepsilon_i` reuses the forward product :math:`A_s\varepsilon_i`,
+    :math:`\bar A = \sum_i g_i\varepsilon_i\varepsilon_i^\top`,
+    :math:`\bar M = \sum_i\bar\varepsilon_i(x_i - \mu)^\top`, and a location
+    shared by the batch gets :math:`\bar\mu = -M^\top\sum_i\bar\varepsilon_i`,
+    one vector product instead of a product with every datapoint (which only
+    gradients of the data or of a location per datapoint need): two matrix
+    products with the data instead of the four of the operations recorded one by one.
+
+    :param x: ``(n, D)``. :param loc: ``(D,)``, ``(1, D)`` or ``(n, D)``.
+    :param M: ``(D, D)``. :param A: ``(D, D)``.
+
+    Example::
+
+        >>> quad = WhitenedQuad.apply(x, mu, torch.linalg.inv(L0), A)  # (n,)
+    """
+
+    @staticmethod
+    def forward(ctx, x, loc, M, A):
+        """``(n,)``."""
+        r = x - loc
+        eps = r @ M.T
+        epsA = eps @ (0.5 * (A + A.T))
+        ctx.save_for_backward(r, M, eps, epsA)
+        ctx.loc_shape = loc.shape
+        return (epsA * eps).sum(-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        """The gradients of ``x``, ``loc``, ``M`` and ``A``."""
+        r, M, eps, epsA = ctx.saved_tensors
+        need_x, need_loc, need_M, need_A = ctx.needs_input_grad
+        geps = (2 * g).unsqueeze(-1) * epsA
+        gx = gloc = gM = gA = None
+        if need_A:
+            gA = eps.T @ (g.unsqueeze(-1) * eps)
+        if need_M:
+            gM = geps.T @ r
+        per_row = len(ctx.loc_shape) == 2 and ctx.loc_shape[0] == r.shape[0] > 1
+        if need_x or (need_loc and per_row):
+            gr = geps @ M
+            gx = gr if need_x else None
+            gloc = (-gr).sum_to_size(ctx.loc_shape) if need_loc else None
+        elif need_loc:
+            gloc = (-(geps.sum(0) @ M)).reshape(ctx.loc_shape)
+        return gx, gloc, gM, gA
 
 
 class DenseForm(torch.autograd.Function):
