@@ -28,7 +28,7 @@ CHUNK_BYTES = 2**20
 
 def lowrank_form_chunk(D, R, dtype, max_elements):
     """Masks per chunk of :class:`LowRankForm`'s ``(c, R, D)`` tables: within
-    :data:`CHUNK_BYTES` each, and about eight of them within ``max_elements``."""
+    ``CHUNK_BYTES`` each, and about eight of them within ``max_elements``."""
     itemsize = torch.finfo(dtype).bits // 8
     return max(1, min(CHUNK_BYTES // (R * D * itemsize), max_elements // (8 * R * D)))
 
