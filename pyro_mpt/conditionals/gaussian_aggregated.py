@@ -157,6 +157,13 @@ def dense_weighted_sum(m, x, mask, coef):
     \text{the form}\big)`. The context block is factored embedded in a
     :math:`D\times D` matrix (identity at the targets).
 
+    The form does not depend on :math:`L_0`: with :math:`A = L_0^\top A' L_0`,
+    :math:`\varepsilon^\top A\varepsilon = r^\top A' r` for any invertible
+    :math:`L_0`, whose part is to keep the terms small. So no gradient flows
+    through it (its Cholesky factorization, the whitening and the products with
+    it are left out of the backward pass): the gradients of :math:`\Sigma`,
+    :math:`\mu` and :math:`x` are those of the form at a fixed :math:`L_0`.
+
     :param m: the dense state (covariance ``(1, D, D)``, factor its Cholesky factor).
     :param torch.Tensor x: ``(n, D)``.
     :param torch.Tensor mask: bool ``(P, D)``.
@@ -164,12 +171,14 @@ def dense_weighted_sum(m, x, mask, coef):
     :returns: ``(n,)``.
     """
     S = m.covariance[0]
-    L0 = m.factor[0] if m.factor is not None else cholesky(S, "covariance", m.site)
+    with torch.no_grad():  # the result does not depend on L0 (see above)
+        L0 = m.factor[0] if m.factor is not None else cholesky(S, "covariance", m.site)
+        # the whitening as a product with L0^-1 (a D x D solve): the solve with n right-hand
+        # sides costs about twice the product with the data
+        eye = torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
+        M = torch.linalg.solve_triangular(L0, eye, upper=False)
     A, logdet = DenseForm.apply(S, L0, mask, coef, m.site)
-    # the whitening as a product with L0^-1 (a D x D solve): the solve with n right-hand
-    # sides, forward and backward, costs about twice the two products with the data
-    eye = torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
-    return -0.5 * (logdet + WhitenedQuad.apply(x, m.loc, torch.linalg.solve_triangular(L0, eye, upper=False), A))
+    return -0.5 * (logdet + WhitenedQuad.apply(x, m.loc, M, A))
 
 
 class WhitenedQuad(torch.autograd.Function):
@@ -304,7 +313,7 @@ class DenseForm(torch.autograd.Function):
         # aw = a / v and the log-determinant's a log v
         gvar = (glog * a - aw * (UG * U).sum(-1)) / var
         # U = (E - B^T) L0
-        gL0 = EB.T @ gU
+        gL0 = EB.T @ gU if ctx.needs_input_grad[1] else None
         # B^T's gradient (sign in H), at the context columns of each target row (finite entries: exact)
         # (column-major, as the solve from the right takes it)
         gBt = torch.zeros(P, D, D, dtype=U.dtype, device=U.device).transpose(-1, -2)
