@@ -43,7 +43,7 @@ class _Packing:
         iu, self.upper, self.full, weight = _packing_indices(R, F.device)
         self.R = R
         self.weight = weight.to(F.dtype)
-        self.FF = F[:, iu[0]] * F[:, iu[1]]  # (D, R(R+1)/2)
+        self.FF = F.index_select(1, iu[0]) * F.index_select(1, iu[1])  # (D, R(R+1)/2)
 
     def pack(self, M):
         """``(..., R, R)`` symmetric -> ``(..., R(R+1)/2)``."""
