@@ -288,7 +288,8 @@ class DenseForm(torch.autograd.Function):
         m_of, j_of = rows // D, rows % D
         # the solves return column-major tables: gather the rows, not reshape (a transposing copy);
         # E - B^T, the target rows of P_m (B^T is zero at the targets)
-        EB = Bt[m_of, j_of].neg_()
+        Bt = Bt[m_of, j_of]
+        EB = Bt.neg()
         diag = torch.arange(rows.shape[0], device=rows.device) * D + j_of  # entries (r, j_r) of the packed rows
         EB.view(-1).index_fill_(0, diag, 1.0)
         # the variances as a sum of squares: accurate to eps cond(L), not eps cond(S)
@@ -298,14 +299,14 @@ class DenseForm(torch.autograd.Function):
         aw = a / var
         A = U.T @ (U * aw.unsqueeze(-1))
         logdet = a @ (LOG_2PI + var.log())
-        ctx.save_for_backward(L0, L, EB, U, var, aw, a, m_of, j_of, diag, c)
+        ctx.save_for_backward(L0, L, Bt, EB, U, var, aw, a, m_of, j_of, diag, c)
         return A, logdet
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gA, glog):
         """The gradients of ``S`` and ``L0``."""
-        L0, L, EB, U, var, aw, a, m_of, j_of, diag, c = ctx.saved_tensors
+        L0, L, Bt, EB, U, var, aw, a, m_of, j_of, diag, c = ctx.saved_tensors
         P, D = c.shape
         G = 0.5 * (gA + gA.T)
         UG = U @ G
@@ -321,10 +322,12 @@ class DenseForm(torch.autograd.Function):
         # H^T = gB^T X^-1, X = L L^T: zero rows at the context
         Ht = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L.transpose(-1, -2), gBt, upper=True, left=False), upper=False, left=False)
         Ht = Ht[m_of, j_of]
-        Bt = EB.neg()
-        Bt.view(-1).index_fill_(0, diag, 0.0)
         Bvt = gvar.unsqueeze(-1) * Bt  # (B diag(gvar))^T, packed
         Yt = Bt.T @ (Bvt + Ht)
-        cross = torch.zeros(D, D, dtype=U.dtype, device=U.device).index_add_(0, j_of, torch.add(Ht, Bvt, alpha=2))
-        gS = 0.5 * (Yt + Yt.T) - cross.T + torch.diag(torch.zeros(D, dtype=U.dtype, device=U.device).index_add_(0, j_of, gvar))
+        # the rows H^T + 2 (B diag(gvar))^T at the context columns, and -gvar_j at the target's own
+        # column (the diagonal's gradient gvar, with the sign of the transposed sum)
+        rows_g = torch.add(Ht, Bvt, alpha=2)
+        rows_g.view(-1).index_add_(0, diag, -gvar)
+        cross = torch.zeros(D, D, dtype=U.dtype, device=U.device).index_add_(0, j_of, rows_g)
+        gS = 0.5 * (Yt + Yt.T) - cross.T
         return gS, gL0, None, None, None
