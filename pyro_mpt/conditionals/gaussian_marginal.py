@@ -30,8 +30,9 @@ import pyro.distributions as dist
 
 from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable
-from .distributions import affine_normal, compact, unwrap
+from .distributions import affine_normal, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
+from .marginal_rows import basis_rows, common_rows, rows_equal, shared_loading
 from .plate_runs import CoordinateLatents, latent_layout, run_in_plate, run_with_fallback
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
@@ -203,7 +204,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
     if K == 0:
         fn = tokens.site["fn"]
         loc, noise, batch_shape = _observation_parts(fn, tokens)
-        loc, noise = _basis_rows(loc, noise, batch_shape, 1)
+        loc, noise = basis_rows(loc, noise, batch_shape, 1)
         return _assemble(loc[0], tuple(t[0] for t in noise[1:]), noise[0], None)
 
     value = tokens.value
@@ -235,7 +236,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
         _check_run_rows(batch_shape, tokens)
         for name, scale in scales.items():
             _check_scale_rows(name, scale)
-        return _basis_rows(loc, noise, batch_shape[1:], K + 2)
+        return basis_rows(loc, noise, batch_shape[1:], K + 2)
 
     n = value.shape[0]
 
@@ -256,10 +257,10 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
             _check_run_rows(batch_shape, tokens)
             for name, scale in scales.items():
                 _check_scale_rows(name, scale)
-            loc, noise = _basis_rows(loc, noise, batch_shape[1:], 3)
+            loc, noise = basis_rows(loc, noise, batch_shape[1:], 3)
         else:
             loc, noise = per_point(list(u))
-        if loc.shape[1] != n or not all(_rows_equal(t) for t in noise[1:]):
+        if loc.shape[1] != n or not all(rows_equal(t) for t in noise[1:]):
             raise _RowsDeclined()
         mu = loc[0]
         W = loc[1, :K] - mu[:K]  # (K, D)
@@ -274,7 +275,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
     def at_points(loc_noise):
         loc, noise = loc_noise
         mu = loc[0]
-        W = _shared_loading(loc[1 : K + 1], mu)  # (K, n|1, D)
+        W = shared_loading(loc[1 : K + 1], mu)  # (K, n|1, D)
         _check_affine(loc[K + 1], mu, W, eps_r[0], tokens.name)
         return mu, W, noise
 
@@ -284,13 +285,13 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
             handler = CoordinateLatents(layout, u_b, None, tokens.batch_shape, compact=False)
             fn, scales = run(handler, None)
             loc_b, noise_b, batch_shape = _observation_parts(fn, tokens)
-            loc_b, noise_b = _basis_rows(loc_b, noise_b, batch_shape, 1)
+            loc_b, noise_b = basis_rows(loc_b, noise_b, batch_shape, 1)
             locs.append(loc_b)
             noises.append(noise_b)
             all_scales.append(scales)
-        loc = torch.cat(_common_rows(*locs, dim=1), 0)
+        loc = torch.cat(common_rows(*locs, dim=1), 0)
         noise = (noises[0][0],) + tuple(
-            torch.cat(_common_rows(*[nz[i] for nz in noises], dim=1), 0)
+            torch.cat(common_rows(*[nz[i] for nz in noises], dim=1), 0)
             for i in range(1, len(noises[0]))
         )
         for name in layout:
@@ -322,7 +323,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
         memory.remember(model, "rows" if mode == "compact" else "rows_per_point")
 
     for t in noise[1:]:
-        if not _rows_equal(t):
+        if not rows_equal(t):
             raise NotLinearGaussianError(
                 f"The noise of observed site {tokens.name!r} depends on the latents, "
                 f"so its marginal is not Gaussian; use conditionals='quadrature' or "
@@ -339,22 +340,22 @@ def _assemble(mu, noise, kind, W):
     if kind == "diag":
         if W is None:
             return GaussianMarginal(mu, cov_diag=noise[0] ** 2)
-        var, W = _common_rows(noise[0] ** 2, W)
+        var, W = common_rows(noise[0] ** 2, W)
         return GaussianMarginal(mu, cov_factor=W, cov_diag=var)
     if kind == "lowrank":
         F, psi = noise
         factors = [F] if W is None else [W, F]
-        psi, *factors = _common_rows(psi, *factors)
+        psi, *factors = common_rows(psi, *factors)
         return GaussianMarginal(mu, cov_factor=torch.cat(factors, -1), cov_diag=psi)
     (cov,) = noise
     var = _diagonal_variances(cov)
     if var is not None:
         if W is None:
             return GaussianMarginal(mu, cov_diag=var)
-        var, W = _common_rows(var, W)
+        var, W = common_rows(var, W)
         return GaussianMarginal(mu, cov_factor=W, cov_diag=var)
     if W is not None:
-        cov, W = _common_rows(cov, W)
+        cov, W = common_rows(cov, W)
         cov = cov + W @ W.transpose(-1, -2)
     return GaussianMarginal(mu, covariance=cov)
 
@@ -400,79 +401,18 @@ def _graph_leaves(fn):
     return leaves
 
 
-def _basis_rows(loc, noise, batch_shape, rows):
-    """Bring location and noise tensors to ``(rows, n|1, *event)``."""
-    event_ndims = {"diag": (1,), "lowrank": (2, 1), "dense": (2,)}[noise[0]]
-    loc = _to_rows(loc, batch_shape, 1, rows)
-    parts = tuple(_equal_rows_once(_to_rows(t, batch_shape, e, rows)) for t, e in zip(noise[1:], event_ndims))
-    return loc, (noise[0],) + parts
 
 
-def _equal_rows_once(t):
-    """``(rows, n, *event)`` at ``(rows, 1, *event)`` when every datapoint's row is
-    the first's: a noise scale written out per datapoint (``s * torch.ones_like(x)``)
-    is shared by the batch as much as an expanded one, and kept per datapoint it
-    would make the engine factor every mask once per datapoint."""
-    return t[:, :1] if t.shape[1] > 1 and _rows_equal(t, dim=1) else t
 
 
-def _to_rows(t, batch_shape, event_ndim, rows):
-    """``t`` broadcastable to ``(rows, *batch_shape, *event)`` -> ``(rows, n|1, *event)``.
-
-    Batch dims that are all expanded (stride 0) collapse to one shared row, so
-    parameters shared by the datapoints are stored (and differentiated) once.
-    """
-    event = t.shape[t.dim() - event_ndim :]
-    nb = len(batch_shape)
-    full = torch.Size((rows,) + tuple(batch_shape)) + event
-    t = t.expand(full)
-    c = compact(t)
-    if all(s == 1 for s in c.shape[1 : 1 + nb]):
-        c = c.expand((rows,) + (1,) * nb + event)
-        return c.reshape((rows, 1) + event)
-    return t.reshape((rows, -1) + event)
 
 
-def _shared_loading(loc_k, mu):
-    r"""The loading :math:`W_k = \mathrm{loc}(e_k) - \mathrm{loc}(0)`, ``(K, n|1, D)``,
-    at one shared row when every datapoint's agrees with the first's to rounding.
-
-    A location with covariates (:math:`c_i B + W z`) varies by datapoint while
-    its loading does not; the difference of two per-datapoint locations is then
-    a per-datapoint tensor whose rows differ only by the rounding of the
-    locations (at most :math:`\epsilon(|\mathrm{loc}| + |\mu|)` each). Kept
-    per datapoint, the marginal's covariance would not be shared by the batch
-    and every mask's factor would be computed once per datapoint (100 times
-    slower at :math:`n = 1000`, :math:`D = 200`); one row is exact to that
-    rounding and carries the same gradient with respect to the loading.
-    A loading that depends on the datapoint (e.g. scaled by a covariate)
-    differs between rows by far more and stays per datapoint.
-    """
-    if loc_k.shape[1] == 1 and mu.shape[0] == 1:
-        return loc_k - mu
-    # the check runs outside autograd and returns the loading from the first
-    # rows only: recorded on the (K, n, D) differences, the check and the
-    # slice's backward cost 50 times the exact log-density at K=50, D=200
-    with torch.no_grad():
-        W = loc_k - mu
-        dev = (W - W[:, :1]).abs().amax(1, keepdim=True)  # (K, 1, D)
-        # rounding of the two locations (each a sum with the covariate term),
-        # bounded by each token's largest magnitude, with slack
-        size = loc_k.abs().amax(1, keepdim=True) + mu.abs().amax(0, keepdim=True)
-        shared = bool((dev <= 16 * torch.finfo(W.dtype).eps * size).all())
-    if shared:
-        return loc_k[:, :1] - mu[:1]
-    return loc_k - mu
 
 
-def _rows_equal(t, dim=0):
-    """Whether every slice of ``t`` along ``dim`` equals the first (stride-0 dims without comparing)."""
-    t = compact(t)
-    return t.shape[dim] == 1 or bool(torch.equal(t, t.narrow(dim, 0, 1).expand_as(t)))
 
 
 def _check_scale_rows(name, scale):
-    if scale.dim() > 0 and not _rows_equal(scale):
+    if scale.dim() > 0 and not rows_equal(scale):
         raise NotLinearGaussianError(
             f"The scale of latent site {name!r} depends on other latents, so the "
             f"model is not linear-Gaussian; use conditionals='quadrature' or "
@@ -495,16 +435,3 @@ def _check_affine(loc_r, mu, W, eps_r, name):
             f"linear-Gaussian; use conditionals='quadrature' (low-dimensional "
             f"latents) or 'importance'."
         )
-
-
-def _common_rows(*ts, dim=0):
-    """Broadcast the (n|1) dim ``dim`` of several tensors to a common size."""
-    rows = max(t.shape[dim] for t in ts)
-    out = []
-    for t in ts:
-        if t.shape[dim] != rows:
-            shape = list(t.shape)
-            shape[dim] = rows
-            t = t.expand(shape)
-        out.append(t)
-    return tuple(out)

@@ -69,6 +69,7 @@ from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes im
 from ..observed_tokens import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import unwrap
+from .marginal_rows import rows_equal
 from .plate_runs import CoordinateLatents, LatentSlice, run_in_plate
 
 __all__ = ["HierarchicalGaussianConditionals", "HierarchicalGaussianState", "NotHierarchicalError", "hierarchical_loadings", "chain_terms"]
@@ -120,11 +121,6 @@ class HierarchicalGaussianState:
     @property
     def units(self):
         return self.b.shape[-3]
-
-
-def _rows_equal(t):
-    t = t.detach()
-    return t.dim() == 0 or t.shape[0] == 1 or bool(torch.equal(t, t[:1].expand_as(t)))
 
 
 def hierarchical_loadings(tokens, model, args, kwargs):
@@ -262,11 +258,11 @@ def hierarchical_loadings(tokens, model, args, kwargs):
                                        f"pyro.plate at dim {-rank} ({type(first).__name__}: {first}; write it so "
                                        f"that it broadcasts over an extra batch dim on the left)") from e
     for name, latent_scale in latent_scales.items():
-        if not _rows_equal(latent_scale):  # the noise points' dim first
+        if not rows_equal(latent_scale.detach()):  # the noise points' dim first
             raise _not_linear_gaussian(tokens.name, f"the scale of latent site {name!r} depends on other latents")
     loc = tokens.to_tokens(loc).reshape(B, -1, D)
     scale = tokens.to_tokens(scale).reshape(B, -1, D)
-    if not _rows_equal(scale):
+    if not rows_equal(scale.detach()):
         raise _not_linear_gaussian(tokens.name, "the observation's scale depends on the latents")
     mu = loc[0]  # (n, D)
     A = (loc[1 : 1 + K_g] - mu).permute(1, 2, 0)  # (n, D, K_g)
