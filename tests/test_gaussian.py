@@ -10,6 +10,7 @@ import pyro.distributions as dist
 
 from pyro_mpt import Evidence, GaussianConditionals, MaskedPretrainingLoss, NumericalWarning
 from pyro_mpt.conditionals import NotLinearGaussianError, gaussian_marginal
+from pyro_mpt.conditionals import gaussian_independent
 from pyro_mpt.mask_blocks import MaskBlock
 from pyro_mpt.masks import MaskSchedule
 from pyro_mpt.observed_tokens import trace_tokens
@@ -138,13 +139,17 @@ def test_shared_mask_sums_equal_brute_force_conditionals(K, method):
         assert torch.allclose(a, b, rtol=1e-8, atol=1e-8 * float(b.abs().max()))
 
 
-def test_independent_mask_sums_equal_brute_force_conditionals():
-    """Masks drawn per datapoint (the low-rank products over flattened contexts and
-    the closed-form gradient of the summed terms): the sums equal numpy's dense
+@pytest.mark.parametrize("K,chunk", [(1, None), (2, None), (3, None), (2, 20), (3, 20)])
+def test_independent_mask_sums_equal_brute_force_conditionals(K, chunk, monkeypatch):
+    """Masks drawn per datapoint (sums over each mask's targets, or its context where
+    that is smaller, in cache-sized chunks with a written backward; closed-form 2 x 2
+    inverses at K <= 2, factorizations above): the sums equal numpy's dense
     conditionals per (mask, datapoint) to 1e-10, and their gradient in W, mu and s
     that of a torch.linalg.solve loop to 1e-8."""
+    if chunk is not None:  # chunks of 2 rows: several per mask
+        monkeypatch.setattr(gaussian_independent, "CHUNK_ELEMENTS", chunk)
     D, N, q = 10, 6, 5
-    model, x, _ = make_ppca(D, K=3, N=N, sigma=0.5)
+    model, x, _ = make_ppca(D, K=K, N=N, sigma=0.5)
     g = torch.Generator().manual_seed(2)
     sizes = torch.tensor([1, 3, 5, 9, 10])[:, None, None]
     mask = torch.rand(q, N, D, generator=g).argsort(-1) < sizes  # (q, N, D), the last with no context

@@ -50,11 +50,11 @@ from .gaussian_aggregated import (
 )
 from .gaussian_blocks import BlockGaussianState, block_marginal
 from .gaussian_dense import dense_chain, dense_log_prob, dense_masks
+from .gaussian_independent import lowrank_independent_sums
 from .gaussian_jitter import add_jitter, factor_whole, resume_jitter
 from .gaussian_linalg import NotPositiveDefinite, dense_dtype, lowrank_dtype
 from .gaussian_lowrank import (
     lowrank_chain,
-    lowrank_independent_sums,
     lowrank_log_prob,
     lowrank_masks,
     lowrank_shared_chain,
@@ -303,12 +303,10 @@ class GaussianConditionals(ConditionalEngine):
         if state.is_low_rank and state.cov_factor.shape[0] == 1:
             # masks per datapoint, covariance shared: products over the flattened
             # (q n, D) contexts, in chunks of max_elements
-            R = state.cov_factor.shape[-1]
-            n, D = x.shape
-            q_step = max(1, self.max_elements // max(1, n * (D * 4 + R * R)))
-            return _to_data(state, self._rescued(state, lambda: torch.cat(
-                [lowrank_independent_sums(state, x, mask[i : i + q_step]) for i in range(0, mask.shape[0], q_step)]
-            )))
+            # in cache-sized chunks, none kept for the backward pass
+            return _to_data(state, self._rescued(
+                state, lambda: lowrank_independent_sums(state, x, mask, self._shared_data(state, x_data, x))
+            ))
         logc = self._rescued(state, lambda: self._mask_log_prob(state, x, mask))
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
         return _to_data(state, torch.where(mask, logc, zero).sum(-1))

@@ -1,8 +1,8 @@
 r"""The low-rank (Woodbury) kernels of the Gaussian engine, for
 :math:`\Sigma = FF^\top + \operatorname{diag}(\psi)`: the exact log-density
 (with its closed-form gradient when the parameters are shared by the batch),
-masked conditionals per datapoint, their sums for masks drawn per datapoint, and
-the chain rule along orderings by nested updates.
+masked conditionals per datapoint, and the chain rule along orderings by nested
+updates (sums for masks drawn per datapoint: ``gaussian_independent``).
 """
 
 import torch
@@ -128,82 +128,6 @@ def lowrank_masks(m, x, mask):
     var = psi + V.pow(2).sum(-2)  # (q, m', D)
     mean = (h.transpose(-1, -2) @ V).squeeze(-2)  # (q, n, D)
     return normal_log_prob(resid, mean, var)
-
-
-def lowrank_independent_sums(m, x, mask):
-    r"""Summed Woodbury log-conditionals for masks ``(q, n, D)`` drawn per datapoint, ``(q, n)``.
-
-    With the context indicators :math:`C` flattened to ``(q n, D)``, every
-    per-query quantity is a matrix product with the shared loading :math:`F`
-    (no ``(q, n, R, D)`` table, no batched triangular solves):
-    :math:`\Lambda = I + C\,(F \odot F / \psi)` (rows of :math:`R^2`),
-    :math:`\eta_{qi} = \sum_j C_{qij} (r_{ij}/\psi_j) f_j` (one batched product
-    per datapoint), and with :math:`B = \Lambda^{-1}` the conditional variance
-    :math:`v_{qij} = \psi_j + f_j^\top B_{qi} f_j = \psi_j + \operatorname{vec}(B_{qi})^\top
-    (f_j \otimes f_j)` and mean :math:`f_j^\top B_{qi}\eta_{qi}` are two more
-    products over ``(q n, R^2) x (R^2, D)``.
-    """
-    F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
-    q, n, D = mask.shape
-    R = F.shape[-1]
-    r = x - m.loc  # (n, D)
-    target = mask.to(x.dtype)  # (q, n, D)
-    ctx = 1.0 - target
-    FF = (F.unsqueeze(-1) * F.unsqueeze(-2)).reshape(D, R * R)
-    A = (ctx.reshape(q * n, D) @ (FF / psi.unsqueeze(-1))).reshape(q, n, R, R)
-    A = A + torch.eye(R, dtype=x.dtype, device=x.device)
-    # per datapoint, (q, D) contexts times its (D, R) weighted loading
-    G = (r / psi).unsqueeze(-1) * F  # (n, D, R)
-    eta = (ctx.transpose(0, 1) @ G).transpose(0, 1)  # (q, n, R)
-    L = cholesky(A, "context precision I + F_R^T Psi_R^-1 F_R", m.site)
-    B = torch.cholesky_inverse(L)  # (q, n, R, R)
-    c = (B @ eta.unsqueeze(-1)).reshape(q * n, R)
-    var = torch.addmm(psi, B.reshape(q * n, R * R), FF.T).reshape(q, n, D)
-    # a contiguous (R, D) right factor: MKL's product with the transposed view
-    # is 4 times slower at R = 2
-    mean = (c @ F.T.contiguous()).reshape(q, n, D)
-    return -0.5 * (MaskedNormalTerms.apply(r, mean, var, target) + LOG_2PI * target.sum(-1))
-
-
-class MaskedNormalTerms(torch.autograd.Function):
-    r""":math:`\sum_j t_j\,[\log v_j + (r_j - \mu_j)^2 / v_j]` over the last dim, with
-    its gradient in closed form.
-
-    With :math:`a_j = (r_j - \mu_j)/v_j` and upstream weight :math:`g`:
-    :math:`\partial/\partial\mu_j = -2 g t_j a_j = -\partial/\partial r_j` and
-    :math:`\partial/\partial v_j = g t_j (1/v_j - a_j^2)`. Autograd through the
-    elementwise expression keeps five full-size intermediates and makes a dozen
-    passes over them in the backward pass; this keeps none (the inputs are
-    saved) and makes about half as many passes, on the independent-mask path
-    where these tables are ``(q, n, D)``.
-
-    :param torch.Tensor r: ``(n, D)``, broadcast against the others.
-    :param torch.Tensor mean: ``(q, n, D)``.
-    :param torch.Tensor var: ``(q, n, D)``, positive.
-    :param torch.Tensor target: ``(q, n, D)``, the weights :math:`t_j` (1 at a masked token); no gradient.
-    :returns: ``(q, n)``.
-    """
-
-    @staticmethod
-    def forward(ctx, r, mean, var, target):
-        # two full-size buffers, everything else in place
-        e = torch.sub(r, mean).square_().div_(var)
-        terms = var.log().add_(e).mul_(target)
-        ctx.save_for_backward(r, mean, var, target)
-        return terms.sum(-1)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g):
-        r, mean, var, target = ctx.saved_tensors
-        # three full-size buffers: 1/v, a = (r - mu)/v, the weights g t
-        d_var = var.reciprocal()
-        a = torch.sub(r, mean).mul_(d_var)
-        weight = target * g.unsqueeze(-1)
-        d_var.addcmul_(a, a, value=-1.0).mul_(weight)
-        d_mean = a.mul_(weight).mul_(-2.0)
-        d_r = d_mean.sum_to_size(r.shape).neg() if ctx.needs_input_grad[0] else None
-        return d_r, d_mean, d_var, None
 
 
 def lowrank_shared_chain(m, x, order, max_elements):

@@ -1,0 +1,257 @@
+r"""Summed low-rank conditionals for masks drawn per datapoint, in cache-sized chunks.
+
+For :math:`\Sigma = FF^\top + \Psi` (rank :math:`K`), a mask with targets
+:math:`\mathcal M` and context :math:`\mathcal R` of datapoint :math:`i` has
+the latent precision :math:`\Lambda = I + F_{\mathcal R}^\top\Psi_{\mathcal R}^{-1}F_{\mathcal R}
+= \Lambda_0 - F_{\mathcal M}^\top\Psi_{\mathcal M}^{-1}F_{\mathcal M}`
+(:math:`\Lambda_0 = I + F^\top\Psi^{-1}F`) and, with the centred residuals
+:math:`e_i = r_i - F\hat z_i` (:math:`\hat z_i` the full-data posterior mean,
+so that :math:`F^\top\Psi^{-1}e_i = \hat z_i` up to rounding), the masked
+residual of token :math:`j \in \mathcal M`
+
+.. math::
+
+    d_j = e_j + f_j^\top\Lambda^{-1}\big(\delta_i + F_{\mathcal M}^\top\Psi_{\mathcal M}^{-1}e_{\mathcal M}\big),
+    \qquad \delta_i = \hat z_i - F^\top\Psi^{-1}e_i \approx 0,
+
+exact for any :math:`\hat z_i`; the variance is
+:math:`v_j = \psi_j + f_j^\top\Lambda^{-1}f_j`. So a (mask, datapoint) pair needs
+only sums over its masked tokens (over its context instead where that is the
+smaller set, so that :math:`\Lambda` is never a small difference of large
+sums), matrix products of the 0/1 mask table with :math:`K(K+1)/2 + K` per-token
+features, and per masked token a few multiply-adds, a logarithm and a division.
+
+:class:`IndependentLowRankSums` evaluates this over chunks of (mask, datapoint)
+rows small enough to stay in the core's cache, and its backward pass
+recomputes each chunk instead of keeping it: the graph keeps the inputs and
+the mask, nothing of size ``(q, n, D)`` in the working dtype.
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .gaussian_linalg import LOG_2PI, cholesky
+
+#: tokens of one chunk's (rows, D) tables: large enough that the Python overhead
+#: of its few dozen kernels stays small against their work, small enough that
+#: its four tables stay in cache
+CHUNK_ELEMENTS = 2**19
+
+
+def packed_pairs(K, device):
+    """The index pairs ``(a, b)``, ``a <= b``, of a symmetric ``K x K`` matrix's
+    upper triangle, and the map ``(K, K)`` from each entry to its pair."""
+    a, b = torch.triu_indices(K, K, device=device)
+    full = torch.empty(K, K, dtype=torch.long, device=device)
+    pos = torch.arange(a.numel(), device=device)
+    full[a, b] = pos
+    full[b, a] = pos
+    return a, b, full
+
+
+def lowrank_independent_sums(m, x, mask, data):
+    r"""Summed Woodbury log-conditionals for masks ``(q, n, D)`` drawn per datapoint, ``(q, n)``.
+
+    :param m: the low-rank state, its loading and noise shared by the batch.
+    :param torch.Tensor x: ``(n, D)``, in the state's dtype.
+    :param torch.Tensor mask: bool ``(q, n, D)``, True at a target token.
+    :param dict data: the mask-free pieces of ``gaussian_shared.lowrank_shared_data``
+        (``zhat`` ``(K, n)``, ``eT`` ``(D, n)``, ``Fp`` ``(D, K)``).
+    """
+    F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, K), (D,)
+    K = F.shape[-1]
+    a, b, _ = packed_pairs(K, F.device)
+    e = data["eT"].T.contiguous()  # (n, D), row-major like the mask tables
+    ep = e / psi
+    delta = data["zhat"].T - ep @ F  # (n, K), ~0: keeps the identity exact for any zhat
+    phi = F[:, a] * F[:, b]  # (D, P)
+    lam0 = torch.eye(K, dtype=F.dtype, device=F.device) + data["Fp"].T @ F
+    sums = IndependentLowRankSums.apply(mask, e, ep, delta, F, psi, phi, phi / psi.unsqueeze(-1), lam0, m.site)
+    return -0.5 * sums
+
+
+def _chunks(q, n, D):
+    """Slices ``(qs, ns)`` of the ``(q, n)`` rows, about ``CHUNK_ELEMENTS`` tokens each."""
+    rows = max(1, CHUNK_ELEMENTS // D)
+    if rows >= n:
+        q_step = max(1, rows // n)
+        for i in range(0, q, q_step):
+            yield slice(i, min(q, i + q_step)), slice(0, n)
+    else:
+        for i in range(q):
+            for j in range(0, n, rows):
+                yield slice(i, i + 1), slice(j, min(n, j + rows))
+
+
+class IndependentLowRankSums(torch.autograd.Function):
+    r""":math:`\sum_{j\in\mathcal M}[\log 2\pi + \log v_j + d_j^2/v_j]` per (mask, datapoint),
+    ``(q, n)``, with the backward pass written out (see the module docstring).
+
+    With :math:`a_j = d_j / v_j` and upstream weight :math:`g`,
+    :math:`\partial/\partial v_j = g(1/v_j - a_j^2)` and
+    :math:`\partial/\partial d_j = 2 g a_j` on the targets; through
+    :math:`v = \psi + \phi\,\mathrm{vec}(B)` (:math:`B = \Lambda^{-1}`),
+    :math:`d = e + F u` (:math:`u = B w`, :math:`w = \delta + F_{\mathcal M}^\top
+    \Psi_{\mathcal M}^{-1} e_{\mathcal M}`) and
+    :math:`\partial\Lambda = -B\,(\partial B)\,B` these become matrix products
+    of the chunk's tables with the per-token features. The chunk's tables live
+    in four buffers reused by every chunk; the backward pass recomputes them.
+
+    Inputs: ``mask`` bool ``(q, n, D)``; ``e``, ``ep`` (:math:`e/\psi`) ``(n, D)``;
+    ``delta`` ``(n, K)``; ``F`` ``(D, K)``; ``psi`` ``(D,)``; ``phi``
+    (:math:`f_{ja}f_{jb}`, ``a <= b``) and ``phi_p`` (:math:`\phi/\psi`) ``(D, P)``;
+    ``lam0`` ``(K, K)``; ``site`` (for errors).
+    """
+
+    @staticmethod
+    def forward(ctx, mask, e, ep, delta, F, psi, phi, phi_p, lam0, site):
+        q, n, D = mask.shape
+        out = e.new_empty(q, n)
+        # buffers: 0 the targets, 1 and 2 the chunk's scratch, then v and d; 3 the terms
+        bufs = _Buffers(mask, e.dtype, 4)
+        for qs, ns in _chunks(q, n, D):
+            c = _Chunk(bufs, mask[qs, ns], ep[ns], delta[ns], F, phi_p, lam0, site)
+            shape = c.t.shape
+            v, d = c.residuals(bufs.take(1, shape), bufs.take(2, shape), e[ns], psi, phi)
+            terms = torch.log(v, out=bufs.take(3, shape))
+            terms.addcdiv_(d.square_(), v).mul_(c.t)
+            # the constant log(2 pi) per target from the counts the chunk has made
+            torch.add(terms.sum(-1), c.count, alpha=LOG_2PI, out=out[qs, ns])
+        ctx.site = site
+        ctx.save_for_backward(mask, e, ep, delta, F, psi, phi, phi_p, lam0)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        mask, e, ep, delta, F, psi, phi, phi_p, lam0 = ctx.saved_tensors
+        q, n, D = mask.shape
+        K = F.shape[-1]
+        de, dep, ddelta = torch.zeros_like(e), torch.zeros_like(ep), torch.zeros_like(delta)
+        dF, dpsi = torch.zeros_like(F), torch.zeros_like(psi)
+        dphi, dphi_p, dlam0 = torch.zeros_like(phi), torch.zeros_like(phi_p), torch.zeros_like(lam0)
+        a_idx, b_idx, full = packed_pairs(K, F.device)
+        off = torch.where(a_idx == b_idx, 1.0, 2.0).to(F.dtype)
+        # buffers: 0 the targets, 1 the precision's table (kept until dS), 2 scratch,
+        # then v; 3 d; 4 the weights
+        bufs = _Buffers(mask, e.dtype, 5)
+        for qs, ns in _chunks(q, n, D):
+            c = _Chunk(bufs, mask[qs, ns], ep[ns], delta[ns], F, phi_p, lam0, ctx.site)
+            shape = c.t.shape
+            rows = shape[0] * shape[1]
+            v, d = c.residuals(bufs.take(2, shape), bufs.take(3, shape), e[ns], psi, phi)
+            # dL/dv = g t (1/v - a^2) and dL/dd = 2 g t a (a = d / v), in place
+            weight = torch.mul(c.t, g[qs, ns].unsqueeze(-1), out=bufs.take(4, shape))
+            a = d.div_(v)
+            dv = v.reciprocal_().addcmul_(a, a, value=-1.0).mul_(weight)
+            ga = a.mul_(weight)  # half of dL/dd
+            dv2, ga2 = dv.view(rows, D), ga.view(rows, D)
+            dpsi += dv2.sum(0)
+            dphi += dv2.T @ c.Bp.view(rows, -1)
+            de[ns].add_(_sum_masks(ga), alpha=2.0)
+            u2 = c.u.view(rows, K)
+            dF += 2.0 * (ga2.T @ u2)
+            du = 2.0 * (ga2 @ F).view(c.u.shape)
+            dB = (dv2 @ phi).view(c.u.shape[:-1] + (-1,))[..., full]  # (.., K, K)
+            dB = dB + du.unsqueeze(-1) * c.w.unsqueeze(-2)
+            dw = (c.B @ du.unsqueeze(-1)).squeeze(-1)
+            dlam = -(c.B @ dB @ c.B)
+            dlam = 0.5 * (dlam + dlam.transpose(-1, -2))
+            # Lambda = I + S(context) on flipped rows, lam0 - S(targets) on the others
+            sign = torch.where(c.flip, 1.0, -1.0).to(dlam.dtype)[..., None]
+            dS = dlam[..., a_idx, b_idx] * off * sign
+            dphi_p += c.tl.view(rows, D).T @ dS.view(rows, -1)
+            dlam0 += (dlam * (~c.flip).to(dlam.dtype)[..., None, None]).sum((0, 1))
+            ddelta[ns].add_(dw.sum(0))
+            # w = delta + (t ep) F
+            dw2 = dw.view(rows, K)
+            z = torch.mul(c.t, ep[ns], out=bufs.take(1, shape))
+            dF += z.view(rows, D).T @ dw2
+            dz = torch.mm(dw2, c.FT, out=bufs.take(2, (rows, D))).view(shape)
+            dep[ns].add_(_sum_masks(dz.mul_(c.t)))
+        return (None, de, dep, ddelta, dF, dpsi, dphi, dphi_p, dlam0, None)
+
+
+def _sum_masks(table):
+    """``table.sum(0)`` for ``(qc, nc, D)``, without a copy when ``qc = 1`` (a
+    reduction over a dimension of one allocates, fills and copies a full table)."""
+    return table[0] if table.shape[0] == 1 else table.sum(0)
+
+
+class _Buffers:
+    """Flat buffers for the chunks' ``(rows, D)`` tables, reused by every chunk (a
+    fresh allocation per chunk would fault in its pages each time)."""
+
+    def __init__(self, mask, dtype, count):
+        q, n, D = mask.shape
+        qs, ns = next(_chunks(q, n, D))  # the first chunk is the largest
+        size = (qs.stop - qs.start) * (ns.stop - ns.start) * D
+        self.flat = [torch.empty(size, dtype=dtype, device=mask.device) for _ in range(count)]
+
+    def take(self, i, shape):
+        numel = 1
+        for s in shape:
+            numel *= s
+        return self.flat[i][:numel].view(shape)
+
+
+class _Chunk:
+    """One chunk's 0/1 targets ``t`` (buffer 0), the table the latent precision is
+    summed from ``tl`` (``t``, or ``1 - t`` on the rows whose context is the smaller
+    set; buffer 1 when it differs), and its small pieces: the precision's inverse
+    ``B`` (packed with doubled off-diagonal entries as ``Bp``), ``w`` and ``u = B w``."""
+
+    def __init__(self, bufs, mask, ep, delta, F, phi_p, lam0, site):
+        qc, nc, D = mask.shape
+        K = F.shape[-1]
+        dtype = F.dtype
+        rows = qc * nc
+        # bool -> float through uint8: a plain copy, a third of the cost of .to()
+        t = bufs.take(0, mask.shape).copy_(mask.view(torch.uint8))
+        self.t = t
+        # from the float table: a sum over the bool mask would convert it to int64
+        self.count = t.sum(-1)  # (qc, nc)
+        self.flip = self.count > D / 2  # the context is the smaller set
+        tl = t
+        if bool(self.flip.any()):
+            f = self.flip.to(dtype).unsqueeze(-1)
+            tl = torch.addcmul(f, t, 1.0 - 2.0 * f, out=bufs.take(1, mask.shape))
+        self.tl = tl
+        a, b, full = packed_pairs(K, F.device)
+        S = (tl.view(rows, D) @ phi_p).view(qc, nc, -1)[..., full]  # (qc, nc, K, K)
+        eye = torch.eye(K, dtype=dtype, device=F.device)
+        lam = torch.where(self.flip[..., None, None], eye + S, lam0 - S)
+        z = torch.mul(t, ep, out=bufs.take(2, mask.shape))
+        self.w = delta + (z.view(rows, D) @ F).view(qc, nc, K)
+        self.B = _spd_inverse(lam, site)
+        self.u = (self.B @ self.w.unsqueeze(-1)).squeeze(-1)  # (qc, nc, K)
+        self.Bp = self.B[..., a, b] * torch.where(a == b, 1.0, 2.0).to(dtype)  # (qc, nc, P)
+        # a contiguous (K, D) right factor: MKL's product with the transposed view
+        # is 4 times slower at K = 2
+        self.FT = F.T.contiguous()
+
+    def residuals(self, v, d, e, psi, phi):
+        """The variances and masked residuals, written into ``v`` and ``d`` ``(qc, nc, D)``."""
+        qc, nc, D = self.t.shape
+        rows = qc * nc
+        torch.addmm(psi, self.Bp.view(rows, -1), phi.T, out=v.view(rows, D))
+        if qc == 1:
+            torch.addmm(e, self.u.view(nc, -1), self.FT, out=d.view(nc, D))
+        else:
+            torch.baddbmm(e, self.u, self.FT.expand(qc, -1, -1), out=d)
+        return v, d
+
+
+def _spd_inverse(lam, site):
+    """The inverse of symmetric positive definite ``(..., K, K)`` matrices (closed
+    form for K <= 2: a batched factorization costs more per 2 x 2 matrix)."""
+    K = lam.shape[-1]
+    if K == 1:
+        return lam.reciprocal()
+    if K == 2:
+        p, r, s = lam[..., 0, 0], lam[..., 0, 1], lam[..., 1, 1]
+        det = p * s - r * r
+        inv = torch.stack([torch.stack([s, -r], -1), torch.stack([-r, p], -1)], -2)
+        return inv / det[..., None, None]
+    L = cholesky(lam, "context precision I + F_R^T Psi_R^-1 F_R", site)
+    return torch.cholesky_inverse(L)
