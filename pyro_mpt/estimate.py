@@ -154,10 +154,7 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
         each one :meth:`~pyro_mpt.conditionals.ConditionalEngine.weighted_mask_sum`
         call, when that working set is below ``n * D`` (otherwise the blocks
         are evaluated as the schedule yields them, so that a sampling engine
-        draws as it did). Groups are kept for the backward pass, not
-        recomputed, while what they keep
-        (:meth:`~pyro_mpt.conditionals.ConditionalEngine.weighted_sum_kept_elements`)
-        fits in ``max_elements`` together.
+        draws as it did).
     :param ~pyro_mpt.curve.CurveAccumulator accumulator: when given, every
         query's score is also added to it by size (for curves).
     :param str progress: a progress-bar label, or None for no bar.
@@ -187,7 +184,6 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
         # the engine's weighted sum needs less than the n * D per query the
         # schedule chunked by: fewer, larger groups
         blocks = _merged(blocks, max(1, max_elements // per_query))
-    kept_per_query, kept = max(1, int(engine.weighted_sum_kept_elements(state, x))), 0
     for k, item in enumerate(blocks):
         # the first item keeps its intermediates: one item's worth, no
         # recomputation when the schedule fits a single one, and what an
@@ -195,13 +191,7 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
         # GaussianMarginal.data_pieces) is computed outside any recomputed
         # one, so every recomputation repeats only its own forward
         if isinstance(item, _SharedGroup):
-            # groups are kept while what they keep for the backward pass fits
-            # in max_elements together: for an engine that keeps less than its
-            # working set, more of them than the first
-            size = item.mask.shape[0] * kept_per_query
-            recompute = k > 0 and kept + size > max_elements
-            kept += 0 if recompute else size
-            estimate = estimate + _group_estimate(item, engine, state, x, recompute=recompute)
+            estimate = estimate + _group_estimate(item, engine, state, x, recompute=k > 0)
         else:
             estimate = estimate + _block_estimate(item, engine, state, x, recompute=k > 0)
     return estimate

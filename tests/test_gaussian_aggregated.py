@@ -223,29 +223,6 @@ def test_loss_merges_shared_blocks_and_matches_the_loop(method, chunk_size):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8, atol=1e-8 * float(b.abs().max()))
 
 
-@pytest.mark.parametrize("chunk_size,recomputed", [(400, 0), (300, 2)])
-def test_groups_are_recomputed_only_past_what_they_keep(chunk_size, recomputed):
-    # D = 10, K = 3 low-rank: a working set of 6 K^2 + 8 D = 134 elements a mask
-    # (groups of 2 masks at these chunk sizes, 5 groups) and 2 (K^2 + D) = 38 kept
-    # for the backward pass, 76 a group: all 5 fit in 400; in 300 the last 2 do not
-    D, K, N = 10, 3, 200
-    model, x, _ = make_ppca(D, K, N, seed=4)
-    g = torch.Generator().manual_seed(0)
-    masks = torch.stack([torch.randperm(D, generator=g) < M for M in range(1, D + 1)])
-    blocks = [MaskBlock(masks[i : i + 1, None], torch.tensor([[i + 1]]), torch.ones(1, 1, dtype=torch.float64)) for i in range(D)]
-    engine = Counting(method="lowrank")
-    loss = MaskedPretrainingLoss(masks=Replay(blocks), conditionals=engine, chunk_size=chunk_size)
-    W, mu, s = (pyro.param(k).unconstrained() for k in ("W", "mu", "s"))
-    got = torch.autograd.grad(loss.differentiable_loss(model, None, x), (W, mu, s))
-    assert engine.calls[:5] == [2] * 5 and len(engine.calls) == 5 + recomputed
-    coef = 1.0 / torch.arange(1, D + 1, dtype=torch.float64)
-    ref = -torch_weighted_sum(
-        pyro.param("W") @ pyro.param("W").T + pyro.param("s") ** 2 * torch.eye(D), pyro.param("mu"), x, masks, coef
-    ).sum()
-    for a, b in zip(got, torch.autograd.grad(ref, (W, mu, s))):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8, atol=1e-8 * float(b.abs().max()))
-
-
 def tokens_model(W, mu, observed=None):
     D, K = W.shape
 

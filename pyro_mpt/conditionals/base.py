@@ -202,19 +202,6 @@ class ConditionalEngine(ABC):
         """
         return x.shape[0] * x.shape[1]
 
-    def weighted_sum_kept_elements(self, state, x):
-        """Elements per query that :meth:`weighted_mask_sum` keeps alive for the backward pass.
-
-        :func:`~pyro_mpt.estimate.mpt_estimate` keeps the groups whose kept
-        tensors fit in ``max_elements`` together and recomputes the others in
-        the backward pass. The default is the whole working set
-        (:meth:`weighted_sum_elements`); an engine whose backward pass needs
-        less than its forward pass holds declares less, and is recomputed less.
-
-        :returns: int.
-        """
-        return self.weighted_sum_elements(state, x)
-
     def chain_sums(self, state, x, order, observed=None):
         r"""Chain-rule sums along complete orderings, shape ``(p, n)``.
 

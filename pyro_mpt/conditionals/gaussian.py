@@ -43,7 +43,6 @@ from .distributions import take_rows
 from .gaussian_aggregated import (
     aggregated_cheaper,
     aggregated_elements,
-    aggregated_kept_elements,
     dense_weighted_sum,
     lowrank_aggregate_data,
     lowrank_weighted_sum,
@@ -365,12 +364,6 @@ class GaussianConditionals(ConditionalEngine):
         if not aggregated:
             return super().weighted_sum_elements(state, x)
         return aggregated_elements(x.shape[-1], R)
-
-    def weighted_sum_kept_elements(self, state, x):
-        aggregated, R = self._aggregated_rank(state, x)
-        if not aggregated:
-            return super().weighted_sum_kept_elements(state, x)
-        return aggregated_kept_elements(x.shape[-1], R)
 
     def weighted_mask_sum(self, state, x, mask, coef):
         r"""The weighted sum over masks shared by the batch as one quadratic form

@@ -22,11 +22,11 @@ the whitened data.
 import torch
 
 from .gaussian_linalg import LOG_2PI, cholesky
-from .gaussian_lowrank_form import LowRankForm, lowrank_form_chunk
+from .gaussian_lowrank_form import LowRankForm, lowrank_form_chunks
 
 __all__ = [
-    "aggregated_cheaper", "aggregated_elements", "aggregated_kept_elements", "lowrank_aggregate_data", "lowrank_weighted_sum", "dense_weighted_sum",
-    "DenseForm", "WhitenedQuad",
+    "aggregated_cheaper", "aggregated_elements", "lowrank_aggregate_data", "lowrank_weighted_sum", "dense_weighted_sum",
+    "DenseForm", "WhitenedQuad", "QuadraticRows",
 ]
 
 
@@ -52,17 +52,10 @@ def aggregated_cheaper(n, D, R=None, masks=None):
 
 def aggregated_elements(D, R=None):
     r"""Elements of the aggregated form's working set per mask: the stacked
-    :math:`D\times D` regressions of the dense form; the low-rank form's
-    :math:`R\times R` and :math:`D`-vector pieces alive at once in its backward
-    pass (:class:`~pyro_mpt.conditionals.gaussian_lowrank_form.LowRankForm`;
-    its ``(c, R, D)`` tables are chunked apart)."""
-    return D * D if R is None else 6 * R * R + 8 * D
-
-
-def aggregated_kept_elements(D, R=None):
-    r"""Elements per mask that the aggregated form keeps for the backward pass:
-    the dense form's working set; the low-rank form's :math:`\Lambda_m^{-1}`,
-    :math:`F^\top W_mF`, variances and targets."""
+    :math:`D\times D` regressions of the dense form; the :math:`R\times R` and
+    :math:`D`-vector pieces the low-rank form keeps for its backward pass
+    (:class:`~pyro_mpt.conditionals.gaussian_lowrank_form.LowRankForm`; the rest
+    of its pieces are made in chunks of masks within the engine's ``max_elements``)."""
     return D * D if R is None else 2 * (R * R + D)
 
 
@@ -115,16 +108,45 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
     :param dict data: the mask-free pieces (``gaussian_shared.lowrank_shared_data``,
         completed by :func:`lowrank_aggregate_data`).
     :param int max_elements: bound on the elements of the stacked pieces
-        alive at once (chunks of masks, :func:`~pyro_mpt.conditionals.gaussian_lowrank_form.lowrank_form_chunk`).
+        alive at once (chunks of masks, :func:`~pyro_mpt.conditionals.gaussian_lowrank_form.lowrank_form_chunks`).
     :returns: ``(n,)``.
     """
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
     D, R = F.shape
-    chunk = lowrank_form_chunk(D, R, F.dtype, max_elements)
-    A, wsum, logdet = LowRankForm.apply(F, psi, mask.to(F.dtype), coef.to(F.dtype), chunk, m.site)
-    y = data["y"]  # (n, D + R)
-    quad = ((y @ A) * y).sum(-1) + data["e2"] @ wsum
+    chunks = lowrank_form_chunks(D, R, F.dtype, max_elements)
+    A, wsum, logdet = LowRankForm.apply(F, psi, mask.to(F.dtype), coef.to(F.dtype), chunks, m.site)
+    quad = QuadraticRows.apply(data["y"], A) + data["e2"] @ wsum  # y (n, D + R)
     return -0.5 * (logdet + quad)
+
+
+class QuadraticRows(torch.autograd.Function):
+    r"""The quadratic forms :math:`y_i^\top A_s y_i`, ``(n,)``, with :math:`A_s =
+    \tfrac12(A + A^\top)` and the backward pass written out: :math:`\bar y_i =
+    2g_iA_sy_i` reuses the forward product and :math:`\bar A = \sum_i g_iy_iy_i^\top`,
+    two matrix products with the data instead of the three recorded op by op.
+
+    :param y: ``(n, d)``. :param A: ``(d, d)``.
+
+    Example::
+
+        >>> QuadraticRows.apply(y, A)  # (n,), ((y @ A) * y).sum(-1)
+    """
+
+    @staticmethod
+    def forward(ctx, y, A):
+        """``(n,)``."""
+        yA = y @ (0.5 * (A + A.T))
+        ctx.save_for_backward(y, yA)
+        return (yA * y).sum(-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        """The gradients of ``y`` and ``A``."""
+        y, yA = ctx.saved_tensors
+        gy = (2 * g).unsqueeze(-1) * yA if ctx.needs_input_grad[0] else None
+        gA = y.T @ (g.unsqueeze(-1) * y) if ctx.needs_input_grad[1] else None
+        return gy, gA
 
 
 def lowrank_aggregate_data(data):

@@ -18,7 +18,7 @@ import torch
 
 from .gaussian_linalg import LOG_2PI, cholesky
 
-__all__ = ["LowRankForm", "lowrank_form_chunk"]
+__all__ = ["LowRankForm", "lowrank_form_chunks"]
 
 #: bytes of one ``(c, R, D)`` table of a chunk of ``c`` masks: about eight such
 #: tables are touched per chunk, and at this size they stay in a core's cache
@@ -26,11 +26,15 @@ __all__ = ["LowRankForm", "lowrank_form_chunk"]
 CHUNK_BYTES = 2**20
 
 
-def lowrank_form_chunk(D, R, dtype, max_elements):
-    """Masks per chunk of :class:`LowRankForm`'s ``(c, R, D)`` tables: within
-    ``CHUNK_BYTES`` each, and about eight of them within ``max_elements``."""
+def lowrank_form_chunks(D, R, dtype, max_elements):
+    """Masks per chunk of :class:`LowRankForm`, ``(outer, inner)``: the outer
+    chunks' :math:`R\times R` and :math:`D`-vector pieces (about ``10 R^2 + 8 D``
+    elements a mask alive at once) within ``max_elements``; the inner chunks'
+    ``(c, R, D)`` tables within ``CHUNK_BYTES`` each and about eight of them
+    within ``max_elements``."""
     itemsize = torch.finfo(dtype).bits // 8
-    return max(1, min(CHUNK_BYTES // (R * D * itemsize), max_elements // (8 * R * D)))
+    inner = max(1, min(CHUNK_BYTES // (R * D * itemsize), max_elements // (8 * R * D)))
+    return max(inner, max_elements // (10 * R * R + 8 * D)), inner
 
 
 class _Packing:
@@ -99,44 +103,45 @@ class LowRankForm(torch.autograd.Function):
     :math:`y^\top Ay`, gives: a symmetric gradient of :math:`A`.
 
     :param F: ``(D, R)``. :param psi: ``(D,)``. :param t: the targets, 0/1 in
-        ``F``'s dtype, ``(P, D)``. :param a: ``(P,)``. :param int chunk: masks
-        per chunk (:func:`lowrank_form_chunk`). :param str site: for error messages.
+        ``F``'s dtype, ``(P, D)``. :param a: ``(P,)``. :param tuple chunks: masks
+        per outer and inner chunk (:func:`lowrank_form_chunks`): the
+        :math:`R\times R` pieces of an outer chunk are alive at once, and the
+        ``(c, R, D)`` tables of an inner one. :param str site: for error messages.
     :returns: ``A`` ``(D + R, D + R)``, ``wsum`` ``(D,)``, ``logdet`` ``()``.
     """
 
     @staticmethod
-    def forward(ctx, F, psi, t, a, chunk, site):
+    def forward(ctx, F, psi, t, a, chunks, site):
         """``(A, wsum, logdet)``."""
         D, R = F.shape
         P = t.shape[0]
         pk = _Packing(F)
-        Lam = pk.outer((1 - t) / psi)
-        Lam.diagonal(dim1=-2, dim2=-1).add_(1)
-        L = cholesky(Lam, "context precision I + F_R^T Psi_R^-1 F_R", site)
-        eye = torch.eye(R, dtype=F.dtype, device=F.device)
-        # Lambda >= I, so L^-1 has norm <= 1: its explicit inverse is accurate
-        Linv = torch.linalg.solve_triangular(L, eye.expand(P, R, R), upper=False)
-        Li = Linv.transpose(-1, -2) @ Linv
-        v = pk.inner(Li).add_(psi)
-        w = a.unsqueeze(-1) * t / v
-        logdet = (a.unsqueeze(-1) * t * (LOG_2PI + v.log())).sum()
-        Mw = pk.outer(w)
-        s = t / psi
-        Q = Li @ Mw @ Li
+        Li, Mw, v = F.new_empty(P, R, R), F.new_empty(P, R, R), F.new_empty(P, D)
         A = F.new_zeros(D + R, D + R)
-        Aee, Aed, Ade = A[:D, :D], A[:D, D:], A[D:, :D]
-        for i in range(0, P, chunk):
-            sl = slice(i, i + chunk)
-            (X, Y), _ = _pieces(F, Li[sl], Q[sl], w[sl], s[sl])
-            c = X.shape[0]
-            X = X.view(c * R, D)
-            Aee.addmm_(X.T, Y.view(c * R, D))
-            Aed.addmm_(X.T, Q[sl].reshape(c * R, R))
-            Ade.add_(Y.sum(0))
-        A[D:, D:] = Q.sum(0)
+        wsum, logdet = F.new_zeros(D), F.new_zeros(())
+        outer, inner = chunks
+        eye = torch.eye(R, dtype=F.dtype, device=F.device)
+        for o in range(0, P, outer):
+            so = slice(o, o + outer)
+            to, ao = t[so], a[so].unsqueeze(-1)
+            Lam = pk.outer((1 - to) / psi)
+            Lam.diagonal(dim1=-2, dim2=-1).add_(1)
+            L = cholesky(Lam, "context precision I + F_R^T Psi_R^-1 F_R", site)
+            # Lambda >= I, so L^-1 has norm <= 1: its explicit inverse is accurate
+            Linv = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False)
+            Lio = torch.matmul(Linv.transpose(-1, -2), Linv, out=Li[so])
+            vo = torch.add(pk.inner(Lio), psi, out=v[so])
+            w = ao * to / vo
+            logdet += (ao * to * (LOG_2PI + vo.log())).sum()
+            wsum += w.sum(0)
+            Mwo = Mw[so]
+            Mwo.copy_(pk.outer(w))
+            Q = Lio @ Mwo @ Lio
+            s = to / psi
+            _forward_form(F, Lio, Q, w, s, inner, A)
         ctx.save_for_backward(F, psi, t, a, Li, Mw, v, A)
-        ctx.chunk = chunk
-        return A, w.sum(0), logdet
+        ctx.chunks = chunks
+        return A, wsum, logdet
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -147,40 +152,69 @@ class LowRankForm(torch.autograd.Function):
         P = t.shape[0]
         pk = _Packing(F)
         G = _symh(gA)
-        Gee, Ged, Gde, Gdd = G[:D, :D], G[:D, D:], G[D:, :D], G[D:, D:]
-        w = a.unsqueeze(-1) * t / v
-        s = t / psi
-        LiMw = Li @ Mw
-        Q = LiMw @ Li
+        Gee, Ged, Gdd = G[:D, :D], G[:D, D:], G[D:, D:]
+        outer, inner = ctx.chunks
         gF = torch.zeros_like(F)
-        gu = torch.empty_like(s)
-        gLi, gQ = torch.empty_like(Li), torch.empty_like(Q)
         # s enters the gradient only through psi, as sum_m s_mj gs_mj: from X = F^T o s,
         # sum_{m,r} gX o X = rowsum(A_ee o G_ee) + rowsum(A_ed o G_ed) (A_ee = X^T Y, A_ed = X^T Q,
         # G symmetric); from Y's [Q F^T] o s, sum_{m,r} (gY o s) o [Q F^T] (the chunks add
         # it) with gY's G_de part giving rowsum(A_ed o G_ed) again (sum_m Q_m F^T diag(s_m) = A_ed^T)
         sgs = (A[:D, :D] * Gee).sum(1) + 2 * (A[:D, D:] * Ged).sum(1)
-        for i in range(0, P, ctx.chunk):
-            sl = slice(i, i + ctx.chunk)
-            _backward_chunk(F, Li[sl], Q[sl], w[sl], s[sl], Gee, Ged, Gde, gF, sgs, gu[sl], gLi[sl], gQ[sl])
-        # Li and Q are symmetric for every F and psi: only their gradients' symmetric parts count
-        gQ = _symh(gQ.add_(Gdd))
-        # Q = Li Mw Li
-        gMw = Li @ gQ @ Li
-        gQLM = gQ @ LiMw
-        gLi += gQLM + gQLM.transpose(-1, -2)
-        # Mw = sum_j w_j F_j F_j^T, u = 2 w, w = a t / v, logdet = sum a t log v
-        gw = pk.inner(gMw).add_(gwsum).add_(gu, alpha=2)
-        gv = w * (glog - gw / v)
-        # v = psi + F_j^T Li F_j, Li = Lambda^-1, Lambda = I + sum_j (c_j / psi_j) F_j F_j^T
-        gLi = _symh(gLi).add_(pk.outer(gv))
-        gLam = -(Li @ gLi @ Li)
-        cpsi = (1 - t) / psi
-        # every row j's R x R gradient of F_j F_j^T, in one product for the three terms
-        rows = torch.cat([w, gv, cpsi]).T @ torch.cat([pk.pack(gMw), pk.pack(Li), pk.pack(gLam)])
+        # every row j's R x R gradient of F_j F_j^T, summed over the masks (packed), and psi's
+        rows = F.new_zeros(D, pk.FF.shape[1])
+        gpsi = torch.zeros_like(psi)
+        for o in range(0, P, outer):
+            so = slice(o, o + outer)
+            Lio, Mwo, vo, to = Li[so], Mw[so], v[so], t[so]
+            w = a[so].unsqueeze(-1) * to / vo
+            LiMw = Lio @ Mwo
+            Q = LiMw @ Lio
+            gu = torch.empty_like(w)
+            gLi, gQ = torch.empty_like(Lio), torch.empty_like(Q)
+            _backward_form(F, Lio, Q, w, to / psi, G, inner, gF, sgs, gu, gLi, gQ)
+            # Li and Q are symmetric for every F and psi: only their gradients' symmetric parts count
+            gQ = _symh(gQ.add_(Gdd))
+            # Q = Li Mw Li
+            gMw = Lio @ gQ @ Lio
+            gQLM = gQ @ LiMw
+            gLi += gQLM + gQLM.transpose(-1, -2)
+            # Mw = sum_j w_j F_j F_j^T, u = 2 w, w = a t / v, logdet = sum a t log v
+            gw = pk.inner(gMw).add_(gwsum).add_(gu, alpha=2)
+            gv = w * (glog - gw / vo)
+            # v = psi + F_j^T Li F_j, Li = Lambda^-1, Lambda = I + sum_j (c_j / psi_j) F_j F_j^T
+            gLi = _symh(gLi).add_(pk.outer(gv))
+            gLam = -(Lio @ gLi @ Lio)
+            cpsi = (1 - to) / psi
+            # the three terms of the rows' gradients in one product
+            rows.addmm_(torch.cat([w, gv, cpsi]).T, torch.cat([pk.pack(gMw), pk.pack(Lio), pk.pack(gLam)]))
+            gpsi += gv.sum(0) - (cpsi * pk.inner(gLam)).sum(0) / psi
         gF += 2 * (pk.unpack(rows) @ F.unsqueeze(-1)).squeeze(-1)
-        gpsi = gv.sum(0) - ((cpsi * pk.inner(gLam)).sum(0) + sgs) / psi
+        gpsi -= sgs / psi
         return gF, gpsi, None, None, None, None
+
+
+def _forward_form(F, Li, Q, w, s, chunk, A):
+    """Adds the masks' share of ``A`` chunk by chunk (its :math:`A_{ee}` as one
+    product over the stacked masks of a chunk)."""
+    D, R = F.shape
+    Aee, Aed, Ade = A[:D, :D], A[:D, D:], A[D:, :D]
+    for i in range(0, Li.shape[0], chunk):
+        sl = slice(i, i + chunk)
+        (X, Y), _ = _pieces(F, Li[sl], Q[sl], w[sl], s[sl])
+        c = X.shape[0]
+        X = X.view(c * R, D)
+        Aee.addmm_(X.T, Y.view(c * R, D))
+        Aed.addmm_(X.T, Q[sl].reshape(c * R, R))
+        Ade.add_(Y.sum(0))
+    A[D:, D:] += Q.sum(0)
+
+
+def _backward_form(F, Li, Q, w, s, G, chunk, gF, sgs, gu, gLi, gQ):
+    D = F.shape[0]
+    Gee, Ged, Gde = G[:D, :D], G[:D, D:], G[D:, :D]
+    for i in range(0, Li.shape[0], chunk):
+        sl = slice(i, i + chunk)
+        _backward_chunk(F, Li[sl], Q[sl], w[sl], s[sl], Gee, Ged, Gde, gF, sgs, gu[sl], gLi[sl], gQ[sl])
 
 
 def _pieces(F, Li, Q, w, s):
