@@ -271,13 +271,21 @@ def _block_estimate(block, engine, state, x, recompute=True):
     same samples). Kept instead, every block's intermediates would stay alive
     until ``backward()``: peak memory would grow with the number of blocks
     rather than be bounded by the block size. The price is a second forward
-    evaluation of the recomputed blocks.
+    evaluation of the recomputed blocks. A block whose engine recomputes its
+    own tables in its backward pass
+    (:meth:`~pyro_mpt.conditionals.ConditionalEngine.recomputes_mask_sums`) is
+    evaluated once, without checkpointing.
     """
-    if recompute and torch.is_grad_enabled() and isinstance(block, MaskBlock) and block.draw is not None:
-        # masks drawn once and kept as bits for the recomputation (an eighth of
-        # the bool masks): redrawing them would cost more than the engine's work
+    if recompute and torch.is_grad_enabled() and isinstance(block, MaskBlock):
         mask = block.masks()
-        block = dataclasses.replace(block, draw=functools.partial(_unpack_bits, _pack_bits(mask), mask.shape[-1]))
+        if block.context is None and engine.recomputes_mask_sums(state, x, mask):
+            # the engine's backward pass recomputes its tables itself: checkpointing
+            # would only evaluate the block twice
+            return _weighted_sum(dataclasses.replace(block, mask=mask, draw=None), engine, state, x)
+        if block.draw is not None:
+            # masks drawn once and kept as bits for the recomputation (an eighth of
+            # the bool masks): redrawing them would cost more than the engine's work
+            block = dataclasses.replace(block, draw=functools.partial(_unpack_bits, _pack_bits(mask), mask.shape[-1]))
     return _recomputed(recompute, _weighted_sum, block, engine, state, x)
 
 

@@ -143,8 +143,9 @@ def saved_bytes(fn):
 @pytest.mark.parametrize("name", ["gaussian-lowrank", "gaussian-dense", "importance-guide"])
 def test_saved_memory_does_not_grow_with_the_number_of_blocks(name):
     """One query per block (``chunk_size = n * D``): 2 or 12 masks per datapoint save the
-    same bytes for backward, where keeping every block's intermediates would save 6 times
-    more."""
+    same bytes for backward (an engine that recomputes its own tables: at most its masks'
+    bits and two rows of sums more per block), where keeping every block's intermediates
+    would save 6 times more."""
     make_engine, kind, guide = CASES[name]
     model, x = problem(kind)
     n, D = x.shape
@@ -158,7 +159,14 @@ def test_saved_memory_does_not_grow_with_the_number_of_blocks(name):
     few, value_few = run(2)
     many, value_many = run(12)
     assert value_few.requires_grad and value_many.requires_grad
-    assert many == few
+    if name == "gaussian-lowrank":
+        # its engine recomputes its tables in its own backward pass
+        # (GaussianConditionals.recomputes_mask_sums): a block keeps only its masks as
+        # bits and a few (q, n) rows of sums, not its (q, n, D) tables
+        per_block = n * ((D + 7) // 8) + 2 * n * x.element_size()
+        assert 0 <= many - few <= 10 * per_block
+    else:
+        assert many == few
 
     # without recomputation the same loop saves more with every block: the check can fail
     def plain(num_masks):

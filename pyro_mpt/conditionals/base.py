@@ -160,6 +160,26 @@ class ConditionalEngine(ABC):
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
         return torch.where(mask, logc, zero).sum(-1)
 
+    def recomputes_mask_sums(self, state, x, mask):
+        """Whether :meth:`mask_sums` for these masks keeps nothing of the size of its
+        conditionals for the backward pass (its own backward pass recomputes them,
+        e.g. an autograd Function with a written backward), so that its memory
+        stays bounded without activation checkpointing.
+
+        :func:`~pyro_mpt.estimate.mpt_estimate` evaluates such a block once
+        instead of under checkpointing (which evaluates it twice). The default,
+        False, is always safe.
+
+        :param torch.Tensor mask: bool, ``(q, n|1, D)``.
+        :returns: bool.
+
+        Example::
+
+            >>> engine.recomputes_mask_sums(state, x, mask)   # False unless the engine says so
+            False
+        """
+        return False
+
     def weighted_mask_sum(self, state, x, mask, coef):
         r"""The coefficient-weighted sum of the summed log-conditionals of masks
         shared by the batch, shape ``(n,)``:

@@ -310,6 +310,17 @@ class GaussianConditionals(ConditionalEngine):
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
         return _to_data(state, torch.where(mask, logc, zero).sum(-1))
 
+    def recomputes_mask_sums(self, state, x, mask):
+        """True for masks drawn per datapoint on the low-rank path with a loading shared
+        by the batch: :func:`~pyro_mpt.conditionals.gaussian_independent.lowrank_independent_sums`
+        keeps only the masks (as bits) and recomputes its chunks in its backward pass."""
+        return (
+            not isinstance(state, BlockGaussianState)
+            and state.is_low_rank
+            and state.cov_factor.shape[0] == 1
+            and mask.shape[1] != 1
+        )
+
     @staticmethod
     def _active_blocks(method, state, x, mask, per_token):
         """``method`` (:meth:`mask_log_prob` or :meth:`mask_sums`) on the blocks, asked

@@ -56,17 +56,22 @@ def lowrank_independent_sums(m, x, mask, data):
     :param torch.Tensor x: ``(n, D)``, in the state's dtype.
     :param torch.Tensor mask: bool ``(q, n, D)``, True at a target token.
     :param dict data: the mask-free pieces of ``gaussian_shared.lowrank_shared_data``
-        (``zhat`` ``(K, n)``, ``eT`` ``(D, n)``, ``Fp`` ``(D, K)``).
+        (``zhat`` ``(K, n)``, ``eT`` ``(D, n)``, ``Fp`` ``(D, K)``); this path's own
+        mask-free pieces are added to it under ``"independent"``.
     """
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, K), (D,)
-    K = F.shape[-1]
-    a, b, _ = packed_pairs(K, F.device)
-    e = data["eT"].T.contiguous()  # (n, D), row-major like the mask tables
-    ep = e / psi
-    delta = data["zhat"].T - ep @ F  # (n, K), ~0: keeps the identity exact for any zhat
-    phi = F[:, a] * F[:, b]  # (D, P)
-    lam0 = torch.eye(K, dtype=F.dtype, device=F.device) + data["Fp"].T @ F
-    sums = IndependentLowRankSums.apply(mask, e, ep, delta, F, psi, phi, phi / psi.unsqueeze(-1), lam0, m.site)
+    if "independent" not in data:
+        # mask-free, kept with the data pieces: every block of masks shares them
+        # (and the backward pass keeps one copy, not one per block)
+        K = F.shape[-1]
+        a, b, _ = packed_pairs(K, F.device)
+        e = data["eT"].T.contiguous()  # (n, D), row-major like the mask tables
+        ep = e / psi
+        delta = data["zhat"].T - ep @ F  # (n, K), ~0: keeps the identity exact for any zhat
+        phi = F[:, a] * F[:, b]  # (D, P)
+        lam0 = torch.eye(K, dtype=F.dtype, device=F.device) + data["Fp"].T @ F
+        data["independent"] = (e, ep, delta, F, psi, phi, phi / psi.unsqueeze(-1), lam0)
+    sums = IndependentLowRankSums.apply(mask, *data["independent"], m.site)
     return -0.5 * sums
 
 
@@ -108,7 +113,7 @@ class IndependentLowRankSums(torch.autograd.Function):
         q, n, D = mask.shape
         out = e.new_empty(q, n)
         # buffers: 0 the targets, 1 and 2 the chunk's scratch, then v and d; 3 the terms
-        bufs = _Buffers(mask, e.dtype, 4)
+        bufs = _Buffers(mask.shape, e.dtype, 4)
         for qs, ns in _chunks(q, n, D):
             c = _Chunk(bufs, mask[qs, ns], ep[ns], delta[ns], F, phi_p, lam0, site)
             shape = c.t.shape
@@ -117,15 +122,16 @@ class IndependentLowRankSums(torch.autograd.Function):
             terms.addcdiv_(d.square_(), v).mul_(c.t)
             # the constant log(2 pi) per target from the counts the chunk has made
             torch.add(terms.sum(-1), c.count, alpha=LOG_2PI, out=out[qs, ns])
-        ctx.site = site
-        ctx.save_for_backward(mask, e, ep, delta, F, psi, phi, phi_p, lam0)
+        ctx.site, ctx.D = site, D
+        # the masks as bits, an eighth of the bool table, for the backward pass
+        ctx.save_for_backward(pack_bits(mask), e, ep, delta, F, psi, phi, phi_p, lam0)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        mask, e, ep, delta, F, psi, phi, phi_p, lam0 = ctx.saved_tensors
-        q, n, D = mask.shape
+        bits, e, ep, delta, F, psi, phi, phi_p, lam0 = ctx.saved_tensors
+        q, n, D = bits.shape[0], bits.shape[1], ctx.D
         K = F.shape[-1]
         de, dep, ddelta = torch.zeros_like(e), torch.zeros_like(ep), torch.zeros_like(delta)
         dF, dpsi = torch.zeros_like(F), torch.zeros_like(psi)
@@ -134,9 +140,9 @@ class IndependentLowRankSums(torch.autograd.Function):
         off = torch.where(a_idx == b_idx, 1.0, 2.0).to(F.dtype)
         # buffers: 0 the targets, 1 the precision's table (kept until dS), 2 scratch,
         # then v; 3 d; 4 the weights
-        bufs = _Buffers(mask, e.dtype, 5)
+        bufs = _Buffers((q, n, D), e.dtype, 5)
         for qs, ns in _chunks(q, n, D):
-            c = _Chunk(bufs, mask[qs, ns], ep[ns], delta[ns], F, phi_p, lam0, ctx.site)
+            c = _Chunk(bufs, unpack_bits(bits[qs, ns], D), ep[ns], delta[ns], F, phi_p, lam0, ctx.site)
             shape = c.t.shape
             rows = shape[0] * shape[1]
             v, d = c.residuals(bufs.take(2, shape), bufs.take(3, shape), e[ns], psi, phi)
@@ -172,6 +178,36 @@ class IndependentLowRankSums(torch.autograd.Function):
         return (None, de, dep, ddelta, dF, dpsi, dphi, dphi_p, dlam0, None)
 
 
+#: 2**(56 - 7k), k = 0..7: multiplying eight 0/1 bytes (little-endian in an int64)
+#: by it puts byte k's bit at bit 56 + k, every other partial product below bit 56
+#: (no two at one position, so no carry) or above bit 63 (dropped)
+_GATHER_BITS = 0x0102040810204080
+
+
+def pack_bits(mask):
+    """Bool ``(..., D)`` as uint8 ``(..., ceil(D / 8))``, token ``8 b + k`` at bit ``k`` of byte ``b``.
+
+    One multiply and shift per eight tokens (an int64 view of the bool bytes)
+    instead of a shift per token."""
+    pad = -mask.shape[-1] % 8
+    if pad:
+        mask = torch.nn.functional.pad(mask, (0, pad))
+    words = mask.contiguous().view(torch.uint8).view(torch.int64)
+    return ((words * _GATHER_BITS) >> 56).bitwise_and_(0xFF).to(torch.uint8)
+
+
+def _byte_table(device):
+    """int64 ``(256,)``: byte value -> its eight bits as eight 0/1 bytes."""
+    bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+    return bits.to(torch.uint8).view(torch.int64)[:, 0]
+
+
+def unpack_bits(bits, D):
+    """The bool ``(..., D)`` of :func:`pack_bits`, by a table lookup per byte."""
+    words = _byte_table(bits.device)[bits.long()]  # (..., ceil(D / 8)) int64
+    return words.view(torch.bool)[..., :D]
+
+
 def _sum_masks(table):
     """``table.sum(0)`` for ``(qc, nc, D)``, without a copy when ``qc = 1`` (a
     reduction over a dimension of one allocates, fills and copies a full table)."""
@@ -182,11 +218,11 @@ class _Buffers:
     """Flat buffers for the chunks' ``(rows, D)`` tables, reused by every chunk (a
     fresh allocation per chunk would fault in its pages each time)."""
 
-    def __init__(self, mask, dtype, count):
-        q, n, D = mask.shape
+    def __init__(self, shape, dtype, count, device=None):
+        q, n, D = shape
         qs, ns = next(_chunks(q, n, D))  # the first chunk is the largest
         size = (qs.stop - qs.start) * (ns.stop - ns.start) * D
-        self.flat = [torch.empty(size, dtype=dtype, device=mask.device) for _ in range(count)]
+        self.flat = [torch.empty(size, dtype=dtype, device=device) for _ in range(count)]
 
     def take(self, i, shape):
         numel = 1
