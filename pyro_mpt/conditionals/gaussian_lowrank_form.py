@@ -95,10 +95,11 @@ class LowRankForm(torch.autograd.Function):
         \text{wsum} = \sum_m w_m,\qquad
         \text{logdet} = \sum_m a_m \sum_j t_{mj}\log(2\pi v_{mj}).
 
-    The blocks with :math:`D` rows are products of height :math:`PR` over the
-    stacked masks, made in chunks of ``chunk`` masks; the :math:`R\times R`
+    :math:`A_{ee}` and :math:`A_{de}` are products of height :math:`PR` over the
+    stacked masks, made in chunks of masks; :math:`A_{ed}`'s rows are
+    :math:`T_j F_j` with :math:`T_j = \sum_m s_{mj}Q_m`, and the :math:`R\times R`
     pieces come from products of :math:`P\times D` tables with the rows'
-    outer products :math:`F_jF_j^\top` (packed, :math:`R(R+1)/2` entries).
+    outer products :math:`F_jF_j^\top`, all packed (:math:`R(R+1)/2` entries).
     The backward pass assumes what the form's only use, the quadratic form
     :math:`y^\top Ay`, gives: a symmetric gradient of :math:`A`.
 
@@ -119,6 +120,8 @@ class LowRankForm(torch.autograd.Function):
         Li, Mw, v = F.new_empty(P, R, R), F.new_empty(P, R, R), F.new_empty(P, D)
         A = F.new_zeros(D + R, D + R)
         wsum, logdet = F.new_zeros(D), F.new_zeros(())
+        # A_ed's rows T1[j] F_j, T1[j] = sum_m s_mj Q_m (packed; a fifth of the stacked product's flops)
+        T1 = F.new_zeros(D, pk.FF.shape[1])
         outer, inner = chunks
         eye = torch.eye(R, dtype=F.dtype, device=F.device)
         for o in range(0, P, outer):
@@ -138,8 +141,10 @@ class LowRankForm(torch.autograd.Function):
             Mwo.copy_(pk.outer(w))
             Q = Lio @ Mwo @ Lio
             s = to / psi
+            T1.addmm_(s.T, pk.pack(Q))
             _forward_form(F, Lio, Q, w, s, inner, A)
-        ctx.save_for_backward(F, psi, t, a, Li, Mw, v, A)
+        A[:D, D:] = (pk.unpack(T1) @ F.unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(F, psi, t, a, Li, Mw, v, A, T1)
         ctx.chunks = chunks
         return A, wsum, logdet
 
@@ -147,14 +152,17 @@ class LowRankForm(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, gA, gwsum, glog):
         """The gradients of ``F`` and ``psi``."""
-        F, psi, t, a, Li, Mw, v, A = ctx.saved_tensors
+        F, psi, t, a, Li, Mw, v, A, T1 = ctx.saved_tensors
         D, R = F.shape
         P = t.shape[0]
         pk = _Packing(F)
         G = _symh(gA)
         Gee, Ged, Gdd = G[:D, :D], G[:D, D:], G[D:, D:]
         outer, inner = ctx.chunks
-        gF = torch.zeros_like(F)
+        # A_ed[j] = T1[j] F_j: T1[j]'s gradient (symmetric part) G_ed[j] F_j^T, packed
+        T1u = pk.unpack(T1)
+        gF = (T1u @ Ged.unsqueeze(-1)).squeeze(-1)
+        gT1 = pk.pack(_symh(Ged.unsqueeze(-1) * F.unsqueeze(1)))
         # s enters the gradient only through psi, as sum_m s_mj gs_mj: from X = F^T o s,
         # sum_{m,r} gX o X = rowsum(A_ee o G_ee) + rowsum(A_ed o G_ed) (A_ee = X^T Y, A_ed = X^T Q,
         # G symmetric); from Y's [Q F^T] o s, sum_{m,r} (gY o s) o [Q F^T] (the chunks add
@@ -171,9 +179,10 @@ class LowRankForm(torch.autograd.Function):
             Q = LiMw @ Lio
             gu = torch.empty_like(w)
             gLi, gQ = torch.empty_like(Lio), torch.empty_like(Q)
-            _backward_form(F, Lio, Q, w, to / psi, G, inner, gF, sgs, gu, gLi, gQ)
+            so_psi = to / psi
+            _backward_form(F, Lio, Q, w, so_psi, G, inner, gF, sgs, gu, gLi, gQ)
             # Li and Q are symmetric for every F and psi: only their gradients' symmetric parts count
-            gQ = _symh(gQ.add_(Gdd))
+            gQ = _symh(gQ.add_(Gdd)).add_(pk.unpack(so_psi @ gT1))
             # Q = Li Mw Li
             gMw = Lio @ gQ @ Lio
             gQLM = gQ @ LiMw
@@ -197,24 +206,22 @@ def _forward_form(F, Li, Q, w, s, chunk, A):
     """Adds the masks' share of ``A`` chunk by chunk (its :math:`A_{ee}` as one
     product over the stacked masks of a chunk)."""
     D, R = F.shape
-    Aee, Aed, Ade = A[:D, :D], A[:D, D:], A[D:, :D]
+    Aee, Ade = A[:D, :D], A[D:, :D]
     for i in range(0, Li.shape[0], chunk):
         sl = slice(i, i + chunk)
         (X, Y), _ = _pieces(F, Li[sl], Q[sl], w[sl], s[sl])
         c = X.shape[0]
-        X = X.view(c * R, D)
-        Aee.addmm_(X.T, Y.view(c * R, D))
-        Aed.addmm_(X.T, Q[sl].reshape(c * R, R))
+        Aee.addmm_(X.view(c * R, D).T, Y.view(c * R, D))
         Ade.add_(Y.sum(0))
     A[D:, D:] += Q.sum(0)
 
 
 def _backward_form(F, Li, Q, w, s, G, chunk, gF, sgs, gu, gLi, gQ):
     D = F.shape[0]
-    Gee, Ged, Gde = G[:D, :D], G[:D, D:], G[D:, :D]
+    Gee, Gde = G[:D, :D], G[D:, :D]
     for i in range(0, Li.shape[0], chunk):
         sl = slice(i, i + chunk)
-        _backward_chunk(F, Li[sl], Q[sl], w[sl], s[sl], Gee, Ged, Gde, gF, sgs, gu[sl], gLi[sl], gQ[sl])
+        _backward_chunk(F, Li[sl], Q[sl], w[sl], s[sl], Gee, Gde, gF, sgs, gu[sl], gLi[sl], gQ[sl])
 
 
 def _pieces(F, Li, Q, w, s):
@@ -231,21 +238,20 @@ def _pieces(F, Li, Q, w, s):
     return XY, LQF
 
 
-def _backward_chunk(F, Li, Q, w, s, Gee, Ged, Gde, gF, sgs, gu, gLi, gQ):
-    r"""One chunk's share of the gradient, with :math:`G` the symmetric gradient of
-    :math:`A`: :math:`\bar Y_m = X_m G_{ee} + G_{de}`, :math:`\bar X_m = Y_m G_{ee} + Q_mG_{de}`
-    and :math:`\bar Q_m \mathrel{+}= X_m G_{ed}`, then through ``X`` and ``Y``'s
-    factors; ``gF`` and ``sgs`` (:math:`\sum_m s_m\circ\bar s_m`, the part of
-    ``Y``'s :math:`[Q_mF^\top]\circ s_m` the caller has not added) are accumulated
-    and ``gu`` (of :math:`u = 2w`), ``gLi``, ``gQ`` (the chunk's rows) written in place."""
+def _backward_chunk(F, Li, Q, w, s, Gee, Gde, gF, sgs, gu, gLi, gQ):
+    r"""One chunk's share of the gradient through :math:`A_{ee} = \sum_m X_m^\top Y_m`
+    and :math:`A_{de} = \sum_m Y_m`, with :math:`G` the symmetric gradient of
+    :math:`A`: :math:`\bar Y_m = X_m G_{ee} + G_{de}`, :math:`\bar X_m = Y_m G_{ee}`,
+    then through ``X`` and ``Y``'s factors; ``gF`` and ``sgs`` (:math:`\sum_m s_m\circ\bar s_m`,
+    the part of ``Y``'s :math:`[Q_mF^\top]\circ s_m` the caller has not added) are
+    accumulated and ``gu`` (of :math:`u = 2w`), ``gLi``, ``gQ`` (the chunk's rows)
+    written in place."""
     c, R, _ = Li.shape
     D = F.shape[0]
     XY, LQF = _pieces(F, Li, Q, w, s)
-    X = XY[0]
     gYX = (XY.view(2 * c * R, D) @ Gee).view(2, c, R, D)
     gY, gX = gYX[0], gYX[1]
     gY += Gde
-    gX.view(c * R, D).addmm_(Q.reshape(c * R, R), Gde)
     s1 = s.unsqueeze(1)
     gu.copy_((gY * LQF[:, 0]).sum(1))
     gF.add_((gX * s1).sum(0).T)
@@ -257,5 +263,5 @@ def _backward_chunk(F, Li, Q, w, s, Gee, Ged, Gde, gF, sgs, gu, gLi, gQ):
     Z = Z.view(2 * c * R, D)
     gLQ = (Z @ F).view(c, 2, R, R)
     gLi.copy_(gLQ[:, 0])
-    gQ.copy_(gLQ[:, 1]).add_((X.reshape(c * R, D) @ Ged).view(c, R, R))
+    gQ.copy_(gLQ[:, 1])
     gF.addmm_(Z.T, torch.stack([Li, Q], 1).view(2 * c * R, R))
