@@ -312,8 +312,8 @@ class GaussianConditionals(ConditionalEngine):
 
     def recomputes_mask_sums(self, state, x, mask):
         """True for masks drawn per datapoint on the low-rank path with a loading shared
-        by the batch: :func:`~pyro_mpt.conditionals.gaussian_independent.lowrank_independent_sums`
-        keeps only the masks (as bits) and recomputes its chunks in its backward pass."""
+        by the batch: ``gaussian_independent.lowrank_independent_sums`` keeps only
+        the masks (as bits) and recomputes its chunks in its backward pass."""
         return (
             not isinstance(state, BlockGaussianState)
             and state.is_low_rank
