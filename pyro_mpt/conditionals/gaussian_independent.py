@@ -138,27 +138,32 @@ class IndependentLowRankSums(torch.autograd.Function):
         dphi, dphi_p, dlam0 = torch.zeros_like(phi), torch.zeros_like(phi_p), torch.zeros_like(lam0)
         a_idx, b_idx, full = packed_pairs(K, F.device)
         off = torch.where(a_idx == b_idx, 1.0, 2.0).to(F.dtype)
-        # buffers: 0 the targets, 1 the precision's table (kept until dS), 2 scratch,
-        # then v; 3 d; 4 the weights
+        # buffers: 0 the targets, 1 the precision's table (while it differs from
+        # them), 2 the weighted residuals t e / psi, 3 v, 4 d
         bufs = _Buffers((q, n, D), e.dtype, 5)
         for qs, ns in _chunks(q, n, D):
             c = _Chunk(bufs, unpack_bits(bits[qs, ns], D), ep[ns], delta[ns], F, phi_p, lam0, ctx.site)
             shape = c.t.shape
             rows = shape[0] * shape[1]
-            v, d = c.residuals(bufs.take(2, shape), bufs.take(3, shape), e[ns], psi, phi)
-            # dL/dv = g t (1/v - a^2) and dL/dd = 2 g t a (a = d / v), in place
-            weight = torch.mul(c.t, g[qs, ns].unsqueeze(-1), out=bufs.take(4, shape))
+            v, d = c.residuals(bufs.take(3, shape), bufs.take(4, shape), e[ns], psi, phi)
+            # dL/dv = g t (1/v - a^2) and dL/dd = 2 g t a (a = d / v), in place; the
+            # row weights g go into the small factors of the products instead
+            gr = g[qs, ns]
+            g2 = gr.reshape(rows, 1)
             a = d.div_(v)
-            dv = v.reciprocal_().addcmul_(a, a, value=-1.0).mul_(weight)
-            ga = a.mul_(weight)  # half of dL/dd
+            dv = v.reciprocal_().addcmul_(a, a, value=-1.0).mul_(c.t)  # / g
+            ga = a.mul_(c.t)  # half of dL/dd, / g
             dv2, ga2 = dv.view(rows, D), ga.view(rows, D)
-            dpsi += dv2.sum(0)
-            dphi += dv2.T @ c.Bp.view(rows, -1)
-            de[ns].add_(_sum_masks(ga), alpha=2.0)
+            dpsi += g2.view(rows) @ dv2
+            dphi += dv2.T @ (g2 * c.Bp.view(rows, -1))
+            if shape[0] == 1:
+                de[ns].addcmul_(ga[0], gr[0].unsqueeze(-1), value=2.0)
+            else:
+                de[ns].add_((ga * gr.unsqueeze(-1)).sum(0), alpha=2.0)
             u2 = c.u.view(rows, K)
-            dF += 2.0 * (ga2.T @ u2)
-            du = 2.0 * (ga2 @ F).view(c.u.shape)
-            dB = (dv2 @ phi).view(c.u.shape[:-1] + (-1,))[..., full]  # (.., K, K)
+            dF += 2.0 * (ga2.T @ (g2 * u2))
+            du = (2.0 * g2 * (ga2 @ F)).view(c.u.shape)
+            dB = (g2 * (dv2 @ phi)).view(c.u.shape[:-1] + (-1,))[..., full]  # (.., K, K)
             dB = dB + du.unsqueeze(-1) * c.w.unsqueeze(-2)
             dw = (c.B @ du.unsqueeze(-1)).squeeze(-1)
             dlam = -(c.B @ dB @ c.B)
@@ -169,11 +174,10 @@ class IndependentLowRankSums(torch.autograd.Function):
             dphi_p += c.tl.view(rows, D).T @ dS.view(rows, -1)
             dlam0 += (dlam * (~c.flip).to(dlam.dtype)[..., None, None]).sum((0, 1))
             ddelta[ns].add_(dw.sum(0))
-            # w = delta + (t ep) F
+            # w = delta + z F, z = t e / psi (still in buffer 2)
             dw2 = dw.view(rows, K)
-            z = torch.mul(c.t, ep[ns], out=bufs.take(1, shape))
-            dF += z.view(rows, D).T @ dw2
-            dz = torch.mm(dw2, c.FT, out=bufs.take(2, (rows, D))).view(shape)
+            dF += c.z.view(rows, D).T @ dw2
+            dz = torch.mm(dw2, c.FT, out=bufs.take(3, (rows, D))).view(shape)
             dep[ns].add_(_sum_masks(dz.mul_(c.t)))
         return (None, de, dep, ddelta, dF, dpsi, dphi, dphi_p, dlam0, None)
 
@@ -258,6 +262,7 @@ class _Chunk:
         eye = torch.eye(K, dtype=dtype, device=F.device)
         lam = torch.where(self.flip[..., None, None], eye + S, lam0 - S)
         z = torch.mul(t, ep, out=bufs.take(2, mask.shape))
+        self.z = z
         self.w = delta + (z.view(rows, D) @ F).view(qc, nc, K)
         self.B = _spd_inverse(lam, site)
         self.u = (self.B @ self.w.unsqueeze(-1)).squeeze(-1)  # (qc, nc, K)
