@@ -113,7 +113,7 @@ class IndependentLowRankSums(torch.autograd.Function):
         q, n, D = mask.shape
         out = e.new_empty(q, n)
         # buffers: 0 the targets, 1 and 2 the chunk's scratch, then v and d; 3 the terms
-        bufs = _Buffers(mask.shape, e.dtype, 4)
+        bufs = _Buffers(mask.shape, e.dtype, 4, e.device)
         for qs, ns in _chunks(q, n, D):
             c = _Chunk(bufs, mask[qs, ns], ep[ns], delta[ns], F, phi_p, lam0, site)
             shape = c.t.shape
@@ -140,7 +140,7 @@ class IndependentLowRankSums(torch.autograd.Function):
         off = torch.where(a_idx == b_idx, 1.0, 2.0).to(F.dtype)
         # buffers: 0 the targets, 1 the precision's table (while it differs from
         # them), 2 the weighted residuals t e / psi, 3 v, 4 d
-        bufs = _Buffers((q, n, D), e.dtype, 5)
+        bufs = _Buffers((q, n, D), e.dtype, 5, e.device)
         for qs, ns in _chunks(q, n, D):
             c = _Chunk(bufs, unpack_bits(bits[qs, ns], D), ep[ns], delta[ns], F, phi_p, lam0, ctx.site)
             shape = c.t.shape
