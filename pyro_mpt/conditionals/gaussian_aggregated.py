@@ -21,7 +21,7 @@ the whitened data.
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, cholesky
+from .gaussian_linalg import LOG_2PI, cholesky, first_order_backward
 from .gaussian_lowrank_form import LowRankForm, lowrank_form_chunks
 
 __all__ = [
@@ -140,7 +140,7 @@ class QuadraticRows(torch.autograd.Function):
         return (yA * y).sum(-1)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward
     def backward(ctx, g):
         """The gradients of ``y`` and ``A``."""
         y, yA = ctx.saved_tensors
@@ -236,7 +236,7 @@ class WhitenedQuad(torch.autograd.Function):
         return (epsA * eps).sum(-1)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward
     def backward(ctx, g):
         """The gradients of ``x``, ``loc``, ``M`` and ``A``."""
         r, M, eps, epsA = ctx.saved_tensors
@@ -325,7 +325,7 @@ class DenseForm(torch.autograd.Function):
         return A, logdet
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward
     def backward(ctx, gA, glog):
         """The gradients of ``S`` and ``L0``."""
         L0, L, Bt, EB, U, var, aw, a, m_of, j_of, diag, c = ctx.saved_tensors

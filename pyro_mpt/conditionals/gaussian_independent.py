@@ -28,9 +28,8 @@ the mask, nothing of size ``(q, n, D)`` in the working dtype.
 """
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .gaussian_linalg import LOG_2PI, cholesky
+from .gaussian_linalg import LOG_2PI, cholesky, first_order_backward
 
 #: tokens of one chunk's (rows, D) tables: large enough that the Python overhead
 #: of its few dozen kernels stays small against their work, small enough that
@@ -128,7 +127,7 @@ class IndependentLowRankSums(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward
     def backward(ctx, g):
         bits, e, ep, delta, F, psi, phi, phi_p, lam0 = ctx.saved_tensors
         q, n, D = bits.shape[0], bits.shape[1], ctx.D

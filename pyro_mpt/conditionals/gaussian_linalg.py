@@ -1,11 +1,13 @@
 r"""What every path of the Gaussian engine shares: a Cholesky factorization that
 fails when its pivots lose their digits, the first jitter of the engine's rescue,
-the dtype each path computes in, the normal log-density and token gathers.
+the dtype each path computes in, the normal log-density, token gathers and the
+guard of the backward passes written out for first derivatives.
 
 Used by :mod:`~pyro_mpt.conditionals.gaussian` and its kernels
 (``gaussian_lowrank``, ``gaussian_dense``, ``gaussian_shared``).
 """
 
+import functools
 import math
 
 import torch
@@ -17,6 +19,30 @@ LOG_2PI = math.log(2 * math.pi)
 def normal_log_prob(x, mean, var):
     r""":math:`\log\mathcal N(x; \text{mean}, \text{var})`, elementwise."""
     return -0.5 * (LOG_2PI + var.log() + (x - mean) ** 2 / var)
+
+
+def first_order_backward(backward):
+    """Decorates the ``backward`` of an autograd Function whose backward pass is
+    written out for first derivatives: it runs without recording (as under
+    ``torch.autograd.function.once_differentiable``), and a backward pass asked
+    to build a graph (``create_graph=True``, e.g. for a Hessian) is refused.
+    ``once_differentiable`` alone refuses only when the incoming gradient has a
+    graph; for the gradient of a loss it has none, and its result, constant in
+    the inputs, would silently give wrong second derivatives."""
+    once = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def guarded(ctx, *grads):
+        if torch.is_grad_enabled():
+            name = type(ctx).__name__.removesuffix("Backward")
+            raise RuntimeError(
+                f"Second derivatives (create_graph=True) through the Gaussian engine's {name} are not "
+                f"available: its backward pass is written out for first derivatives only. Take second "
+                f"derivatives of the loss by finite differences of its gradient instead."
+            )
+        return once(ctx, *grads)
+
+    return guarded
 
 
 class NotPositiveDefinite(ValueError):

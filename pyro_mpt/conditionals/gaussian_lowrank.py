@@ -6,9 +6,9 @@ updates (sums for masks drawn per datapoint: ``gaussian_independent``).
 """
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .gaussian_linalg import (
+    first_order_backward,
     LOG_2PI,
     cholesky,
     gather_tokens,
@@ -50,7 +50,7 @@ class SharedLowRankLogProb(torch.autograd.Function):
         return -0.5 * (x.shape[-1] * LOG_2PI + logdet + maha)
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward
     def backward(ctx, g):
         alpha, zhat, Fp, psi, L = ctx.saved_tensors
         ga = alpha * g.unsqueeze(-1)  # (n, D)

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, cholesky
+from .gaussian_linalg import LOG_2PI, cholesky, first_order_backward
 
 __all__ = ["LowRankForm", "lowrank_form_chunks"]
 
@@ -149,7 +149,7 @@ class LowRankForm(torch.autograd.Function):
         return A, wsum, logdet
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward
     def backward(ctx, gA, gwsum, glog):
         """The gradients of ``F`` and ``psi``."""
         F, psi, t, a, Li, Mw, v, A, T1 = ctx.saved_tensors

@@ -103,3 +103,21 @@ def _():
     MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, _x())
 
 
+
+
+@trigger("gaussian-second-derivatives")
+def _():
+    # PPCA, masks shared by the batch, data many against the tokens: the aggregated form
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(4, 2, generator=g)
+    x = torch.randn(200, 4, generator=g)
+
+    def model(x):
+        s = pyro.param("s2nd", torch.tensor(0.5), constraint=dist.constraints.positive)
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, s).to_event(1), obs=x)
+
+    loss = MaskedPretrainingLoss(masks="all", share_masks=True, conditionals="gaussian")
+    value = loss.differentiable_loss(model, None, x)
+    torch.autograd.grad(value, pyro.param("s2nd").unconstrained(), create_graph=True)
