@@ -149,9 +149,8 @@ class IndependentLowRankSums(torch.autograd.Function):
             # row weights g go into the small factors of the products instead
             gr = g[qs, ns]
             g2 = gr.reshape(rows, 1)
-            a = d.div_(v)
-            dv = v.reciprocal_().addcmul_(a, a, value=-1.0).mul_(c.t)  # / g
-            ga = a.mul_(c.t)  # half of dL/dd, / g
+            ga = d.mul_(c.t).div_(v)  # t a, half of dL/dd over g
+            dv = torch.div(c.t, v, out=v).addcmul_(ga, ga, value=-1.0)  # t (1/v - a^2), dL/dv over g
             dv2, ga2 = dv.view(rows, D), ga.view(rows, D)
             dpsi += g2.view(rows) @ dv2
             dphi += dv2.T @ (g2 * c.Bp.view(rows, -1))
