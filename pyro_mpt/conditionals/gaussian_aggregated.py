@@ -153,7 +153,9 @@ def lowrank_aggregate_data(data):
     """Adds ``e`` ``(n, D)``, ``y = [e, delta]`` ``(n, D + R)`` to the mask-free pieces."""
     if "y" not in data:
         e = data["eT"].T
-        delta = data["zhat"].T - e @ data["Fp"]  # (n, R), zero up to rounding
+        # zero up to rounding; Fp's gradient through delta is LowRankForm's (with X's, whose
+        # terms it cancels), so it is not recorded here
+        delta = data["zhat"].T - e @ data["Fp"].detach()  # (n, R)
         data["e"], data["y"] = e, torch.cat([e, delta], -1)
     return data
 

@@ -101,7 +101,14 @@ class LowRankForm(torch.autograd.Function):
     pieces come from products of :math:`P\times D` tables with the rows'
     outer products :math:`F_jF_j^\top`, all packed (:math:`R(R+1)/2` entries).
     The backward pass assumes what the form's only use, the quadratic form
-    :math:`y^\top Ay`, gives: a symmetric gradient of :math:`A`.
+    :math:`y^\top Ay`, gives: a symmetric gradient of :math:`A`; and that
+    :math:`y = [e; \delta]` with :math:`\delta = \hat z - F^\top\Psi^{-1}e` built
+    with :math:`F^\top\Psi^{-1}` held constant: the form meets :math:`\delta` only in
+    :math:`u_m = X_me + \delta` (:math:`X_m = F^\top\operatorname{diag}(s_m)`), so
+    :math:`F^\top\Psi^{-1}`'s gradient through both is
+    :math:`-\sum_m(\bar X_m\operatorname{diag}(1 - t_m))^\top`, which the backward pass
+    makes from each mask's context columns (recorded apart, the two are terms of order
+    :math:`1/\psi` that cancel).
 
     :param F: ``(D, R)``. :param psi: ``(D,)``. :param t: the targets, 0/1 in
         ``F``'s dtype, ``(P, D)``. :param a: ``(P,)``. :param tuple chunks: masks
@@ -157,17 +164,18 @@ class LowRankForm(torch.autograd.Function):
         P = t.shape[0]
         pk = _Packing(F)
         G = _symh(gA)
-        Gee, Ged, Gdd = G[:D, :D], G[:D, D:], G[D:, D:]
+        Ged, Gdd = G[:D, D:], G[D:, D:]
         outer, inner = ctx.chunks
-        # A_ed[j] = T1[j] F_j: T1[j]'s gradient (symmetric part) G_ed[j] F_j^T, packed
-        T1u = pk.unpack(T1)
-        gF = (T1u @ Ged.unsqueeze(-1)).squeeze(-1)
+        # A_ed[j] = T1[j] F_j: T1[j]'s gradient (symmetric part) G_ed[j] F_j^T, packed (F_j there is
+        # X's: its gradient is in gXc below)
+        gF = torch.zeros_like(F)
         gT1 = pk.pack(_symh(Ged.unsqueeze(-1) * F.unsqueeze(1)))
-        # s enters the gradient only through psi, as sum_m s_mj gs_mj: from X = F^T o s,
-        # sum_{m,r} gX o X = rowsum(A_ee o G_ee) + rowsum(A_ed o G_ed) (A_ee = X^T Y, A_ed = X^T Q,
-        # G symmetric); from Y's [Q F^T] o s, sum_{m,r} (gY o s) o [Q F^T] (the chunks add
-        # it) with gY's G_de part giving rowsum(A_ed o G_ed) again (sum_m Q_m F^T diag(s_m) = A_ed^T)
-        sgs = (A[:D, :D] * Gee).sum(1) + 2 * (A[:D, D:] * Ged).sum(1)
+        # X_m = Fp^T diag(t_m) (Fp = F / psi) enters the form only in u_m = X_m e + delta, and the
+        # caller's delta = zhat - Fp^T e carries Fp without gradient: X_m and delta's Fp together
+        # have Fp's gradient -sum_m (gX_m o c_m)^T (c = 1 - t), made here from the context columns
+        # directly; apart, they are terms of order 1/psi that cancel to the gradient (float32 lost
+        # up to 2 of its 7 digits of psi's gradient at D = 100, K = 20)
+        gXc = F.new_zeros(R, D)
         # every row j's R x R gradient of F_j F_j^T, summed over the masks (packed), and psi's
         rows = F.new_zeros(D, pk.FF.shape[1])
         gpsi = torch.zeros_like(psi)
@@ -180,7 +188,7 @@ class LowRankForm(torch.autograd.Function):
             gu = torch.empty_like(w)
             gLi, gQ = torch.empty_like(Lio), torch.empty_like(Q)
             so_psi = to / psi
-            _backward_form(F, Lio, Q, w, so_psi, G, inner, gF, sgs, gu, gLi, gQ)
+            _backward_form(F, Lio, Q, w, so_psi, G, inner, gF, gXc, gu, gLi, gQ)
             # Li and Q are symmetric for every F and psi: only their gradients' symmetric parts count
             gQ = _symh(gQ.add_(Gdd)).add_(pk.unpack(so_psi @ gT1))
             # Q = Li Mw Li
@@ -198,7 +206,9 @@ class LowRankForm(torch.autograd.Function):
             rows.addmm_(torch.cat([w, gv, cpsi]).T, torch.cat([pk.pack(gMw), pk.pack(Lio), pk.pack(gLam)]))
             gpsi += gv.sum(0) - (cpsi * pk.inner(gLam)).sum(0) / psi
         gF += 2 * (pk.unpack(rows) @ F.unsqueeze(-1)).squeeze(-1)
-        gpsi -= sgs / psi
+        gFp = -gXc.T
+        gF += gFp / psi.unsqueeze(-1)
+        gpsi -= (gFp * F).sum(1) / psi**2
         return gF, gpsi, None, None, None, None
 
 
@@ -216,12 +226,12 @@ def _forward_form(F, Li, Q, w, s, chunk, A):
     A[D:, D:] += Q.sum(0)
 
 
-def _backward_form(F, Li, Q, w, s, G, chunk, gF, sgs, gu, gLi, gQ):
+def _backward_form(F, Li, Q, w, s, G, chunk, gF, gXc, gu, gLi, gQ):
     D = F.shape[0]
     Gee, Gde = G[:D, :D], G[D:, :D]
     for i in range(0, Li.shape[0], chunk):
         sl = slice(i, i + chunk)
-        _backward_chunk(F, Li[sl], Q[sl], w[sl], s[sl], Gee, Gde, gF, sgs, gu[sl], gLi[sl], gQ[sl])
+        _backward_chunk(F, Li[sl], Q[sl], w[sl], s[sl], Gee, Gde, gF, gXc, gu[sl], gLi[sl], gQ[sl])
 
 
 def _pieces(F, Li, Q, w, s):
@@ -238,14 +248,15 @@ def _pieces(F, Li, Q, w, s):
     return XY, LQF
 
 
-def _backward_chunk(F, Li, Q, w, s, Gee, Gde, gF, sgs, gu, gLi, gQ):
+def _backward_chunk(F, Li, Q, w, s, Gee, Gde, gF, gXc, gu, gLi, gQ):
     r"""One chunk's share of the gradient through :math:`A_{ee} = \sum_m X_m^\top Y_m`
     and :math:`A_{de} = \sum_m Y_m`, with :math:`G` the symmetric gradient of
     :math:`A`: :math:`\bar Y_m = X_m G_{ee} + G_{de}`, :math:`\bar X_m = Y_m G_{ee}`,
-    then through ``X`` and ``Y``'s factors; ``gF`` and ``sgs`` (:math:`\sum_m s_m\circ\bar s_m`,
-    the part of ``Y``'s :math:`[Q_mF^\top]\circ s_m` the caller has not added) are
-    accumulated and ``gu`` (of :math:`u = 2w`), ``gLi``, ``gQ`` (the chunk's rows)
-    written in place."""
+    then through ``Y``'s factors; ``gF`` (but for its part through :math:`X`) and
+    ``gXc`` (:math:`\sum_m \bar X_m\circ c_m` with :math:`\bar X_m` the gradient of
+    every occurrence of :math:`X_m`, :math:`Y_mG_{ee} + Q_m(X_mG_{ee} + 2G_{de})`,
+    and :math:`c_m = 1 - t_m`) are accumulated and ``gu`` (of :math:`u = 2w`),
+    ``gLi``, ``gQ`` (the chunk's rows) written in place."""
     c, R, _ = Li.shape
     D = F.shape[0]
     XY, LQF = _pieces(F, Li, Q, w, s)
@@ -254,14 +265,15 @@ def _backward_chunk(F, Li, Q, w, s, Gee, Gde, gF, sgs, gu, gLi, gQ):
     gY += Gde
     s1 = s.unsqueeze(1)
     gu.copy_((gY * LQF[:, 0]).sum(1))
-    gF.add_((gX * s1).sum(0).T)
+    # X_m's gradient from A_ee = X^T Y, Y's Q X and A_ed = X^T Q, at the context columns
+    gX += Q @ (gY + Gde)
+    gXc.add_((gX * (s1 == 0)).sum(0))
     # Y's factors [Li F^T] o 2w and [Q F^T] o s
     Z = torch.empty(c, 2, R, D, dtype=F.dtype, device=F.device)
     torch.mul(gY, (2 * w).unsqueeze(1), out=Z[:, 0])
     torch.mul(gY, s1, out=Z[:, 1])
-    sgs.add_((Z[:, 1] * LQF[:, 1]).sum((0, 1)))
-    Z = Z.view(2 * c * R, D)
-    gLQ = (Z @ F).view(c, 2, R, R)
+    gLQ = (Z.view(2 * c * R, D) @ F).view(c, 2, R, R)
     gLi.copy_(gLQ[:, 0])
     gQ.copy_(gLQ[:, 1])
-    gF.addmm_(Z.T, torch.stack([Li, Q], 1).view(2 * c * R, R))
+    # Y's Li F^T factor (its Q F^T o s = Q X is X's, in gXc)
+    gF.addmm_(Z[:, 0].reshape(c * R, D).T, Li.reshape(c * R, R))
