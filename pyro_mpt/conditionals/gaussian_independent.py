@@ -23,8 +23,9 @@ features, and per masked token a few multiply-adds, a logarithm and a division.
 
 :class:`IndependentLowRankSums` evaluates this over chunks of (mask, datapoint)
 rows small enough to stay in the core's cache, and its backward pass
-recomputes each chunk instead of keeping it: the graph keeps the inputs and
-the mask, nothing of size ``(q, n, D)`` in the working dtype.
+recomputes each chunk instead of keeping it: the graph keeps the mask-free
+inputs and the masks as bits, nothing of size ``(q, n, D)`` in the working
+dtype (so :func:`~pyro_mpt.estimate.mpt_estimate` need not checkpoint the block).
 """
 
 import torch
@@ -99,7 +100,8 @@ class IndependentLowRankSums(torch.autograd.Function):
     \Psi_{\mathcal M}^{-1} e_{\mathcal M}`) and
     :math:`\partial\Lambda = -B\,(\partial B)\,B` these become matrix products
     of the chunk's tables with the per-token features. The chunk's tables live
-    in four buffers reused by every chunk; the backward pass recomputes them.
+    in buffers reused by every chunk (four forward, five backward); the
+    backward pass recomputes them from the masks, kept as bits.
 
     Inputs: ``mask`` bool ``(q, n, D)``; ``e``, ``ep`` (:math:`e/\psi`) ``(n, D)``;
     ``delta`` ``(n, K)``; ``F`` ``(D, K)``; ``psi`` ``(D,)``; ``phi``
