@@ -30,23 +30,13 @@ dtype (so :func:`~pyro_mpt.estimate.mpt_estimate` need not checkpoint the block)
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, cholesky, first_order_backward
+from .gaussian_linalg import LOG_2PI, cholesky, first_order_backward, packed_pairs
 
 #: tokens of one chunk's (rows, D) tables: large enough that the Python overhead
 #: of its few dozen kernels stays small against their work, small enough that
 #: its four tables stay in cache
 CHUNK_ELEMENTS = 2**19
 
-
-def packed_pairs(K, device):
-    """The index pairs ``(a, b)``, ``a <= b``, of a symmetric ``K x K`` matrix's
-    upper triangle, and the map ``(K, K)`` from each entry to its pair."""
-    a, b = torch.triu_indices(K, K, device=device)
-    full = torch.empty(K, K, dtype=torch.long, device=device)
-    pos = torch.arange(a.numel(), device=device)
-    full[a, b] = pos
-    full[b, a] = pos
-    return a, b, full
 
 
 def lowrank_independent_sums(m, x, mask, data):

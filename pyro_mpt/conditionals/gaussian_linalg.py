@@ -178,3 +178,16 @@ def gather_tokens(t, order):
     rest = t.shape[2:]
     idx = order.expand(p, k, D).reshape((p, k, D) + (1,) * len(rest)).expand((p, k, D) + rest)
     return torch.gather(t.unsqueeze(0).expand((p, k) + t.shape[1:]), 2, idx)
+
+
+@functools.lru_cache(maxsize=16)
+def packed_pairs(K, device):
+    """The index pairs ``(a, b)``, ``a <= b``, of a symmetric ``K x K`` matrix's
+    upper triangle, and the map ``(K, K)`` from each entry to its pair (cached:
+    read-only index tensors)."""
+    a, b = torch.triu_indices(K, K, device=device)
+    full = torch.empty(K, K, dtype=torch.long, device=device)
+    pos = torch.arange(a.numel(), device=device)
+    full[a, b] = pos
+    full[b, a] = pos
+    return a, b, full

@@ -12,11 +12,9 @@ forward pass; here it keeps :math:`\Lambda_m^{-1}`, :math:`F^\top W_mF` and the
 variances, and remakes the rest.
 """
 
-import functools
-
 import torch
 
-from .gaussian_linalg import LOG_2PI, cholesky, first_order_backward
+from .gaussian_linalg import LOG_2PI, cholesky, first_order_backward, packed_pairs
 
 __all__ = ["LowRankForm", "lowrank_form_chunks"]
 
@@ -44,10 +42,12 @@ class _Packing:
 
     def __init__(self, F):
         R = F.shape[1]
-        iu, self.upper, self.full, weight = _packing_indices(R, F.device)
+        a, b, full = packed_pairs(R, F.device)
         self.R = R
-        self.weight = weight.to(F.dtype)
-        self.FF = F.index_select(1, iu[0]) * F.index_select(1, iu[1])  # (D, R(R+1)/2)
+        self.upper = a * R + b
+        self.full = full.reshape(-1)
+        self.weight = (2 - (a == b).to(F.dtype))
+        self.FF = F.index_select(1, a) * F.index_select(1, b)  # (D, R(R+1)/2)
 
     def pack(self, M):
         """``(..., R, R)`` symmetric -> ``(..., R(R+1)/2)``."""
@@ -64,13 +64,6 @@ class _Packing:
     def unpack(self, p):
         return p.index_select(-1, self.full).view(*p.shape[:-1], self.R, self.R)
 
-
-@functools.lru_cache(maxsize=16)
-def _packing_indices(R, device):
-    iu = torch.triu_indices(R, R, device=device)
-    full = torch.zeros(R, R, dtype=torch.long, device=device)
-    full[iu[0], iu[1]] = torch.arange(iu.shape[1], device=device)
-    return iu, iu[0] * R + iu[1], torch.maximum(full, full.T).reshape(-1), 2 - (iu[0] == iu[1]).to(torch.float64)
 
 
 def _symh(X):
