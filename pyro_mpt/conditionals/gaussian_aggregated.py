@@ -21,7 +21,8 @@ the whitened data.
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, cholesky, first_order_backward
+from .gaussian_linalg import LOG_2PI, cholesky
+from .written_backward import first_order_backward
 from .gaussian_lowrank_form import LowRankForm, lowrank_form_chunks
 
 __all__ = [

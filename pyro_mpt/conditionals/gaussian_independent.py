@@ -30,7 +30,8 @@ dtype (so :func:`~pyro_mpt.estimate.mpt_estimate` need not checkpoint the block)
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, cholesky, first_order_backward, packed_pairs
+from .gaussian_linalg import LOG_2PI, cholesky, packed_pairs
+from .written_backward import first_order_backward
 
 #: tokens of one chunk's (rows, D) tables: large enough that the Python overhead
 #: of its few dozen kernels stays small against their work, small enough that

@@ -21,30 +21,6 @@ def normal_log_prob(x, mean, var):
     return -0.5 * (LOG_2PI + var.log() + (x - mean) ** 2 / var)
 
 
-def first_order_backward(backward):
-    """Decorates the ``backward`` of an autograd Function whose backward pass is
-    written out for first derivatives: it runs without recording (as under
-    ``torch.autograd.function.once_differentiable``), and a backward pass asked
-    to build a graph (``create_graph=True``, e.g. for a Hessian) is refused.
-    ``once_differentiable`` alone refuses only when the incoming gradient has a
-    graph; for the gradient of a loss it has none, and its result, constant in
-    the inputs, would silently give wrong second derivatives."""
-    once = torch.autograd.function.once_differentiable(backward)
-
-    @functools.wraps(backward)
-    def guarded(ctx, *grads):
-        if torch.is_grad_enabled():
-            name = type(ctx).__name__.removesuffix("Backward")
-            raise RuntimeError(
-                f"Second derivatives (create_graph=True) through the Gaussian engine's {name} are not "
-                f"available: its backward pass is written out for first derivatives only. Take second "
-                f"derivatives of the loss by finite differences of its gradient instead."
-            )
-        return once(ctx, *grads)
-
-    return guarded
-
-
 class NotPositiveDefinite(ValueError):
     """A Cholesky factorization failed; ``GaussianConditionals._rescued`` catches it."""
 

@@ -8,7 +8,6 @@ updates (sums for masks drawn per datapoint: ``gaussian_independent``).
 import torch
 
 from .gaussian_linalg import (
-    first_order_backward,
     LOG_2PI,
     cholesky,
     gather_tokens,
@@ -16,6 +15,7 @@ from .gaussian_linalg import (
     normal_log_prob,
     posterior_precision_factor,
 )
+from .written_backward import first_order_backward
 
 
 class SharedLowRankLogProb(torch.autograd.Function):

@@ -14,7 +14,8 @@ variances, and remakes the rest.
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, cholesky, first_order_backward, packed_pairs
+from .gaussian_linalg import LOG_2PI, cholesky, packed_pairs
+from .written_backward import first_order_backward
 
 __all__ = ["LowRankForm", "lowrank_form_chunks"]
 

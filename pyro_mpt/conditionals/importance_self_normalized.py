@@ -5,6 +5,8 @@ hand-written backward: the kernel of the ``"importance"`` engine's guide proposa
 
 import torch
 
+from .written_backward import first_order_backward
+
 
 class SelfNormalized(torch.autograd.Function):
     r"""Self-normalized importance-sampled log-conditionals with a hand-written backward.
@@ -49,6 +51,7 @@ class SelfNormalized(torch.autograd.Function):
         return out, lw, omega, sum_pi2, sum_pi_omega
 
     @staticmethod
+    @first_order_backward
     def backward(fctx, G, *_):
         pi, omega, ctx = fctx.saved_tensors
         r = torch.einsum("sqnd,qnd->sqn", pi, G) - omega * G.sum(-1)

@@ -15,6 +15,7 @@ import math
 import torch
 
 from .distributions import take_rows
+from .written_backward import first_order_backward
 
 __all__ = ["MixtureChunk", "exp_floor", "stable_logsumexp"]
 
@@ -211,6 +212,7 @@ class _MaskPartials(torch.autograd.Function):
         return num, den, bad
 
     @staticmethod
+    @first_order_backward
     def backward(fctx, G, g, _):
         A, sA, S, B, ctx = fctx.saved_tensors
         n, Qc, D = B.shape

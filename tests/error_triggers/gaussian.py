@@ -105,7 +105,7 @@ def _():
 
 
 
-@trigger("gaussian-second-derivatives")
+@trigger("second-derivatives")
 def _():
     # PPCA, masks shared by the batch, data many against the tokens: the aggregated form
     g = torch.Generator().manual_seed(0)
