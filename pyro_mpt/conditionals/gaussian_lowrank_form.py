@@ -26,7 +26,7 @@ CHUNK_BYTES = 2**20
 
 
 def lowrank_form_chunks(D, R, dtype, max_elements):
-    """Masks per chunk of :class:`LowRankForm`, ``(outer, inner)``: the outer
+    r"""Masks per chunk of :class:`LowRankForm`, ``(outer, inner)``: the outer
     chunks' :math:`R\times R` and :math:`D`-vector pieces (about ``10 R^2 + 8 D``
     elements a mask alive at once) within ``max_elements``; the inner chunks'
     ``(c, R, D)`` tables within ``CHUNK_BYTES`` each and about eight of them
