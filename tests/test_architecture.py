@@ -263,3 +263,30 @@ def test_docs_architecture_has_one_row_per_module():
         for pkg in set(documented) | set(on_disk)
         if documented.get(pkg) != on_disk.get(pkg)
     }
+
+
+def _docstrings_with_escapes(source):
+    """Names of the docstrings of ``source`` that hold a control character: a
+    backslash sequence such as ``\\t`` in ``:math:`R\\times R``` written in a
+    docstring that is not raw turns into one, and the math renders wrong."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc and any(ch in doc for ch in "\t\a\b\f\v\r"):
+                found.append(getattr(node, "name", "<module>"))
+    return found
+
+
+def test_the_docstring_check_finds_an_escape():
+    assert _docstrings_with_escapes('def f():\n    """:math:`R\\times R`"""\n') == ["f"]
+    assert _docstrings_with_escapes('def f():\n    r""":math:`R\\times R`"""\n') == []
+
+
+def test_no_docstring_holds_a_control_character():
+    bad = {
+        str(path.relative_to(PACKAGE)): names
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (names := _docstrings_with_escapes(path.read_text()))
+    }
+    assert not bad, f"docstrings with a backslash escape turned control character (write them raw, r'''...'''): {bad}"
