@@ -23,6 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
+from .mask_bits import pack_bits, unpack_bits
 from .mask_blocks import ChainBlock, MaskBlock
 
 __all__ = ["block_scores", "mpt_estimate"]
@@ -285,7 +286,7 @@ def _block_estimate(block, engine, state, x, recompute=True):
         if block.draw is not None:
             # masks drawn once and kept as bits for the recomputation (an eighth of
             # the bool masks): redrawing them would cost more than the engine's work
-            block = dataclasses.replace(block, draw=functools.partial(_unpack_bits, _pack_bits(mask), mask.shape[-1]))
+            block = dataclasses.replace(block, draw=functools.partial(unpack_bits, pack_bits(mask), mask.shape[-1]))
     return _recomputed(recompute, _weighted_sum, block, engine, state, x)
 
 
@@ -297,19 +298,3 @@ def _recomputed(recompute, fn, *args):
         return fn(*args)
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
 
-
-def _pack_bits(mask):
-    """Bool ``(..., D)`` as uint8 ``(..., ceil(D / 8))``, eight tokens a byte."""
-    pad = -mask.shape[-1] % 8
-    if pad:
-        mask = torch.nn.functional.pad(mask, (0, pad))
-    bits = mask.reshape(mask.shape[:-1] + (-1, 8)).to(torch.uint8)
-    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
-    return (bits << shifts).sum(-1, dtype=torch.uint8)
-
-
-def _unpack_bits(packed, D):
-    """The bool ``(..., D)`` of :func:`_pack_bits`."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(packed.shape[:-1] + (-1,))[..., :D].bool()

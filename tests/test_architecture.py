@@ -184,7 +184,7 @@ def test_no_import_cycle_among_pyro_mpt_modules():
 #: only from its own layer and the ones below. Tokens and schedules know no engine,
 #: engines know no loss, estimate or evidence. Modules not listed are not checked.
 LAYERS = [
-    ["token_layout", "site_checks", "token_site", "observed_tokens", "mask_blocks", "mask_draws", "missing_tokens", "masks",
+    ["token_layout", "site_checks", "token_site", "observed_tokens", "mask_bits", "mask_blocks", "mask_draws", "missing_tokens", "masks",
      "importance_weights", "guide_checks", "curve"],
     ["conditionals"],
     ["estimate", "loss", "evidence", "importance_weighted_elbo", "guide_elbo"],

@@ -30,6 +30,7 @@ dtype (so :func:`~pyro_mpt.estimate.mpt_estimate` need not checkpoint the block)
 
 import torch
 
+from ..mask_bits import pack_bits, unpack_bits
 from .gaussian_linalg import LOG_2PI, cholesky, packed_pairs
 from .written_backward import first_order_backward
 
@@ -37,7 +38,6 @@ from .written_backward import first_order_backward
 #: of its few dozen kernels stays small against their work, small enough that
 #: its four tables stay in cache
 CHUNK_ELEMENTS = 2**19
-
 
 
 def lowrank_independent_sums(m, x, mask, data):
@@ -102,6 +102,7 @@ class IndependentLowRankSums(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mask, e, ep, delta, F, psi, phi, phi_p, lam0, site):
+        """The sums ``(q, n)``."""
         q, n, D = mask.shape
         out = e.new_empty(q, n)
         # buffers: 0 the targets, 1 and 2 the chunk's scratch, then v and d; 3 the terms
@@ -122,6 +123,7 @@ class IndependentLowRankSums(torch.autograd.Function):
     @staticmethod
     @first_order_backward
     def backward(ctx, g):
+        """The gradients of every input but the mask and the site."""
         bits, e, ep, delta, F, psi, phi, phi_p, lam0 = ctx.saved_tensors
         q, n, D = bits.shape[0], bits.shape[1], ctx.D
         K = F.shape[-1]
@@ -171,36 +173,6 @@ class IndependentLowRankSums(torch.autograd.Function):
             dz = torch.mm(dw2, c.FT, out=bufs.take(3, (rows, D))).view(shape)
             dep[ns].add_(_sum_masks(dz.mul_(c.t)))
         return (None, de, dep, ddelta, dF, dpsi, dphi, dphi_p, dlam0, None)
-
-
-#: 2**(56 - 7k), k = 0..7: multiplying eight 0/1 bytes (little-endian in an int64)
-#: by it puts byte k's bit at bit 56 + k, every other partial product below bit 56
-#: (no two at one position, so no carry) or above bit 63 (dropped)
-_GATHER_BITS = 0x0102040810204080
-
-
-def pack_bits(mask):
-    """Bool ``(..., D)`` as uint8 ``(..., ceil(D / 8))``, token ``8 b + k`` at bit ``k`` of byte ``b``.
-
-    One multiply and shift per eight tokens (an int64 view of the bool bytes)
-    instead of a shift per token."""
-    pad = -mask.shape[-1] % 8
-    if pad:
-        mask = torch.nn.functional.pad(mask, (0, pad))
-    words = mask.contiguous().view(torch.uint8).view(torch.int64)
-    return ((words * _GATHER_BITS) >> 56).bitwise_and_(0xFF).to(torch.uint8)
-
-
-def _byte_table(device):
-    """int64 ``(256,)``: byte value -> its eight bits as eight 0/1 bytes."""
-    bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
-    return bits.to(torch.uint8).view(torch.int64)[:, 0]
-
-
-def unpack_bits(bits, D):
-    """The bool ``(..., D)`` of :func:`pack_bits`, by a table lookup per byte."""
-    words = _byte_table(bits.device)[bits.long()]  # (..., ceil(D / 8)) int64
-    return words.view(torch.bool)[..., :D]
 
 
 def _sum_masks(table):
