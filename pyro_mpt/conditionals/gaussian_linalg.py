@@ -1,7 +1,7 @@
 r"""What every path of the Gaussian engine shares: a Cholesky factorization that
 fails when its pivots lose their digits, the first jitter of the engine's rescue,
 the dtype each path computes in, the normal log-density, token gathers and the
-guard of the backward passes written out for first derivatives.
+index pairs of packed symmetric matrices.
 
 Used by :mod:`~pyro_mpt.conditionals.gaussian` and its kernels
 (``gaussian_lowrank``, ``gaussian_dense``, ``gaussian_shared``).

@@ -66,7 +66,6 @@ class _Packing:
         return p.index_select(-1, self.full).view(*p.shape[:-1], self.R, self.R)
 
 
-
 def _symh(X):
     return 0.5 * (X + X.transpose(-1, -2))
 
@@ -145,7 +144,7 @@ class LowRankForm(torch.autograd.Function):
             T1.addmm_(s.T, pk.pack(Q))
             _forward_form(F, Lio, Q, w, s, inner, A)
         A[:D, D:] = (pk.unpack(T1) @ F.unsqueeze(-1)).squeeze(-1)
-        ctx.save_for_backward(F, psi, t, a, Li, Mw, v, A, T1)
+        ctx.save_for_backward(F, psi, t, a, Li, Mw, v)
         ctx.chunks = chunks
         return A, wsum, logdet
 
@@ -153,7 +152,7 @@ class LowRankForm(torch.autograd.Function):
     @first_order_backward
     def backward(ctx, gA, gwsum, glog):
         """The gradients of ``F`` and ``psi``."""
-        F, psi, t, a, Li, Mw, v, A, T1 = ctx.saved_tensors
+        F, psi, t, a, Li, Mw, v = ctx.saved_tensors
         D, R = F.shape
         P = t.shape[0]
         pk = _Packing(F)
