@@ -8,13 +8,15 @@ formulas). This module computes them and their gradients with respect to
 :math:`F` and :math:`\psi`, written out: recorded op by op, the backward pass
 keeps about a dozen :math:`(P, R, R)` and :math:`(P, D)` tables of the
 :math:`P` masks alive and runs three times as many small matrix products as the
-forward pass; here it keeps :math:`\Lambda_m^{-1}`, :math:`F^\top W_mF` and the
-variances, and remakes the rest.
+forward pass; here it keeps :math:`\Lambda_m^{-1}`, :math:`\Lambda_m^{-1}F^\top W_mF`,
+:math:`Q_m` and the variances, and remakes the rest in chunks whose tables live
+in one :class:`~pyro_mpt.conditionals.workspace.Workspace`.
 """
 
 import torch
 
 from .gaussian_linalg import LOG_2PI, cholesky, packed_pairs
+from .workspace import Workspace
 from .written_backward import first_order_backward
 
 __all__ = ["LowRankForm", "lowrank_form_chunks"]
@@ -117,7 +119,7 @@ class LowRankForm(torch.autograd.Function):
         D, R = F.shape
         P = t.shape[0]
         pk = _Packing(F)
-        Li, Mw, v = F.new_empty(P, R, R), F.new_empty(P, R, R), F.new_empty(P, D)
+        (Li, LiMw, Qs), v = (F.new_empty(P, R, R) for _ in range(3)), F.new_empty(P, D)
         A = F.new_zeros(D + R, D + R)
         wsum, logdet = F.new_zeros(D), F.new_zeros(())
         # A_ed's rows T1[j] F_j, T1[j] = sum_m s_mj Q_m (packed; a fifth of the stacked product's flops)
@@ -137,14 +139,13 @@ class LowRankForm(torch.autograd.Function):
             w = ao * to / vo
             logdet += (ao * to * (LOG_2PI + vo.log())).sum()
             wsum += w.sum(0)
-            Mwo = Mw[so]
-            Mwo.copy_(pk.outer(w))
-            Q = Lio @ Mwo @ Lio
+            LMo = torch.matmul(Lio, pk.outer(w), out=LiMw[so])
+            Q = torch.matmul(LMo, Lio, out=Qs[so])
             s = to / psi
             T1.addmm_(s.T, pk.pack(Q))
             _forward_form(F, Lio, Q, w, s, inner, A)
         A[:D, D:] = (pk.unpack(T1) @ F.unsqueeze(-1)).squeeze(-1)
-        ctx.save_for_backward(F, psi, t, a, Li, Mw, v)
+        ctx.save_for_backward(F, psi, t, a, Li, LiMw, Qs, v)
         ctx.chunks = chunks
         return A, wsum, logdet
 
@@ -152,7 +153,7 @@ class LowRankForm(torch.autograd.Function):
     @first_order_backward
     def backward(ctx, gA, gwsum, glog):
         """The gradients of ``F`` and ``psi``."""
-        F, psi, t, a, Li, Mw, v = ctx.saved_tensors
+        F, psi, t, a, Li, LiMw, Qs, v = ctx.saved_tensors
         D, R = F.shape
         P = t.shape[0]
         pk = _Packing(F)
@@ -174,10 +175,8 @@ class LowRankForm(torch.autograd.Function):
         gpsi = torch.zeros_like(psi)
         for o in range(0, P, outer):
             so = slice(o, o + outer)
-            Lio, Mwo, vo, to = Li[so], Mw[so], v[so], t[so]
+            Lio, LMo, Q, vo, to = Li[so], LiMw[so], Qs[so], v[so], t[so]
             w = a[so].unsqueeze(-1) * to / vo
-            LiMw = Lio @ Mwo
-            Q = LiMw @ Lio
             gu = torch.empty_like(w)
             gLi, gQ = torch.empty_like(Lio), torch.empty_like(Q)
             so_psi = to / psi
@@ -186,7 +185,7 @@ class LowRankForm(torch.autograd.Function):
             gQ = _symh(gQ.add_(Gdd)).add_(pk.unpack(so_psi @ gT1))
             # Q = Li Mw Li
             gMw = Lio @ gQ @ Lio
-            gQLM = gQ @ LiMw
+            gQLM = gQ @ LMo
             gLi += gQLM + gQLM.transpose(-1, -2)
             # Mw = sum_j w_j F_j F_j^T, u = 2 w, w = a t / v, logdet = sum a t log v
             gw = pk.inner(gMw).add_(gwsum).add_(gu, alpha=2)
@@ -196,7 +195,8 @@ class LowRankForm(torch.autograd.Function):
             gLam = -(Lio @ gLi @ Lio)
             cpsi = (1 - to) / psi
             # the three terms of the rows' gradients in one product
-            rows.addmm_(torch.cat([w, gv, cpsi]).T, torch.cat([pk.pack(gMw), pk.pack(Lio), pk.pack(gLam)]))
+            for coef, M in ((w, gMw), (gv, Lio), (cpsi, gLam)):
+                rows.addmm_(coef.T, pk.pack(M))
             gpsi += gv.sum(0) - (cpsi * pk.inner(gLam)).sum(0) / psi
         gF += 2 * (pk.unpack(rows) @ F.unsqueeze(-1)).squeeze(-1)
         gFp = -gXc.T
@@ -211,9 +211,10 @@ def _forward_form(F, Li, Q, w, s, chunk, A):
     D, R = F.shape
     Aee, Ade = A[:D, :D], A[D:, :D]
     Ft = F.T.contiguous()
+    ws = Workspace(F.dtype, F.device)
     for i in range(0, Li.shape[0], chunk):
         sl = slice(i, i + chunk)
-        (X, Y), _ = _pieces(F, Ft, Li[sl], Q[sl], w[sl], s[sl])
+        (X, Y), _ = _pieces(F, Ft, Li[sl], Q[sl], w[sl], s[sl], ws)
         c = X.shape[0]
         Aee.addmm_(X.view(c * R, D).T, Y.view(c * R, D))
         Ade.add_(Y.sum(0))
@@ -224,18 +225,21 @@ def _backward_form(F, Li, Q, w, s, G, chunk, gF, gXc, gu, gLi, gQ):
     D = F.shape[0]
     Gee, Gde = G[:D, :D], G[D:, :D]
     Ft = F.T.contiguous()
+    ws = Workspace(F.dtype, F.device)
     for i in range(0, Li.shape[0], chunk):
         sl = slice(i, i + chunk)
-        _backward_chunk(F, Ft, Li[sl], Q[sl], w[sl], s[sl], Gee, Gde, gF, gXc, gu[sl], gLi[sl], gQ[sl])
+        _backward_chunk(F, Ft, Li[sl], Q[sl], w[sl], s[sl], Gee, Gde, gF, gXc, gu[sl], gLi[sl], gQ[sl], ws)
 
 
-def _pieces(F, Ft, Li, Q, w, s):
+def _pieces(F, Ft, Li, Q, w, s, ws):
     """A chunk's ``[X, Y]`` ``(2, c, R, D)`` with ``X = F^T o s`` and
-    ``Y = [Li F^T] o 2w + [Q F^T] o s``, and ``[Li F^T, Q F^T]`` ``(c, 2, R, D)``."""
+    ``Y = [Li F^T] o 2w + [Q F^T] o s``, and ``[Li F^T, Q F^T]`` ``(c, 2, R, D)``,
+    in the workspace ``ws``."""
     c, R, _ = Li.shape
     D = F.shape[0]
-    LQF = (torch.stack([Li, Q], 1).view(2 * c * R, R) @ F.T).view(c, 2, R, D)
-    XY = torch.empty(2, c, R, D, dtype=F.dtype, device=F.device)
+    LQ = torch.stack([Li, Q], 1).view(2 * c * R, R)
+    LQF = torch.matmul(LQ, Ft, out=ws.take("LQF", (2 * c * R, D))).view(c, 2, R, D)
+    XY = ws.take("XY", (2, c, R, D))
     s1 = s.unsqueeze(1)
     torch.mul(Ft, s1, out=XY[0])  # F^T contiguous: read strided, this pass took 5x longer
     torch.mul(LQF[:, 0], (2 * w).unsqueeze(1), out=XY[1])
@@ -243,7 +247,7 @@ def _pieces(F, Ft, Li, Q, w, s):
     return XY, LQF
 
 
-def _backward_chunk(F, Ft, Li, Q, w, s, Gee, Gde, gF, gXc, gu, gLi, gQ):
+def _backward_chunk(F, Ft, Li, Q, w, s, Gee, Gde, gF, gXc, gu, gLi, gQ, ws):
     r"""One chunk's share of the gradient through :math:`A_{ee} = \sum_m X_m^\top Y_m`
     and :math:`A_{de} = \sum_m Y_m`, with :math:`G` the symmetric gradient of
     :math:`A`: :math:`\bar Y_m = X_m G_{ee} + G_{de}`, :math:`\bar X_m = Y_m G_{ee}`,
@@ -254,8 +258,8 @@ def _backward_chunk(F, Ft, Li, Q, w, s, Gee, Gde, gF, gXc, gu, gLi, gQ):
     ``gLi``, ``gQ`` (the chunk's rows) written in place."""
     c, R, _ = Li.shape
     D = F.shape[0]
-    XY, LQF = _pieces(F, Ft, Li, Q, w, s)
-    gYX = (XY.view(2 * c * R, D) @ Gee).view(2, c, R, D)
+    XY, LQF = _pieces(F, Ft, Li, Q, w, s, ws)
+    gYX = torch.matmul(XY.view(2 * c * R, D), Gee, out=ws.take("gYX", (2 * c * R, D))).view(2, c, R, D)
     gY, gX = gYX[0], gYX[1]
     gY += Gde
     s1 = s.unsqueeze(1)
@@ -266,11 +270,10 @@ def _backward_chunk(F, Ft, Li, Q, w, s, Gee, Gde, gF, gXc, gu, gLi, gQ):
     gX.view(c * R, D).addmm_(Q.reshape(c * R, R), Gde)
     gXc.add_((gX * (s1 == 0)).sum(0))
     # Y's factors [Li F^T] o 2w and [Q F^T] o s
-    Z = torch.empty(2, c, R, D, dtype=F.dtype, device=F.device)
+    Z = ws.take("Z", (2, c, R, D))
     torch.mul(gY, (2 * w).unsqueeze(1), out=Z[0])
     torch.mul(gY, s1, out=Z[1])
-    gLQ = (Z.view(2 * c * R, D) @ F).view(2, c, R, R)
-    gLi.copy_(gLQ[0])
-    gQ.copy_(gLQ[1])
+    torch.matmul(Z[0].view(c * R, D), F, out=gLi.view(c * R, R))
+    torch.matmul(Z[1].view(c * R, D), F, out=gQ.view(c * R, R))
     # Y's Li F^T factor (its Q F^T o s = Q X is X's, in gXc)
     gF.addmm_(Z[0].view(c * R, D).T, Li.reshape(c * R, R))
