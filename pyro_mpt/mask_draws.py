@@ -8,7 +8,7 @@ of the masks (see :mod:`pyro_mpt.masks`).
 
 import torch
 
-__all__ = ["random_order", "random_ranks", "random_masks", "random_keys", "smallest_keys", "KEY_BITS", "KEY_TOKENS"]
+__all__ = ["random_order", "random_ranks", "random_masks", "random_keys", "smallest_keys", "KEY_BITS"]
 
 
 def random_order(shape, device, observed=None):
@@ -85,108 +85,123 @@ def random_masks(sizes, shape, device, observed=None):
 #: rows per size from which selecting (one pass over the block) beats one sort per row
 _SELECT_ROWS = 16
 
-#: bits of the integer keys of :func:`random_masks` when the sizes are shared by the
-#: rows: four keys come from one 64-bit draw, and ties between keys, which would
-#: decide a mask by position, are redrawn (:func:`smallest_keys`)
-KEY_BITS = 15
+#: bits of the coarse integer keys of :func:`random_masks` when the sizes are shared
+#: by the rows (fewer for short rows, about one key per bin): eight keys come from
+#: one 64-bit draw (at most 7 bits, so that ``b + 1`` fits the uint8
+#: thresholds of :func:`smallest_keys`); ties between them are broken by fine keys drawn only for the
+#: tokens that tie at a row's boundary (:func:`smallest_keys`)
+KEY_BITS = 7
 
-#: rows longer than this draw float64 keys instead (a tie at the boundary of a row of
-#: D integer keys, redrawn, has probability about D / 2**KEY_BITS)
-KEY_TOKENS = 2048
+#: rows per call of :func:`smallest_keys` inside :func:`random_masks`: its
+#: tables (int32 bin indices, the histograms) then stay in the core's cache
+_SELECT_TOKENS = 2**19
 
 
 def _selected_masks(sizes, shape, device):
     """:func:`random_masks` for sizes ``(q,)`` shared by the rows: the tokens of the M
-    smallest of i.i.d. uniform integer keys, found by two counting passes
-    (:func:`smallest_keys`), with the rows whose M-th and (M+1)-th smallest keys tie
-    drawn again until none does.
+    smallest of i.i.d. uniform keys per row (:func:`smallest_keys`).
 
-    Exact: the keys of a row are exchangeable, and so they remain given that
-    their boundary does not tie (an event symmetric in the tokens), so the M
-    smallest are a uniform M-subset; rows and queries draw independent keys. On
-    a CPU this costs a third of drawing float64 keys and selecting the M-th
-    smallest of each row (``kthvalue`` keeps indices and copies every row).
+    Exact: a row's keys (coarse, with fine keys breaking the ties at its
+    boundary) are i.i.d. and continuous in effect, so the M smallest are a
+    uniform M-subset; rows and queries draw independent keys.
     """
     q, rows, D = shape
-    if D > KEY_TOKENS:
-        u = torch.rand(shape, device=device, dtype=torch.float64)
-        mask = torch.empty(shape, dtype=torch.bool, device=u.device)
-        for i, M in enumerate(sizes.tolist()):
-            torch.le(u[i], u[i].kthvalue(M, -1, keepdim=True).values, out=mask[i])
-        return mask
     sizes = sizes.to(device=device)
+    keys = random_keys((q * rows, D), device)
     want = sizes[:, None].expand(q, rows).reshape(-1)
-    mask, exact = smallest_keys(random_keys(shape, device).reshape(q * rows, D), want)
-    redraw = (~exact).nonzero()[:, 0]
-    while redraw.numel():
-        again, exact = smallest_keys(random_keys((redraw.numel(), D), device), want[redraw])
-        mask[redraw] = again
-        redraw = redraw[~exact]
-    return mask.reshape(shape)
+    mask = torch.empty((q * rows, D), dtype=torch.bool, device=keys.device)
+    step = max(1, _SELECT_TOKENS // D)
+    for start in range(0, q * rows, step):
+        part = slice(start, start + step)
+        mask[part] = smallest_keys(keys[part], want[part])
+    return mask.view(shape)
+
+
+def _key_bits(D):
+    """Coarse key bits for rows of D tokens: about one key per bin, at most :data:`KEY_BITS`."""
+    return max(1, min(KEY_BITS, (D - 1).bit_length()))
 
 
 def random_keys(shape, device):
-    """I.i.d. uniform integer keys on ``0 .. 2**KEY_BITS - 1``, int16 ``shape``.
+    """I.i.d. uniform integer keys on ``0 .. 2**b - 1``, uint8 ``shape``, with
+    ``b = min(KEY_BITS, ceil(log2 D))`` bits (about one key per value).
 
-    One 64-bit draw gives four keys: ``random_()`` fills int64 with 63 uniform
-    bits, whose four 16-bit words, cut to their low ``KEY_BITS`` bits, are
-    independent and uniform.
+    One 64-bit draw over its full range gives eight keys (its eight bytes, cut
+    to their low ``b`` bits), independent and uniform.
 
     Example::
 
-        >>> random_keys((2, 5), None)    # 10 keys in [0, 32768)
+        >>> random_keys((2, 5), None)    # 10 keys in [0, 8)
     """
     *lead, D = shape
-    words = torch.empty(*lead, (D + 3) // 4, dtype=torch.int64, device=device).random_()
-    return words.view(torch.int16)[..., :D] & ((1 << KEY_BITS) - 1)
-
-
-def _index_dtype(top):
-    return torch.int32 if top < 2**31 else torch.int64
-
-
-def _row_counts(index, rows, bins):
-    """Counts ``(rows, bins)`` of the row-offset bin indices ``index`` ``(rows, D)``."""
-    return torch.bincount(index.reshape(-1), minlength=rows * bins).view(rows, bins)
+    words = torch.empty(*lead, (D + 7) // 8, dtype=torch.int64, device=device).random_(-(2**63), None)
+    keys = words.view(torch.uint8)[..., :D]
+    return keys.bitwise_and_((1 << _key_bits(D)) - 1)
 
 
 def smallest_keys(keys, sizes):
-    r"""The keys at most each row's M-th smallest, ``M = sizes``, and whether they are M.
+    r"""Each row's M smallest keys, ``M = sizes``, ties broken uniformly at random: bool ``(rows, D)``.
 
-    A counting pass instead of a selection per row: the histogram of each row's
-    high key bits locates the bin of its M-th smallest key; the few keys in that
-    bin, sorted, give its value :math:`t`; the mask is :math:`k \le t`. It has
-    M tokens unless keys tie at :math:`t` (then more), which the sorted keys show.
+    A counting pass instead of a selection per row: the per-row histogram of
+    the keys (one ``bincount`` over row-offset int32 bin indices) locates the
+    value :math:`b` of each row's M-th smallest key; the mask holds the keys
+    :math:`k < b` and, of the ``count`` keys equal to :math:`b`, the ``need``
+    with the smallest fine keys, uniform 31-bit keys drawn for those tokens
+    only. A fine key the row's boundary ties on is drawn again, for all the
+    listed tokens, until none does (an event symmetric in each row's tokens,
+    so the chosen subset stays uniform). Always exactly M tokens a row.
 
-    :param torch.Tensor keys: int16 ``(rows, D)`` in ``0 .. 2**KEY_BITS - 1``.
+    :param torch.Tensor keys: uint8 ``(rows, D)``, each in ``0 .. 2**b - 1`` (``b``
+        as in :func:`random_keys`; a larger key would count in the next row's bins).
     :param torch.Tensor sizes: long ``(rows,)``, each in ``1..D``.
-    :returns: bool ``(rows, D)``, the mask, and bool ``(rows,)``, True where it has
-        exactly M tokens.
+    :returns: bool ``(rows, D)``.
 
     Example::
 
-        >>> smallest_keys(torch.tensor([[5, 1, 9, 3]], dtype=torch.int16), torch.tensor([2]))
-        (tensor([[False,  True, False,  True]]), tensor([True]))
+        >>> smallest_keys(torch.tensor([[3, 1, 2, 1]], dtype=torch.uint8), torch.tensor([2]))
+        tensor([[False,  True, False,  True]])
     """
     rows, D = keys.shape
-    low_bits = max(0, KEY_BITS - 7)
-    bins, width = 1 << (KEY_BITS - low_bits), 1 << low_bits
-    # per-row histograms as one bincount over row-offset bins (int32 offsets: a
-    # scatter would need an int64 index, twice the passes)
-    rows_at = torch.arange(rows, device=keys.device, dtype=_index_dtype(rows * bins))[:, None]
-    high = keys >> low_bits
-    below = _row_counts(high + rows_at * bins, rows, bins).cumsum(-1)
-    b = (below < sizes[:, None]).sum(-1)  # the bin of the M-th smallest key
-    before = torch.where(b > 0, below.gather(1, (b - 1).clamp_min(0)[:, None])[:, 0], 0)
-    need = sizes - before  # the need-th smallest of the keys in bin b, >= 1
-    count = below.gather(1, b[:, None])[:, 0] - before  # keys in bin b, >= need
-    # those keys are few (about D / bins a row): list them, sorted by (row, low bits)
-    rows_in, cols_in = (high == b[:, None].to(high.dtype)).nonzero(as_tuple=True)
-    low = (keys[rows_in, cols_in] & (width - 1)).long()
-    listed = (rows_in * width + low).sort().values
-    start = count.cumsum(0) - count
-    t = listed[start + need - 1] - torch.arange(rows, device=keys.device) * width + b * width
-    # a tie at t: the next key of the bin (when there is one) has the same low bits
-    nxt = listed[(start + need).clamp_max(listed.numel() - 1)]
-    exact = (need == count) | (nxt != listed[start + need - 1])
-    return keys <= t[:, None].to(keys.dtype), exact
+    device = keys.device
+    bins = 1 << _key_bits(D)
+    # per-row histograms as one bincount over row-offset int32 bins (the uint8
+    # -> int32 copy and the in-place offset are vectorized; a promoting add is not)
+    index = torch.empty((rows, D), dtype=torch.int32, device=device).copy_(keys)
+    index += (torch.arange(rows, dtype=torch.int32, device=device) * bins)[:, None]
+    below = torch.bincount(index.view(-1), minlength=rows * bins).view(rows, bins).cumsum_(-1)
+    del index
+    sizes = sizes.to(below.dtype)
+    b = torch.searchsorted(below, sizes[:, None])  # (rows, 1): the value of the M-th smallest
+    before = below.gather(1, (b - 1).clamp_min(0)).masked_fill_(b == 0, 0)[:, 0]
+    count = below.gather(1, b)[:, 0] - before  # keys equal to b, >= need
+    need = sizes - before  # how many of them the mask takes, >= 1
+    # the mask is k < b, or k <= b (k < b + 1) where it takes every key equal to b;
+    # comparisons against a full-width threshold (against a broadcast one the
+    # kernel is a scalar loop, six times slower)
+    partial = need < count
+    mask = torch.lt(keys, (b[:, 0] + (~partial)).to(torch.uint8)[:, None].expand(rows, D).contiguous())
+    if not bool(partial.any()):
+        return mask
+    # the keys equal to b in the rows that take some of them, listed in row-major
+    # order: a nonzero over 64-bit words of the bool table (an eighth of its
+    # length), then over the few words hit (255: no key, which are below 2**7)
+    other = torch.where(partial, b[:, 0], 255).to(torch.uint8)
+    tie = torch.eq(keys, other[:, None].expand(rows, D).contiguous())
+    pad = -D % 8
+    words = (torch.nn.functional.pad(tie, (0, pad)) if pad else tie).view(torch.int64)
+    wr, wc = words.nonzero(as_tuple=True)
+    j, k = words[wr, wc].view(torch.bool).view(-1, 8).nonzero(as_tuple=True)
+    rows_in, cols_in = wr[j], wc[j] * 8 + k
+    start = torch.cumsum(count * partial, 0) - count * partial  # each partial row's first listed token
+    first = (start + need - 1)[partial]
+    while True:
+        fine = rows_in * 2**31 + torch.empty_like(rows_in).random_(0, 2**31)
+        listed = fine.sort().values
+        t = listed[first]
+        # a tie at the boundary: the next fine key of the row equals the need-th
+        nxt = listed[(first + 1).clamp_max(listed.numel() - 1)]
+        if not bool((nxt == t).any()):
+            break
+    take = fine <= torch.zeros(rows, dtype=fine.dtype, device=device).index_copy_(0, partial.nonzero()[:, 0], t)[rows_in]
+    mask[rows_in[take], cols_in[take]] = True
+    return mask

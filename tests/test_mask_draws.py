@@ -4,7 +4,7 @@ subset frequencies (scipy), brute-force order statistics, fixed seeds."""
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from scipy.stats import chi2, chisquare
 
 import pyro_mpt.mask_draws as mask_draws
 from pyro_mpt.mask_draws import random_keys, random_masks, smallest_keys
@@ -64,35 +64,84 @@ def test_masks_are_independent_across_datapoints_and_queries():
 
 
 def test_smallest_keys_is_the_brute_force_order_statistic():
-    """The mask holds the keys at most each row's M-th smallest (a full sort), ties included."""
+    """The mask holds exactly M keys: every key below the M-th smallest (a full sort)
+    and none above it, ties at the M-th broken among the tied keys only."""
     g = torch.Generator().manual_seed(2)
     rows, D = 300, 37
-    keys = torch.randint(0, 2**mask_draws.KEY_BITS, (rows, D), generator=g).to(torch.int16)
-    keys[:100] = keys[:100] % 7  # many ties
+    bins = 2 ** mask_draws._key_bits(D)
+    keys = torch.randint(0, bins, (rows, D), generator=g).to(torch.uint8)
+    keys[:100] = keys[:100] % 3  # many ties
     sizes = torch.randint(1, D + 1, (rows,), generator=g)
     kth = keys.long().sort(-1).values.gather(1, (sizes - 1)[:, None])
-    mask, exact = smallest_keys(keys, sizes)
-    assert torch.equal(mask, keys.long() <= kth)
-    assert torch.equal(exact, mask.sum(-1) == sizes)
-    assert 0 < int((~exact).sum()) < rows  # the test has ties and rows without
+    mask = smallest_keys(keys, sizes)
+    assert torch.equal(mask.sum(-1), sizes)
+    assert bool((mask | (keys.long() >= kth)).all())  # every key below the M-th is in
+    assert not bool((mask & (keys.long() > kth)).any())  # no key above it
+    tied = ((keys.long() == kth).sum(-1) > 1) & (mask & (keys.long() == kth)).sum(-1).lt((keys.long() == kth).sum(-1))
+    assert int(tied.sum()) > 50  # the test breaks ties in many rows
 
 
-def test_random_keys_are_uniform_in_every_word():
-    """Each of the four keys cut from one 64-bit draw is uniform on 0 .. 2**KEY_BITS - 1
-    (the draw's top bit is always 0, so the top word must be cut like the others)."""
+def test_random_keys_are_uniform_in_every_byte():
+    """Each of the eight keys cut from one 64-bit draw is uniform on 0 .. 2**KEY_BITS - 1
+    (the draw covers the full 64-bit range, so the top byte must be uniform too)."""
     torch.manual_seed(3)
-    keys = random_keys((20000, 8), None).long()
-    assert int(keys.min()) >= 0 and int(keys.max()) < 2**mask_draws.KEY_BITS
-    for word in range(4):
-        top = keys[:, word::4] >> (mask_draws.KEY_BITS - 4)  # 16 bins of the high bits
-        counts = torch.bincount(top.flatten(), minlength=16)
+    D = 2**mask_draws.KEY_BITS
+    keys = random_keys((20000, 16), None).long()  # 16 tokens: 4-bit keys
+    bits = mask_draws._key_bits(16)
+    assert int(keys.min()) >= 0 and int(keys.max()) < 2**bits
+    keys = random_keys((3000, D), None).long()
+    assert int(keys.max()) < 2**mask_draws.KEY_BITS
+    for byte in range(8):
+        counts = torch.bincount(keys[:, byte::8].flatten(), minlength=D)
         assert chisquare(counts.numpy()).pvalue > P_MIN
 
 
 def test_long_rows_draw_exact_sizes():
-    """Rows longer than the integer keys serve (float64 keys) still get exact sizes."""
+    """Rows far longer than the key's values (dozens of ties at each boundary) still
+    get exact sizes, also when D is not a multiple of 8."""
     torch.manual_seed(4)
-    D = mask_draws.KEY_TOKENS + 1
+    D = 3001
     sizes = torch.tensor([[1], [D // 2], [D]])
     masks = random_masks(sizes, (3, 16, D), None)
     assert torch.equal(masks.sum(-1), sizes.expand(3, 16))
+
+
+#: a token's inclusion count may stray this many binomial standard errors from M/D
+Z_MAX = 5.0
+
+
+def test_each_token_is_masked_with_probability_m_over_d():
+    """At a D of the benchmarks' size (each key value held by a few tokens, D not a
+    multiple of 8), the inclusion counts of the tokens over n independent rows: each
+    binomial(n, M/D), within Z_MAX standard errors; together chi-square with D - 1
+    degrees of freedom (their covariance is that of a uniform M-subset); and without
+    a trend in the token's position (what breaking ties by position would leave)."""
+    torch.manual_seed(5)
+    D, n = 300, 20000
+    sizes = torch.tensor([1, 7, 150, 299])
+    masks = random_masks(sizes[:, None], (4, n, D), None)
+    assert torch.equal(masks.sum(-1), sizes[:, None].expand(4, n))
+    p = sizes[:, None].double() / D
+    var = n * p * (1 - p)  # (4, 1)
+    z = (masks.sum(1).double() - n * p) / var.sqrt()  # (4, D)
+    assert float(z.abs().max()) < Z_MAX
+    # Cov(count_j, count_k) = -var / (D - 1): sum z^2 (D - 1) / D is chi-square(D - 1)
+    for stat in (z.square().sum(-1) * (D - 1) / D).tolist():
+        assert chi2.sf(stat, D - 1) > P_MIN
+    c = torch.arange(D, dtype=torch.float64) - (D - 1) / 2
+    trend = (masks.sum(1).double() * c).sum(-1) / (var[:, 0] * D / (D - 1) * c.square().sum()).sqrt()
+    assert float(trend.abs().max()) < Z_MAX
+
+
+def test_masks_do_not_depend_on_the_thread_count():
+    """One seed draws the same masks on one thread and on two."""
+    threads = torch.get_num_threads()
+    try:
+        drawn = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            torch.manual_seed(6)
+            drawn.append(random_masks(torch.tensor([[3], [200]]), (2, 1500, 257), None))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(drawn[0], drawn[1])
