@@ -69,7 +69,8 @@ class _Packing:
 
 
 def _symh(X):
-    return 0.5 * (X + X.transpose(-1, -2))
+    # one fresh table, scaled in place (0.5 * (X + X^T) makes two)
+    return torch.add(X, X.transpose(-1, -2)).mul_(0.5)
 
 
 class LowRankForm(torch.autograd.Function):
@@ -192,12 +193,13 @@ class LowRankForm(torch.autograd.Function):
             gv = w * (glog - gw / vo)
             # v = psi + F_j^T Li F_j, Li = Lambda^-1, Lambda = I + sum_j (c_j / psi_j) F_j F_j^T
             gLi = _symh(gLi).add_(pk.outer(gv))
-            gLam = -(Lio @ gLi @ Lio)
+            # minus Lambda's gradient, -(d/dLambda) = Li gLi Li (the sign goes into its two uses)
+            mgLam = Lio @ gLi @ Lio
             cpsi = (1 - to) / psi
-            # the three terms of the rows' gradients in one product
-            for coef, M in ((w, gMw), (gv, Lio), (cpsi, gLam)):
-                rows.addmm_(coef.T, pk.pack(M))
-            gpsi += gv.sum(0) - (cpsi * pk.inner(gLam)).sum(0) / psi
+            # the three terms of the rows' gradients
+            for coef, M, sign in ((w, gMw, 1.0), (gv, Lio, 1.0), (cpsi, mgLam, -1.0)):
+                rows.addmm_(coef.T, pk.pack(M), alpha=sign)
+            gpsi += gv.sum(0) + (cpsi * pk.inner(mgLam)).sum(0) / psi
         gF += 2 * (pk.unpack(rows) @ F.unsqueeze(-1)).squeeze(-1)
         gFp = -gXc.T
         gF += gFp / psi.unsqueeze(-1)
