@@ -357,7 +357,8 @@ class GaussianConditionals(ConditionalEngine):
     def _aggregated_rank(self, state, x):
         """``(True, R)`` when :meth:`weighted_mask_sum` takes the aggregated form
         (``R`` the rank, None on the dense path), ``(False, None)`` when per-mask
-        products with the data are cheaper or the covariance is not shared."""
+        products with the data are cheaper, the covariance is not shared, or
+        the form would lose its digits in the state's dtype."""
         if isinstance(state, BlockGaussianState):
             return False, None
         n, D = x.shape
@@ -365,6 +366,11 @@ class GaussianConditionals(ConditionalEngine):
             if state.cov_factor.shape[0] != 1:
                 return False, None
             R = state.cov_factor.shape[-1]
+            F, psi = state.cov_factor, state.cov_diag
+            if R == 1 and F.dtype != torch.float64 and lowrank_dtype(F, psi, (F.dtype,), cancelling=True) is None:
+                # with one column the state keeps float32 up to eps^2 kappa <= PRECISION, which
+                # the per-mask paths hold to; the form's y^T A y cancels terms of size kappa
+                return False, None
             return aggregated_cheaper(n, D, R), R
         if state.covariance.shape[0] != 1:
             return False, None
