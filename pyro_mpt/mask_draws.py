@@ -106,15 +106,9 @@ def _selected_masks(sizes, shape, device):
     uniform M-subset; rows and queries draw independent keys.
     """
     q, rows, D = shape
-    sizes = sizes.to(device=device)
     keys = random_keys((q * rows, D), device)
-    want = sizes[:, None].expand(q, rows).reshape(-1)
-    mask = torch.empty((q * rows, D), dtype=torch.bool, device=keys.device)
-    step = max(1, _SELECT_TOKENS // D)
-    for start in range(0, q * rows, step):
-        part = slice(start, start + step)
-        mask[part] = smallest_keys(keys[part], want[part])
-    return mask.view(shape)
+    want = sizes.to(device=keys.device)[:, None].expand(q, rows).reshape(-1)
+    return smallest_keys(keys, want).view(shape)
 
 
 def _key_bits(D):
@@ -164,44 +158,58 @@ def smallest_keys(keys, sizes):
     rows, D = keys.shape
     device = keys.device
     bins = 1 << _key_bits(D)
-    # per-row histograms as one bincount over row-offset int32 bins (the uint8
-    # -> int32 copy and the in-place offset are vectorized; a promoting add is not)
-    index = torch.empty((rows, D), dtype=torch.int32, device=device).copy_(keys)
-    index += (torch.arange(rows, dtype=torch.int32, device=device) * bins)[:, None]
-    below = torch.bincount(index.view(-1), minlength=rows * bins).view(rows, bins).cumsum_(-1)
-    del index
-    sizes = sizes.to(below.dtype)
-    b = torch.searchsorted(below, sizes[:, None])  # (rows, 1): the value of the M-th smallest
-    before = below.gather(1, (b - 1).clamp_min(0)).masked_fill_(b == 0, 0)[:, 0]
-    count = below.gather(1, b)[:, 0] - before  # keys equal to b, >= need
-    need = sizes - before  # how many of them the mask takes, >= 1
-    # the mask is k < b, or k <= b (k < b + 1) where it takes every key equal to b;
-    # comparisons against a full-width threshold (against a broadcast one the
-    # kernel is a scalar loop, six times slower)
+    sizes = sizes.to(device=device, dtype=torch.int64)
+    mask = torch.empty((rows, D), dtype=torch.bool, device=device)
+    # the keys equal to b in the rows that take only some of them, padded to whole
+    # 64-bit words for their listing
+    width = -(-D // 8) * 8
+    tie = torch.empty((rows, width), dtype=torch.bool, device=device)
+    tie[:, D:] = False  # zeros over the whole table would touch every page twice
+    need, count = torch.empty_like(sizes), torch.empty_like(sizes)
+    # the passes over the keys go in cache-sized parts, with their buffers reused
+    step = min(rows, max(1, _SELECT_TOKENS // D))
+    index = torch.empty((step, D), dtype=torch.int32, device=device)
+    threshold = torch.empty((step, D), dtype=torch.uint8, device=device)
+    offsets = (torch.arange(step, dtype=torch.int32, device=device) * bins)[:, None]
+    for start in range(0, rows, step):
+        part = slice(start, min(rows, start + step))
+        k, r = keys[part], part.stop - part.start
+        # per-row histograms as one bincount over row-offset int32 bins (the uint8
+        # -> int32 copy and the in-place offset are vectorized; a promoting add is not)
+        idx = index[:r].copy_(k).add_(offsets[:r])
+        below = torch.bincount(idx.view(-1), minlength=r * bins).view(r, bins).cumsum_(-1)
+        b = torch.searchsorted(below, sizes[part, None])  # (r, 1): the value of the M-th smallest
+        before = below.gather(1, (b - 1).clamp_min(0)).masked_fill_(b == 0, 0)[:, 0]
+        count[part] = below.gather(1, b)[:, 0] - before  # keys equal to b, >= need
+        need[part] = sizes[part] - before  # how many of them the mask takes, >= 1
+        partial = need[part] < count[part]
+        # the mask is k < b, or k <= b (k < b + 1) where it takes every key equal to
+        # b; comparisons against a full-width threshold (against a broadcast one the
+        # kernel is a scalar loop, six times slower)
+        thr = threshold[:r]
+        thr.copy_((b[:, 0] + (~partial)).to(torch.uint8)[:, None].expand(r, D))
+        torch.lt(k, thr, out=mask[part])
+        thr.copy_(torch.where(partial, b[:, 0], 255).to(torch.uint8)[:, None].expand(r, D))  # 255: no key (< 2**7)
+        torch.eq(k, thr, out=tie[part, :D])
     partial = need < count
-    mask = torch.lt(keys, (b[:, 0] + (~partial)).to(torch.uint8)[:, None].expand(rows, D).contiguous())
     if not bool(partial.any()):
         return mask
-    # the keys equal to b in the rows that take some of them, listed in row-major
-    # order: a nonzero over 64-bit words of the bool table (an eighth of its
-    # length), then over the few words hit (255: no key, which are below 2**7)
-    other = torch.where(partial, b[:, 0], 255).to(torch.uint8)
-    tie = torch.eq(keys, other[:, None].expand(rows, D).contiguous())
-    pad = -D % 8
-    words = (torch.nn.functional.pad(tie, (0, pad)) if pad else tie).view(torch.int64)
+    # the tied keys listed in row-major order: a nonzero over 64-bit words of the
+    # bool table (an eighth of its length), then over the few words hit
+    words = tie.view(torch.int64)
     wr, wc = words.nonzero(as_tuple=True)
     j, k = words[wr, wc].view(torch.bool).view(-1, 8).nonzero(as_tuple=True)
     rows_in, cols_in = wr[j], wc[j] * 8 + k
-    start = torch.cumsum(count * partial, 0) - count * partial  # each partial row's first listed token
-    first = (start + need - 1)[partial]
+    listed = torch.where(partial, count, 0)
+    first = (torch.cumsum(listed, 0) - listed + need - 1)[partial]  # each partial row's need-th listed token
     while True:
         fine = rows_in * 2**31 + torch.empty_like(rows_in).random_(0, 2**31)
-        listed = fine.sort().values
-        t = listed[first]
+        ordered = fine.sort().values
+        t = ordered[first]
         # a tie at the boundary: the next fine key of the row equals the need-th
-        nxt = listed[(first + 1).clamp_max(listed.numel() - 1)]
-        if not bool((nxt == t).any()):
+        if not bool((ordered[first + 1] == t).any()):
             break
-    take = fine <= torch.zeros(rows, dtype=fine.dtype, device=device).index_copy_(0, partial.nonzero()[:, 0], t)[rows_in]
+    cut = torch.zeros(rows, dtype=fine.dtype, device=device).index_copy_(0, partial.nonzero()[:, 0], t)
+    take = fine <= cut[rows_in]
     mask[rows_in[take], cols_in[take]] = True
     return mask

@@ -200,7 +200,7 @@ def _sum_masks(table):
 
 
 class _Factors:
-    """The mask-free per-token factors as contiguous ``(k, D)`` rows, the layout of
+    r"""The mask-free per-token factors as contiguous ``(k, D)`` rows, the layout of
     the chunks' products (:func:`_times`): ``FT`` (:math:`F^\top`), ``phiT``,
     ``phi_pT`` and ``phi_psi`` (:math:`\phi^\top` over :math:`\psi`, so that
     :math:`v = [B_p, 1]\,\mathrm{phi\_psi}` is one product without a bias copy)."""
