@@ -16,9 +16,9 @@ residual of token :math:`j \in \mathcal M`
 
 exact for any :math:`\hat z_i`; the variance is
 :math:`v_j = \psi_j + f_j^\top\Lambda^{-1}f_j`. So a (mask, datapoint) pair needs
-only sums over its masked tokens (over its context instead where that is the
-smaller set, so that :math:`\Lambda` is never a small difference of large
-sums), matrix products of the 0/1 mask table with :math:`K(K+1)/2 + K` per-token
+only sums over its masked tokens (over its context instead where the targets
+hold more than half of the signal :math:`\sum_j |f_j|^2/\psi_j`, so that
+:math:`\Lambda` is never a small difference of large sums), matrix products of the 0/1 mask table with :math:`K(K+1)/2 + K` per-token
 features, and per masked token a few multiply-adds, a logarithm and a division.
 
 :class:`IndependentLowRankSums` evaluates this over chunks of (mask, datapoint)
@@ -210,6 +210,11 @@ class _Factors:
         self.phiT = phi.T.contiguous()
         self.phi_pT = phi_p.T.contiguous()
         self.phi_psi = torch.cat([self.phiT, psi.unsqueeze(0)])
+        # each token's signal |f_j|^2 / psi_j (the diagonal entries of its packed features),
+        # (1, D), and its sum: which side of a mask Lambda is summed from
+        a, b, _ = packed_pairs(F.shape[-1], F.device)
+        self.snr = self.phi_pT[a == b].sum(0, keepdim=True)
+        self.snr_total = self.snr.sum()
 
 
 class _Buffers:
@@ -231,10 +236,10 @@ class _Buffers:
 
 class _Chunk:
     """One chunk's 0/1 targets ``t`` (buffer 0), the table the latent precision is
-    summed from ``tl`` (``t``, or ``1 - t`` on the rows whose context is the smaller
-    set; buffer 1 when it differs), and its small pieces: the precision's inverse
-    ``B`` (packed with doubled off-diagonal entries, and a 1 for psi, as ``Bp1``),
-    ``w`` and ``u = B w``."""
+    summed from ``tl`` (``t``, or ``1 - t`` on the rows whose context holds the
+    smaller share of the signal; buffer 1 when it differs), and its small pieces:
+    the precision's inverse ``B`` (packed with doubled off-diagonal entries, and a 1
+    for psi, as ``Bp1``), ``w`` and ``u = B w``."""
 
     def __init__(self, bufs, mask, ep, delta, factors, lam0, site):
         qc, nc, D = mask.shape
@@ -246,7 +251,11 @@ class _Chunk:
         self.t = t
         # from the float table: a sum over the bool mask would convert it to int64
         self.count = t.sum(-1)  # (qc, nc)
-        self.flip = self.count > D / 2  # the context is the smaller set
+        # lam0 - S(targets) loses about eps tr(lam0) to cancellation, which is small against
+        # Lambda only where the targets hold at most half of the signal (by count instead,
+        # one column with one token of high signal among the targets was 1.1 nats off in
+        # float32, whose one-column bound is eps^2 kappa)
+        self.flip = _times(t.view(rows, D), factors.snr).view(qc, nc) > 0.5 * factors.snr_total
         tl = t
         if bool(self.flip.all()):
             tl = torch.neg(t, out=bufs.take(1, mask.shape)).add_(1.0)  # one input, not three
