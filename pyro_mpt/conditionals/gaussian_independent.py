@@ -147,8 +147,9 @@ class IndependentLowRankSums(torch.autograd.Function):
             # row weights g go into the small factors of the products instead
             gr = g[qs, ns]
             g2 = gr.reshape(rows, 1)
-            ga = d.mul_(c.t).div_(v)  # t a, half of dL/dd over g
-            dv = torch.div(c.t, v, out=v).addcmul_(ga, ga, value=-1.0)  # t (1/v - a^2), dL/dv over g
+            tv = torch.div(c.t, v, out=v)  # t / v
+            ga = d.mul_(tv)  # t a, half of dL/dd over g
+            dv = tv.addcmul_(ga, ga, value=-1.0)  # t (1/v - a^2) (t^2 = t), dL/dv over g
             dv2, ga2 = dv.view(rows, D), ga.view(rows, D)
             # psi and phi together: v = [Bp, 1] [phi^T; psi]
             dpsi_phi += _t_times(dv2, g2 * c.Bp1)
@@ -174,7 +175,10 @@ class IndependentLowRankSums(torch.autograd.Function):
             dw2 = dw.view(rows, K)
             dFT += _t_times(c.z.view(rows, D), dw2)
             dz = torch.mm(dw2, factors.FT, out=bufs.take(3, (rows, D))).view(shape)
-            dep[ns].add_(_sum_masks(dz.mul_(c.t)))
+            if shape[0] == 1:
+                dep[ns].addcmul_(dz[0], c.t[0])
+            else:
+                dep[ns].add_(dz.mul_(c.t).sum(0))
         P = phi.shape[-1]
         dF, dphi, dpsi, dphi_p = dFT.T, dpsi_phi[:P].T, dpsi_phi[P], dphi_pT.T
         return (None, de, dep, ddelta, dF, dpsi, dphi, dphi_p, dlam0, None)
@@ -191,12 +195,6 @@ def _t_times(table, small):
     """``(table.T @ small).T`` for a ``(rows, D)`` table and a thin ``(rows, k)``
     factor, ``(k, D)``: as ``small.T @ table``, three times faster (see :func:`_times`)."""
     return small.T @ table
-
-
-def _sum_masks(table):
-    """``table.sum(0)`` for ``(qc, nc, D)``, without a copy when ``qc = 1`` (a
-    reduction over a dimension of one allocates, fills and copies a full table)."""
-    return table[0] if table.shape[0] == 1 else table.sum(0)
 
 
 class _Factors:
