@@ -25,7 +25,12 @@ def pack_bits(mask):
     pad = -mask.shape[-1] % 8
     if pad:
         mask = torch.nn.functional.pad(mask, (0, pad))
-    words = mask.contiguous().view(torch.uint8).view(torch.int64)
+    mask = mask.contiguous()
+    if mask.storage_offset() % 8 or any(s % 8 for s in mask.stride()[:-1]):
+        # a contiguous view that starts mid-word or keeps a size-1 dim's odd stride (e.g.
+        # base[:1, :1, 1:9]) has no int64 view: a fresh copy in the standard layout has
+        mask = torch.empty(mask.shape, dtype=mask.dtype, device=mask.device).copy_(mask)
+    words = mask.view(torch.uint8).view(torch.int64)
     return ((words * _GATHER_BITS) >> 56).bitwise_and_(0xFF).to(torch.uint8)
 
 
