@@ -208,11 +208,13 @@ class _Factors:
         self.phiT = phi.T.contiguous()
         self.phi_pT = phi_p.T.contiguous()
         self.phi_psi = torch.cat([self.phiT, psi.unsqueeze(0)])
-        # each token's signal |f_j|^2 / psi_j (the diagonal entries of its packed features),
-        # (1, D), and its sum: which side of a mask Lambda is summed from
+        # the packed features and a row of ones: one product gives a chunk's S(targets)
+        # and its target counts; each token's signal |f_j|^2 / psi_j is the sum of its
+        # diagonal features (a == b), which decides the side of a mask Lambda is summed from
+        self.phi_p1T = torch.cat([self.phi_pT, torch.ones_like(psi).unsqueeze(0)])
         a, b, _ = packed_pairs(F.shape[-1], F.device)
-        self.snr = self.phi_pT[a == b].sum(0, keepdim=True)
-        self.snr_total = self.snr.sum()
+        self.diagonal = a == b
+        self.snr_total = self.phi_pT[self.diagonal].sum()
 
 
 class _Buffers:
@@ -247,13 +249,14 @@ class _Chunk:
         # bool -> float through uint8: a plain copy, a third of the cost of .to()
         t = bufs.take(0, mask.shape).copy_(mask.view(torch.uint8))
         self.t = t
-        # from the float table: a sum over the bool mask would convert it to int64
-        self.count = t.sum(-1)  # (qc, nc)
+        P = factors.phi_pT.shape[0]
+        St = _times(t.view(rows, D), factors.phi_p1T)  # (rows, P + 1): S(targets), then counts
+        self.count = St[:, P].reshape(qc, nc)  # exact: sums of ones below 2**24
         # lam0 - S(targets) loses about eps tr(lam0) to cancellation, which is small against
         # Lambda only where the targets hold at most half of the signal (by count instead,
         # one column with one token of high signal among the targets was 1.1 nats off in
         # float32, whose one-column bound is eps^2 kappa)
-        self.flip = _times(t.view(rows, D), factors.snr).view(qc, nc) > 0.5 * factors.snr_total
+        self.flip = (St[:, :P][:, factors.diagonal].sum(-1) > 0.5 * factors.snr_total).view(qc, nc)
         tl = t
         if bool(self.flip.all()):
             tl = torch.neg(t, out=bufs.take(1, mask.shape)).add_(1.0)  # one input, not three
@@ -262,7 +265,8 @@ class _Chunk:
             tl = torch.addcmul(f, t, 1.0 - 2.0 * f, out=bufs.take(1, mask.shape))
         self.tl = tl
         a, b, full = packed_pairs(K, lam0.device)
-        S = _times(tl.view(rows, D), factors.phi_pT).reshape(qc, nc, -1)[..., full]  # (qc, nc, K, K)
+        S = St[:, :P] if tl is t else _times(tl.view(rows, D), factors.phi_pT)
+        S = S.reshape(qc, nc, P)[..., full]  # (qc, nc, K, K)
         eye = torch.eye(K, dtype=dtype, device=lam0.device)
         lam = torch.where(self.flip[..., None, None], eye + S, lam0 - S)
         z = torch.mul(t, ep, out=bufs.take(2, mask.shape))
