@@ -42,6 +42,7 @@ from .base import ConditionalEngine
 from .distributions import take_rows
 from .gaussian_aggregated import (
     aggregated_cheaper,
+    lowrank_form_accurate,
     aggregated_elements,
     dense_weighted_sum,
     lowrank_aggregate_data,
@@ -366,10 +367,7 @@ class GaussianConditionals(ConditionalEngine):
             if state.cov_factor.shape[0] != 1:
                 return False, None
             R = state.cov_factor.shape[-1]
-            F, psi = state.cov_factor, state.cov_diag
-            if R == 1 and F.dtype != torch.float64 and lowrank_dtype(F, psi, (F.dtype,), cancelling=True) is None:
-                # with one column the state keeps float32 up to eps^2 kappa <= PRECISION, which
-                # the per-mask paths hold to; the form's y^T A y cancels terms of size kappa
+            if not lowrank_form_accurate(state.cov_factor, state.cov_diag):
                 return False, None
             return aggregated_cheaper(n, D, R), R
         if state.covariance.shape[0] != 1:

@@ -59,7 +59,16 @@ def first_jitter(dtype):
 PRECISION = 1e-3
 
 
-def lowrank_dtype(F, psi, dtypes=None, *, cancelling=False):
+def signal_to_noise(F, psi):
+    r""":math:`\kappa = \max_i \operatorname{tr}(F^\top\Psi^{-1}F)`, the largest total
+    signal-to-noise ratio over the datapoints, a float (inf where :math:`\Psi` has zeros)."""
+    with torch.no_grad():
+        psi = psi.double()
+        ratio = F.double().pow(2).sum(-1) / psi.clamp_min(torch.finfo(torch.float64).tiny)
+        return float(torch.where(psi > 0, ratio, math.inf).sum(-1).max())
+
+
+def lowrank_dtype(F, psi, dtypes=None):
     r"""The first of ``dtypes`` (default: ``F``'s dtype, then float64) in which the
     low-rank pieces of :math:`\Sigma = FF^\top + \Psi` are accurate; None when
     none is (or :math:`\Psi` has zeros).
@@ -74,19 +83,12 @@ def lowrank_dtype(F, psi, dtypes=None, *, cancelling=False):
     :math:`\epsilon\kappa` must stay below ``PRECISION``. With one column
     (:math:`R = 1`) the precision is a scalar :math:`1 + g^2` that no rounding
     cancels, and the bound is that of the centred residual
-    :math:`e^2/\psi`, :math:`\epsilon^2\kappa`. With ``cancelling``, the bound
-    :math:`\epsilon\kappa` at every rank: for sums whose terms of size up to
-    :math:`\kappa` cancel whatever the rank, such as the aggregated form's
-    :math:`y^\top Ay` (``gaussian_aggregated``; with one column and noise
-    variances 1e-8, float32 put 240 nats on a log p of 37).
+    :math:`e^2/\psi`, :math:`\epsilon^2\kappa`.
     """
     if dtypes is None:
         dtypes = tuple(dict.fromkeys((F.dtype, torch.float64)))
-    with torch.no_grad():
-        psi = psi.double()
-        ratio = F.double().pow(2).sum(-1) / psi.clamp_min(torch.finfo(torch.float64).tiny)
-        kappa = float(torch.where(psi > 0, ratio, math.inf).sum(-1).max())
-    power = 2 if F.shape[-1] == 1 and not cancelling else 1
+    kappa = signal_to_noise(F, psi)
+    power = 2 if F.shape[-1] == 1 else 1
     for dtype in dtypes:
         if torch.finfo(dtype).eps ** power * kappa <= PRECISION:
             return dtype
