@@ -133,8 +133,6 @@ class IndependentLowRankSums(torch.autograd.Function):
         # the products with a table's transpose come out as (k, D): accumulated so
         dFT, dpsi_phi = torch.zeros_like(factors.FT), torch.zeros_like(factors.phi_psi)
         dphi_pT, dlam0 = torch.zeros_like(factors.phi_pT), torch.zeros_like(lam0)
-        a_idx, b_idx, full = packed_pairs(K, F.device)
-        off = torch.where(a_idx == b_idx, 1.0, 2.0).to(F.dtype)
         # buffers: 0 the targets, 1 the precision's table (while it differs from
         # them), 2 the weighted residuals t e / psi, 3 v, 4 d
         bufs = _Buffers((q, n, D), e.dtype, 5, e.device)
@@ -160,16 +158,20 @@ class IndependentLowRankSums(torch.autograd.Function):
             u2 = c.u.view(rows, K)
             dFT += _t_times(ga2, (2.0 * g2) * u2)
             du = (2.0 * g2 * _times(ga2, factors.FT)).view(c.u.shape)
-            dB = (g2 * _times(dv2, factors.phiT)).view(c.u.shape[:-1] + (-1,))[..., full]  # (.., K, K)
-            dB = dB + du.unsqueeze(-1) * c.w.unsqueeze(-2)
+            dB = factors.unpacked(g2 * _times(dv2, factors.phiT), c.u.shape[:-1])  # (.., K, K)
+            dB.add_(du.unsqueeze(-1) * c.w.unsqueeze(-2))
             dw = (c.B @ du.unsqueeze(-1)).squeeze(-1)
-            dlam = -(c.B @ dB @ c.B)
-            dlam = 0.5 * (dlam + dlam.transpose(-1, -2))
+            dlam = c.B @ dB @ c.B
+            dlam = (dlam + dlam.transpose(-1, -2)).mul_(-0.5)  # symmetric: -B dB B
             # Lambda = I + S(context) on flipped rows, lam0 - S(targets) on the others
-            sign = torch.where(c.flip, 1.0, -1.0).to(dlam.dtype)[..., None]
-            dS = dlam[..., a_idx, b_idx] * off * sign
-            dphi_pT += _t_times(c.tl.view(rows, D), dS.view(rows, -1))
-            dlam0 += (dlam * (~c.flip).to(dlam.dtype)[..., None, None]).sum((0, 1))
+            dS = factors.packed(dlam)
+            if c.flips == 0:
+                dS.neg_()
+                dlam0 += dlam.sum((0, 1))
+            elif c.flips < rows:
+                dS.mul_(torch.where(c.flip, 1.0, -1.0).to(dlam.dtype).view(rows, 1))
+                dlam0 += (dlam * (~c.flip).to(dlam.dtype)[..., None, None]).sum((0, 1))
+            dphi_pT += _t_times(c.tl.view(rows, D), dS)
             ddelta[ns].add_(dw.sum(0))
             # w = delta + z F, z = t e / psi (still in buffer 2)
             dw2 = dw.view(rows, K)
@@ -211,10 +213,24 @@ class _Factors:
         # the packed features and a row of ones: one product gives a chunk's S(targets)
         # and its target counts; each token's signal |f_j|^2 / psi_j is the sum of its
         # diagonal features (a == b), which decides the side of a mask Lambda is summed from
-        self.phi_p1T = torch.cat([self.phi_pT, torch.ones_like(psi).unsqueeze(0)])
-        a, b, _ = packed_pairs(F.shape[-1], F.device)
-        self.diagonal = a == b
-        self.snr_total = self.phi_pT[self.diagonal].sum()
+        K = F.shape[-1]
+        a, b, full = packed_pairs(K, F.device)
+        snr = self.phi_pT[a == b].sum(0, keepdim=True)
+        self.phi_p1T = torch.cat([self.phi_pT, torch.ones_like(snr), snr])
+        self.snr_total = snr.sum()
+        # packed <-> (K, K) by index_select on flat views (a third of the cost of
+        # advanced indexing on these small tables); off-diagonal pairs count twice
+        self.K, self.full, self.upper = K, full.view(-1), a * K + b
+        self.off = torch.where(a == b, 1.0, 2.0).to(F.dtype)
+        self.eye = torch.eye(K, dtype=F.dtype, device=F.device)
+
+    def unpacked(self, packed, lead):
+        """``(rows, P)`` packed symmetric matrices as ``lead + (K, K)``."""
+        return packed.index_select(-1, self.full).view(lead + (self.K, self.K))
+
+    def packed(self, sym):
+        """``(..., K, K)`` symmetric matrices as ``(rows, P)``, off-diagonal entries doubled."""
+        return sym.reshape(-1, self.K * self.K).index_select(-1, self.upper).mul_(self.off)
 
 
 class _Buffers:
@@ -250,33 +266,36 @@ class _Chunk:
         t = bufs.take(0, mask.shape).copy_(mask.view(torch.uint8))
         self.t = t
         P = factors.phi_pT.shape[0]
-        St = _times(t.view(rows, D), factors.phi_p1T)  # (rows, P + 1): S(targets), then counts
-        self.count = St[:, P].reshape(qc, nc)  # exact: sums of ones below 2**24
+        # (rows, P + 2): S(targets), the target counts (exact: sums of ones below 2**24),
+        # the targets' signal
+        St = _times(t.view(rows, D), factors.phi_p1T)
+        self.count = St[:, P].reshape(qc, nc)
         # lam0 - S(targets) loses about eps tr(lam0) to cancellation, which is small against
         # Lambda only where the targets hold at most half of the signal (by count instead,
         # one column with one token of high signal among the targets was 1.1 nats off in
         # float32, whose one-column bound is eps^2 kappa)
-        self.flip = (St[:, :P][:, factors.diagonal].sum(-1) > 0.5 * factors.snr_total).view(qc, nc)
+        self.flip = (St[:, P + 1] > 0.5 * factors.snr_total).view(qc, nc)
+        self.flips = int(self.flip.sum())
         tl = t
-        if bool(self.flip.all()):
+        if self.flips == rows:
             tl = torch.neg(t, out=bufs.take(1, mask.shape)).add_(1.0)  # one input, not three
-        elif bool(self.flip.any()):
+        elif self.flips:
             f = self.flip.to(dtype).unsqueeze(-1)
             tl = torch.addcmul(f, t, 1.0 - 2.0 * f, out=bufs.take(1, mask.shape))
         self.tl = tl
-        a, b, full = packed_pairs(K, lam0.device)
-        S = St[:, :P] if tl is t else _times(tl.view(rows, D), factors.phi_pT)
-        S = S.reshape(qc, nc, P)[..., full]  # (qc, nc, K, K)
-        eye = torch.eye(K, dtype=dtype, device=lam0.device)
-        lam = torch.where(self.flip[..., None, None], eye + S, lam0 - S)
+        S = factors.unpacked(St[:, :P] if tl is t else _times(tl.view(rows, D), factors.phi_pT), (qc, nc))
+        if self.flips == rows:
+            lam = S.add_(factors.eye)
+        elif self.flips:
+            lam = torch.where(self.flip[..., None, None], S + factors.eye, lam0 - S)
+        else:
+            lam = torch.sub(lam0, S)
         z = torch.mul(t, ep, out=bufs.take(2, mask.shape))
         self.z = z
         self.w = delta + _times(z.view(rows, D), factors.FT).reshape(qc, nc, K)
         self.B = _spd_inverse(lam, site)
         self.u = (self.B @ self.w.unsqueeze(-1)).squeeze(-1)  # (qc, nc, K)
-        Bp1 = lam0.new_ones(qc, nc, a.numel() + 1)
-        torch.mul(self.B[..., a, b], torch.where(a == b, 1.0, 2.0).to(dtype), out=Bp1[..., :-1])
-        self.Bp1 = Bp1.view(rows, -1)
+        self.Bp1 = torch.cat([factors.packed(self.B), lam0.new_ones(rows, 1)], 1)
 
     def residuals(self, v, d, e, factors):
         """The variances and masked residuals, written into ``v`` and ``d`` ``(qc, nc, D)``."""
@@ -297,9 +316,12 @@ def _spd_inverse(lam, site):
     if K == 1:
         return lam.reciprocal()
     if K == 2:
-        p, r, s = lam[..., 0, 0], lam[..., 0, 1], lam[..., 1, 1]
-        det = p * s - r * r
-        inv = torch.stack([torch.stack([s, -r], -1), torch.stack([-r, p], -1)], -2)
-        return inv / det[..., None, None]
+        flat = lam.reshape(-1, 4)  # (p, r, r, s) a row; r from the upper entry, as packed
+        r = flat[:, 1:2]
+        inv = flat.flip(-1)  # (s, ., ., p)
+        torch.neg(r, out=inv[:, 1:2])
+        inv[:, 2:3] = inv[:, 1:2]
+        det = torch.addcmul(flat[:, 0:1] * flat[:, 3:4], r, r, value=-1.0)
+        return inv.div_(det).view(lam.shape)
     L = cholesky(lam, "context precision I + F_R^T Psi_R^-1 F_R", site)
     return torch.cholesky_inverse(L)
