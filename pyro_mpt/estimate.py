@@ -212,10 +212,11 @@ def _shared(block):
     batch with one weight each, without context or gain; else None."""
     if not isinstance(block, MaskBlock) or block.mask is None or block.context is not None or block.gain is not None:
         return None
-    if block.mask.shape[1] != 1 or block.size.shape[-1] != 1 or block.weight.shape[-1] != 1:
+    mask = block.masks()  # block.mask, checked
+    if mask.shape[1] != 1 or block.size.shape[-1] != 1 or block.weight.shape[-1] != 1:
         return None
     size = block.size[:, 0].to(torch.float64).clamp_min(1)
-    return block.mask[:, 0], block.weight[:, 0].to(torch.float64) / size
+    return mask[:, 0], block.weight[:, 0].to(torch.float64) / size
 
 
 def _merged(blocks, per_group):

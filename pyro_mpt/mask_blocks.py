@@ -47,8 +47,18 @@ class MaskBlock:
     draw: Optional[Callable[[], torch.Tensor]] = None
 
     def masks(self):
-        """The block's masks, bool ``(q, n, D)`` or ``(q, 1, D)``: ``mask``, or a fresh ``draw()``."""
-        return self.mask if self.draw is None else self.draw()
+        """The block's masks, bool ``(q, n, D)`` or ``(q, 1, D)``: ``mask``, or a fresh ``draw()``.
+
+        :raises TypeError: when they are not bool (an integer 0/1 mask's ``~`` is not its
+            complement: the dense Gaussian kernels took ``~mask`` as the context, and a
+            uint8 mask put the loss 1.0e8 off)."""
+        mask = self.mask if self.draw is None else self.draw()
+        if mask.dtype != torch.bool:
+            raise TypeError(
+                f"A mask schedule's MaskBlock holds {mask.dtype} masks of shape {tuple(mask.shape)}; "
+                f"masks are bool, True at a target token: give mask.bool() (pyro_mpt.mask_blocks)."
+            )
+        return mask
 
 
 @dataclass

@@ -78,6 +78,22 @@ def _():
     MaskedPretrainingLoss(masks=OldSchedule()).loss(model, None, _x())
 
 
+@trigger("mask-block-dtype")
+def _():
+    from pyro_mpt.mask_blocks import MaskBlock
+    from pyro_mpt.masks import MaskSchedule
+
+    class ByteSchedule(MaskSchedule):
+        """Yields its masks as 0/1 bytes instead of bool."""
+
+        def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
+            mask = torch.tensor([[1, 0, 0, 1, 0], [0, 1, 1, 1, 0]], dtype=torch.uint8)[:, None]
+            yield MaskBlock(mask, torch.tensor([[2], [3]]), torch.ones(2, 1))
+
+    model, x = _ppca(D=5)
+    MaskedPretrainingLoss(masks=ByteSchedule()).loss(model, None, x)
+
+
 @trigger("estimate-unknown-block")
 def _():
     from pyro_mpt.masks import MaskSchedule
