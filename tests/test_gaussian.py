@@ -139,15 +139,18 @@ def test_shared_mask_sums_equal_brute_force_conditionals(K, method):
         assert torch.allclose(a, b, rtol=1e-8, atol=1e-8 * float(b.abs().max()))
 
 
+@pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("K,chunk", [(1, None), (2, None), (3, None), (2, 20), (3, 20)])
-def test_independent_mask_sums_equal_brute_force_conditionals(K, chunk, monkeypatch):
+def test_independent_mask_sums_equal_brute_force_conditionals(K, chunk, keep, monkeypatch):
     """Masks drawn per datapoint (sums over each mask's targets, or its context where
     that is smaller, in cache-sized chunks with a written backward; closed-form 2 x 2
-    inverses at K <= 2, factorizations above): the sums equal numpy's dense
+    inverses at K <= 2, factorizations above; each row's small pieces recomputed in
+    the backward pass or kept from the forward pass): the sums equal numpy's dense
     conditionals per (mask, datapoint) to 1e-10, and their gradient in W, mu and s
     that of a torch.linalg.solve loop to 1e-8."""
     if chunk is not None:  # chunks of 2 rows: several per mask
         monkeypatch.setattr(gaussian_independent, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(gaussian_independent, "KEPT_PIECES_BITS_RATIO", 10**6 if keep else 0)
     D, N, q = 10, 6, 5
     model, x, _ = make_ppca(D, K=K, N=N, sigma=0.5)
     g = torch.Generator().manual_seed(2)

@@ -23,9 +23,11 @@ features, and per masked token a few multiply-adds, a logarithm and a division.
 
 :class:`IndependentLowRankSums` evaluates this over chunks of (mask, datapoint)
 rows small enough to stay in the core's cache, and its backward pass
-recomputes each chunk instead of keeping it: the graph keeps the mask-free
-inputs and the masks as bits, nothing of size ``(q, n, D)`` in the working
-dtype (so :func:`~pyro_mpt.estimate.mpt_estimate` need not checkpoint the block).
+recomputes each chunk's tables instead of keeping them: the graph keeps the
+mask-free inputs, the masks as bits and, where they take at most twice the
+bytes of a row's bits (small K, :data:`KEPT_PIECES_BITS_RATIO`), each row's small pieces (:math:`\Lambda^{-1}`,
+:math:`w`, :math:`u`: :math:`(K + 1)^2 + K` numbers a row), nothing of size ``(q, n, D)`` in the working dtype (so
+:func:`~pyro_mpt.estimate.mpt_estimate` need not checkpoint the block).
 """
 
 import torch
@@ -38,6 +40,11 @@ from .written_backward import first_order_backward
 #: of its few dozen kernels stays small against their work, small enough that
 #: its four tables stay in cache
 CHUNK_ELEMENTS = 2**19
+
+#: the backward pass reads each row's small pieces kept by the forward pass (instead
+#: of summing and inverting its precision again) when they take at most this many
+#: times the bytes of the row's mask bits, which the graph keeps anyway
+KEPT_PIECES_BITS_RATIO = 2
 
 
 def lowrank_independent_sums(m, x, mask, data):
@@ -92,7 +99,9 @@ class IndependentLowRankSums(torch.autograd.Function):
     :math:`\partial\Lambda = -B\,(\partial B)\,B` these become matrix products
     of the chunk's tables with the per-token features. The chunk's tables live
     in buffers reused by every chunk (four forward, five backward); the
-    backward pass recomputes them from the masks, kept as bits.
+    backward pass recomputes them from the masks, kept as bits, and reads each
+    row's ``B``, ``u`` and ``w`` kept by the forward pass where they are as
+    small (:class:`_KeptRows`), else recomputes them too.
 
     Inputs: ``mask`` bool ``(q, n, D)``; ``e``, ``ep`` (:math:`e/\psi`) ``(n, D)``;
     ``delta`` ``(n, K)``; ``F`` ``(D, K)``; ``psi`` ``(D,)``; ``phi``
@@ -108,8 +117,11 @@ class IndependentLowRankSums(torch.autograd.Function):
         factors = _Factors(F, psi, phi, phi_p)
         # buffers: 0 the targets, 1 and 2 the chunk's scratch, then v and d; 3 the terms
         bufs = _Buffers(mask.shape, e.dtype, 4, e.device)
+        kept = _KeptRows(q, n, F.shape[-1], e) if _KeptRows.worth(F.shape[-1], D, e.dtype) else None
         for qs, ns in _chunks(q, n, D):
             c = _Chunk(bufs, mask[qs, ns], ep[ns], delta[ns], factors, lam0, site)
+            if kept is not None:
+                kept.keep(qs, ns, c)
             shape = c.t.shape
             v, d = c.residuals(bufs.take(1, shape), bufs.take(2, shape), e[ns], factors)
             terms = torch.log(v, out=bufs.take(3, shape))
@@ -117,15 +129,18 @@ class IndependentLowRankSums(torch.autograd.Function):
             # the constant log(2 pi) per target from the counts the chunk has made
             torch.add(terms.sum(-1), c.count, alpha=LOG_2PI, out=out[qs, ns])
         ctx.site, ctx.D = site, D
-        # the masks as bits, an eighth of the bool table, for the backward pass
-        ctx.save_for_backward(pack_bits(mask), e, ep, delta, F, psi, phi, phi_p, lam0)
+        ctx.flips = None if kept is None else kept.flips
+        # the masks as bits, an eighth of the bool table, and each row's small pieces
+        # where they are as small, for the backward pass
+        pieces = () if kept is None else kept.tensors()
+        ctx.save_for_backward(pack_bits(mask), e, ep, delta, F, psi, phi, phi_p, lam0, *pieces)
         return out
 
     @staticmethod
     @first_order_backward
     def backward(ctx, g):
         """The gradients of every input but the mask and the site."""
-        bits, e, ep, delta, F, psi, phi, phi_p, lam0 = ctx.saved_tensors
+        bits, e, ep, delta, F, psi, phi, phi_p, lam0, *kept = ctx.saved_tensors
         q, n, D = bits.shape[0], bits.shape[1], ctx.D
         K = F.shape[-1]
         factors = _Factors(F, psi, phi, phi_p)
@@ -136,8 +151,12 @@ class IndependentLowRankSums(torch.autograd.Function):
         # buffers: 0 the targets, 1 the precision's table (while it differs from
         # them), 2 the weighted residuals t e / psi, 3 v, 4 d
         bufs = _Buffers((q, n, D), e.dtype, 5, e.device)
-        for qs, ns in _chunks(q, n, D):
-            c = _Chunk(bufs, unpack_bits(bits[qs, ns], D), ep[ns], delta[ns], factors, lam0, ctx.site)
+        for k, (qs, ns) in enumerate(_chunks(q, n, D)):
+            mask = unpack_bits(bits[qs, ns], D)
+            if kept:
+                c = _Chunk.kept(bufs, mask, ep[ns], kept, qs, ns, ctx.flips[k])
+            else:
+                c = _Chunk(bufs, mask, ep[ns], delta[ns], factors, lam0, ctx.site)
             shape = c.t.shape
             rows = shape[0] * shape[1]
             v, d = c.residuals(bufs.take(3, shape), bufs.take(4, shape), e[ns], factors)
@@ -250,17 +269,61 @@ class _Buffers:
         return self.flat[i][:numel].view(shape)
 
 
+class _KeptRows:
+    """Every row's small pieces from the forward pass, ``(q, n, ...)``: the
+    backward pass reads them instead of summing and inverting the precisions again
+    (``(K + 1)^2 + K`` numbers a row, against ``D`` tokens)."""
+
+    def __init__(self, q, n, K, like):
+        P = K * (K + 1) // 2
+        self.B, self.u, self.w = like.new_empty(q, n, K, K), like.new_empty(q, n, K), like.new_empty(q, n, K)
+        self.Bp1 = like.new_empty(q, n, P + 1)
+        self.flip = torch.empty(q, n, dtype=torch.bool, device=like.device)
+        self.flips = []
+
+    @staticmethod
+    def worth(K, D, dtype):
+        """Whether a row's pieces take at most :data:`KEPT_PIECES_BITS_RATIO` times the
+        bytes of its mask's bits (so that what the graph keeps stays a small multiple
+        of the bits)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return ((K + 1) ** 2 + K) * itemsize + 1 <= KEPT_PIECES_BITS_RATIO * -(-D // 8)
+
+    def keep(self, qs, ns, c):
+        self.B[qs, ns], self.u[qs, ns], self.w[qs, ns] = c.B, c.u, c.w
+        self.Bp1[qs, ns] = c.Bp1.view(self.Bp1[qs, ns].shape)
+        self.flip[qs, ns] = c.flip
+        self.flips.append(c.flips)
+
+    def tensors(self):
+        return self.B, self.u, self.w, self.Bp1, self.flip
+
+
 class _Chunk:
     """One chunk's 0/1 targets ``t`` (buffer 0), the table the latent precision is
     summed from ``tl`` (``t``, or ``1 - t`` on the rows whose context holds the
-    smaller share of the signal; buffer 1 when it differs), and its small pieces:
-    the precision's inverse ``B`` (packed with doubled off-diagonal entries, and a 1
-    for psi, as ``Bp1``), ``w`` and ``u = B w``."""
+    smaller share of the signal; buffer 1 when it differs), ``z = t e / psi``
+    (buffer 2), and its small pieces: the precision's inverse ``B`` (packed with
+    doubled off-diagonal entries, and a 1 for psi, as ``Bp1``), ``w`` and
+    ``u = B w``; made from the sums, or (:meth:`kept`) read from the forward pass."""
+
+    @classmethod
+    def kept(cls, bufs, mask, ep, kept, qs, ns, flips):
+        """The chunk with its small pieces read from ``kept`` (:class:`_KeptRows`
+        tensors ``B, u, w, Bp1, flip``) and ``flips`` flipped rows."""
+        c = cls.__new__(cls)
+        B, u, w, Bp1, flip = kept
+        c.t = t = bufs.take(0, mask.shape).copy_(mask.view(torch.uint8))
+        c.flip, c.flips = flip[qs, ns], flips
+        c.tl = _flipped(bufs, t, c.flip, flips)
+        c.z = torch.mul(t, ep, out=bufs.take(2, mask.shape))
+        c.B, c.u, c.w = B[qs, ns], u[qs, ns], w[qs, ns]
+        c.Bp1 = Bp1[qs, ns].reshape(t.shape[0] * t.shape[1], -1)
+        return c
 
     def __init__(self, bufs, mask, ep, delta, factors, lam0, site):
         qc, nc, D = mask.shape
         K = factors.FT.shape[0]
-        dtype = factors.FT.dtype
         rows = qc * nc
         # bool -> float through uint8: a plain copy, a third of the cost of .to()
         t = bufs.take(0, mask.shape).copy_(mask.view(torch.uint8))
@@ -276,13 +339,7 @@ class _Chunk:
         # float32, whose one-column bound is eps^2 kappa)
         self.flip = (St[:, P + 1] > 0.5 * factors.snr_total).view(qc, nc)
         self.flips = int(self.flip.sum())
-        tl = t
-        if self.flips == rows:
-            tl = torch.neg(t, out=bufs.take(1, mask.shape)).add_(1.0)  # one input, not three
-        elif self.flips:
-            f = self.flip.to(dtype).unsqueeze(-1)
-            tl = torch.addcmul(f, t, 1.0 - 2.0 * f, out=bufs.take(1, mask.shape))
-        self.tl = tl
+        self.tl = tl = _flipped(bufs, t, self.flip, self.flips)
         S = factors.unpacked(St[:, :P] if tl is t else _times(tl.view(rows, D), factors.phi_pT), (qc, nc))
         if self.flips == rows:
             lam = S.add_(factors.eye)
@@ -307,6 +364,17 @@ class _Chunk:
         else:
             torch.baddbmm(e, self.u, factors.FT.expand(qc, -1, -1), out=d)
         return v, d
+
+
+def _flipped(bufs, t, flip, flips):
+    """``t``, or ``1 - t`` on the ``flips`` rows ``flip`` (buffer 1 when it differs)."""
+    rows = t.shape[0] * t.shape[1]
+    if flips == rows:
+        return torch.neg(t, out=bufs.take(1, t.shape)).add_(1.0)  # one input, not three
+    if flips:
+        f = flip.to(t.dtype).unsqueeze(-1)
+        return torch.addcmul(f, t, 1.0 - 2.0 * f, out=bufs.take(1, t.shape))
+    return t
 
 
 def _spd_inverse(lam, site):
