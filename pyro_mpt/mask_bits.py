@@ -7,6 +7,8 @@ instead, an eighth of the memory. Token ``8 b + k`` is bit ``k`` of byte ``b``
 (``numpy.packbits(..., bitorder="little")``).
 """
 
+import functools
+
 import torch
 
 __all__ = ["pack_bits", "unpack_bits"]
@@ -31,9 +33,10 @@ def pack_bits(mask):
         # base[:1, :1, 1:9]) has no int64 view: a fresh copy in the standard layout has
         mask = torch.empty(mask.shape, dtype=mask.dtype, device=mask.device).copy_(mask)
     words = mask.view(torch.uint8).view(torch.int64)
-    return ((words * _GATHER_BITS) >> 56).bitwise_and_(0xFF).to(torch.uint8)
+    return (words * _GATHER_BITS).bitwise_right_shift_(56).bitwise_and_(0xFF).to(torch.uint8)
 
 
+@functools.lru_cache(maxsize=8)
 def _byte_table(device):
     """int64 ``(256,)``: byte value -> its eight bits as eight 0/1 bytes."""
     bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
@@ -41,6 +44,9 @@ def _byte_table(device):
 
 
 def unpack_bits(bits, D):
-    """The bool ``(..., D)`` of :func:`pack_bits`, by a table lookup per byte."""
-    words = _byte_table(bits.device)[bits.long()]  # (..., ceil(D / 8)) int64
+    """The bool ``(..., D)`` of :func:`pack_bits`, by a table lookup per byte
+    (``index_select`` with int32 indices: a quarter of the time of indexing with
+    the int64 bytes)."""
+    index = bits.reshape(-1).to(torch.int32)
+    words = _byte_table(bits.device).index_select(0, index).view(bits.shape)  # (..., ceil(D / 8)) int64
     return words.view(torch.bool)[..., :D]
