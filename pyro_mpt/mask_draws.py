@@ -160,14 +160,14 @@ def smallest_keys(keys, sizes):
     bins = 1 << _key_bits(D)
     sizes = sizes.to(device=device, dtype=torch.int64)
     mask = torch.empty((rows, D), dtype=torch.bool, device=device)
-    # the keys equal to b in the rows that take only some of them, padded to whole
-    # 64-bit words for their listing
-    width = -(-D // 8) * 8
-    tie = torch.empty((rows, width), dtype=torch.bool, device=device)
-    tie[:, D:] = False  # zeros over the whole table would touch every page twice
     need, count = torch.empty_like(sizes), torch.empty_like(sizes)
     # the passes over the keys go in cache-sized parts, with their buffers reused
     step = min(rows, max(1, _SELECT_TOKENS // D))
+    # a part's keys equal to b in the rows that take only some of them, padded to
+    # whole 64-bit words for their listing
+    width = -(-D // 8) * 8
+    tie = torch.zeros((step, width), dtype=torch.bool, device=device)
+    listed_rows, listed_cols = [], []
     index = torch.empty((step, D), dtype=torch.int32, device=device)
     threshold = torch.empty((step, D), dtype=torch.uint8, device=device)
     offsets = (torch.arange(step, dtype=torch.int32, device=device) * bins)[:, None]
@@ -190,16 +190,18 @@ def smallest_keys(keys, sizes):
         thr.copy_((b[:, 0] + (~partial)).to(torch.uint8)[:, None].expand(r, D))
         torch.lt(k, thr, out=mask[part])
         thr.copy_(torch.where(partial, b[:, 0], 255).to(torch.uint8)[:, None].expand(r, D))  # 255: no key (< 2**7)
-        torch.eq(k, thr, out=tie[part, :D])
+        # the tied keys listed in row-major order: a nonzero over 64-bit words of the
+        # bool table (an eighth of its length), then over the few words hit
+        torch.eq(k, thr, out=tie[:r, :D])
+        words = tie[:r].view(torch.int64)
+        wr, wc = words.nonzero(as_tuple=True)
+        j, k = words[wr, wc].view(torch.bool).view(-1, 8).nonzero(as_tuple=True)
+        listed_rows.append(wr[j] + start)
+        listed_cols.append(wc[j] * 8 + k)
     partial = need < count
     if not bool(partial.any()):
         return mask
-    # the tied keys listed in row-major order: a nonzero over 64-bit words of the
-    # bool table (an eighth of its length), then over the few words hit
-    words = tie.view(torch.int64)
-    wr, wc = words.nonzero(as_tuple=True)
-    j, k = words[wr, wc].view(torch.bool).view(-1, 8).nonzero(as_tuple=True)
-    rows_in, cols_in = wr[j], wc[j] * 8 + k
+    rows_in, cols_in = torch.cat(listed_rows), torch.cat(listed_cols)
     listed = torch.where(partial, count, 0)
     first = (torch.cumsum(listed, 0) - listed + need - 1)[partial]  # each partial row's need-th listed token
     while True:

@@ -118,7 +118,11 @@ class IndependentLowRankSums(torch.autograd.Function):
         # buffers: 0 the targets, 1 and 2 the chunk's scratch, then v and d; 3 the terms
         bufs = _Buffers(mask.shape, e.dtype, 4, e.device)
         kept = _KeptRows(q, n, F.shape[-1], e) if _KeptRows.worth(F.shape[-1], D, e.dtype) else None
+        # the masks as bits, an eighth of the bool table, for the backward pass: packed a
+        # chunk at a time, while the chunk's masks are in cache
+        bits = torch.empty((q, n, -(-D // 8)), dtype=torch.uint8, device=mask.device)
         for qs, ns in _chunks(q, n, D):
+            bits[qs, ns] = pack_bits(mask[qs, ns])
             c = _Chunk(bufs, mask[qs, ns], ep[ns], delta[ns], factors, lam0, site)
             if kept is not None:
                 kept.keep(qs, ns, c)
@@ -130,10 +134,9 @@ class IndependentLowRankSums(torch.autograd.Function):
             torch.add(terms.sum(-1), c.count, alpha=LOG_2PI, out=out[qs, ns])
         ctx.site, ctx.D = site, D
         ctx.flips = None if kept is None else kept.flips
-        # the masks as bits, an eighth of the bool table, and each row's small pieces
-        # where they are as small, for the backward pass
+        # and each row's small pieces where they are as small
         pieces = () if kept is None else kept.tensors()
-        ctx.save_for_backward(pack_bits(mask), e, ep, delta, F, psi, phi, phi_p, lam0, *pieces)
+        ctx.save_for_backward(bits, e, ep, delta, F, psi, phi, phi_p, lam0, *pieces)
         return out
 
     @staticmethod
