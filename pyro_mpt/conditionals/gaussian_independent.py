@@ -101,7 +101,7 @@ class IndependentLowRankSums(torch.autograd.Function):
     in buffers reused by every chunk (four forward, five backward); the
     backward pass recomputes them from the masks, kept as bits, and reads each
     row's ``B``, ``u`` and ``w`` kept by the forward pass where they are as
-    small (:class:`_KeptRows`), else recomputes them too.
+    small (``_KeptRows``), else recomputes them too.
 
     Inputs: ``mask`` bool ``(q, n, D)``; ``e``, ``ep`` (:math:`e/\psi`) ``(n, D)``;
     ``delta`` ``(n, K)``; ``F`` ``(D, K)``; ``psi`` ``(D,)``; ``phi``
