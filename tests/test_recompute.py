@@ -181,3 +181,29 @@ def test_saved_memory_does_not_grow_with_the_number_of_blocks(name):
         return est.sum()
 
     assert saved_bytes(lambda: plain(12))[0] > saved_bytes(lambda: plain(2))[0]
+
+
+def test_kept_row_pieces_stay_within_their_bound_of_the_mask_bits():
+    """Masks per datapoint on the low-rank Gaussian path at D = 360, K = 2, float64: each
+    row's small pieces (89 bytes) fit KEPT_PIECES_BITS_RATIO times its 45 bytes of mask
+    bits, so the backward pass reads them; a block then saves more than its bits (the
+    pieces are kept) and at most its bits, the pieces and two rows of sums: never its
+    (q, n, D) tables (2880 bytes a row)."""
+    from pyro_mpt.conditionals import gaussian_independent
+
+    pyro.clear_param_store()
+    model, x, _ = make_ppca(360, 2, N=6, seed=3)
+    n, D = x.shape
+    K = 2
+    bits = -(-D // 8)
+    pieces = ((K + 1) ** 2 + K) * x.element_size() + 1
+    assert bits < pieces <= gaussian_independent.KEPT_PIECES_BITS_RATIO * bits
+
+    def run(num_masks):
+        loss = MaskedPretrainingLoss(
+            conditionals=GaussianConditionals("lowrank"), masks="uniform", num_masks=num_masks, share_masks=False, chunk_size=n * D
+        )
+        return saved_bytes(lambda: loss.differentiable_loss(model, None, x))[0]
+
+    grown = run(12) - run(2)  # ten blocks of one mask per datapoint more
+    assert 10 * n * (bits + pieces - 1) <= grown <= 10 * n * (bits + pieces + 2 * x.element_size())
