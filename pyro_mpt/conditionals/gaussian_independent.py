@@ -34,6 +34,7 @@ import torch
 
 from ..mask_bits import pack_bits, unpack_bits
 from .gaussian_linalg import LOG_2PI, cholesky, packed_pairs
+from .workspace import Workspace
 from .written_backward import first_order_backward
 
 #: tokens of one chunk's (rows, D) tables: large enough that the Python overhead
@@ -98,7 +99,7 @@ class IndependentLowRankSums(torch.autograd.Function):
     \Psi_{\mathcal M}^{-1} e_{\mathcal M}`) and
     :math:`\partial\Lambda = -B\,(\partial B)\,B` these become matrix products
     of the chunk's tables with the per-token features. The chunk's tables live
-    in buffers reused by every chunk (four forward, five backward); the
+    in the buffers of one :class:`~pyro_mpt.conditionals.workspace.Workspace`, reused by every chunk (four forward, five backward); the
     backward pass recomputes them from the masks, kept as bits, and reads each
     row's ``B``, ``u`` and ``w`` kept by the forward pass where they are as
     small (``_KeptRows``), else recomputes them too.
@@ -116,7 +117,7 @@ class IndependentLowRankSums(torch.autograd.Function):
         out = e.new_empty(q, n)
         factors = _Factors(F, psi, phi, phi_p)
         # buffers: 0 the targets, 1 and 2 the chunk's scratch, then v and d; 3 the terms
-        bufs = _Buffers(mask.shape, e.dtype, 4, e.device)
+        bufs = Workspace(e.dtype, e.device)
         kept = _KeptRows(q, n, F.shape[-1], e) if _KeptRows.worth(F.shape[-1], D, e.dtype) else None
         # the masks as bits, an eighth of the bool table, for the backward pass: packed a
         # chunk at a time, while the chunk's masks are in cache
@@ -153,7 +154,7 @@ class IndependentLowRankSums(torch.autograd.Function):
         dphi_pT, dlam0 = torch.zeros_like(factors.phi_pT), torch.zeros_like(lam0)
         # buffers: 0 the targets, 1 the precision's table (while it differs from
         # them), 2 the weighted residuals t e / psi, 3 v, 4 d
-        bufs = _Buffers((q, n, D), e.dtype, 5, e.device)
+        bufs = Workspace(e.dtype, e.device)
         for k, (qs, ns) in enumerate(_chunks(q, n, D)):
             mask = unpack_bits(bits[qs, ns], D)
             if kept:
@@ -253,23 +254,6 @@ class _Factors:
     def packed(self, sym):
         """``(..., K, K)`` symmetric matrices as ``(rows, P)``, off-diagonal entries doubled."""
         return sym.reshape(-1, self.K * self.K).index_select(-1, self.upper).mul_(self.off)
-
-
-class _Buffers:
-    """Flat buffers for the chunks' ``(rows, D)`` tables, reused by every chunk (a
-    fresh allocation per chunk would fault in its pages each time)."""
-
-    def __init__(self, shape, dtype, count, device=None):
-        q, n, D = shape
-        qs, ns = next(_chunks(q, n, D))  # the first chunk is the largest
-        size = (qs.stop - qs.start) * (ns.stop - ns.start) * D
-        self.flat = [torch.empty(size, dtype=dtype, device=device) for _ in range(count)]
-
-    def take(self, i, shape):
-        numel = 1
-        for s in shape:
-            numel *= s
-        return self.flat[i][:numel].view(shape)
 
 
 class _KeptRows:
