@@ -300,10 +300,9 @@ class GaussianConditionals(ConditionalEngine):
             shared = state.cov_factor if state.is_low_rank else state.covariance
             if shared.shape[0] == 1:
                 return _to_data(state, self._rescued(state, lambda: self._shared_sums(state, x_data, x, mask[:, 0])))
-        if state.is_low_rank and state.cov_factor.shape[0] == 1:
+        if self._independent_sums(state):
             # masks per datapoint, covariance shared: products over the flattened
-            # (q n, D) contexts, in chunks of max_elements
-            # in cache-sized chunks, none kept for the backward pass
+            # (q n, D) contexts, in cache-sized chunks, none kept for the backward pass
             return _to_data(state, self._rescued(
                 state, lambda: lowrank_independent_sums(state, x, mask, self._shared_data(state, x_data, x))
             ))
@@ -315,11 +314,18 @@ class GaussianConditionals(ConditionalEngine):
         """True for masks drawn per datapoint on the low-rank path with a loading shared
         by the batch: ``gaussian_independent.lowrank_independent_sums`` keeps only
         the masks (as bits) and recomputes its chunks in its backward pass."""
+        return not isinstance(state, BlockGaussianState) and mask.shape[1] != 1 and self._independent_sums(state)
+
+    @staticmethod
+    def _independent_sums(state):
+        """Whether masks per datapoint take ``gaussian_independent``'s sums: a low-rank
+        state whose loading the batch shares and whose signal-to-noise ratio keeps
+        their gradient's digits (:func:`~pyro_mpt.conditionals.gaussian_aggregated.lowrank_form_accurate`);
+        else the per-mask conditionals."""
         return (
-            not isinstance(state, BlockGaussianState)
-            and state.is_low_rank
+            state.is_low_rank
             and state.cov_factor.shape[0] == 1
-            and mask.shape[1] != 1
+            and lowrank_form_accurate(state.cov_factor, state.cov_diag)
         )
 
     @staticmethod
