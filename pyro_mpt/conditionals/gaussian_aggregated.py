@@ -95,7 +95,7 @@ def aggregated_elements(D, R=None):
     :math:`D`-vector pieces the low-rank form keeps for its backward pass
     (:class:`~pyro_mpt.conditionals.gaussian_lowrank_form.LowRankForm`; the rest
     of its pieces are made in chunks of masks within the engine's ``max_elements``)."""
-    return D * D if R is None else 3 * R * R + 2 * D
+    return D * D if R is None else 2 * (R * R + D)
 
 
 def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):

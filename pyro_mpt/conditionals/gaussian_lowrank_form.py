@@ -8,9 +8,9 @@ formulas). This module computes them and their gradients with respect to
 :math:`F` and :math:`\psi`, written out: recorded op by op, the backward pass
 keeps about a dozen :math:`(P, R, R)` and :math:`(P, D)` tables of the
 :math:`P` masks alive and runs three times as many small matrix products as the
-forward pass; here it keeps :math:`\Lambda_m^{-1}`, :math:`\Lambda_m^{-1}F^\top W_mF`,
-:math:`Q_m` and the variances, and remakes the rest in chunks whose tables live
-in one :class:`~pyro_mpt.conditionals.workspace.Workspace`.
+forward pass; here it keeps :math:`\Lambda_m^{-1}`, :math:`F^\top W_mF\Lambda_m^{-1}`
+and the variances, and remakes the rest in chunks whose tables live in one
+:class:`~pyro_mpt.conditionals.workspace.Workspace`.
 """
 
 import torch
@@ -120,7 +120,10 @@ class LowRankForm(torch.autograd.Function):
         D, R = F.shape
         P = t.shape[0]
         pk = _Packing(F)
-        (Li, LiMw, Qs), v = (F.new_empty(P, R, R) for _ in range(3)), F.new_empty(P, D)
+        # what the backward pass keeps, 2(R^2 + D) a mask with t (``aggregated_elements``: one more
+        # R x R table a mask, such as Q, would split D = 512, K = 50 into two groups within the
+        # default chunk_size, each with its own product with the data: 1.5x slower)
+        Li, Mw, v = F.new_empty(P, R, R), F.new_empty(P, R, R), F.new_empty(P, D)
         A = F.new_zeros(D + R, D + R)
         wsum, logdet = F.new_zeros(D), F.new_zeros(())
         # A_ed's rows T1[j] F_j, T1[j] = sum_m s_mj Q_m (packed; a fifth of the stacked product's flops)
@@ -140,13 +143,12 @@ class LowRankForm(torch.autograd.Function):
             w = ao * to / vo
             logdet += (ao * to * (LOG_2PI + vo.log())).sum()
             wsum += w.sum(0)
-            LMo = torch.matmul(Lio, pk.outer(w), out=LiMw[so])
-            Q = torch.matmul(LMo, Lio, out=Qs[so])
+            Q = Lio @ torch.matmul(pk.outer(w), Lio, out=Mw[so])
             s = to / psi
             T1.addmm_(s.T, pk.pack(Q))
             _forward_form(F, Lio, Q, w, s, inner, A)
         A[:D, D:] = (pk.unpack(T1) @ F.unsqueeze(-1)).squeeze(-1)
-        ctx.save_for_backward(F, psi, t, a, Li, LiMw, Qs, v)
+        ctx.save_for_backward(F, psi, t, a, Li, Mw, v)
         ctx.chunks = chunks
         return A, wsum, logdet
 
@@ -154,7 +156,7 @@ class LowRankForm(torch.autograd.Function):
     @first_order_backward
     def backward(ctx, gA, gwsum, glog):
         """The gradients of ``F`` and ``psi``."""
-        F, psi, t, a, Li, LiMw, Qs, v = ctx.saved_tensors
+        F, psi, t, a, Li, MwLi, v = ctx.saved_tensors
         D, R = F.shape
         P = t.shape[0]
         pk = _Packing(F)
@@ -176,7 +178,9 @@ class LowRankForm(torch.autograd.Function):
         gpsi = torch.zeros_like(psi)
         for o in range(0, P, outer):
             so = slice(o, o + outer)
-            Lio, LMo, Q, vo, to = Li[so], LiMw[so], Qs[so], v[so], t[so]
+            Lio, vo, to = Li[so], v[so], t[so]
+            LMo = MwLi[so].transpose(-1, -2)  # Li Mw, both symmetric
+            Q = LMo @ Lio
             w = a[so].unsqueeze(-1) * to / vo
             gu = torch.empty_like(w)
             gLi, gQ = torch.empty_like(Lio), torch.empty_like(Q)
