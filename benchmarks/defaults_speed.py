@@ -25,23 +25,23 @@ reproducible times):
    ``LowRankMultivariateNormal(mu, W, s^2 I).log_prob(x).sum()`` with its
    gradient; goal at most 1.5x.
 
-Measured on the shared 2-core development machine (one thread, other jobs
-running, so absolute times vary by 2x between runs; ratios are from one run):
+Measured on the 2-core development machine, idle (one thread; ratios are
+from one run; earlier runs, with other jobs on the machine, in parentheses):
 
-* schedules: "all" / "nested" = 0.9-1.3x per datapoint (the extra cost is
+* schedules: "all" / "nested" = 1.08-1.19x per datapoint (the extra cost is
   drawing a mask per query: integer keys and a counting pass,
-  ``pyro_mpt.mask_draws.smallest_keys``), 1.0-1.2x shared;
-* curve: 0.46-0.78 s with the defaults (masks shared), 23-32 s with masks
-  per datapoint (29-70x);
-* first call: 0.007 s of overhead for Evidence (2.4 s before, when
-  ``torch.broadcast_shapes`` imported sympy), 0.000 s for the loss after it;
-* evidence: 1.1-1.4x (12.5 ms against 10.2 ms on a quiet machine; 1.4x
-  under load average 5). What remains beyond the bare log-density is the
-  model's own trace (its ``z @ W.T`` and Pyro's argument checks), the
-  marginal's derivation and the value checks of the data (one sum: finite
-  iff every token is). Earlier: 10-35x, from the backward pass through the
-  (K + 2, N, D) expansion of the observation's location, then 1.5-1.7x with
-  an elementwise finiteness and support check of the data (3.4 of 16 ms).
+  ``pyro_mpt.mask_draws.smallest_keys``), 1.05-1.20x shared (0.9-1.3x, 1.0-1.2x);
+* curve: 0.030 s with the defaults (masks shared), 4.3 s with masks per
+  datapoint (144x) (loaded: 0.46-0.78 s and 23-32 s);
+* first call: 0.003 s of overhead for Evidence (2.4 s before, when
+  ``torch.broadcast_shapes`` imported sympy), 0.001 s for the loss after it;
+* evidence: 1.33x (9 ms against 7 ms; 1.1-1.4x loaded). What remains beyond
+  the bare log-density is the model's own trace (its ``z @ W.T`` and Pyro's
+  argument checks), the marginal's derivation and the value checks of the
+  data (one sum: finite iff every token is). Earlier: 10-35x, from the
+  backward pass through the (K + 2, N, D) expansion of the observation's
+  location, then 1.5-1.7x with an elementwise finiteness and support check of
+  the data (3.4 of 16 ms).
 
 Usage::
 
