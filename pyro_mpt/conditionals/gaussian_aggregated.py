@@ -71,11 +71,13 @@ def lowrank_form_accurate(F, psi):
     one column in float32 with noise sd 1e-4 (a state kept in float32 by its
     :math:`\epsilon^2\kappa` bound), 108 nats.
 
-    The sums over masks drawn per datapoint
-    (:mod:`~pyro_mpt.conditionals.gaussian_independent`) ask it only to choose their
-    backward pass: where it is False they take the noise's gradient of each context
-    token as one term (before, in float64 at D = 12, K = 11, noise variance 1e-8 it
-    was 1.6e-3 relative off an mpmath reference, now 3e-11).
+    The engine asks the same of the sums over masks drawn per datapoint
+    (:mod:`~pyro_mpt.conditionals.gaussian_independent`), whose values and loading
+    gradient lose about :math:`\epsilon\kappa` (float64, D = 8, K = 5, noise variance
+    1e-10: loading gradient 2.6e-6 relative off an mpmath reference); where it is
+    False their backward pass takes the noise's gradient of each context token as one
+    term, which keeps its digits (D = 12, K = 11, noise variance 1e-8: 3e-11, where it
+    was 1.6e-3).
 
     :param F: ``(1, D, R)``. :param psi: ``(1, D)``.
     :returns: bool.

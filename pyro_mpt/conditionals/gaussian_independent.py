@@ -256,15 +256,16 @@ def _precise_context(bufs, c, dB, dw, e, factors, dphi_pT, dep, dFT, dpsi_contex
     rows = qc * nc
     K = dw.shape[-1]
     ctx_t = c.tl if c.flips == rows else torch.sub(1.0, c.t, out=bufs.take(1, shape))
-    dlam = c.B @ dB @ c.B
-    dlam = (dlam + dlam.transpose(-1, -2)).mul_(-0.5)
-    dphi_pT += _t_times(ctx_t.view(rows, D), factors.packed(dlam))
     dw2 = dw.view(rows, K)
     zr = torch.mul(ctx_t, ep, out=c.z)  # (1 - t) e / psi, over buffer 2
     dFT -= _t_times(zr.view(rows, D), dw2)
     dz = torch.mm(dw2, factors.FT).view(shape)  # f_j^T dw
     Y = c.B @ factors.FT  # (qc, nc, K, D)
-    quad = (Y * (dB @ Y)).sum(-2)  # y_j^T dB y_j
+    dBY = (0.5 * (dB + dB.transpose(-1, -2))) @ Y
+    # the loading's gradient through Lambda likewise, 2 dLambda f_j / psi_j = -2 B dB y_j / psi_j
+    # (phi_p then passes none)
+    dFT -= 2.0 * ((c.B @ dBY) * ctx_t.unsqueeze(-2)).sum((0, 1)) / factors.phi_psi[-1]
+    quad = (Y * dBY).sum(-2)  # y_j^T dB y_j
     quad.addcmul_(dz, e).mul_(ctx_t)
     dpsi_context += quad.sum((0, 1))
     dep.sub_(dz.mul_(ctx_t).sum(0))
