@@ -241,12 +241,12 @@ class IndependentLowRankSums(torch.autograd.Function):
 
 def _precise_context(bufs, c, dB, dw, e, factors, dphi_pT, dep, dFT, dpsi_context, ep):
     r"""A chunk's gradients through :math:`\Lambda` and :math:`w` in their context
-    forms, :math:`\Lambda = I + S(	ext{context})` and :math:`w = \hat z - F^	op
+    forms, :math:`\Lambda = I + S(\text{context})` and :math:`w = \hat z - F^\top
     (1 - t)\,e/\psi` (exact on every row, whichever side the forward pass summed),
     and the noise's gradient of each context token :math:`j` as one term,
-    :math:`\psi_j^{-2}ig(y_j^	op\,\partial B\,y_j + (f_j^	op\partial w)\,e_jig)`
+    :math:`\psi_j^{-2}\big(y_j^\top\,\partial B\,y_j + (f_j^\top\partial w)\,e_j\big)`
     with :math:`y_j = B f_j`: through :math:`\phi/\psi` and :math:`e/\psi` it came as
-    :math:`-f_j^	op\partial\Lambda f_j = f_j^	op B\,\partial B\,B f_j` from the product
+    :math:`-f_j^\top\partial\Lambda f_j = f_j^\top B\,\partial B\,B f_j` from the product
     :math:`B\,\partial B\,B`, whose rounding (about :math:`\epsilon\,|B|^2|\partial B|`)
     swamps its part along a context token of high signal (:math:`y_j` is of order
     :math:`\psi_j`), and through lam0 - S(targets) as two terms of order
