@@ -321,11 +321,12 @@ class GaussianConditionals(ConditionalEngine):
         """Whether masks per datapoint take ``gaussian_independent``'s sums: a low-rank
         state whose loading the batch shares and whose signal-to-noise ratio keeps
         their digits (:func:`~pyro_mpt.conditionals.gaussian_aggregated.lowrank_form_accurate`);
-        else the per-mask conditionals. Their noise gradient keeps its digits at any
-        ratio, but their values and loading gradient lose about eps kappa, the
-        rounding of I + S(context) in the latent space (float64, D = 8, K = 5, noise
-        variance 1e-10: loading gradient 2.6e-6 relative off an mpmath reference, the
-        per-mask conditionals' 1.4e-9)."""
+        else the per-mask conditionals. Above that ratio the sums lose about eps kappa
+        in their values and loading gradient (the rounding of the K x K precision
+        I + S(context); float64, D = 8, K = 5, noise variance 1e-10: loading gradient
+        2.6e-6 relative off an mpmath reference, the per-mask conditionals' 1.4e-9) and
+        more in their noise gradient (terms of order 1/psi^2 that cancel), so they
+        give way to the per-mask conditionals, which keep them."""
         return (
             state.is_low_rank
             and state.cov_factor.shape[0] == 1

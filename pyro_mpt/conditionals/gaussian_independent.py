@@ -33,7 +33,6 @@ bytes of a row's bits (small K, :data:`KEPT_PIECES_BITS_RATIO`), each row's smal
 import torch
 
 from ..mask_bits import pack_bits, unpack_bits
-from .gaussian_aggregated import lowrank_form_accurate
 from .gaussian_linalg import LOG_2PI, cholesky, packed_pairs
 from .workspace import Workspace
 from .written_backward import first_order_backward
@@ -65,21 +64,13 @@ def lowrank_independent_sums(m, x, mask, data):
         # (and the backward pass keeps one copy, not one per block)
         K = F.shape[-1]
         a, b, _ = packed_pairs(K, F.device)
-        # the sums do not depend on zhat (any zhat gives the same d and v): a constant
-        # here, so that no gradient goes through it as two cancelling terms (from e
-        # and from delta) of order 1/psi
-        zhat = data["zhat"].T.detach()  # (n, K)
-        e = torch.addmm(x - m.loc, zhat, F.T, alpha=-1.0)  # (n, D), row-major like the mask tables
+        e = data["eT"].T.contiguous()  # (n, D), row-major like the mask tables
+        ep = e / psi
+        delta = data["zhat"].T - ep @ F  # (n, K), ~0: keeps the identity exact for any zhat
         phi = F[:, a] * F[:, b]  # (D, P)
-        # where 2 eps kappa is large the noise's gradient is the kernel's alone
-        # (``IndependentLowRankSums``, ``precise``): e / psi and phi / psi pass none
-        precise = not lowrank_form_accurate(F.unsqueeze(0), psi.unsqueeze(0))
-        psi_w = psi.detach() if precise else psi
-        ep = e / psi_w
-        lam0 = torch.eye(K, dtype=F.dtype, device=F.device) + (F / psi_w.unsqueeze(-1)).T @ F
-        data["independent"] = (e, ep, zhat, F, psi, phi, phi / psi_w.unsqueeze(-1), lam0, precise)
-    *pieces, precise = data["independent"]
-    sums = IndependentLowRankSums.apply(mask, *pieces, m.site, precise)
+        lam0 = torch.eye(K, dtype=F.dtype, device=F.device) + data["Fp"].T @ F
+        data["independent"] = (e, ep, delta, F, psi, phi, phi / psi.unsqueeze(-1), lam0)
+    sums = IndependentLowRankSums.apply(mask, *data["independent"], m.site)
     return -0.5 * sums
 
 
@@ -114,22 +105,15 @@ class IndependentLowRankSums(torch.autograd.Function):
     small (``_KeptRows``), else recomputes them too.
 
     Inputs: ``mask`` bool ``(q, n, D)``; ``e``, ``ep`` (:math:`e/\psi`) ``(n, D)``;
-    ``zhat`` ``(n, K)`` (any: :math:`\delta = \hat z - F^\top\Psi^{-1}e` keeps the
-    sums exact); ``F`` ``(D, K)``; ``psi`` ``(D,)``; ``phi``
+    ``delta`` ``(n, K)``; ``F`` ``(D, K)``; ``psi`` ``(D,)``; ``phi``
     (:math:`f_{ja}f_{jb}`, ``a <= b``) and ``phi_p`` (:math:`\phi/\psi`) ``(D, P)``;
-    ``lam0`` ``(K, K)``; ``site`` (for errors); ``precise``: the backward pass takes
-    :math:`\Lambda` and :math:`w` in their context forms and returns in ``psi``'s
-    gradient the whole noise gradient, each context token's as one term
-    (``_precise_context``), so ``ep``, ``phi_p`` and ``lam0`` must then carry none
-    (built from ``psi.detach()``); for states whose :math:`2\epsilon\kappa` is large,
-    where the product :math:`B\,\partial B\,B` loses that term's digits.
+    ``lam0`` ``(K, K)``; ``site`` (for errors).
     """
 
     @staticmethod
-    def forward(ctx, mask, e, ep, zhat, F, psi, phi, phi_p, lam0, site, precise=False):
+    def forward(ctx, mask, e, ep, delta, F, psi, phi, phi_p, lam0, site):
         """The sums ``(q, n)``."""
         q, n, D = mask.shape
-        delta = zhat - ep @ F  # (n, K), ~0: keeps the identity exact for any zhat
         out = e.new_empty(q, n)
         factors = _Factors(F, psi, phi, phi_p)
         # buffers: 0 the targets, 1 and 2 the chunk's scratch, then v and d; 3 the terms
@@ -149,31 +133,27 @@ class IndependentLowRankSums(torch.autograd.Function):
             terms.addcdiv_(d.square_(), v).mul_(c.t)
             # the constant log(2 pi) per target from the counts the chunk has made
             torch.add(terms.sum(-1), c.count, alpha=LOG_2PI, out=out[qs, ns])
-        ctx.site, ctx.D, ctx.precise = site, D, precise
+        ctx.site, ctx.D = site, D
         ctx.flips = None if kept is None else kept.flips
         # and each row's small pieces where they are as small
         pieces = () if kept is None else kept.tensors()
-        ctx.save_for_backward(bits, e, ep, zhat, F, psi, phi, phi_p, lam0, *pieces)
+        ctx.save_for_backward(bits, e, ep, delta, F, psi, phi, phi_p, lam0, *pieces)
         return out
 
     @staticmethod
     @first_order_backward
     def backward(ctx, g):
         """The gradients of every input but the mask and the site."""
-        bits, e, ep, zhat, F, psi, phi, phi_p, lam0, *kept = ctx.saved_tensors
+        bits, e, ep, delta, F, psi, phi, phi_p, lam0, *kept = ctx.saved_tensors
         q, n, D = bits.shape[0], bits.shape[1], ctx.D
         K = F.shape[-1]
         factors = _Factors(F, psi, phi, phi_p)
-        delta = zhat - ep @ F
         de, dep, ddelta = torch.zeros_like(e), torch.zeros_like(ep), torch.zeros_like(delta)
-        # the context tokens' share of the noise's gradient times psi^2 (``precise``)
-        dpsi_context = torch.zeros_like(psi)
         # the products with a table's transpose come out as (k, D): accumulated so
         dFT, dpsi_phi = torch.zeros_like(factors.FT), torch.zeros_like(factors.phi_psi)
         dphi_pT, dlam0 = torch.zeros_like(factors.phi_pT), torch.zeros_like(lam0)
         # buffers: 0 the targets, 1 the precision's table (while it differs from
-        # them; then the context 1 - t where ``precise``), 2 the weighted residuals
-        # t e / psi, 3 v, 4 d
+        # them), 2 the weighted residuals t e / psi, 3 v, 4 d
         bufs = Workspace(e.dtype, e.device)
         for k, (qs, ns) in enumerate(_chunks(q, n, D)):
             mask = unpack_bits(bits[qs, ns], D)
@@ -206,10 +186,6 @@ class IndependentLowRankSums(torch.autograd.Function):
             dw = (c.B @ du.unsqueeze(-1)).squeeze(-1)
             dlam = c.B @ dB @ c.B
             dlam = (dlam + dlam.transpose(-1, -2)).mul_(-0.5)  # symmetric: -B dB B
-            if ctx.precise:
-                _precise_context(bufs, c, dB, dw, e[ns], factors, dphi_pT, dep[ns], dFT, dpsi_context, ep[ns])
-                ddelta[ns].add_(dw.sum(0))
-                continue
             # Lambda = I + S(context) on flipped rows, lam0 - S(targets) on the others
             dS = factors.packed(dlam)
             if c.flips == 0:
@@ -230,45 +206,7 @@ class IndependentLowRankSums(torch.autograd.Function):
                 dep[ns].add_(dz.mul_(c.t).sum(0))
         P = phi.shape[-1]
         dF, dphi, dpsi, dphi_p = dFT.T, dpsi_phi[:P].T, dpsi_phi[P], dphi_pT.T
-        if ctx.precise:
-            # (the context form's w = zhat - F^T (1 - t) e / psi: delta's gradient is zhat's alone)
-            return (None, de, dep, ddelta, dF, dpsi + dpsi_context / psi.square(), dphi, dphi_p, dlam0, None, None)
-        # delta = zhat - (e / psi) F
-        dep.addmm_(ddelta, factors.FT, alpha=-1.0)
-        dF = dF.addmm(ep.T, ddelta, alpha=-1.0)
-        return (None, de, dep, ddelta, dF, dpsi, dphi, dphi_p, dlam0, None, None)
-
-
-def _precise_context(bufs, c, dB, dw, e, factors, dphi_pT, dep, dFT, dpsi_context, ep):
-    r"""A chunk's gradients through :math:`\Lambda` and :math:`w` in their context
-    forms, :math:`\Lambda = I + S(\text{context})` and :math:`w = \hat z - F^\top
-    (1 - t)\,e/\psi` (exact on every row, whichever side the forward pass summed),
-    and the noise's gradient of each context token :math:`j` as one term,
-    :math:`\psi_j^{-2}\big(y_j^\top\,\partial B\,y_j + (f_j^\top\partial w)\,e_j\big)`
-    with :math:`y_j = B f_j`: through :math:`\phi/\psi` and :math:`e/\psi` it came as
-    :math:`-f_j^\top\partial\Lambda f_j = f_j^\top B\,\partial B\,B f_j` from the product
-    :math:`B\,\partial B\,B`, whose rounding (about :math:`\epsilon\,|B|^2|\partial B|`)
-    swamps its part along a context token of high signal (:math:`y_j` is of order
-    :math:`\psi_j`), and through lam0 - S(targets) as two terms of order
-    :math:`\psi^{-2}` per target token that cancel. Costs :math:`O(K^2 D)` a row."""
-    shape = c.t.shape
-    qc, nc, D = shape
-    rows = qc * nc
-    K = dw.shape[-1]
-    ctx_t = c.tl if c.flips == rows else torch.sub(1.0, c.t, out=bufs.take(1, shape))
-    dw2 = dw.view(rows, K)
-    zr = torch.mul(ctx_t, ep, out=c.z)  # (1 - t) e / psi, over buffer 2
-    dFT -= _t_times(zr.view(rows, D), dw2)
-    dz = torch.mm(dw2, factors.FT).view(shape)  # f_j^T dw
-    Y = c.B @ factors.FT  # (qc, nc, K, D)
-    dBY = (0.5 * (dB + dB.transpose(-1, -2))) @ Y
-    # the loading's gradient through Lambda likewise, 2 dLambda f_j / psi_j = -2 B dB y_j / psi_j
-    # (phi_p then passes none)
-    dFT -= 2.0 * ((c.B @ dBY) * ctx_t.unsqueeze(-2)).sum((0, 1)) / factors.phi_psi[-1]
-    quad = (Y * dBY).sum(-2)  # y_j^T dB y_j
-    quad.addcmul_(dz, e).mul_(ctx_t)
-    dpsi_context += quad.sum((0, 1))
-    dep.sub_(dz.mul_(ctx_t).sum(0))
+        return (None, de, dep, ddelta, dF, dpsi, dphi, dphi_p, dlam0, None)
 
 
 def _times(table, right_t):
