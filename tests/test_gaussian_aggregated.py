@@ -545,3 +545,64 @@ def test_float64_small_noise_exhaustive_is_exact_to_1e8():
             r = mpmath.matrix([mpmath.mpf(v) for v in xi])
             ref.append(float(-0.5 * (D * mpmath.log(2 * mpmath.pi) + logdet + (r.T * inv * r)[0])))
     assert float((value - torch.tensor(ref)).abs().max()) <= 1e-8
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_float32_state_between_the_two_bounds_takes_the_form_in_float64(monkeypatch, share):
+    """A float32 PPCA whose kappa = tr(F^T Psi^-1 F) is 6000: the state stays float32
+    (eps kappa = 7e-4 <= 1e-3), but the aggregated form of shared masks and the sums over
+    masks drawn per datapoint lose 2 eps kappa = 1.4e-3 > 1e-3 there. They run in float64
+    instead of giving way to the per-mask conditionals (5-8x slower at D = 200-512).
+    Exhaustive masks against scipy's log-density of the float32 model and the float64
+    LowRankMultivariateNormal's gradient; the spy shows the float64 path was taken."""
+    from scipy.stats import multivariate_normal
+
+    from pyro_mpt.conditionals import gaussian
+
+    D, K, N = 10, 2, 200
+    g = torch.Generator().manual_seed(1)
+    W0 = torch.randn(D, K, generator=g, dtype=torch.float32)
+    sigma = float((W0.double().pow(2).sum() / 6000.0).sqrt())
+    x = torch.randn(N, K, generator=g, dtype=torch.float32) @ W0.T + sigma * torch.randn(N, D, generator=g, dtype=torch.float32)
+
+    def ppca(x):
+        W = pyro.param("W", W0.clone())
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=torch.float32), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, sigma).to_event(1), obs=x)
+
+    seen = []
+    name = "lowrank_weighted_sum" if share else "lowrank_independent_sums"
+    original = getattr(gaussian, name)
+
+    def spy(state, *args, **kwargs):
+        seen.append(state.cov_factor.dtype)
+        return original(state, *args, **kwargs)
+
+    monkeypatch.setattr(gaussian, name, spy)
+    var = float(torch.tensor(sigma, dtype=torch.float32)) ** 2
+    kappa = float(W0.double().pow(2).sum() / var)
+    eps = torch.finfo(torch.float32).eps
+    assert eps * kappa <= 1e-3 < 2 * eps * kappa
+    W = W0.double()
+    ref = multivariate_normal(np.zeros(D), (W @ W.T).numpy() + var * np.eye(D)).logpdf(x.double().numpy())
+    if share:
+        loss = MaskedPretrainingLoss(masks="exhaustive")
+    else:
+        # every nonempty mask, repeated for each datapoint: masks per datapoint whose
+        # weighted sum is still log p (weight 1 / C(D, M) a mask of size M)
+        bits = (torch.arange(1, 2**D)[:, None] >> torch.arange(D)) & 1
+        masks = bits.bool()
+        size = masks.sum(-1, keepdim=True)
+        weight = torch.tensor([[1.0 / math.comb(D, int(m))] for m in size[:, 0]], dtype=torch.float32)
+        block = MaskBlock(masks[:, None].expand(-1, N, D).contiguous(), size, weight)
+        loss = MaskedPretrainingLoss(masks=Replay([block]))
+    value = loss.score(ppca, None, x).detach()
+    assert value.dtype == torch.float32 and seen and set(seen) == {torch.float64}
+    assert np.abs(value.double().numpy() - ref).max() <= 4 * eps * np.abs(ref).max()
+    Wp = pyro.param("W").unconstrained()
+    (got,) = torch.autograd.grad(loss.differentiable_loss(ppca, None, x), Wp)
+    W64 = Wp.detach().double().requires_grad_()
+    lml = dist.LowRankMultivariateNormal(torch.zeros(D, dtype=torch.float64), W64, torch.full((D,), var, dtype=torch.float64))
+    (want,) = torch.autograd.grad(-lml.log_prob(x.double()).sum(), W64)
+    assert float((got.double() - want).abs().max()) <= 16 * eps * float(want.abs().max())
