@@ -480,6 +480,23 @@ def test_float32_noise_gradient_of_the_aggregated_form(D, K, psi, tol):
     (want,) = torch.autograd.grad(ref, s64)
     assert abs(float(got) - float(want)) <= tol * abs(float(want)), (float(got), float(want))
 
+def _float32_ppca(D, K, N, seed, noise_sd):
+    """A float32 PPCA as a user writes it, its data and its loading ``W0`` ``(D, K)``;
+    ``noise_sd(W0)`` gives the noise scale."""
+    g = torch.Generator().manual_seed(seed)
+    W0 = torch.randn(D, K, generator=g, dtype=torch.float32)
+    sigma = noise_sd(W0)
+    x = torch.randn(N, K, generator=g, dtype=torch.float32) @ W0.T + sigma * torch.randn(N, D, generator=g, dtype=torch.float32)
+
+    def ppca(x):
+        W = pyro.param("W", W0.clone())
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=torch.float32), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, sigma).to_event(1), obs=x)
+
+    return ppca, x, W0
+
+
 
 def test_one_column_float32_small_noise_exhaustive_is_exact_to_float32():
     """PPCA with one column and noise sd 1e-4 in float32, as a user writes it: the state
@@ -490,16 +507,8 @@ def test_one_column_float32_small_noise_exhaustive_is_exact_to_float32():
     2.4e-3 nats, gradient 3.4e-4 relative to the float64 LowRankMultivariateNormal's."""
     from scipy.stats import multivariate_normal
 
-    D, K, N, sigma = 6, 1, 100, 1e-4
-    g = torch.Generator().manual_seed(0)
-    W0 = torch.randn(D, K, generator=g, dtype=torch.float32)
-    x = torch.randn(N, K, generator=g, dtype=torch.float32) @ W0.T + sigma * torch.randn(N, D, generator=g, dtype=torch.float32)
-
-    def ppca(x):
-        W = pyro.param("W", W0.clone())
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=torch.float32), 1.0).to_event(1))
-            pyro.sample("x", dist.Normal(z @ W.T, sigma).to_event(1), obs=x)
+    D, N, sigma = 6, 100, 1e-4
+    ppca, x, W0 = _float32_ppca(D, 1, N, 0, lambda W0: sigma)
 
     var = float(torch.tensor(sigma, dtype=torch.float32)) ** 2
     W = W0.double()
@@ -559,17 +568,12 @@ def test_float32_state_between_the_two_bounds_takes_the_form_in_float64(monkeypa
 
     from pyro_mpt.conditionals import gaussian
 
-    D, K, N = 10, 2, 200
-    g = torch.Generator().manual_seed(1)
-    W0 = torch.randn(D, K, generator=g, dtype=torch.float32)
-    sigma = float((W0.double().pow(2).sum() / 6000.0).sqrt())
-    x = torch.randn(N, K, generator=g, dtype=torch.float32) @ W0.T + sigma * torch.randn(N, D, generator=g, dtype=torch.float32)
+    D, N = 10, 200
+    def noise_sd(W0):  # kappa = tr(W^T W) / sigma^2 = 6000
+        return float((W0.double().pow(2).sum() / 6000.0).sqrt())
 
-    def ppca(x):
-        W = pyro.param("W", W0.clone())
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=torch.float32), 1.0).to_event(1))
-            pyro.sample("x", dist.Normal(z @ W.T, sigma).to_event(1), obs=x)
+    ppca, x, W0 = _float32_ppca(D, 2, N, 1, noise_sd)
+    sigma = noise_sd(W0)
 
     seen = []
     name = "lowrank_weighted_sum" if share else "lowrank_independent_sums"
