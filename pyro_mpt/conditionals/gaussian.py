@@ -42,10 +42,10 @@ from .base import ConditionalEngine
 from .distributions import take_rows
 from .gaussian_aggregated import (
     aggregated_cheaper,
-    lowrank_form_accurate,
     aggregated_elements,
     dense_weighted_sum,
     lowrank_aggregate_data,
+    lowrank_form_dtype,
     lowrank_weighted_sum,
 )
 from .gaussian_blocks import BlockGaussianState, block_marginal
@@ -75,25 +75,6 @@ __all__ = ["GaussianConditionals", "GaussianMemory"]
 def _to_work(state, x):
     """The data in the dtype the state computes in."""
     return x if state.data_dtype is None else x.to(state.loc.dtype)
-
-
-def _form_dtype(state):
-    """The dtype in which the aggregated form and the sums over masks drawn per
-    datapoint keep their digits for this low-rank state
-    (:func:`~pyro_mpt.conditionals.gaussian_aggregated.lowrank_form_accurate`): the
-    state's own, float64, or None (then the per-mask conditionals take over).
-
-    A float32 state (kept by ``lowrank_dtype`` up to eps kappa <= 1e-3) whose 2 eps
-    kappa is above 1e-3 computes them in float64, about twice the cost of float32,
-    where the per-mask conditionals cost 5-8 times more: PPCA D = 512, K = 2, noise
-    sd 0.3 (kappa about 6000), masks shared, one thread: 0.50 s per step on the
-    per-mask path, against 0.06 s at noise sd 0.7 on the form."""
-    F, psi = state.cov_factor, state.cov_diag
-    if lowrank_form_accurate(F, psi):
-        return F.dtype
-    if F.dtype != torch.float64 and lowrank_form_accurate(F.to(torch.float64), psi.to(torch.float64)):
-        return torch.float64
-    return None
 
 
 def _to_data(state, out):
@@ -341,21 +322,27 @@ class GaussianConditionals(ConditionalEngine):
     def _independent_sums(state):
         """Whether masks per datapoint take ``gaussian_independent``'s sums: a low-rank
         state whose loading the batch shares and whose signal-to-noise ratio keeps
-        their digits (:func:`~pyro_mpt.conditionals.gaussian_aggregated.lowrank_form_accurate`)
-        in its dtype or in float64 (:func:`_form_dtype`); else the per-mask conditionals. Above that ratio the sums lose about eps kappa
-        in their values and loading gradient (the rounding of the K x K precision
+        their digits in its dtype or in float64
+        (:func:`~pyro_mpt.conditionals.gaussian_aggregated.lowrank_form_dtype`); else the
+        per-mask conditionals. Above that ratio the sums lose about eps kappa in their
+        values and loading gradient (the rounding of the K x K precision
         I + S(context); float64, D = 8, K = 5, noise variance 1e-10: loading gradient
         2.6e-6 relative off an mpmath reference, the per-mask conditionals' 1.4e-9) and
         more in their noise gradient (terms of order 1/psi^2 that cancel), so they
         give way to the per-mask conditionals, which keep them."""
-        return state.is_low_rank and state.cov_factor.shape[0] == 1 and _form_dtype(state) is not None
+        return (
+            state.is_low_rank
+            and state.cov_factor.shape[0] == 1
+            and lowrank_form_dtype(state.cov_factor, state.cov_diag) is not None
+        )
 
     @staticmethod
     def _form_state(state, x_data):
         """The state the aggregated form and the sums over masks drawn per datapoint
         run on, and the data in its dtype: the state itself, or a float64 copy of it
-        where only float64 keeps their digits (:func:`_form_dtype`)."""
-        dtype = _form_dtype(state)
+        where only float64 keeps their digits
+        (:func:`~pyro_mpt.conditionals.gaussian_aggregated.lowrank_form_dtype`)."""
+        dtype = lowrank_form_dtype(state.cov_factor, state.cov_diag)
         if dtype != state.loc.dtype:
             state = GaussianMarginal(
                 state.loc.to(dtype), cov_factor=state.cov_factor.to(dtype), cov_diag=state.cov_diag.to(dtype),
@@ -401,7 +388,7 @@ class GaussianConditionals(ConditionalEngine):
         (``R`` the rank, None on the dense path), ``(False, None)`` when per-mask
         products with the data are cheaper, the covariance is not shared, or
         the form would lose its digits in the state's dtype and in float64
-        (:func:`_form_dtype`)."""
+        (:func:`~pyro_mpt.conditionals.gaussian_aggregated.lowrank_form_dtype`)."""
         if isinstance(state, BlockGaussianState):
             return False, None
         n, D = x.shape
@@ -409,7 +396,7 @@ class GaussianConditionals(ConditionalEngine):
             if state.cov_factor.shape[0] != 1:
                 return False, None
             R = state.cov_factor.shape[-1]
-            if _form_dtype(state) is None:
+            if lowrank_form_dtype(state.cov_factor, state.cov_diag) is None:
                 return False, None
             return aggregated_cheaper(n, D, R), R
         if state.covariance.shape[0] != 1:

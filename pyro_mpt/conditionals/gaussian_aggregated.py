@@ -26,7 +26,7 @@ from .written_backward import first_order_backward
 from .gaussian_lowrank_form import LowRankForm, lowrank_form_chunks
 
 __all__ = [
-    "aggregated_cheaper", "aggregated_elements", "lowrank_form_accurate", "FORM_TOLERANCE", "lowrank_aggregate_data", "lowrank_weighted_sum", "dense_weighted_sum",
+    "aggregated_cheaper", "aggregated_elements", "lowrank_form_dtype", "FORM_TOLERANCE", "lowrank_aggregate_data", "lowrank_weighted_sum", "dense_weighted_sum",
     "DenseForm", "WhitenedQuad", "QuadraticRows",
 ]
 
@@ -57,19 +57,26 @@ def aggregated_cheaper(n, D, R=None, masks=None):
 FORM_TOLERANCE = {torch.float64: 1e-8}
 
 
-def lowrank_form_accurate(F, psi):
-    r"""Whether :func:`lowrank_weighted_sum` keeps its digits for this loading and noise.
+def lowrank_form_dtype(F, psi):
+    r"""The dtype in which :func:`lowrank_weighted_sum` keeps its digits for this
+    loading and noise: ``F``'s own, else float64, else None.
 
     Its :math:`y^\top Ay` cancels terms of size :math:`\kappa = \max_i
     \operatorname{tr}(F^\top\Psi^{-1}F)` (``gaussian_linalg.signal_to_noise``): it
     loses about :math:`2\epsilon\kappa` nats per datapoint (measured 0.8--1.9
     :math:`\epsilon\kappa` in float64, 1.5--3.9 in float32), where the per-mask sums
-    keep float64 to about 1e-9. So the engine takes the form only where
+    keep float64 to about 1e-9. So the engine takes the form only in a dtype whose
     :math:`2\epsilon\kappa` stays within ``FORM_TOLERANCE`` (1e-8 in float64;
-    ``PRECISION`` in other dtypes). Before, noise sd 1e-4 against a unit loading
-    (D = 10, K = 2, float64) put the exhaustive score 2.3e-7 nats off the exact log p;
-    one column in float32 with noise sd 1e-4 (a state kept in float32 by its
-    :math:`\epsilon^2\kappa` bound), 108 nats.
+    ``PRECISION`` in other dtypes), and the per-mask sums where none does. Before,
+    noise sd 1e-4 against a unit loading (D = 10, K = 2, float64) put the exhaustive
+    score 2.3e-7 nats off the exact log p; one column in float32 with noise sd 1e-4 (a
+    state kept in float32 by its :math:`\epsilon^2\kappa` bound), 108 nats.
+
+    A float32 state (kept by ``lowrank_dtype`` up to :math:`\epsilon\kappa \le`
+    1e-3) above the float32 bound computes the form in float64, about twice the cost
+    of float32, where the per-mask sums cost 5--8 times more: PPCA D = 512, K = 2,
+    noise sd 0.3 (:math:`\kappa` about 6000), masks shared, one thread: 0.50 s per
+    step on the per-mask path, 0.10 s on the form in float64.
 
     The engine asks the same of the sums over masks drawn per datapoint
     (:mod:`~pyro_mpt.conditionals.gaussian_independent`), whose values keep their
@@ -78,15 +85,18 @@ def lowrank_form_accurate(F, psi):
     per-mask conditionals' (1e-8), at 1e-8 6e-4, and at D = 12, K = 5, 1e-10, 14%.
 
     :param F: ``(1, D, R)``. :param psi: ``(1, D)``.
-    :returns: bool.
+    :returns: a ``torch.dtype`` or None.
 
     Example::
 
-        >>> lowrank_form_accurate(state.cov_factor, state.cov_diag)
-        True
+        >>> lowrank_form_dtype(state.cov_factor, state.cov_diag)
+        torch.float32
     """
-    eps = torch.finfo(F.dtype).eps
-    return 2 * eps * signal_to_noise(F, psi) <= FORM_TOLERANCE.get(F.dtype, PRECISION)
+    kappa = signal_to_noise(F, psi)
+    for dtype in dict.fromkeys((F.dtype, torch.float64)):
+        if 2 * torch.finfo(dtype).eps * kappa <= FORM_TOLERANCE.get(dtype, PRECISION):
+            return dtype
+    return None
 
 
 def aggregated_elements(D, R=None):
