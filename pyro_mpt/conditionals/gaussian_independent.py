@@ -33,7 +33,7 @@ bytes of a row's bits (small K, :data:`KEPT_PIECES_BITS_RATIO`), each row's smal
 import torch
 
 from ..mask_bits import pack_bits, unpack_bits
-from .gaussian_linalg import LOG_2PI, cholesky, packed_pairs
+from .gaussian_linalg import LOG_2PI, SymmetricPacking, cholesky
 from .workspace import Workspace
 from .written_backward import first_order_backward
 
@@ -63,11 +63,10 @@ def lowrank_independent_sums(m, x, mask, data):
         # mask-free, kept with the data pieces: every block of masks shares them
         # (and the backward pass keeps one copy, not one per block)
         K = F.shape[-1]
-        a, b, _ = packed_pairs(K, F.device)
         e = data["eT"].T.contiguous()  # (n, D), row-major like the mask tables
         ep = e / psi
         delta = data["zhat"].T - ep @ F  # (n, K), ~0: keeps the identity exact for any zhat
-        phi = F[:, a] * F[:, b]  # (D, P)
+        phi = SymmetricPacking(K, F.dtype, F.device).features(F)  # (D, P)
         lam0 = torch.eye(K, dtype=F.dtype, device=F.device) + data["Fp"].T @ F
         data["independent"] = (e, ep, delta, F, psi, phi, phi / psi.unsqueeze(-1), lam0)
     sums = IndependentLowRankSums.apply(mask, *data["independent"], m.site)
@@ -237,23 +236,22 @@ class _Factors:
         # and its target counts; each token's signal |f_j|^2 / psi_j is the sum of its
         # diagonal features (a == b), which decides the side of a mask Lambda is summed from
         K = F.shape[-1]
-        a, b, full = packed_pairs(K, F.device)
-        snr = self.phi_pT[a == b].sum(0, keepdim=True)
+        self.packing = pk = SymmetricPacking(K, F.dtype, F.device)
+        snr = self.phi_pT[pk.a == pk.b].sum(0, keepdim=True)
         self.phi_p1T = torch.cat([self.phi_pT, torch.ones_like(snr), snr])
         self.snr_total = snr.sum()
-        # packed <-> (K, K) by index_select on flat views (a third of the cost of
-        # advanced indexing on these small tables); off-diagonal pairs count twice
-        self.K, self.full, self.upper = K, full.view(-1), a * K + b
-        self.off = torch.where(a == b, 1.0, 2.0).to(F.dtype)
         self.eye = torch.eye(K, dtype=F.dtype, device=F.device)
 
     def unpacked(self, packed, lead):
-        """``(rows, P)`` packed symmetric matrices as ``lead + (K, K)``."""
-        return packed.index_select(-1, self.full).view(lead + (self.K, self.K))
+        """``(rows, P)`` packed symmetric matrices as ``lead + (K, K)`` (packed <-> (K, K)
+        by index_select on flat views: a third of the cost of advanced indexing on
+        these small tables)."""
+        return self.packing.unpack(packed).view(lead + (self.packing.R, self.packing.R))
 
     def packed(self, sym):
         """``(..., K, K)`` symmetric matrices as ``(rows, P)``, off-diagonal entries doubled."""
-        return sym.reshape(-1, self.K * self.K).index_select(-1, self.upper).mul_(self.off)
+        K = self.packing.R
+        return self.packing.pack(sym.reshape(-1, K, K)).mul_(self.packing.off)
 
 
 class _KeptRows:

@@ -1,7 +1,7 @@
 r"""What every path of the Gaussian engine shares: a Cholesky factorization that
 fails when its pivots lose their digits, the first jitter of the engine's rescue,
 the dtype each path computes in, the normal log-density, token gathers and the
-index pairs of packed symmetric matrices.
+packing of symmetric matrices.
 
 Used by :mod:`~pyro_mpt.conditionals.gaussian` and its kernels
 (``gaussian_lowrank``, ``gaussian_dense``, ``gaussian_shared``).
@@ -173,3 +173,41 @@ def packed_pairs(K, device):
     full[a, b] = pos
     full[b, a] = pos
     return a, b, full
+
+
+class SymmetricPacking:
+    r"""The :math:`R(R+1)/2` entries :math:`a \le b` of symmetric :math:`R\times R`
+    matrices: products with the rows' outer products :math:`F_jF_j^\top` in this
+    packing (:meth:`features`) cost half the full ones.
+
+    :param int R: the matrices' size.
+    :param torch.dtype dtype: of :attr:`off`.
+    :param device: of the index tensors.
+
+    Example::
+
+        >>> pk = SymmetricPacking(3, torch.float64, "cpu")
+        >>> M = torch.eye(3)
+        >>> pk.unpack(pk.pack(M)).equal(M)
+        True
+    """
+
+    def __init__(self, R, dtype, device=None):
+        self.R = R
+        self.a, self.b, full = packed_pairs(R, device)
+        self.upper = self.a * R + self.b
+        self.full = full.reshape(-1)
+        #: 1 on the diagonal, 2 off it: an off-diagonal entry stands for two
+        self.off = 2 - (self.a == self.b).to(dtype)
+
+    def features(self, F):
+        r"""``(D, R)`` -> ``(D, R(R+1)/2)``: the rows' outer products :math:`F_{ja}F_{jb}`."""
+        return F.index_select(-1, self.a) * F.index_select(-1, self.b)
+
+    def pack(self, M):
+        """``(..., R, R)`` symmetric -> ``(..., R(R+1)/2)``."""
+        return M.reshape(*M.shape[:-2], self.R * self.R).index_select(-1, self.upper)
+
+    def unpack(self, p):
+        """``(..., R(R+1)/2)`` -> ``(..., R, R)``."""
+        return p.index_select(-1, self.full).view(*p.shape[:-1], self.R, self.R)

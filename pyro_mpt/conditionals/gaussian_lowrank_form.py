@@ -15,7 +15,7 @@ and the variances, and remakes the rest in chunks whose tables live in one
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, cholesky, packed_pairs
+from .gaussian_linalg import LOG_2PI, SymmetricPacking, cholesky
 from .workspace import Workspace
 from .written_backward import first_order_backward
 
@@ -38,34 +38,21 @@ def lowrank_form_chunks(D, R, dtype, max_elements):
     return max(inner, max_elements // (10 * R * R + 8 * D)), inner
 
 
-class _Packing:
-    r"""The :math:`R(R+1)/2` entries :math:`a \le b` of symmetric :math:`R\times R`
-    matrices: products with the rows' outer products :math:`F_jF_j^\top` in this
-    packing cost half the full ones."""
+class _Packing(SymmetricPacking):
+    r"""The packing of :math:`R\times R` matrices with :math:`F`'s rows' outer
+    products :math:`F_jF_j^\top` (``FF``, ``(D, R(R+1)/2)``)."""
 
     def __init__(self, F):
-        R = F.shape[1]
-        a, b, full = packed_pairs(R, F.device)
-        self.R = R
-        self.upper = a * R + b
-        self.full = full.reshape(-1)
-        self.weight = (2 - (a == b).to(F.dtype))
-        self.FF = F.index_select(1, a) * F.index_select(1, b)  # (D, R(R+1)/2)
-
-    def pack(self, M):
-        """``(..., R, R)`` symmetric -> ``(..., R(R+1)/2)``."""
-        return M.reshape(*M.shape[:-2], self.R * self.R).index_select(-1, self.upper)
+        super().__init__(F.shape[1], F.dtype, F.device)
+        self.FF = self.features(F)
 
     def inner(self, M):
         r"""``(P, R, R)`` -> ``(P, D)``: :math:`F_j^\top M_m F_j` (``M`` symmetric)."""
-        return (self.pack(M) * self.weight) @ self.FF.T
+        return (self.pack(M) * self.off) @ self.FF.T
 
     def outer(self, c):
         r"""``(P, D)`` -> ``(P, R, R)``: :math:`\sum_j c_{mj}F_jF_j^\top`."""
         return self.unpack(c @ self.FF)
-
-    def unpack(self, p):
-        return p.index_select(-1, self.full).view(*p.shape[:-1], self.R, self.R)
 
 
 def _symh(X):
