@@ -18,15 +18,17 @@ exact for any :math:`\hat z_i`; the variance is
 :math:`v_j = \psi_j + f_j^\top\Lambda^{-1}f_j`. So a (mask, datapoint) pair needs
 only sums over its masked tokens (over its context instead where the targets
 hold more than half of the signal :math:`\sum_j |f_j|^2/\psi_j`, so that
-:math:`\Lambda` is never a small difference of large sums), matrix products of the 0/1 mask table with :math:`K(K+1)/2 + K` per-token
-features, and per masked token a few multiply-adds, a logarithm and a division.
+:math:`\Lambda` is never a small difference of large sums), matrix products
+of the 0/1 mask table with :math:`K(K+1)/2 + K` per-token features, and per
+masked token a few multiply-adds, a logarithm and a division.
 
 :class:`IndependentLowRankSums` evaluates this over chunks of (mask, datapoint)
 rows small enough to stay in the core's cache, and its backward pass
 recomputes each chunk's tables instead of keeping them: the graph keeps the
 mask-free inputs, the masks as bits and, where they take at most twice the
-bytes of a row's bits (small K, :data:`KEPT_PIECES_BITS_RATIO`), each row's small pieces (:math:`\Lambda^{-1}`,
-:math:`w`, :math:`u`: :math:`(K + 1)^2 + K` numbers a row), nothing of size ``(q, n, D)`` in the working dtype (so
+bytes of a row's bits (small K, :data:`KEPT_PIECES_BITS_RATIO`), each row's
+small pieces (:math:`\Lambda^{-1}`, :math:`w`, :math:`u`: :math:`(K + 1)^2 + K`
+numbers a row), nothing of size ``(q, n, D)`` in the working dtype (so
 :func:`~pyro_mpt.estimate.mpt_estimate` need not checkpoint the block).
 """
 
@@ -98,8 +100,8 @@ class IndependentLowRankSums(torch.autograd.Function):
     \Psi_{\mathcal M}^{-1} e_{\mathcal M}`) and
     :math:`\partial\Lambda = -B\,(\partial B)\,B` these become matrix products
     of the chunk's tables with the per-token features. The chunk's tables live
-    in the buffers of one :class:`~pyro_mpt.conditionals.workspace.Workspace`, reused by every chunk (four forward, five backward); the
-    backward pass recomputes them from the masks, kept as bits, and reads each
+    in the buffers of one :class:`~pyro_mpt.conditionals.workspace.Workspace`,
+    reused by every chunk (four forward, five backward); the backward pass recomputes them from the masks, kept as bits, and reads each
     row's ``B``, ``u`` and ``w`` kept by the forward pass where they are as
     small (``_KeptRows``), else recomputes them too.
 
