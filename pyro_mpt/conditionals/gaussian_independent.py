@@ -101,9 +101,10 @@ class IndependentLowRankSums(torch.autograd.Function):
     :math:`\partial\Lambda = -B\,(\partial B)\,B` these become matrix products
     of the chunk's tables with the per-token features. The chunk's tables live
     in the buffers of one :class:`~pyro_mpt.conditionals.workspace.Workspace`,
-    reused by every chunk (four forward, five backward); the backward pass recomputes them from the masks, kept as bits, and reads each
-    row's ``B``, ``u`` and ``w`` kept by the forward pass where they are as
-    small (``_KeptRows``), else recomputes them too.
+    reused by every chunk (four forward, five backward); the backward pass
+    recomputes them from the masks, kept as bits, and reads each row's ``B``,
+    ``u`` and ``w`` kept by the forward pass where they are as small
+    (``_KeptRows``), else recomputes them too.
 
     Inputs: ``mask`` bool ``(q, n, D)``; ``e``, ``ep`` (:math:`e/\psi`) ``(n, D)``;
     ``delta`` ``(n, K)``; ``F`` ``(D, K)``; ``psi`` ``(D,)``; ``phi``
