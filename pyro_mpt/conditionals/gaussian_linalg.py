@@ -206,8 +206,17 @@ class SymmetricPacking:
 
     def pack(self, M):
         """``(..., R, R)`` symmetric -> ``(..., R(R+1)/2)``."""
-        return M.reshape(*M.shape[:-2], self.R * self.R).index_select(-1, self.upper)
+        return self._select(M.reshape(*M.shape[:-2], self.R * self.R), self.upper)
 
     def unpack(self, p):
         """``(..., R(R+1)/2)`` -> ``(..., R, R)``."""
-        return p.index_select(-1, self.full).view(*p.shape[:-1], self.R, self.R)
+        return self._select(p, self.full).view(*p.shape[:-1], self.R, self.R)
+
+    @staticmethod
+    def _select(x, index):
+        # the last dim's entries at index: on CPU, index_select along the last dim copies 8-byte
+        # entries one at a time (measured 2.3 ns each, 2-4x slower than gather with the index
+        # broadcast over the rows); 4-byte ones take its vectorized path (faster than gather)
+        if x.element_size() == 8 and x.dim() > 1:
+            return torch.gather(x, -1, index.expand(*x.shape[:-1], -1))
+        return x.index_select(-1, index)
