@@ -27,7 +27,9 @@ whose components factorize over the tokens (``dist.Normal(locs, scales).to_event
 is the same finite mixture with the component index in place of a latent: its
 weights are :math:`\log p(z)` and its components' per-token log-densities the table.
 Components that are ``MultivariateNormal`` (or ``LowRankMultivariateNormal``), a
-full-covariance Gaussian mixture, go to the Gaussian mixture table below.
+full-covariance Gaussian mixture, go to the Gaussian mixture table below; so does
+an observation ``dist.MultivariateNormal(locs[z], covs[z])`` indexed by discrete
+latent sites, whose components are read from the enumerated run.
 
 **Linear-Gaussian components.** Normal latents beside the discrete ones (a
 mixture of PPCA: :math:`z \sim \mathrm{Categorical}(w)`,
@@ -110,6 +112,15 @@ def _mixture_observation(tokens):
     return fn
 
 
+def _gaussian_observation(tokens):
+    """The observed site's ``MultivariateNormal`` (or low-rank) when it is the whole
+    datapoint's distribution (its one event dim holds the tokens, no token plates), else None."""
+    fn = base_distribution(tokens.site["fn"])
+    if not isinstance(fn, _GAUSSIANS) or tuple(fn.event_shape) != tuple(tokens.event_shape):
+        return None
+    return fn if tokens.site_batch_shape == tokens.batch_shape else None
+
+
 class EnumerateConditionals(ConditionalEngine):
     r"""Exact masked conditionals by summing over the discrete latents' joint support.
 
@@ -184,7 +195,7 @@ class EnumerateConditionals(ConditionalEngine):
                 f"{self.max_support}. Use conditionals='importance' (it samples the latents), "
                 f"or raise max_support if a ({K}, {tokens.num_data}, {tokens.num_tokens}) table fits."
             )
-        if not continuous:
+        if not continuous and _gaussian_observation(tokens) is None:
             check_factorized(
                 tokens.site["fn"], tokens.name, _WHO,
                 instead="a dist.DiscreteHMM observation is served by conditionals='hmm'",
@@ -249,6 +260,22 @@ class EnumerateConditionals(ConditionalEngine):
             mixture = self._gaussian_components(tokens, model, args, kwargs, trace, dims, enum_shape, continuous, log_w)
             return EnumerateState(mixture, n, D, sizes)
         obs = trace.nodes[tokens.name]
+        if _gaussian_observation(tokens) is not None:
+            # e.g. MultivariateNormal(locs[z], covs[z]): the tokens are not independent
+            # given z, but each component is a Gaussian, read from the enumerated run
+            gaussian = base_distribution(obs["fn"])
+
+            def rows(t, tail):
+                t = full(t, tail)
+                if all(size == 1 for size in t.shape[L:L + mpn]):  # shared by the datapoints
+                    return t.reshape((K, 1) + tail)
+                return t.expand(enum_shape + batch + tail).reshape((K, n) + tail)
+
+            mixture = GaussianMixtureTable(
+                log_w, rows(gaussian.loc, (D,)), rows(gaussian.covariance_matrix, (D, D)), tokens.value,
+                max_elements=self.max_elements,
+            )
+            return EnumerateState(mixture, n, D, sizes)
         # the tokens with missing values filled, so the table is finite everywhere
         value = tokens.site_value
         lp = base_distribution(obs["fn"]).log_prob(value)
