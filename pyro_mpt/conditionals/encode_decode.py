@@ -78,6 +78,7 @@ import torch
 from .base import ConditionalEngine, EngineNotApplicable, callable_key
 from .distributions import check_factorized
 from .data_args import guide_latents, locate_data_arg, refuse_missing
+from .guide_proposals import per_datapoint_autoguide
 from .latent_runs import GuideMemory, LatentRunner, logmeanexp
 
 __all__ = ["EncodeDecodeConditionals", "EncodeDecodeState", "initial_tokens", "run_chains"]
@@ -235,6 +236,16 @@ class EncodeDecodeConditionals(ConditionalEngine):
                 f"{'no guide was given' if guide is None else 'the guide samples none of the latents'}"
                 f". Pass an encoder guide over {', '.join(map(repr, tokens.latent_names)) or 'the latents'}, "
                 f"or use conditionals='importance' (the prior as proposal)."
+            )
+        fixed = per_datapoint_autoguide(guide)
+        if fixed:
+            # said before the guide is run: its per-datapoint parameters would otherwise fail
+            # later with a message about auxiliary sites that does not name the cause
+            raise EngineNotApplicable(
+                f"{who} uses the guide as an amortized encoder q(z | x), but the guide is an "
+                f"{fixed}, whose parameters are one set per datapoint: it does not read the data, "
+                f"so it cannot encode masked data. Use conditionals='importance' (it takes the "
+                f"{fixed} as its proposal), or an encoder guide that computes q(z | x) from x."
             )
         check_factorized(tokens.site["fn"], tokens.name, who)
         refuse_missing(tokens, who)

@@ -52,7 +52,7 @@ import pyro.distributions as dist
 
 from .latent_runs import PARTICLE_PLATE
 
-__all__ = ["AUTOGUIDES", "is_autoguide", "AutoguideProposal"]
+__all__ = ["AUTOGUIDES", "is_autoguide", "per_datapoint_autoguide", "AutoguideProposal"]
 
 #: the autoguides served (also as parts of an ``AutoGuideList``)
 AUTOGUIDES = (AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal, AutoLowRankMultivariateNormal)
@@ -63,6 +63,23 @@ _SERVED = "AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal, AutoLowRankMu
 def is_autoguide(guide):
     """Whether ``guide`` is one of Pyro's autoguides (or an ``AutoGuideList``), served here."""
     return isinstance(guide, AutoGuide)
+
+
+def per_datapoint_autoguide(guide):
+    """The class name of ``guide`` when it is an autoguide (or an ``AutoGuideList``) made only
+    of :data:`AUTOGUIDES` and ``AutoDelta`` parts, whose parameters are per datapoint: such a
+    guide never reads the data, so it is no encoder. None otherwise.
+
+    Example::
+
+        >>> per_datapoint_autoguide(AutoDiagonalNormal(model))  # 'AutoDiagonalNormal'
+    """
+    if not isinstance(guide, AutoGuide):
+        return None
+    parts = list(guide) if isinstance(guide, AutoGuideList) else [guide]
+    if all(isinstance(p, AUTOGUIDES + (AutoDelta,)) or per_datapoint_autoguide(p) for p in parts):
+        return type(guide).__name__
+    return None
 
 
 def _parts(guide, who):

@@ -22,6 +22,14 @@ def _():
     MaskedPretrainingLoss(conditionals="importance").loss(model, guide, x)
 
 
+@trigger("encode-decode-autoguide")
+def _():
+    from pyro.infer.autoguide import AutoDiagonalNormal
+
+    model, x = _ppca()
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model, AutoDiagonalNormal(model), x)
+
+
 @trigger("encode-decode-init")
 def _():
     model, guide, x = _guided_ppca()
