@@ -83,6 +83,16 @@ def _token_frames(site, latents, token_plates):
     return set()
 
 
+def _one_token_per_datapoint(site, latents):
+    """Whether a scalar observation (no event dims, no token plate) is one token per
+    datapoint: some latent sits in every plate of the site with more than one element
+    (e.g. Pyro's 1-D GMM, ``a ~ Categorical(w)``, ``x ~ Normal(locs[a], s)`` in one data
+    plate). The plates' elements then each have their own latent, so they are the
+    datapoints, not tokens that share one; without such a latent it stays ambiguous."""
+    big = {f for f in vectorized_frames(site) if f.size > 1}
+    return bool(big) and any(big <= vectorized_frames(s) for s in latents)
+
+
 def locate_site(model_trace, obs_site):
     """The observed token site of a model trace, its latent sites and its other observed and factor sites.
 
@@ -155,7 +165,7 @@ def site_layout(site, latents, token_plates):
     event_shape = data_event_shape(site["fn"], site["value"])
     site_batch_shape = site["fn"].batch_shape
     tframes = _token_frames(site, latents, token_plates)
-    if not tframes and not event_shape:
+    if not tframes and not event_shape and not (token_plates is None and _one_token_per_datapoint(site, latents)):
         named = "" if token_plates is None else f" and token_plates={token_plates!r} names none of its plates"
         raise ValueError(
             f"Observed site {name!r} has no event dims{named}, so it has no tokens. "

@@ -1004,3 +1004,101 @@ def test_raw_errors_become_messages_naming_the_site_and_the_fix(float64):
     ]:
         with pytest.raises(ValueError, match=shape):
             call()
+
+
+def test_scalar_observation_with_a_local_latent_is_one_token_per_datapoint():
+    """A scalar observation whose plate holds a latent per element (Pyro's 1-D GMM
+    tutorial; before: refused, "has no event dims, so it has no tokens") has one token per
+    datapoint, so every schedule gives log p(x_i): the GMM by enumeration against scipy's
+    log-sum-exp, a Poisson-lognormal by quadrature against scipy.integrate.quad, the
+    gradient of a Normal-Normal model against its closed form. Without a latent the
+    plate stays ambiguous and is refused (test_loss.py::test_tokens_without_event_dims_are_refused)."""
+    from scipy import integrate
+    from scipy.special import logsumexp
+    from scipy.stats import norm, poisson
+
+    x = torch.tensor([0.0, 1.0, 10.0, 11.0, 12.0], dtype=torch.float64)
+    w = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    locs = torch.tensor([0.5, 11.0], dtype=torch.float64)
+
+    def gmm(data):
+        with pyro.plate("data", len(data)):
+            a = pyro.sample("assignment", dist.Categorical(w), infer={"enumerate": "parallel"})
+            pyro.sample("obs", dist.Normal(locs[a], 1.5), obs=data)
+
+    ref = logsumexp(norm.logpdf(x.numpy()[:, None], locs.numpy(), 1.5) + np.log(w.numpy()), axis=1)
+    assert np.allclose(Evidence(gmm)(x).numpy(), ref, atol=1e-10)
+    for masks in ["exhaustive", "uniform", "pll"]:
+        assert np.allclose(MaskedPretrainingLoss(masks=masks).score(gmm, None, x).numpy(), ref, atol=1e-10)
+
+    counts = torch.tensor([0.0, 2.0, 5.0, 1.0], dtype=torch.float64)
+
+    def poisson_lognormal(data):
+        with pyro.plate("data", len(data)):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.5, dtype=torch.float64), 0.8))
+            pyro.sample("obs", dist.Poisson(torch.exp(z)), obs=data)
+
+    ref = [math.log(integrate.quad(lambda z: math.exp(norm.logpdf(z, 0.5, 0.8) + poisson.logpmf(c, math.exp(z))),
+                                   -10, 10, epsabs=0, epsrel=1e-12, limit=200)[0]) for c in counts.tolist()]
+    got = MaskedPretrainingLoss(masks="all", conditionals="quadrature").score(poisson_lognormal, None, counts)
+    assert np.allclose(got.numpy(), ref, atol=1e-9)
+
+    y = torch.tensor([-0.3, 1.2, 2.5], dtype=torch.float64)
+
+    def normal_normal(data):
+        s = pyro.param("s", torch.tensor(0.7, dtype=torch.float64), constraint=dist.constraints.positive)
+        with pyro.plate("data", len(data)):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.5, dtype=torch.float64), 0.8))
+            pyro.sample("obs", dist.Normal(2 * z, s), obs=data)
+
+    pyro.clear_param_store()
+    loss = MaskedPretrainingLoss(masks="order").differentiable_loss(normal_normal, None, y)
+    loss.backward()
+    s = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    ref = -torch.distributions.Normal(1.0, (4 * 0.64 + s**2).sqrt()).log_prob(y).sum()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-10
+    # the gradient with respect to the unconstrained log s: d/dlog s = s d/ds
+    assert abs(pyro.param("s").unconstrained().grad.item() - 0.7 * s.grad.item()) < 1e-10
+
+
+def test_float32_parameters_with_float64_data_are_scored_as_pyro_scores_them():
+    """Data from numpy (float64) with torch's default float32 parameters: Pyro's log-densities
+    promote to float64, and so must the engines (before: quadrature failed in a batched
+    product, "expected scalar type Float but found Double"; the Gaussian engine fed float64
+    latents to ``z @ W.T`` with a float32 ``W``). Values against the float64 model within
+    float32 rounding, and gradients reach the float32 parameters."""
+    g = torch.Generator().manual_seed(3)
+    counts = torch.poisson(2 * torch.ones(5, 3, dtype=torch.float64), generator=g)
+    x = torch.randn(5, 3, generator=g, dtype=torch.float64)
+
+    def poisson_factor(dtype):
+        def model(data):
+            a = pyro.param("a", torch.tensor([0.5, 1.0, -0.7], dtype=dtype))
+            with pyro.plate("data", len(data)):
+                z = pyro.sample("z", dist.Normal(torch.tensor(0.5, dtype=dtype), 0.8))
+                pyro.sample("obs", dist.Poisson(torch.exp(a * z.unsqueeze(-1))).to_event(1), obs=data)
+        return model
+
+    def ppca(dtype):
+        def model(data):
+            W = pyro.param("W", torch.tensor([[0.0, 3.0], [1.0, 1.0], [2.0, -1.0]], dtype=dtype))
+            with pyro.plate("data", len(data)):
+                z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=dtype), 1.0).to_event(1))
+                pyro.sample("obs", dist.Normal(z @ W.T, 0.5).to_event(1), obs=data)
+        return model
+
+    eps = torch.finfo(torch.float32).eps
+    for make, data, engine in [(poisson_factor, counts, "quadrature"), (ppca, x, "gaussian")]:
+        for masks in ["exhaustive", "all", "order"]:
+            pyro.clear_param_store()
+            ref = MaskedPretrainingLoss(masks=masks, conditionals=engine).score(make(torch.float64), None, data)
+            pyro.clear_param_store()
+            loss = MaskedPretrainingLoss(masks=masks, conditionals=engine)
+            got = loss.score(make(torch.float32), None, data)
+            assert got.dtype == torch.float64
+            if masks != "all":  # "all" draws its masks at random
+                assert torch.allclose(got.detach(), ref.detach(), rtol=0, atol=100 * eps * ref.abs().max().item())
+            (-got.sum()).backward()
+            grads = [p.grad for p in pyro.get_param_store().values()]
+            assert all(g is not None and g.dtype == torch.float32 and bool(torch.isfinite(g).all()) for g in grads)

@@ -205,7 +205,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
         fn = tokens.site["fn"]
         loc, noise, batch_shape = _observation_parts(fn, tokens)
         loc, noise = basis_rows(loc, noise, batch_shape, 1)
-        return _assemble(loc[0], tuple(t[0] for t in noise[1:]), noise[0], None)
+        return _assemble(loc[0], tuple(t[0] for t in noise[1:]), noise[0], None, tokens.value.dtype)
 
     value = tokens.value
     # a fixed generator: the affinity check must not consume the user's random stream
@@ -329,11 +329,17 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
                 f"so its marginal is not Gaussian; use conditionals='quadrature' or "
                 f"'importance'."
             )
-    return _assemble(mu, tuple(t[0] for t in noise[1:]), noise[0], W.permute(1, 2, 0))
+    return _assemble(mu, tuple(t[0] for t in noise[1:]), noise[0], W.permute(1, 2, 0), value.dtype)
 
 
-def _assemble(mu, noise, kind, W):
-    """Marginal from location, observation noise and the latent loading ``W``."""
+def _assemble(mu, noise, kind, W, data_dtype):
+    """Marginal from location, observation noise and the latent loading ``W``, in the wider
+    of their dtype and the data's ``data_dtype``."""
+    # float32 parameters (torch's default) with float64 data: Pyro's log-densities promote
+    # to float64, and so does the marginal, which the engines then meet with the data
+    dtype = torch.promote_types(mu.dtype, data_dtype)
+    mu, W = mu.to(dtype), None if W is None else W.to(dtype)
+    noise = tuple(t.to(dtype) for t in noise)
     # the covariance's pieces share a row count of their own, not the
     # location's: a location that varies by datapoint (covariates) leaves a
     # covariance shared by the batch at one row, which the engine factors once

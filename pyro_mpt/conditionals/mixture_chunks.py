@@ -65,8 +65,11 @@ class MixtureChunk:
     __slots__ = ("log_weights", "table", "_shift", "_exp_table")
 
     def __init__(self, log_weights, table):
-        self.log_weights = log_weights
-        self.table = table
+        # float32 latents (torch's default dtype) with float64 data give float32 weights and
+        # a float64 table, as in Pyro's own log-densities: the reductions run in the wider one
+        dtype = torch.promote_types(log_weights.dtype, table.dtype)
+        self.log_weights = log_weights.to(dtype)
+        self.table = table.to(dtype)
         self._shift = None
         self._exp_table = None
 
@@ -99,6 +102,7 @@ class MixtureChunk:
         log-sum-exp at those entries.
         """
         B, mT = self.exp_table()  # (n, Qc, D), (n, 1, D)
+        ctx = ctx.to(self.table.dtype)
         num, den, bad = _MaskPartials.apply(self.log_weights, self.table, ctx, B, mT)
         if bool(bad.any()):
             return self._mask_partials_exact(ctx)

@@ -65,6 +65,9 @@ class LatentSlice:
         latent dims declared as ``pyro.plate("k", K)``), taken as event dims:
         the coordinates are ``(*sizes, *event_shape)`` flattened, so
         ``numel`` counts them.
+    :param torch.dtype dtype: the dtype of the site's traced value (the model's
+        own sample); the site's values at the coordinates are given in it, or in
+        the coordinates' dtype when None.
     """
 
     name: str
@@ -73,6 +76,7 @@ class LatentSlice:
     event_shape: torch.Size
     kind: str
     plates: tuple = ()
+    dtype: torch.dtype = None
 
 
 def latent_layout(tokens, kind_of):
@@ -96,7 +100,8 @@ def latent_layout(tokens, kind_of):
         # kind_of accepted any plate the observed site lacks as event dims of the latent
         plates = tuple(sorted((f.dim, f.size) for f in vectorized_frames(site, 2) if f.name not in data))
         numel = math.prod(size for _, size in plates) * event_shape.numel()
-        layout[site["name"]] = LatentSlice(site["name"], offset, numel, event_shape, kind, plates)
+        dtype = site["value"].dtype if site["value"].is_floating_point() else None
+        layout[site["name"]] = LatentSlice(site["name"], offset, numel, event_shape, kind, plates, dtype)
         offset += numel
     return layout, offset
 
@@ -180,6 +185,10 @@ class CoordinateLatents(Messenger):
             base = affine_normal(base)  # a Normal written as an affine transform of one
         E = len(fn.event_shape)
         u = self.u[..., entry.offset : entry.offset + entry.numel]
+        if entry.dtype is not None:
+            # a float32 latent stays float32 when the coordinates follow float64 data: the
+            # model may combine it with float32 parameters (z @ W.T), as under Pyro's sampling
+            u = u.to(entry.dtype)
         u = self._place(u, entry.plates, fn.event_shape) if entry.plates else u.reshape(self._shape(fn.event_shape))
         if entry.kind in ("normal", "mvn"):
             mvn = entry.kind == "mvn"
