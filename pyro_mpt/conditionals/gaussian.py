@@ -50,6 +50,7 @@ from .gaussian_aggregated import (
 )
 from .gaussian_blocks import BlockGaussianState, block_marginal
 from .gaussian_dense import dense_chain, dense_log_prob, dense_masks
+from .gaussian_dense_independent import dense_independent_sums
 from .gaussian_independent import lowrank_independent_sums
 from .gaussian_jitter import add_jitter, factor_whole, resume_jitter
 from .gaussian_linalg import NotPositiveDefinite, dense_dtype, lowrank_dtype
@@ -308,15 +309,31 @@ class GaussianConditionals(ConditionalEngine):
                 return lowrank_independent_sums(form, xf, mask, self._shared_data(form, x_data, xf))
 
             return self._rescued(state, compute).to(x_data.dtype)
+        if self._dense_independent(state):
+            # masks per datapoint, dense covariance shared: the conditionals' sums with their
+            # backward pass written out, chunks recomputed in it
+            return _to_data(state, self._rescued(state, lambda: dense_independent_sums(state, x, mask, self.max_elements)))
         logc = self._rescued(state, lambda: self._mask_log_prob(state, x, mask))
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
         return _to_data(state, torch.where(mask, logc, zero).sum(-1))
 
     def recomputes_mask_sums(self, state, x, mask):
-        """True for masks drawn per datapoint on the low-rank path with a loading shared
-        by the batch: ``gaussian_independent.lowrank_independent_sums`` keeps only
-        the masks (as bits) and recomputes its chunks in its backward pass."""
-        return not isinstance(state, BlockGaussianState) and mask.shape[1] != 1 and self._independent_sums(state)
+        """True for masks drawn per datapoint with a loading (low-rank path) or a
+        covariance (dense path) shared by the batch:
+        ``gaussian_independent.lowrank_independent_sums`` and
+        ``gaussian_dense_independent.dense_independent_sums`` keep only the masks (as
+        bits) and recompute their chunks in their backward passes."""
+        return (
+            not isinstance(state, BlockGaussianState)
+            and mask.shape[1] != 1
+            and (self._independent_sums(state) or self._dense_independent(state))
+        )
+
+    @staticmethod
+    def _dense_independent(state):
+        """Whether masks per datapoint take ``gaussian_dense_independent``'s sums: a dense
+        state whose covariance the batch shares."""
+        return not state.is_low_rank and state.covariance.shape[0] == 1
 
     @staticmethod
     def _independent_sums(state):
