@@ -2,7 +2,10 @@ r"""Exact masked conditionals of models with discrete latents, by enumeration.
 
 When every latent of a datapoint is discrete with finite support --
 ``Categorical``, ``Bernoulli``, ``OneHotCategorical``, ``Binomial``, ... in the
-data plate, with or without ``@config_enumerate`` -- and the tokens are
+data plate, with or without ``@config_enumerate``, also with event dims such as
+binary features ``Bernoulli(p).expand([L]).to_event(1)``, whose joint support is
+the :math:`2^L` value vectors (Pyro enumerates no ``Independent``; this engine
+does) -- and the tokens are
 independent given them, the model is a finite mixture over the latents' joint
 support :math:`\mathcal Z = \mathcal Z_1 \times \dots \times \mathcal Z_L`:
 
@@ -55,10 +58,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from pyro import poutine
+import pyro.distributions as dist
+from pyro.poutine.messenger import Messenger
 
 from ..observed_tokens import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
-from .distributions import base_distribution, check_factorized
+from .distributions import base_distribution, check_factorized, unwrap
 from .gaussian_marginal import gaussian_marginal
 from .gaussian_mixture import GaussianMixtureTable
 from .mixture import MixtureTable
@@ -70,6 +75,62 @@ _WHO = "conditionals='enumerate'"
 
 def _support_size(fn):
     return int(fn.enumerate_support(expand=False).shape[0])
+
+
+class _ProductSupport(dist.Independent):
+    """A discrete site with event dims, ``Bernoulli(p).to_event(1)``, whose joint support is
+    the product of its elements' supports: Pyro enumerates no ``Independent``, this one
+    enumerates all ``m ** E`` value vectors (``m`` values per element, ``E`` elements)."""
+
+    has_enumerate_support = True
+
+    def enumerate_support(self, expand=True):
+        base = self.base_dist
+        values = base.enumerate_support(expand=False).reshape(-1)  # the m values of one element
+        E = math.prod(self.event_shape)
+        index = torch.cartesian_prod(*[torch.arange(values.shape[0], device=values.device)] * E)
+        support = values[index.reshape(-1, E)].reshape((-1,) + (1,) * len(self.batch_shape) + self.event_shape)
+        if expand:
+            support = support.expand((support.shape[0],) + self.batch_shape + self.event_shape)
+        return support
+
+
+def _event_discrete(fn):
+    """The ``(base, reinterpreted dims)`` of a discrete latent with event dims made of
+    elementwise discrete values (``Bernoulli(p).to_event(1)``, ``Categorical(probs).to_event(1)``),
+    else None."""
+    if fn.has_enumerate_support or not fn.event_shape:
+        return None
+    base, reinterpreted = unwrap(fn)
+    if not base.has_enumerate_support or base.event_shape or reinterpreted != len(fn.event_shape):
+        return None
+    return base, reinterpreted
+
+
+def _enumerable(fn):
+    return fn.has_enumerate_support or _event_discrete(fn) is not None
+
+
+def _joint_support_size(fn):
+    """Values of a latent's joint support (``m ** E`` for a discrete site with event dims)."""
+    if fn.has_enumerate_support:
+        return _support_size(fn)
+    base, _ = _event_discrete(fn)
+    return _support_size(base) ** math.prod(fn.event_shape)
+
+
+class _EnumerableEvents(Messenger):
+    """Give the named discrete sites with event dims a :class:`_ProductSupport`, so that
+    ``poutine.enum`` enumerates their joint support."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = names
+
+    def _pyro_sample(self, msg):
+        if msg["name"] in self.names and not msg["is_observed"]:
+            base, reinterpreted = _event_discrete(msg["fn"])
+            msg["fn"] = _ProductSupport(base, reinterpreted)
 
 
 @dataclass
@@ -159,15 +220,15 @@ class EnumerateConditionals(ConditionalEngine):
                 f"{tokens.name!r} has no latent site."
             )
         sizes, continuous = {}, []
-        discrete = any(site["fn"].has_enumerate_support for site in latents)
+        discrete = any(_enumerable(site["fn"]) for site in latents)
         for site in latents:
             fn = site["fn"]
-            if not fn.has_enumerate_support and discrete:
+            if not _enumerable(fn) and discrete:
                 # a mixture of linear-Gaussian components (e.g. a mixture of PPCA): each
                 # component's Gaussian marginal is derived, or refused, by gaussian_marginal
                 continuous.append(site["name"])
                 continue
-            if not fn.has_enumerate_support:
+            if not _enumerable(fn):
                 raise EngineNotApplicable(
                     f"{_WHO} needs every latent to be discrete with finite support, but "
                     f"latent site {site['name']!r} is {type(base_distribution(fn)).__name__}"
@@ -175,7 +236,7 @@ class EnumerateConditionals(ConditionalEngine):
                     f"enumerate_support. Use conditionals='quadrature' or 'importance'."
                 )
             check_local_latent(tokens, site, EngineNotApplicable, consequence=f"{_WHO} cannot sum it per datapoint")
-            sizes[site["name"]] = _support_size(fn)
+            sizes[site["name"]] = _joint_support_size(fn)
         if continuous:
             order = list(tokens.latent_names)
             late = [k for k in sizes if order.index(k) > min(order.index(c) for c in continuous)]
@@ -217,6 +278,10 @@ class EnumerateConditionals(ConditionalEngine):
         configured = poutine.infer_config(
             replayed, lambda msg: {"enumerate": "parallel"} if msg["name"] in names else {}
         )
+        events = {site["name"] for site in tokens.latent_sites() if site["name"] in names
+                  and not site["fn"].has_enumerate_support}
+        if events:
+            configured = _EnumerableEvents(events)(configured)
         try:
             trace = poutine.trace(poutine.enum(configured, first_available_dim=-(mpn + 1))).get_trace(*args, **kwargs)
         except Exception as e:  # the user's model fails on enumerated values: say how to fix it
