@@ -617,8 +617,8 @@ def _non_broadcasting_ppca(fail=False, N=6, D=4, K=2, sigma=0.5):
 
 def test_gaussian_marginal_remembers_the_run_mode_that_worked():
     """Step 1 runs the model once to trace it, once in each failing vectorized mode
-    and K + 2 times per point; later steps go straight to the per-point runs, at
-    three per-datapoint points (the loading is shared)."""
+    and K + 4 times per point (0, e_k and three probes); later steps go straight to
+    the per-point runs, at three per-datapoint points (the loading is shared)."""
     K = 2
     model, x, runs, exact = _non_broadcasting_ppca(K=K)
     loss = MaskedPretrainingLoss(conditionals="gaussian", masks="order")
@@ -627,10 +627,24 @@ def test_gaussian_marginal_remembers_the_run_mode_that_worked():
         runs.clear()
         values.append(loss.loss(model, None, x))
         counts.append(len(runs))
-    assert counts == [1 + 2 + (K + 2), 1 + 3, 1 + 3]
-    # step 1 (K + 2 points) and later steps (three) round differently
+    assert counts == [1 + 2 + (K + 4), 1 + 3, 1 + 3]
+    # step 1 (K + 4 points) and later steps (three) round differently
     assert max(abs(v - values[0]) for v in values) < 1e-10
     assert abs(values[0] + float(exact(x).sum())) < 1e-10
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+@pytest.mark.parametrize("extra", [2, 3, 4, 5])
+def test_a_latent_reshaped_to_the_batch_is_right_when_the_batch_has_as_many_datapoints_as_noise_points(K, extra):
+    # z.reshape(n, K) in the compact run (latent (P, 1, K), P noise points)
+    # succeeds when n = P and turns the points into datapoints: the marginal
+    # read a zero loading, 16.6 nats off at n = 4, K = 2 (P was K + 2), 63 at
+    # n = 5, K = 3. Every n around the point count, against torch's LowRankMultivariateNormal
+    model, x, runs, exact = _non_broadcasting_ppca(N=K + extra, K=K)
+    assert torch.allclose(Evidence(model, method="exact")(x), exact(x), atol=1e-10, rtol=0)
+    loss = MaskedPretrainingLoss(conditionals="gaussian", masks="order")
+    for _ in range(2):  # the first call and the remembered run mode
+        assert abs(loss.loss(model, None, x) + float(exact(x).sum())) < 1e-9
 
 
 def test_gaussian_marginal_raises_a_genuine_model_error_with_the_first_failure_chained():
@@ -659,6 +673,80 @@ def test_nonlinear_model_is_refused_naming_the_site():
     x = torch.randn(4, 3)
     with pytest.raises(NotLinearGaussianError, match="'obs' is not affine"):
         MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, x)
+
+
+@pytest.mark.parametrize("kink", [1.0, -1.0, 2.5])
+def test_piecewise_linear_location_is_refused_not_served_as_its_linear_piece(kink):
+    # relu(z + 1): the old probes (0, e_k and one normal point, whose
+    # coordinates are all negative above -1) lay on one linear piece, and the
+    # engine returned the density of that piece, the model without the relu
+    # (relu(z - 1): without the latent), up to 0.34 nats off the true
+    # log p(x_i) (scipy quad below). The probes now put every noise coordinate
+    # at +-3 prior standard deviations.
+    from scipy import integrate
+    from scipy.stats import norm
+
+    g = torch.Generator().manual_seed(9)
+    N, D, sig = 5, 4, 0.3
+    w, b = torch.randn(D, generator=g), torch.randn(D, generator=g)
+    z0 = torch.randn(N, generator=g)
+    x = torch.relu(z0 + kink)[:, None] * w + b + sig * torch.randn(N, D, generator=g)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal(torch.relu(z + kink).unsqueeze(-1) * w + b, sig).to_event(1), obs=x)
+
+    with pytest.raises(NotLinearGaussianError, match="'x' is not affine"):
+        MaskedPretrainingLoss(masks="order", conditionals="gaussian").score(model, None, x)
+    with pytest.raises(NotLinearGaussianError, match="'x' is not affine"):
+        Evidence(model, method="exact")(x)
+
+    if kink == 2.5:
+        return  # no datapoint of this draw near the kink: the linear piece is right for it
+    # what the old probes returned, the density of the piece they sat on, is off the true value
+    def true_lml(xi):
+        f = lambda z: norm.pdf(z) * np.prod(norm.pdf(xi, max(z + kink, 0.0) * w.numpy() + b.numpy(), sig))
+        parts = [(-14.0, -kink), (-kink, 14.0)]
+        return np.log(sum(integrate.quad(f, lo, hi, epsabs=0, epsrel=1e-12, limit=200)[0] for lo, hi in parts))
+
+    ref = np.array([true_lml(xi) for xi in x.numpy()])
+    cov = np.outer(w.numpy(), w.numpy()) + sig**2 * np.eye(D)
+    piece = (b + kink * w).numpy() if kink > 0 else b.numpy()  # relu(z + 1) = z + 1; relu(z - 1) = 0
+    cov = cov if kink > 0 else sig**2 * np.eye(D)
+    lin = np.array([_mvn_logpdf(xi, piece, cov) for xi in x.numpy()])
+    assert np.abs(lin - ref).max() > 0.1
+
+
+def test_piecewise_linear_location_is_refused_in_the_per_datapoint_run():
+    # a location that varies by datapoint sends later calls to the run at three
+    # per-datapoint points; with normal probes there, relu(z + 2) in a batch of
+    # four passed the check (12 coordinates, all above -2) and was served as linear
+    N, D, K, sig = 4, 5, 3, 0.4
+    g = torch.Generator().manual_seed(10)
+    W, B, x = torch.randn(D, K, generator=g), torch.randn(N, D, generator=g), torch.randn(N, D, generator=g)
+    shift = {"c": 10.0}
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(torch.relu(z + shift["c"]) @ W.T + B, sig).to_event(1), obs=x)
+
+    evidence = Evidence(model, method="exact")
+    evidence(x)  # linear within +-3 prior sds: served, and the per-datapoint run remembered
+    got = evidence(x)
+    cov = (W @ W.T).numpy() + sig**2 * np.eye(D)
+    ref = [_mvn_logpdf(xi, mi, cov) for xi, mi in zip(x.numpy(), (B + 10.0 * W.sum(1)).numpy())]
+    assert np.allclose(got.numpy(), ref, atol=1e-8, rtol=0)
+    shift["c"] = 2.0
+    with pytest.raises(NotLinearGaussianError, match="'x' is not affine"):
+        evidence(x)
+
+
+def _mvn_logpdf(x, mean, cov):
+    from scipy.stats import multivariate_normal
+
+    return multivariate_normal(mean, cov).logpdf(x)
 
 
 def test_latent_dependent_noise_is_refused():

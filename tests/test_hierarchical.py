@@ -164,6 +164,29 @@ def test_units_in_groups_and_per_token_latents():
     assert np.abs(value.detach().numpy() - ref).max() < TOL
 
 
+@pytest.mark.parametrize("where", ["global", "local"])
+def test_a_piecewise_linear_hierarchy_is_refused(where):
+    # relu(mu + 2.5) (or of a local latent): the old single random probe had
+    # every coordinate above -2.5 and the hierarchy was served as linear
+    # (order MPT -26.59 for the global case); the probes at +-3 prior sds catch the kink
+    W, _, _, X = _params(3, 2, 1, seed=4)
+    Wt = torch.tensor(W)
+
+    def model(x):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(3, dtype=x.dtype), 1.0).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
+            if where == "global":
+                loc = torch.relu(mu + 2.5) + z @ Wt.T
+            else:
+                loc = mu + torch.relu(z + 2.5) @ Wt.T
+            pyro.sample("x", dist.Normal(loc, 0.5).to_event(1), obs=x)
+
+    x = torch.tensor(X[:4])
+    with pytest.raises(ValueError, match="not affine in the latents with each unit of plate 'data'"):
+        MaskedPretrainingLoss(masks="order", conditionals="hierarchical", token_plates=("data",)).score(model, None, x)
+
+
 def test_not_a_hierarchy_is_refused_and_importance_serves_it_with_a_guide():
     from pyro.infer.autoguide import AutoMultivariateNormal
 

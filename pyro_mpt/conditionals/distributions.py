@@ -128,7 +128,7 @@ def compact(t):
     view (distributions expand their parameters by broadcasting), the result is
     taken as a view of the view's base: the backward pass of ``narrow`` would
     allocate and sum a zero gradient of ``t``'s full expanded size (26 M
-    elements for PPCA's K + 2 noise points at N = 1000, D = 512, K = 50), where
+    elements for PPCA's K + 4 noise points at N = 1000, D = 512, K = 50), where
     the base's gradient has the base's size.
 
     Example::

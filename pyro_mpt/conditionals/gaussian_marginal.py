@@ -15,10 +15,16 @@ For the second kind the marginal is derived from the model itself: with
 :math:`\varepsilon \in \mathbb R^K` the stacked standard-normal noises of all
 latents, the observed location is :math:`\mu + W\varepsilon`, so
 :math:`x \sim \mathcal N(\mu, W W^\top + \Psi)`. The model is run once on the
-:math:`K + 2` points :math:`\varepsilon \in \{0, e_1, \dots, e_K, \varepsilon_r\}`
-(vectorized in a plate): :math:`W_{:,k} = \text{loc}(e_k) - \text{loc}(0)`, and
-the random point :math:`\varepsilon_r` verifies that the location really is
-affine and that no scale depends on the latents.
+:math:`K + 4` points :math:`\varepsilon \in \{0, e_1, \dots, e_K, \varepsilon_r,
+3s, -3s\}` (vectorized in a plate): :math:`W_{:,k} = \text{loc}(e_k) - \text{loc}(0)`,
+and the three probes verify that the location really is affine and that no
+scale depends on the latents. :math:`\varepsilon_r` is a random normal point,
+:math:`s` a random sign vector: the probes :math:`\pm 3s` put every noise
+coordinate at both :math:`+3` and :math:`-3` prior standard deviations, so a
+piecewise-linear location (``relu(z + 1)``, ``clamp``, ``abs``) whose kinks lie
+within them is refused, where the points near 0 alone may all fall on one
+linear piece (``relu(z + 1)`` at :math:`0, e_k, \varepsilon_r` did, and got the
+value of the model without the ``relu``).
 """
 
 import math
@@ -33,7 +39,7 @@ from .base import EngineNotApplicable
 from .distributions import affine_normal, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
 from .marginal_rows import basis_rows, common_rows, rows_equal, shared_loading
-from .plate_runs import CoordinateLatents, latent_layout, run_in_plate, run_with_fallback
+from .plate_runs import CoordinateLatents, affinity_probes, alternating_signs, latent_layout, run_in_plate, run_with_fallback
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
 
@@ -58,8 +64,25 @@ def _check_run_rows(batch_shape, tokens):
         raise _LayoutDeclined()
 
 
+def _check_points_reach_location(fn, mpn):
+    # The latents carry the points' dim; a location computed from them carries
+    # it too, unless the model moved it: z.reshape(n, K) of the (P, 1, K) latent
+    # of the compact run, with a batch of n = P datapoints, turns the points into
+    # datapoints, and Pyro's plate then expands that location over the points
+    # (stride 0). Its rows would read as a zero loading, the wrong marginal
+    # (16.6 nats off at n = 4, K = 2 with P = K + 2 points); the next run mode
+    # fails on such a reshape or runs point by point
+    base, _ = unwrap(fn, masks=True)
+    loc = getattr(base, "loc", None)
+    if not torch.is_tensor(loc):
+        return
+    dim = len(fn.batch_shape) - (mpn + 1)
+    if 0 <= dim < loc.dim() and loc.shape[dim] > 1 and loc.stride(dim) == 0:
+        raise _LayoutDeclined()
+
+
 class _RowsDeclined(Exception):
-    """The run at per-datapoint points found no shared loading; the K + 2 points follow."""
+    """The run at per-datapoint points found no shared loading; the K + 4 points follow."""
 
 
 @dataclass
@@ -181,7 +204,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
     :param callable model: the Pyro model.
     :param tuple args: model arguments.
     :param dict kwargs: model keyword arguments.
-    :param bool vectorize: run the :math:`K + 2` noise points in one vectorized
+    :param bool vectorize: run the :math:`K + 4` noise points in one vectorized
         plate (the model must broadcast over an extra batch dim on the left);
         with False the model is run once per point.
     :param ~pyro_mpt.conditionals.plate_runs.RunMemory memory: kept across
@@ -210,46 +233,50 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
     value = tokens.value
     # a fixed generator: the affinity check must not consume the user's random stream
     gen = torch.Generator(device="cpu").manual_seed(20231207)
-    eps_r = torch.randn(1, K, generator=gen, dtype=value.dtype, device="cpu").to(value.device)
+    probes = affinity_probes(K, gen, value.dtype, value.device)
     basis = torch.cat(
         [
             torch.zeros(1, K, dtype=value.dtype, device=value.device),
             torch.eye(K, dtype=value.dtype, device=value.device),
-            eps_r,
+            probes,
         ],
         0,
     )
+    P = basis.shape[0]
     replay = tokens.subsample_trace()
     mpn = tokens.max_plate_nesting
 
     def run(handler, size):
         # without validation: the trace of the data checked these distributions'
-        # arguments already, here they are broadcast to (K + 2) times their size
+        # arguments already, here they are broadcast to P = K + 4 times their size
         trace = run_in_plate(model, args, kwargs, name="_mpt_basis", size=size, dim=mpn + 1,
                              replay=replay, inside=handler, validation=False)
         return trace.nodes[tokens.name]["fn"], handler.scales
 
     def vectorized(compact):
         handler = CoordinateLatents(layout, basis[:, None], mpn + 1, compact=compact)
-        fn, scales = run(handler, K + 2)
+        fn, scales = run(handler, P)
+        _check_points_reach_location(fn, mpn)
         loc, noise, batch_shape = _observation_parts(fn, tokens)
         _check_run_rows(batch_shape, tokens)
         for name, scale in scales.items():
             _check_scale_rows(name, scale)
-        return basis_rows(loc, noise, batch_shape[1:], K + 2)
+        return basis_rows(loc, noise, batch_shape[1:], P)
 
     n = value.shape[0]
 
     def by_rows(vectorized):
         # three points, each datapoint at its own coordinates: 0, e_i for the
-        # first K datapoints, and a random point each. A location that varies
+        # first K datapoints, and a probe each. A location that varies
         # by datapoint (covariates, a prior mean per datapoint) with a shared
-        # loading then costs 3 n D instead of (K + 2) n D (and as much again
+        # loading then costs 3 n D instead of (K + 4) n D (and as much again
         # in the backward pass): 50 times the exact log-density at K=50, D=200;
-        # a model that does not broadcast is run 3 times instead of K + 2
+        # a model that does not broadcast is run 3 times instead of K + 4.
+        # The probes are 3 s_i with random signs, consecutive datapoints taking
+        # opposite ones: as the K + 4 points, they reach +-3 in every coordinate
         u = torch.zeros(3, n, K, dtype=value.dtype, device=value.device)
         u[1, :K] = torch.eye(K, dtype=value.dtype, device=value.device)
-        u[2] = torch.randn(n, K, generator=gen, dtype=value.dtype, device="cpu").to(value.device)
+        u[2] = alternating_signs(n, K, gen, value.dtype, value.device)
         if vectorized:
             handler = CoordinateLatents(layout, u, mpn + 1, tokens.batch_shape, compact=True)
             fn, scales = run(handler, 3)
@@ -266,7 +293,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
         W = loc[1, :K] - mu[:K]  # (K, D)
         with torch.no_grad():
             # exact to the rounding of K-term sums when the loading is shared
-            # and the location affine; anything else takes the K + 2 points
+            # and the location affine; anything else takes the K + 4 points
             size = mu.abs() + u[2].abs() @ W.abs() + loc[2].abs()
             if not bool(((loc[2] - mu - u[2] @ W).abs() <= 4 * (K + 2) * torch.finfo(W.dtype).eps * size).all()):
                 raise _RowsDeclined()
@@ -276,7 +303,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
         loc, noise = loc_noise
         mu = loc[0]
         W = shared_loading(loc[1 : K + 1], mu)  # (K, n|1, D)
-        _check_affine(loc[K + 1], mu, W, eps_r[0], tokens.name)
+        _check_affine(loc[K + 1 :], mu, W, probes, tokens.name)
         return mu, W, noise
 
     def per_point(points):
@@ -304,7 +331,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
         "compact": lambda: at_points(vectorized(True)),
         "full": lambda: at_points(vectorized(False)),
         "rows_per_point": lambda: by_rows(False),
-        "per_point": lambda: at_points(per_point([basis[b : b + 1] for b in range(K + 2)])),
+        "per_point": lambda: at_points(per_point([basis[b : b + 1] for b in range(P)])),
     }
     # e.g. a model that does not broadcast shared latents, or not over an extra
     # batch dim on the left: the next mode asks less of it. The "rows" modes
@@ -426,12 +453,12 @@ def _check_scale_rows(name, scale):
         )
 
 
-def _check_affine(loc_r, mu, W, eps_r, name):
+def _check_affine(loc_p, mu, W, probes, name):
     # outside autograd, and one host sync for the error and its scale
     with torch.no_grad():
-        pred = mu + (eps_r.to(W.dtype) @ W.reshape(W.shape[0], -1)).view(W.shape[1:])
+        pred = mu + (probes.to(W.dtype) @ W.reshape(W.shape[0], -1)).view((-1,) + W.shape[1:])
         mu_max, W_max, eps_sum, err = torch.stack(
-            [mu.abs().amax(), W.abs().amax(), eps_r.abs().sum(), (loc_r - pred).abs().amax()]
+            [mu.abs().amax(), W.abs().amax(), probes.abs().sum(-1).amax(), (loc_p - pred).abs().amax()]
         ).tolist()
     tol = torch.finfo(mu.dtype).eps ** 0.5 * (mu_max + W_max * eps_sum + 1.0)
     if not err <= tol:

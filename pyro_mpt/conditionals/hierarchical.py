@@ -49,11 +49,12 @@ of tokens :math:`D = UE`, where the Gaussian engine's dense path costs
 schedule reads all :math:`D` chain-rule terms off suffix sums along it
 (:func:`chain_terms`), at :math:`O(D(K_g + K_l)^3)` per ordering.
 
-**Reading the model.** The loadings come from :math:`K_g + K_l + 2` runs of the
+**Reading the model.** The loadings come from :math:`K_g + K_l + 4` runs of the
 model in one vectorized plate: every noise at 0, each global coordinate at 1,
 each local coordinate at 1 *in every unit at once* (a unit's loading is read
-off its own tokens), and one random point at which the location must equal its
-affine prediction. That check fails (the model is refused) when the location
+off its own tokens), and three probes at which the location must equal its
+affine prediction (a normal point and :math:`\pm 3` in every coordinate,
+:func:`~pyro_mpt.conditionals.plate_runs.affinity_probes`). That check fails (the model is refused) when the location
 is not affine, or when a unit's tokens depend on another unit's local latents
 -- the units are then not conditionally independent given the globals.
 """
@@ -70,7 +71,7 @@ from ..observed_tokens import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import unwrap
 from .marginal_rows import rows_equal
-from .plate_runs import CoordinateLatents, LatentSlice, run_in_plate
+from .plate_runs import CoordinateLatents, LatentSlice, affinity_probes, alternating_signs, run_in_plate
 
 __all__ = ["HierarchicalGaussianConditionals", "HierarchicalGaussianState", "NotHierarchicalError", "hierarchical_loadings", "chain_terms"]
 
@@ -183,14 +184,17 @@ def hierarchical_loadings(tokens, model, args, kwargs):
     dt, dev = value.dtype, value.device
     # a fixed generator: the affinity check must not consume the user's random stream
     gen = torch.Generator(device="cpu").manual_seed(20231207)
-    rg = torch.randn(1, K_g, generator=gen, dtype=dt).to(dev)
-    rl = torch.randn(1, U, K_l, generator=gen, dtype=dt).to(dev)
-    B = K_g + K_l + 2
+    # three probes (see affinity_probes): a normal point, and +-3 in every
+    # coordinate with random signs (the units' local ones alternating)
+    rg = affinity_probes(K_g, gen, dt, dev)
+    sl = alternating_signs(U, K_l, gen, dt, dev)
+    rl = torch.stack([torch.randn(U, K_l, generator=gen, dtype=dt).to(dev), sl, -sl])
+    B = K_g + K_l + 4
     eps_g = torch.zeros(B, K_g, dtype=dt, device=dev)
     eps_l = torch.zeros(B, U, K_l, dtype=dt, device=dev)
     eps_g[1 : 1 + K_g] = torch.eye(K_g, dtype=dt, device=dev)
     eps_l[1 + K_g : 1 + K_g + K_l] = torch.eye(K_l, dtype=dt, device=dev)[:, None, :]
-    eps_g[-1], eps_l[-1] = rg[0], rl[0]
+    eps_g[-3:], eps_l[-3:] = rg, rl
     rank = tokens.max_plate_nesting + 1
     shape = torch.Size((B,)) + tokens.site_shape
     local_batch = (U,) + (1,) * (-unit_dim - 1)
@@ -226,7 +230,7 @@ def hierarchical_loadings(tokens, model, args, kwargs):
     def per_point():
         # a model that does not broadcast over an extra batch dim (a prior written
         # out per datapoint with .expand(n, K)) runs once per noise point, without
-        # the plate: B = K_g + K_l + 2 runs, exact
+        # the plate: B = K_g + K_l + 4 runs, exact
         locs, obs_scales, scales = [], [], {}
         for p in range(B):
             handlers = [
@@ -270,8 +274,8 @@ def hierarchical_loadings(tokens, model, args, kwargs):
     n = mu.shape[0]
     a = A.reshape(n, U, E, K_g)
     b = Bl.reshape(n, U, E, K_l)
-    pred = mu + (A @ rg[0]) + torch.einsum("nuek,uk->nue", b, rl[0]).reshape(n, D)
-    err = (loc[-1] - pred).abs().amax()
+    pred = mu + (A @ rg.T).movedim(-1, 0) + torch.einsum("nuek,puk->pnue", b, rl).reshape(3, n, D)
+    err = (loc[-3:] - pred).abs().amax()
     tol = torch.finfo(dt).eps ** 0.5 * (mu.abs().amax() + loc.abs().amax() * (K_g + K_l + 1) + 1.0)
     if not bool(err <= tol):
         raise _not_linear_gaussian(tokens.name, f"its location is not affine in the latents with each unit "

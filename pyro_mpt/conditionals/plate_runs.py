@@ -45,7 +45,7 @@ from ..token_site import vectorized_frames
 from .base import EngineNotApplicable, callable_key
 from .distributions import affine_normal, compact, unwrap
 
-__all__ = ["LatentSlice", "latent_layout", "CoordinateLatents", "MeanLatents", "run_in_plate", "RunMemory", "run_with_fallback"]
+__all__ = ["LatentSlice", "latent_layout", "PROBE_REACH", "affinity_probes", "alternating_signs", "CoordinateLatents", "MeanLatents", "run_in_plate", "RunMemory", "run_with_fallback"]
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -104,6 +104,56 @@ def latent_layout(tokens, kind_of):
         layout[site["name"]] = LatentSlice(site["name"], offset, numel, event_shape, kind, plates, dtype)
         offset += numel
     return layout, offset
+
+
+#: how far the affinity probes reach, in prior standard deviations of each noise coordinate
+PROBE_REACH = 3.0
+
+
+def affinity_probes(K, generator, dtype, device):
+    r"""The points at which a model's location must equal its affine prediction, ``(3, K)``.
+
+    The engines that read a linear-Gaussian model off its runs at :math:`0`
+    and the unit vectors :math:`e_k` of the stacked standard-normal noises
+    check the location at three more points: a normal draw
+    :math:`\varepsilon_r`, and :math:`\pm r s` with :math:`s` a random sign
+    vector and :math:`r` = :data:`PROBE_REACH`. Every coordinate then sits at
+    both :math:`+r` and :math:`-r`: a piecewise-linear location
+    (``relu(z + 1)``, ``clamp``, ``abs``) with a kink within :math:`r` prior
+    standard deviations of a coordinate's mean is caught, where points near 0
+    may all fall on one linear piece; and a quadratic or cross term is nonzero
+    at :math:`\pm r s`.
+
+    :param int K: number of noise coordinates.
+    :param torch.Generator generator: a CPU generator with a fixed seed (the
+        check must not consume the user's random stream).
+    :returns: ``torch.stack([eps_r, r s, -r s])``.
+
+    Example::
+
+        >>> affinity_probes(2, torch.Generator().manual_seed(0), torch.float64, "cpu").shape  # (3, 2)
+    """
+    eps_r = torch.randn(1, K, generator=generator, dtype=dtype)
+    wide = PROBE_REACH * alternating_signs(1, K, generator, dtype, "cpu")
+    return torch.cat([eps_r, wide, -wide]).to(device)
+
+
+def alternating_signs(n, K, generator, dtype, device):
+    r"""``(n, K)`` probes :math:`\pm r` (:data:`PROBE_REACH`) with random signs, row :math:`2i + 1` the negative of row :math:`2i`.
+
+    One probe per datapoint for runs that give each datapoint its own
+    coordinates: consecutive datapoints take opposite signs, so that two
+    datapoints put every coordinate at both :math:`+r` and :math:`-r` (as
+    :func:`affinity_probes` does).
+
+    Example::
+
+        >>> alternating_signs(3, 2, torch.Generator().manual_seed(0), torch.float64, "cpu").abs().unique()  # tensor([3.])
+    """
+    half = (n + 1) // 2
+    signs = torch.randint(0, 2, (half, K), generator=generator).to(dtype).mul_(2).sub_(1)
+    rows = torch.stack([signs, -signs], 1).reshape(2 * half, K)[:n]
+    return (PROBE_REACH * rows).to(device)
 
 
 class CoordinateLatents(Messenger):

@@ -50,7 +50,7 @@ def exact_evidence(evidence, tokens, args, kwargs):
     # kept in Evidence.engines, as the loss keeps its engine: later calls start
     # from the way of running the model that worked (a model that does not
     # broadcast is not run in the failing modes again; one whose location
-    # varies by datapoint is run at three points, not K + 2)
+    # varies by datapoint is run at three points, not K + 4)
     key = ("exact", repr(sorted(options.items())))
     if key not in evidence.engines:
         evidence.engines[key] = GaussianConditionals(options.pop("path", "auto"), **options)
