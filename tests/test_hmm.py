@@ -335,10 +335,10 @@ def test_leave_one_out_queries_take_one_forward_backward_pass(monkeypatch):
     state = engine.prepare(tokens, model, None, (x,), {})
     mask = torch.eye(T * E, dtype=torch.bool)[:, None, :].expand(-1, N, -1)  # query j hides token j
     leading = []
-    scan = hmm_module._scan
-    monkeypatch.setattr(hmm_module, "_scan", lambda M, reverse=False: leading.append(M.shape[0]) or scan(M, reverse))
+    messages = hmm_module._messages_forward
+    monkeypatch.setattr(hmm_module, "_messages_forward", lambda a, M: leading.append(M.shape[0]) or messages(a, M))
     got = engine.mask_log_prob(state, x.reshape(N, -1), mask)
-    assert leading and set(leading) == {1}  # one pass (the forward and backward scans) for all 12 queries
+    assert leading and set(leading) == {1}  # one pass (the forward and backward messages) for all 12 queries
     assert np.abs(got.detach().numpy()[np.arange(T * E), :, np.arange(T * E)].T - ref).max() < 1e-10
     # the score of the "pll" schedule, and its gradient against the per-query path (two queries, not one each)
     pyro.clear_param_store()
@@ -351,3 +351,22 @@ def test_leave_one_out_queries_take_one_forward_backward_pass(monkeypatch):
     per_query = torch.cat([engine.mask_log_prob(state, x.reshape(N, -1), mask[j : j + 1]) for j in range(T * E)])
     (grad_each,) = torch.autograd.grad(per_query[mask].sum(), pyro.param("loc"))
     assert torch.allclose(grad_one, grad_each, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("T", [1, 2, 4, 7, 16, 30, 101])
+def test_blocked_messages_equal_the_sequential_forward_algorithm(T):
+    """``_messages_forward`` (blocks of about sqrt(T) steps) against numpy's step-by-step
+    forward recursion, for lengths with and without padding of the last block, on a
+    batch of two chains with every message kept."""
+    from pyro_mpt.conditionals import hmm as hmm_module
+
+    S = 3
+    g = torch.Generator().manual_seed(T)
+    M = torch.randn(2, T, S, S, generator=g, dtype=torch.float64)
+    start = torch.randn(2, S, generator=g, dtype=torch.float64)
+    got = hmm_module._messages_forward(start, M).numpy()
+    for i in range(2):
+        a = start[i].numpy()
+        for t in range(T):
+            a = logsumexp(a[:, None] + M[i, t].numpy(), axis=0)
+            assert np.abs(got[i, t] - a).max() < 1e-12
