@@ -20,6 +20,7 @@ full-data loss whenever the schedule is unbiased.
 from dataclasses import dataclass, field
 
 import torch
+from pyro import poutine
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
 from pyro.util import warn_if_nan
@@ -31,6 +32,7 @@ from .estimate import mpt_estimate
 from .guide_checks import check_guide_sites
 from .masks import MaskSchedule, make_schedule
 from .observed_tokens import trace_tokens
+from .point_latents import fix_latents, hide_sites, log_prior, point_global_latents
 
 __all__ = ["MaskedPretrainingLoss", "LossMemory"]
 
@@ -70,7 +72,10 @@ class MaskedPretrainingLoss(ELBO):
     so minimizing this loss maximizes an unbiased estimate of :math:`\log p(x)`
     (or, with a fixed masking rate, a known biased version of it). The latents
     are integrated out by a conditional engine, so no guide is needed for the
-    closed-form and quadrature engines: pass a no-op guide.
+    closed-form and quadrature engines: pass a no-op guide. A guide's point mass
+    (``AutoDelta``) at latents outside the data plates fits them by MAP, as in
+    Pyro's GMM tutorial: they are held at the guide's values and the loss adds
+    :math:`-\log p(\hat\theta)` (:mod:`~pyro_mpt.point_latents`).
 
     :param conditionals: how :math:`\log p(x_j\mid x_{\mathcal R})` is computed:
         ``"auto"`` (the first engine that serves the model, in the order
@@ -166,18 +171,41 @@ class MaskedPretrainingLoss(ELBO):
         self.progress = progress
 
     # ------------------------------------------------------------------ internals
-    def _trace_tokens(self, model, guide, args, kwargs):
+    def _trace_tokens(self, model, guide, args, kwargs, check=True):
         mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
         tokens = trace_tokens(
             model, guide, args, kwargs, self.obs_site, mpn, self.token_plates, extra_sites=self.extra_sites
         )
-        check_guide_sites(tokens)
+        if check:
+            check_guide_sites(tokens)
         return tokens
 
     def _prepare(self, model, guide, args, kwargs):
-        tokens = self._trace_tokens(model, guide, args, kwargs)
+        """``(tokens, engine, state)`` for the estimates (see :meth:`_prepare_with_prior`)."""
+        return self._prepare_with_prior(model, guide, args, kwargs)[:3]
+
+    def _prepare_with_prior(self, model, guide, args, kwargs):
+        r"""``(tokens, engine, state, prior)``: ``prior`` is :math:`\log p(\hat\theta)` of the
+        global latents at the guide's point masses (0. without; see :mod:`~pyro_mpt.point_latents`),
+        which the engines then see as fixed."""
+        tokens = self._trace_tokens(model, guide, args, kwargs, check=False)
+        key = (callable_key(model), tokens.name)  # see LossMemory
+        points = point_global_latents(tokens)
+        prior = log_prior(points)
+        if points:
+            # the same minibatch as the first trace
+            model = poutine.replay(
+                fix_latents(model, {name: site["value"] for name, site in points.items()}),
+                trace=tokens.subsample_trace(),
+            )
+            guide = hide_sites(guide, points, tokens.subsample_trace())
+            tokens = self._trace_tokens(model, guide, args, kwargs, check=False)
+        check_guide_sites(tokens)
+        tokens, engine, state = self._prepare_engine(tokens, key, model, guide, args, kwargs)
+        return tokens, engine, state, prior
+
+    def _prepare_engine(self, tokens, key, model, guide, args, kwargs):
         if self.engine is None:
-            key = (callable_key(model), tokens.name)  # see LossMemory
             engine = self.memory.auto_engines.get(key)
             if engine is not None:
                 try:
@@ -209,9 +237,9 @@ class MaskedPretrainingLoss(ELBO):
 
         :returns: a scalar tensor that can be differentiated.
         """
-        tokens, engine, state = self._prepare(model, guide, args, kwargs)
+        tokens, engine, state, prior = self._prepare_with_prior(model, guide, args, kwargs)
         estimate = self._estimate(self.schedule, tokens, engine, state)
-        loss = -(tokens.scale * estimate).sum()
+        loss = -(tokens.scale * estimate).sum() - prior
         warn_if_nan(loss, "loss")
         return loss
 

@@ -1,0 +1,118 @@
+r"""Global latents at the guide's point estimate (MAP), as in Pyro's mixture tutorial.
+
+Pyro's Gaussian-mixture tutorial samples the mixture's weights, locations and
+scale as *global* latents (outside the data plate), fits them by MAP with an
+``AutoDelta`` guide and enumerates the assignments: ``TraceEnum_ELBO`` then
+maximizes
+
+.. math::
+
+    \log p(x \mid \hat\theta) + \log p(\hat\theta)
+    = \sum_i \log p(x_i \mid \hat\theta) + \log p(\hat\theta),
+
+the point mass of the guide at :math:`\hat\theta` contributing no entropy. A
+guide with a point mass (``dist.Delta``) at a latent outside every data plate of
+the observed site asks for the same of :class:`~pyro_mpt.loss.MaskedPretrainingLoss`:
+the latent is held at the guide's value in the model (a parameter for the
+engines, see :func:`fix_latents`), the masked pre-training estimates are of
+:math:`\log p(x_i \mid \hat\theta)`, and the loss adds :math:`-\log p(\hat\theta)`
+(:func:`log_prior`) once, outside the minibatch scale, as Pyro does. Point
+masses at local latents stay refused (as importance proposals they give
+:math:`\log p(x, z_0)`, not an evidence; see :mod:`~pyro_mpt.guide_checks`).
+"""
+
+import pyro.distributions as dist
+from pyro import poutine
+from pyro.distributions.util import scale_and_mask
+from pyro.poutine.messenger import Messenger
+
+from .conditionals.distributions import unwrap
+from .token_site import vectorized_frames
+
+__all__ = ["point_global_latents", "fix_latents", "hide_sites", "log_prior"]
+
+
+def point_global_latents(tokens):
+    """The model's latent sites outside every data plate of the observed site at which the guide
+    puts a point mass (``dist.Delta``, e.g. ``AutoDelta``), by name, from the model trace.
+
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: traced with the guide.
+    :returns: ``{name: model site}`` (empty without such latents).
+
+    Example::
+
+        >>> point_global_latents(trace_tokens(gmm, AutoDelta(globals_of_gmm), (x,), {}))  # {'locs': ..., ...}
+    """
+    if tokens.guide_trace is None:
+        return {}
+    data = tokens.data_frames
+    out = {}
+    for site in tokens.latent_sites():
+        guide_site = tokens.guide_trace.nodes.get(site["name"])
+        if guide_site is None or guide_site["type"] != "sample":
+            continue
+        if isinstance(unwrap(guide_site["fn"], masks=True)[0], dist.Delta) and not (vectorized_frames(site) & data):
+            out[site["name"]] = site
+    return out
+
+
+class _FixedLatents(Messenger):
+    # the sites become deterministic (as pyro.deterministic records them): no latents, no log-density
+    def __init__(self, values):
+        super().__init__()
+        self.values = values
+
+    def _pyro_sample(self, msg):
+        value = self.values.get(msg["name"])
+        if value is None or msg["is_observed"]:
+            return
+        msg["fn"] = dist.Delta(value, event_dim=len(msg["fn"].event_shape)).mask(False)
+        msg["value"] = value
+        msg["is_observed"] = True
+        msg["infer"] = {**msg["infer"], "_deterministic": True}
+
+
+def fix_latents(model, values):
+    """``model`` with the latent sites ``values`` held at those values, as deterministic sites.
+
+    :param callable model: a Pyro model.
+    :param dict values: ``{name: tensor}``; gradients flow into the tensors.
+    :returns: a callable with the model's signature.
+
+    Example::
+
+        >>> fixed = fix_latents(gmm, {"locs": torch.tensor([0.0, 10.0])})
+    """
+
+    def fixed(*args, **kwargs):
+        with _FixedLatents(values):
+            return model(*args, **kwargs)
+
+    return fixed
+
+
+def log_prior(sites):
+    r""":math:`\log p(\hat\theta)`: the log-density of the model sites at their traced values,
+    with their scale and mask, summed (a scalar tensor; 0. without sites).
+
+    :param dict sites: ``{name: model site}`` (:func:`point_global_latents`).
+    """
+    total = 0.0
+    for site in sites.values():
+        lp = site["fn"].log_prob(site["value"])
+        total = total + scale_and_mask(lp, site["scale"], site["mask"]).sum()
+    return total
+
+
+def hide_sites(guide, names, subsample_trace=None):
+    """``guide`` without the sites ``names`` (the fixed latents are no longer the model's),
+    replaying the minibatch of ``subsample_trace`` when given.
+
+    Example::
+
+        >>> hide_sites(guide, ["locs", "scale"], tokens.subsample_trace())
+    """
+    if guide is None:
+        return None
+    guide = poutine.block(guide, hide=list(names))
+    return guide if subsample_trace is None else poutine.replay(guide, trace=subsample_trace)
