@@ -1102,3 +1102,21 @@ def test_float32_parameters_with_float64_data_are_scored_as_pyro_scores_them():
             (-got.sum()).backward()
             grads = [p.grad for p in pyro.get_param_store().values()]
             assert all(g is not None and g.dtype == torch.float32 and bool(torch.isfinite(g).all()) for g in grads)
+
+
+def test_exact_evidence_of_a_model_without_latents_is_its_log_likelihood():
+    """A GLM (no latent): Evidence(method="exact") is the log-likelihood (before: refused,
+    "needs a Gaussian marginal, discrete latents only, or a DiscreteHMM"), against scipy,
+    with missing tokens left out."""
+    from scipy.stats import poisson
+
+    x = torch.tensor([[0.0, 3.0, 1.0], [2.0, 2.0, 5.0]], dtype=torch.float64)
+    rate = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    observed = torch.tensor([[True, False, True], [True, True, True]])
+
+    def glm(data):
+        with pyro.plate("data", len(data)):
+            pyro.sample("obs", dist.Poisson(rate).mask(observed).to_event(1), obs=data)
+
+    ref = (poisson.logpmf(x.numpy(), rate.numpy()) * observed.numpy()).sum(-1)
+    assert np.allclose(Evidence(glm)(x).numpy(), ref, atol=1e-12)

@@ -7,7 +7,8 @@ r"""``Evidence(method="exact")``: :math:`\log p(x_i)` in closed form or by exact
 * models whose latents are all discrete: the sum over the joint support (see
   :mod:`~pyro_mpt.conditionals.enumerate`);
 * an observed ``DiscreteHMM``: the forward algorithm (see
-  :mod:`~pyro_mpt.conditionals.hmm`).
+  :mod:`~pyro_mpt.conditionals.hmm`);
+* models without latents (a Poisson or Bernoulli GLM): the log-likelihood itself.
 
 With missing tokens each value is the density of the datapoint's observed
 sub-vector.
@@ -20,6 +21,7 @@ from ..conditionals import (
     EnumerateConditionals,
     GaussianConditionals,
     HierarchicalGaussianConditionals,
+    QuadratureConditionals,
 )
 from ..conditionals.base import EngineNotApplicable
 from .result import EvidenceResult
@@ -61,8 +63,12 @@ def exact_evidence(evidence, tokens, args, kwargs):
         # a linear-Gaussian hierarchy (local latents in a token plate), or exact sums
         # over discrete latents (a finite mixture, or an HMM's chain)
         declined = []
-        for label, other in (("hierarchical", HierarchicalGaussianConditionals()),
-                             ("enumerate", EnumerateConditionals()), ("hmm", DiscreteHMMConditionals())):
+        routes = [("hierarchical", HierarchicalGaussianConditionals()),
+                  ("enumerate", EnumerateConditionals()), ("hmm", DiscreteHMMConditionals())]
+        if not tokens.latent_names:
+            # nothing to integrate: the one-node "grid" of no latent dims is the likelihood itself
+            routes.append(("no latent", QuadratureConditionals()))
+        for label, other in routes:
             try:
                 engine, state = other, other.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
                 break
@@ -75,5 +81,8 @@ def exact_evidence(evidence, tokens, args, kwargs):
                 f"latents only, or a DiscreteHMM observation. {e} The other exact routes declined -- "
                 + " ".join(declined)
             ) from e
-    value = engine.log_evidence(state, tokens.value, tokens.observed)
+    if isinstance(engine, QuadratureConditionals):  # its table already leaves missing tokens out
+        value = engine.log_evidence(state, tokens.value)
+    else:
+        value = engine.log_evidence(state, tokens.value, tokens.observed)
     return EvidenceResult(value, torch.zeros_like(value.detach()))
