@@ -190,3 +190,38 @@ def test_quadrature_remembers_the_per_node_mode(float64):
         c = loss.score(fixed, None, x)
     assert first - len(runs) == 2
     assert float((c - a).abs().max()) < 1e-12
+
+
+@pytest.mark.parametrize("n", [7, 8, 9])
+def test_quadrature_prior_grid_with_as_many_datapoints_as_nodes_is_not_mixed_up(float64, n):
+    # z.view(n, K) of the prior-centred grid's (P, 1, K) nodes succeeds when the
+    # batch has n = P = 8 datapoints and makes the nodes datapoints: every node
+    # got one node's likelihood, 1.03 nats off. Such a run is declined
+    # (plate_runs.reaches_points) and the model runs one node at a time:
+    # equal to the broadcasting twin on the same grid, which equals scipy
+    from scipy.stats import multivariate_normal
+    from pyro_mpt import QuadratureConditionals
+
+    g = torch.Generator().manual_seed(3)
+    Dq, sigma = 2, 1.5
+    W = 0.5 * torch.randn(Dq, 1, generator=g, dtype=torch.float64)
+    x = torch.randn(n, Dq, generator=g, dtype=torch.float64)
+
+    def make(view):
+        def model(x):
+            with pyro.plate("data", x.shape[0]):
+                z = pyro.sample("z", dist.Normal(torch.zeros(1, dtype=x.dtype), 1.0).to_event(1))
+                z = z.view(x.shape[0], 1) if view else z
+                pyro.sample("x", dist.Normal(z @ W.T, sigma).to_event(1), obs=x)
+        return model
+
+    def score(model):
+        quad = QuadratureConditionals(num_nodes=8, adaptive=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SlowEngineWarning)
+            return MaskedPretrainingLoss(masks="order", conditionals=quad).score(model, None, x).detach().numpy()
+
+    twin = score(make(False))
+    assert np.abs(score(make(True)) - twin).max() < 1e-10
+    cov = (W @ W.T).numpy() + sigma**2 * np.eye(Dq)
+    assert np.abs(twin - multivariate_normal(np.zeros(Dq), cov).logpdf(x.numpy())).max() < 1e-9

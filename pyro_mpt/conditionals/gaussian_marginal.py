@@ -39,7 +39,8 @@ from .base import EngineNotApplicable
 from .distributions import affine_normal, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
 from .marginal_rows import basis_rows, common_rows, rows_equal, shared_loading
-from .plate_runs import CoordinateLatents, affinity_probes, alternating_signs, latent_layout, run_in_plate, run_with_fallback
+from .plate_runs import (CoordinateLatents, affinity_probes, alternating_signs, latent_layout, reaches_points,
+                         run_in_plate, run_with_fallback)
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
 
@@ -61,23 +62,6 @@ class _LayoutDeclined(Exception):
 
 def _check_run_rows(batch_shape, tokens):
     if math.prod(batch_shape[1:]) not in (1, math.prod(tokens.batch_shape)):
-        raise _LayoutDeclined()
-
-
-def _check_points_reach_location(fn, mpn):
-    # The latents carry the points' dim; a location computed from them carries
-    # it too, unless the model moved it: z.reshape(n, K) of the (P, 1, K) latent
-    # of the compact run, with a batch of n = P datapoints, turns the points into
-    # datapoints, and Pyro's plate then expands that location over the points
-    # (stride 0). Its rows would read as a zero loading, the wrong marginal
-    # (16.6 nats off at n = 4, K = 2 with P = K + 2 points); the next run mode
-    # fails on such a reshape or runs point by point
-    base, _ = unwrap(fn, masks=True)
-    loc = getattr(base, "loc", None)
-    if not torch.is_tensor(loc):
-        return
-    dim = len(fn.batch_shape) - (mpn + 1)
-    if 0 <= dim < loc.dim() and loc.shape[dim] > 1 and loc.stride(dim) == 0:
         raise _LayoutDeclined()
 
 
@@ -256,7 +240,11 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
     def vectorized(compact):
         handler = CoordinateLatents(layout, basis[:, None], mpn + 1, compact=compact)
         fn, scales = run(handler, P)
-        _check_points_reach_location(fn, mpn)
+        if not reaches_points(fn, mpn + 1):
+            # a model that moved the points' dim (z.reshape(n, K) with n = P: a
+            # zero loading, 16.6 nats off at n = 4, K = 2): the next mode fails
+            # on such a reshape or runs point by point
+            raise _LayoutDeclined()
         loc, noise, batch_shape = _observation_parts(fn, tokens)
         _check_run_rows(batch_shape, tokens)
         for name, scale in scales.items():

@@ -45,7 +45,7 @@ from ..token_site import vectorized_frames
 from .base import EngineNotApplicable, callable_key
 from .distributions import affine_normal, compact, unwrap
 
-__all__ = ["LatentSlice", "latent_layout", "PROBE_REACH", "affinity_probes", "alternating_signs", "CoordinateLatents", "MeanLatents", "run_in_plate", "RunMemory", "run_with_fallback"]
+__all__ = ["LatentSlice", "latent_layout", "PROBE_REACH", "affinity_probes", "alternating_signs", "reaches_points", "CoordinateLatents", "MeanLatents", "run_in_plate", "RunMemory", "run_with_fallback"]
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -154,6 +154,41 @@ def alternating_signs(n, K, generator, dtype, device):
     signs = torch.randint(0, 2, (half, K), generator=generator).to(dtype).mul_(2).sub_(1)
     rows = torch.stack([signs, -signs], 1).reshape(2 * half, K)[:n]
     return (PROBE_REACH * rows).to(device)
+
+
+def reaches_points(fn, dim):
+    r"""Whether the distribution ``fn`` of a run in the points' plate at dim ``-dim`` varies over it.
+
+    The latents carry the points' dim, and a distribution whose parameters are
+    computed from them carries it too. One that does not was either computed
+    without the latents or had that dim moved by the model: ``z.reshape(n, K)``
+    of a latent ``(P, 1, K)`` (kept at one row for the whole batch) succeeds
+    when the batch has ``n = P`` datapoints and turns the points into
+    datapoints; Pyro's plate then expands the result over the points, with
+    stride 0. Reading such a run gives a wrong model (a zero loading, one
+    node's likelihood for every node), so the callers decline it and run the
+    model in a mode that asks less of it (one point at a time).
+
+    :param fn: the site's distribution in the run (``Independent`` and mask
+        wrappers allowed).
+    :param int dim: the plate's dim counted from the right of the site's batch
+        shape (``max_plate_nesting + 1``).
+    :returns: True when some tensor parameter of the base distribution has the
+        points' dim with a nonzero stride (or the plate has one point).
+
+    Example::
+
+        >>> reaches_points(trace.nodes["x"]["fn"], tokens.max_plate_nesting + 1)
+    """
+    batch = fn.batch_shape
+    if len(batch) < dim or batch[len(batch) - dim] == 1:
+        return True
+    offset = dim + len(fn.event_shape)  # from the right of a parameter of shape batch + event
+    base, _ = unwrap(fn, masks=True)
+    for t in vars(base).values():
+        if torch.is_tensor(t) and t.dim() >= offset and t.shape[-offset] > 1 and t.stride(-offset) != 0:
+            return True
+    return False
 
 
 class CoordinateLatents(Messenger):

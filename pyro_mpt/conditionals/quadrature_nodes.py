@@ -23,7 +23,7 @@ from torch.distributions import biject_to
 from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable, SlowEngineWarning
 from .distributions import token_log_prob, unwrap
-from .plate_runs import CoordinateLatents, RunMemory, latent_layout, run_in_plate, run_with_fallback
+from .plate_runs import CoordinateLatents, RunMemory, latent_layout, reaches_points, run_in_plate, run_with_fallback
 
 __all__ = ["NotQuadratureError", "quadrature_layout", "NodeRunner", "latent_dtype", "NODE_PLATE", "ALTERNATIVES",
            "RUN_MODES"]
@@ -185,6 +185,13 @@ class NodeRunner:
         trace, handler = self._trace(u, compact, plate)
         site = trace.nodes[tokens.name]
         fn = site["fn"]
+        if plate and not reaches_points(fn, self.node_dim):
+            # every node would get one node's likelihood (e.g. z.reshape(n, K) of
+            # the (P, 1, K) nodes with a batch of n = P): the next mode runs it apart
+            raise ValueError(
+                f"Observed site {tokens.name!r} does not vary over the {P} quadrature nodes in "
+                f"the pyro.plate at dim {-self.node_dim}: the model moved the nodes' dim."
+            )
         base, _ = unwrap(fn, masks=True)
         # missing tokens are evaluated at a filled-in value and then zeroed: they
         # then add nothing to any context, joint or posterior of the table
