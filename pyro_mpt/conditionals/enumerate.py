@@ -233,7 +233,10 @@ class EnumerateConditionals(ConditionalEngine):
                     f"{_WHO} needs every latent to be discrete with finite support, but "
                     f"latent site {site['name']!r} is {type(base_distribution(fn)).__name__}"
                     f"{' with event dims' if fn.event_shape else ''}, which has no "
-                    f"enumerate_support. Use conditionals='quadrature' or 'importance'."
+                    f"enumerate_support. Use "
+                    + ("conditionals='importance' (it samples the latent; 'quadrature' integrates "
+                       "continuous latents only)." if fn.support.is_discrete
+                       else "conditionals='quadrature' or 'importance'.")
                 )
             check_local_latent(tokens, site, EngineNotApplicable, consequence=f"{_WHO} cannot sum it per datapoint")
             sizes[site["name"]] = _joint_support_size(fn)

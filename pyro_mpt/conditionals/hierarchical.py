@@ -188,7 +188,7 @@ def hierarchical_loadings(tokens, model, args, kwargs):
     # coordinate with random signs (the units' local ones alternating)
     rg = affinity_probes(K_g, gen, dt, dev)
     sl = alternating_signs(U, K_l, gen, dt, dev)
-    rl = torch.stack([torch.randn(U, K_l, generator=gen, dtype=dt).to(dev), sl, -sl])
+    rl = torch.stack([torch.randn(U, K_l, generator=gen, dtype=dt, device="cpu").to(dev), sl, -sl])
     B = K_g + K_l + 4
     eps_g = torch.zeros(B, K_g, dtype=dt, device=dev)
     eps_l = torch.zeros(B, U, K_l, dtype=dt, device=dev)

@@ -133,7 +133,7 @@ def affinity_probes(K, generator, dtype, device):
 
         >>> affinity_probes(2, torch.Generator().manual_seed(0), torch.float64, "cpu").shape  # (3, 2)
     """
-    eps_r = torch.randn(1, K, generator=generator, dtype=dtype)
+    eps_r = torch.randn(1, K, generator=generator, dtype=dtype, device="cpu")  # the generator's device
     wide = PROBE_REACH * alternating_signs(1, K, generator, dtype, "cpu")
     return torch.cat([eps_r, wide, -wide]).to(device)
 
@@ -151,7 +151,7 @@ def alternating_signs(n, K, generator, dtype, device):
         >>> alternating_signs(3, 2, torch.Generator().manual_seed(0), torch.float64, "cpu").abs().unique()  # tensor([3.])
     """
     half = (n + 1) // 2
-    signs = torch.randint(0, 2, (half, K), generator=generator).to(dtype).mul_(2).sub_(1)
+    signs = torch.randint(0, 2, (half, K), generator=generator, device="cpu").to(dtype).mul_(2).sub_(1)
     rows = torch.stack([signs, -signs], 1).reshape(2 * half, K)[:n]
     return (PROBE_REACH * rows).to(device)
 
