@@ -167,6 +167,19 @@ def site_layout(site, latents, token_plates):
     tframes = _token_frames(site, latents, token_plates)
     if not tframes and not event_shape and not (token_plates is None and _one_token_per_datapoint(site, latents)):
         named = "" if token_plates is None else f" and token_plates={token_plates!r} names none of its plates"
+        big = sorted((f for f in vectorized_frames(site) if f.size > 1), key=lambda f: f.dim)
+        if token_plates is None and big and latents and not any(vectorized_frames(s) & set(big) for s in latents):
+            # Pyro's Bayesian regression: weights outside the data plate, a scalar observation in it
+            shared = ", ".join(repr(s["name"]) for s in latents)
+            plates = tuple(f.name for f in big)
+            raise ValueError(
+                f"Observed site {name!r} has no event dims, and its latent site(s) {shared} sit outside its "
+                f"plate(s) {', '.join(map(repr, plates))}: they are shared by all the plate's elements, so "
+                f"log p of one element is not defined apart from the others. To score the whole dataset "
+                f"as one datapoint, log p(x_1..x_N) (e.g. a Bayesian linear regression), pass "
+                f"token_plates={plates!r} to MaskedPretrainingLoss / Evidence; or declare a datapoint's "
+                f"tokens as event dims with a latent per datapoint."
+            )
         raise ValueError(
             f"Observed site {name!r} has no event dims{named}, so it has no tokens. "
             f"{_EVENT_DIMS_HINT}; or, when a pyro.plate runs over the tokens, name it "

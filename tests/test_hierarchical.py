@@ -254,6 +254,28 @@ def test_bayesian_regression_whole_dataset_evidence_through_the_gaussian_engine(
     assert abs(float(score) - exact) < TOL
 
 
+def test_bayesian_regression_in_the_tutorial_form_names_token_plates_and_then_is_exact():
+    # Pyro's regression tutorial: weights and intercept outside the data plate, a
+    # scalar observation in it. The refusal said only "no event dims"; it now
+    # names the shared latents and token_plates=('data',), which gives scipy's value
+    g = np.random.default_rng(6)
+    N, P = 7, 3
+    X, y = torch.tensor(g.normal(size=(N, P))), torch.tensor(g.normal(size=N))
+
+    def regression(X, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros((), dtype=X.dtype), 1.0).expand([P]).to_event(1))
+        b0 = pyro.sample("b0", dist.Normal(torch.zeros((), dtype=X.dtype), 10.0))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("obs", dist.Normal(X @ w + b0, 0.5), obs=y)
+
+    with pytest.raises(ValueError, match=r"latent site\(s\) 'w', 'b0' sit outside its plate\(s\) 'data'.*token_plates=\('data',\)"):
+        MaskedPretrainingLoss().loss(regression, None, X, y)
+    exact = _gauss_logpdf(y.numpy(), np.zeros(N), X.numpy() @ X.numpy().T + 100.0 + 0.25 * np.eye(N))
+    assert abs(float(Evidence(regression, token_plates=("data",))(X, y)) - exact) < TOL
+    score = MaskedPretrainingLoss(masks="order", token_plates=("data",)).score(regression, None, X, y)
+    assert abs(float(score) - exact) < TOL
+
+
 def test_gradient_matches_the_dense_gaussian_and_svi_runs():
     # the engine's log p(x_1..N) is differentiable in the model's params: its gradient
     # equals that of torch's dense MultivariateNormal built here from the equations

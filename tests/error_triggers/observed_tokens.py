@@ -105,6 +105,18 @@ def _():
     MaskedPretrainingLoss().loss(model, None, _x()[:, 0])
 
 
+@trigger("sites-no-event-dims-global-latents")
+def _():
+    def regression(X, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+        b0 = pyro.sample("b0", dist.Normal(0.0, 10.0))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("obs", dist.Normal(X @ w + b0, 0.5), obs=y)
+
+    X = _x()
+    MaskedPretrainingLoss().loss(regression, None, X, X[:, 0])
+
+
 @trigger("sites-token-plates-none")
 def _():
     Evidence(_plates_only, token_plates=())(_x())
