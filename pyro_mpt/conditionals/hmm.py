@@ -24,7 +24,7 @@ token :math:`j = (t, e) \notin \mathcal R`,
     - \operatorname{logsumexp}_s \alpha_{T-1}(s).
 
 The messages are computed in blocks of about :math:`\sqrt T` steps
-(:func:`_messages_forward`: about :math:`3\sqrt T` batched steps, :math:`O(TS^3)`
+(``_messages_forward``: about :math:`3\sqrt T` batched steps, :math:`O(TS^3)`
 work), vectorized over queries and datapoints; the exhaustive schedule and every ordering therefore
 equal :math:`\log p(x)` (``DiscreteHMM.log_prob``) to rounding.
 
