@@ -718,6 +718,18 @@ def test_piecewise_linear_location_is_refused_not_served_as_its_linear_piece(kin
     assert np.abs(lin - ref).max() > 0.1
 
 
+def test_affinity_probes_reach_three_prior_sds_with_both_signs():
+    from pyro_mpt.conditionals.plate_runs import PROBE_REACH, affinity_probes, alternating_signs
+
+    probes = affinity_probes(5, torch.Generator().manual_seed(1), torch.float64, "cpu")
+    assert probes.shape == (3, 5)
+    assert torch.equal(probes[1].abs(), torch.full((5,), 3.0, dtype=torch.float64)) and PROBE_REACH == 3.0
+    assert torch.equal(probes[2], -probes[1])
+    rows = alternating_signs(5, 4, torch.Generator().manual_seed(2), torch.float64, "cpu")
+    assert torch.equal(rows.abs(), torch.full((5, 4), 3.0, dtype=torch.float64))
+    assert torch.equal(rows[1], -rows[0]) and torch.equal(rows[3], -rows[2])
+
+
 def test_piecewise_linear_location_is_refused_in_the_per_datapoint_run():
     # a location that varies by datapoint sends later calls to the run at three
     # per-datapoint points; with normal probes there, relu(z + 2) in a batch of
