@@ -24,6 +24,7 @@ masses at local latents stay refused (as importance proposals they give
 import pyro.distributions as dist
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
+from pyro.infer.autoguide import AutoGuideList
 from pyro.poutine.messenger import Messenger
 
 from .conditionals.distributions import unwrap
@@ -114,5 +115,18 @@ def hide_sites(guide, names, subsample_trace=None):
     """
     if guide is None:
         return None
+    if isinstance(guide, AutoGuideList):
+        # an AutoDelta part over the fixed latents beside an autoguide over the local ones:
+        # the remaining part itself, so that the engines still serve it as an autoguide
+        rest = [part for part in guide if not set(_part_sites(part)) <= set(names)]
+        if len(rest) == 1 and not set(_part_sites(rest[0])) & set(names):
+            # not wrapped in a replay either: the model follows the part's own minibatch, if
+            # it draws one, and the fixed values do not depend on the minibatch
+            return rest[0]
     guide = poutine.block(guide, hide=list(names))
     return guide if subsample_trace is None else poutine.replay(guide, trace=subsample_trace)
+
+
+def _part_sites(part):
+    trace = getattr(part, "prototype_trace", None)
+    return [] if trace is None else [name for name, _ in trace.iter_stochastic_nodes()]
