@@ -37,6 +37,13 @@ from .point_latents import fix_latents, hide_sites, log_prior, point_global_late
 __all__ = ["MaskedPretrainingLoss", "LossMemory"]
 
 
+#: keyword options of Pyro's ``ELBO`` that this loss does not take (it draws no particles from the guide)
+_ELBO_OPTIONS = frozenset(
+    {"num_particles", "vectorize_particles", "retain_graph", "strict_enumeration_warning",
+     "ignore_jit_warnings", "jit_options", "tail_adaptive_beta"}
+)
+
+
 @dataclass
 class LossMemory:
     """All that a :class:`MaskedPretrainingLoss` remembers across calls.
@@ -154,6 +161,15 @@ class MaskedPretrainingLoss(ELBO):
         progress=False,
         **engine_options,
     ):
+        elbo_options = sorted(set(engine_options) & _ELBO_OPTIONS)
+        if elbo_options:
+            # written out of habit from Trace_ELBO(num_particles=...): no engine takes them
+            raise ValueError(
+                f"MaskedPretrainingLoss takes no {', '.join(elbo_options)}: those are options of Pyro's "
+                f"ELBO, which draws particles from the guide; this loss integrates the latents in its "
+                f"conditional engine instead. For more masks per datapoint and step pass num_masks=<n>; "
+                f"for more importance samples per conditional, conditionals='importance' with num_samples=<n>."
+            )
         super().__init__(num_particles=1, max_plate_nesting=max_plate_nesting)
         self.schedule = make_schedule(masks, num_masks, bool(share_masks))
         # curves share one mask set unless asked otherwise (by share_masks=False,

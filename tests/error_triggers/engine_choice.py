@@ -20,6 +20,11 @@ def _():
     MaskedPretrainingLoss(num_sample=8).loss(model, None, x)
 
 
+@trigger("loss-elbo-option")
+def _():
+    MaskedPretrainingLoss(num_particles=10)
+
+
 @trigger("engine-auto-none-applies")
 def _():
     MaskedPretrainingLoss().loss(_global_latent_model, None, _x())
