@@ -20,7 +20,6 @@ full-data loss whenever the schedule is unbiased.
 from dataclasses import dataclass, field
 
 import torch
-from pyro import poutine
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
 from pyro.util import warn_if_nan
@@ -32,7 +31,7 @@ from .estimate import mpt_estimate
 from .guide_checks import check_guide_sites
 from .masks import MaskSchedule, make_schedule
 from .observed_tokens import trace_tokens
-from .point_latents import fix_latents, hide_sites, log_prior, point_global_latents
+from .point_latents import fix_point_globals, log_prior
 
 __all__ = ["MaskedPretrainingLoss", "LossMemory"]
 
@@ -206,15 +205,9 @@ class MaskedPretrainingLoss(ELBO):
         which the engines then see as fixed."""
         tokens = self._trace_tokens(model, guide, args, kwargs, check=False)
         key = (callable_key(model), tokens.name)  # see LossMemory
-        points = point_global_latents(tokens)
+        model, guide, points = fix_point_globals(tokens, model, guide)
         prior = log_prior(points)
         if points:
-            # the same minibatch as the first trace
-            model = poutine.replay(
-                fix_latents(model, {name: site["value"] for name, site in points.items()}),
-                trace=tokens.subsample_trace(),
-            )
-            guide = hide_sites(guide, points, tokens.subsample_trace())
             tokens = self._trace_tokens(model, guide, args, kwargs, check=False)
         check_guide_sites(tokens)
         tokens, engine, state = self._prepare_engine(tokens, key, model, guide, args, kwargs)

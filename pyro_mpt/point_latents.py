@@ -30,7 +30,7 @@ from pyro.poutine.messenger import Messenger
 from .conditionals.distributions import unwrap
 from .token_site import vectorized_frames
 
-__all__ = ["point_global_latents", "fix_latents", "hide_sites", "log_prior"]
+__all__ = ["point_global_latents", "fix_point_globals", "fix_latents", "hide_sites", "log_prior"]
 
 
 def point_global_latents(tokens):
@@ -55,6 +55,27 @@ def point_global_latents(tokens):
         if isinstance(unwrap(guide_site["fn"], masks=True)[0], dist.Delta) and not (vectorized_frames(site) & data):
             out[site["name"]] = site
     return out
+
+
+def fix_point_globals(tokens, model, guide):
+    """The model and guide with the guide's point-mass global latents held fixed.
+
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: traced with ``guide``.
+    :returns: ``(model, guide, sites)``: ``model`` with those latents fixed at the
+        guide's values (and the traced minibatch replayed), ``guide`` without them
+        (:func:`hide_sites`), and ``{name: model site}`` (:func:`point_global_latents`);
+        ``model`` and ``guide`` unchanged when there are none.
+
+    Example::
+
+        >>> model, guide, sites = fix_point_globals(tokens, gmm, AutoDelta(globals_of_gmm))
+    """
+    sites = point_global_latents(tokens)
+    if not sites:
+        return model, guide, sites
+    replay = tokens.subsample_trace()
+    fixed = poutine.replay(fix_latents(model, {name: site["value"] for name, site in sites.items()}), trace=replay)
+    return fixed, hide_sites(guide, sites, replay), sites
 
 
 class _FixedLatents(Messenger):

@@ -32,6 +32,7 @@ diagnostics) and calling the object returns the values.
 
 from ..guide_checks import check_guide_sites
 from ..observed_tokens import trace_tokens
+from ..point_latents import fix_point_globals
 from .exact import exact_evidence
 from .importance import importance_evidence
 from .quadrature import quadrature_evidence
@@ -101,23 +102,41 @@ class Evidence:
         self.engines = {}
 
     def estimate(self, *args, **kwargs):
-        """Run the estimator and return the full :class:`EvidenceResult`."""
-        tokens = trace_tokens(
-            self.model,
-            self.guide,
-            args,
-            kwargs,
-            self.obs_site,
-            self.max_plate_nesting,
-            self.token_plates,
-            extra_sites=self.extra_sites,
-        )
+        r"""Run the estimator and return the full :class:`EvidenceResult`.
+
+        Global latents at a point mass of the guide (``AutoDelta``, fitted by MAP) are
+        held at the guide's values: the values are then :math:`\log p(x_i \mid \hat\theta)`
+        (see :mod:`~pyro_mpt.point_latents`).
+        """
+        tokens = self._trace(self.model, self.guide, args, kwargs)
+        model, guide, points = fix_point_globals(tokens, self.model, self.guide)
+        if points:
+            tokens = self._trace(model, guide, args, kwargs)
         check_guide_sites(tokens)
-        result = METHODS[self.method](self, tokens, args, kwargs)
+        result = METHODS[self.method](_Fixed(self, model, guide) if points else self, tokens, args, kwargs)
         result.log_evidence = tokens.unflatten(result.log_evidence)
         result.stderr = tokens.unflatten(result.stderr)
         return result
 
+    def _trace(self, model, guide, args, kwargs):
+        return trace_tokens(
+            model, guide, args, kwargs, self.obs_site, self.max_plate_nesting, self.token_plates,
+            extra_sites=self.extra_sites,
+        )
+
     def __call__(self, *args, **kwargs):
         """Per-datapoint :math:`\\log p(x_i)`, with the observed site's batch shape."""
         return self.estimate(*args, **kwargs).log_evidence
+
+
+class _Fixed:
+    """An :class:`Evidence` seen by its method with the model and guide whose point-mass
+    globals are fixed; options and engines are the estimator's own."""
+
+    def __init__(self, evidence, model, guide):
+        self._evidence = evidence
+        self.model = model
+        self.guide = guide
+
+    def __getattr__(self, name):
+        return getattr(self._evidence, name)
