@@ -85,12 +85,13 @@ def _token_frames(site, latents, token_plates):
 
 def _one_token_per_datapoint(site, latents):
     """Whether a scalar observation (no event dims, no token plate) is one token per
-    datapoint: some latent sits in every plate of the site with more than one element
+    datapoint: some latent sits in every plate of the site
     (e.g. Pyro's 1-D GMM, ``a ~ Categorical(w)``, ``x ~ Normal(locs[a], s)`` in one data
     plate). The plates' elements then each have their own latent, so they are the
     datapoints, not tokens that share one; without such a latent it stays ambiguous."""
-    big = {f for f in vectorized_frames(site) if f.size > 1}
-    return bool(big) and any(big <= vectorized_frames(s) for s in latents)
+    # every plate, also of one element: a batch of one datapoint is no different
+    frames = vectorized_frames(site)
+    return bool(frames) and any(frames <= vectorized_frames(s) for s in latents)
 
 
 def locate_site(model_trace, obs_site):

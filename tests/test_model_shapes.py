@@ -1028,6 +1028,7 @@ def test_scalar_observation_with_a_local_latent_is_one_token_per_datapoint():
 
     ref = logsumexp(norm.logpdf(x.numpy()[:, None], locs.numpy(), 1.5) + np.log(w.numpy()), axis=1)
     assert np.allclose(Evidence(gmm)(x).numpy(), ref, atol=1e-10)
+    assert np.allclose(Evidence(gmm)(x[:1]).numpy(), ref[:1], atol=1e-10)  # a batch of one datapoint
     for masks in ["exhaustive", "uniform", "pll"]:
         assert np.allclose(MaskedPretrainingLoss(masks=masks).score(gmm, None, x).numpy(), ref, atol=1e-10)
 
