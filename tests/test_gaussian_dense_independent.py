@@ -1,9 +1,12 @@
-"""Dense masks drawn per datapoint: summed conditionals with a written backward pass.
+"""Dense masks drawn per datapoint: summed conditionals (the Gaussian engine) and per-token
+conditionals with context densities (Gaussian mixtures), with written backward passes.
 
 References: for every (mask, datapoint) pair a loop of one-dimensional conditionals, each
 from ``torch.linalg.solve`` on the pair's own context block (values also checked against
 scipy), differentiated by autograd.
 """
+
+import itertools
 
 import numpy as np
 import pytest
@@ -139,3 +142,80 @@ def test_training_loss_with_masks_per_datapoint_matches_the_loop():
         sums = brute_sums(L @ L.T, x - loc, mask.expand(-1, N, -1))
         estimate = estimate + (block.weight.to(sums.dtype) * sums / block.size.to(sums.dtype)).sum(0)
     assert_close_to_rounding(value, -estimate.sum(), torch.float64)
+
+
+def conditional(S, r, t, c):
+    """log N(r_t; S_tc S_cc^-1 r_c, S_tt - S_tc S_cc^-1 S_ct) by a solve on the context block."""
+    if len(c) == 0:
+        return torch.distributions.Normal(0.0, S[t, t].sqrt()).log_prob(r[t])
+    sol = torch.linalg.solve(S[c][:, c], torch.stack([r[c], S[c, t]], -1))
+    return torch.distributions.Normal(S[t, c] @ sol[:, 0], (S[t, t] - S[t, c] @ sol[:, 1]).sqrt()).log_prob(r[t])
+
+
+def test_component_conditionals_and_context_densities_match_a_loop():
+    """``DenseContextConditionals`` (a mixture's pieces) against a loop: per component and
+    pair, each target's conditional given the pair's context and the context's density
+    (``MultivariateNormal`` on the pair's own block), with random weights on both outputs
+    for the gradients; chunks of one pair."""
+    q, n, D, K = 2, 3, 5, 2
+    g = torch.Generator().manual_seed(4)
+    A = torch.randn(K, D, D, generator=g, dtype=torch.float64).requires_grad_()
+    loc = torch.randn(K, n, D, generator=g, dtype=torch.float64).requires_grad_()
+    x = torch.randn(n, D, generator=g, dtype=torch.float64).requires_grad_()
+    context = ~masks(q, n, D, seed=6)
+    wc = torch.randn(q, K, n, D, generator=g, dtype=torch.float64)
+    wr = torch.randn(q, K, n, generator=g, dtype=torch.float64)
+    S = A @ A.mT + 0.4 * torch.eye(D, dtype=torch.float64)
+
+    log_c_ref = torch.zeros(q, K, n, D, dtype=torch.float64)
+    log_r_ref = torch.zeros(q, K, n, dtype=torch.float64)
+    for i, k, j in itertools.product(range(q), range(K), range(n)):
+        c = context[i, j].nonzero().flatten()
+        r = x[j] - loc[k, j]
+        if len(c):
+            zero = torch.zeros(len(c), dtype=torch.float64)
+            log_r_ref[i, k, j] = torch.distributions.MultivariateNormal(zero, S[k][c][:, c]).log_prob(r[c])
+        for t in (~context[i, j]).nonzero().flatten().tolist():
+            log_c_ref[i, k, j, t] = conditional(S[k], r, t, c)
+    got_c, got_r = gdi.DenseContextConditionals.apply(S, x, loc, context, D * D, "x")
+    assert_close_to_rounding(got_r, log_r_ref, torch.float64)
+    assert_close_to_rounding(got_c, log_c_ref, torch.float64)
+    grads = torch.autograd.grad((wc * got_c).sum() + (wr * got_r).sum(), (A, loc, x), retain_graph=True)
+    expected = torch.autograd.grad((wc * log_c_ref).sum() + (wr * log_r_ref).sum(), (A, loc, x))
+    for a, b in zip(grads, expected):
+        assert_close_to_rounding(a, b, torch.float64)
+
+
+def test_gaussian_mixture_with_contexts_per_datapoint_takes_the_written_backward(monkeypatch):
+    """``GaussianMixtureTable`` with a context per datapoint and covariances shared by the
+    batch: its log-conditionals against the mixture's conditional computed in a loop
+    (weights times context densities times each component's conditional), through
+    ``DenseContextConditionals`` (spy)."""
+    from pyro_mpt.conditionals.gaussian_mixture import GaussianMixtureTable
+
+    q, n, D, K = 2, 4, 4, 3
+    g = torch.Generator().manual_seed(8)
+    A = torch.randn(K, D, D, generator=g, dtype=torch.float64)
+    S = A @ A.mT + 0.5 * torch.eye(D, dtype=torch.float64)
+    loc = torch.randn(K, 1, D, generator=g, dtype=torch.float64)
+    x = torch.randn(n, D, generator=g, dtype=torch.float64)
+    logw = torch.log_softmax(torch.randn(K, generator=g, dtype=torch.float64), 0)
+    context = ~masks(q, n, D, seed=9)
+    calls = []
+    apply = gdi.DenseContextConditionals.apply
+    monkeypatch.setattr(gdi.DenseContextConditionals, "apply", lambda *a: calls.append(1) or apply(*a))
+    got = GaussianMixtureTable(logw, loc, S[:, None], x).log_conditionals(context, target=~context)
+    assert calls
+    for i, j in itertools.product(range(q), range(n)):
+        c = context[i, j].nonzero().flatten()
+        base = []
+        for k in range(K):
+            r = x[j] - loc[k, 0]
+            dens = torch.zeros((), dtype=torch.float64) if not len(c) else torch.distributions.MultivariateNormal(
+                torch.zeros(len(c), dtype=torch.float64), S[k][c][:, c]).log_prob(r[c])
+            base.append(logw[k] + dens)
+        base = torch.stack(base)
+        for t in (~context[i, j]).nonzero().flatten().tolist():
+            each = torch.stack([conditional(S[k], x[j] - loc[k, 0], t, c) for k in range(K)])
+            want = (base + each).logsumexp(0) - base.logsumexp(0)
+            assert abs(float(got[i, j, t] - want)) < 1e-12

@@ -1,4 +1,7 @@
-r"""Summed dense log-conditionals for masks drawn per datapoint, with the backward pass written out.
+r"""Dense log-conditionals for masks drawn per datapoint, with the backward pass written out:
+their sums (:class:`DenseIndependentSums`, the Gaussian engine) and, per token and
+component, with the contexts' densities (:class:`DenseContextConditionals`, Gaussian
+mixtures).
 
 For a full covariance :math:`\Sigma` shared by the batch and a mask per
 (query, datapoint) pair with targets :math:`\mathcal M` and context
@@ -41,7 +44,7 @@ from ..mask_bits import pack_bits, unpack_bits
 from .gaussian_linalg import LOG_2PI, cholesky
 from .written_backward import first_order_backward
 
-__all__ = ["DenseIndependentSums", "dense_independent_sums"]
+__all__ = ["DenseContextConditionals", "DenseIndependentSums", "dense_independent_sums"]
 
 
 def dense_independent_sums(m, x, mask, max_elements):
@@ -95,11 +98,54 @@ class _Pieces:
         self.v = torch.where(t, torch.diagonal(S) - torch.linalg.vector_norm(self.B0, dim=-2).square(), one)
         self.alpha = torch.cholesky_solve((c * r).unsqueeze(-1), self.L).squeeze(-1)  # 0 at the targets
         self.d = (r - self.alpha @ S) * tf
-        self.tf = tf
+        self.tf, self.r = tf, r
 
     def sums(self):
         """``(P,)``: minus twice the summed log-conditionals."""
         return (self.tf * (LOG_2PI + self.v.log()) + self.d * self.d / self.v).sum(-1)
+
+    def log_conditionals(self):
+        """``(P, D)``: the targets' log-conditionals, 0 at the context."""
+        return -0.5 * self.tf * (LOG_2PI + self.v.log() + self.d * self.d / self.v)
+
+    def log_context(self):
+        r"""``(P,)``: :math:`\log\mathcal N(r_{\mathcal R}; 0, X)`."""
+        size = (1 - self.tf).sum(-1)
+        logdet = 2 * torch.diagonal(self.L, dim1=-2, dim2=-1).log().sum(-1)  # the identity adds 0
+        return -0.5 * ((self.r * self.alpha).sum(-1) + logdet + size * LOG_2PI)
+
+    def backward(self, S, gc, gR, gS, K):
+        r"""One chunk's gradient: adds :math:`\bar\Sigma`'s symmetric terms to ``gS`` and
+        those to be symmetrized to ``K`` (both ``(D, D)``), returns :math:`\bar r` ``(P, D)``.
+
+        :param gc: the upstream gradient of the log-conditionals ``(P, D)``.
+        :param gR: that of :math:`\log p(x_{\mathcal R})` ``(P,)``, or None."""
+        D = S.shape[-1]
+        gc = gc * self.tf
+        gd = -gc * self.d / self.v
+        gv = (-0.5 * gc) * (1 - self.d * self.d / self.v) / self.v
+        # B = X^-1 S_R. = L^-T B0, read transposed: the stacked pairs' rows of B^T are one
+        # matrix for the product over all pairs (LAPACK's solve leaves B column-major, so
+        # this takes no copy)
+        BT = torch.linalg.solve_triangular(self.L.transpose(-1, -2), self.B0, upper=True).transpose(-1, -2).contiguous()
+        u = (gd.unsqueeze(-2) @ BT).squeeze(-2)  # B gd, nonzero at the context only
+        gr = gd - u
+        K.addmm_(u.T, self.alpha).addmm_(self.alpha.T, gd, alpha=-1)
+        WT = BT * gv.unsqueeze(-1)  # (B diag(gv))^T
+        K.sub_(WT.sum(0).T, alpha=2)
+        gS.addmm_(WT.view(-1, D).T, BT.view(-1, D))  # sum_p B_p diag(gv_p) B_p^T
+        gS.diagonal().add_(gv.sum(0))
+        if gR is not None:
+            # log N(r_R; 0, X): r_R's gradient -X^-1 r_R = -alpha, X's (alpha alpha^T - X^-1) / 2;
+            # the embedded factor's inverse is the identity at the targets (exactly: its blocks
+            # do not mix), taken off its diagonal
+            gr -= gR.unsqueeze(-1) * self.alpha
+            Xinv = torch.cholesky_inverse(self.L)
+            Xinv.diagonal(dim1=-2, dim2=-1).sub_(self.tf)
+            gS.addmm_(self.alpha.T, gR.unsqueeze(-1) * self.alpha, alpha=0.5)
+            # (symmetric, left column-major by LAPACK: its transpose is the row-major view)
+            gS.sub_((gR @ Xinv.transpose(-1, -2).reshape(-1, D * D)).view(D, D), alpha=0.5)
+        return gr
 
 
 class DenseIndependentSums(torch.autograd.Function):
@@ -143,20 +189,72 @@ class DenseIndependentSums(torch.autograd.Function):
         K = torch.zeros_like(S)  # the part of S's gradient that is symmetrized
         for sl in _chunks(q * n, D, S.element_size(), ctx.max_elements, S.device):
             pc = _Pieces(S, r[rows[sl]], flat[sl], ctx.site)
-            gp = gflat[sl]
-            gd = -gp * pc.d / pc.v
-            gv = (-0.5 * gp) * (1 - pc.d * pc.d / pc.v) / pc.v * pc.tf
-            # B = X^-1 S_R. = L^-T B0, read transposed: the stacked pairs' rows of B^T are one
-            # matrix for the product over all pairs (LAPACK's solve leaves B column-major, so
-            # this takes no copy)
-            BT = torch.linalg.solve_triangular(pc.L.transpose(-1, -2), pc.B0, upper=True).transpose(-1, -2).contiguous()
-            u = (gd.unsqueeze(-2) @ BT).squeeze(-2)  # B gd, nonzero at the context only
-            gr.index_add_(0, rows[sl], gd - u)
-            K.addmm_(u.T, pc.alpha).addmm_(pc.alpha.T, gd, alpha=-1)
-            WT = BT * gv.unsqueeze(-1)  # (B diag(gv))^T
-            K.sub_(WT.sum(0).T, alpha=2)
-            gS.addmm_(WT.view(-1, D).T, BT.view(-1, D))  # sum_p B_p diag(gv_p) B_p^T
-            gS.diagonal().add_(gv.sum(0))
+            gr.index_add_(0, rows[sl], pc.backward(S, gflat[sl].expand(-1, D), None, gS, K))
         gS += 0.5 * (K + K.T)
         gloc = (-gr).sum_to_size(loc.shape) if ctx.needs_input_grad[2] else None
         return gS, gr if ctx.needs_input_grad[1] else None, gloc, None, None, None
+
+
+class DenseContextConditionals(torch.autograd.Function):
+    r"""Per-token log-conditionals and context log-densities of Gaussian components for
+    contexts drawn per datapoint, with the backward pass written out: for component
+    :math:`k`, query :math:`q` and datapoint :math:`i` with context :math:`\mathcal R`,
+    :math:`\log\mathcal N_k(x_{ij}\mid x_{i\mathcal R})` at the targets (0 at the
+    context) and :math:`\log\mathcal N(x_{i\mathcal R}; \mu_{k\mathcal R},
+    \Sigma_{k\mathcal R\mathcal R})`, what a mixture of Gaussians combines
+    (:class:`~pyro_mpt.conditionals.gaussian_mixture.GaussianMixtureTable`). The
+    gradients are those of :class:`DenseIndependentSums` with a weight per token, and of
+    the context density :math:`\bar r_{\mathcal R} = -\bar\ell\,\alpha`,
+    :math:`\bar\Sigma_{\mathcal R\mathcal R} = \tfrac{\bar\ell}2(\alpha\alpha^\top - X^{-1})`.
+
+    :param S: ``(K, D, D)``, the components' covariances. :param x: ``(n, D)``.
+    :param loc: ``(K, n|1, D)``. :param context: bool ``(q, n, D)``, kept as bits.
+    :param int max_elements: elements of one ``(pairs, D, D)`` table of a chunk.
+    :param str site: for error messages.
+    :returns: ``(q, K, n, D)`` and ``(q, K, n)``.
+
+    Example::
+
+        >>> log_c, log_ctx = DenseContextConditionals.apply(covs, x, locs, context, 2**24, "x")
+    """
+
+    @staticmethod
+    def forward(ctx, S, x, loc, context, max_elements, site):
+        """``(log_c, log_ctx)``."""
+        q, n, D = context.shape
+        K = S.shape[0]
+        flat = ~context.reshape(q * n, D)
+        rows = torch.arange(q * n, device=x.device) % n
+        log_c, log_ctx = S.new_empty(q * n, K, D), S.new_empty(q * n, K)
+        for k in range(K):
+            r = x - loc[k]
+            for sl in _chunks(q * n, D, S.element_size(), max_elements, S.device):
+                pc = _Pieces(S[k], r[rows[sl]], flat[sl], site)
+                log_c[sl, k], log_ctx[sl, k] = pc.log_conditionals(), pc.log_context()
+        ctx.save_for_backward(S, x, loc, pack_bits(context))
+        ctx.max_elements, ctx.site, ctx.num_tokens = max_elements, site, D
+        return log_c.view(q, n, K, D).transpose(1, 2), log_ctx.view(q, n, K).transpose(1, 2)
+
+    @staticmethod
+    @first_order_backward
+    def backward(ctx, gc, gR):
+        """The gradients of ``S``, ``x`` and ``loc``."""
+        S, x, loc, bits = ctx.saved_tensors
+        context = unpack_bits(bits, ctx.num_tokens)
+        q, n, D = context.shape
+        flat = ~context.reshape(q * n, D)
+        rows = torch.arange(q * n, device=x.device) % n
+        gc = gc.transpose(1, 2).reshape(q * n, -1, D)
+        gR = gR.transpose(1, 2).reshape(q * n, -1)
+        gS, gx, gloc = torch.zeros_like(S), torch.zeros_like(x), torch.zeros_like(loc)
+        for k in range(S.shape[0]):
+            r = x - loc[k]
+            gr = torch.zeros_like(r)
+            Kk = torch.zeros_like(S[k])
+            for sl in _chunks(q * n, D, S.element_size(), ctx.max_elements, S.device):
+                pc = _Pieces(S[k], r[rows[sl]], flat[sl], ctx.site)
+                gr.index_add_(0, rows[sl], pc.backward(S[k], gc[sl, k], gR[sl, k], gS[k], Kk))
+            gS[k] += 0.5 * (Kk + Kk.T)
+            gx += gr
+            gloc[k] -= gr.sum_to_size(loc[k].shape)
+        return gS, gx, gloc, None, None, None
