@@ -117,9 +117,10 @@ def affinity_probes(K, generator, dtype, device):
     and the unit vectors :math:`e_k` of the stacked standard-normal noises
     check the location at three more points: a normal draw
     :math:`\varepsilon_r`, and :math:`\pm r s` with :math:`s` a random sign
-    vector and :math:`r` = :data:`PROBE_REACH`. Every coordinate then sits at
-    both :math:`+r` and :math:`-r`: a piecewise-linear location
-    (``relu(z + 1)``, ``clamp``, ``abs``) with a kink within :math:`r` prior
+    vector and :math:`r` = :data:`PROBE_REACH` (each coordinate's size drawn
+    in :math:`[r - 1/2, r + 1/2]`, :func:`alternating_signs`). Every coordinate
+    then sits at both :math:`+r` and :math:`-r`: a piecewise-linear location
+    (``relu(z + 1)``, ``clamp``, ``abs``) with a kink within :math:`r - 1/2` prior
     standard deviations of a coordinate's mean is caught, where points near 0
     may all fall on one linear piece; and a quadratic or cross term is nonzero
     at :math:`\pm r s`.
@@ -139,21 +140,26 @@ def affinity_probes(K, generator, dtype, device):
 
 
 def alternating_signs(n, K, generator, dtype, device):
-    r"""``(n, K)`` probes :math:`\pm r` (:data:`PROBE_REACH`) with random signs, row :math:`2i + 1` the negative of row :math:`2i`.
+    r"""``(n, K)`` probes of size about :math:`r` (:data:`PROBE_REACH`) with random signs, row :math:`2i + 1` the negative of row :math:`2i`.
 
     One probe per datapoint for runs that give each datapoint its own
     coordinates: consecutive datapoints take opposite signs, so that two
     datapoints put every coordinate at both :math:`+r` and :math:`-r` (as
-    :func:`affinity_probes` does).
+    :func:`affinity_probes` does). The sizes are drawn uniformly in
+    :math:`[r - 1/2, r + 1/2]`: with sizes all equal to :math:`r`, loadings
+    that differ by datapoint along a direction orthogonal to a row's signs
+    (two latents entering as ``z1 - z2`` with sign vector ``(1, 1)``) would
+    predict that row exactly.
 
     Example::
 
-        >>> alternating_signs(3, 2, torch.Generator().manual_seed(0), torch.float64, "cpu").abs().unique()  # tensor([3.])
+        >>> alternating_signs(3, 2, torch.Generator().manual_seed(0), torch.float64, "cpu").abs()  # in [2.5, 3.5]
     """
     half = (n + 1) // 2
     signs = torch.randint(0, 2, (half, K), generator=generator, device="cpu").to(dtype).mul_(2).sub_(1)
-    rows = torch.stack([signs, -signs], 1).reshape(2 * half, K)[:n]
-    return (PROBE_REACH * rows).to(device)
+    sizes = PROBE_REACH - 0.5 + torch.rand(half, K, generator=generator, dtype=dtype, device="cpu")
+    rows = torch.stack([signs * sizes, -signs * sizes], 1).reshape(2 * half, K)[:n]
+    return rows.to(device)
 
 
 def reaches_points(fn, dim):
