@@ -24,7 +24,7 @@ masses at local latents stay refused (as importance proposals they give
 import pyro.distributions as dist
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
-from pyro.infer.autoguide import AutoGuideList
+from pyro.infer.autoguide import AutoContinuous, AutoGuideList
 from pyro.poutine.messenger import Messenger
 
 from .conditionals.distributions import unwrap
@@ -33,11 +33,17 @@ from .token_site import vectorized_frames
 __all__ = ["point_global_latents", "fix_point_globals", "fix_latents", "hide_sites", "log_prior"]
 
 
-def point_global_latents(tokens):
+def point_global_latents(tokens, guide=None):
     """The model's latent sites outside every data plate of the observed site at which the guide
     puts a point mass (``dist.Delta``, e.g. ``AutoDelta``), by name, from the model trace.
 
+    Pyro's ``AutoContinuous`` guides (``AutoMultivariateNormal``, ``AutoDiagonalNormal``,
+    ``AutoLowRankMultivariateNormal``, ...) record every latent as a ``Delta`` too, but at a
+    draw of their auxiliary Normal: a density over the latents, not a point mass. Their
+    sites (also as parts of an ``AutoGuideList``) are left out when ``guide`` is given.
+
     :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: traced with the guide.
+    :param guide: the guide ``tokens`` was traced with.
     :returns: ``{name: model site}`` (empty without such latents).
 
     Example::
@@ -47,10 +53,14 @@ def point_global_latents(tokens):
     if tokens.guide_trace is None:
         return {}
     data = tokens.data_frames
+    drawn = set()  # the Delta sites of AutoContinuous guides: draws, not point masses
+    for part in list(guide) if isinstance(guide, AutoGuideList) else [guide]:
+        if isinstance(part, AutoContinuous):
+            drawn.update(_part_sites(part))
     out = {}
     for site in tokens.latent_sites():
         guide_site = tokens.guide_trace.nodes.get(site["name"])
-        if guide_site is None or guide_site["type"] != "sample":
+        if guide_site is None or guide_site["type"] != "sample" or site["name"] in drawn:
             continue
         if isinstance(unwrap(guide_site["fn"], masks=True)[0], dist.Delta) and not (vectorized_frames(site) & data):
             out[site["name"]] = site
@@ -70,7 +80,7 @@ def fix_point_globals(tokens, model, guide):
 
         >>> model, guide, sites = fix_point_globals(tokens, gmm, AutoDelta(globals_of_gmm))
     """
-    sites = point_global_latents(tokens)
+    sites = point_global_latents(tokens, guide)
     if not sites:
         return model, guide, sites
     replay = tokens.subsample_trace()
