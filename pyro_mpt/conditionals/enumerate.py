@@ -415,10 +415,21 @@ class EnumerateConditionals(ConditionalEngine):
                     f"component to be linear-Gaussian. {e}"
                 ) from e
             locs.append(marginal.loc)
-            covs.append(marginal.dense())
-        rows = max(t.shape[0] for t in locs + covs)
+            covs.append(marginal)
+        D = tokens.num_tokens
+        rows = max(t.shape[0] for t in locs + [m.cov_diag if m.is_low_rank else m.covariance for m in covs])
         loc = torch.stack([t.expand(rows, -1) for t in locs])
-        cov = torch.stack([t.expand(rows, -1, -1) for t in covs])
+        rank = max((m.cov_factor.shape[-1] for m in covs if m.is_low_rank), default=D)
+        if all(m.is_low_rank for m in covs) and rank < D:
+            # components of low rank (a mixture of PPCA or of factor analysers): Woodbury per context,
+            # R x R factorizations (ranks padded with zero columns, which add nothing)
+            F = torch.stack([
+                torch.nn.functional.pad(m.cov_factor, (0, rank - m.cov_factor.shape[-1])).expand(rows, -1, -1)
+                for m in covs
+            ])
+            psi = torch.stack([m.cov_diag.expand(rows, -1) for m in covs])
+            return GaussianMixtureTable(log_w, loc, None, tokens.value, max_elements=self.max_elements, low_rank=(F, psi))
+        cov = torch.stack([m.dense().expand(rows, -1, -1) for m in covs])
         return GaussianMixtureTable(log_w, loc, cov, tokens.value, max_elements=self.max_elements)
 
     def mask_log_prob(self, state, x, mask):

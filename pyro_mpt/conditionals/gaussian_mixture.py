@@ -40,23 +40,63 @@ class GaussianMixtureTable:
 
     :param torch.Tensor log_weights: ``(K,)`` or ``(K, n)``.
     :param torch.Tensor loc: :math:`\mu_k`, ``(K, n|1, D)``.
-    :param torch.Tensor covariance: :math:`\Sigma_k`, ``(K, n|1, D, D)``.
+    :param torch.Tensor covariance: :math:`\Sigma_k`, ``(K, n|1, D, D)``, or None with
+        ``low_rank``.
     :param torch.Tensor x: the tokens, ``(n, D)``.
     :param int max_elements: bound on ``q * K * n * D * D`` per chunk of queries.
+    :param tuple low_rank: :math:`\Sigma_k = F_kF_k^\top + \operatorname{diag}(\psi_k)`
+        as ``(F (K, n|1, D, R), psi (K, n|1, D))``, for components of rank
+        :math:`R < D` (e.g. a mixture of PPCA): each context is then handled by the
+        Woodbury identity, :math:`R\times R` factorizations instead of :math:`D\times D`.
     """
 
-    def __init__(self, log_weights, loc, covariance, x, *, normalized=True, max_elements=2**24):
+    def __init__(self, log_weights, loc, covariance, x, *, normalized=True, max_elements=2**24, low_rank=None):
         if log_weights.dim() == 1:
             log_weights = log_weights[:, None]
         self.log_weights = log_weights  # (K, n|1)
         self.loc = loc
         self.covariance = covariance
+        self.low_rank = low_rank
         self.x = x
         self.normalized = bool(normalized)
         self.max_elements = int(max_elements)
 
+    def _lowrank_partials(self, context):
+        r"""``_partials`` for low-rank components: with :math:`c` the context indicator,
+        :math:`\Lambda = I + F^\top\operatorname{diag}(c/\psi)F`, :math:`\hat z =
+        \Lambda^{-1}F^\top\operatorname{diag}(c/\psi)r` and :math:`e = r - F\hat z`, the
+        context density has :math:`r_{\mathcal R}^\top\Sigma_{\mathcal R\mathcal R}^{-1}r_{\mathcal R}
+        = \sum_{j\in\mathcal R}e_j^2/\psi_j + \hat z^\top\hat z` (two small non-negative
+        terms, where the Woodbury form subtracts two large ones) and log-determinant
+        :math:`\sum_{j\in\mathcal R}\log\psi_j + \log\det\Lambda`; a target's conditional
+        has mean :math:`F_j\hat z` and variance :math:`\psi_j + F_j\Lambda^{-1}F_j^\top`."""
+        F, psi = self.low_rank  # (K, n|1, D, R), (K, n|1, D)
+        c = context[:, None].to(F.dtype)  # (q, 1, n|1, D)
+        cw = c / psi  # (q, K, n|1, D)
+        Lam = (F * cw.unsqueeze(-1)).transpose(-1, -2) @ F
+        Lam.diagonal(dim1=-2, dim2=-1).add_(1)
+        L = torch.linalg.cholesky(Lam)  # (q, K, n|1, R, R)
+        r = self.x - self.loc[None]  # (1, K, n, D)
+        eta = ((cw * r).unsqueeze(-2) @ F)[..., 0, :]  # (q, K, n, R)
+        if L.shape[-3] == 1:  # one factor for all the datapoints: their eta are the columns of one solve
+            zhat = torch.cholesky_solve(eta.transpose(-1, -2), L[..., 0, :, :]).transpose(-1, -2)
+        else:
+            zhat = torch.cholesky_solve(eta.unsqueeze(-1), L)[..., 0]
+        e = r - zhat @ F[..., 0, :, :].transpose(-1, -2) if F.shape[-3] == 1 else r - (F @ zhat.unsqueeze(-1))[..., 0]
+        quad = (c * e * e / psi).sum(-1) + zhat.pow(2).sum(-1)
+        logdet = (c * psi.log()).sum(-1) + 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)
+        log_pR = -0.5 * (quad + logdet + c.sum(-1) * math.log(2 * math.pi))  # (q, K, n)
+        V = torch.linalg.solve_triangular(L, F.transpose(-1, -2), upper=False)  # (q, K, n|1, R, D)
+        var = psi + V.pow(2).sum(-2)
+        # e is also the targets' residual from their conditional mean F_j zhat
+        log_c = -0.5 * (e * e / var + var.log() + math.log(2 * math.pi))  # (q, K, n, D)
+        base = self.log_weights[None] + log_pR
+        return (base[..., None] + log_c).logsumexp(1), base.logsumexp(1)
+
     def _partials(self, context):
         """``(num (q, n, D), den (q, n))`` for contexts ``(q, n|1, D)``."""
+        if self.low_rank is not None:
+            return self._lowrank_partials(context)
         D = self.x.shape[1]
         if context.shape[1] > 1 and self.covariance.shape[1] == 1:
             # contexts per datapoint, covariances shared: the components' pieces with their backward
