@@ -24,7 +24,7 @@ masses at local latents stay refused (as importance proposals they give
 import pyro.distributions as dist
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
-from pyro.infer.autoguide import AutoContinuous, AutoGuideList
+from pyro.infer.autoguide import AutoDelta, AutoGuide, AutoGuideList
 from pyro.poutine.messenger import Messenger
 
 from .conditionals.distributions import unwrap
@@ -35,36 +35,40 @@ __all__ = ["point_global_latents", "fix_point_globals", "fix_latents", "hide_sit
 
 def point_global_latents(tokens, guide=None):
     """The model's latent sites outside every data plate of the observed site at which the guide
-    puts a point mass (``dist.Delta``, e.g. ``AutoDelta``), by name, from the model trace.
+    puts a point mass, by name, from the model trace.
 
-    Pyro's ``AutoContinuous`` guides (``AutoMultivariateNormal``, ``AutoDiagonalNormal``,
-    ``AutoLowRankMultivariateNormal``, ...) record every latent as a ``Delta`` too, but at a
-    draw of their auxiliary Normal: a density over the latents, not a point mass. Their
-    sites (also as parts of an ``AutoGuideList``) are left out when ``guide`` is given.
+    A point mass is a site of an ``AutoDelta`` (also as a part of an ``AutoGuideList``), or a
+    ``dist.Delta`` site of a guide without auxiliary sites. The ``Delta`` sites of the other
+    autoguides (``AutoNormal``, ``AutoMultivariateNormal``, ...) are transforms of an auxiliary
+    draw, not point masses.
 
     :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: traced with the guide.
-    :param guide: the guide ``tokens`` was traced with.
+    :param guide: the guide (or None).
     :returns: ``{name: model site}`` (empty without such latents).
 
     Example::
 
-        >>> point_global_latents(trace_tokens(gmm, AutoDelta(globals_of_gmm), (x,), {}))  # {'locs': ..., ...}
+        >>> point_global_latents(trace_tokens(gmm, guide, (x,), {}), guide)  # {'locs': ..., ...}
     """
-    if tokens.guide_trace is None:
+    if guide is None or tokens.guide_trace is None:
         return {}
+    points = _point_mass_sites(guide, tokens.guide_trace)
     data = tokens.data_frames
-    drawn = set()  # the Delta sites of AutoContinuous guides: draws, not point masses
-    for part in list(guide) if isinstance(guide, AutoGuideList) else [guide]:
-        if isinstance(part, AutoContinuous):
-            drawn.update(_part_sites(part))
-    out = {}
-    for site in tokens.latent_sites():
-        guide_site = tokens.guide_trace.nodes.get(site["name"])
-        if guide_site is None or guide_site["type"] != "sample" or site["name"] in drawn:
-            continue
-        if isinstance(unwrap(guide_site["fn"], masks=True)[0], dist.Delta) and not (vectorized_frames(site) & data):
-            out[site["name"]] = site
-    return out
+    return {site["name"]: site for site in tokens.latent_sites()
+            if site["name"] in points and not (vectorized_frames(site) & data)}
+
+
+def _point_mass_sites(guide, guide_trace):
+    if isinstance(guide, AutoDelta):
+        return set(_part_sites(guide))
+    if isinstance(guide, AutoGuideList):
+        return set().union(*(_point_mass_sites(part, guide_trace) for part in guide))
+    if isinstance(guide, AutoGuide):
+        return set()
+    sites = [s for s in guide_trace.nodes.values() if s["type"] == "sample" and not s["is_observed"]]
+    if any(s["infer"].get("is_auxiliary") for s in sites):
+        return set()
+    return {s["name"] for s in sites if isinstance(unwrap(s["fn"], masks=True)[0], dist.Delta)}
 
 
 def fix_point_globals(tokens, model, guide):

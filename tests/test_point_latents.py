@@ -172,3 +172,33 @@ def test_autocontinuous_guides_are_densities_not_point_masses():
         svi.step(x)
     res = Evidence(model, guide, method="importance", num_samples=4000, token_plates=("data",)).estimate(x)
     assert abs(float(res.log_evidence) - exact) < 4 * float(res.stderr) + 1e-3
+
+
+def test_only_point_masses_are_fixed_not_the_delta_sites_of_other_autoguides():
+    """AutoNormal and AutoMultivariateNormal record each latent as a ``Delta`` of an auxiliary
+    draw: their globals keep their density (not fixed), while AutoDelta's (alone or in an
+    AutoGuideList) and a hand-written ``dist.Delta`` are point masses."""
+    from pyro.infer.autoguide import AutoGuideList, AutoMultivariateNormal, AutoNormal
+
+    from pyro_mpt.observed_tokens import trace_tokens
+    from pyro_mpt.point_latents import point_global_latents
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def model(x):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.Normal(mu, 1.0).expand([x.shape[0], 3]).to_event(1), obs=x)
+
+    def delta_guide(x):
+        pyro.sample("mu", dist.Delta(torch.tensor(0.2, dtype=torch.float64)))
+
+    both = AutoGuideList(model)
+    both.append(AutoDelta(poutine.block(model, expose=["mu"])))
+    cases = [(AutoNormal(model), set()), (AutoMultivariateNormal(model), set()), (AutoDelta(model), {"mu"}),
+             (both, {"mu"}), (delta_guide, {"mu"})]
+    for guide, expected in cases:
+        pyro.clear_param_store()
+        for token_plates in [None, ("data",)]:
+            tokens = trace_tokens(model, guide, (x,), {}, token_plates=token_plates)
+            assert set(point_global_latents(tokens, guide)) == expected, (guide, token_plates)
