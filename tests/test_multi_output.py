@@ -360,3 +360,24 @@ def test_multi_output_sparse_gp_is_served_on_the_low_rank_path(float64):
         tokens = trace_tokens(sgp.model, None, (), {})
         state = GaussianConditionals().prepare(tokens, sgp.model, None, (), {})
         assert state.num_blocks == 2 and state.inner.is_low_rank and state.inner.cov_factor.shape[0] == 1
+
+
+def test_gaussian_hmm_expanded_over_the_batch_has_its_moments_built_once():
+    """A GaussianHMM with shared parameters expanded to 6 sequences (as Pyro's plate does):
+    its moments are built once (batch of size 1, broadcast to the 6), and the Gaussian
+    they make is Pyro's own ``GaussianHMM.log_prob`` of every sequence."""
+    from pyro_mpt.conditionals.linear_dynamical import gaussian_hmm_moments
+
+    g = torch.Generator().manual_seed(3)
+    H, O, T = 2, 1, 7
+    A = 0.6 * torch.randn(H, H, generator=g, dtype=torch.float64)
+    C = torch.randn(H, O, generator=g, dtype=torch.float64)
+    init = dist.MultivariateNormal(torch.zeros(H, dtype=torch.float64), torch.eye(H, dtype=torch.float64))
+    trans = dist.MultivariateNormal(torch.zeros(H, dtype=torch.float64), 0.3 * torch.eye(H, dtype=torch.float64))
+    obs = dist.MultivariateNormal(torch.zeros(O, dtype=torch.float64), 0.5 * torch.eye(O, dtype=torch.float64))
+    hmm = dist.GaussianHMM(init, A, trans, C, obs, duration=T).expand([6])
+    loc, cov = gaussian_hmm_moments(hmm, T)
+    assert loc.shape[:-1].numel() == 1 and cov.shape[:-2].numel() == 1
+    x = torch.randn(6, T, O, generator=g, dtype=torch.float64)
+    got = dist.MultivariateNormal(loc, cov).log_prob(x.reshape(6, T * O))
+    assert torch.allclose(got, hmm.log_prob(x), rtol=0, atol=1e-10)
