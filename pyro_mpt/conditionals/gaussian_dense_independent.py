@@ -82,7 +82,7 @@ class _Pieces:
     """A chunk's conditionals: the embedded context factor ``L``, ``B0 = L^-1 S_R.``,
     ``alpha``, the variances ``v`` and residuals ``d`` (1 and 0 at the context)."""
 
-    def __init__(self, S, r, t, site):
+    def __init__(self, S, r, t, site, check_pivots=True):
         tf = t.to(S.dtype)
         c = 1 - tf
         # S's context rows, (P, D, D), and the symmetric X, both laid out column-major (as the
@@ -91,7 +91,10 @@ class _Pieces:
         cS = (S * c.unsqueeze(-2)).transpose(-1, -2)
         X = cS * c.unsqueeze(-2)
         X.diagonal(dim1=-2, dim2=-1).add_(tf)
-        self.L = cholesky(X, "context covariance S_RR", site)
+        if check_pivots:  # the Gaussian engine's factorization, whose refusal starts its jitter rescue
+            self.L = cholesky(X, "context covariance S_RR", site)
+        else:  # a mixture's, as on its path for masks shared by the batch
+            self.L = torch.linalg.cholesky(X)
         self.B0 = torch.linalg.solve_triangular(self.L, cS, upper=False)
         one = torch.ones((), dtype=S.dtype, device=S.device)
         # the column norms in one pass over B0 (pow and sum make two)
@@ -229,7 +232,7 @@ class DenseContextConditionals(torch.autograd.Function):
         for k in range(K):
             r = x - loc[k]
             for sl in _chunks(q * n, D, S.element_size(), max_elements, S.device):
-                pc = _Pieces(S[k], r[rows[sl]], flat[sl], site)
+                pc = _Pieces(S[k], r[rows[sl]], flat[sl], site, check_pivots=False)
                 log_c[sl, k], log_ctx[sl, k] = pc.log_conditionals(), pc.log_context()
         ctx.save_for_backward(S, x, loc, pack_bits(context))
         ctx.max_elements, ctx.site, ctx.num_tokens = max_elements, site, D
@@ -252,7 +255,7 @@ class DenseContextConditionals(torch.autograd.Function):
             gr = torch.zeros_like(r)
             Kk = torch.zeros_like(S[k])
             for sl in _chunks(q * n, D, S.element_size(), ctx.max_elements, S.device):
-                pc = _Pieces(S[k], r[rows[sl]], flat[sl], ctx.site)
+                pc = _Pieces(S[k], r[rows[sl]], flat[sl], ctx.site, check_pivots=False)
                 gr.index_add_(0, rows[sl], pc.backward(S[k], gc[sl, k], gR[sl, k], gS[k], Kk))
             gS[k] += 0.5 * (Kk + Kk.T)
             gx += gr
