@@ -77,6 +77,10 @@ class Decoded:
     def obs_fn(self):
         return self.trace.nodes[self.runner.tokens.name]["fn"]
 
+    def latent_value(self, name):
+        """The value of latent ``name`` in the run, with the particle plate's dim leading."""
+        return self.trace.nodes[name]["value"]
+
     def log_prior(self):
         """:math:`\\sum_l \\log p(z_l)` over the given latents, per datapoint, ``(R, n)``."""
         r = self.runner
@@ -198,6 +202,17 @@ class StackedDecoded:
 
     def log_prior(self):
         return self._cat("log_prior")
+
+    def latent_value(self, name):
+        # each point ran without the particle plate: pad its value to the plate's rank
+        # (plus the site's event dims) so the stack reads like one vectorized run's value
+        values = []
+        for part in self.parts:
+            site = part.trace.nodes[name]
+            v = site["value"]
+            keep = part.runner.rank + len(site["fn"].event_shape)
+            values.append(v.reshape((1,) * (keep - v.dim()) + tuple(v.shape)))
+        return torch.cat(values, 0)
 
     def obs_log_prob(self):
         return self._cat("obs_log_prob")

@@ -45,9 +45,9 @@ def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_
         k_p = (start + rows) * S_p // S - start * S_p // S
         values, trace = source.sample(rows)
         if k_p:
-            prior = runner.sample_prior(k_p).trace
+            prior = runner.sample_prior(k_p)
             values = {
-                name: torch.cat([v[: rows - k_p], prior.nodes[name]["value"].expand((k_p,) + v.shape[1:])], 0)
+                name: torch.cat([v[: rows - k_p], prior.latent_value(name).expand((k_p,) + v.shape[1:])], 0)
                 for name, v in values.items()
             }
         log_q = source.log_prob(trace, values, rows)
@@ -89,7 +89,7 @@ def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_c
         if S_p:
             prior = runner.sample_prior(S_p * q)
             values = {
-                k: torch.cat([v, prior.trace.nodes[k]["value"].expand((S_p * q,) + v.shape[1:])], 0)
+                k: torch.cat([v, prior.latent_value(k).expand((S_p * q,) + v.shape[1:])], 0)
                 for k, v in values.items()
             }
         if C == 1 and not S_p:
