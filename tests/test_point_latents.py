@@ -69,10 +69,8 @@ def test_tutorial_gmm_with_a_map_guide_equals_traceenum_elbo():
     assert np.abs(z).max() < 4  # the prior over the assignment as proposal: within 4 standard errors
 
 
-def test_map_global_with_a_continuous_local_latent_against_scipy():
-    """A Poisson GLMM: a global slope at a point mass, a random intercept per datapoint
-    integrated by quadrature: the loss is -[sum_i log p(x_i | beta) + log p(beta)], each
-    log p(x_i | beta) by scipy.integrate.quad."""
+def _poisson_glmm():
+    """Counts, covariate and a Poisson GLMM: a global slope, a random intercept per datapoint."""
     counts = torch.tensor([[0.0, 2.0, 1.0], [4.0, 3.0, 6.0], [1.0, 0.0, 2.0]], dtype=torch.float64)
     t = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64)
 
@@ -81,6 +79,15 @@ def test_map_global_with_a_continuous_local_latent_against_scipy():
         with pyro.plate("data", x.shape[0]):
             u = pyro.sample("u", dist.Normal(torch.tensor(0.5, dtype=torch.float64), 0.7))
             pyro.sample("x", dist.Poisson(torch.exp(u.unsqueeze(-1) + beta * t)).to_event(1), obs=x)
+
+    return counts, t, glmm
+
+
+def test_map_global_with_a_continuous_local_latent_against_scipy():
+    """A Poisson GLMM: a global slope at a point mass, a random intercept per datapoint
+    integrated by quadrature: the loss is -[sum_i log p(x_i | beta) + log p(beta)], each
+    log p(x_i | beta) by scipy.integrate.quad."""
+    counts, t, glmm = _poisson_glmm()
 
     def guide(x):
         pyro.sample("beta", dist.Delta(torch.tensor(0.3, dtype=torch.float64)))
@@ -102,14 +109,7 @@ def test_autoguide_list_of_a_map_part_and_an_autonormal_part():
     AutoNormal proposal (4000 draws, fixed seed) is within 0.1 nats of it."""
     from pyro.infer.autoguide import AutoGuideList, AutoNormal
 
-    counts = torch.tensor([[0.0, 2.0, 1.0], [4.0, 3.0, 6.0], [1.0, 0.0, 2.0]], dtype=torch.float64)
-    t = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64)
-
-    def glmm(x):
-        beta = pyro.sample("beta", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 2.0))
-        with pyro.plate("data", x.shape[0]):
-            u = pyro.sample("u", dist.Normal(torch.tensor(0.5, dtype=torch.float64), 0.7))
-            pyro.sample("x", dist.Poisson(torch.exp(u.unsqueeze(-1) + beta * t)).to_event(1), obs=x)
+    counts, t, glmm = _poisson_glmm()
 
     guide = AutoGuideList(glmm)
     guide.append(AutoDelta(poutine.block(glmm, expose=["beta"]),

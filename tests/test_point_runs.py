@@ -53,7 +53,9 @@ def _data():
     return c, x
 
 
-def test_per_point_importance_equals_the_vectorized_twin_and_the_exact_evidence():
+def _fitted():
+    """The data, the per-point Bayesian linear model and its AutoMultivariateNormal guide
+    after 300 steps of Trace_ELBO."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     c, x = _data()
@@ -62,6 +64,11 @@ def test_per_point_importance_equals_the_vectorized_twin_and_the_exact_evidence(
     svi = SVI(model, guide, Adam({"lr": 0.05}), Trace_ELBO())
     for _ in range(300):
         svi.step(c, x)
+    return c, x, model, guide
+
+
+def test_per_point_importance_equals_the_vectorized_twin_and_the_exact_evidence():
+    c, x, model, guide = _fitted()
     ev = dict(method="importance", num_samples=200, token_plates=("data",))
     pyro.set_rng_seed(1)
     with pytest.warns(SlowEngineWarning, match="running it once per value instead") as record:
@@ -102,14 +109,7 @@ def test_per_point_importance_loss_with_an_autoguide_mixes_in_prior_draws():
     # the autoguide's defensive mixture takes 10% of its draws from the prior; run one
     # point at a time those came back as a stack of runs whose values were read as one
     # trace's (AttributeError: 'StackedDecoded' object has no attribute 'trace')
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    c, x = _data()
-    model = BayesianLinear()
-    guide = AutoMultivariateNormal(model)
-    svi = SVI(model, guide, Adam({"lr": 0.05}), Trace_ELBO())
-    for _ in range(300):
-        svi.step(c, x)
+    c, x, model, guide = _fitted()
     exact = float(Evidence(twin, method="exact", token_plates=("data",))(c, x))
     pyro.set_rng_seed(0)
     loss = MaskedPretrainingLoss(conditionals="importance", token_plates=("data",), masks="order", num_samples=1000)
