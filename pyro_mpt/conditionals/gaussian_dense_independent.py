@@ -160,6 +160,12 @@ class DenseIndependentSums(torch.autograd.Function):
         bits (:func:`~pyro_mpt.mask_bits.pack_bits`) for the backward pass.
     :param int max_elements: elements of one ``(pairs, D, D)`` table of a chunk.
     :param str site: for error messages.
+    :returns: ``(q, n)``.
+
+    Example::
+
+        >>> sums = DenseIndependentSums.apply(cov, x, loc, mask, 2**24, "x")  # mask (q, n, D)
+        >>> sums.sum().backward()   # gradients of cov, x and loc; the chunks are recomputed
     """
 
     @staticmethod
