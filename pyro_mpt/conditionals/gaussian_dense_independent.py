@@ -103,10 +103,6 @@ class _Pieces:
         self.d = (r - self.alpha @ S) * tf
         self.tf, self.r = tf, r
 
-    def sums(self):
-        """``(P,)``: minus twice the summed log-conditionals."""
-        return (self.tf * (LOG_2PI + self.v.log()) + self.d * self.d / self.v).sum(-1)
-
     def log_conditionals(self):
         """``(P, D)``: the targets' log-conditionals, 0 at the context."""
         return -0.5 * self.tf * (LOG_2PI + self.v.log() + self.d * self.d / self.v)
@@ -177,12 +173,12 @@ class DenseIndependentSums(torch.autograd.Function):
         out = S.new_empty(q * n)
         rows = torch.arange(q * n, device=r.device) % n
         for sl in _chunks(q * n, D, S.element_size(), max_elements, S.device):
-            out[sl] = _Pieces(S, r[rows[sl]], flat[sl], site).sums()
+            out[sl] = _Pieces(S, r[rows[sl]], flat[sl], site).log_conditionals().sum(-1)
         # x and loc rather than r: they are shared by every block of masks, r would be one more
         # (n, D) table kept per block
         ctx.save_for_backward(S, x, loc, pack_bits(mask))
         ctx.max_elements, ctx.site, ctx.num_tokens = max_elements, site, D
-        return out.view(q, n).mul_(-0.5)
+        return out.view(q, n)
 
     @staticmethod
     @first_order_backward

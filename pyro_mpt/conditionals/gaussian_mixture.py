@@ -15,6 +15,24 @@ from .mixture import normalize_empty
 __all__ = ["GaussianMixtureTable"]
 
 
+def _solve_rows(L, b):
+    """``A^-1 b_i`` for rows ``b`` ``(..., n, R)`` and Cholesky factors ``L`` ``(..., n|1, R, R)``
+    of ``A``. A factor shared by the rows solves them as the columns of one right-hand side:
+    broadcast against each row's column instead, the solves and their gradients held a
+    ``(..., n, R, R)`` copy of it (a Gaussian mixture with D = 50, masks shared: 46 s a step)."""
+    if L.shape[-3] == 1:
+        return torch.cholesky_solve(b.transpose(-1, -2), L[..., 0, :, :]).transpose(-1, -2)
+    return torch.cholesky_solve(b.unsqueeze(-1), L)[..., 0]
+
+
+def _matmul_rows(M, b):
+    """``M_i b_i`` for rows ``b`` ``(..., n, B)`` and matrices ``M`` ``(..., n|1, A, B)``, ``(..., n, A)``
+    (a matrix shared by the rows: one product with all of them)."""
+    if M.shape[-3] == 1:
+        return b @ M[..., 0, :, :].transpose(-1, -2)
+    return (M @ b.unsqueeze(-1))[..., 0]
+
+
 class GaussianMixtureTable:
     r"""A finite mixture of Gaussians over the tokens, per datapoint.
 
@@ -78,11 +96,8 @@ class GaussianMixtureTable:
         L = torch.linalg.cholesky(Lam)  # (q, K, n|1, R, R)
         r = self.x - self.loc[None]  # (1, K, n, D)
         eta = ((cw * r).unsqueeze(-2) @ F)[..., 0, :]  # (q, K, n, R)
-        if L.shape[-3] == 1:  # one factor for all the datapoints: their eta are the columns of one solve
-            zhat = torch.cholesky_solve(eta.transpose(-1, -2), L[..., 0, :, :]).transpose(-1, -2)
-        else:
-            zhat = torch.cholesky_solve(eta.unsqueeze(-1), L)[..., 0]
-        e = r - zhat @ F[..., 0, :, :].transpose(-1, -2) if F.shape[-3] == 1 else r - (F @ zhat.unsqueeze(-1))[..., 0]
+        zhat = _solve_rows(L, eta)
+        e = r - _matmul_rows(F, zhat)
         quad = (c * e * e / psi).sum(-1) + zhat.pow(2).sum(-1)
         logdet = (c * psi.log()).sum(-1) + 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)
         log_pR = -0.5 * (quad + logdet + c.sum(-1) * math.log(2 * math.pi))  # (q, K, n)
@@ -90,7 +105,12 @@ class GaussianMixtureTable:
         var = psi + V.pow(2).sum(-2)
         # e is also the targets' residual from their conditional mean F_j zhat
         log_c = -0.5 * (e * e / var + var.log() + math.log(2 * math.pi))  # (q, K, n, D)
-        base = self.log_weights[None] + log_pR
+        return self._mix(log_c, log_pR)
+
+    def _mix(self, log_c, log_pR):
+        """``(num, den)`` of :meth:`_partials` from the components' log-conditionals
+        ``(q, K, n, D)`` and context log-densities ``(q, K, n)``."""
+        base = self.log_weights[None] + log_pR  # (q, K, n)
         return (base[..., None] + log_c).logsumexp(1), base.logsumexp(1)
 
     def _partials(self, context):
@@ -102,11 +122,9 @@ class GaussianMixtureTable:
             # contexts per datapoint, covariances shared: the components' pieces with their backward
             # pass written out, in cache-sized chunks (recorded op by op, the factorizations' and
             # solves' backward passes made a full-covariance GMM's default loss 0.9 s a step at D = 50)
-            log_c, log_pR = DenseContextConditionals.apply(
+            return self._mix(*DenseContextConditionals.apply(
                 self.covariance[:, 0], self.x, self.loc, context, self.max_elements, None
-            )
-            base = self.log_weights[None] + log_pR  # (q, K, n)
-            return (base[..., None] + log_c).logsumexp(1), base.logsumexp(1)
+            ))
         cq = context[:, None]  # (q, 1, n|1, D)
         C = self.covariance[None]  # (1, K, n|1, D, D)
         eye = torch.eye(D, dtype=C.dtype, device=C.device)
@@ -114,29 +132,18 @@ class GaussianMixtureTable:
         L = torch.linalg.cholesky(Ct)
         zero = torch.zeros((), dtype=C.dtype, device=C.device)
         r = torch.where(cq, self.x - self.loc[None], zero)  # (q, K, n, D)
-        if L.shape[-3] == 1:
-            # one factor for all the datapoints (context and covariance shared by the batch):
-            # their residuals are the columns of one right-hand side. Broadcast against each
-            # datapoint's column instead, the solves and their gradients held a (q, K, n, D, D)
-            # copy of the factor (a Gaussian mixture with D = 50, masks shared: 46 s a step)
-            a = torch.cholesky_solve(r.transpose(-1, -2), L[..., 0, :, :]).transpose(-1, -2)
-        else:
-            a = torch.cholesky_solve(r[..., None], L)[..., 0]
+        a = _solve_rows(L, r)
         logdet = 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)  # (q, K, n|1)
         size = cq.sum(-1).to(C.dtype)
         log_pR = -0.5 * ((r * a).sum(-1) + logdet + size * math.log(2 * math.pi))  # (q, K, n)
-        if C.shape[-3] == 1:
-            mean = self.loc[None] + a @ C[..., 0, :, :].transpose(-1, -2)  # (C a_i)^T = a_i^T C^T
-        else:
-            mean = self.loc[None] + (C @ a[..., None])[..., 0]
+        mean = self.loc[None] + _matmul_rows(C, a)
         G = torch.where(cq[..., :, None], C, zero)  # rows in the context
         Y = torch.linalg.solve_triangular(L, G, upper=False)
         var = torch.diagonal(C, dim1=-2, dim2=-1) - Y.pow(2).sum(-2)
         # context tokens get a finite placeholder (their "conditional" is not asked for)
         var = torch.where(cq, torch.ones((), dtype=C.dtype, device=C.device), var)
         log_c = -0.5 * ((self.x - mean).pow(2) / var + var.log() + math.log(2 * math.pi))  # (q, K, n, D)
-        base = self.log_weights[None] + log_pR
-        return (base[..., None] + log_c).logsumexp(1), base.logsumexp(1)
+        return self._mix(log_c, log_pR)
 
     def log_conditionals(self, context, target=None):
         r""":math:`\log p(x_j \mid x_{\mathcal R_q})` for contexts ``(q, n|1, D)``, ``(q, n, D)``."""
