@@ -135,8 +135,7 @@ def affinity_probes(K, generator, dtype, device):
         >>> affinity_probes(2, torch.Generator().manual_seed(0), torch.float64, "cpu").shape  # (3, 2)
     """
     eps_r = torch.randn(1, K, generator=generator, dtype=dtype, device="cpu")  # the generator's device
-    wide = alternating_signs(1, K, generator, dtype, "cpu")  # +-r already
-    return torch.cat([eps_r, wide, -wide]).to(device)
+    return torch.cat([eps_r, alternating_signs(2, K, generator, dtype, "cpu")]).to(device)  # r s, -r s
 
 
 def alternating_signs(n, K, generator, dtype, device):
