@@ -31,7 +31,7 @@ from .estimate import mpt_estimate
 from .guide_checks import check_guide_sites
 from .masks import MaskSchedule, make_schedule
 from .observed_tokens import trace_tokens
-from .point_latents import fix_point_globals, log_prior
+from .point_latents import log_prior, trace_with_point_globals
 
 __all__ = ["MaskedPretrainingLoss", "LossMemory"]
 
@@ -203,12 +203,12 @@ class MaskedPretrainingLoss(ELBO):
         r"""``(tokens, engine, state, prior)``: ``prior`` is :math:`\log p(\hat\theta)` of the
         global latents at the guide's point masses (0. without; see :mod:`~pyro_mpt.point_latents`),
         which the engines then see as fixed."""
-        tokens = self._trace_tokens(model, guide, args, kwargs, check=False)
-        key = (callable_key(model), tokens.name)  # see LossMemory
-        model, guide, points = fix_point_globals(tokens, model, guide)
+        user_model = callable_key(model)  # the memory's key (see LossMemory), not the fixed twin's
+        tokens, model, guide, points = trace_with_point_globals(
+            lambda model, guide: self._trace_tokens(model, guide, args, kwargs, check=False), model, guide
+        )
+        key = (user_model, tokens.name)
         prior = log_prior(points)
-        if points:
-            tokens = self._trace_tokens(model, guide, args, kwargs, check=False)
         check_guide_sites(tokens)
         tokens, engine, state = self._prepare_engine(tokens, key, model, guide, args, kwargs)
         return tokens, engine, state, prior

@@ -30,7 +30,7 @@ from pyro.poutine.messenger import Messenger
 from .conditionals.distributions import unwrap
 from .token_site import vectorized_frames
 
-__all__ = ["point_global_latents", "fix_point_globals", "fix_latents", "hide_sites", "log_prior"]
+__all__ = ["point_global_latents", "fix_point_globals", "trace_with_point_globals", "fix_latents", "hide_sites", "log_prior"]
 
 
 def point_global_latents(tokens, guide=None):
@@ -90,6 +90,25 @@ def fix_point_globals(tokens, model, guide):
     replay = tokens.subsample_trace()
     fixed = poutine.replay(fix_latents(model, {name: site["value"] for name, site in sites.items()}), trace=replay)
     return fixed, hide_sites(guide, sites, replay), sites
+
+
+def trace_with_point_globals(trace, model, guide):
+    """The tokens of ``model`` and ``guide`` with the guide's point-mass globals held fixed.
+
+    :param callable trace: ``trace(model, guide)`` -> the traced tokens
+        (:func:`~pyro_mpt.observed_tokens.trace_tokens` with the caller's options).
+    :returns: ``(tokens, model, guide, sites)`` as :func:`fix_point_globals` gives them,
+        ``tokens`` traced again with the fixed model and guide when there are such sites.
+
+    Example::
+
+        >>> tokens, model, guide, sites = trace_with_point_globals(lambda m, g: trace_tokens(m, g, (x,), {}), gmm, guide)
+    """
+    tokens = trace(model, guide)
+    model, guide, sites = fix_point_globals(tokens, model, guide)
+    if sites:
+        tokens = trace(model, guide)
+    return tokens, model, guide, sites
 
 
 class _FixedLatents(Messenger):

@@ -32,7 +32,7 @@ diagnostics) and calling the object returns the values.
 
 from ..guide_checks import check_guide_sites
 from ..observed_tokens import trace_tokens
-from ..point_latents import fix_point_globals
+from ..point_latents import trace_with_point_globals
 from .exact import exact_evidence
 from .importance import importance_evidence
 from .quadrature import quadrature_evidence
@@ -108,10 +108,9 @@ class Evidence:
         held at the guide's values: the values are then :math:`\log p(x_i \mid \hat\theta)`
         (see :mod:`~pyro_mpt.point_latents`).
         """
-        tokens = self._trace(self.model, self.guide, args, kwargs)
-        model, guide, points = fix_point_globals(tokens, self.model, self.guide)
-        if points:
-            tokens = self._trace(model, guide, args, kwargs)
+        tokens, model, guide, points = trace_with_point_globals(
+            lambda model, guide: self._trace(model, guide, args, kwargs), self.model, self.guide
+        )
         check_guide_sites(tokens)
         result = METHODS[self.method](_Fixed(self, model, guide) if points else self, tokens, args, kwargs)
         result.log_evidence = tokens.unflatten(result.log_evidence)
