@@ -13,7 +13,7 @@ from pyro.util import warn_if_nan
 from .conditionals.latent_runs import logmeanexp
 from .evidence.importance import importance_log_weights
 from .guide_checks import check_guide_sites
-from .observed_tokens import trace_tokens
+from .observed_tokens import check_latent_scales, trace_tokens
 
 __all__ = ["ImportanceWeightedELBO"]
 
@@ -57,6 +57,7 @@ class ImportanceWeightedELBO(ELBO):
         mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
         tokens = trace_tokens(model, guide, args, kwargs, self.obs_site, mpn, self.token_plates)
         check_guide_sites(tokens)
+        check_latent_scales(tokens, "ImportanceWeightedELBO")
         return tokens
 
     def _get_trace(self, model, guide, args, kwargs):

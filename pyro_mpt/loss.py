@@ -30,7 +30,7 @@ from .curve import CurveAccumulator
 from .estimate import mpt_estimate
 from .guide_checks import check_guide_sites
 from .masks import MaskSchedule, make_schedule
-from .observed_tokens import trace_tokens
+from .observed_tokens import check_latent_scales, trace_tokens
 from .point_latents import log_prior, trace_with_point_globals
 
 __all__ = ["MaskedPretrainingLoss", "LossMemory"]
@@ -210,6 +210,7 @@ class MaskedPretrainingLoss(ELBO):
         key = (user_model, tokens.name)
         prior = log_prior(points)
         check_guide_sites(tokens)
+        check_latent_scales(tokens)
         tokens, engine, state = self._prepare_engine(tokens, key, model, guide, args, kwargs)
         return tokens, engine, state, prior
 

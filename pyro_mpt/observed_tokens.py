@@ -54,7 +54,8 @@ from .site_checks import check_dtype, check_extra_sites, check_shape, validate_v
 from .token_layout import TokenLayout
 from .token_site import locate_site, sample_sites, site_layout, vectorized_frames
 
-__all__ = ["ObservedTokens", "trace_tokens", "guess_max_plate_nesting", "check_local_latent"]
+__all__ = ["ObservedTokens", "trace_tokens", "guess_max_plate_nesting", "check_local_latent", "user_scale",
+           "check_latent_scales"]
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,86 @@ def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=Fal
             f"{tokens.name!r} lacks; declare a datapoint's latent dims as event "
             f"dims instead, e.g. dist.Normal(0, 1).expand([K]).to_event(1)."
         )
+
+
+def user_scale(site):
+    """The scale of a trace site without its plates' subsampling factors: what
+    ``poutine.scale`` (or a scaled model) put there, batch-shaped or a number.
+
+    A subsampled ``pyro.plate`` of size ``N`` and batch ``B`` multiplies its
+    sites' scale by ``N / B``; dividing those factors out leaves the user's own.
+
+    :param dict site: a sample site of a Pyro trace.
+    :returns: a tensor or a float (1.0 when nothing scaled the site).
+
+    Example::
+
+        >>> user_scale(trace.nodes["z"])   # 0.1 inside poutine.scale(scale=0.1)
+    """
+    factor = 1.0
+    for frame in site["cond_indep_stack"]:
+        if frame.full_size is not None and frame.full_size != frame.size:
+            factor = factor * frame.full_size / frame.size
+    return site["scale"] / factor
+
+
+def _same_scale(a, b):
+    """Whether two user scales (tensors or numbers) agree wherever they broadcast together,
+    to the rounding of the products that formed them."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    try:
+        a, b = torch.broadcast_tensors(a, b.to(a.device))
+    except RuntimeError:
+        return False
+    return bool(torch.isclose(a, b, rtol=64 * torch.finfo(torch.float32).eps, atol=0.0).all())
+
+
+def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
+    r"""Refuse a latent that the estimate integrates out but that carries a scale of its own.
+
+    Every estimate of pyro_mpt is :math:`s_i \log p(x_i)`, the datapoint's scale
+    times a log-marginal likelihood in which the latents are integrated out;
+    :math:`s_i` is the observed site's scale (a subsampled plate's ``N / B``
+    times any ``poutine.scale`` on it, e.g. datapoint weights). A latent may
+    carry no scale of its own (only its plates' ``N / B``) or the observed
+    site's (``poutine.scale`` around the whole model scales every site alike).
+    Any other scale on a latent -- KL annealing, :math:`\beta` times the
+    prior's term of an ELBO -- weights a term that the marginal likelihood
+    does not have, so an engine would ignore it and return a number the user
+    did not ask for: refused here, naming the site. Global latents at a
+    guide's point mass are no longer latents here
+    (:mod:`~pyro_mpt.point_latents`): their scale weights their log-prior
+    term, as in Pyro.
+
+    :param ObservedTokens tokens: the traced tokens (latents integrated out).
+    :param str who: the caller, named in the message.
+    :raises ValueError: naming the latent, its scale and the observed site's.
+
+    Example::
+
+        >>> check_latent_scales(trace_tokens(model, None, (x,), {}))   # None, or ValueError
+    """
+    observed = user_scale(tokens.site)
+    for site in tokens.latent_sites():
+        scale = user_scale(site)
+        if _same_scale(scale, 1.0) or _same_scale(scale, observed):
+            continue
+        raise ValueError(
+            f"{who}: latent site {site['name']!r} has scale {_describe(scale)} (poutine.scale) "
+            f"but observed site {tokens.name!r} has {_describe(observed)}. The estimate integrates "
+            f"{site['name']!r} out: it is the datapoint's scale times log p(x_i), which has no term "
+            f"for a scale on a latent alone (e.g. KL annealing, beta * KL) to weight, so the scale "
+            f"would be ignored. Remove poutine.scale around {site['name']!r}; to weight datapoints or "
+            f"scale the loss, scale the observed site alone or the whole model "
+            f"(poutine.scale(model, scale=s)); for a beta-weighted ELBO use Trace_ELBO."
+        )
+
+
+def _describe(scale):
+    """A scale for a message: the number, or its range when it varies."""
+    scale = torch.as_tensor(scale, dtype=torch.float64)
+    lo, hi = float(scale.min()), float(scale.max())
+    return f"{lo:g}" if lo == hi else f"{lo:g} to {hi:g}"
 
 
 def guess_max_plate_nesting(*traces):

@@ -70,6 +70,11 @@ class Evidence:
         its search from the previous call's centres (the same value to the
         Newton tolerance); ``engines.clear()`` forgets them.
 
+    The values are :math:`\log p(x_i)` of the model without any scale: a
+    ``poutine.scale`` (on any site) and a subsampled plate's ``N / B`` weight
+    a loss's terms, not the density, and are left to the caller (the
+    importance result carries the observed site's scale as ``diagnostics["scale"]``).
+
     Example::
 
         >>> Evidence(ppca, method="exact")(x)          # shape (N,)

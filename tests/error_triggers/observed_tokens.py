@@ -53,6 +53,17 @@ def _():
     MaskedPretrainingLoss().loss(model, None, x)
 
 
+@trigger("sites-latent-scale")
+def _():
+    def annealed(x):
+        with pyro.plate("data", x.shape[0]):
+            with poutine.scale(scale=0.1):
+                z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(z.expand(-1, 3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss().loss(annealed, None, _x())
+
+
 @trigger("sites-global-latent")
 def _():
     MaskedPretrainingLoss(conditionals="gaussian").loss(_global_latent_model, None, _x())
