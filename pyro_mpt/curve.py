@@ -129,9 +129,36 @@ class MPTCurve:
 
 
 class CurveAccumulator:
-    """Accumulate per-query scores into per-size sums for an :class:`MPTCurve`.
+    r"""Accumulate per-query scores into per-size sums for an :class:`MPTCurve`.
+
+    Scores arrive as ``(rows, n)`` tables whose columns are the datapoints.
+    ``score[M]`` is the mean of every value of size :math:`M`. Its standard
+    error is taken over the datapoints, not over the values: the
+    :math:`P` masks of one datapoint at one size (``num_masks``, the subsets of
+    ``"exhaustive"``, masks shared by the batch) share that datapoint's
+    :math:`S(x_i; M)`, so their spread is not :math:`nP` independent draws,
+    and treating it so understated the error (PPCA, :math:`D = 8`,
+    :math:`N = 200`, over 40 data draws: ``"exhaustive"`` 0.004 against a
+    spread of 0.022 at :math:`M = 4`; ``"all"`` with 8 masks 0.011 against
+    0.022). With :math:`s_i, c_i` the sum and count
+    of datapoint :math:`i`'s values at size :math:`M` and
+    :math:`\bar S = \sum_i s_i / \sum_i c_i`,
+
+    .. math:: \operatorname{se}(\bar S)^2 = \frac{n_M}{n_M - 1}
+        \frac{\sum_i (s_i - \bar S c_i)^2}{(\sum_i c_i)^2}
+
+    over the :math:`n_M` datapoints with a value at that size (the ratio
+    estimator's variance, clustered by datapoint; with equal counts it is
+    :math:`\operatorname{sd}_i(s_i / c_i)/\sqrt{n_M}`).
 
     :param int num_tokens: D.
+
+    Example::
+
+        >>> acc = CurveAccumulator(2)
+        >>> acc.add(torch.tensor([[-1.0, -2.0], [-3.0, -2.0]]), torch.tensor([[1, 1], [2, 2]]))
+        >>> acc.result().score
+        array([-1.5, -2.5])
     """
 
     def __init__(self, num_tokens):
@@ -145,27 +172,31 @@ class CurveAccumulator:
         self._items.append(areas.detach().reshape(-1).double().cpu())
 
     def add(self, shat, size):
-        """Add scores ``shat`` with mask sizes ``size`` (same shape)."""
-        shat = shat.detach().reshape(-1).double()
-        idx = (size.reshape(-1) - 1).to(shat.device)
-        D = self.num_tokens
+        """Add scores ``shat`` with mask sizes ``size``, both ``(rows, n)``: column ``i`` holds
+        datapoint ``i``'s values (the same datapoints at every call)."""
+        shat = shat.detach().double()
+        shat = shat.reshape(-1, shat.shape[-1])
+        idx = (size.reshape(shat.shape) - 1).to(shat.device)
+        n = shat.shape[-1]
         if self._sum is None:
-            self._sum = torch.zeros(D, dtype=torch.float64, device=shat.device)
-            self._sq = torch.zeros_like(self._sum)
+            # (D, n): each datapoint's sum and count per size, for the clustered standard error
+            self._sum = torch.zeros((self.num_tokens, n), dtype=torch.float64, device=shat.device)
             self._n = torch.zeros_like(self._sum)
-        self._sum.index_add_(0, idx, shat)
-        self._sq.index_add_(0, idx, shat * shat)
-        self._n.index_add_(0, idx, torch.ones_like(shat))
+        col = torch.arange(n, device=shat.device).expand_as(idx)
+        self._sum.index_put_((idx, col), shat, accumulate=True)
+        self._n.index_put_((idx, col), torch.ones_like(shat), accumulate=True)
 
     def result(self, label=None):
-        n = self._n.cpu().numpy()
+        s = self._sum.cpu().numpy()
+        c = self._n.cpu().numpy()
+        n = c.sum(1)
+        items = (c > 0).sum(1)
         with np.errstate(invalid="ignore", divide="ignore"):
-            mean = self._sum.cpu().numpy() / n
-            var = self._sq.cpu().numpy() / n - mean**2
-            var = np.maximum(var, 0.0) * n / np.maximum(n - 1, 1)
-            stderr = np.sqrt(var / n)
+            mean = s.sum(1) / n
+            dev = ((s - mean[:, None] * c) ** 2).sum(1)
+            stderr = np.sqrt(dev * items / np.maximum(items - 1, 1)) / n
         mean = np.where(n > 0, mean, np.nan)
-        stderr = np.where(n > 1, stderr, np.where(n > 0, 0.0, np.nan))
+        stderr = np.where(items > 1, stderr, np.where(n > 0, 0.0, np.nan))
         sizes = np.arange(1, self.num_tokens + 1)
-        items = torch.cat(self._items).numpy() if self._items else None
-        return MPTCurve(sizes, self.num_tokens, mean, stderr, n.astype(int), label, item_areas=items)
+        areas = torch.cat(self._items).numpy() if self._items else None
+        return MPTCurve(sizes, self.num_tokens, mean, stderr, n.astype(int), label, item_areas=areas)

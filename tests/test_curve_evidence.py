@@ -59,6 +59,73 @@ def test_curve_stderr_matches_numpy():
     assert abs(curve.stderr[1] - np.std([-1, -2, -4], ddof=1) / np.sqrt(3)) < 1e-12
 
 
+def _brute_force_curve_terms(C, mu, x, observed):
+    """S(x_i; M) per datapoint and size, ``(n, D)``: every subset of the observed tokens, each
+    target's Gaussian conditional given the rest from scipy (0 where M > D_i)."""
+    import itertools
+
+    from scipy.stats import norm
+
+    n, D = x.shape
+    S = np.zeros((n, D))
+    for i in range(n):
+        obs = [j for j in range(D) if observed[i, j]]
+        for M in range(1, len(obs) + 1):
+            terms = []
+            for targets in itertools.combinations(obs, M):
+                ctx = [j for j in obs if j not in targets]
+                total = 0.0
+                for j in targets:
+                    if ctx:
+                        b = np.linalg.solve(C[np.ix_(ctx, ctx)], C[ctx, j])
+                        loc, var = mu[j] + b @ (x[i, ctx] - mu[ctx]), C[j, j] - C[j, ctx] @ b
+                    else:
+                        loc, var = mu[j], C[j, j]
+                    total += norm(loc, np.sqrt(var)).logpdf(x[i, j])
+                terms.append(total / M)
+            S[i, M - 1] = np.mean(terms)
+    return S
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_curve_stderr_is_over_datapoints_not_over_masks(missing):
+    """``curve.stderr`` is the standard error of the mean of S(x_i; M) over the datapoints:
+    sd_i / sqrt(n) of the brute-force per-datapoint terms. Counting the 2^D - 1 exhaustive
+    subsets (or the num_masks masks of a size) as independent values understated it
+    (here 0.046 against 0.099 at M = 3)."""
+    model, x, _ = make_ppca(5, 2, N=12, seed=3)
+    W, mu, s = (pyro.param(k).detach().numpy() for k in ("W", "mu", "s"))
+    C = W @ W.T + s**2 * np.eye(5)
+    g = torch.Generator().manual_seed(1)
+    keep = torch.rand(12, 5, generator=g) > 0.3 if missing else torch.ones(12, 5, dtype=torch.bool)
+    keep[:, 0] = True
+    observed = keep.numpy()
+
+    def masked(x):
+        W_, mu_, s_ = pyro.param("W"), pyro.param("mu"), pyro.param("s")
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W_.T + mu_, s_).mask(keep).to_event(1), obs=x)
+
+    S = _brute_force_curve_terms(C, mu, x.numpy(), observed)
+    curve = MaskedPretrainingLoss(masks="exhaustive").curve(masked if missing else model, None, x)
+    np.testing.assert_allclose(curve.score, S.mean(0), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(curve.stderr, S.std(0, ddof=1) / np.sqrt(12), rtol=1e-8, atol=0)
+
+
+def test_rate_curve_stderr_is_over_items_not_over_masks():
+    """Each rate's standard error is sd over items of the item's mean over its masks, / sqrt(n)."""
+    from pyro_mpt.adapters.rates import rate_curve
+
+    g = torch.Generator().manual_seed(0)
+    # an item effect shared by its masks: the masks of one item are not independent draws
+    values = torch.randn(9, 1, 1, generator=g, dtype=torch.float64) + 0.1 * torch.randn(9, 3, 4, generator=g, dtype=torch.float64)
+    curve = rate_curve(values, [0.2, 0.5, 0.8], lengths=[10] * 9)
+    per_item = values.mean(-1).numpy()
+    np.testing.assert_allclose(curve.score, per_item.mean(0), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(curve.stderr, per_item.std(0, ddof=1) / np.sqrt(9), rtol=1e-10, atol=0)
+
+
 def test_exact_evidence_shape_and_gradient():
     D, K = 5, 2
     W0 = torch.randn(D, K)

@@ -250,9 +250,10 @@ def rate_curve(values, rates, lengths, label=None):
     values = torch.as_tensor(values, dtype=torch.float64, device="cpu")
     n, R, K = values.shape
     acc = CurveAccumulator(R)
-    # one add in a fixed order: sums do not depend on how the values were computed
-    size = torch.arange(1, R + 1, device="cpu").view(1, R, 1).expand(n, R, K)
-    acc.add(values, size)
+    # one add in a fixed order: sums do not depend on how the values were computed; the
+    # items as columns, so that each rate's standard error is over items, not item x mask
+    size = torch.arange(1, R + 1, device="cpu").view(R, 1, 1).expand(R, K, n)
+    acc.add(values.permute(1, 2, 0).reshape(R * K, n), size.reshape(R * K, n))
     base = acc.result(label)
     lengths = np.asarray(lengths, dtype=np.float64)
     m = mask_counts(rates, lengths).double().mean(0).numpy()
