@@ -381,3 +381,39 @@ def test_gaussian_hmm_expanded_over_the_batch_has_its_moments_built_once():
     x = torch.randn(6, T, O, generator=g, dtype=torch.float64)
     got = dist.MultivariateNormal(loc, cov).log_prob(x.reshape(6, T * O))
     assert torch.allclose(got, hmm.log_prob(x), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("time_varying", [False, True], ids=["homogeneous", "time-varying"])
+@pytest.mark.parametrize("H", [3, 9])
+def test_gaussian_hmm_moments_of_a_long_sequence_and_their_gradients(time_varying, H, float64):
+    """The moments of a GaussianHMM over T = 37 steps, for small and larger hidden states,
+    homogeneous and time-varying: the Gaussian they make equals
+    Pyro's GaussianHMM.log_prob (its parallel-scan Kalman filter) to 1e-9, and so do its
+    gradients with respect to the transition and observation matrices (autograd through
+    Pyro's filter). The noises have one scale shared by the coordinates, as users write them
+    (``dist.Normal(loc, 0.5).to_event(1)``; they used to crash the moments)."""
+    from pyro_mpt.conditionals.linear_dynamical import gaussian_hmm_moments
+
+    g = torch.Generator().manual_seed(13)
+    O, T = 2, 37
+    shape = (T,) if time_varying else ()
+    # spectral radius below one (orthogonal times 0.9, perturbed): covariances stay O(1) over 37 steps
+    Qr = torch.linalg.qr(torch.randn(*shape, H, H, generator=g, dtype=torch.float64))[0]
+    A = (0.9 * Qr + 0.02 * torch.randn(*shape, H, H, generator=g, dtype=torch.float64)).requires_grad_()
+    C = torch.randn(*shape, H, O, generator=g, dtype=torch.float64).requires_grad_()
+    init = dist.MultivariateNormal(torch.randn(H, generator=g, dtype=torch.float64), torch.eye(H, dtype=torch.float64))
+    trans = dist.Normal(torch.randn(H, generator=g, dtype=torch.float64), 0.5).to_event(1)
+    L = torch.randn(O, O, generator=g, dtype=torch.float64)
+    obs = dist.MultivariateNormal(torch.randn(O, generator=g, dtype=torch.float64), L @ L.T + torch.eye(O, dtype=torch.float64))
+    if not time_varying:  # one location and scale shared by the coordinates, as users write it
+        obs = dist.Normal(torch.tensor(0.2, dtype=torch.float64), 0.7).expand([O]).to_event(1)
+    hmm = dist.GaussianHMM(init, A, trans, C, obs, duration=T)
+    x = torch.randn(3, T, O, generator=g, dtype=torch.float64)
+    loc, cov = gaussian_hmm_moments(hmm, T)
+    got = dist.MultivariateNormal(loc, cov).log_prob(x.reshape(3, T * O))
+    want = hmm.log_prob(x)
+    assert torch.allclose(got, want, rtol=0, atol=1e-9)
+    grads = torch.autograd.grad(got.sum(), (A, C), retain_graph=True)
+    wants = torch.autograd.grad(want.sum(), (A, C))
+    for a, b in zip(grads, wants):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-9)

@@ -43,8 +43,12 @@ __all__ = ["gaussian_hmm_moments"]
 def _factor_parts(gaussian, left):
     """``(M, b, Q)`` of a pair factor whose first ``left`` coordinates are the old state."""
     if hasattr(gaussian, "matrix"):
-        # Pyro keeps a diagonal noise as matrix, loc and scale (an AffineNormal)
-        return compact(gaussian.matrix), compact(gaussian.loc), torch.diag_embed(compact(gaussian.scale).pow(2))
+        # Pyro keeps a diagonal noise as matrix, loc and scale (an AffineNormal); compacted, a loc or
+        # scale shared by the coordinates (dist.Normal(0., 0.5).expand([H]).to_event(1)) keeps one
+        # entry, which the moments must not
+        M, loc, scale = compact(gaussian.matrix), compact(gaussian.loc), compact(gaussian.scale)
+        loc, scale = (t.expand(t.shape[:-1] + M.shape[-1:]) for t in (loc, scale))
+        return M, loc, torch.diag_embed(scale.pow(2))
     P = compact(gaussian.precision)
     P_xy, P_yy = P[..., :left, left:], P[..., left:, left:]
     Q = torch.cholesky_inverse(torch.linalg.cholesky(P_yy))
