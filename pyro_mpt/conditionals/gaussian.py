@@ -83,6 +83,13 @@ def _to_data(state, out):
     return out if state.data_dtype is None else out.to(state.data_dtype)
 
 
+def _result_dtype(state):
+    """The dtype of the state's results: torch's promotion of the model's parameters and
+    the data (:func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal`), whatever
+    wider dtype the state computes in."""
+    return state.loc.dtype if state.data_dtype is None else state.data_dtype
+
+
 @dataclass
 class GaussianMemory:
     """All that a :class:`GaussianConditionals` engine remembers across calls.
@@ -308,7 +315,7 @@ class GaussianConditionals(ConditionalEngine):
                 form, xf = self._form_state(state, x_data)
                 return lowrank_independent_sums(form, xf, mask, self._shared_data(form, x_data, xf))
 
-            return self._rescued(state, compute).to(x_data.dtype)
+            return self._rescued(state, compute).to(_result_dtype(state))
         if self._dense_independent(state):
             # masks per datapoint, dense covariance shared: the conditionals' sums with their
             # backward pass written out, chunks recomputed in it
@@ -363,7 +370,7 @@ class GaussianConditionals(ConditionalEngine):
         if dtype != state.loc.dtype:
             state = GaussianMarginal(
                 state.loc.to(dtype), cov_factor=state.cov_factor.to(dtype), cov_diag=state.cov_diag.to(dtype),
-                site=state.site, jitter=state.jitter, data_dtype=x_data.dtype,
+                site=state.site, jitter=state.jitter, data_dtype=_result_dtype(state),
             )
         return state, x_data.to(dtype)
 
@@ -451,7 +458,7 @@ class GaussianConditionals(ConditionalEngine):
         else:
             def compute():
                 return dense_weighted_sum(state, x, mask, coef)
-        return self._rescued(state, compute).to(x_data.dtype)
+        return self._rescued(state, compute).to(_result_dtype(state))
 
     def chain_log_prob(self, state, x, order):
         if isinstance(state, BlockGaussianState):

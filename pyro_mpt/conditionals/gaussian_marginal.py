@@ -90,7 +90,8 @@ class GaussianMarginal:
         :meth:`GaussianConditionals.prepare <pyro_mpt.conditionals.GaussianConditionals.prepare>`
         for the exact log-density; None when not computed (or stale after a
         change of the jitter).
-    :param torch.dtype data_dtype: the dtype of the data when the engine
+    :param torch.dtype data_dtype: the dtype of the results -- torch's
+        promotion of the model's parameters and the data -- when the engine
         computes in a wider one (float64 for float32 data whose low-rank
         pieces or covariance that dtype cannot hold); None otherwise.
     :param tuple data_pieces: ``(x, pieces)``: what the engine's low-rank

@@ -166,14 +166,18 @@ def hierarchical_loadings(tokens, model, args, kwargs):
                                        f"(declare such dims as event dims, .to_event(1))")
         event_shape = site["fn"].event_shape
         kind = "mvn" if isinstance(base, dist.MultivariateNormal) else "normal"
+        # the model meets each latent in the dtype of its own sample (float32 latents with
+        # float64 data: a float32 matmul in the model would refuse float64 noises)
+        dtype = site["value"].dtype if site["value"].is_floating_point() else None
         if local:
-            local_layout[site["name"]] = LatentSlice(site["name"], K_l, event_shape.numel(), event_shape, kind)
+            local_layout[site["name"]] = LatentSlice(site["name"], K_l, event_shape.numel(), event_shape, kind,
+                                                     dtype=dtype)
             K_l += event_shape.numel()
         else:
             # a global latent's own plates (pyro.plate("g", G) around it) are its event dims
             plates = tuple(sorted((frames[f].dim, frames[f].size) for f in others))
             numel = math.prod(size for _, size in plates) * event_shape.numel()
-            global_layout[site["name"]] = LatentSlice(site["name"], K_g, numel, event_shape, kind, plates)
+            global_layout[site["name"]] = LatentSlice(site["name"], K_g, numel, event_shape, kind, plates, dtype)
             K_g += numel
     if K_l == 0:
         raise NotHierarchicalError(
@@ -268,6 +272,12 @@ def hierarchical_loadings(tokens, model, args, kwargs):
     scale = tokens.to_tokens(scale).reshape(B, -1, D)
     if not rows_equal(scale.detach()):
         raise _not_linear_gaussian(tokens.name, "the observation's scale depends on the latents")
+    # the state computes in torch's promotion of the model's location (its parameters and
+    # latents) and the data, as Pyro's log-density of the observation does
+    # (the affinity check's tolerance is that of the dtype the model computed in)
+    eps = torch.finfo(loc.dtype).eps
+    dt = torch.promote_types(loc.dtype, dt)
+    loc, scale, rg, rl = loc.to(dt), scale.to(dt), rg.to(dt), rl.to(dt)
     mu = loc[0]  # (n, D)
     A = (loc[1 : 1 + K_g] - mu).permute(1, 2, 0)  # (n, D, K_g)
     Bl = (loc[1 + K_g : 1 + K_g + K_l] - mu).permute(1, 2, 0)  # (n, D, K_l)
@@ -276,7 +286,7 @@ def hierarchical_loadings(tokens, model, args, kwargs):
     b = Bl.reshape(n, U, E, K_l)
     pred = mu + (A @ rg.T).movedim(-1, 0) + torch.einsum("nuek,puk->pnue", b, rl).reshape(3, n, D)
     err = (loc[-3:] - pred).abs().amax()
-    tol = torch.finfo(dt).eps ** 0.5 * (mu.abs().amax() + loc.abs().amax() * (K_g + K_l + 1) + 1.0)
+    tol = eps ** 0.5 * (mu.abs().amax() + loc.abs().amax() * (K_g + K_l + 1) + 1.0)
     if not bool(err <= tol):
         raise _not_linear_gaussian(tokens.name, f"its location is not affine in the latents with each unit "
                                    f"of plate {unit_plate!r} reading only its own local latents (off "
