@@ -248,3 +248,54 @@ def test_quadrature_prior_grid_with_as_many_datapoints_as_nodes_is_not_mixed_up(
     assert np.abs(score(make(True)) - twin).max() < 1e-10
     cov = (W @ W.T).numpy() + sigma**2 * np.eye(Dq)
     assert np.abs(twin - multivariate_normal(np.zeros(Dq), cov).logpdf(x.numpy())).max() < 1e-9
+
+
+def test_quadrature_node_runs_are_capped_before_running(float64):
+    """A model run once per node made num_nodes**K runs per evaluation with no bound (48**2 =
+    2304 for the default K = 2 prior grid, 10**4 for num_nodes=100: 4 s with this tiny model,
+    minutes with a decoder). Now a grid above max_node_runs is refused before any per-node run,
+    a streamed table is refused before the run that would pass the cap, and a grid at the cap
+    equals a numpy Gauss-Hermite tensor rule on the prior (written here)."""
+    from numpy.polynomial.hermite_e import hermegauss
+    from scipy.special import logsumexp
+    from scipy.stats import norm
+    from pyro_mpt import QuadratureConditionals
+    from pyro_mpt.conditionals import NotQuadratureError
+
+    _, _, W, x = _ppca_pair()
+    runs = []
+
+    def fixed(x):
+        runs.append(1)
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(KQ, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(torch.einsum("nk,dk->nd", z, W), 0.6).to_event(1), obs=x)
+
+    def score(m, masks="order", chunk_size=2**22, **opts):
+        quad = QuadratureConditionals(num_nodes=m, adaptive=False, min_ess=None, ess_warning=None, **opts)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SlowEngineWarning)
+            return MaskedPretrainingLoss(conditionals=quad, masks=masks, chunk_size=chunk_size).score(fixed, None, x)
+
+    runs.clear()
+    with pytest.raises(NotQuadratureError, match=r"needs at least 10000 model runs \(a grid of 10000 nodes, 0 runs .*max_node_runs=8192.*num_nodes="):
+        score(100)
+    assert len(runs) <= 3  # the trace and the failing vectorized runs only
+    with pytest.raises(NotQuadratureError, match="needs at least 64 model runs.*max_node_runs=63"):
+        score(8, max_node_runs=63)
+    runs.clear()
+    got = score(8, max_node_runs=64).detach().numpy()
+    assert 64 <= len(runs) <= 67
+    # the tensor rule over the prior, outside the library: log sum_q w_q prod_d N(x_d; W z_q, 0.6^2)
+    e, w = hermegauss(8)
+    w = w / w.sum()
+    zq = np.stack(np.meshgrid(e, e, indexing="ij"), -1).reshape(-1, KQ)
+    lw = np.log(np.outer(w, w).reshape(-1))
+    lik = norm.logpdf(x.numpy()[:, None, :], zq @ W.numpy().T, 0.6).sum(-1)  # (n, Q)
+    assert np.abs(got - logsumexp(lw + lik, axis=1)).max() < 1e-10
+    # a streamed table (cache_elements=0) reruns its nodes at every pass (here one block of
+    # queries per mask): refused before the second pass, which would pass the cap
+    runs.clear()
+    with pytest.raises(NotQuadratureError, match=r"needs at least 128 model runs \(a grid of 64 nodes, 64 runs made so far\), more than max_node_runs=100"):
+        score(8, masks="exhaustive", chunk_size=NQ * DQ, max_node_runs=100, cache_elements=0)
+    assert len(runs) <= 64 + 3

@@ -106,7 +106,14 @@ from .mixture import chain_terms, normalize_empty
 from .mixture_chunks import MixtureChunk, stable_logsumexp
 from .plate_runs import RunMemory
 from .quadrature_table import QuadratureState
-from .quadrature_nodes import ALTERNATIVES, NodeRunner, NotQuadratureError, latent_dtype, quadrature_layout
+from .quadrature_nodes import (
+    ALTERNATIVES,
+    MAX_NODE_RUNS,
+    NodeRunner,
+    NotQuadratureError,
+    latent_dtype,
+    quadrature_layout,
+)
 from .quadrature_rules import (
     MAX_LATENT_DIM,
     RESOLVED_AXIS_ESS,
@@ -189,6 +196,11 @@ class QuadratureConditionals(ConditionalEngine):
         stream the other chunks (each costs one more model run per pass).
     :param int max_elements: entries per table chunk (``Q_c n D``) and per
         intermediate of the chain-rule path.
+    :param int max_node_runs: for a model that does not broadcast over the
+        node plate and so runs once per node, the most model runs one
+        evaluation may make (:data:`~pyro_mpt.conditionals.quadrature_nodes.MAX_NODE_RUNS`
+        by default: every default grid fits); a larger grid is refused before
+        any run, naming the knobs.
 
     Example::
 
@@ -209,6 +221,7 @@ class QuadratureConditionals(ConditionalEngine):
         max_latent_dim=MAX_LATENT_DIM,
         cache_elements=2**27,
         max_elements=2**24,
+        max_node_runs=MAX_NODE_RUNS,
     ):
         super().__init__(max_elements=max_elements)
         for label, value in (("num_nodes", num_nodes), ("init_nodes", init_nodes)):
@@ -232,6 +245,7 @@ class QuadratureConditionals(ConditionalEngine):
         self.ess_warning = ess_warning
         self.max_latent_dim = int(max_latent_dim)
         self.cache_elements = int(cache_elements)
+        self.max_node_runs = int(max_node_runs)
 
     def __repr__(self):
         return (
@@ -256,10 +270,11 @@ class QuadratureConditionals(ConditionalEngine):
         n, D = tokens.num_data, tokens.num_tokens
         dtype = latent_dtype(tokens)
         device = tokens.value.device
-        runner = NodeRunner(tokens, model, args, kwargs, layout, self.memory.run_mode)
+        runner = NodeRunner(tokens, model, args, kwargs, layout, self.memory.run_mode, self.max_node_runs)
         search = LaplaceSearch(self.newton_steps, self.max_elements, self.init_nodes)
         m = self.num_nodes or default_num_nodes(K, self.adaptive)
         e, log_w = gaussian_grid(m, K, dtype, device)
+        runner.grid_nodes = e.shape[0]  # before any run: a model run per node refuses a larger grid up front
         all_normal = all(l.kind in ("normal", "mvn") for l in layout.values())
 
         if K == 0:
@@ -428,6 +443,7 @@ class QuadratureConditionals(ConditionalEngine):
             max_latent_dim=self.max_latent_dim,
             cache_elements=self.cache_elements,
             max_elements=self.max_elements,
+            max_node_runs=self.max_node_runs,
         )
         engine = QuadratureConditionals(int(num_nodes), **opts)
         engine.memory = QuadratureMemory(self.memory.run_mode, self.memory.warm_key, self.memory.warm_centres)

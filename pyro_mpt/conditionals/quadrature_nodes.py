@@ -26,7 +26,7 @@ from .distributions import token_log_prob, unwrap
 from .plate_runs import CoordinateLatents, RunMemory, latent_layout, reaches_points, run_in_plate, run_with_fallback
 
 __all__ = ["NotQuadratureError", "quadrature_layout", "NodeRunner", "latent_dtype", "NODE_PLATE", "ALTERNATIVES",
-           "RUN_MODES"]
+           "RUN_MODES", "MAX_NODE_RUNS"]
 
 #: the plate the nodes run in
 NODE_PLATE = "_mpt_nodes"
@@ -38,6 +38,11 @@ ALTERNATIVES = "conditionals='importance' or 'encode_decode'"
 #: plate, its latents at their traced shapes (``"per_node"``; exact, but one
 #: model run per node)
 RUN_MODES = ("compact", "full", "per_node")
+#: the most model runs one evaluation (a ``prepare`` and its queries) may make one node at
+#: a time (mode ``"per_node"``): the largest default grid (4096 nodes, K = 3 or 4 on the
+#: prior) with room for the adaptive search; beyond it :class:`NodeRunner` refuses the model
+#: before running it (``max_node_runs=`` of the engine)
+MAX_NODE_RUNS = 8192
 
 
 class NotQuadratureError(EngineNotApplicable):
@@ -107,14 +112,22 @@ class NodeRunner:
     :param ~pyro_mpt.conditionals.plate_runs.RunMemory memory: the entry of
         :data:`RUN_MODES` that worked for the model, tried first next time;
         None: a memory of its own (decided on the first run).
+    :param int max_runs: the most model runs this runner may make one node at
+        a time (:data:`MAX_NODE_RUNS` by default).
+    :ivar int grid_nodes: the nodes of the evaluation's grid, set by the engine
+        before its first run: a per-node evaluation needs at least that many
+        runs, so a grid larger than ``max_runs`` is refused before any.
 
     A model that fails in the node plate (or whose observation does not keep
     one value per node, datapoint and token there) is run once per node, with
     one :class:`~pyro_mpt.conditionals.base.SlowEngineWarning` when the
-    fallback is found (the remembered mode is used silently afterwards).
+    fallback is found (the remembered mode is used silently afterwards), and
+    at most ``max_runs`` runs in all: beyond them it raises
+    :class:`NotQuadratureError` (so ``conditionals="auto"`` tries the next
+    engine when this happens while preparing).
     """
 
-    def __init__(self, tokens, model, args, kwargs, layout, memory=None):
+    def __init__(self, tokens, model, args, kwargs, layout, memory=None, max_runs=MAX_NODE_RUNS):
         self.tokens = tokens
         self.model = model
         self.args = args
@@ -123,6 +136,27 @@ class NodeRunner:
         self.replay = tokens.subsample_trace()
         self.node_dim = tokens.max_plate_nesting + 1
         self.memory = RunMemory() if memory is None else memory
+        self.max_runs = int(max_runs)
+        self.grid_nodes = 1
+        self.node_runs = 0
+
+    def _spend(self, P):
+        """Count ``P`` runs one node at a time, refusing first when the evaluation would
+        need more than ``max_runs`` of them (at least its grid's nodes)."""
+        need = max(self.node_runs + P, self.grid_nodes)
+        if need > self.max_runs:
+            raise NotQuadratureError(
+                f"conditionals='quadrature' runs the model of site {self.tokens.name!r} one node at a "
+                f"time (it does not broadcast over the node plate at dim {-self.node_dim}), and this "
+                f"evaluation needs at least {need} model runs (a grid of {self.grid_nodes} nodes, "
+                f"{self.node_runs} runs made so far), more than max_node_runs={self.max_runs}. Write the "
+                f"model so that it broadcasts over extra batch dims on the left ('...' indexing, "
+                f"torch.matmul, .expand) to run the nodes at once; or use fewer nodes (num_nodes= per "
+                f"latent dim, num_nodes**K in all; cache_elements= keeps a larger table from being "
+                f"rerun at each pass); or pass max_node_runs=<n> to accept about one model run per "
+                f"node; or use {ALTERNATIVES}."
+            )
+        self.node_runs += P
 
     def _trace(self, u, compact, plate=True):
         dim = self.node_dim if plate else None
@@ -167,6 +201,7 @@ class NodeRunner:
 
         def attempt(mode):
             if mode == "per_node":
+                self._spend(u.shape[0])
                 parts = [self._run(u[p], compact=False, plate=False) for p in range(u.shape[0])]
                 return torch.cat([lp for lp, _ in parts]), torch.cat([t for _, t in parts])
             return self._run(u, compact=mode == "compact")

@@ -87,6 +87,12 @@ def _():
     MaskedPretrainingLoss(conditionals="quadrature").loss(_mm_model, None, _x())
 
 
+@trigger("quadrature-node-runs")
+def _():
+    quad = QuadratureConditionals(num_nodes=100, adaptive=False, min_ess=None, max_node_runs=50)
+    MaskedPretrainingLoss(conditionals=quad).loss(_mm_model, None, _x())
+
+
 @trigger("quadrature-model-does-not-broadcast")
 def _():
     def model(x):
