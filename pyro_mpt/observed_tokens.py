@@ -118,21 +118,21 @@ class ObservedTokens(TokenLayout):
         return trace
 
 
-def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=False, plates_as_event=False,
+def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=False,
                        consequence="log p(x_i) does not factorize over datapoints"):
     """Raise ``error`` unless latent ``site`` is local to each datapoint.
 
-    Per-datapoint masked conditionals need every latent inside exactly the data
-    plates of the observed site: a latent outside them is shared by all
-    datapoints (``log p(x_i)`` no longer factorizes), and one in an extra plate
-    has batch dims the tokens lack.
+    Per-datapoint masked conditionals need every latent inside every data
+    plate of the observed site: a latent outside one is shared by all
+    datapoints (``log p(x_i)`` no longer factorizes). A latent in a plate that
+    is neither a data nor a token plate of the observed site (``pyro.plate("k",
+    K)`` around a datapoint's latent dims) is local: every engine takes such a
+    plate's elements as elements of the datapoint's latent (its dims as event
+    dims, :func:`~pyro_mpt.conditionals.plate_runs.latent_layout`; enumerated
+    jointly by the enumeration engine; summed by the sampling engines).
 
-    :param bool allow_extra_plates: accept latents in plates the observed site
-        lacks (engines that sum them per datapoint).
-    :param bool plates_as_event: accept latents in plates that are neither
-        data nor token plates of the observed site (engines that take such a
-        plate's dims as event dims of the latent,
-        :func:`~pyro_mpt.conditionals.plate_runs.latent_layout`).
+    :param bool allow_extra_plates: accept latents in the observed site's token
+        plates too (engines that sum them per datapoint).
     :param str consequence: what a shared latent breaks, for the message.
     """
     obs_frames = {f for f in tokens.data_frames if f.size > 1}
@@ -163,14 +163,6 @@ def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=Fal
             f"linear-Gaussian, conditionals='importance' (or Evidence(method='importance')) "
             f"otherwise; or integrate it out in the observation (a Normal per-token offset "
             f"adds its variance to the noise)."
-        )
-    extra = own - obs_frames
-    if extra and not (allow_extra_plates or plates_as_event):
-        plates = ", ".join(repr(f.name) for f in extra)
-        raise error(
-            f"Latent site {name!r} sits in plate(s) {plates} that observed site "
-            f"{tokens.name!r} lacks; declare a datapoint's latent dims as event "
-            f"dims instead, e.g. dist.Normal(0, 1).expand([K]).to_event(1)."
         )
 
 

@@ -5,7 +5,11 @@ When every latent of a datapoint is discrete with finite support --
 data plate, with or without ``@config_enumerate``, also with event dims such as
 binary features ``Bernoulli(p).expand([L]).to_event(1)``, whose joint support is
 the :math:`2^L` value vectors (Pyro enumerates no ``Independent``; this engine
-does) -- and the tokens are
+does), or written as a plate of their own, ``pyro.plate("features", L)`` inside
+the data plate (Pyro would enumerate each element apart; this engine enumerates
+the :math:`2^L` arrays jointly, so the model must keep the plate's dim where it
+reads them, e.g. ``(f.unsqueeze(-1) * W.unsqueeze(-2)).sum(-3, keepdim=True)``) --
+and the tokens are
 independent given them, the model is a finite mixture over the latents' joint
 support :math:`\mathcal Z = \mathcal Z_1 \times \dots \times \mathcal Z_L`:
 
@@ -62,6 +66,7 @@ import pyro.distributions as dist
 from pyro.poutine.messenger import Messenger
 
 from ..observed_tokens import check_local_latent
+from ..token_site import vectorized_frames
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_factorized, compact, unwrap
 from .gaussian_marginal import gaussian_marginal
@@ -77,22 +82,60 @@ def _support_size(fn):
     return int(fn.enumerate_support(expand=False).shape[0])
 
 
-class _ProductSupport(dist.Independent):
-    """A discrete site with event dims, ``Bernoulli(p).to_event(1)``, whose joint support is
-    the product of its elements' supports: Pyro enumerates no ``Independent``, this one
-    enumerates all ``m ** E`` value vectors (``m`` values per element, ``E`` elements)."""
+class _JointSupport(dist.TorchDistribution):
+    """A discrete latent whose elements are enumerated jointly: the elements of its event
+    dims (``Bernoulli(p).to_event(1)``: Pyro enumerates no ``Independent``) and of the plates
+    it sits in that the observation lacks (binary features written as
+    ``pyro.plate("features", L)``: Pyro enumerates a plate's elements one by one, which the
+    observation, reading all of them, does not allow). Its support is every array of element
+    values, ``m ** E`` of them (``m`` values per element, ``E`` elements); those plate dims
+    have size one in its batch shape, and :meth:`log_prob` sums over them.
 
+    :param fn: the site's distribution, broadcast to its plates.
+    :param tuple plate_dims: the dims of ``fn.batch_shape`` (negative) to enumerate jointly.
+    """
+
+    arg_constraints = {}
     has_enumerate_support = True
 
+    def __init__(self, fn, plate_dims=()):
+        self.fn = fn
+        self.plate_dims = tuple(plate_dims)
+        nb = len(fn.batch_shape)
+        # the value's shape (without the enumeration dim): the plates' sizes, 1 at the other batch dims
+        self.layout = torch.Size(fn.batch_shape[i] if i - nb in self.plate_dims else 1 for i in range(nb))
+        super().__init__(torch.Size(1 if i - nb in self.plate_dims else b for i, b in enumerate(fn.batch_shape)),
+                         fn.event_shape, validate_args=False)
+
+    @property
+    def support(self):
+        return self.fn.support
+
     def enumerate_support(self, expand=True):
-        base = self.base_dist
-        values = base.enumerate_support(expand=False).reshape(-1)  # the m values of one element
-        E = math.prod(self.event_shape)
-        index = torch.cartesian_prod(*[torch.arange(values.shape[0], device=values.device)] * E)
-        support = values[index.reshape(-1, E)].reshape((-1,) + (1,) * len(self.batch_shape) + self.event_shape)
+        fn = self.fn
+        if fn.has_enumerate_support:
+            # an element is one native value (a one-hot vector of OneHotCategorical)
+            values = fn.enumerate_support(expand=False)
+            cell = tuple(fn.event_shape)
+            values = values.reshape((values.shape[0],) + cell)
+            layout = tuple(self.layout)
+        else:
+            values = unwrap(fn)[0].enumerate_support(expand=False).reshape(-1)
+            cell = ()
+            layout = tuple(self.layout) + tuple(fn.event_shape)
+        E = math.prod(layout)
+        index = torch.cartesian_prod(*[torch.arange(values.shape[0], device=values.device)] * E).reshape(-1, E)
+        support = values[index].reshape((-1,) + layout + cell)
         if expand:
-            support = support.expand((support.shape[0],) + self.batch_shape + self.event_shape)
+            support = support.expand((support.shape[0],) + self.fn.batch_shape + self.event_shape)
         return support
+
+    def log_prob(self, value):
+        lp = self.fn.log_prob(value)
+        for d in self.plate_dims:
+            if lp.dim() >= -d:
+                lp = lp.sum(d, keepdim=True)
+        return lp
 
 
 def _event_discrete(fn):
@@ -111,26 +154,34 @@ def _enumerable(fn):
     return fn.has_enumerate_support or _event_discrete(fn) is not None
 
 
-def _joint_support_size(fn):
-    """Values of a latent's joint support (``m ** E`` for a discrete site with event dims)."""
+def _extra_plates(tokens, site):
+    """``{dim: size}`` of the plates of latent ``site`` that are neither data nor token plates
+    of the observed site: a datapoint's latent elements, enumerated jointly (:class:`_JointSupport`)."""
+    data = {f.name for f in tokens.data_frames} | set(tokens.token_plates)
+    return {f.dim: f.size for f in vectorized_frames(site, 2) if f.name not in data}
+
+
+def _joint_support_size(fn, plates):
+    """Values of a latent's joint support: ``m ** E`` over its ``E`` elements (the plates'
+    elements times the event's, or its native values per plate element)."""
+    elements = math.prod(plates.values())
     if fn.has_enumerate_support:
-        return _support_size(fn)
+        return _support_size(fn) ** elements
     base, _ = _event_discrete(fn)
-    return _support_size(base) ** math.prod(fn.event_shape)
+    return _support_size(base) ** (elements * math.prod(fn.event_shape))
 
 
-class _EnumerableEvents(Messenger):
-    """Give the named discrete sites with event dims a :class:`_ProductSupport`, so that
-    ``poutine.enum`` enumerates their joint support."""
+class _JointEnumeration(Messenger):
+    """Give the named discrete sites a :class:`_JointSupport` over their event dims and the
+    given plate dims, so that ``poutine.enum`` enumerates their joint support."""
 
-    def __init__(self, names):
+    def __init__(self, plates):
         super().__init__()
-        self.names = names
+        self.plates = plates  # {name: (dim, ...)}
 
     def _pyro_sample(self, msg):
-        if msg["name"] in self.names and not msg["is_observed"]:
-            base, reinterpreted = _event_discrete(msg["fn"])
-            msg["fn"] = _ProductSupport(base, reinterpreted)
+        if msg["name"] in self.plates and not msg["is_observed"]:
+            msg["fn"] = _JointSupport(msg["fn"], self.plates[msg["name"]])
 
 
 @dataclass
@@ -238,8 +289,9 @@ class EnumerateConditionals(ConditionalEngine):
                        "continuous latents only)." if fn.support.is_discrete
                        else "conditionals='quadrature' or 'importance'.")
                 )
-            check_local_latent(tokens, site, EngineNotApplicable, consequence=f"{_WHO} cannot sum it per datapoint")
-            sizes[site["name"]] = _joint_support_size(fn)
+            check_local_latent(tokens, site, EngineNotApplicable,
+                               consequence=f"{_WHO} cannot sum it per datapoint")
+            sizes[site["name"]] = _joint_support_size(fn, _extra_plates(tokens, site))
         if continuous:
             order = list(tokens.latent_names)
             late = [k for k in sizes if order.index(k) > min(order.index(c) for c in continuous)]
@@ -281,10 +333,13 @@ class EnumerateConditionals(ConditionalEngine):
         configured = poutine.infer_config(
             replayed, lambda msg: {"enumerate": "parallel"} if msg["name"] in names else {}
         )
-        events = {site["name"] for site in tokens.latent_sites() if site["name"] in names
-                  and not site["fn"].has_enumerate_support}
-        if events:
-            configured = _EnumerableEvents(events)(configured)
+        joint = {}
+        for site in tokens.latent_sites():
+            plates = _extra_plates(tokens, site)
+            if site["name"] in names and (plates or not site["fn"].has_enumerate_support):
+                joint[site["name"]] = tuple(plates)
+        if joint:
+            configured = _JointEnumeration(joint)(configured)
         try:
             trace = poutine.trace(poutine.enum(configured, first_available_dim=-(mpn + 1))).get_trace(*args, **kwargs)
         except Exception as e:  # the user's model fails on enumerated values: say how to fix it

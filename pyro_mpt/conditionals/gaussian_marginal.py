@@ -142,7 +142,7 @@ def _latent_kind(tokens, site):
     base, _ = unwrap(site["fn"])
     if affine_normal(base) is not None:
         # TransformedDistribution(Normal, [AffineTransform]): a Normal
-        check_local_latent(tokens, site, NotLinearGaussianError, plates_as_event=True)
+        check_local_latent(tokens, site, NotLinearGaussianError)
         return "normal"
     if not isinstance(base, (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNormal)):
         raise NotLinearGaussianError(
@@ -151,7 +151,7 @@ def _latent_kind(tokens, site):
             f"conditionals='quadrature' (low-dimensional latents) or "
             f"'importance'."
         )
-    check_local_latent(tokens, site, NotLinearGaussianError, plates_as_event=True)
+    check_local_latent(tokens, site, NotLinearGaussianError)
     return "normal" if isinstance(base, dist.Normal) else "mvn"
 
 

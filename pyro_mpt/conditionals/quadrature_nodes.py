@@ -74,7 +74,7 @@ def _latent_kind(tokens, site):
             f"{name!r} is discrete ({kind_name}). Sum it out in the model, or use "
             f"{ALTERNATIVES}."
         )
-    check_local_latent(tokens, site, NotQuadratureError, plates_as_event=True)
+    check_local_latent(tokens, site, NotQuadratureError)
     if isinstance(base, dist.Normal):
         kind = "normal"
     elif isinstance(base, (dist.MultivariateNormal, dist.LowRankMultivariateNormal)):

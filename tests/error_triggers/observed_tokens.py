@@ -69,17 +69,6 @@ def _():
     MaskedPretrainingLoss(conditionals="gaussian").loss(_global_latent_model, None, _x())
 
 
-@trigger("sites-latent-extra-plate")
-def _():
-    def model(x):
-        with pyro.plate("data", x.shape[0]):
-            with pyro.plate("k", 2):
-                z = pyro.sample("z", dist.Bernoulli(0.5))
-            pyro.sample("x", dist.Normal(z.sum(0, keepdim=True).T.expand(-1, 3), 1.0).to_event(1), obs=x)
-
-    # the Gaussian and quadrature engines take plate "k" as event dims of z; enumeration refuses it
-    MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, _x())
-
 def _plates_only(x):
     """Tokens in a plate, no latent: the plates alone do not say which runs over tokens."""
     with pyro.plate("data", x.shape[0], dim=-2), pyro.plate("tokens", x.shape[1], dim=-1):
