@@ -50,7 +50,8 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
         diagnostics hold ``num_nodes``, ``error_nodes``, ``coarse`` (the coarser
         estimate), ``reference`` (the adaptive value, prior-centred grids only,
         else None), ``ess`` and ``axis_ess`` (effective nodes in all and per
-        latent axis, ``(n,)`` and ``(n, K)``) and ``adaptive``.
+        latent axis), each with the observed site's batch shape (``axis_ess``
+        with the latent axis last), and ``adaptive``.
     """
     options = dict(evidence.options)
     tol = options.pop("tol", None)
@@ -109,13 +110,20 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
             f"more nodes (num_nodes=...)"
             f"{'' if engine.adaptive else ' or adaptive=True'}."
         )
+    # per-datapoint diagnostics in the site's batch shape, like the value they describe
+    # (flat, a (n, 1) batch minus its (n,) coarse estimate broadcast to (n, n))
+    def unflat(t, trailing=False):
+        if t is None:  # no latent: no nodes to count
+            return None
+        return tokens.unflatten(t.movedim(0, -1)).movedim(0, -1) if trailing else tokens.unflatten(t)
+
     diagnostics = {
         "num_nodes": m,
         "error_nodes": int(error_nodes),
-        "coarse": coarse,
-        "reference": reference,
-        "ess": state.ess,
-        "axis_ess": state.axis_ess,
+        "coarse": unflat(coarse),
+        "reference": unflat(reference),
+        "ess": unflat(state.ess),
+        "axis_ess": unflat(state.axis_ess, trailing=True),
         "adaptive": engine.adaptive,
     }
     return EvidenceResult(value, error, diagnostics)
