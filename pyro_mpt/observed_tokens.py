@@ -215,9 +215,15 @@ def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
     (:mod:`~pyro_mpt.point_latents`): their scale weights their log-prior
     term, as in Pyro.
 
+    A mask on a latent (``poutine.mask``, ``dist.mask``) is a scale of 0 or 1:
+    it may leave a latent out only at datapoints whose tokens are all missing
+    too (a mask around the whole datapoint); masked at a datapoint with
+    observed tokens, it is refused likewise.
+
     :param ObservedTokens tokens: the traced tokens (latents integrated out).
     :param str who: the caller, named in the message.
-    :raises ValueError: naming the latent, its scale and the observed site's.
+    :raises ValueError: naming the latent, its scale (or the datapoints its mask
+        drops) and the observed site's.
 
     Example::
 
@@ -237,6 +243,32 @@ def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
             f"scale the loss, scale the observed site alone or the whole model "
             f"(poutine.scale(model, scale=s)); for a beta-weighted ELBO use Trace_ELBO."
         )
+    seen = None
+    for site in tokens.latent_sites():
+        kept = _observed_mask(site)
+        if kept is None:
+            continue
+        if seen is None:
+            # the datapoints with at least one observed token, in the plates' layout
+            seen = torch.ones(tokens.num_data, dtype=torch.bool, device=kept.device)
+            if tokens.observed is not None:
+                seen = tokens.observed.any(-1).to(kept.device)
+            seen = seen.reshape(tokens.batch_shape)
+        event = len(site["fn"].event_shape)
+        kept = kept.flatten(-event).all(-1) if event else kept
+        try:
+            dropped = int((~kept & seen).sum())
+        except RuntimeError:  # the latent's plates do not line up with the datapoints'
+            dropped = int((~kept).sum())
+        if dropped:
+            raise ValueError(
+                f"{who}: latent site {site['name']!r} is masked (poutine.mask or dist.mask) at "
+                f"{dropped} element(s) of datapoints whose tokens at observed site {tokens.name!r} "
+                f"are observed. The estimate integrates {site['name']!r} out: log p(x_i) has no term "
+                f"for a mask on a latent alone to drop, so the mask would be ignored. Mask the "
+                f"observation too (poutine.mask around the latent and the observation, or obs_mask=) "
+                f"to leave those datapoints out, or remove the mask."
+            )
 
 
 def _describe(scale):

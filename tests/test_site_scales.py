@@ -120,3 +120,30 @@ def test_a_scale_on_a_point_mass_global_weights_its_log_prior():
                + 0.5 * norm.logpdf(9.0, 0.0, 10.0))
     assert abs(ref - closed) < 1e-10 * abs(closed)
     assert abs(got - closed) < 1e-10 * abs(closed)
+
+
+def test_a_mask_on_a_latent_alone_is_refused_and_a_mask_on_the_datapoint_drops_it():
+    """poutine.mask (or dist.mask) on the latent alone was ignored like a scale (the loss equal
+    to the unmasked one, 39.72 here); around the latent and its observation it leaves the
+    datapoint out: the loss is -sum of log N(x_i; 0, W W^T + sigma^2 I) over the kept ones."""
+    W, x = _data()
+    keep = torch.tensor([True, False, True, True, False, True])
+
+    def model(mask_latent, mask_obs, dist_mask=False):
+        def fn(x):
+            with pyro.plate("data", x.shape[0]):
+                prior = dist.Normal(torch.zeros((), dtype=x.dtype), 1.0).expand([K]).to_event(1)
+                with poutine.mask(mask=keep if mask_latent and not dist_mask else True):
+                    z = pyro.sample("z", prior.mask(keep) if dist_mask else prior)
+                with poutine.mask(mask=keep if mask_obs else True):
+                    pyro.sample("x", dist.Normal(z @ W.T, SIGMA).to_event(1), obs=x)
+        return fn
+
+    loss = MaskedPretrainingLoss(conditionals="gaussian", masks="exhaustive")
+    for dist_mask in (False, True):
+        with pytest.raises(ValueError, match=r"latent site 'z' is masked .* at 2 element\(s\) .*Mask the observation too"):
+            loss.loss(model(True, False, dist_mask), None, x)
+    want = -_exact(W, x)[keep.numpy()].sum()
+    for engine in ["gaussian", "quadrature"]:
+        got = MaskedPretrainingLoss(conditionals=engine, masks="exhaustive").loss(model(True, True), None, x)
+        assert abs(got - want) < 1e-8 * abs(want)

@@ -64,6 +64,17 @@ def _():
     MaskedPretrainingLoss().loss(annealed, None, _x())
 
 
+@trigger("sites-latent-mask")
+def _():
+    def masked(x):
+        with pyro.plate("data", x.shape[0]):
+            with poutine.mask(mask=torch.tensor([True, False, True, True])):
+                z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(z.expand(-1, 3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss().loss(masked, None, _x())
+
+
 @trigger("sites-global-latent")
 def _():
     MaskedPretrainingLoss(conditionals="gaussian").loss(_global_latent_model, None, _x())
