@@ -39,6 +39,7 @@ is dropped, which changes the model. :func:`trace_tokens` refuses such a model
 unless ``extra_sites="drop"`` asks for exactly that computation.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -190,12 +191,17 @@ def user_scale(site):
 def _same_scale(a, b):
     """Whether two user scales (tensors or numbers) agree wherever they broadcast together,
     to the rounding of the products that formed them."""
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    tol = 64 * torch.finfo(torch.float32).eps
+    if not torch.is_tensor(a) and not torch.is_tensor(b):
+        return math.isclose(float(a), float(b), rel_tol=tol, abs_tol=0.0)
+    ref = a if torch.is_tensor(a) else b  # numbers join it on its device, none on the default one
+    dtype = ref.dtype if ref.is_floating_point() else torch.float32
+    a, b = (torch.as_tensor(t, dtype=dtype, device=ref.device) for t in (a, b))
     try:
-        a, b = torch.broadcast_tensors(a, b.to(a.device))
+        a, b = torch.broadcast_tensors(a, b)
     except RuntimeError:
         return False
-    return bool(torch.isclose(a, b, rtol=64 * torch.finfo(torch.float32).eps, atol=0.0).all())
+    return bool(torch.isclose(a, b, rtol=tol, atol=0.0).all())
 
 
 def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
@@ -273,7 +279,8 @@ def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
 
 def _describe(scale):
     """A scale for a message: the number, or its range when it varies."""
-    scale = torch.as_tensor(scale, dtype=torch.float64)
+    if not torch.is_tensor(scale):
+        return f"{float(scale):g}"
     lo, hi = float(scale.min()), float(scale.max())
     return f"{lo:g}" if lo == hi else f"{lo:g} to {hi:g}"
 
