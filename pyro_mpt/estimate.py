@@ -153,9 +153,11 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
         into groups of ``max_elements`` over the engine's working set per
         query (:meth:`~pyro_mpt.conditionals.ConditionalEngine.weighted_sum_elements`),
         each one :meth:`~pyro_mpt.conditionals.ConditionalEngine.weighted_mask_sum`
-        call, when that working set is below ``n * D`` (otherwise the blocks
-        are evaluated as the schedule yields them, so that a sampling engine
-        draws as it did).
+        call, when that working set differs from ``n * D``: below it, fewer and
+        larger groups; above it (per-mask factors larger than the data, e.g. one
+        datapoint of many tokens), smaller ones. At ``n * D`` the blocks are
+        evaluated as the schedule yields them, so that a sampling engine draws
+        as it did.
     :param ~pyro_mpt.curve.CurveAccumulator accumulator: when given, every
         query's score is also added to it by size (for curves).
     :param str progress: a progress-bar label, or None for no bar.
@@ -181,9 +183,11 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
             accumulator.add(shat, size)
         return estimate
     per_query = max(1, int(engine.weighted_sum_elements(state, x)))
-    if per_query < x.shape[0] * x.shape[1]:
+    if per_query != x.shape[0] * x.shape[1]:
         # the engine's weighted sum needs less than the n * D per query the
-        # schedule chunked by: fewer, larger groups
+        # schedule chunked by: fewer, larger groups; or more (per-mask factors
+        # larger than the data, e.g. one datapoint of many tokens): smaller
+        # ones, so that no group keeps more than max_elements for the backward pass
         blocks = _merged(blocks, max(1, max_elements // per_query))
     for k, item in enumerate(blocks):
         # the first item keeps its intermediates: one item's worth, no

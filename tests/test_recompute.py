@@ -6,6 +6,8 @@ checkpointing, so that the intermediates of all blocks are not alive together fo
 ``block_scores`` in a plain loop, with every intermediate kept (no recomputation).
 """
 
+import math
+
 import pytest
 import torch
 import pyro
@@ -207,3 +209,84 @@ def test_kept_row_pieces_stay_within_their_bound_of_the_mask_bits():
 
     grown = run(12) - run(2)  # ten blocks of one mask per datapoint more
     assert 10 * n * (bits + pieces - 1) <= grown <= 10 * n * (bits + pieces + 2 * x.element_size())
+
+
+def _one_datapoint_regression(D=36, P=11, seed=4):
+    """Bayesian linear regression written the Pyro way: global weights, D responses in
+    the data plate, scored as one datapoint of D tokens (``token_plates=("data",)``).
+    Its marginal is N(0, tau^2 X X^T + sigma^2 I): rank P over D tokens."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(D, P, generator=g, dtype=torch.float64)
+    y = X @ torch.randn(P, generator=g, dtype=torch.float64) + 0.7 * torch.randn(D, generator=g, dtype=torch.float64)
+
+    def blr(X, y):
+        tau = pyro.param("tau", torch.tensor(0.8, dtype=torch.float64), constraint=constraints.positive)
+        sigma = pyro.param("sigma", torch.tensor(0.6, dtype=torch.float64), constraint=constraints.positive)
+        w = pyro.sample("w", dist.Normal(torch.zeros(P, dtype=torch.float64), tau).to_event(1))
+        with pyro.plate("data", D):
+            pyro.sample("y", dist.Normal((X * w).sum(-1), sigma), obs=y)
+
+    blr(X, y)  # registers the params
+    return blr, X, y
+
+
+def _loop_loss(X, y, blocks):
+    """The schedule's loss by conditioning the dense covariance on each mask's context,
+    in numpy (value) and torch (the same loop, for its gradient in tau and sigma)."""
+    import numpy as np
+
+    tau_u, sigma_u = (pyro.get_param_store().get_param(k).unconstrained() for k in ("tau", "sigma"))
+    tau, sigma = tau_u.exp(), sigma_u.exp()  # constraints.positive: exp of the unconstrained value
+    S = tau**2 * X @ X.T + sigma**2 * torch.eye(len(y), dtype=X.dtype)
+    Sn, yn = S.detach().numpy(), y.numpy()
+    value, total = 0.0, 0.0
+    for block in blocks:
+        for mask, size, weight in zip(block.masks()[:, 0], block.size[:, 0], block.weight[:, 0]):
+            t, c = mask.numpy(), ~mask.numpy()
+            coef = float(weight) / int(size)
+            B = np.linalg.solve(Sn[np.ix_(c, c)], Sn[np.ix_(c, t)])
+            mean, var = B.T @ yn[c], np.diag(Sn[np.ix_(t, t)]) - np.einsum("ct,ct->t", Sn[np.ix_(c, t)], B)
+            value -= coef * (-0.5 * (np.log(2 * np.pi * var) + (yn[t] - mean) ** 2 / var)).sum()
+            tm, cm = mask, ~mask
+            Bt = torch.linalg.solve(S[cm][:, cm], S[cm][:, tm])
+            m_t, v_t = Bt.T @ y[cm], S[tm][:, tm].diagonal() - (S[cm][:, tm] * Bt).sum(0)
+            total = total - coef * (-0.5 * (torch.log(2 * math.pi * v_t) + (y[tm] - m_t) ** 2 / v_t)).sum()
+    return value, torch.autograd.grad(total, [tau_u, sigma_u])
+
+
+@pytest.mark.parametrize("P, method", [(11, "lowrank"), (3, "lowrank"), (11, "dense")])
+def test_one_datapoint_of_many_tokens_saves_one_group_and_meets_the_loop(P, method):
+    """One datapoint of D tokens, masks="all": each mask's factors ((D, R) loading rows or
+    (D, D) covariance blocks) outgrow its n * D = D conditionals, so the engine declares
+    them (GaussianConditionals.weighted_sum_elements) and the schedule's one block is
+    split into groups recomputed in the backward pass: saved memory near one group's
+    chunk_size, not the whole schedule's (Pyro's radon model, D = 1000 houses, 85
+    counties: 2.9 GB -> 0.47 GB peak). Loss and gradients against the numpy/torch loop
+    over the masks."""
+    pyro.clear_param_store()
+    model, X, y = _one_datapoint_regression(P=P)
+    D = len(y)
+    torch.manual_seed(2)
+    blocks = list(AllSizes(1).blocks(1, D, max_elements=2**30))
+    expected, expected_grads = _loop_loss(X, y, blocks)
+
+    def run(chunk):
+        loss = MaskedPretrainingLoss(conditionals=GaussianConditionals(method), masks=Replay(blocks),
+                                     token_plates=("data",), chunk_size=chunk)
+        params = [pyro.get_param_store().get_param(k).unconstrained() for k in ("tau", "sigma")]
+        saved, value = saved_bytes(lambda: loss.differentiable_loss(model, None, X, y))
+        return saved, value, torch.autograd.grad(value, params)
+
+    from pyro_mpt.conditionals.gaussian_shared import shared_sums_elements
+
+    chunk = 4 * shared_sums_elements(1, D, P if method == "lowrank" else None)  # four masks a group
+    saved, value, grads = run(chunk)
+    whole, value_whole, _ = run(2**40)
+    assert abs(value.item() - expected) <= 1e-8 * abs(expected)
+    assert abs(value_whole.item() - expected) <= 1e-8 * abs(expected)
+    for g, e in zip(grads, expected_grads):
+        assert abs(g.item() - e.item()) <= 1e-8 * max(1.0, abs(e.item()))
+    # one group's worth (its declared elements, 8 bytes each, with slack for the
+    # checkpoints' inputs), where the whole schedule in one group saves several times more
+    assert saved <= 2 * chunk * 8
+    assert whole > 3 * saved

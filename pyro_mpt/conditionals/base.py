@@ -216,7 +216,9 @@ class ConditionalEngine(ABC):
         this many queries, one :meth:`weighted_mask_sum` call each. The
         default, ``n * D``, is the size of one query's table of conditionals;
         an engine whose working set per query does not grow with the data
-        declares less, and gets fewer, larger groups.
+        declares less, and gets fewer, larger groups; one whose per-query
+        factors outgrow the data (one datapoint of many tokens) declares
+        more, and gets smaller groups, each recomputed in the backward pass.
 
         :returns: int.
         """

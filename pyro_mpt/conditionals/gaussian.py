@@ -66,6 +66,7 @@ from .gaussian_shared import (
     lowrank_shared_data,
     lowrank_shared_sums,
     lowrank_shared_sums_embedded,
+    shared_sums_elements,
 )
 from .plate_runs import RunMemory
 from .gaussian_marginal import GaussianMarginal, gaussian_marginal
@@ -429,9 +430,19 @@ class GaussianConditionals(ConditionalEngine):
 
     def weighted_sum_elements(self, state, x):
         aggregated, R = self._aggregated_rank(state, x)
-        if not aggregated:
-            return super().weighted_sum_elements(state, x)
-        return aggregated_elements(x.shape[-1], R)
+        if aggregated:
+            return aggregated_elements(x.shape[-1], R)
+        n, D = x.shape
+        per_query = n * D
+        if not isinstance(state, BlockGaussianState):
+            # the per-mask factors of the shared-mask sums (a mask's (D, R) loading rows or
+            # (D, D) covariance blocks) outgrow the n * D of its conditionals when the
+            # data are few against the tokens (one datapoint of many tokens): declared, so
+            # that mpt_estimate splits such blocks, each recomputed in the backward pass
+            shared = state.cov_factor if state.is_low_rank else state.covariance
+            if shared.shape[0] == 1:
+                per_query = max(per_query, shared_sums_elements(n, D, R=shared.shape[-1] if state.is_low_rank else None))
+        return per_query
 
     def weighted_mask_sum(self, state, x, mask, coef):
         r"""The weighted sum over masks shared by the batch as one quadratic form

@@ -16,6 +16,30 @@ EMBEDDED_MAX_RANK = 8
 SMALL_TABLE = 2**20
 
 
+def shared_sums_elements(n, D, R=None):
+    r"""Elements a mask of the shared-mask sums keeps for the backward pass, for ``n``
+    datapoints of ``D`` tokens, as measured by autograd's saved-tensor hooks (masks of
+    random sizes, ``n`` from 1 to 1000, ``D`` from 50 to 2000): :math:`2nD + 7DR` for
+    :func:`lowrank_shared_sums` (its gathered loading rows, their products and its
+    residual tables), :math:`nD/2 + 5D(R + 1)` for :func:`lowrank_shared_sums_embedded`
+    (:math:`R \le` ``EMBEDDED_MAX_RANK``), :math:`2nD + 5D^2` for
+    :func:`dense_shared_sums` (``R`` None: its covariance blocks and their factors).
+    With few datapoints of many tokens the per-mask factors dominate.
+
+    :returns: int.
+
+    Example::
+
+        >>> shared_sums_elements(1, 1000, 86)   # one datapoint of 1000 tokens, rank 86
+        604000
+    """
+    if R is None:
+        return 2 * n * D + 5 * D * D
+    if R <= EMBEDDED_MAX_RANK:
+        return n * D // 2 + 5 * D * (R + 1)
+    return 2 * n * D + 7 * D * R
+
+
 def shared_groups(mask, n, per_mask):
     r"""Masks ``(q, D)`` shared by the batch, in groups of similar size.
 
