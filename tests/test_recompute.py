@@ -290,3 +290,35 @@ def test_one_datapoint_of_many_tokens_saves_one_group_and_meets_the_loop(P, meth
     # checkpoints' inputs), where the whole schedule in one group saves several times more
     assert saved <= 2 * chunk * 8
     assert whole > 3 * saved
+
+
+def test_importance_evidence_keeps_one_chunk_of_draws_for_its_gradient():
+    """Evidence(method="importance") with several chunks of draws recomputes every chunk
+    after the first in the backward pass: the bytes saved for backward do not grow with
+    num_samples (FA, N = 1000, D = 50, 2000 draws: 1.78 -> 0.94 GB peak RSS), and a value
+    and gradient that are never differentiated cost nothing more. With the exact posterior
+    as the proposal every log-weight is log p(x) as a function of the parameters, so value
+    and gradient equal torch.distributions' LowRankMultivariateNormal (1e-8) through the
+    recomputation."""
+    from pyro_mpt import Evidence
+
+    pyro.clear_param_store()
+    model, x, _ = make_ppca(6, 2, N=5, seed=7)
+    leaves = [pyro.param(k).unconstrained() for k in ("W", "mu", "s")]
+
+    def run(num_samples):
+        torch.manual_seed(3)
+        evidence = Evidence(model, exact_posterior_guide, method="importance", num_samples=num_samples,
+                            chunk_size=2, psis=False)
+        return saved_bytes(lambda: evidence(x).sum())
+
+    few, _ = run(4)
+    many, value = run(12)
+    # four chunks more: their checkpoints' inputs and random states (80 bytes each),
+    # not their graphs (3.5 kB each here)
+    assert 0 <= many - few <= 4 * 128
+    W, mu, s = (pyro.param(k) for k in ("W", "mu", "s"))
+    ref = torch.distributions.LowRankMultivariateNormal(mu, W, s**2 * torch.ones_like(mu)).log_prob(x).sum()
+    assert abs(value.item() - ref.item()) <= 1e-8 * abs(ref.item())
+    for got, want in zip(torch.autograd.grad(value, leaves), torch.autograd.grad(ref, leaves)):
+        assert torch.allclose(got, want, rtol=1e-8, atol=1e-8 * float(want.abs().max()))

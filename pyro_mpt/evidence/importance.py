@@ -14,7 +14,8 @@ biased low by about half its relative variance) and which is exact for any
 :math:`S` when the proposal is the exact posterior. The draws are vectorized
 in a particle plate (``"_mpt_particles"`` at dim
 ``-(max_plate_nesting + 1)``) and chunked over samples (``chunk_size``) to bound
-memory. Every log-density is read per datapoint *without* the minibatch scale;
+memory, with gradients too: the chunks after the first are recomputed in the
+backward pass rather than kept for it. Every log-density is read per datapoint *without* the minibatch scale;
 the scale :math:`s_i` (``N / B`` of a subsampled plate, times any
 ``poutine.scale``) multiplies the per-datapoint log-mean-exp afterwards,
 :math:`\sum_i s_i \log \hat p(x_i)` -- Pyro 1.9's ``RenyiELBO`` applies it
@@ -47,6 +48,7 @@ The proposal must have a density over the model's latents: a point mass (an
 import math
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..conditionals.base import EngineNotApplicable
 from ..conditionals.data_args import refuse_missing
@@ -61,7 +63,7 @@ __all__ = ["importance_log_weights", "importance_evidence"]
 
 def importance_log_weights(
     tokens, model, guide, args, kwargs, num_samples, chunk_size=None, max_elements=2**24, who="importance sampling",
-    instead=None, density_instead="a guide with a density over the latents (e.g. AutoNormal)",
+    instead=None, density_instead="a guide with a density over the latents (e.g. AutoNormal)", recompute=False,
 ):
     r"""Log-weights :math:`\log p(x_i, z_s) - \log r(z_s \mid x_i)`, ``(S, n)``.
 
@@ -75,6 +77,11 @@ def importance_log_weights(
     :param str instead: what to use instead when a guide meets missing tokens,
         named in the message.
     :param str density_instead: what to use instead of a point-mass guide.
+    :param bool recompute: with gradients on, run every chunk after the first under
+        activation checkpointing (recomputed in the backward pass from the same random
+        state, so from the same draws): the graph kept for the backward pass is one
+        chunk's, not ``num_samples``' worth, and a call that is never differentiated
+        pays nothing for it.
     :raises ValueError: when a latent is shared by several datapoints, when
         a guide would read missing tokens, or when the guide is a point mass.
     """
@@ -92,7 +99,13 @@ def importance_log_weights(
         chunk_size = max(1, int(max_elements) // max(1, n * D))
     parts = []
     for start in range(0, num_samples, chunk_size):
-        parts.append(source.log_weights(min(chunk_size, num_samples - start)))
+        rows = min(chunk_size, num_samples - start)
+        if recompute and start > 0 and torch.is_grad_enabled():
+            # the first chunk settles how the model runs (vectorized or one value at a
+            # time, RunMemory), so a recomputation repeats the same runs
+            parts.append(checkpoint(source.log_weights, rows, use_reentrant=False, preserve_rng_state=True))
+        else:
+            parts.append(source.log_weights(rows))
     return torch.cat(parts, 0)
 
 
@@ -152,6 +165,7 @@ def importance_evidence(evidence, tokens, args, kwargs):
         instead="method='exact', 'quadrature' or proposal='prior' (each leaves missing tokens out exactly)",
         density_instead="a guide with a density over the latents (e.g. AutoNormal, or dist.Normal in "
         "place of dist.Delta), proposal='prior', or method='exact' / 'quadrature'",
+        recompute=True,
     )
     S = num_samples
     value = logmeanexp(lw, 0)
