@@ -18,6 +18,7 @@ engines never see a schedule.
 import dataclasses
 import functools
 import inspect
+import itertools
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -182,7 +183,15 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
             estimate = estimate + (weight * shat).sum(0)
             accumulator.add(shat, size)
         return estimate
-    per_query = max(1, int(engine.weighted_sum_elements(state, x)))
+    # the first block's masks, when they are already drawn (drawing them here would
+    # change what a later block draws), tell the engine which of its paths serves them
+    blocks = iter(blocks)
+    first = next(blocks, None)
+    if first is None:
+        return estimate
+    blocks = itertools.chain([first], blocks)
+    drawn = isinstance(first, MaskBlock) and first.mask is not None and _shared(first) is not None
+    per_query = max(1, int(engine.weighted_sum_elements(state, x, _shared(first)[0] if drawn else None)))
     if per_query != x.shape[0] * x.shape[1]:
         # the engine's weighted sum needs less than the n * D per query the
         # schedule chunked by: fewer, larger groups; or more (per-mask factors

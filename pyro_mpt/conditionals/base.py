@@ -208,7 +208,7 @@ class ConditionalEngine(ABC):
         sums = self.mask_sums(state, x, mask.unsqueeze(1))  # (q, n)
         return (coef.to(sums.dtype).unsqueeze(-1) * sums).sum(0)
 
-    def weighted_sum_elements(self, state, x):
+    def weighted_sum_elements(self, state, x, mask=None):
         """Elements of :meth:`weighted_mask_sum`'s working set per query, for tokens ``x``.
 
         :func:`~pyro_mpt.estimate.mpt_estimate` merges the blocks of shared
@@ -220,6 +220,9 @@ class ConditionalEngine(ABC):
         factors outgrow the data (one datapoint of many tokens) declares
         more, and gets smaller groups, each recomputed in the backward pass.
 
+        :param torch.Tensor mask: bool ``(q, D)``, the first block's masks when they
+            are shared by the batch and already drawn, else None: an engine may
+            declare less for masks it serves on a cheaper path.
         :returns: int.
         """
         return x.shape[0] * x.shape[1]

@@ -53,6 +53,7 @@ from .gaussian_dense import dense_chain, dense_log_prob, dense_masks
 from .gaussian_dense_independent import dense_independent_sums
 from .gaussian_independent import lowrank_independent_sums
 from .gaussian_jitter import add_jitter, factor_whole, resume_jitter
+from .gaussian_leave_one_out import dense_leave_one_out, leave_one_out_targets, lowrank_leave_one_out
 from .gaussian_linalg import NotPositiveDefinite, dense_dtype, lowrank_dtype
 from .gaussian_lowrank import (
     lowrank_chain,
@@ -304,6 +305,11 @@ class GaussianConditionals(ConditionalEngine):
             return state.per_datapoint(self._active_blocks(self.mask_sums, state, x, mask, per_token=False))
         x_data, x = x, _to_work(state, x)
         if mask.shape[1] == 1:
+            targets = leave_one_out_targets(mask[:, 0])
+            table = None if targets is None else self._leave_one_out(state, x_data)
+            if table is not None:
+                # queries that each hide one token: one factorization for all of them
+                return table.T[targets]
             # masks shared by the batch: each mask's factor once, the data by batched
             # matrix products over its gathered targets
             shared = state.cov_factor if state.is_low_rank else state.covariance
@@ -393,9 +399,50 @@ class GaussianConditionals(ConditionalEngine):
         """The mask-free pieces of the low-rank shared paths, once per state and
         data (kept on the state: :attr:`GaussianMarginal.data_pieces
         <pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal>`)."""
+        pieces = self._kept(state, x_data)
+        if "eT" not in pieces:
+            pieces.update(lowrank_shared_data(state, x))
+        return pieces
+
+    @staticmethod
+    def _kept(state, x_data):
+        """The dict of what the state keeps for the data ``x_data``
+        (:attr:`GaussianMarginal.data_pieces <pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal>`),
+        emptied for other data."""
         if state.data_pieces is None or state.data_pieces[0] is not x_data:
-            state.data_pieces = (x_data, lowrank_shared_data(state, x))
+            state.data_pieces = (x_data, {})
         return state.data_pieces[1]
+
+    @staticmethod
+    def _serves_leave_one_out(state):
+        """Whether :meth:`_leave_one_out` serves the state: its covariance or loading is
+        shared by the batch, and a low-rank one keeps its digits in its dtype or in
+        float64 (:func:`~pyro_mpt.conditionals.gaussian_aggregated.lowrank_form_dtype`)."""
+        if isinstance(state, BlockGaussianState):
+            return False
+        shared = state.cov_factor if state.is_low_rank else state.covariance
+        if shared.shape[0] != 1:
+            return False
+        return not state.is_low_rank or lowrank_form_dtype(state.cov_factor, state.cov_diag) is not None
+
+    def _leave_one_out(self, state, x_data):
+        """Every leave-one-out conditional, ``(n, D)`` in the data's dtype, of a state
+        whose covariance or loading the batch shares, computed once per state and data
+        (:mod:`~pyro_mpt.conditionals.gaussian_leave_one_out`); None for other states,
+        and for low-rank ones whose pieces lose their digits even in float64."""
+        if not self._serves_leave_one_out(state):
+            return None
+        if "leave_one_out" not in self._kept(state, x_data):
+            if state.is_low_rank:
+                def compute():
+                    form, xf = self._form_state(state, x_data)
+                    return lowrank_leave_one_out(form, self._shared_data(form, x_data, xf))
+
+                table = self._rescued(state, compute).to(x_data.dtype)
+            else:
+                table = _to_data(state, self._rescued(state, lambda: dense_leave_one_out(state, _to_work(state, x_data))))
+            self._kept(state, x_data)["leave_one_out"] = table
+        return self._kept(state, x_data)["leave_one_out"]
 
     def _shared_sums(self, state, x_data, x, mask):
         if not state.is_low_rank:
@@ -428,7 +475,10 @@ class GaussianConditionals(ConditionalEngine):
             return False, None
         return aggregated_cheaper(n, D), None
 
-    def weighted_sum_elements(self, state, x):
+    def weighted_sum_elements(self, state, x, mask=None):
+        if mask is not None and leave_one_out_targets(mask) is not None and self._serves_leave_one_out(state):
+            # the leave-one-out table serves every such query: a row of sums each
+            return x.shape[0]
         aggregated, R = self._aggregated_rank(state, x)
         if aggregated:
             return aggregated_elements(x.shape[-1], R)
@@ -455,6 +505,12 @@ class GaussianConditionals(ConditionalEngine):
         counting the form's one product with the data, which a few masks do
         not repay, see :func:`~pyro_mpt.conditionals.gaussian_aggregated.aggregated_cheaper`);
         else the per-mask sums."""
+        targets = leave_one_out_targets(mask)
+        table = None if targets is None else self._leave_one_out(state, x)
+        if table is not None:
+            # queries that each hide one token: one factorization for all of them
+            weight = torch.zeros(mask.shape[-1], dtype=table.dtype, device=table.device)
+            return table @ weight.index_add(0, targets, coef.to(table.dtype))
         aggregated, R = self._aggregated_rank(state, x)
         if aggregated and R is not None:
             aggregated = aggregated_cheaper(*x.shape, R, masks=mask.shape[0])
