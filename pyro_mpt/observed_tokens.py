@@ -51,7 +51,7 @@ from pyro.poutine.indep_messenger import IndepMessenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
-from .site_checks import check_dtype, check_extra_sites, check_shape, validate_values
+from .site_checks import check_dtype, check_extra_sites, check_integer_data, check_shape, validate_values
 from .token_layout import TokenLayout
 from .token_site import locate_site, sample_sites, site_layout, vectorized_frames
 
@@ -454,6 +454,7 @@ def trace_tokens(
     raw = site["value"]
     check_shape(site, raw)
     check_dtype(site, raw)
+    check_integer_data(site, raw)
     if layout.num_tokens == 0:
         # caught here, before any per-token bookkeeping indexes an empty token axis
         raise ValueError(

@@ -20,6 +20,7 @@ __all__ = [
     "is_factor",
     "check_extra_sites",
     "check_dtype",
+    "check_integer_data",
     "check_shape",
     "support_ok",
     "validate_values",
@@ -102,8 +103,9 @@ def _levels(fn):
         fn = getattr(fn, "base_dist", None)
 
 
-def check_dtype(site, raw):
-    """Refuse an observation that computes in float16 or bfloat16."""
+def _float_dtype(site, raw):
+    """The floating dtype the observation computes in (its data and stored parameters
+    promoted), or None when none of them is floating."""
     tensors = [raw] + [
         v
         for level in _levels(site["fn"])
@@ -113,10 +115,16 @@ def check_dtype(site, raw):
     ]
     floats = [t.dtype for t in tensors if torch.is_floating_point(t)]
     if not floats:
-        return
+        return None
     dtype = floats[0]
     for d in floats[1:]:
         dtype = torch.promote_types(dtype, d)
+    return dtype
+
+
+def check_dtype(site, raw):
+    """Refuse an observation that computes in float16 or bfloat16."""
+    dtype = _float_dtype(site, raw)
     if dtype in (torch.float16, torch.bfloat16):
         name = str(dtype).replace("torch.", "")
         raise ValueError(
@@ -126,6 +134,41 @@ def check_dtype(site, raw):
             f"and {name} keeps too few digits for log-densities summed over tokens. Convert "
             f"the data and the model's parameters, e.g. x.double() and module.double()."
         )
+
+
+#: (distribution class, data dtype, parameters' dtype) whose log_prob took integer data once
+_SCORES_INTEGER_DATA = set()
+
+
+def check_integer_data(site, raw):
+    """Refuse integer or bool data that the observation's ``log_prob`` cannot score.
+
+    torch's Bernoulli (and others) raise a dtype error on int64 or bool values;
+    Trace_ELBO fails the same way, but inside an engine the error names no
+    site and follows a misleading fallback warning. Poisson, Categorical and
+    the like score integers and pass. One ``log_prob`` per distribution class
+    and dtypes decides; values outside the support are left to
+    :func:`validate_values`, which names them.
+    """
+    if torch.is_floating_point(raw) or torch.is_complex(raw):
+        return
+    fn = site["fn"]
+    dtype = _float_dtype(site, raw) or torch.get_default_dtype()
+    key = (type(elementwise(fn)), raw.dtype, dtype)
+    if key in _SCORES_INTEGER_DATA:
+        return
+    try:
+        fn.log_prob(raw)
+    except RuntimeError as e:
+        name = str(raw.dtype).replace("torch.", "")
+        raise ValueError(
+            f"Observed site {site['name']!r} holds {name} data, which its "
+            f"{type(elementwise(fn)).__name__} distribution's log_prob cannot score (torch: {e}). "
+            f"Pass the data as floating point in the model's dtype, e.g. x.to({dtype})."
+        ) from e
+    except ValueError:
+        return  # outside the support: validate_values names the value
+    _SCORES_INTEGER_DATA.add(key)
 
 
 def check_shape(site, raw):

@@ -213,6 +213,16 @@ def _():
     MaskedPretrainingLoss().loss(model, None, x)
 
 
+@trigger("sites-integer-data")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Bernoulli(logits=z[..., None].expand(z.shape + (3,))).to_event(1), obs=x)
+
+    MaskedPretrainingLoss().loss(model, None, torch.tensor([[0, 1, 1], [1, 0, 1]]))
+
+
 @trigger("sites-out-of-support")
 def _():
     def model(x):
