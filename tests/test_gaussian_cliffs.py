@@ -352,6 +352,15 @@ def _numpy_leave_one_out(S, r):
     return -0.5 * (np.log(2 * np.pi * var) + d**2 / var)
 
 
+def _refuse_per_mask_paths(monkeypatch):
+    import pyro_mpt.conditionals.gaussian as gaussian_module
+
+    per_mask = ("lowrank_shared_sums", "lowrank_shared_sums_embedded", "dense_shared_sums", "lowrank_weighted_sum",
+                "dense_weighted_sum", "lowrank_masks", "dense_masks", "dense_independent_sums", "lowrank_independent_sums")
+    for name in per_mask:
+        monkeypatch.setattr(gaussian_module, name, lambda *a, _n=name, **k: pytest.fail(f"{_n}: a per-mask path"))
+
+
 @pytest.mark.parametrize("form", ["counties", "ppca", "dense"])
 def test_pll_takes_one_factorization_for_all_its_queries(form, monkeypatch):
     # masks="pll" hides each token once: one factorization of the covariance gives
@@ -360,8 +369,7 @@ def test_pll_takes_one_factorization_for_all_its_queries(form, monkeypatch):
     # 1000 tokens) 7.3 s a step, now 0.03 s; a GP of 300 points 4.4 -> 0.4 s
     import pyro_mpt.conditionals.gaussian as gaussian_module
 
-    for name in ("lowrank_shared_sums", "lowrank_shared_sums_embedded", "dense_shared_sums", "lowrank_weighted_sum", "dense_weighted_sum"):
-        monkeypatch.setattr(gaussian_module, name, lambda *a, _n=name, **k: pytest.fail(f"{_n}: a per-mask path"))
+    _refuse_per_mask_paths(monkeypatch)
     g = torch.Generator().manual_seed(11)
     f64 = dict(generator=g, dtype=torch.float64)
     if form == "counties":
@@ -440,3 +448,31 @@ def test_pll_takes_one_factorization_for_all_its_queries(form, monkeypatch):
     # score() and the curve's one point (no gradient) take the same table
     score = MaskedPretrainingLoss(masks="pll", **options).score(model, None, *args)
     assert abs(score.sum().item() - want) <= 1e-8 * abs(want)
+
+
+def test_pll_of_a_multi_output_gp_takes_one_factorization_for_all_its_queries(monkeypatch):
+    # GPRegression with outputs y (B, N): B blocks sharing the kernel's N x N factor; a
+    # token's conditional given the rest is the one given the rest of its output. Each
+    # of the B N leave-one-out queries was one block query (B = 3, N = 150: 415 -> 6 ms
+    # a step, float64, one thread)
+    import pyro.contrib.gp as gp
+
+    _refuse_per_mask_paths(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    B, N = 3, 25
+    X = torch.linspace(0, 5, N, dtype=torch.float64)
+    y = torch.sin(X) + 0.3 * torch.randn(B, N, generator=g, dtype=torch.float64)
+    pyro.clear_param_store()
+    gpr = gp.models.GPRegression(X, y, gp.kernels.RBF(1).double(), noise=torch.tensor(0.2, dtype=torch.float64))
+    loss = MaskedPretrainingLoss(masks="pll")
+    params = [gpr.kernel.variance_unconstrained, gpr.kernel.lengthscale_unconstrained, gpr.noise_unconstrained]
+    value = loss.differentiable_loss(gpr.model, lambda: None)
+    grads = torch.autograd.grad(value, params)
+    S = gpr.kernel(X) + (gpr.noise + gpr.jitter) * torch.eye(N, dtype=torch.float64)
+    want = _numpy_leave_one_out(S.detach().numpy(), y.numpy()).sum()
+    assert abs(value.item() + want) <= 1e-8 * abs(want)
+    Ki = torch.linalg.inv(S)
+    var = 1 / torch.diagonal(Ki)
+    ref = -(-0.5 * (torch.log(2 * math.pi * var) + (y @ Ki) ** 2 * var)).sum()
+    for got, exp in zip(grads, torch.autograd.grad(ref, params)):
+        assert abs(got.item() - exp.item()) <= 1e-8 * max(1.0, abs(exp.item()))

@@ -301,15 +301,16 @@ class GaussianConditionals(ConditionalEngine):
         return self._run_chunked(dense_masks, state, x, mask, D * D)
 
     def mask_sums(self, state, x, mask):
+        if mask.shape[1] == 1:
+            targets = leave_one_out_targets(mask[:, 0])
+            table = None if targets is None else self._leave_one_out(state, x)
+            if table is not None:
+                # queries that each hide one token: one factorization for all of them
+                return table.T[targets]
         if isinstance(state, BlockGaussianState):
             return state.per_datapoint(self._active_blocks(self.mask_sums, state, x, mask, per_token=False))
         x_data, x = x, _to_work(state, x)
         if mask.shape[1] == 1:
-            targets = leave_one_out_targets(mask[:, 0])
-            table = None if targets is None else self._leave_one_out(state, x_data)
-            if table is not None:
-                # queries that each hide one token: one factorization for all of them
-                return table.T[targets]
             # masks shared by the batch: each mask's factor once, the data by batched
             # matrix products over its gathered targets
             shared = state.cov_factor if state.is_low_rank else state.covariance
@@ -419,7 +420,7 @@ class GaussianConditionals(ConditionalEngine):
         shared by the batch, and a low-rank one keeps its digits in its dtype or in
         float64 (:func:`~pyro_mpt.conditionals.gaussian_aggregated.lowrank_form_dtype`)."""
         if isinstance(state, BlockGaussianState):
-            return False
+            state = state.inner
         shared = state.cov_factor if state.is_low_rank else state.covariance
         if shared.shape[0] != 1:
             return False
@@ -427,22 +428,30 @@ class GaussianConditionals(ConditionalEngine):
 
     def _leave_one_out(self, state, x_data):
         """Every leave-one-out conditional, ``(n, D)`` in the data's dtype, of a state
-        whose covariance or loading the batch shares, computed once per state and data
+        whose covariance or loading the batch shares (on blocks: every block and
+        datapoint; a token's conditional given the rest is then the one given the rest of
+        its block), computed once per state and data
         (:mod:`~pyro_mpt.conditionals.gaussian_leave_one_out`); None for other states,
         and for low-rank ones whose pieces lose their digits even in float64."""
-        if not self._serves_leave_one_out(state):
+        inner = state.inner if isinstance(state, BlockGaussianState) else state
+        if not self._serves_leave_one_out(inner):
             return None
-        if "leave_one_out" not in self._kept(state, x_data):
-            if state.is_low_rank:
-                def compute():
-                    form, xf = self._form_state(state, x_data)
-                    return lowrank_leave_one_out(form, self._shared_data(form, x_data, xf))
-
-                table = self._rescued(state, compute).to(x_data.dtype)
+        if "leave_one_out" not in self._kept(inner, x_data):
+            if inner is state:
+                table = self._leave_one_out_table(state, x_data)
             else:
-                table = _to_data(state, self._rescued(state, lambda: dense_leave_one_out(state, _to_work(state, x_data))))
-            self._kept(state, x_data)["leave_one_out"] = table
-        return self._kept(state, x_data)["leave_one_out"]
+                table = state.tokens(self._leave_one_out_table(inner, state.rows(x_data)))
+            self._kept(inner, x_data)["leave_one_out"] = table
+        return self._kept(inner, x_data)["leave_one_out"]
+
+    def _leave_one_out_table(self, state, x_data):
+        if state.is_low_rank:
+            def compute():
+                form, xf = self._form_state(state, x_data)
+                return lowrank_leave_one_out(form, self._shared_data(form, x_data, xf))
+
+            return self._rescued(state, compute).to(x_data.dtype)
+        return _to_data(state, self._rescued(state, lambda: dense_leave_one_out(state, _to_work(state, x_data))))
 
     def _shared_sums(self, state, x_data, x, mask):
         if not state.is_low_rank:
