@@ -69,11 +69,8 @@ def _mask_scores(block, engine, state, x):
     if block.context is None:
         sums = engine.mask_sums(state, x, mask)  # (q, n)
     else:
-        # tokens outside the context (missing ones) go to the engine as masked,
-        # so that none is conditioned on, and are left out of the sums
-        logc = engine.mask_log_prob(state, x, mask | ~block.context)
-        zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
-        sums = torch.where(mask, logc, zero).sum(-1)
+        # tokens outside the context (missing ones) are neither conditioned on nor summed
+        sums = engine.mask_sums_within(state, x, mask, block.context)
     shat = sums / block.size.to(sums.dtype).clamp_min(1)
     if block.gain is not None:
         gain = block.gain.to(sums.dtype)
@@ -293,7 +290,7 @@ def _block_estimate(block, engine, state, x, recompute=True):
     """
     if recompute and torch.is_grad_enabled() and isinstance(block, MaskBlock):
         mask = block.masks()
-        if block.context is None and engine.recomputes_mask_sums(state, x, mask):
+        if engine.recomputes_mask_sums(state, x, mask, block.context):
             # the engine's backward pass recomputes its tables itself: checkpointing
             # would only evaluate the block twice
             return _weighted_sum(dataclasses.replace(block, mask=mask, draw=None), engine, state, x)

@@ -476,3 +476,71 @@ def test_pll_of_a_multi_output_gp_takes_one_factorization_for_all_its_queries(mo
     ref = -(-0.5 * (torch.log(2 * math.pi * var) + (y @ Ki) ** 2 * var)).sum()
     for got, exp in zip(grads, torch.autograd.grad(ref, params)):
         assert abs(got.item() - exp.item()) <= 1e-8 * max(1.0, abs(exp.item()))
+
+
+def test_missing_tokens_with_masks_per_datapoint_take_the_independent_sums(monkeypatch):
+    # missing tokens (dist.mask) make a datapoint's context its observed tokens: the
+    # queries went through the per-(mask, datapoint) conditionals (lowrank_masks, a
+    # (q, n, D) table and its graph per block, checkpointed); the independent sums
+    # take them, hiding the missing tokens and summing the targets alone. PPCA N=1000,
+    # D=200, K=5, 10 % missing, masks='all', one thread: 9.5 -> 3.2 s, peak RSS 1.56 ->
+    # 0.59 GB
+    import pyro_mpt.conditionals.gaussian as gaussian_module
+    from pyro_mpt.masks import AllSizes, MaskSchedule
+
+    monkeypatch.setattr(gaussian_module, "lowrank_masks", lambda *a, **k: pytest.fail("lowrank_masks: per (mask, datapoint)"))
+    g = torch.Generator().manual_seed(21)
+    n, D, K = 7, 9, 2
+    W0 = torch.randn(D, K, generator=g, dtype=torch.float64)
+    x = torch.randn(n, D, generator=g, dtype=torch.float64)
+    observed = torch.rand(n, D, generator=g) > 0.3
+    observed[0] = True  # one datapoint without missing tokens
+
+    def ppca(x):
+        W = pyro.param("W", W0.clone())
+        s = pyro.param("s", torch.tensor(0.6, dtype=torch.float64), constraint=dist.constraints.positive)
+        with pyro.plate("data", n):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=torch.float64), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, s).mask(observed).to_event(1), obs=x)
+
+    torch.manual_seed(4)
+    blocks = list(AllSizes(2).blocks(n, D, max_elements=3 * n * D, observed=observed))
+    for b in blocks:
+        b.mask, b.draw = b.masks(), None
+    assert len(blocks) >= 2 and blocks[0].mask.shape[1] == n
+
+    class Replay(MaskSchedule):
+        def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
+            yield from blocks
+
+    pyro.clear_param_store()
+    pyro.poutine.trace(ppca).get_trace(x)
+    leaves = [pyro.param("W").unconstrained(), pyro.param("s").unconstrained()]
+    value = MaskedPretrainingLoss(masks=Replay(1)).differentiable_loss(ppca, None, x)
+    grads = torch.autograd.grad(value, leaves)
+
+    # numpy: each target's Gaussian conditional on the datapoint's observed context;
+    # torch: the same loop, for the gradient
+    W, s = pyro.param("W"), pyro.param("s")
+    S = W @ W.T + s**2 * torch.eye(D, dtype=torch.float64)
+    Sn, xn = S.detach().numpy(), x.numpy()
+    want, ref = 0.0, 0.0
+    for b in blocks:
+        for q in range(b.mask.shape[0]):
+            for i in range(n):
+                gain = float(b.gain[q, i])
+                if gain <= 0:
+                    continue
+                coef = float(b.weight[q, 0]) * gain / max(int(b.size[q, 0]), 1)
+                t = b.mask[q, i].numpy()
+                c = observed[i].numpy() & ~t
+                B = np.linalg.solve(Sn[np.ix_(c, c)], Sn[np.ix_(c, t)])
+                mean, var = B.T @ xn[i, c], np.diag(Sn[np.ix_(t, t)]) - np.einsum("ct,ct->t", Sn[np.ix_(c, t)], B)
+                want += coef * (-0.5 * (np.log(2 * np.pi * var) + (xn[i, t] - mean) ** 2 / var)).sum()
+                tt, cc = b.mask[q, i], torch.as_tensor(c)
+                Bt = torch.linalg.solve(S[cc][:, cc], S[cc][:, tt])
+                m_t, v_t = Bt.T @ x[i, cc], S[tt][:, tt].diagonal() - (S[cc][:, tt] * Bt).sum(0)
+                ref = ref + coef * (-0.5 * (torch.log(2 * math.pi * v_t) + (x[i, tt] - m_t) ** 2 / v_t)).sum()
+    assert abs(value.item() + want) <= 1e-8 * abs(want)
+    for got, exp in zip(grads, torch.autograd.grad(-ref, leaves)):
+        assert torch.allclose(got, exp, rtol=1e-8, atol=1e-8 * float(exp.abs().max()))

@@ -160,8 +160,30 @@ class ConditionalEngine(ABC):
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
         return torch.where(mask, logc, zero).sum(-1)
 
-    def recomputes_mask_sums(self, state, x, mask):
-        """Whether :meth:`mask_sums` for these masks keeps nothing of the size of its
+    def mask_sums_within(self, state, x, mask, context):
+        r"""Summed log-conditionals of each mask's targets given the context tokens
+        alone, shape ``(q, n)``:
+        :math:`\sum_{j \in \mathcal M_q} \log p(x_j \mid x_{\mathcal C \setminus \mathcal M_q})`.
+        Tokens outside ``context`` (missing ones) are neither context nor summed.
+
+        The default sums :meth:`mask_log_prob` with them hidden too; engines can
+        override it to avoid forming the ``(q, n, D)`` table.
+
+        :param torch.Tensor mask: bool ``(q, n|1, D)``, True at a target (inside ``context``).
+        :param torch.Tensor context: bool ``(q|1, n, D)``, True at a token that may be context.
+        :returns: ``(q, n)``.
+
+        Example::
+
+            >>> engine.mask_sums_within(state, x, mask, observed[None])   # missing tokens left out
+        """
+        logc = self.mask_log_prob(state, x, mask | ~context)
+        zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
+        return torch.where(mask, logc, zero).sum(-1)
+
+    def recomputes_mask_sums(self, state, x, mask, context=None):
+        """Whether :meth:`mask_sums` for these masks (:meth:`mask_sums_within` with
+        ``context``) keeps nothing of the size of its
         conditionals for the backward pass (its own backward pass recomputes them,
         e.g. an autograd Function with a written backward), so that its memory
         stays bounded without activation checkpointing.
@@ -171,6 +193,7 @@ class ConditionalEngine(ABC):
         False, is always safe.
 
         :param torch.Tensor mask: bool, ``(q, n|1, D)``.
+        :param torch.Tensor context: bool ``(q|1, n, D)`` or None, as :meth:`mask_sums_within` takes it.
         :returns: bool.
 
         Example::

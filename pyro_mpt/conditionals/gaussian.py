@@ -332,12 +332,40 @@ class GaussianConditionals(ConditionalEngine):
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
         return _to_data(state, torch.where(mask, logc, zero).sum(-1))
 
-    def recomputes_mask_sums(self, state, x, mask):
+    def mask_sums_within(self, state, x, mask, context):
+        if self._independent_within(state, mask, context):
+            # missing tokens per datapoint, loading shared: the independent sums over the
+            # hidden tokens (targets and missing ones), summed over the targets
+            hidden = mask | ~context
+            observed = context[0].expand(hidden.shape[1:])
+
+            def compute():
+                form, xf = self._form_state(state, x)
+                return lowrank_independent_sums(form, xf, hidden, self._shared_data(form, x, xf), observed)
+
+            return self._rescued(state, compute).to(x.dtype)
+        return super().mask_sums_within(state, x, mask, context)
+
+    def _independent_within(self, state, mask, context):
+        """Whether :meth:`mask_sums_within` takes ``gaussian_independent``'s sums: a
+        context shared by the queries (the observed tokens) and a low-rank state that
+        those sums serve (:meth:`_independent_sums`)."""
+        return (
+            not isinstance(state, BlockGaussianState)
+            and context.shape[0] == 1
+            and (mask.shape[1] != 1 or context.shape[1] != 1)
+            and self._independent_sums(state)
+        )
+
+    def recomputes_mask_sums(self, state, x, mask, context=None):
         """True for masks drawn per datapoint with a loading (low-rank path) or a
         covariance (dense path) shared by the batch:
         ``gaussian_independent.lowrank_independent_sums`` and
         ``gaussian_dense_independent.dense_independent_sums`` keep only the masks (as
-        bits) and recompute their chunks in their backward passes."""
+        bits) and recompute their chunks in their backward passes; with a context
+        (missing tokens), where :meth:`mask_sums_within` takes the former."""
+        if context is not None:
+            return self._independent_within(state, mask, context)
         return (
             not isinstance(state, BlockGaussianState)
             and mask.shape[1] != 1

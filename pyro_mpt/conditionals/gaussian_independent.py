@@ -50,15 +50,19 @@ CHUNK_ELEMENTS = 2**19
 KEPT_PIECES_BITS_RATIO = 2
 
 
-def lowrank_independent_sums(m, x, mask, data):
+def lowrank_independent_sums(m, x, mask, data, observed=None):
     r"""Summed Woodbury log-conditionals for masks ``(q, n, D)`` drawn per datapoint, ``(q, n)``.
 
     :param m: the low-rank state, its loading and noise shared by the batch.
     :param torch.Tensor x: ``(n, D)``, in the state's dtype.
-    :param torch.Tensor mask: bool ``(q, n, D)``, True at a target token.
+    :param torch.Tensor mask: bool ``(q, n, D)``, True at a token outside the context.
     :param dict data: the mask-free pieces of ``gaussian_shared.lowrank_shared_data``
         (``zhat`` ``(K, n)``, ``eT`` ``(D, n)``, ``Fp`` ``(D, K)``); this path's own
         mask-free pieces are added to it under ``"independent"``.
+    :param torch.Tensor observed: bool ``(n, D)`` or None: the targets are the tokens
+        of ``mask`` that are observed, the others (missing tokens) are neither context
+        nor summed (the masked residuals are exact whatever their placeholder values);
+        None: every token of ``mask`` is a target.
     """
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, K), (D,)
     if "independent" not in data:
@@ -71,7 +75,8 @@ def lowrank_independent_sums(m, x, mask, data):
         phi = SymmetricPacking(K, F.dtype, F.device).features(F)  # (D, P)
         lam0 = torch.eye(K, dtype=F.dtype, device=F.device) + data["Fp"].T @ F
         data["independent"] = (e, ep, delta, F, psi, phi, phi / psi.unsqueeze(-1), lam0)
-    sums = IndependentLowRankSums.apply(mask, *data["independent"], m.site)
+    o = None if observed is None else observed.to(F.dtype)
+    sums = IndependentLowRankSums.apply(mask, *data["independent"], m.site, o)
     return -0.5 * sums
 
 
@@ -109,11 +114,13 @@ class IndependentLowRankSums(torch.autograd.Function):
     Inputs: ``mask`` bool ``(q, n, D)``; ``e``, ``ep`` (:math:`e/\psi`) ``(n, D)``;
     ``delta`` ``(n, K)``; ``F`` ``(D, K)``; ``psi`` ``(D,)``; ``phi``
     (:math:`f_{ja}f_{jb}`, ``a <= b``) and ``phi_p`` (:math:`\phi/\psi`) ``(D, P)``;
-    ``lam0`` ``(K, K)``; ``site`` (for errors).
+    ``lam0`` ``(K, K)``; ``site`` (for errors); ``observed`` 0/1 ``(n, D)`` in the
+    working dtype or None, the tokens of the mask that are summed (the others are
+    only left out of the context).
     """
 
     @staticmethod
-    def forward(ctx, mask, e, ep, delta, F, psi, phi, phi_p, lam0, site):
+    def forward(ctx, mask, e, ep, delta, F, psi, phi, phi_p, lam0, site, observed=None):
         """The sums ``(q, n)``."""
         q, n, D = mask.shape
         out = e.new_empty(q, n)
@@ -133,9 +140,14 @@ class IndependentLowRankSums(torch.autograd.Function):
             v, d = c.residuals(bufs.take(1, shape), bufs.take(2, shape), e[ns], factors)
             terms = torch.log(v, out=bufs.take(3, shape))
             terms.addcdiv_(d.square_(), v).mul_(c.t)
+            count = c.count
+            if observed is not None:
+                terms.mul_(observed[ns])
+                count = (c.t * observed[ns]).sum(-1)
             # the constant log(2 pi) per target from the counts the chunk has made
-            torch.add(terms.sum(-1), c.count, alpha=LOG_2PI, out=out[qs, ns])
+            torch.add(terms.sum(-1), count, alpha=LOG_2PI, out=out[qs, ns])
         ctx.site, ctx.D = site, D
+        ctx.observed = observed
         ctx.flips = None if kept is None else kept.flips
         # and each row's small pieces where they are as small
         pieces = () if kept is None else kept.tensors()
@@ -171,6 +183,8 @@ class IndependentLowRankSums(torch.autograd.Function):
             gr = g[qs, ns]
             g2 = gr.reshape(rows, 1)
             tv = torch.div(c.t, v, out=v)  # t / v
+            if ctx.observed is not None:
+                tv.mul_(ctx.observed[ns])  # the targets: t o / v ((t o)^2 = t o below)
             ga = d.mul_(tv)  # t a, half of dL/dd over g
             dv = tv.addcmul_(ga, ga, value=-1.0)  # t (1/v - a^2) (t^2 = t), dL/dv over g
             dv2, ga2 = dv.view(rows, D), ga.view(rows, D)
@@ -208,7 +222,7 @@ class IndependentLowRankSums(torch.autograd.Function):
                 dep[ns].add_(dz.mul_(c.t).sum(0))
         P = phi.shape[-1]
         dF, dphi, dpsi, dphi_p = dFT.T, dpsi_phi[:P].T, dpsi_phi[P], dphi_pT.T
-        return (None, de, dep, ddelta, dF, dpsi, dphi, dphi_p, dlam0, None)
+        return (None, de, dep, ddelta, dF, dpsi, dphi, dphi_p, dlam0, None, None)
 
 
 def _times(table, right_t):
