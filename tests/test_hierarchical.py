@@ -412,3 +412,50 @@ def test_a_global_latent_in_a_plate_of_its_own():
     torch.manual_seed(0)
     b = MaskedPretrainingLoss(masks="uniform", num_masks=3, token_plates=("data",)).loss(evented, None, x)
     assert abs(a - b) < TOL
+
+
+def test_pll_of_a_hierarchy_takes_the_full_data_posterior_once(monkeypatch):
+    """masks="pll" on a linear-Gaussian hierarchy (N = 6 units of D = 3 tokens, one
+    datapoint): every leave-one-out conditional from the full-data posterior (leverages
+    by Sherman-Morrison) instead of one masked query per token (N D = 1000 tokens: 946
+    -> 7 ms a step, one thread). Loss vs numpy's inverse of the dense (N D)-dimensional
+    covariance (Rasmussen & Williams eqs. 5.10-5.12, 1e-8), gradient in W vs autograd of
+    the same closed form in torch."""
+    monkeypatch.setattr(HierarchicalGaussianConditionals, "mask_log_prob",
+                        lambda *a, **k: pytest.fail("one masked query per token"))
+    W, A, c, X = _params(3, 2, 2, seed=5)
+    s, tau = 0.7, 0.8
+    At, ct = torch.tensor(A), torch.tensor(c)
+    x = torch.tensor(X[:6])
+    N, D = x.shape
+
+    def model(x):
+        Wp = pyro.param("W", torch.tensor(W))
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(mu @ At.T, tau).to_event(1))
+            pyro.sample("x", dist.Normal(z @ Wp.T + ct, s).to_event(1), obs=x)
+
+    pyro.clear_param_store()
+    loss = MaskedPretrainingLoss(masks="pll", conditionals="hierarchical", token_plates=("data",))
+    value = loss.differentiable_loss(model, None, x)
+    (grad,) = torch.autograd.grad(value, pyro.param("W").unconstrained())
+
+    _, dense = _hierarchy(W, A, c, s=s, tau=tau)
+    mean, cov = dense(X[:N])
+    Ki = np.linalg.inv(cov)
+    var = 1 / np.diag(Ki)
+    d = (Ki @ (X[:N].reshape(-1) - mean)) * var
+    want = (-0.5 * (np.log(2 * np.pi * var) + d**2 / var)).sum()
+    assert abs(value.item() + want) < TOL * max(1.0, abs(want))
+
+    Wr = torch.tensor(W, requires_grad=True)
+    WA = Wr @ At
+    cov_t = torch.kron(torch.ones(N, N, dtype=torch.float64), WA @ WA.T) + torch.kron(
+        torch.eye(N, dtype=torch.float64), tau**2 * Wr @ Wr.T + s**2 * torch.eye(D, dtype=torch.float64))
+    Ki_t = torch.linalg.inv(cov_t)
+    v_t = 1 / torch.diagonal(Ki_t)
+    r = (x - ct).reshape(-1)
+    ref = -(-0.5 * (torch.log(2 * np.pi * v_t) + (Ki_t @ r) ** 2 * v_t)).sum()
+    (grad_ref,) = torch.autograd.grad(ref, Wr)
+    assert torch.allclose(grad, grad_ref, rtol=1e-8, atol=1e-8 * float(grad_ref.abs().max()))

@@ -34,7 +34,7 @@ import torch
 
 from .gaussian_linalg import LOG_2PI, cholesky, posterior_precision_factor
 
-__all__ = ["lowrank_leave_one_out", "dense_leave_one_out", "leave_one_out_targets"]
+__all__ = ["lowrank_leave_one_out", "dense_leave_one_out", "leave_one_out_targets", "leave_one_out_from_full"]
 
 
 def leave_one_out_targets(mask):
@@ -43,6 +43,29 @@ def leave_one_out_targets(mask):
     if mask.shape[0] < 2 or not bool((mask.sum(-1) == 1).all()):
         return None
     return mask.to(torch.uint8).argmax(-1)
+
+
+def leave_one_out_from_full(e, psi, spread):
+    r""":math:`\log p(x_j \mid x_{-j})` from the full-data posterior of a linear-Gaussian
+    model :math:`x_j = \mu_j + c_j^\top\varepsilon + \sqrt{\psi_j}\,\xi_j`,
+    :math:`\varepsilon \sim \mathcal N(0, I)`: with the residual :math:`e_j` of the
+    full-data posterior mean and :math:`c_j^\top P^{-1}c_j` (``spread``, :math:`P` the
+    full-data posterior precision), :math:`s_j` = ``spread / psi``,
+
+    .. math::
+
+        \log p(x_j \mid x_{-j}) = -\tfrac12\Big(\log 2\pi + \log\psi_j - \log(1 - s_j)
+            + \frac{e_j^2}{\psi_j(1 - s_j)}\Big)
+
+    (removing token :math:`j` from :math:`P` by Sherman--Morrison). Any shapes that
+    broadcast.
+
+    Example::
+
+        >>> leave_one_out_from_full(x - mean, psi, var - psi)   # (n, D)
+    """
+    keep = 1.0 - spread / psi  # psi_j / v_j, v_j the conditional variance: in (0, 1]
+    return -0.5 * (LOG_2PI + psi.log() - keep.log() + e.pow(2) / (psi * keep))
 
 
 def lowrank_leave_one_out(m, data):
@@ -62,10 +85,7 @@ def lowrank_leave_one_out(m, data):
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
     L0 = posterior_precision_factor(F, psi, m.site)
     V = torch.linalg.solve_triangular(L0, F.T, upper=False)  # L0^-1 F^T, (R, D)
-    # 1 - s_j = psi_j / v_j, v_j the conditional variance: in (0, 1]
-    keep = 1.0 - V.pow(2).sum(0) / psi  # (D,)
-    e = data["eT"].T  # (n, D)
-    return -0.5 * (LOG_2PI + psi.log() - keep.log() + e.pow(2) / (psi * keep))
+    return leave_one_out_from_full(data["eT"].T, psi, V.pow(2).sum(0))
 
 
 def dense_leave_one_out(m, x):

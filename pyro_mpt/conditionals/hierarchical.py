@@ -70,6 +70,7 @@ from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes im
 from ..observed_tokens import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import unwrap
+from .gaussian_leave_one_out import leave_one_out_from_full, leave_one_out_targets
 from .marginal_rows import rows_equal
 from .plate_runs import CoordinateLatents, LatentSlice, affinity_probes, alternating_signs, run_in_plate
 
@@ -363,7 +364,25 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         step = self._per_chunk(state)
         return torch.cat([self._masks(state, x, mask[s : s + step]) for s in range(0, mask.shape[0], step)], 0)
 
+    def mask_sums(self, state, x, mask):
+        targets = leave_one_out_targets(mask[:, 0]) if mask.shape[1] == 1 else None
+        if targets is None:
+            return super().mask_sums(state, x, mask)
+        # queries that each hide one token (the "pll" schedule): all from the full-data
+        # posterior, one query's work instead of one per token
+        self._check_x(state, x)
+        nothing = torch.zeros((1, x.shape[0], x.shape[1]), dtype=torch.bool, device=x.device)
+        mean, spread = self._moments(state, x, nothing)
+        return leave_one_out_from_full(x - mean[0], state.psi, spread[0]).T[targets]
+
     def _masks(self, state, x, mask):
+        mean, spread = self._moments(state, x, mask)
+        var = state.psi + spread
+        return -0.5 * (_LOG_2PI + var.log() + (x - mean) ** 2 / var)
+
+    def _moments(self, state, x, mask):
+        """The conditional means ``(q, n, D)`` of every token given the context of each
+        mask, and their variances' latent part (without psi), summed as squares."""
         ctx = (~mask).to(state.loc.dtype)
         r = x - state.loc
         L_u, L_S, X, m_g, m_u, _, _, _ = _posterior(state, r, ctx)
@@ -378,8 +397,7 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         Vb = torch.linalg.solve_triangular(L_u, bt.transpose(-1, -2), upper=False)  # (q, n, U, K_l, E)
         h = a - (bt @ X)  # (q, n, U, E, K_g)
         Vh = torch.linalg.solve_triangular(L_S[:, :, None], h.transpose(-1, -2), upper=False)  # (q, n, U, K_g, E)
-        var = state.psi + (Vb.pow(2).sum(-2) + Vh.pow(2).sum(-2)).reshape(q, Q, U * E)
-        return -0.5 * (_LOG_2PI + var.log() + (x - mean) ** 2 / var)
+        return mean, (Vb.pow(2).sum(-2) + Vh.pow(2).sum(-2)).reshape(q, Q, U * E)
 
     def chain_log_prob(self, state, x, order):
         """Chain-rule terms along orderings ``(p, n|1, D)``, ``(p, n, D)``, by suffix sums
