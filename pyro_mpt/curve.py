@@ -179,16 +179,27 @@ class CurveAccumulator:
         idx = (size.reshape(shat.shape) - 1).to(shat.device)
         n = shat.shape[-1]
         if self._sum is None:
-            # (D, n): each datapoint's sum and count per size, for the clustered standard error
+            # (D, n): each datapoint's sum per size, for the clustered standard error
             self._sum = torch.zeros((self.num_tokens, n), dtype=torch.float64, device=shat.device)
-            self._n = torch.zeros_like(self._sum)
+            # values per size and datapoint: one count per size while every datapoint has the
+            # same (a row gives each datapoint a value of its size); a (D, n) table once they differ
+            self._rows = torch.zeros(self.num_tokens, dtype=torch.float64, device=shat.device)
+            self._counts = None
+        if shat.numel() == 0:
+            return
         col = torch.arange(n, device=shat.device).expand_as(idx)
         self._sum.index_put_((idx, col), shat, accumulate=True)
-        self._n.index_put_((idx, col), torch.ones_like(shat), accumulate=True)
+        if self._counts is None and bool((idx == idx[:, :1]).all()):
+            self._rows.index_add_(0, idx[:, 0], torch.ones_like(shat[:, 0]))
+            return
+        if self._counts is None:
+            self._counts = self._rows[:, None].expand(-1, n).clone()
+        self._counts.index_put_((idx, col), torch.ones_like(shat), accumulate=True)
 
     def result(self, label=None):
         s = self._sum.cpu().numpy()
-        c = self._n.cpu().numpy()
+        c = (self._rows[:, None] if self._counts is None else self._counts).cpu().numpy()
+        c = np.broadcast_to(c, s.shape)
         n = c.sum(1)
         items = (c > 0).sum(1)
         with np.errstate(invalid="ignore", divide="ignore"):

@@ -113,6 +113,33 @@ def test_curve_stderr_is_over_datapoints_not_over_masks(missing):
     np.testing.assert_allclose(curve.stderr, S.std(0, ddof=1) / np.sqrt(12), rtol=1e-8, atol=0)
 
 
+def test_curve_accumulator_with_sizes_that_differ_by_datapoint_against_numpy():
+    """Rows whose sizes differ across datapoints (a custom schedule's) after rows that share
+    them: each size's mean pools every value, its standard error is the ratio estimator's
+    clustered by datapoint, n_M / (n_M - 1) * sum_i (s_i - mean c_i)^2 / (sum_i c_i)^2."""
+    g = torch.Generator().manual_seed(4)
+    n, D = 7, 3
+    shared = torch.randn(4, n, generator=g, dtype=torch.float64)
+    shared_size = torch.tensor([1, 2, 2, 3])[:, None].expand(4, n)
+    mixed = torch.randn(5, n, generator=g, dtype=torch.float64)
+    mixed_size = torch.randint(1, D + 1, (5, n), generator=g)
+    acc = CurveAccumulator(D)
+    acc.add(shared, shared_size)
+    acc.add(mixed, mixed_size)
+    curve = acc.result()
+    vals = np.concatenate([shared.numpy(), mixed.numpy()])
+    sizes = np.concatenate([shared_size.numpy(), mixed_size.numpy()])
+    for M in range(1, D + 1):
+        s = np.where(sizes == M, vals, 0.0).sum(0)
+        c = (sizes == M).sum(0)
+        mean = s.sum() / c.sum()
+        k = int((c > 0).sum())
+        se = np.sqrt(k / (k - 1) * ((s - mean * c) ** 2).sum()) / c.sum()
+        assert curve.score[M - 1] == pytest.approx(mean, abs=1e-12)
+        assert curve.stderr[M - 1] == pytest.approx(se, rel=1e-10)
+        assert curve.count[M - 1] == c.sum()
+
+
 def test_rate_curve_stderr_is_over_items_not_over_masks():
     """Each rate's standard error is sd over items of the item's mean over its masks, / sqrt(n)."""
     from pyro_mpt.adapters.rates import rate_curve

@@ -27,8 +27,11 @@ The log-density curve is :math:`S(x; M) = \frac1M\sum_{j\in\mathcal M}
 \log p(x_j\mid x_{\mathcal R})` (per patch, in nats). :math:`\sigma^2` is a
 modelling choice the network does not provide: the default 1 matches the unit
 per-patch variance of ``norm_pix_loss`` targets; ``sigma2="mle"`` uses the
-pooled mean squared error over every scored patch, rate and image (one value
-for the whole curve, so rates stay comparable). With ``norm_pix_loss`` the
+mean of the per-copy errors :math:`\hat e_{ikp}` over every image, rate and
+mask (one value for the whole curve, so rates stay comparable): the
+:math:`\sigma^2` that maximizes the curve's mean height, each rate weighing
+alike (not the pooled error over all scored patches, which would weigh each
+rate by its number of masked patches). With ``norm_pix_loss`` the
 density is over normalized patches, not raw pixels.
 """
 
