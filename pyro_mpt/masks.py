@@ -340,7 +340,8 @@ class PseudoLikelihood(MaskSchedule):
     loss it trains by pseudo-likelihood; with missing tokens it runs over each
     datapoint's observed tokens, :math:`\sum_{j\in O}\log p(x_j\mid
     x_{O\setminus j})`. Its curve (:meth:`~pyro_mpt.MaskedPretrainingLoss.curve`)
-    has the single point :math:`M = 1`, exact, and no area.
+    has the single point :math:`M = 1`, exact, and no area; with missing tokens
+    :math:`S(x_i; 1)` is the mean over the :math:`D_i` observed tokens.
     ``num_masks`` and ``share_masks`` are unused.
 
     Example::
@@ -360,11 +361,19 @@ class PseudoLikelihood(MaskSchedule):
         eye = torch.eye(D, dtype=torch.bool, device=device)
         one = torch.ones((1, 1), dtype=torch.long, device=device)
         w = torch.ones((1, 1), dtype=torch.float64, device=device)
+        if observed is not None:
+            # S(x_i; 1) is the mean over the D_i observed tokens, not over all D: each observed
+            # target counts D / D_i in the curve's values and weighs D_i / D in the PLL
+            share = tokens.count.to(torch.float64) / D
+            w = share[None]
         for start, stop in tokens.spans(D, max_elements):
             mask = eye[start:stop, None, :]  # (q, 1, D): token j alone is the target
             q = stop - start
-            # a missing token is no target (gain 0) and no one's context
-            yield tokens.block(mask, one.expand(q, 1), w.expand(q, 1), tokens.within(mask))
+            gain = None
+            if observed is not None:
+                # a missing token is no target (gain 0) and no one's context
+                gain = torch.where(tokens.within(mask), 1.0 / share.clamp_min(1.0 / D)[None], 0.0)
+            yield tokens.block(mask, one.expand(q, 1), w.expand(q, -1), gain)
 
     def __repr__(self):
         return "PseudoLikelihood()"

@@ -198,14 +198,17 @@ def test_all_draws_independent_uniform_masks_per_size_and_nested_does_not():
 
 def test_pll_schedule_is_every_leave_one_out_query():
     """masks="pll": D masks of size 1 (the identity), weight 1, shared by the batch; with
-    missing tokens, gain 0 where the target is missing; make_schedule names it."""
+    missing tokens, gain 0 where the target is missing and D / D_i where it is observed, weight
+    D_i / D (each PLL term counts once, the curve's point is the mean over the D_i observed
+    tokens); make_schedule names it."""
     blocks = list(make_schedule("pll").blocks(3, 5, max_elements=3 * 5 * 2))
     assert [b.mask.shape for b in blocks] == [(2, 1, 5), (2, 1, 5), (1, 1, 5)]
     assert torch.equal(torch.cat([b.mask[:, 0] for b in blocks]), torch.eye(5, dtype=torch.bool))
     assert all(bool((b.weight == 1).all()) and bool((b.size == 1).all()) for b in blocks)
     observed = torch.tensor([[True, False, True, True, True]] * 3)
     (ob,) = list(PseudoLikelihood().blocks(3, 5, observed=observed))
-    assert torch.equal(ob.gain, observed.T)
+    assert torch.equal(ob.gain, observed.T * (5 / 4))
+    assert torch.allclose(ob.weight, torch.full((5, 3), 4 / 5, dtype=torch.float64))
 
 
 def test_pll_is_D_times_the_exact_M1_term(float64):
