@@ -5,9 +5,12 @@ those of ``Evidence(method="importance")`` with the guide as proposal and
 :math:`K` particles (:func:`~pyro_mpt.evidence.importance.importance_log_weights`).
 """
 
+import warnings
+
 import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
+from pyro.poutine.util import site_is_subsample
 from pyro.util import warn_if_nan
 
 from .conditionals.latent_runs import logmeanexp
@@ -30,7 +33,8 @@ class ImportanceWeightedELBO(ELBO):
     plate). Pyro 1.9's ``RenyiELBO(alpha=0)`` computes the same bound for
     :math:`s_i = 1` but puts :math:`s_i` inside the log-sum-exp; this class is
     correct under subsampling and offers ``differentiable_loss``. The guide's
-    sites must be reparameterizable (``has_rsample``) for unbiased gradients.
+    sites must be reparameterizable (``has_rsample``) for unbiased gradients
+    (a ``UserWarning`` names any that is not).
     Latents must be local to each datapoint.
 
     :param int num_particles: :math:`K`.
@@ -52,6 +56,7 @@ class ImportanceWeightedELBO(ELBO):
         self.obs_site = obs_site
         self.token_plates = token_plates
         self.chunk_size = chunk_size
+        self._warned = set()  # guide sites already named by the not-reparameterized warning
 
     def _tokens(self, model, guide, args, kwargs):
         mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
@@ -67,6 +72,8 @@ class ImportanceWeightedELBO(ELBO):
     def differentiable_loss(self, model, guide, *args, **kwargs):
         """:math:`-\\sum_i s_i \\log\\hat p_K(x_i)`, a differentiable scalar."""
         tokens = self._tokens(model, guide, args, kwargs)
+        if torch.is_grad_enabled():
+            self._warn_not_reparameterized(tokens)
         K = self.num_particles
         lw = importance_log_weights(
             tokens, model, guide, args, kwargs, K, self.chunk_size or K, who="ImportanceWeightedELBO",
@@ -77,6 +84,29 @@ class ImportanceWeightedELBO(ELBO):
         loss = -(tokens.scale * logmeanexp(lw, 0)).sum()
         warn_if_nan(loss, "loss")
         return loss
+
+    def _warn_not_reparameterized(self, tokens):
+        # the bound's gradient is taken through the draws (rsample); a draw without one has no
+        # score-function term here, so its parameters' gradient is biased: said once per site
+        sites = [
+            (name, type(site["fn"]).__name__)
+            for name, site in tokens.guide_trace.nodes.items()
+            if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
+            and not getattr(site["fn"], "has_rsample", True) and name not in self._warned
+        ]
+        if sites:
+            self._warned.update(name for name, _ in sites)
+            names = ", ".join(f"{name!r} ({kind})" for name, kind in sites)
+            warnings.warn(
+                f"ImportanceWeightedELBO: guide site(s) {names} have no reparameterized sampler "
+                f"(has_rsample=False): the bound's gradient flows through the log-densities of their "
+                f"draws but not through the draws (no score-function term), so the guide's parameters "
+                f"get a biased gradient, as with Pyro's RenyiELBO. Reparameterize the site, sum a "
+                f"discrete latent out in the model (TraceEnum_ELBO), or train the guide by Trace_ELBO "
+                f"(pyro_mpt.guide_elbo.WithGuideELBO).",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def loss(self, model, guide, *args, **kwargs):
         """The loss as a float, without gradients."""

@@ -557,3 +557,48 @@ def test_self_normalized_conditionals_match_logsumexp_in_value_and_gradient():
     assert torch.allclose(omega, w, rtol=0, atol=1e-14)
     assert torch.allclose(pi2, sum(p[s] ** 2 for s in range(S)), rtol=0, atol=1e-14)
     assert torch.allclose(pi_omega, sum(p[s] * w[s].unsqueeze(-1) for s in range(S)), rtol=0, atol=1e-14)
+
+
+def test_iwelbo_warns_on_guide_draws_without_rsample_and_its_value_stays_exact(float64):
+    """A Categorical guide site has no rsample: the bound's gradient misses its score-function
+    term (biased, as with Pyro's RenyiELBO), which was silent; now one UserWarning names the
+    site. The value is unchanged: with the exact posterior over the assignment as the guide,
+    every weight is p(x_i), so the loss is -sum_i log p(x_i) of the two-component mixture
+    (scipy log-sum-exp). A reparameterized guide gives no warning."""
+    import numpy as np
+    from scipy.special import logsumexp
+    from scipy.stats import norm
+
+    w = torch.tensor([0.3, 0.7])
+    locs = torch.tensor([-1.0, 1.5])
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    joint = np.log(w.numpy())[None] + norm(locs.numpy()[None, None], 1.0).logpdf(x.numpy()[..., None]).sum(1)
+    evidence = logsumexp(joint, 1)
+    posterior = torch.as_tensor(np.exp(joint - evidence[:, None]))
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Categorical(w))
+            pyro.sample("x", dist.Normal(locs[c][..., None].expand(c.shape + (3,)), 1.0).to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("c", dist.Categorical(posterior))
+
+    iwelbo = ImportanceWeightedELBO(num_particles=4)
+    with pytest.warns(UserWarning, match=r"guide site\(s\) 'c' \(Categorical\) have no reparameterized sampler"):
+        loss = iwelbo.differentiable_loss(model, guide, x)
+    assert float(loss) == pytest.approx(-evidence.sum(), abs=1e-10)
+
+    def normal_model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal(z[..., None].expand(z.shape + (3,)), 1.0).to_event(1), obs=x)
+
+    def normal_guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(x.mean(-1), 0.5))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        ImportanceWeightedELBO(num_particles=4).differentiable_loss(normal_model, normal_guide, x)

@@ -71,6 +71,23 @@ def _():
     ImportanceWeightedELBO(4).loss(model, guide, _x())
 
 
+@trigger("iwelbo-not-reparameterized")
+def _():
+    from pyro_mpt.importance_weighted_elbo import ImportanceWeightedELBO
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Categorical(torch.ones(2, dtype=torch.float64) / 2))
+            loc = torch.tensor([-1.0, 1.0], dtype=torch.float64)[c]
+            pyro.sample("x", dist.Normal(loc[..., None].expand(c.shape + (3,)), 1.0).to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("c", dist.Categorical(torch.ones(2, dtype=torch.float64) / 2))
+
+    ImportanceWeightedELBO(4).differentiable_loss(model, guide, _x())
+
+
 @trigger("evidence-importance-few-effective-samples")
 def _():
     probs = torch.tensor([0.999, 0.001], dtype=torch.float64)
