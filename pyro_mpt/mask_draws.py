@@ -158,7 +158,8 @@ def smallest_keys(keys, sizes):
     rows, D = keys.shape
     device = keys.device
     bins = 1 << _key_bits(D)
-    sizes = sizes.to(device=device, dtype=torch.int64)
+    # contiguous: an expanded (stride-0) row of sizes made searchsorted copy it, with a UserWarning
+    sizes = sizes.to(device=device, dtype=torch.int64).contiguous()
     mask = torch.empty((rows, D), dtype=torch.bool, device=device)
     need, count = torch.empty_like(sizes), torch.empty_like(sizes)
     # the passes over the keys go in cache-sized parts, with their buffers reused

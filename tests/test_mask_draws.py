@@ -145,3 +145,19 @@ def test_masks_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(drawn[0], drawn[1])
+
+
+def test_smallest_keys_takes_expanded_sizes_without_a_warning():
+    """Sizes broadcast over the rows (stride 0, as the missing-token schedules pass them) give
+    exactly M tokens a row, the lowest keys, and no torch 'non-contiguous' UserWarning (which
+    reached users once per program)."""
+    import warnings
+
+    keys = torch.tensor([[3, 1, 2, 0, 1], [0, 2, 2, 3, 1], [1, 0, 3, 2, 2]], dtype=torch.uint8)
+    sizes = torch.tensor(2).expand(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mask = smallest_keys(keys, sizes)
+    assert mask.sum(-1).tolist() == [2, 2, 2]
+    # row 0: keys 0 (col 3) and one of the two 1s; row 1: 0 and 1 (cols 0, 4); row 2: 0, 1 (cols 1, 0)
+    assert mask[0, 3] and mask[1, 0] and mask[1, 4] and mask[2, 0] and mask[2, 1]
