@@ -113,7 +113,8 @@ class MaskedPretrainingLoss(ELBO):
         run over tokens rather than datapoints (their elements become tokens,
         flattened with the event dims); None detects them when unambiguous,
         ``()`` takes every plate as a datapoint plate (see :mod:`pyro_mpt.observed_tokens`).
-    :param int max_plate_nesting: plate dims of the model; guessed when inf.
+    :param int max_plate_nesting: plate dims of the model; guessed when inf, and
+        raised to the dims the traced model's plates use when smaller.
     :param bool share_masks: one mask set for the whole batch (True) or
         independent masks per datapoint (False). The default None draws masks
         per datapoint for the loss and :meth:`score`, and one set for the

@@ -446,8 +446,12 @@ def trace_tokens(
         >>> tokens.value.shape          # (n, D)
     """
     guide_trace, model_trace = _run_traces(model, guide, args, kwargs)
-    if max_plate_nesting is None or max_plate_nesting == float("inf"):
-        max_plate_nesting = guess_max_plate_nesting(model_trace, guide_trace)
+    used = guess_max_plate_nesting(model_trace, guide_trace)
+    if max_plate_nesting is None or max_plate_nesting == float("inf") or max_plate_nesting < used:
+        # the engines put their plate of points at dim -(max_plate_nesting + 1): a value
+        # below the model's own plate dims would put it inside them (a collision that
+        # surfaced as a misleading "does not broadcast" fallback or refusal); more is harmless
+        max_plate_nesting = used
     site, latents, others = locate_site(model_trace, obs_site)
     check_extra_sites(site, others, extra_sites)
     layout, plates = site_layout(site, latents, token_plates)
