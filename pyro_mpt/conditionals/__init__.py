@@ -3,6 +3,9 @@
 ===================  =============================================================
 name                 what the model needs
 ===================  =============================================================
+``"gaussian_hmm"``   an observed ``dist.GaussianHMM`` and no latent site, by
+                     Kalman filtering and smoothing (linear in the steps;
+                     ``"auto"`` takes it from 256 tokens a sequence)
 ``"gaussian"``       a Gaussian marginal: Gaussian observation without latents
                      (also in independent blocks, e.g. a multi-output GP, or a
                      ``GaussianHMM``), or Normal latents with a Normal
@@ -53,6 +56,7 @@ import warnings
 
 from .base import ConditionalEngine, EngineNotApplicable, NumericalWarning, SlowEngineWarning
 from .gaussian import GaussianConditionals
+from .gaussian_hmm import AUTO_MIN_TOKENS, GaussianHMMConditionals, GaussianHMMState
 from .hierarchical import HierarchicalGaussianConditionals, HierarchicalGaussianState
 from .gaussian_marginal import GaussianMarginal, NotLinearGaussianError, gaussian_marginal
 from .quadrature import QuadratureConditionals
@@ -71,6 +75,8 @@ __all__ = [
     "EngineNotApplicable",
     "NumericalWarning",
     "SlowEngineWarning",
+    "GaussianHMMConditionals",
+    "GaussianHMMState",
     "GaussianConditionals",
     "HierarchicalGaussianConditionals",
     "HierarchicalGaussianState",
@@ -92,12 +98,15 @@ __all__ = [
     "GaussianMixtureTable",
     "ENGINES",
     "AUTO_GRID_WARNING",
+    "AUTO_MIN_TOKENS",
+    "AUTO_OPTIONS",
     "make_engine",
     "auto_engine",
 ]
 
 #: engines by name, tried in this order by ``conditionals="auto"``
 ENGINES = {
+    "gaussian_hmm": GaussianHMMConditionals,
     "gaussian": GaussianConditionals,
     "hierarchical": HierarchicalGaussianConditionals,
     "quadrature": QuadratureConditionals,
@@ -106,6 +115,10 @@ ENGINES = {
     "encode_decode": EncodeDecodeConditionals,
     "importance": ImportanceConditionals,
 }
+
+#: constructor options that ``"auto"`` gives an engine beyond the user's: the Kalman engine
+#: only for sequences long enough that it beats the dense covariance
+AUTO_OPTIONS = {"gaussian_hmm": {"min_tokens": AUTO_MIN_TOKENS}}
 
 #: ``"auto"`` warns when, with a guide given, it picks a quadrature grid with
 #: more nodes than this: more than the 256 draws of ``"importance"``'s default,
@@ -116,6 +129,7 @@ logger = logging.getLogger("pyro_mpt")
 
 #: what each engine needs, for error messages
 REQUIREMENTS = {
+    "gaussian_hmm": "an observed dist.GaussianHMM site (its elements as tokens) and no latent site",
     "gaussian": "Normal latents local to each datapoint and a Normal (or "
     "MultivariateNormal) observation whose location is affine in them, or a "
     "Gaussian observation without latents (MultivariateNormal, also over several "
@@ -173,7 +187,7 @@ def auto_engine(tokens, model, guide, args, kwargs, **options):
     reasons = {}
     for name, cls in ENGINES.items():
         # each engine takes the options it knows; e.g. num_samples is only for sampling engines
-        engine = cls(**{k: v for k, v in options.items() if k in accepted[name]})
+        engine = cls(**{**AUTO_OPTIONS.get(name, {}), **{k: v for k, v in options.items() if k in accepted[name]}})
         try:
             state = engine.prepare(tokens, model, guide, args, kwargs)
         except EngineNotApplicable as e:

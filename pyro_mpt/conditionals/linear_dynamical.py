@@ -32,12 +32,14 @@ and the information vector :math:`(-M Q^{-1} b, Q^{-1} b)`; a diagonal noise
 is kept as :math:`M`, :math:`b` and the scales directly.
 """
 
+from typing import NamedTuple
+
 import torch
 from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
 
 from .distributions import compact
 
-__all__ = ["gaussian_hmm_moments"]
+__all__ = ["LinearDynamicalParts", "gaussian_hmm_parts", "gaussian_hmm_moments"]
 
 
 def _factor_parts(gaussian, left):
@@ -60,6 +62,65 @@ def _factor_parts(gaussian, left):
 def _over_time(t, batch, T, event_ndim):
     """``(..., T|1, *event)`` -> ``(*batch, T, *event)`` (a view)."""
     return t.expand(batch + (T,) + t.shape[t.dim() - event_ndim :])
+
+
+class LinearDynamicalParts(NamedTuple):
+    r"""The parts of a ``dist.GaussianHMM`` in moment form (row vectors, as Pyro writes it):
+    :math:`z_{-1} \sim \mathcal N(m_0, S_0)`, :math:`z_t = z_{t-1}A_t + w_t`,
+    :math:`w_t \sim \mathcal N(b_t, Q_t)`, :math:`x_t = z_tC_t + v_t`,
+    :math:`v_t \sim \mathcal N(d_t, R_t)`. Leading dims broadcast to the batch
+    shape (size 1 where the distribution's parts are broadcast, e.g. by a plate);
+    the time dim is :math:`T` or 1 (homogeneous)."""
+
+    #: :math:`m_0` ``(..., H)``
+    init_loc: torch.Tensor
+    #: :math:`S_0` ``(..., H, H)``
+    init_cov: torch.Tensor
+    #: :math:`A_t` ``(..., T|1, H, H)``
+    transition: torch.Tensor
+    #: :math:`b_t` ``(..., T|1, H)``
+    trans_loc: torch.Tensor
+    #: :math:`Q_t` ``(..., T|1, H, H)``
+    trans_cov: torch.Tensor
+    #: :math:`C_t` ``(..., T|1, H, O)``
+    observation: torch.Tensor
+    #: :math:`d_t` ``(..., T|1, O)``
+    obs_loc: torch.Tensor
+    #: :math:`R_t` ``(..., T|1, O, O)``
+    obs_cov: torch.Tensor
+
+    @property
+    def batch_shape(self):
+        """The broadcast batch shape of the parts (time and event dims excluded)."""
+        return torch.Size(broadcast_shape(
+            self.init_loc.shape[:-1], self.init_cov.shape[:-2], self.transition.shape[:-3],
+            self.trans_loc.shape[:-2], self.trans_cov.shape[:-3], self.observation.shape[:-3],
+            self.obs_loc.shape[:-2], self.obs_cov.shape[:-3],
+        ))
+
+
+def gaussian_hmm_parts(hmm):
+    r"""The moment-form parts of a ``dist.GaussianHMM``, with the dims that Pyro's
+    broadcasting made stride 0 (a plate's expansion of shared parameters) compacted to size 1.
+
+    :param pyro.distributions.GaussianHMM hmm: the distribution.
+    :returns: :class:`LinearDynamicalParts`.
+
+    Example::
+
+        >>> parts = gaussian_hmm_parts(dist.GaussianHMM(init, A, trans, C, obs).expand([100]))
+        >>> parts.transition.shape   # (1, 1, H, H): shared by the 100 sequences and the steps
+    """
+    H = hmm.hidden_dim
+    init = hmm._init
+    S0 = torch.cholesky_inverse(torch.linalg.cholesky(compact(init.precision)))
+    m0 = (S0 @ compact(init.info_vec).unsqueeze(-1)).squeeze(-1)
+    A, b, Q = _factor_parts(hmm._trans, H)
+    C, d, R = _factor_parts(hmm._obs, H)
+    # a part without a time dim (e.g. a homogeneous transition matrix (H, H)) has one step
+    A, Q, C, R = (t if t.dim() > 2 else t.unsqueeze(-3) for t in (A, Q, C, R))
+    b, d = (t if t.dim() > 1 else t.unsqueeze(-2) for t in (b, d))
+    return LinearDynamicalParts(m0, S0, A, b, Q, C, d, R)
 
 
 def gaussian_hmm_moments(hmm, num_steps):
@@ -87,14 +148,9 @@ def gaussian_hmm_moments(hmm, num_steps):
     # every datapoint has one set of moments, built once (per datapoint, the loop over the steps
     # and its backward pass took 50x the time at N = 50, T = 500); the result broadcasts to
     # the batch shape
-    init = hmm._init
-    S0 = torch.cholesky_inverse(torch.linalg.cholesky(compact(init.precision)))
-    m0 = (S0 @ compact(init.info_vec).unsqueeze(-1)).squeeze(-1)
-    A, b, Q = _factor_parts(hmm._trans, H)  # (..., T|1, H, H), (..., T|1, H), (..., T|1, H, H)
-    C, d, R = _factor_parts(hmm._obs, H)  # (..., T|1, H, O), (..., T|1, O), (..., T|1, O, O)
-    batch = torch.Size(broadcast_shape(
-        A.shape[:-3], b.shape[:-2], Q.shape[:-3], C.shape[:-3], d.shape[:-2], R.shape[:-3], m0.shape[:-1], S0.shape[:-2]
-    ))
+    parts = gaussian_hmm_parts(hmm)
+    m0, S0, A, b, Q, C, d, R = parts
+    batch = parts.batch_shape
 
     A, b, Q = (_over_time(t, batch, T, nd) for t, nd in ((A, 2), (b, 1), (Q, 2)))
     C, d, R = (_over_time(t, batch, T, nd) for t, nd in ((C, 2), (d, 1), (R, 2)))

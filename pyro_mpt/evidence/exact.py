@@ -7,7 +7,10 @@ r"""``Evidence(method="exact")``: :math:`\log p(x_i)` in closed form or by exact
 * models whose latents are all discrete: the sum over the joint support (see
   :mod:`~pyro_mpt.conditionals.enumerate`);
 * an observed ``DiscreteHMM``: the forward algorithm (see
-  :mod:`~pyro_mpt.conditionals.hmm`);
+  :mod:`~pyro_mpt.conditionals.hmm`); an observed ``GaussianHMM`` of at least
+  :data:`~pyro_mpt.conditionals.gaussian_hmm.AUTO_MIN_TOKENS` tokens: the Kalman
+  filter (see :mod:`~pyro_mpt.conditionals.gaussian_hmm`; shorter ones, and any
+  with ``path=`` given, through their dense covariance);
 * models without latents (a Poisson or Bernoulli GLM): the log-likelihood itself.
 
 With missing tokens each value is the density of the datapoint's observed
@@ -17,8 +20,10 @@ sub-vector.
 import torch
 
 from ..conditionals import (
+    AUTO_MIN_TOKENS,
     DiscreteHMMConditionals,
     EnumerateConditionals,
+    GaussianHMMConditionals,
     GaussianConditionals,
     HierarchicalGaussianConditionals,
     QuadratureConditionals,
@@ -57,8 +62,17 @@ def exact_evidence(evidence, tokens, args, kwargs):
     if key not in evidence.engines:
         evidence.engines[key] = GaussianConditionals(options.pop("path", "auto"), **options)
     engine = evidence.engines[key]
+    state = None
+    if "path" not in evidence.options:
+        # a long GaussianHMM: its filter is linear in the steps, the dense covariance cubic
+        kalman = GaussianHMMConditionals(min_tokens=AUTO_MIN_TOKENS)
+        try:
+            engine, state = kalman, kalman.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
+        except EngineNotApplicable:
+            pass
     try:
-        state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
+        if state is None:
+            state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
     except EngineNotApplicable as e:
         # a linear-Gaussian hierarchy (local latents in a token plate), or exact sums
         # over discrete latents (a finite mixture, or an HMM's chain)

@@ -166,3 +166,40 @@ def _():
     pyro_mpt.conditionals.MixtureTable(torch.zeros(2), torch.zeros(3, 4, 5))
 
 
+
+
+def _gaussian_hmm_obs(latent=False, several=False):
+    eye = torch.eye(2)
+    lds = dist.GaussianHMM(dist.MultivariateNormal(torch.zeros(2), eye), 0.5 * eye,
+                           dist.MultivariateNormal(torch.zeros(2), eye), eye, dist.Normal(torch.zeros(2), 1.0).to_event(1))
+
+    def model(x):
+        with pyro.plate("sequences", x.shape[0]):
+            if latent:
+                pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", lds.expand_by([2]).to_event(1) if several else lds, obs=x)
+
+    return model
+
+
+@trigger("gaussian-hmm-not-gaussian-hmm")
+def _():
+    model, x = _ppca()
+    MaskedPretrainingLoss(conditionals="gaussian_hmm").loss(model, None, x)
+
+
+@trigger("gaussian-hmm-other-latents")
+def _():
+    MaskedPretrainingLoss(conditionals="gaussian_hmm").loss(_gaussian_hmm_obs(latent=True), None, torch.randn(3, 4, 2))
+
+
+@trigger("gaussian-hmm-extra-event-dims")
+def _():
+    MaskedPretrainingLoss(conditionals="gaussian_hmm").loss(_gaussian_hmm_obs(several=True), None, torch.randn(3, 2, 4, 2))
+
+
+@trigger("gaussian-hmm-short")
+def _():
+    from pyro_mpt.conditionals import GaussianHMMConditionals
+
+    MaskedPretrainingLoss(conditionals=GaussianHMMConditionals(min_tokens=100)).loss(_gaussian_hmm_obs(), None, torch.randn(3, 4, 2))

@@ -1,0 +1,237 @@
+"""The Kalman engine for an observed dist.GaussianHMM (conditionals='gaussian_hmm'): masked
+conditionals against numpy/scipy conditioning of the sequence's joint Gaussian (written here),
+evidence and gradients against Pyro's own GaussianHMM.log_prob, and the routing of "auto"."""
+
+import numpy as np
+import pytest
+import torch
+import pyro
+import pyro.distributions as dist
+from scipy.linalg import block_diag
+from scipy.stats import multivariate_normal, norm
+
+from pyro_mpt import Evidence, MaskedPretrainingLoss
+from pyro_mpt.conditionals import (
+    AUTO_MIN_TOKENS, EngineNotApplicable, GaussianConditionals, GaussianHMMConditionals, auto_engine,
+)
+from pyro_mpt.observed_tokens import trace_tokens
+
+
+def numpy_moments(m0, S0, A, b, Q, C, d, R):
+    """Mean and covariance of x_0..x_{T-1} for z_{-1} ~ N(m0, S0), z_t = z_{t-1} A_t + N(b_t, Q_t),
+    x_t = z_t C_t + N(d_t, R_t) (row vectors; per-step arrays of length T), by writing every
+    z_t as a linear map of the stacked noises."""
+    T, H = len(A), m0.shape[0]
+    K = (T + 1) * H
+    Z = np.zeros((H, K))
+    Z[:, :H] = np.eye(H)
+    mz = m0.copy()
+    rows, mean = [], []
+    for t in range(T):
+        E = np.zeros((H, K))
+        E[:, H * (t + 1) : H * (t + 2)] = np.eye(H)
+        Z = A[t].T @ Z + E
+        mz = mz @ A[t] + b[t]
+        rows.append(C[t].T @ Z)
+        mean.append(mz @ C[t] + d[t])
+    W = np.concatenate(rows, 0)
+    return np.concatenate(mean), W @ block_diag(S0, *Q) @ W.T + block_diag(*R)
+
+
+def make_hmm(T, H, O, *, time_varying, full_noise, seed=0):
+    """A GaussianHMM as users write it (torch, float64) and its parts per step (numpy)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64)
+
+    lead = (T,) if time_varying else ()
+    A = 0.6 * r(*lead, H, H) / H**0.5
+    C = r(*lead, H, O)
+    m0, L0 = r(H), r(H, H)
+    S0 = L0 @ L0.T + torch.eye(H, dtype=torch.float64)
+    b, q = r(H), 0.3 + torch.rand(H, generator=g, dtype=torch.float64)
+    d = r(O)
+    if full_noise:
+        LR = r(O, O)
+        Rm = LR @ LR.T + 0.5 * torch.eye(O, dtype=torch.float64)
+        obs = dist.MultivariateNormal(d, Rm)
+    else:
+        s = 0.4 + torch.rand(O, generator=g, dtype=torch.float64)
+        Rm = torch.diag(s**2)
+        obs = dist.Normal(d, s).to_event(1)
+    hmm = dist.GaussianHMM(dist.MultivariateNormal(m0, S0), A, dist.Normal(b, q).to_event(1), C, obs, duration=T)
+    steps = lambda t: [t.numpy()] * T if t.dim() == 2 else list(t.numpy())  # noqa: E731
+    parts = (m0.numpy(), S0.numpy(), steps(A), [b.numpy()] * T, [np.diag(q.numpy() ** 2)] * T, steps(C),
+             [d.numpy()] * T, [Rm.numpy()] * T)
+    return hmm, parts
+
+
+def scipy_conditionals(mean, cov, x, mask):
+    """log p(x_j | x_context) for every target j of every (mask, datapoint), by conditioning in numpy."""
+    q, n, D = mask.shape
+    out = np.zeros((q, n, D))
+    for a in range(q):
+        for i in range(n):
+            ctx = ~mask[a, i]
+            for j in np.flatnonzero(mask[a, i]):
+                if ctx.any():
+                    gain = np.linalg.solve(cov[np.ix_(ctx, ctx)], cov[ctx, j])
+                    m = mean[j] + gain @ (x[i, ctx] - mean[ctx])
+                    v = cov[j, j] - gain @ cov[ctx, j]
+                else:
+                    m, v = mean[j], cov[j, j]
+                out[a, i, j] = norm.logpdf(x[i, j], m, np.sqrt(v))
+    return out
+
+
+def _model(hmm, n):
+    def model(x):
+        with pyro.plate("sequences", n):
+            pyro.sample("x", hmm, obs=x)
+
+    return model
+
+
+@pytest.mark.parametrize("T,H,O,time_varying,full_noise", [
+    (1, 2, 2, False, False),
+    (7, 3, 2, True, True),  # 7 steps: blocks of 3, the last padded
+    (12, 2, 1, False, False),
+    (5, 7, 3, True, True),  # H = 7: the LAPACK routines instead of the elementwise ones
+    (4, 2, 7, False, True),  # O = 7 likewise for the observation noise
+])
+def test_masked_conditionals_equal_conditioning_of_the_joint_gaussian(T, H, O, time_varying, full_noise, float64):
+    """Every (mask, datapoint) pair's targets, random masks including an empty context and a
+    full one: the engine's log p(x_j | x_R) equals conditioning the sequence's joint Gaussian
+    (moments and conditionals in numpy) to 1e-9."""
+    hmm, parts = make_hmm(T, H, O, time_varying=time_varying, full_noise=full_noise)
+    n, D = 3, T * O
+    x = torch.randn(n, T, O, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    model = _model(hmm, n)
+    tokens = trace_tokens(model, None, (x,), {})
+    engine = GaussianHMMConditionals()
+    state = engine.prepare(tokens, model, None, (x,), {})
+    g = torch.Generator().manual_seed(2)
+    mask = torch.rand(6, n, D, generator=g) < 0.5
+    mask[0] = True  # no context
+    mask[1, :, 0] = True
+    mask[1, :, 1:] = False  # one target
+    got = engine.mask_log_prob(state, tokens.value, mask).numpy()
+    mean, cov = numpy_moments(*parts)
+    want = scipy_conditionals(mean, cov, x.reshape(n, D).numpy(), mask.numpy())
+    assert np.abs(np.where(mask.numpy(), got - want, 0.0)).max() < 1e-9
+
+
+@pytest.mark.parametrize("full_noise", [False, True])
+def test_evidence_and_gradients_equal_pyro_log_prob(full_noise, float64):
+    """log_evidence (the blocked filter) equals Pyro's GaussianHMM.log_prob, with the gradients
+    with respect to the transition and observation matrices (autograd through Pyro's parallel
+    scan), to 1e-9; with missing tokens it equals scipy's density of the observed sub-vector."""
+    T, H, O, n = 23, 2, 2, 4
+    g = torch.Generator().manual_seed(3)
+    A = (0.5 * torch.randn(T, H, H, generator=g, dtype=torch.float64)).requires_grad_()
+    C = torch.randn(H, O, generator=g, dtype=torch.float64).requires_grad_()
+    init = dist.MultivariateNormal(torch.zeros(H, dtype=torch.float64), torch.eye(H, dtype=torch.float64))
+    trans = dist.Normal(torch.tensor(0.1, dtype=torch.float64), 0.6).expand([H]).to_event(1)
+    obs = (dist.MultivariateNormal(torch.zeros(O, dtype=torch.float64), torch.tensor([[1.0, 0.4], [0.4, 0.8]], dtype=torch.float64))
+           if full_noise else dist.Normal(0.0, torch.tensor(0.5, dtype=torch.float64)).expand([O]).to_event(1))
+    hmm = dist.GaussianHMM(init, A, trans, C, obs, duration=T)
+    x = torch.randn(n, T, O, generator=g, dtype=torch.float64)
+    model = _model(hmm, n)
+    tokens = trace_tokens(model, None, (x,), {})
+    engine = GaussianHMMConditionals()
+    state = engine.prepare(tokens, model, None, (x,), {})
+    got = engine.log_evidence(state, tokens.value)
+    want = hmm.log_prob(x)
+    assert torch.allclose(got, want, rtol=0, atol=1e-9)
+    for a, b in zip(torch.autograd.grad(got.sum(), (A, C), retain_graph=True), torch.autograd.grad(want.sum(), (A, C))):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-9)
+    # missing tokens: the density of the observed ones
+    observed = torch.rand(n, T * O, generator=g) < 0.6
+    with torch.no_grad():
+        got = engine.log_evidence(state, tokens.value, observed).numpy()
+        mean, cov = hmm_dense(hmm, T)
+    for i in range(n):
+        keep = observed[i].numpy()
+        ref = multivariate_normal.logpdf(x.reshape(n, -1)[i, keep].numpy(), mean[keep], cov[np.ix_(keep, keep)])
+        assert abs(got[i] - ref) < 1e-9
+
+
+def hmm_dense(hmm, T):
+    """The sequence's joint Gaussian from Pyro's own density: x's mean is where the
+    log-density's gradient vanishes and its covariance the inverse of minus its Hessian."""
+    D = T * hmm.obs_dim
+    f = lambda v: hmm.log_prob(v.reshape(T, hmm.obs_dim))  # noqa: E731
+    z = torch.zeros(D, dtype=torch.float64)
+    Hs = torch.autograd.functional.hessian(f, z)
+    gr = torch.autograd.functional.jacobian(f, z)
+    prec = -Hs
+    mean = torch.linalg.solve(prec, gr)
+    return mean.numpy(), torch.linalg.inv(prec).numpy()
+
+
+def test_training_gradients_equal_the_dense_path(float64):
+    """The default loss (masks per datapoint) and 'all' with masks shared: the Kalman engine and
+    the dense covariance give the same value and gradients of the Pyro params, with the same
+    masks (1e-9), also when the masks are split into chunks recomputed in the backward pass."""
+    T, H, O, n = 9, 2, 1, 5
+    x = torch.randn(n, T, O, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+    def model(x):
+        A = pyro.param("A", 0.5 * torch.eye(H, dtype=torch.float64) + 0.1)
+        C = pyro.param("C", torch.ones(H, O, dtype=torch.float64))
+        s = pyro.param("s", torch.tensor(0.5, dtype=torch.float64), constraint=dist.constraints.positive)
+        init = dist.MultivariateNormal(torch.zeros(H, dtype=torch.float64), torch.eye(H, dtype=torch.float64))
+        trans = dist.MultivariateNormal(torch.zeros(H, dtype=torch.float64), 0.3 * torch.eye(H, dtype=torch.float64))
+        with pyro.plate("sequences", x.shape[0]):
+            pyro.sample("x", dist.GaussianHMM(init, A, trans, C, dist.Normal(0.0, s).expand([O]).to_event(1)), obs=x)
+
+    for kw in ({}, {"masks": "all", "share_masks": True}):
+        results = []
+        for engine in (GaussianConditionals("dense"), GaussianHMMConditionals(), GaussianHMMConditionals(max_elements=500)):
+            pyro.clear_param_store()
+            pyro.set_rng_seed(5)
+            loss = MaskedPretrainingLoss(conditionals=engine, **kw).differentiable_loss(model, None, x)
+            params = [pyro.param(k).unconstrained() for k in ("A", "C", "s")]
+            results.append((loss.detach(), torch.autograd.grad(loss, params)))
+        for value, grads in results[1:]:
+            assert abs(float(value - results[0][0])) < 1e-9 * abs(float(value))
+            for a, b in zip(grads, results[0][1]):
+                assert torch.allclose(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_auto_routes_long_sequences_to_the_kalman_engine(float64):
+    """'auto' and Evidence take the Kalman engine from AUTO_MIN_TOKENS tokens a sequence and the
+    dense covariance below; both give Pyro's log_prob (1e-8); the engine declines a model with a
+    latent and a site holding several sequences per datapoint."""
+    H, O = 2, 1
+    for T, kalman in ((AUTO_MIN_TOKENS - 1, False), (AUTO_MIN_TOKENS, True)):
+        hmm, _ = make_hmm(T, H, O, time_varying=False, full_noise=False, seed=6)
+        x = torch.randn(2, T, O, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        model = _model(hmm, 2)
+        tokens = trace_tokens(model, None, (x,), {})
+        engine, _ = auto_engine(tokens, model, None, (x,), {})
+        assert isinstance(engine, GaussianHMMConditionals) == kalman
+        assert isinstance(engine, GaussianConditionals) != kalman
+        assert torch.allclose(Evidence(model)(x), hmm.log_prob(x), rtol=0, atol=1e-8)
+        assert torch.allclose(MaskedPretrainingLoss(masks="order").score(model, None, x), hmm.log_prob(x), rtol=0, atol=1e-8)
+    hmm, _ = make_hmm(6, H, O, time_varying=False, full_noise=False)
+    x = torch.randn(2, 6, O, dtype=torch.float64)
+
+    def with_latent(x):
+        eye = torch.eye(H, dtype=torch.float64)
+        with pyro.plate("sequences", 2):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+            obs = dist.Normal(z[..., None, None].expand(2, 1, O), 1.0).to_event(1)
+            lds = dist.GaussianHMM(dist.MultivariateNormal(0 * eye[0], eye), 0.5 * eye, dist.MultivariateNormal(0 * eye[0], eye),
+                                   torch.ones(H, O, dtype=torch.float64), obs)
+            pyro.sample("x", lds, obs=x)
+
+    def several(x):
+        with pyro.plate("data", 1):
+            pyro.sample("x", hmm.expand_by([2]).to_event(1), obs=x[None])
+
+    for model, args, what in ((with_latent, (x,), "latent site"), (several, (x,), "per datapoint")):
+        tokens = trace_tokens(model, None, args, {})
+        with pytest.raises(EngineNotApplicable, match=what):
+            GaussianHMMConditionals().prepare(tokens, model, None, args, {})
