@@ -455,7 +455,7 @@ class GaussianConditionals(ConditionalEngine):
         return not state.is_low_rank or lowrank_form_dtype(state.cov_factor, state.cov_diag) is not None
 
     def _leave_one_out(self, state, x_data):
-        """Every leave-one-out conditional, ``(n, D)`` in the data's dtype, of a state
+        """Every leave-one-out conditional, ``(n, D)`` in the result dtype, of a state
         whose covariance or loading the batch shares (on blocks: every block and
         datapoint; a token's conditional given the rest is then the one given the rest of
         its block), computed once per state and data
@@ -478,7 +478,7 @@ class GaussianConditionals(ConditionalEngine):
                 form, xf = self._form_state(state, x_data)
                 return lowrank_leave_one_out(form, self._shared_data(form, x_data, xf))
 
-            return self._rescued(state, compute).to(x_data.dtype)
+            return self._rescued(state, compute).to(_result_dtype(state))
         return _to_data(state, self._rescued(state, lambda: dense_leave_one_out(state, _to_work(state, x_data))))
 
     def _shared_sums(self, state, x_data, x, mask):
