@@ -1,0 +1,233 @@
+#!/usr/bin/env python
+r"""Models written the way Pyro users write them, timed against what the user would compare with.
+
+Each row is **loss + gradient** (``differentiable_loss`` and ``torch.autograd.grad``
+into the model's parameters), float32 unless said, one thread (the machine is shared:
+several OpenMP threads wait on each other), median of ``--repeats`` after a warm-up,
+interleaved with its reference by :func:`harness.run_interleaved` so that the load
+hits both alike. The ratio is measured in this run.
+
+1. ``pll`` -- ``MaskedPretrainingLoss(masks="pll")`` (every leave-one-out query)
+   against ``Evidence(model)`` with its gradient, the exact log-density of the same
+   model: one factorization serves both, so the goal is a small constant ratio. On
+   Pyro's varying-intercept (radon) regression and a Bayesian linear regression
+   scored as one datapoint (``token_plates=("data",)``), a GP written with a
+   ``MultivariateNormal`` observation, ``GPRegression`` with three outputs, and a
+   linear-Gaussian hierarchy (``conditionals="hierarchical"``). Before the
+   leave-one-out paths each query factored its own context: 100--350 times the
+   evidence.
+2. ``missing`` -- PPCA with 10 % of the tokens missing (``dist.Normal(...).mask(m)``),
+   ``masks="all"`` with masks per datapoint, against the same loss without missing
+   tokens: missing tokens hide themselves in the independent sums rather than
+   taking the per-(mask, datapoint) conditionals (6.6x before, at D = 200).
+3. ``memory`` -- ``masks="all"`` on one datapoint of many tokens (the radon model):
+   the step peak resident memory (:class:`harness.PeakRSS`, the first step: a
+   warm-up's freed memory would hide it). What the backward pass keeps is bounded by
+   ``chunk_size`` (``2**22`` elements a group), the forward pass's transient tables by
+   the engine's ``max_elements`` (``2**24``); before, every mask's factors were kept
+   for the backward pass (peak RSS 2.9 GB at 1000 houses, now 0.47 GB).
+
+Usage::
+
+    python benchmarks/user_models_speed.py            # all three (a few minutes)
+    python benchmarks/user_models_speed.py --quick    # smaller sizes (< 1 min)
+    python benchmarks/user_models_speed.py pll
+"""
+
+import argparse
+import os
+import sys
+import warnings
+
+import torch
+
+import pyro
+import pyro.distributions as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling harness
+from harness import PeakRSS, Timing, fmt_ratio, machine_line, run_interleaved  # noqa: E402
+
+from pyro_mpt import Evidence, MaskedPretrainingLoss  # noqa: E402
+
+
+def step(loss, model, args):
+    """One loss + gradient into every param of the store."""
+    value = loss.differentiable_loss(model, None, *args)
+    leaves = [p.unconstrained() for p in pyro.get_param_store().values()]
+    torch.autograd.grad(value, leaves, allow_unused=True)
+    return float(value)
+
+
+def evidence_step(evidence, args):
+    value = evidence(*args).sum()
+    leaves = [p.unconstrained() for p in pyro.get_param_store().values()]
+    torch.autograd.grad(value, leaves, allow_unused=True)
+    return float(value)
+
+
+def radon(N, G=85, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    grp, u = torch.randint(0, G, (N,), generator=g), torch.randn(N, generator=g)
+    y = torch.randn(G, generator=g)[grp] + 0.5 * u + 0.7 * torch.randn(N, generator=g)
+
+    def model(grp, u, y):
+        b = pyro.param("b", torch.tensor(0.0))
+        sa = pyro.param("sa", torch.tensor(1.0), constraint=dist.constraints.positive)
+        sy = pyro.param("sy", torch.tensor(1.0), constraint=dist.constraints.positive)
+        mu_a = pyro.sample("mu_a", dist.Normal(0.0, 10.0))
+        with pyro.plate("county", G):
+            a = pyro.sample("a", dist.Normal(mu_a, sa))
+        with pyro.plate("data", N):
+            pyro.sample("y", dist.Normal(a[..., grp] + b * u, sy), obs=y)
+
+    return model, (grp, u, y), dict(token_plates=("data",))
+
+
+def regression(N, P=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(N, P, generator=g)
+    y = X @ torch.randn(P, generator=g) + 0.5 * torch.randn(N, generator=g)
+
+    def model(X, y):
+        sigma = pyro.param("sigma", torch.tensor(1.0), constraint=dist.constraints.positive)
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([P]).to_event(1))
+        b = pyro.sample("b", dist.Normal(0.0, 10.0))
+        with pyro.plate("data", N):
+            pyro.sample("y", dist.Normal((X * w).sum(-1) + b, sigma), obs=y)
+
+    return model, (X, y), dict(token_plates=("data",))
+
+
+def gp(N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.linspace(0, 10, N)
+    y = torch.sin(X) + 0.1 * torch.randn(N, generator=g)
+
+    def model(X, y):
+        ls = pyro.param("ls", torch.tensor(1.0), constraint=dist.constraints.positive)
+        K = torch.exp(-0.5 * (X[:, None] - X[None]) ** 2 / ls**2) + 0.01 * torch.eye(N)
+        pyro.sample("y", dist.MultivariateNormal(torch.zeros(N), covariance_matrix=K), obs=y)
+
+    return model, (X, y), {}
+
+
+def multi_output_gp(N, B=3, seed=0):
+    import pyro.contrib.gp as pgp
+
+    g = torch.Generator().manual_seed(seed)
+    X = torch.linspace(0, 5, N)
+    y = torch.sin(X) + 0.1 * torch.randn(B, N, generator=g)
+    gpr = pgp.models.GPRegression(X, y, pgp.kernels.RBF(1), noise=torch.tensor(0.1))
+
+    def model():
+        return gpr.model()
+
+    return model, (), {}
+
+
+def hierarchy(units, D=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    A, W0 = torch.randn(2, 2, generator=g), torch.randn(D, 2, generator=g)
+    x = torch.randn(units, D, generator=g)
+
+    def model(x):
+        W = pyro.param("W", W0.clone())
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        with pyro.plate("data", units):
+            z = pyro.sample("z", dist.Normal(mu @ A.T, 0.8).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
+
+    return model, (x,), dict(token_plates=("data",), conditionals="hierarchical")
+
+
+def ppca_missing(N, D, K, missing, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W0 = torch.randn(D, K, generator=g) * 0.3
+    x = torch.randn(N, K, generator=g) @ W0.T + 0.5 * torch.randn(N, D, generator=g)
+    observed = torch.rand(N, D, generator=g) >= missing
+
+    def model(x):
+        W = pyro.param("W", W0.clone())
+        s = pyro.param("s", torch.tensor(0.5), constraint=dist.constraints.positive)
+        with pyro.plate("data", N):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, s).mask(observed).to_event(1), obs=x)
+
+    return model, (x,), {}
+
+
+def timed_pair(a, b, repeats):
+    """Median seconds of ``a`` and ``b`` (no arguments), interleaved."""
+    (ta, _), (tb, _) = run_interleaved(lambda seed: torch.manual_seed(seed), [lambda _: a(), lambda _: b()], repeats)[0]
+    return Timing(ta), Timing(tb)
+
+
+def pll_rows(quick, repeats):
+    cases = [
+        ("radon regression, 85 counties", radon, 300 if quick else 1000),
+        ("Bayesian linear regression, 10 features", regression, 500 if quick else 2000),
+        ("GP, MultivariateNormal observation (float32)", gp, 100 if quick else 300),
+        ("GPRegression, 3 outputs", multi_output_gp, 50 if quick else 150),
+        ("linear-Gaussian hierarchy, 4 tokens a unit", hierarchy, 100 if quick else 250),
+    ]
+    print("\n| model | tokens | `pll` loss + grad | Evidence + grad | pll / Evidence |")
+    print("|---|---|---|---|---|")
+    for name, build, size in cases:
+        pyro.clear_param_store()
+        model, args, options = build(size)
+        loss = MaskedPretrainingLoss(masks="pll", **options)
+        evidence = Evidence(model, **{k: v for k, v in options.items() if k == "token_plates"})
+        tokens = size * (3 if build is multi_output_gp else 4 if build is hierarchy else 1)
+        tp, te = timed_pair(lambda: step(loss, model, args), lambda: evidence_step(evidence, args), repeats)
+        print(f"| {name} | {tokens} | {tp.cell()} | {te.cell()} | {fmt_ratio(tp.median / te.median)} |", flush=True)
+
+
+def missing_rows(quick, repeats):
+    N, K = 1000, 5
+    print("\n| PPCA, masks per datapoint | D | `all` with 10 % missing | without | ratio |")
+    print("|---|---|---|---|---|")
+    for D in [50] if quick else [50, 200]:
+        pyro.clear_param_store()
+        model, args, _ = ppca_missing(N, D, K, 0.1)
+        full, full_args, _ = ppca_missing(N, D, K, 0.0)
+        loss = MaskedPretrainingLoss(masks="all")
+        tm, tf = timed_pair(lambda: step(loss, model, args), lambda: step(loss, full, full_args), repeats)
+        print(f"| N={N}, K={K} | {D} | {tm.cell()} | {tf.cell()} | {fmt_ratio(tm.median / tf.median)} |", flush=True)
+
+
+def memory_rows(quick):
+    N = 400 if quick else 1000
+    pyro.clear_param_store()
+    model, args, options = radon(N)
+    loss = MaskedPretrainingLoss(masks="all", **options)
+    # no warm-up: the allocator keeps what a first step freed, which would hide the peak
+    sampler = PeakRSS()
+    sampler.start()
+    before = PeakRSS.rss()
+    step(loss, model, args)
+    peak = sampler.stop() - before
+    print(f"\nradon regression, {N} houses (one datapoint), masks='all', float32: step peak "
+          f"{peak / 2**20:.0f} MB above the {before / 2**20:.0f} MB before it (kept for the backward "
+          f"pass: chunk_size = {loss.chunk_size} elements a group, {loss.chunk_size * 4 / 2**20:.0f} MB)", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="*", default=["pll", "missing", "memory"])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    a = parser.parse_args()
+    torch.set_num_threads(a.threads)
+    warnings.simplefilter("ignore")
+    print(machine_line())
+    if "pll" in a.parts:
+        pll_rows(a.quick, a.repeats)
+    if "missing" in a.parts:
+        missing_rows(a.quick, a.repeats)
+    if "memory" in a.parts:
+        memory_rows(a.quick)
+
+
+if __name__ == "__main__":
+    main()
