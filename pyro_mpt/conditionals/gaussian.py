@@ -343,7 +343,7 @@ class GaussianConditionals(ConditionalEngine):
                 form, xf = self._form_state(state, x)
                 return lowrank_independent_sums(form, xf, hidden, self._shared_data(form, x, xf), observed)
 
-            return self._rescued(state, compute).to(x.dtype)
+            return self._rescued(state, compute).to(_result_dtype(state))
         return super().mask_sums_within(state, x, mask, context)
 
     def _independent_within(self, state, mask, context):
