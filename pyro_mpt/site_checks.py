@@ -146,9 +146,9 @@ def check_integer_data(site, raw):
     torch's Bernoulli (and others) raise a dtype error on int64 or bool values;
     Trace_ELBO fails the same way, but inside an engine the error names no
     site and follows a misleading fallback warning. Poisson, Categorical and
-    the like score integers and pass. One ``log_prob`` per distribution class
-    and dtypes decides; values outside the support are left to
-    :func:`validate_values`, which names them.
+    the like score integers and pass. One ``log_prob`` at zeros per
+    distribution class and dtypes decides; values outside the support are left
+    to :func:`validate_values`, which names them.
     """
     if torch.is_floating_point(raw) or torch.is_complex(raw):
         return
@@ -158,7 +158,9 @@ def check_integer_data(site, raw):
     if key in _SCORES_INTEGER_DATA:
         return
     try:
-        fn.log_prob(raw)
+        # zeros, not the data: missing tokens may hold any placeholder (-1 for a Categorical),
+        # and 0 is in the support of the integer distributions, so only the dtype can fail
+        fn.log_prob(torch.zeros_like(raw))
     except RuntimeError as e:
         name = str(raw.dtype).replace("torch.", "")
         raise ValueError(

@@ -688,6 +688,42 @@ def test_nested_data_plates_and_extra_batch_dims(float64):
     assert torch.allclose(Evidence(nested, max_plate_nesting=4)(x2), exact, atol=TOL)
 
 
+def test_integer_placeholders_at_missing_tokens_pass_the_integer_data_check(float64):
+    """Categorical tokens with -1 at the missing ones (dist.mask), validation off: the integer-data
+    check scores zeros, not the data, so the placeholders do not read as a dtype error; the
+    order MPT equals scipy's quad over the observed tokens."""
+    from scipy import integrate, stats
+    from scipy.special import log_softmax
+
+    g = torch.Generator().manual_seed(5)
+    N_, D_ = 4, 5
+    x = torch.randint(0, 3, (N_, D_), generator=g)
+    keep = torch.rand(N_, D_, generator=g) > 0.3
+    keep[:, 0] = True
+    x[~keep] = -1
+
+    def model(x):
+        with pyro.plate("data", N_):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            logits = torch.stack([z, -z, 0 * z], -1)[..., None, :].expand(z.shape + (D_, 3))
+            pyro.sample("x", dist.Categorical(logits=logits).mask(keep).to_event(1), obs=x)
+
+    def quad(row, obs):
+        def f(z):
+            lp = log_softmax(np.array([z, -z, 0.0]))
+            return math.exp(stats.norm.logpdf(z) + lp[row[obs]].sum())
+
+        return math.log(integrate.quad(f, -12, 12, epsabs=0, epsrel=1e-12)[0])
+
+    truth = np.array([quad(x[i].numpy(), keep[i].numpy()) for i in range(N_)])
+    pyro.enable_validation(False)
+    try:
+        score = MaskedPretrainingLoss(masks="order").score(model, None, x)
+    finally:
+        pyro.enable_validation(True)
+    np.testing.assert_allclose(score.detach().numpy(), truth, rtol=0, atol=1e-8)
+
+
 def test_max_plate_nesting_below_the_models_plates_is_raised_to_them(float64):
     """max_plate_nesting=1 for a model whose plates use dims -1 and -2: the engines' plate of
     points went to dim -2, inside the model's 'a': quadrature fell back to one model run per
