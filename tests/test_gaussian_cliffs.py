@@ -16,7 +16,7 @@ import pyro.distributions as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
-from pyro_mpt.conditionals import gaussian_marginal
+from pyro_mpt.conditionals import GaussianConditionals, gaussian_marginal
 from pyro_mpt.observed_tokens import trace_tokens
 
 
@@ -367,8 +367,6 @@ def test_pll_takes_one_factorization_for_all_its_queries(form, monkeypatch):
     # every leave-one-out conditional. Through the per-mask sums it took D context
     # factorizations: Pyro's radon model (1000 houses, 85 counties, one datapoint of
     # 1000 tokens) 7.3 s a step, now 0.03 s; a GP of 300 points 4.4 -> 0.4 s
-    import pyro_mpt.conditionals.gaussian as gaussian_module
-
     _refuse_per_mask_paths(monkeypatch)
     g = torch.Generator().manual_seed(11)
     f64 = dict(generator=g, dtype=torch.float64)
@@ -478,7 +476,8 @@ def test_pll_of_a_multi_output_gp_takes_one_factorization_for_all_its_queries(mo
         assert abs(got.item() - exp.item()) <= 1e-8 * max(1.0, abs(exp.item()))
 
 
-def test_missing_tokens_with_masks_per_datapoint_take_the_independent_sums(monkeypatch):
+@pytest.mark.parametrize("method", ["lowrank", "dense"])
+def test_missing_tokens_with_masks_per_datapoint_take_the_independent_sums(method, monkeypatch):
     # missing tokens (dist.mask) make a datapoint's context its observed tokens: the
     # queries went through the per-(mask, datapoint) conditionals (lowrank_masks, a
     # (q, n, D) table and its graph per block, checkpointed); the independent sums
@@ -488,7 +487,8 @@ def test_missing_tokens_with_masks_per_datapoint_take_the_independent_sums(monke
     import pyro_mpt.conditionals.gaussian as gaussian_module
     from pyro_mpt.masks import AllSizes, MaskSchedule
 
-    monkeypatch.setattr(gaussian_module, "lowrank_masks", lambda *a, **k: pytest.fail("lowrank_masks: per (mask, datapoint)"))
+    for name in ("lowrank_masks", "dense_masks"):
+        monkeypatch.setattr(gaussian_module, name, lambda *a, _n=name, **k: pytest.fail(f"{_n}: per (mask, datapoint)"))
     g = torch.Generator().manual_seed(21)
     n, D, K = 7, 9, 2
     W0 = torch.randn(D, K, generator=g, dtype=torch.float64)
@@ -516,7 +516,8 @@ def test_missing_tokens_with_masks_per_datapoint_take_the_independent_sums(monke
     pyro.clear_param_store()
     pyro.poutine.trace(ppca).get_trace(x)
     leaves = [pyro.param("W").unconstrained(), pyro.param("s").unconstrained()]
-    value = MaskedPretrainingLoss(masks=Replay(1)).differentiable_loss(ppca, None, x)
+    loss = MaskedPretrainingLoss(masks=Replay(1), conditionals=GaussianConditionals(method))
+    value = loss.differentiable_loss(ppca, None, x)
     grads = torch.autograd.grad(value, leaves)
 
     # numpy: each target's Gaussian conditional on the datapoint's observed context;

@@ -338,6 +338,10 @@ class GaussianConditionals(ConditionalEngine):
             # hidden tokens (targets and missing ones), summed over the targets
             hidden = mask | ~context
             observed = context[0].expand(hidden.shape[1:])
+            if not state.is_low_rank:
+                xw = _to_work(state, x)
+                return _to_data(state, self._rescued(
+                    state, lambda: dense_independent_sums(state, xw, hidden, self.max_elements, observed)))
 
             def compute():
                 form, xf = self._form_state(state, x)
@@ -347,14 +351,15 @@ class GaussianConditionals(ConditionalEngine):
         return super().mask_sums_within(state, x, mask, context)
 
     def _independent_within(self, state, mask, context):
-        """Whether :meth:`mask_sums_within` takes ``gaussian_independent``'s sums: a
-        context shared by the queries (the observed tokens) and a low-rank state that
-        those sums serve (:meth:`_independent_sums`)."""
+        """Whether :meth:`mask_sums_within` takes the sums over masks drawn per datapoint
+        (``gaussian_independent``'s or ``gaussian_dense_independent``'s): a context shared
+        by the queries (the observed tokens) and a state those sums serve
+        (:meth:`_independent_sums`, :meth:`_dense_independent`)."""
         return (
             not isinstance(state, BlockGaussianState)
             and context.shape[0] == 1
             and (mask.shape[1] != 1 or context.shape[1] != 1)
-            and self._independent_sums(state)
+            and (self._independent_sums(state) or self._dense_independent(state))
         )
 
     def recomputes_mask_sums(self, state, x, mask, context=None):
@@ -363,7 +368,7 @@ class GaussianConditionals(ConditionalEngine):
         ``gaussian_independent.lowrank_independent_sums`` and
         ``gaussian_dense_independent.dense_independent_sums`` keep only the masks (as
         bits) and recompute their chunks in their backward passes; with a context
-        (missing tokens), where :meth:`mask_sums_within` takes the former."""
+        (missing tokens), where :meth:`mask_sums_within` takes them."""
         if context is not None:
             return self._independent_within(state, mask, context)
         return (

@@ -47,7 +47,7 @@ from .written_backward import first_order_backward
 __all__ = ["DenseContextConditionals", "DenseIndependentSums", "dense_independent_sums"]
 
 
-def dense_independent_sums(m, x, mask, max_elements):
+def dense_independent_sums(m, x, mask, max_elements, observed=None):
     r""":math:`\sum_{j\in\mathcal M}\log p(x_j\mid x_{\mathcal R})` for dense masks drawn
     per datapoint, ``(q, n)``.
 
@@ -60,7 +60,8 @@ def dense_independent_sums(m, x, mask, max_elements):
 
         >>> dense_independent_sums(state, x, mask, 2**24)   # (q, n)
     """
-    return DenseIndependentSums.apply(m.covariance[0], x, m.loc, mask, max_elements, m.site)
+    o = None if observed is None else observed.to(x.dtype)
+    return DenseIndependentSums.apply(m.covariance[0], x, m.loc, mask, max_elements, m.site, o)
 
 
 #: bytes of one ``(pairs, D, D)`` table of a chunk on the CPU: the dozen passes over a
@@ -165,7 +166,7 @@ class DenseIndependentSums(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, S, x, loc, mask, max_elements, site):
+    def forward(ctx, S, x, loc, mask, max_elements, site, observed=None):
         """``(q, n)``."""
         q, n, D = mask.shape
         r = x - loc
@@ -173,7 +174,9 @@ class DenseIndependentSums(torch.autograd.Function):
         out = S.new_empty(q * n)
         rows = torch.arange(q * n, device=r.device) % n
         for sl in _chunks(q * n, D, S.element_size(), max_elements, S.device):
-            out[sl] = _Pieces(S, r[rows[sl]], flat[sl], site).log_conditionals().sum(-1)
+            logc = _Pieces(S, r[rows[sl]], flat[sl], site).log_conditionals()
+            out[sl] = (logc if observed is None else logc * observed[rows[sl]]).sum(-1)
+        ctx.observed = observed
         # x and loc rather than r: they are shared by every block of masks, r would be one more
         # (n, D) table kept per block
         ctx.save_for_backward(S, x, loc, pack_bits(mask))
@@ -194,10 +197,11 @@ class DenseIndependentSums(torch.autograd.Function):
         K = torch.zeros_like(S)  # the part of S's gradient that is symmetrized
         for sl in _chunks(q * n, D, S.element_size(), ctx.max_elements, S.device):
             pc = _Pieces(S, r[rows[sl]], flat[sl], ctx.site)
-            gr.index_add_(0, rows[sl], pc.backward(S, gflat[sl].expand(-1, D), None, gS, K))
+            gc = gflat[sl].expand(-1, D) if ctx.observed is None else gflat[sl] * ctx.observed[rows[sl]]
+            gr.index_add_(0, rows[sl], pc.backward(S, gc, None, gS, K))
         gS += 0.5 * (K + K.T)
         gloc = (-gr).sum_to_size(loc.shape) if ctx.needs_input_grad[2] else None
-        return gS, gr if ctx.needs_input_grad[1] else None, gloc, None, None, None
+        return gS, gr if ctx.needs_input_grad[1] else None, gloc, None, None, None, None
 
 
 class DenseContextConditionals(torch.autograd.Function):
