@@ -78,12 +78,14 @@ class GaussianHMMState:
 
     :param LinearDynamicalParts parts: float64, each with a leading dim of ``n`` rows
         or one (shared by the datapoints), then its time dim (``T`` or 1).
+    :param str site: the observed site, for error messages.
     :param bool diagonal_noise: whether every :math:`R_t` is diagonal (the step's other
         elements then carry no information on a target beyond :math:`z_t`).
     :param torch.dtype dtype: the dtype of the results.
     """
 
     parts: LinearDynamicalParts = field(repr=False)
+    site: str
     diagonal_noise: bool
     dtype: torch.dtype
     num_data: int
@@ -329,6 +331,27 @@ def _messages(start, f):
     return _Message(*(torch.stack(t, 1).reshape((B * b,) + t[0].shape[1:])[:T] for t in zip(*inside)))
 
 
+def _check_finite(state, value):
+    r"""Refuse non-finite results: in information form a state's precision after :math:`k`
+    steps without context is that of a variance growing as :math:`\rho^{2k}` (:math:`\rho`
+    the transition matrices' spectral radius), and once that exceeds the noise's by float64's
+    16 digits it is lost to cancellation (so is the dense covariance's factorization)."""
+    if bool(torch.isfinite(value).all()):
+        return
+    radius = float(torch.linalg.eigvals(state.parts.transition.detach()).abs().max())
+    raise ValueError(
+        f"{_WHO}: the conditionals of site {state.site!r} are not finite. The transition "
+        f"matrices' spectral radius is {radius:.3g}"
+        + (
+            f" > 1: the states' variance grows as {radius:.3g}^(2 k) over k steps without context, "
+            f"beyond float64's digits over the masked stretches of these {state.num_steps} steps. "
+            if radius > 1
+            else ": the model's covariances lose all their digits in float64. "
+        )
+        + "Keep the dynamics stable (e.g. parametrize the transition matrix with a spectral "
+        "radius below 1) or score shorter sequences."
+    )
+
 class GaussianHMMConditionals(ConditionalEngine):
     r"""Exact masked conditionals of an observed ``dist.GaussianHMM`` by Kalman smoothing.
 
@@ -403,7 +426,7 @@ class GaussianHMMConditionals(ConditionalEngine):
         parts = LinearDynamicalParts(*rows)
         R = parts.obs_cov
         diagonal = bool((R - torch.diag_embed(R.diagonal(dim1=-2, dim2=-1)) == 0).all())
-        return GaussianHMMState(parts, diagonal, dtype, tokens.num_data, tokens.num_tokens, T)
+        return GaussianHMMState(parts, tokens.name, diagonal, dtype, tokens.num_data, tokens.num_tokens, T)
 
     def _per_pair(self, state):
         """Elements kept per ``(mask, datapoint)`` pair for the backward pass: the steps'
@@ -478,6 +501,7 @@ class GaussianHMMConditionals(ConditionalEngine):
             return (-0.5 * ((xs.unsqueeze(1) - mean).pow(2) / var + var.log() + LOG_2PI),)
 
         (logc,) = self._chunks(state, xs, context, fn)  # (T, q, n, O)
+        _check_finite(state, logc)
         return logc.permute(1, 2, 0, 3).reshape(q, n, -1).to(state.dtype)
 
     def log_evidence(self, state, x, observed=None):
@@ -490,7 +514,9 @@ class GaussianHMMConditionals(ConditionalEngine):
         # the forward messages alone (the smoother's backward pass is not needed)
         f = _step_factors(state.parts, xs, context.unsqueeze(1))
         alpha = _messages(_prior_message(state.parts, f.c.shape[1:]), f)
-        return _log_normalizer(alpha.J[-1], alpha.h[-1], alpha.c[-1])[0].to(state.dtype)
+        value = _log_normalizer(alpha.J[-1], alpha.h[-1], alpha.c[-1])[0]
+        _check_finite(state, value)
+        return value.to(state.dtype)
 
     def chain_sums(self, state, x, order, observed=None):
         r"""Chain-rule sums along orderings, ``(p, n)``: each equals :meth:`log_evidence`."""

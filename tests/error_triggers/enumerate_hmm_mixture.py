@@ -203,3 +203,17 @@ def _():
     from pyro_mpt.conditionals import GaussianHMMConditionals
 
     MaskedPretrainingLoss(conditionals=GaussianHMMConditionals(min_tokens=100)).loss(_gaussian_hmm_obs(), None, torch.randn(3, 4, 2))
+
+
+@trigger("gaussian-hmm-not-finite")
+def _():
+    eye = torch.eye(2)
+    lds = dist.GaussianHMM(dist.MultivariateNormal(torch.zeros(2), eye), 2.0 * eye, dist.MultivariateNormal(torch.zeros(2), eye),
+                           torch.ones(2, 1), dist.Normal(torch.zeros(1), 1.0).to_event(1))
+
+    def model(x):
+        with pyro.plate("sequences", x.shape[0]):
+            pyro.sample("x", lds, obs=x)
+
+    pyro.set_rng_seed(0)
+    MaskedPretrainingLoss(conditionals="gaussian_hmm", masks="all").loss(model, None, torch.randn(2, 100, 1))
