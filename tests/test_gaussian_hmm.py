@@ -170,11 +170,15 @@ def hmm_dense(hmm, T):
     return mean.numpy(), torch.linalg.inv(prec).numpy()
 
 
-def test_training_gradients_equal_the_dense_path(float64):
+@pytest.mark.parametrize("full_noise", [False, True])
+def test_training_gradients_equal_the_dense_path(full_noise, float64):
     """The default loss (masks per datapoint) and 'all' with masks shared: the Kalman engine and
     the dense covariance give the same value and gradients of the Pyro params, with the same
-    masks (1e-9), also when the masks are split into chunks recomputed in the backward pass."""
-    T, H, O, n = 9, 2, 1, 5
+    masks (1e-9), also when the masks are split into chunks recomputed in the backward pass;
+    with a full observation noise too (a context element's own conditional is not formed: its
+    variance would be zero and its gradient not finite)."""
+    T, H, n = 9, 2, 5
+    O = 2 if full_noise else 1
     x = torch.randn(n, T, O, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
 
     def model(x):
@@ -183,8 +187,13 @@ def test_training_gradients_equal_the_dense_path(float64):
         s = pyro.param("s", torch.tensor(0.5, dtype=torch.float64), constraint=dist.constraints.positive)
         init = dist.MultivariateNormal(torch.zeros(H, dtype=torch.float64), torch.eye(H, dtype=torch.float64))
         trans = dist.MultivariateNormal(torch.zeros(H, dtype=torch.float64), 0.3 * torch.eye(H, dtype=torch.float64))
+        if full_noise:
+            tril = torch.tensor([[1.0, 0.0], [0.6, 0.8]], dtype=torch.float64) * s
+            obs = dist.MultivariateNormal(torch.zeros(O, dtype=torch.float64), scale_tril=tril)
+        else:
+            obs = dist.Normal(0.0, s).expand([O]).to_event(1)
         with pyro.plate("sequences", x.shape[0]):
-            pyro.sample("x", dist.GaussianHMM(init, A, trans, C, dist.Normal(0.0, s).expand([O]).to_event(1)), obs=x)
+            pyro.sample("x", dist.GaussianHMM(init, A, trans, C, obs), obs=x)
 
     for kw in ({}, {"masks": "all", "share_masks": True}):
         results = []
@@ -197,6 +206,7 @@ def test_training_gradients_equal_the_dense_path(float64):
         for value, grads in results[1:]:
             assert abs(float(value - results[0][0])) < 1e-9 * abs(float(value))
             for a, b in zip(grads, results[0][1]):
+                assert torch.isfinite(a).all()
                 assert torch.allclose(a, b, rtol=1e-9, atol=1e-9)
 
 

@@ -482,7 +482,9 @@ class GaussianHMMConditionals(ConditionalEngine):
             cc = c.unsqueeze(-1) * c.unsqueeze(-2)
             Rc = R * c.unsqueeze(-2)
             L = _cholesky(R * cc + torch.diag_embed(1 - c))
-            g = _cholesky_solve(Rc.transpose(-1, -2), L).transpose(-1, -2)
+            # rows of the context elements zeroed: their own values are no context of theirs (the
+            # variance would be 0, its log-density and gradient not finite where no target is)
+            g = _cholesky_solve(Rc.transpose(-1, -2), L).transpose(-1, -2) * (1 - c).unsqueeze(-1)
             C = C - _mm(C, g.transpose(-1, -2))
             offset = d + _mv(x.unsqueeze(1) - d, g.transpose(-1, -2))
             var_noise = var_noise - (g * R).sum(-1)
