@@ -53,7 +53,7 @@ from .gaussian_dense import dense_chain, dense_log_prob, dense_masks
 from .gaussian_dense_independent import dense_independent_sums
 from .gaussian_independent import lowrank_independent_sums
 from .gaussian_jitter import add_jitter, factor_whole, resume_jitter
-from .gaussian_leave_one_out import dense_leave_one_out, leave_one_out_targets, lowrank_leave_one_out
+from .gaussian_leave_one_out import dense_leave_one_out, leave_one_out_targets, lowrank_leave_one_out, lowrank_leave_one_out_rows
 from .gaussian_linalg import NotPositiveDefinite, dense_dtype, lowrank_dtype
 from .gaussian_lowrank import (
     lowrank_chain,
@@ -449,21 +449,17 @@ class GaussianConditionals(ConditionalEngine):
 
     @staticmethod
     def _serves_leave_one_out(state):
-        """Whether :meth:`_leave_one_out` serves the state: its covariance or loading is
-        shared by the batch, and a low-rank one keeps its digits in its dtype or in
-        float64 (:func:`~pyro_mpt.conditionals.gaussian_aggregated.lowrank_form_dtype`)."""
+        """Whether :meth:`_leave_one_out` serves the state: a dense one always, a low-rank
+        one where it keeps its digits in its dtype or in float64
+        (:func:`~pyro_mpt.conditionals.gaussian_aggregated.lowrank_form_dtype`)."""
         if isinstance(state, BlockGaussianState):
             state = state.inner
-        shared = state.cov_factor if state.is_low_rank else state.covariance
-        if shared.shape[0] != 1:
-            return False
         return not state.is_low_rank or lowrank_form_dtype(state.cov_factor, state.cov_diag) is not None
 
     def _leave_one_out(self, state, x_data):
-        """Every leave-one-out conditional, ``(n, D)`` in the result dtype, of a state
-        whose covariance or loading the batch shares (on blocks: every block and
-        datapoint; a token's conditional given the rest is then the one given the rest of
-        its block), computed once per state and data
+        """Every leave-one-out conditional, ``(n, D)`` in the result dtype (on blocks, a
+        token's conditional given the rest is the one given the rest of its block),
+        computed once per state and data
         (:mod:`~pyro_mpt.conditionals.gaussian_leave_one_out`); None for other states,
         and for low-rank ones whose pieces lose their digits even in float64."""
         inner = state.inner if isinstance(state, BlockGaussianState) else state
@@ -481,6 +477,9 @@ class GaussianConditionals(ConditionalEngine):
         if state.is_low_rank:
             def compute():
                 form, xf = self._form_state(state, x_data)
+                if form.cov_factor.shape[0] != 1 or form.cov_diag.shape[0] != 1:
+                    # a loading or noise per datapoint: each datapoint's posterior apart
+                    return lowrank_leave_one_out_rows(form, xf)
                 return lowrank_leave_one_out(form, self._shared_data(form, x_data, xf))
 
             return self._rescued(state, compute).to(_result_dtype(state))

@@ -34,7 +34,13 @@ import torch
 
 from .gaussian_linalg import LOG_2PI, cholesky, posterior_precision_factor
 
-__all__ = ["lowrank_leave_one_out", "dense_leave_one_out", "leave_one_out_targets", "leave_one_out_from_full"]
+__all__ = [
+    "lowrank_leave_one_out",
+    "lowrank_leave_one_out_rows",
+    "dense_leave_one_out",
+    "leave_one_out_targets",
+    "leave_one_out_from_full",
+]
 
 
 def leave_one_out_targets(mask):
@@ -88,12 +94,31 @@ def lowrank_leave_one_out(m, data):
     return leave_one_out_from_full(data["eT"].T, psi, V.pow(2).sum(0))
 
 
+def lowrank_leave_one_out_rows(m, x):
+    r""":func:`lowrank_leave_one_out` for a loading or noise that varies by datapoint
+    (``cov_factor`` ``(n, D, R)``, ``cov_diag`` ``(n, D)``, e.g. a noise scale per
+    datapoint): each datapoint's posterior precision factored apart, ``(n, D)``.
+
+    Example::
+
+        >>> lowrank_leave_one_out_rows(state, x).sum(-1)   # (n,) PLL
+    """
+    F, psi = m.cov_factor, m.cov_diag  # (n|1, D, R), (n|1, D)
+    L0 = posterior_precision_factor(F, psi, m.site)  # (n|1, R, R)
+    V = torch.linalg.solve_triangular(L0, F.transpose(-1, -2), upper=False)  # (n|1, R, D)
+    r = x - m.loc
+    zhat = torch.cholesky_solve(((r / psi).unsqueeze(-2) @ F).transpose(-1, -2), L0)  # (n, R, 1)
+    e = r - (F @ zhat).squeeze(-1)  # the centred residuals
+    return leave_one_out_from_full(e, psi, V.pow(2).sum(-2))
+
+
 def dense_leave_one_out(m, x):
     r""":math:`\log p(x_j \mid x_{-j})` for every token of every datapoint, ``(n, D)``, of
     :math:`\mathcal N(\mu, \Sigma)` with a covariance shared by the batch.
 
     :param ~pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal m: dense state,
-        ``covariance`` ``(1, D, D)`` (its Cholesky ``factor`` when kept).
+        ``covariance`` ``(1, D, D)`` shared by the batch or ``(n, D, D)`` (its Cholesky
+        ``factor`` when kept).
     :param torch.Tensor x: tokens ``(n, D)``.
     :returns: ``(n, D)``.
 
@@ -101,10 +126,14 @@ def dense_leave_one_out(m, x):
 
         >>> dense_leave_one_out(state, x).sum(-1)   # (n,) the leave-one-out predictive density
     """
-    S = m.covariance[0]
-    L = m.factor[0] if m.factor is not None else cholesky(S, "covariance", m.site)
+    S = m.covariance  # (n|1, D, D)
+    L = m.factor if m.factor is not None else cholesky(S, "covariance", m.site)
     eye = torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
-    Linv = torch.linalg.solve_triangular(L, eye, upper=False)
-    p = Linv.pow(2).sum(0)  # P_jj, the column norms of L^-1
-    Pr = (x - m.loc) @ Linv.T @ Linv  # (P r)^T, (n, D): P is symmetric
+    Linv = torch.linalg.solve_triangular(L, eye.expand(L.shape), upper=False)
+    p = Linv.pow(2).sum(-2)  # P_jj, the column norms of L^-1, (n|1, D)
+    r = x - m.loc
+    if S.shape[0] == 1:
+        Pr = r @ Linv[0].T @ Linv[0]  # (P r)^T, (n, D): P is symmetric
+    else:
+        Pr = ((r.unsqueeze(-2) @ Linv.transpose(-1, -2)) @ Linv).squeeze(-2)
     return -0.5 * (LOG_2PI - p.log() + Pr.pow(2) / p)
