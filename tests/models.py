@@ -5,7 +5,9 @@ import importlib.util
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
+from scipy.linalg import block_diag
 import pyro
 import pyro.distributions as dist
 
@@ -196,3 +198,24 @@ def assert_close_to_rounding(actual, expected, dtype=torch.float32, ulps=256):
     err = (a - e).abs().nan_to_num(0.0)
     tol = rounding_tolerance(e.nan_to_num(0.0), dtype, ulps)
     assert bool((err <= tol).all()), f"max error {err.max().item():.3g} > tolerance {tol.max().item():.3g}"
+
+
+def numpy_lds_moments(m0, S0, A, b, Q, C, d, R):
+    """Mean and covariance of x_0..x_{T-1} for z_{-1} ~ N(m0, S0), z_t = z_{t-1} A_t + N(b_t, Q_t),
+    x_t = z_t C_t + N(d_t, R_t) (row vectors; per-step arrays of length T), by writing every
+    z_t as a linear map of the stacked noises."""
+    T, H = len(A), m0.shape[0]
+    K = (T + 1) * H
+    Z = np.zeros((H, K))
+    Z[:, :H] = np.eye(H)
+    mz = m0.copy()
+    rows, mean = [], []
+    for t in range(T):
+        E = np.zeros((H, K))
+        E[:, H * (t + 1) : H * (t + 2)] = np.eye(H)
+        Z = A[t].T @ Z + E
+        mz = mz @ A[t] + b[t]
+        rows.append(C[t].T @ Z)
+        mean.append(mz @ C[t] + d[t])
+    W = np.concatenate(rows, 0)
+    return np.concatenate(mean), W @ block_diag(S0, *Q) @ W.T + block_diag(*R)

@@ -7,7 +7,6 @@ import pytest
 import torch
 import pyro
 import pyro.distributions as dist
-from scipy.linalg import block_diag
 from scipy.stats import multivariate_normal, norm
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
@@ -16,26 +15,7 @@ from pyro_mpt.conditionals import (
 )
 from pyro_mpt.observed_tokens import trace_tokens
 
-
-def numpy_moments(m0, S0, A, b, Q, C, d, R):
-    """Mean and covariance of x_0..x_{T-1} for z_{-1} ~ N(m0, S0), z_t = z_{t-1} A_t + N(b_t, Q_t),
-    x_t = z_t C_t + N(d_t, R_t) (row vectors; per-step arrays of length T), by writing every
-    z_t as a linear map of the stacked noises."""
-    T, H = len(A), m0.shape[0]
-    K = (T + 1) * H
-    Z = np.zeros((H, K))
-    Z[:, :H] = np.eye(H)
-    mz = m0.copy()
-    rows, mean = [], []
-    for t in range(T):
-        E = np.zeros((H, K))
-        E[:, H * (t + 1) : H * (t + 2)] = np.eye(H)
-        Z = A[t].T @ Z + E
-        mz = mz @ A[t] + b[t]
-        rows.append(C[t].T @ Z)
-        mean.append(mz @ C[t] + d[t])
-    W = np.concatenate(rows, 0)
-    return np.concatenate(mean), W @ block_diag(S0, *Q) @ W.T + block_diag(*R)
+from models import numpy_lds_moments
 
 
 def make_hmm(T, H, O, *, time_varying, full_noise, seed=0):
@@ -117,7 +97,7 @@ def test_masked_conditionals_equal_conditioning_of_the_joint_gaussian(T, H, O, t
     mask[1, :, 0] = True
     mask[1, :, 1:] = False  # one target
     got = engine.mask_log_prob(state, tokens.value, mask).numpy()
-    mean, cov = numpy_moments(*parts)
+    mean, cov = numpy_lds_moments(*parts)
     want = scipy_conditionals(mean, cov, x.reshape(n, D).numpy(), mask.numpy())
     assert np.abs(np.where(mask.numpy(), got - want, 0.0)).max() < 1e-9
 

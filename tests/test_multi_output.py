@@ -16,6 +16,8 @@ from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.conditionals import GaussianConditionals, auto_engine
 from pyro_mpt.observed_tokens import trace_tokens
 
+from models import numpy_lds_moments
+
 
 # ---------------------------------------------------------------------- references
 def numpy_conditional(x, mean, cov, target, context):
@@ -293,28 +295,6 @@ def test_missing_blocks_are_left_out(float64):
     assert np.abs(MaskedPretrainingLoss(masks="exhaustive").score(masked, None, x).numpy() - want).max() < 1e-8
 
 
-def numpy_lds_moments(m0, S0, A, b, Q, C, d, R, T):
-    """Mean and covariance of x_0..x_{T-1} of z_{-1} ~ N(m0, S0), z_t = z_{t-1} A + N(b, Q),
-    x_t = z_t C + N(d, R) (homogeneous, row vectors), by writing every z_t as a linear map
-    of the stacked noises, in numpy."""
-    H, O = C.shape
-    K = (T + 1) * H
-    Z = np.zeros((H, K))
-    Z[:, :H] = np.eye(H)
-    mz = m0.copy()
-    rows, mean = [], []
-    for t in range(T):
-        E = np.zeros((H, K))
-        E[:, H * (t + 1) : H * (t + 2)] = np.eye(H)
-        Z = A.T @ Z + E
-        mz = mz @ A + b
-        rows.append(C.T @ Z)
-        mean.append(mz @ C + d)
-    W = np.concatenate(rows, 0)
-    S = block_diag(S0, *[Q] * T)
-    return np.concatenate(mean), W @ S @ W.T + block_diag(*[R] * T)
-
-
 def test_gaussian_hmm_with_a_latent_offset_matches_numpy_moments(float64):
     """A GaussianHMM whose observation offset is a latent z ~ N(0, 1) per sequence: the
     marginal is N(mu, Sigma + 1 1^T) with (mu, Sigma) the linear dynamical system's moments,
@@ -337,8 +317,8 @@ def test_gaussian_hmm_with_a_latent_offset_matches_numpy_moments(float64):
             hmm = dist.GaussianHMM(dist.MultivariateNormal(m0, S0), A, dist.Normal(b, q).to_event(1), C, obs)
             pyro.sample("x", hmm, obs=x)
 
-    mean, cov = numpy_lds_moments(m0.numpy(), S0.numpy(), A.numpy(), b.numpy(), np.diag(q.numpy() ** 2),
-                                  C.numpy(), d.numpy(), np.diag(s.numpy() ** 2), T)
+    mean, cov = numpy_lds_moments(m0.numpy(), S0.numpy(), [A.numpy()] * T, [b.numpy()] * T, [np.diag(q.numpy() ** 2)] * T,
+                                  [C.numpy()] * T, [d.numpy()] * T, [np.diag(s.numpy() ** 2)] * T)
     want = multivariate_normal.logpdf(x.reshape(4, -1).numpy(), mean, cov + 1.0)
     assert np.abs(Evidence(model)(x).numpy() - want).max() < 1e-8
     assert np.abs(MaskedPretrainingLoss(masks="exhaustive").score(model, None, x).numpy() - want).max() < 1e-8

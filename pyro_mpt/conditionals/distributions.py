@@ -19,7 +19,8 @@ import pyro.distributions as dist
 
 from .base import EngineNotApplicable
 
-__all__ = ["unwrap", "affine_normal", "base_distribution", "token_log_prob", "compact", "take_rows", "check_factorized"]
+__all__ = ["unwrap", "affine_normal", "base_distribution", "token_log_prob", "compact", "take_rows", "check_factorized",
+           "check_sequence_alone", "check_one_sequence"]
 
 
 def unwrap(fn, masks=False):
@@ -183,3 +184,52 @@ def check_factorized(fn, name, who, error=EngineNotApplicable,
             f"dist.Normal(loc, scale).to_event(1); {instead}."
         )
     return base
+
+
+def check_sequence_alone(tokens, seq, who, verb, advice):
+    """Refuse a model with latents or token plates beside an observed sequence
+    distribution whose hidden chain an engine integrates (``DiscreteHMM``, ``GaussianHMM``).
+
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
+    :param seq: the site's base distribution. :param str who: the engine, for the message.
+    :param str verb: what the engine does to the chain ("sums", "integrates").
+    :param str advice: the message's end: what to do instead.
+    :raises EngineNotApplicable: naming the other latents or the token plates.
+
+    Example::
+
+        >>> check_sequence_alone(tokens, hmm, "conditionals='hmm'", "sums", ". Make the other latents pyro.params.")
+    """
+    if tokens.latent_names or tokens.token_dims:
+        what = (
+            f"latent site(s) {', '.join(map(repr, tokens.latent_names))}"
+            if tokens.latent_names
+            else f"token plate(s) {', '.join(map(repr, tokens.token_plates))}"
+        )
+        raise EngineNotApplicable(
+            f"{who} {verb} the hidden chain of the {type(seq).__name__} at site {tokens.name!r} "
+            f"and nothing else, but the model has {what}{advice}"
+        )
+
+
+def check_one_sequence(tokens, seq, who, advice=""):
+    """Refuse an observed site that holds several sequences per datapoint (a sequence
+    distribution with extra event dims, e.g. ``.expand_by([2]).to_event(1)``).
+
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
+    :param seq: the site's base distribution. :param str who: the engine, for the message.
+    :param str advice: appended to the message (another engine that serves such sites).
+    :raises EngineNotApplicable: naming the number of sequences per datapoint.
+
+    Example::
+
+        >>> check_one_sequence(tokens, hmm, "conditionals='hmm'")
+    """
+    outer = len(tokens.event_shape) - len(seq.event_shape)
+    if outer:
+        raise EngineNotApplicable(
+            f"{who} reads one sequence per datapoint, but observed site {tokens.name!r} "
+            f"holds {tokens.event_shape[:outer].numel()} per datapoint (a {type(seq).__name__} with "
+            f"{outer} extra event dim(s), e.g. .to_event(1) over a batch of sequences). Put "
+            f"the sequences in a pyro.plate instead, so that each is a datapoint{advice}."
+        )

@@ -49,7 +49,7 @@ import pyro.distributions as dist
 from torch.utils.checkpoint import checkpoint
 
 from .base import ConditionalEngine, EngineNotApplicable
-from .distributions import base_distribution
+from .distributions import base_distribution, check_one_sequence, check_sequence_alone
 from .gaussian_linalg import LOG_2PI
 from .linear_dynamical import LinearDynamicalParts, gaussian_hmm_parts
 
@@ -391,26 +391,9 @@ class GaussianHMMConditionals(ConditionalEngine):
                 f"{_WHO} needs observed site {tokens.name!r} to be a dist.GaussianHMM; "
                 f"it is {type(hmm).__name__}."
             )
-        if tokens.latent_names or tokens.token_dims:
-            what = (
-                f"latent site(s) {', '.join(map(repr, tokens.latent_names))}"
-                if tokens.latent_names
-                else f"token plate(s) {', '.join(map(repr, tokens.token_plates))}"
-            )
-            raise EngineNotApplicable(
-                f"{_WHO} integrates the hidden chain of the GaussianHMM at site {tokens.name!r} "
-                f"and nothing else, but the model has {what} (conditionals='gaussian' serves "
-                f"a GaussianHMM with Normal latents through its dense covariance)."
-            )
-        outer = len(tokens.event_shape) - len(hmm.event_shape)
-        if outer:
-            raise EngineNotApplicable(
-                f"{_WHO} reads one sequence per datapoint, but observed site {tokens.name!r} "
-                f"holds {tokens.event_shape[:outer].numel()} per datapoint (a GaussianHMM with "
-                f"{outer} extra event dim(s), e.g. .to_event(1) over a batch of sequences). Put "
-                f"the sequences in a pyro.plate instead, so that each is a datapoint "
-                f"(conditionals='gaussian' serves them as blocks)."
-            )
+        check_sequence_alone(tokens, hmm, _WHO, "integrates", " (conditionals='gaussian' serves a GaussianHMM "
+                             "with Normal latents through its dense covariance).")
+        check_one_sequence(tokens, hmm, _WHO, " (conditionals='gaussian' serves them as blocks)")
         if tokens.num_tokens < self.min_tokens:
             raise EngineNotApplicable(
                 f"{_WHO} declines the GaussianHMM at site {tokens.name!r}: {tokens.num_tokens} "

@@ -42,7 +42,7 @@ import torch
 import pyro.distributions as dist
 
 from .base import ConditionalEngine, EngineNotApplicable
-from .distributions import base_distribution
+from .distributions import base_distribution, check_one_sequence, check_sequence_alone
 
 __all__ = ["DiscreteHMMConditionals", "DiscreteHMMState"]
 
@@ -145,17 +145,8 @@ class DiscreteHMMConditionals(ConditionalEngine):
                 f"{_WHO} needs observed site {tokens.name!r} to be a dist.DiscreteHMM "
                 f"(time steps as tokens); it is {type(hmm).__name__}."
             )
-        if tokens.latent_names or tokens.token_dims:
-            what = (
-                f"latent site(s) {', '.join(map(repr, tokens.latent_names))}"
-                if tokens.latent_names
-                else f"token plate(s) {', '.join(map(repr, tokens.token_plates))}"
-            )
-            raise EngineNotApplicable(
-                f"{_WHO} sums the hidden chain of the DiscreteHMM at site {tokens.name!r} "
-                f"and nothing else, but the model has {what}. Make the other latents "
-                f"pyro.params, and keep each sequence in the event (time) dim of the site."
-            )
+        check_sequence_alone(tokens, hmm, _WHO, "sums", ". Make the other latents pyro.params, and keep "
+                             "each sequence in the event (time) dim of the site.")
         obs = base_distribution(hmm.observation_dist)
         if obs.event_shape:
             raise EngineNotApplicable(
@@ -164,14 +155,7 @@ class DiscreteHMMConditionals(ConditionalEngine):
                 f"is {type(obs).__name__} with event shape {tuple(obs.event_shape)}. Write "
                 f"it as independent elements, e.g. dist.Normal(loc, scale).to_event(1)."
             )
-        outer = len(tokens.event_shape) - len(hmm.event_shape)
-        if outer:
-            raise EngineNotApplicable(
-                f"{_WHO} reads one sequence per datapoint, but observed site {tokens.name!r} "
-                f"holds {tokens.event_shape[:outer].numel()} per datapoint (a DiscreteHMM with "
-                f"{outer} extra event dim(s), e.g. .to_event(1) over a batch of sequences). Put "
-                f"the sequences in a pyro.plate instead, so that each is a datapoint."
-            )
+        check_one_sequence(tokens, hmm, _WHO)
         obs_event = hmm.event_shape[1:]
         value = tokens.site_value  # (*batch, T, *obs_event), missing tokens filled
         T = value.shape[len(tokens.site_batch_shape)]
