@@ -13,7 +13,8 @@ hits both alike. The ratio is measured in this run.
    Pyro's varying-intercept (radon) regression and a Bayesian linear regression
    scored as one datapoint (``token_plates=("data",)``), a GP written with a
    ``MultivariateNormal`` observation, ``GPRegression`` with three outputs, and a
-   linear-Gaussian hierarchy (``conditionals="hierarchical"``). Before the
+   linear-Gaussian hierarchy (``conditionals="hierarchical"``), and factor analysis
+   with a noise scale per datapoint (a covariance per datapoint). Before the
    leave-one-out paths each query factored its own context: 100--350 times the
    evidence.
 2. ``missing`` -- PPCA with 10 % of the tokens missing (``dist.Normal(...).mask(m)``),
@@ -140,6 +141,22 @@ def hierarchy(units, D=4, seed=0):
     return model, (x,), dict(token_plates=("data",), conditionals="hierarchical")
 
 
+def heteroscedastic_fa(N, D=50, K=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W0 = torch.randn(D, K, generator=g) * 0.3
+    u = torch.randn(N, generator=g)
+    x = torch.randn(N, K, generator=g) @ W0.T + 0.5 * torch.randn(N, D, generator=g)
+
+    def model(x):
+        W = pyro.param("W", W0.clone())
+        a = pyro.param("a", torch.tensor(0.3))
+        with pyro.plate("data", N):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, (a * u).exp().unsqueeze(-1)).to_event(1), obs=x)
+
+    return model, (x,), {}
+
+
 def ppca_missing(N, D, K, missing, seed=0):
     g = torch.Generator().manual_seed(seed)
     W0 = torch.randn(D, K, generator=g) * 0.3
@@ -169,6 +186,7 @@ def pll_rows(quick, repeats):
         ("GP, MultivariateNormal observation (float32)", gp, 100 if quick else 300),
         ("GPRegression, 3 outputs", multi_output_gp, 50 if quick else 150),
         ("linear-Gaussian hierarchy, 4 tokens a unit", hierarchy, 100 if quick else 250),
+        ("factor analysis, a noise scale per datapoint (N = size, D = 50)", heteroscedastic_fa, 200 if quick else 1000),
     ]
     print("\n| model | tokens | `pll` loss + grad | Evidence + grad | pll / Evidence |")
     print("|---|---|---|---|---|")
@@ -177,7 +195,7 @@ def pll_rows(quick, repeats):
         model, args, options = build(size)
         loss = MaskedPretrainingLoss(masks="pll", **options)
         evidence = Evidence(model, **{k: v for k, v in options.items() if k == "token_plates"})
-        tokens = size * (3 if build is multi_output_gp else 4 if build is hierarchy else 1)
+        tokens = size * {multi_output_gp: 3, hierarchy: 4, heteroscedastic_fa: 50}.get(build, 1)
         tp, te = timed_pair(lambda: step(loss, model, args), lambda: evidence_step(evidence, args), repeats)
         print(f"| {name} | {tokens} | {tp.cell()} | {te.cell()} | {fmt_ratio(tp.median / te.median)} |", flush=True)
 
