@@ -225,3 +225,29 @@ def test_auto_routes_long_sequences_to_the_kalman_engine(float64):
         tokens = trace_tokens(model, None, args, {})
         with pytest.raises(EngineNotApplicable, match=what):
             GaussianHMMConditionals().prepare(tokens, model, None, args, {})
+
+
+@pytest.mark.parametrize("H,O", [(2, 1), (4, 3), (8, 2)])
+def test_saved_tensors_per_chunk_within_max_elements(H, O, float64):
+    """The tensors the engine keeps for the backward pass of one chunk of (mask, datapoint)
+    pairs stay within max_elements (counted by saved-tensor hooks), so a block of masks split
+    into chunks recomputed in the backward pass keeps its memory bounded."""
+    T, n, q = 16, 3, 8
+    hmm, _ = make_hmm(T, H, O, time_varying=False, full_noise=True, seed=8)
+    # gradients with respect to the data record the whole computation
+    x = torch.randn(n, T, O, generator=torch.Generator().manual_seed(9), dtype=torch.float64).requires_grad_()
+    model = _model(hmm, n)
+    tokens = trace_tokens(model, None, (x,), {})
+    engine = GaussianHMMConditionals()
+    state = engine.prepare(tokens, model, None, (x,), {})
+    engine.max_elements = budget = 2 * n * engine._per_pair(state)  # two masks a chunk
+    mask = torch.rand(q, n, T * O, generator=torch.Generator().manual_seed(10)) < 0.5
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        engine.mask_log_prob(state, tokens.value, mask[:2])
+    assert budget / 4 < saved[0] <= budget, (saved[0], budget)
