@@ -119,7 +119,7 @@ class ObservedTokens(TokenLayout):
         return trace
 
 
-def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=False,
+def check_local_latent(tokens, site, error=ValueError, *, allow_token_plates=False,
                        consequence="log p(x_i) does not factorize over datapoints"):
     """Raise ``error`` unless latent ``site`` is local to each datapoint.
 
@@ -132,9 +132,20 @@ def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=Fal
     dims, :func:`~pyro_mpt.conditionals.plate_runs.latent_layout`; enumerated
     jointly by the enumeration engine; summed by the sampling engines).
 
-    :param bool allow_extra_plates: accept latents in the observed site's token
-        plates too (engines that sum them per datapoint).
+    :param ObservedTokens tokens: the traced tokens.
+    :param dict site: the latent's trace site.
+    :param type error: the exception class raised (an engine's own, so that
+        ``conditionals="auto"`` can go on to the next engine).
+    :param bool allow_token_plates: accept latents in the observed site's token
+        plates too (one latent per unit of tokens: engines that integrate such
+        latents, the hierarchical and the sampling ones).
     :param str consequence: what a shared latent breaks, for the message.
+    :raises error: naming the data plates the latent is outside of, or the
+        token plates it sits in.
+
+    Example::
+
+        >>> check_local_latent(tokens, tokens.latent_sites()[0], EngineNotApplicable)   # None, or raises
     """
     obs_frames = {f for f in tokens.data_frames if f.size > 1}
     own = vectorized_frames(site, 2)
@@ -155,7 +166,7 @@ def check_local_latent(tokens, site, error=ValueError, *, allow_extra_plates=Fal
         )
     token_names = set(tokens.token_plates)
     inside = sorted(f.name for f in own if f.name in token_names)
-    if inside and not allow_extra_plates:
+    if inside and not allow_token_plates:
         raise error(
             f"Latent site {name!r} sits in token plate(s) {', '.join(map(repr, inside))} "
             f"of observed site {tokens.name!r}: one latent per unit of tokens, which this "

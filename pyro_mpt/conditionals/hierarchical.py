@@ -157,7 +157,7 @@ def hierarchical_loadings(tokens, model, args, kwargs):
         ):
             raise _not_linear_gaussian(tokens.name, f"latent site {site['name']!r} is {type(base).__name__}, "
                                        f"not Normal or MultivariateNormal")
-        check_local_latent(tokens, site, NotHierarchicalError, allow_extra_plates=True, consequence=f"{_WHO} cannot serve it")
+        check_local_latent(tokens, site, NotHierarchicalError, allow_token_plates=True, consequence=f"{_WHO} cannot serve it")
         frames = {f.name: f for f in site["cond_indep_stack"] if f.vectorized and f.size > 1}
         local = unit_plate in frames
         others = [f for f in frames if f != unit_plate and f not in {g.name for g in tokens.data_frames}]

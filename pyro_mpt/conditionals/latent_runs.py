@@ -119,7 +119,7 @@ class LatentRunner:
         self.memory = GuideMemory() if memory is None else memory
         self.warned_per_point = False
         for site in tokens.latent_sites():
-            check_local_latent(tokens, site, EngineNotApplicable, allow_extra_plates=True,
+            check_local_latent(tokens, site, EngineNotApplicable, allow_token_plates=True,
                                consequence=f"{who} cannot integrate it per datapoint")
 
     # ------------------------------------------------------------------ reductions
