@@ -149,6 +149,14 @@ def check_integer_data(site, raw):
     the like score integers and pass. One ``log_prob`` at zeros per
     distribution class and dtypes decides; values outside the support are left
     to :func:`validate_values`, which names them.
+
+    :param dict site: the observed sample site.
+    :param torch.Tensor raw: its value, the data.
+    :raises ValueError: naming the site, the data's dtype and the ``x.to(<dtype>)`` to pass.
+
+    Example::
+
+        >>> check_integer_data(site, torch.tensor([[0, 1, 1]]))   # a Bernoulli site: ValueError
     """
     if torch.is_floating_point(raw) or torch.is_complex(raw):
         return

@@ -191,7 +191,8 @@ def check_sequence_alone(tokens, seq, who, verb, advice):
     distribution whose hidden chain an engine integrates (``DiscreteHMM``, ``GaussianHMM``).
 
     :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
-    :param seq: the site's base distribution. :param str who: the engine, for the message.
+    :param seq: the site's base distribution.
+    :param str who: the engine, for the message.
     :param str verb: what the engine does to the chain ("sums", "integrates").
     :param str advice: the message's end: what to do instead.
     :raises EngineNotApplicable: naming the other latents or the token plates.
@@ -217,7 +218,8 @@ def check_one_sequence(tokens, seq, who, advice=""):
     distribution with extra event dims, e.g. ``.expand_by([2]).to_event(1)``).
 
     :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
-    :param seq: the site's base distribution. :param str who: the engine, for the message.
+    :param seq: the site's base distribution.
+    :param str who: the engine, for the message.
     :param str advice: appended to the message (another engine that serves such sites).
     :raises EngineNotApplicable: naming the number of sequences per datapoint.
 

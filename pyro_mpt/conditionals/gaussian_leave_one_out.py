@@ -44,8 +44,17 @@ __all__ = [
 
 
 def leave_one_out_targets(mask):
-    """The target token of each query when every query of ``mask`` ``(q, D)`` hides
-    exactly one token and there are several queries, ``(q,)`` long; else None."""
+    """The target token of each query when every query of ``mask`` hides exactly one
+    token and there are several queries; else None (the queries take the per-mask paths).
+
+    :param torch.Tensor mask: bool ``(q, D)``, True at a target.
+    :returns: int64 ``(q,)``, or None.
+
+    Example::
+
+        >>> leave_one_out_targets(torch.eye(3, dtype=torch.bool)[[2, 0]])
+        tensor([2, 0])
+    """
     if mask.shape[0] < 2 or not bool((mask.sum(-1) == 1).all()):
         return None
     return mask.to(torch.uint8).argmax(-1)
@@ -63,8 +72,13 @@ def leave_one_out_from_full(e, psi, spread):
         \log p(x_j \mid x_{-j}) = -\tfrac12\Big(\log 2\pi + \log\psi_j - \log(1 - s_j)
             + \frac{e_j^2}{\psi_j(1 - s_j)}\Big)
 
-    (removing token :math:`j` from :math:`P` by Sherman--Morrison). Any shapes that
-    broadcast.
+    (removing token :math:`j` from :math:`P` by Sherman--Morrison).
+
+    :param torch.Tensor e: the residuals :math:`x_j - \mathbb E[x_j \mid x]`.
+    :param torch.Tensor psi: the noise variances :math:`\psi_j`.
+    :param torch.Tensor spread: :math:`c_j^\top P^{-1} c_j`, the latent part of the
+        full-data posterior predictive variance.
+    :returns: the log-conditionals, of the three's broadcast shape.
 
     Example::
 
@@ -97,7 +111,12 @@ def lowrank_leave_one_out(m, data):
 def lowrank_leave_one_out_rows(m, x):
     r""":func:`lowrank_leave_one_out` for a loading or noise that varies by datapoint
     (``cov_factor`` ``(n, D, R)``, ``cov_diag`` ``(n, D)``, e.g. a noise scale per
-    datapoint): each datapoint's posterior precision factored apart, ``(n, D)``.
+    datapoint): each datapoint's posterior precision factored apart.
+
+    :param ~pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal m: low-rank state,
+        ``cov_factor`` ``(n|1, D, R)``, ``cov_diag`` ``(n|1, D)``.
+    :param torch.Tensor x: tokens ``(n, D)``, in the state's dtype.
+    :returns: ``(n, D)``.
 
     Example::
 
