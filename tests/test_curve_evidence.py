@@ -87,6 +87,19 @@ def _brute_force_curve_terms(C, mu, x, observed):
     return S
 
 
+def _masked_ppca(keep):
+    """The PPCA of ``make_ppca`` (K = 2, its pyro.params) with the tokens where ``keep`` is
+    False missing (dist.mask)."""
+
+    def masked(x):
+        W_, mu_, s_ = pyro.param("W"), pyro.param("mu"), pyro.param("s")
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W_.T + mu_, s_).mask(keep).to_event(1), obs=x)
+
+    return masked
+
+
 @pytest.mark.parametrize("missing", [False, True])
 def test_curve_stderr_is_over_datapoints_not_over_masks(missing):
     """``curve.stderr`` is the standard error of the mean of S(x_i; M) over the datapoints:
@@ -101,14 +114,8 @@ def test_curve_stderr_is_over_datapoints_not_over_masks(missing):
     keep[:, 0] = True
     observed = keep.numpy()
 
-    def masked(x):
-        W_, mu_, s_ = pyro.param("W"), pyro.param("mu"), pyro.param("s")
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
-            pyro.sample("x", dist.Normal(z @ W_.T + mu_, s_).mask(keep).to_event(1), obs=x)
-
     S = _brute_force_curve_terms(C, mu, x.numpy(), observed)
-    curve = MaskedPretrainingLoss(masks="exhaustive").curve(masked if missing else model, None, x)
+    curve = MaskedPretrainingLoss(masks="exhaustive").curve(_masked_ppca(keep) if missing else model, None, x)
     np.testing.assert_allclose(curve.score, S.mean(0), rtol=0, atol=1e-10)
     np.testing.assert_allclose(curve.stderr, S.std(0, ddof=1) / np.sqrt(12), rtol=1e-8, atol=0)
 
@@ -127,12 +134,7 @@ def test_pll_curve_with_missing_tokens_is_the_mean_over_each_datapoints_observed
     keep[:, 0] = True
     keep[3] = False  # a datapoint without observed tokens scores 0
 
-    def masked(x):
-        W_, mu_, s_ = pyro.param("W"), pyro.param("mu"), pyro.param("s")
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
-            pyro.sample("x", dist.Normal(z @ W_.T + mu_, s_).mask(keep).to_event(1), obs=x)
-
+    masked = _masked_ppca(keep)
     counts = keep.sum(1).numpy()
     loss = MaskedPretrainingLoss(masks="pll", conditionals=conditionals)
     curve = loss.curve(masked, None, x)

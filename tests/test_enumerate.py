@@ -596,6 +596,52 @@ def test_leave_one_out_queries_take_one_pass_over_the_table(monkeypatch):
     assert np.abs(pll.detach().numpy() - ref.sum(-1)).max() < 1e-9
 
 
+def _feature_data():
+    """``(L, W, V, x, probs)`` of the feature tests: ``L = 3`` binary features of prior 0.3
+    with loadings ``W`` ``(L, D)``, a Normal latent along ``V`` ``(D,)``, data ``x``
+    ``(N, D)``, and the value probabilities ``probs`` ``(2, 3)`` of two Categorical parts."""
+    L, D, N = 3, 4, 5
+    g = torch.Generator().manual_seed(8)
+    W = 2 * torch.randn(L, D, generator=g, dtype=torch.float64)
+    V = torch.randn(D, generator=g, dtype=torch.float64)
+    x = 2 * torch.randn(N, D, generator=g, dtype=torch.float64)
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]], dtype=torch.float64)  # 2 parts, 3 values
+    return L, W, V, x, probs
+
+
+def _feature_vectors(L):
+    """The ``2 ** L`` binary feature vectors, ``(2 ** L, L)``."""
+    return np.array(list(itertools.product([0, 1], repeat=L)), dtype=float)
+
+
+def _feature_references(W, V, x, probs):
+    """scipy's ``log p(x_i)`` ``(N,)`` by the sum over every value array: the features alone,
+    the two Categorical parts (loadings ``W[:2]``), and the features with the Normal latent."""
+    from scipy.stats import multivariate_normal
+
+    D = x.shape[1]
+    bits = _feature_vectors(W.shape[0])  # (8, L)
+    log_prior = (bits * np.log(0.3) + (1 - bits) * np.log(0.7)).sum(1)
+    ref_bits = logsumexp(norm.logpdf(x.numpy()[:, None], bits @ W.numpy(), 1.0).sum(-1) + log_prior, axis=1)
+    cats = np.array(list(itertools.product(range(3), repeat=2)), dtype=float)  # (9, 2)
+    log_cat = np.log(probs.numpy()[0][cats[:, 0].astype(int)]) + np.log(probs.numpy()[1][cats[:, 1].astype(int)])
+    ref_cat = logsumexp(norm.logpdf(x.numpy()[:, None], cats @ W[:2].numpy(), 1.0).sum(-1) + log_cat, axis=1)
+    cov = np.eye(D) + np.outer(V.numpy(), V.numpy())
+    ref_mixed = logsumexp(np.stack([multivariate_normal(b @ W.numpy(), cov).logpdf(x.numpy()) for b in bits], 1)
+                          + log_prior, axis=1)
+    return ref_bits, ref_cat, ref_mixed
+
+
+def _feature_probability_grad(W, x):
+    """The derivative in ``p`` at 0.3 of ``-sum_i log p(x_i)`` for the features alone, by
+    autograd of the brute-force sum over the feature vectors."""
+    p = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    B = torch.as_tensor(_feature_vectors(W.shape[0]))
+    lp = torch.distributions.Normal(B @ W, 1.0).log_prob(x[:, None]).sum(-1) + (B * p.log() + (1 - B) * (1 - p).log()).sum(1)
+    (-lp.logsumexp(1).sum()).backward()
+    return p.grad.item()
+
+
 def test_discrete_latent_with_event_dims_enumerates_its_product_support():
     """Binary latent features written ``Bernoulli(p).expand([L]).to_event(1)`` (and a
     ``Categorical(...).to_event(1)``), which Pyro does not enumerate (before: refused, "has
@@ -604,14 +650,8 @@ def test_discrete_latent_with_event_dims_enumerates_its_product_support():
     scipy's sum over all vectors, the gradient of the feature probability against autograd
     of the brute-force sum, a Normal latent beside them (linear-Gaussian components), and
     ``max_support`` counting the vectors."""
-    from scipy.stats import multivariate_normal
-
-    L, D, N = 3, 4, 5
-    g = torch.Generator().manual_seed(8)
-    W = 2 * torch.randn(L, D, generator=g, dtype=torch.float64)
-    V = torch.randn(D, generator=g, dtype=torch.float64)
-    x = 2 * torch.randn(N, D, generator=g, dtype=torch.float64)
-    probs = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]], dtype=torch.float64)  # 2 elements, 3 values
+    L, W, V, x, probs = _feature_data()
+    ref_bits, ref_cat, ref_mixed = _feature_references(W, V, x, probs)
 
     def bits_model(x):
         p = pyro.param("p", torch.tensor(0.3, dtype=torch.float64), constraint=constraints.unit_interval)
@@ -630,15 +670,6 @@ def test_discrete_latent_with_event_dims_enumerates_its_product_support():
             u = pyro.sample("u", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
             pyro.sample("x", dist.Normal(c @ W + u.unsqueeze(-1) * V, 1.0).to_event(1), obs=x)
 
-    bits = np.array(list(itertools.product([0, 1], repeat=L)), dtype=float)  # (8, L)
-    log_prior = (bits * np.log(0.3) + (1 - bits) * np.log(0.7)).sum(1)
-    ref_bits = logsumexp(norm.logpdf(x.numpy()[:, None], bits @ W.numpy(), 1.0).sum(-1) + log_prior, axis=1)
-    cats = np.array(list(itertools.product(range(3), repeat=2)), dtype=float)  # (9, 2)
-    log_cat = np.log(probs.numpy()[0][cats[:, 0].astype(int)]) + np.log(probs.numpy()[1][cats[:, 1].astype(int)])
-    ref_cat = logsumexp(norm.logpdf(x.numpy()[:, None], cats @ W[:2].numpy(), 1.0).sum(-1) + log_cat, axis=1)
-    cov = np.eye(D) + np.outer(V.numpy(), V.numpy())
-    ref_mixed = logsumexp(np.stack([multivariate_normal(b @ W.numpy(), cov).logpdf(x.numpy()) for b in bits], 1)
-                          + log_prior, axis=1)
     for model, ref in [(bits_model, ref_bits), (categorical_model, ref_cat), (bits_and_normal, ref_mixed)]:
         pyro.clear_param_store()
         loss = MaskedPretrainingLoss(masks="exhaustive")
@@ -648,12 +679,8 @@ def test_discrete_latent_with_event_dims_enumerates_its_product_support():
         assert np.allclose(Evidence(model)(x).detach().numpy(), ref, atol=1e-9)
     pyro.clear_param_store()
     MaskedPretrainingLoss(masks="order").differentiable_loss(bits_model, None, x).backward()
-    p = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    B = torch.as_tensor(bits)
-    lp = torch.distributions.Normal(B @ W, 1.0).log_prob(x[:, None]).sum(-1) + (B * p.log() + (1 - B) * (1 - p).log()).sum(1)
-    (-lp.logsumexp(1).sum()).backward()
     # the unconstrained parameter is logit(p): d/dlogit = p (1 - p) d/dp
-    assert abs(pyro.param("p").unconstrained().grad.item() - 0.3 * 0.7 * p.grad.item()) < 1e-9
+    assert abs(pyro.param("p").unconstrained().grad.item() - 0.3 * 0.7 * _feature_probability_grad(W, x)) < 1e-9
     with pytest.raises(EngineNotApplicable, match=r"'c' \(8\) = 8 values, more than max_support=4"):
         MaskedPretrainingLoss(conditionals=EnumerateConditionals(max_support=4)).loss(bits_model, None, x)
 
@@ -666,14 +693,8 @@ def test_discrete_latents_in_a_plate_of_their_own_are_enumerated_jointly():
     0.12 nats off the exact total here, without a warning). Exhaustive and order MPT and the
     evidence against scipy's sum over all arrays (1e-9), the gradient of the feature
     probability against autograd of the brute-force sum, and max_support counting the arrays."""
-    from scipy.stats import multivariate_normal
-
-    L, D, N = 3, 4, 5
-    g = torch.Generator().manual_seed(8)
-    W = 2 * torch.randn(L, D, generator=g, dtype=torch.float64)
-    V = torch.randn(D, generator=g, dtype=torch.float64)
-    x = 2 * torch.randn(N, D, generator=g, dtype=torch.float64)
-    probs = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]], dtype=torch.float64)  # 2 parts, 3 values
+    L, W, V, x, probs = _feature_data()
+    ref_bits, ref_cat, ref_mixed = _feature_references(W, V, x, probs)
 
     def features_left(x):  # features at dim -2, datapoints at dim -1: f is (L, n)
         p = pyro.param("p", torch.tensor(0.3, dtype=torch.float64), constraint=constraints.unit_interval)
@@ -704,15 +725,6 @@ def test_discrete_latents_in_a_plate_of_their_own_are_enumerated_jointly():
             loc = (f.unsqueeze(-1) * W.unsqueeze(-2)).sum(-3, keepdim=True) + u.unsqueeze(-1) * V
             pyro.sample("x", dist.Normal(loc, 1.0).to_event(1), obs=x)
 
-    bits = np.array(list(itertools.product([0, 1], repeat=L)), dtype=float)  # (8, L)
-    log_prior = (bits * np.log(0.3) + (1 - bits) * np.log(0.7)).sum(1)
-    ref_bits = logsumexp(norm.logpdf(x.numpy()[:, None], bits @ W.numpy(), 1.0).sum(-1) + log_prior, axis=1)
-    cats = np.array(list(itertools.product(range(3), repeat=2)), dtype=float)  # (9, 2)
-    log_cat = np.log(probs.numpy()[0][cats[:, 0].astype(int)]) + np.log(probs.numpy()[1][cats[:, 1].astype(int)])
-    ref_cat = logsumexp(norm.logpdf(x.numpy()[:, None], cats @ W[:2].numpy(), 1.0).sum(-1) + log_cat, axis=1)
-    cov = np.eye(D) + np.outer(V.numpy(), V.numpy())
-    ref_mixed = logsumexp(np.stack([multivariate_normal(b @ W.numpy(), cov).logpdf(x.numpy()) for b in bits], 1)
-                          + log_prior, axis=1)
     cases = [(features_left, ref_bits), (features_right, ref_bits), (categorical_parts, ref_cat),
              (features_and_normal, ref_mixed)]
     for model, ref in cases:
@@ -725,11 +737,7 @@ def test_discrete_latents_in_a_plate_of_their_own_are_enumerated_jointly():
         assert np.allclose(Evidence(model)(x).reshape(-1).detach().numpy(), ref, atol=1e-9)
     pyro.clear_param_store()
     MaskedPretrainingLoss(masks="order").differentiable_loss(features_left, None, x).backward()
-    p = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    B = torch.as_tensor(bits)
-    lp = torch.distributions.Normal(B @ W, 1.0).log_prob(x[:, None]).sum(-1) + (B * p.log() + (1 - B) * (1 - p).log()).sum(1)
-    (-lp.logsumexp(1).sum()).backward()
-    assert abs(pyro.param("p").unconstrained().grad.item() - 0.3 * 0.7 * p.grad.item()) < 1e-9
+    assert abs(pyro.param("p").unconstrained().grad.item() - 0.3 * 0.7 * _feature_probability_grad(W, x)) < 1e-9
     with pytest.raises(EngineNotApplicable, match=r"'f' \(8\) = 8 values, more than max_support=4"):
         MaskedPretrainingLoss(conditionals=EnumerateConditionals(max_support=4)).loss(features_left, None, x)
 

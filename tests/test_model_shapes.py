@@ -666,19 +666,24 @@ def test_several_local_latent_sites_equal_the_stacked_latent(float64):
         assert torch.allclose(got, exact, atol=1e-8), engine
 
 
-def test_nested_data_plates_and_extra_batch_dims(float64):
-    """Datapoints in two nested plates keep their batch shape; a larger max_plate_nesting
-    (extra, unused batch dims on the left) changes nothing."""
+def _nested_data_plates(A=2, B=3):
+    """PPCA with its N = A B datapoints in two nested plates ("a" at dim -2, "b" at dim -1):
+    the model, the data ``(A, B, D)`` and the exact ``log p(x_ab)`` ``(A, B)``."""
     W, b, x = _params()
-    A, B = 2, 3
-    x2 = x.reshape(A, B, D)
 
     def nested(x):
         with pyro.plate("a", A, dim=-2), pyro.plate("b", B, dim=-1):
             z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
             pyro.sample("x", dist.Normal(z @ W.T + b, SIGMA).to_event(1), obs=x)
 
-    exact = _exact(W, b, x).reshape(A, B)
+    return nested, x.reshape(A, B, D), _exact(W, b, x).reshape(A, B)
+
+
+def test_nested_data_plates_and_extra_batch_dims(float64):
+    """Datapoints in two nested plates keep their batch shape; a larger max_plate_nesting
+    (extra, unused batch dims on the left) changes nothing."""
+    nested, x2, exact = _nested_data_plates()
+    A, B = x2.shape[:2]
     for mpn in [float("inf"), 4]:
         for engine in ["gaussian", "quadrature"]:
             loss = MaskedPretrainingLoss(conditionals=engine, masks="order", max_plate_nesting=mpn)
@@ -734,16 +739,8 @@ def test_max_plate_nesting_below_the_models_plates_is_raised_to_them(float64):
 
     from pyro_mpt.conditionals import SlowEngineWarning
 
-    W, b, x = _params()
-    A, B = 2, 3
-    x2 = x.reshape(A, B, D)
-
-    def nested(x):
-        with pyro.plate("a", A, dim=-2), pyro.plate("b", B, dim=-1):
-            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
-            pyro.sample("x", dist.Normal(z @ W.T + b, SIGMA).to_event(1), obs=x)
-
-    exact = _exact(W, b, x).reshape(A, B)
+    nested, x2, exact = _nested_data_plates()
+    A, B = x2.shape[:2]
     with warnings.catch_warnings():
         warnings.simplefilter("error", SlowEngineWarning)
         for engine in ["gaussian", "quadrature"]:

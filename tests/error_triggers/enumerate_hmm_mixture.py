@@ -166,8 +166,6 @@ def _():
     pyro_mpt.conditionals.MixtureTable(torch.zeros(2), torch.zeros(3, 4, 5))
 
 
-
-
 def _gaussian_hmm_obs(latent=False, several=False):
     eye = torch.eye(2)
     lds = dist.GaussianHMM(dist.MultivariateNormal(torch.zeros(2), eye), 0.5 * eye,
