@@ -140,8 +140,8 @@ def check_local_latent(tokens, site, error=ValueError, *, allow_token_plates=Fal
         plates too (one latent per unit of tokens: engines that integrate such
         latents, the hierarchical and the sampling ones).
     :param str consequence: what a shared latent breaks, for the message.
-    :raises error: naming the data plates the latent is outside of, or the
-        token plates it sits in.
+    :raises ValueError: (or the ``error`` given) naming the data plates the latent
+        is outside of, or the token plates it sits in.
 
     Example::
 
