@@ -490,6 +490,83 @@ class GaussianHMMConditionals(ConditionalEngine):
         _check_finite(state, logc)
         return logc.permute(1, 2, 0, 3).reshape(q, n, -1).to(state.dtype)
 
+    def _leave_one_out(self, state, x, observed=None):
+        r""":math:`\log p(x_{t,o} \mid x_{-(t,o)})` of every token given all the other
+        (observed) ones, ``(n, D)`` (zero at missing tokens), from one smoothing pass
+        with every (observed) token in context.
+
+        With :math:`\Sigma` the sequence's covariance, the conditional of token
+        :math:`j` given the rest has precision :math:`(\Sigma^{-1})_{jj}` and mean
+        residual :math:`(\Sigma^{-1}r)_j/(\Sigma^{-1})_{jj}` (Rasmussen & Williams
+        2006, eqs. 5.10--5.12). Writing the sequence as :math:`x = Gz + v` with the
+        path of states :math:`z` and the block-diagonal noise, Woodbury gives
+        :math:`\Sigma^{-1} = W - WG\hat PG^\top W` (:math:`W` the noise precision,
+        :math:`\hat P` the smoothed covariance of the path) and
+        :math:`\Sigma^{-1}r = W(x - d - G\hat m)`; both :math:`G` and :math:`W` are
+        block-diagonal over the steps, so step :math:`t`'s block is
+        :math:`K_t = W_t - (C_tW_t)^\top\hat P_t(C_tW_t)` and
+        :math:`u_t = (x_t - d_t - \hat m_tC_t)W_t`, and
+        :math:`\log p(x_{t,o} \mid x_{-(t,o)}) = -\tfrac12(\log 2\pi - \log K_{t,oo}
+        + u_{t,o}^2/K_{t,oo})`. With missing tokens :math:`W_t` is the inverse of the
+        observed block of :math:`R_t` (zeros elsewhere), as in the filter's factors."""
+        n, T = x.shape[0], state.num_steps
+        xs = x.to(torch.float64).reshape(n, T, -1).transpose(0, 1)  # (T, n, O)
+        if observed is None:
+            context = torch.ones_like(xs[:, :1]).unsqueeze(1)  # (T, 1, 1, O)
+        else:
+            context = observed.to(torch.float64).reshape(n, T, -1).transpose(0, 1).unsqueeze(1)
+        ms, Ps, _ = self._smoothed(state, xs, context)  # (T, 1, n, H), (T, 1, n, H, H)
+        C, d, R = (_time_first(t) for t in state.parts[5:])
+        cc = context.unsqueeze(-1) * context.unsqueeze(-2)
+        LR = _cholesky(R * cc + torch.diag_embed(1 - context))
+        W = _cholesky_solve(torch.eye(R.shape[-1], dtype=R.dtype, device=R.device).expand_as(LR), LR) * cc
+        u = _mv(xs.unsqueeze(1) - d - _mv(ms, C), W)
+        CW = _mm(C, W)
+        K = W.diagonal(dim1=-2, dim2=-1) - (_mm(Ps, CW) * CW).sum(-2)
+        # a missing token's K is 0: a placeholder keeps its (unused) term and gradient finite
+        kept = context.expand(K.shape) > 0
+        K = torch.where(kept, K, torch.ones((), dtype=K.dtype, device=K.device))
+        logc = torch.where(kept, -0.5 * (LOG_2PI - K.log() + u.pow(2) / K), torch.zeros((), dtype=K.dtype, device=K.device))
+        _check_finite(state, logc)
+        return logc[:, 0].permute(1, 0, 2).reshape(n, -1)  # (n, T * O)
+
+    @staticmethod
+    def _single_targets(mask):
+        """The target of each query when every query of ``mask`` ``(q, n|1, D)`` hides exactly
+        one token (the ``"pll"`` schedule), ``(q, n|1)`` long; else None."""
+        if mask.shape[0] == 0 or not bool((mask.sum(-1) == 1).all()):
+            return None
+        return mask.to(torch.uint8).argmax(-1)
+
+    def _gathered(self, state, table, targets):
+        """``table[i, targets[q, i]]``, ``(q, n)``, in the results' dtype."""
+        q, n = targets.shape[0], table.shape[0]
+        index = targets.expand(q, n).unsqueeze(-1)
+        return table.unsqueeze(0).expand(q, -1, -1).gather(-1, index).squeeze(-1).to(state.dtype)
+
+    def mask_sums(self, state, x, mask):
+        self._check_x(state, x)
+        targets = self._single_targets(mask)
+        if targets is not None:
+            # queries that each hide one token: every leave-one-out conditional from one
+            # smoothing pass, where each query would take its own filter and smoother
+            return self._gathered(state, self._leave_one_out(state, x), targets)
+        return super().mask_sums(state, x, mask)
+
+    def mask_sums_within(self, state, x, mask, context):
+        self._check_x(state, x)
+        targets = self._single_targets(mask)
+        if targets is not None and context.shape[0] == 1:
+            # one target each, the context the observed tokens: a missing target scores 0
+            return self._gathered(state, self._leave_one_out(state, x, context[0].expand(x.shape)), targets)
+        return super().mask_sums_within(state, x, mask, context)
+
+    def weighted_sum_elements(self, state, x, mask=None):
+        if mask is not None and self._single_targets(mask.unsqueeze(1)) is not None:
+            # one smoothing pass serves every such query: a row of sums each
+            return x.shape[0]
+        return super().weighted_sum_elements(state, x, mask)
+
     def log_evidence(self, state, x, observed=None):
         r""":math:`\log p(x_i)` (of the observed tokens when ``observed`` is given), ``(n,)``:
         the Kalman filter's log-likelihood."""
