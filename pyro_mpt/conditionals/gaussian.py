@@ -316,18 +316,8 @@ class GaussianConditionals(ConditionalEngine):
             shared = state.cov_factor if state.is_low_rank else state.covariance
             if shared.shape[0] == 1:
                 return _to_data(state, self._rescued(state, lambda: self._shared_sums(state, x_data, x, mask[:, 0])))
-        if self._independent_sums(state):
-            # masks per datapoint, covariance shared: products over the flattened
-            # (q n, D) contexts, in cache-sized chunks, none kept for the backward pass
-            def compute():
-                form, xf = self._form_state(state, x_data)
-                return lowrank_independent_sums(form, xf, mask, self._shared_data(form, x_data, xf))
-
-            return self._rescued(state, compute).to(_result_dtype(state))
-        if self._dense_independent(state):
-            # masks per datapoint, dense covariance shared: the conditionals' sums with their
-            # backward pass written out, chunks recomputed in it
-            return _to_data(state, self._rescued(state, lambda: dense_independent_sums(state, x, mask, self.max_elements)))
+        if self._independent_sums(state) or self._dense_independent(state):
+            return self._per_datapoint_sums(state, x_data, mask)
         logc = self._rescued(state, lambda: self._mask_log_prob(state, x, mask))
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
         return _to_data(state, torch.where(mask, logc, zero).sum(-1))
@@ -337,18 +327,26 @@ class GaussianConditionals(ConditionalEngine):
             # missing tokens per datapoint, loading shared: the independent sums over the
             # hidden tokens (targets and missing ones), summed over the targets
             hidden = mask | ~context
-            observed = context[0].expand(hidden.shape[1:])
-            if not state.is_low_rank:
-                xw = _to_work(state, x)
-                return _to_data(state, self._rescued(
-                    state, lambda: dense_independent_sums(state, xw, hidden, self.max_elements, observed)))
+            return self._per_datapoint_sums(state, x, hidden, context[0].expand(hidden.shape[1:]))
+        return super().mask_sums_within(state, x, mask, context)
 
+    def _per_datapoint_sums(self, state, x_data, mask, observed=None):
+        """The summed conditionals of masks drawn per datapoint ``(q, n, D)`` with a loading
+        (:meth:`_independent_sums`) or a dense covariance (:meth:`_dense_independent`)
+        shared by the batch, ``(q, n)``; with ``observed`` ``(n, D)``, the tokens of
+        ``mask`` outside it are hidden but not summed (missing tokens)."""
+        if state.is_low_rank:
+            # products over the flattened (q n, D) contexts, in cache-sized chunks, none
+            # kept for the backward pass
             def compute():
-                form, xf = self._form_state(state, x)
-                return lowrank_independent_sums(form, xf, hidden, self._shared_data(form, x, xf), observed)
+                form, xf = self._form_state(state, x_data)
+                return lowrank_independent_sums(form, xf, mask, self._shared_data(form, x_data, xf), observed)
 
             return self._rescued(state, compute).to(_result_dtype(state))
-        return super().mask_sums_within(state, x, mask, context)
+        # the conditionals' sums with their backward pass written out, chunks recomputed in it
+        x = _to_work(state, x_data)
+        return _to_data(state, self._rescued(
+            state, lambda: dense_independent_sums(state, x, mask, self.max_elements, observed)))
 
     def _independent_within(self, state, mask, context):
         """Whether :meth:`mask_sums_within` takes the sums over masks drawn per datapoint
