@@ -187,8 +187,8 @@ def mpt_estimate(schedule, tokens, engine, state, *, max_elements=2**22, accumul
     if first is None:
         return estimate
     blocks = itertools.chain([first], blocks)
-    drawn = isinstance(first, MaskBlock) and first.mask is not None and _shared(first) is not None
-    per_query = max(1, int(engine.weighted_sum_elements(state, x, _shared(first)[0] if drawn else None)))
+    shared = _shared(first)  # None unless a MaskBlock whose masks are drawn
+    per_query = max(1, int(engine.weighted_sum_elements(state, x, None if shared is None else shared[0])))
     if per_query != x.shape[0] * x.shape[1]:
         # the engine's weighted sum needs less than the n * D per query the
         # schedule chunked by: fewer, larger groups; or more (per-mask factors
