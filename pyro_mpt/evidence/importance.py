@@ -15,8 +15,8 @@ biased low by about half its relative variance) and which is exact for any
 in a particle plate (``"_mpt_particles"`` at dim
 ``-(max_plate_nesting + 1)``) and chunked over samples (``chunk_size``) to bound
 memory, with gradients too: the chunks after the first are recomputed in the
-backward pass rather than kept for it. Every log-density is read per datapoint *without* the minibatch scale;
-the scale :math:`s_i` (``N / B`` of a subsampled plate, times any
+backward pass rather than kept for it. Every log-density is read per datapoint
+*without* the minibatch scale; the scale :math:`s_i` (``N / B`` of a subsampled plate, times any
 ``poutine.scale``) multiplies the per-datapoint log-mean-exp afterwards,
 :math:`\sum_i s_i \log \hat p(x_i)` -- Pyro 1.9's ``RenyiELBO`` applies it
 inside the log-sum-exp, which is wrong whenever :math:`s_i \ne 1`.
