@@ -18,7 +18,7 @@ from pyro_mpt.observed_tokens import trace_tokens
 from models import numpy_lds_moments
 
 
-def make_hmm(T, H, O, *, time_varying, full_noise, seed=0):
+def make_hmm(T, H, O, *, time_varying, full_noise, seed=0, requires_grad=False):
     """A GaussianHMM as users write it (torch, float64) and its parts per step (numpy)."""
     g = torch.Generator().manual_seed(seed)
 
@@ -26,8 +26,8 @@ def make_hmm(T, H, O, *, time_varying, full_noise, seed=0):
         return torch.randn(*s, generator=g, dtype=torch.float64)
 
     lead = (T,) if time_varying else ()
-    A = 0.6 * r(*lead, H, H) / H**0.5
-    C = r(*lead, H, O)
+    A = (0.6 * r(*lead, H, H) / H**0.5).requires_grad_(requires_grad)
+    C = r(*lead, H, O).requires_grad_(requires_grad)
     m0, L0 = r(H), r(H, H)
     S0 = L0 @ L0.T + torch.eye(H, dtype=torch.float64)
     b, q = r(H), 0.3 + torch.rand(H, generator=g, dtype=torch.float64)
@@ -41,7 +41,7 @@ def make_hmm(T, H, O, *, time_varying, full_noise, seed=0):
         Rm = torch.diag(s**2)
         obs = dist.Normal(d, s).to_event(1)
     hmm = dist.GaussianHMM(dist.MultivariateNormal(m0, S0), A, dist.Normal(b, q).to_event(1), C, obs, duration=T)
-    steps = lambda t: [t.numpy()] * T if t.dim() == 2 else list(t.numpy())  # noqa: E731
+    steps = lambda t: [t.detach().numpy()] * T if t.dim() == 2 else list(t.detach().numpy())  # noqa: E731
     parts = (m0.numpy(), S0.numpy(), steps(A), [b.numpy()] * T, [np.diag(q.numpy() ** 2)] * T, steps(C),
              [d.numpy()] * T, [Rm.numpy()] * T)
     return hmm, parts
@@ -233,8 +233,8 @@ def test_saved_tensors_per_chunk_within_max_elements(H, O, float64):
     pairs stay within max_elements (counted by saved-tensor hooks), so a block of masks split
     into chunks recomputed in the backward pass keeps its memory bounded."""
     T, n, q = 16, 3, 8
-    hmm, _ = make_hmm(T, H, O, time_varying=False, full_noise=True, seed=8)
-    # gradients with respect to the data record the whole computation
+    hmm, _ = make_hmm(T, H, O, time_varying=False, full_noise=True, seed=8, requires_grad=True)
+    # gradients with respect to the parameters and the data record the whole computation
     x = torch.randn(n, T, O, generator=torch.Generator().manual_seed(9), dtype=torch.float64).requires_grad_()
     model = _model(hmm, n)
     tokens = trace_tokens(model, None, (x,), {})

@@ -216,15 +216,16 @@ def _log_normalizer(J, h, c):
     return c + 0.5 * (h * y).sum(-1) - 0.5 * _logdet(L) + 0.5 * J.shape[-1] * LOG_2PI
 
 
-def _prior_message(parts, batch):
-    """The initial state's density as a message, broadcast to ``batch``."""
+def _prior_message(parts, J_batch, h_batch):
+    """The initial state's density as a message, its precision broadcast to ``J_batch``, its
+    information vector and normalizer to ``h_batch``."""
     m0, S0 = parts.init_loc, parts.init_cov  # (n|1, H), (n|1, H, H)
     H = m0.shape[-1]
     L = _cholesky(S0)
     J = _cholesky_solve(torch.eye(H, dtype=S0.dtype, device=S0.device).expand_as(S0), L)
     h = _mv(m0, J)
     c = -0.5 * (m0 * h).sum(-1) - 0.5 * _logdet(L) - 0.5 * H * LOG_2PI
-    return _Message(J.expand(batch + (H, H)), h.expand(batch + (H,)), c.expand(batch))
+    return _Message(J.expand(J_batch + (H, H)), h.expand(h_batch + (H,)), c.expand(h_batch))
 
 
 def _step_factors(parts, x, context):
@@ -256,10 +257,13 @@ def _step_factors(parts, x, context):
         Qib + _mv(We, C.transpose(-1, -2)),
         c_trans - 0.5 * (e * We).sum(-1) - 0.5 * _logdet(LR) - 0.5 * LOG_2PI * c.sum(-1),
     )
-    # one batch shape for all (the transition's parts are shared by the masks and maybe the
-    # datapoints, the likelihood's by the datapoints of shared masks): the scan concatenates them
-    shape = torch.broadcast_shapes(factor.c.shape, *(t.shape[:-2] for t in factor[:3]), *(t.shape[:-1] for t in factor[3:5]))
-    return _Factor(*(t.expand(shape + t.shape[t.dim() - k :]) for t, k in zip(factor, (2, 2, 2, 1, 1, 0))))
+    # two batch shapes: the precisions depend on the masks and the parameters only, so masks
+    # shared by the batch factorize once for every datapoint (the information vectors and
+    # normalizers carry the data); the scan concatenates steps, so each part is expanded to its own
+    J_shape = torch.broadcast_shapes(*(t.shape[:-2] for t in factor[:3]))
+    h_shape = torch.broadcast_shapes(J_shape, factor.c.shape, *(t.shape[:-1] for t in factor[3:5]))
+    shapes = (J_shape,) * 3 + (h_shape,) * 3
+    return _Factor(*(t.expand(b + t.shape[t.dim() - k :]) for t, b, k in zip(factor, shapes, (2, 2, 2, 1, 1, 0))))
 
 
 def _combine(f, g):
@@ -267,9 +271,9 @@ def _combine(f, g):
     integrated out."""
     L = _cholesky(f.Jbb + g.Jaa)
     H = L.shape[-1]
-    rhs = torch.cat([f.Jab.transpose(-1, -2), g.Jab, (f.hb + g.ha).unsqueeze(-1)], -1)
-    Y = _cholesky_solve(rhs, L)
-    Ya, Yc, y = Y[..., :H], Y[..., H:-1], Y[..., -1]
+    Y = _cholesky_solve(torch.cat([f.Jab.transpose(-1, -2), g.Jab], -1), L)
+    Ya, Yc = Y[..., :H], Y[..., H:]
+    y = _cholesky_solve((f.hb + g.ha).unsqueeze(-1), L).squeeze(-1)
     return _Factor(
         f.Jaa - _mm(f.Jab, Ya),
         -_mm(f.Jab, Yc),
@@ -286,8 +290,8 @@ def _through(m, f):
     L = _cholesky(m.J + f.Jaa)
     H = L.shape[-1]
     k = m.h + f.ha
-    Y = _cholesky_solve(torch.cat([f.Jab, k.unsqueeze(-1)], -1), L)
-    Yb, y = Y[..., :H], Y[..., -1]
+    Yb = _cholesky_solve(f.Jab, L)
+    y = _cholesky_solve(k.unsqueeze(-1), L).squeeze(-1)
     return _Message(
         f.Jbb - _mm(f.Jab.transpose(-1, -2), Yb),
         f.hb - _mv(y, f.Jab),
@@ -414,10 +418,10 @@ class GaussianHMMConditionals(ConditionalEngine):
     def _per_pair(self, state):
         """Elements kept per ``(mask, datapoint)`` pair for the backward pass: the steps'
         factors, messages and their intermediates (bounds the saved-tensor hooks' counts,
-        e.g. 250 a step at H = 2, O = 1 with a full noise, 1180 at H = 4, O = 3)."""
+        e.g. 340 a step at H = 2, O = 1 with a full noise, 1700 at H = 4, O = 3)."""
         H = state.parts.transition.shape[-1]
         O = state.parts.observation.shape[-1]
-        return state.num_steps * (64 * H * H + 16 * H * O + 16 * O * O + 32)
+        return state.num_steps * (96 * H * H + 16 * H * O + 16 * O * O + 64)
 
     def _chunks(self, state, x, context, fn):
         """``fn(x, context_chunk)`` over chunks of the masks (dim 1), concatenated; each chunk
@@ -440,10 +444,9 @@ class GaussianHMMConditionals(ConditionalEngine):
         f = _step_factors(state.parts, x, context)
         H = f.Jaa.shape[-1]
         T = state.num_steps
-        batch = f.c.shape[1:]
-        prior = _prior_message(state.parts, batch)
-        alpha = _messages(prior, f)
-        zero = _Message(f.Jaa.new_zeros(batch + (H, H)), f.ha.new_zeros(batch + (H,)), f.c.new_zeros(batch))
+        J_batch, h_batch = f.Jaa.shape[1:-2], f.c.shape[1:]
+        alpha = _messages(_prior_message(state.parts, J_batch, h_batch), f)
+        zero = _Message(f.Jaa.new_zeros(J_batch + (H, H)), f.ha.new_zeros(h_batch + (H,)), f.c.new_zeros(h_batch))
         # beta_t: the reversed chain's messages, beta_{T-2} .. beta_{-1}; beta_{T-1} is flat
         back = _messages(zero, _Factor(f.Jbb.flip(0), f.Jab.transpose(-1, -2).flip(0), f.Jaa.flip(0),
                                        f.hb.flip(0), f.ha.flip(0), f.c.flip(0)))
@@ -576,7 +579,7 @@ class GaussianHMMConditionals(ConditionalEngine):
         context = torch.ones_like(xs) if observed is None else observed.to(torch.float64).reshape(n, T, -1).transpose(0, 1)
         # the forward messages alone (the smoother's backward pass is not needed)
         f = _step_factors(state.parts, xs, context.unsqueeze(1))
-        alpha = _messages(_prior_message(state.parts, f.c.shape[1:]), f)
+        alpha = _messages(_prior_message(state.parts, f.Jaa.shape[1:-2], f.c.shape[1:]), f)
         value = _log_normalizer(alpha.J[-1], alpha.h[-1], alpha.c[-1])[0]
         _check_finite(state, value)
         return value.to(state.dtype)
