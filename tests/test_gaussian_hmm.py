@@ -306,3 +306,25 @@ def test_leave_one_out_queries_take_one_smoothing_pass(H, O, full_noise, float64
     assert abs(float(results[1][0] - results[0][0])) < 1e-9 * abs(float(results[0][0]))
     assert torch.allclose(results[1][1], results[0][1], rtol=1e-9, atol=1e-9)
     assert not calls
+
+
+def test_masks_shared_by_the_batch_take_the_dense_covariance(float64, monkeypatch):
+    """Masks shared by the batch (all but 'pll') go to the dense covariance's aggregated forms,
+    which factorize each mask once for every datapoint; masks drawn per datapoint and the
+    leave-one-out queries stay with the smoother. The shared loss equals the dense engine's
+    with the same masks (1e-9)."""
+    T, H, O, n = 12, 2, 1, 4
+    hmm, _ = make_hmm(T, H, O, time_varying=False, full_noise=False, seed=11)
+    x = torch.randn(n, T, O, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    model = _model(hmm, n)
+    calls = []
+    original = GaussianHMMConditionals._dense
+    monkeypatch.setattr(GaussianHMMConditionals, "_dense", lambda self, state: calls.append(1) or original(self, state))
+    for kw, dense in (({"masks": "all", "share_masks": True}, True), ({"masks": "all"}, False), ({"masks": "pll"}, False)):
+        calls.clear()
+        values = []
+        for engine in (GaussianHMMConditionals(), GaussianConditionals("dense")):
+            pyro.set_rng_seed(13)
+            values.append(MaskedPretrainingLoss(conditionals=engine, **kw).loss(model, None, x))
+        assert bool(calls) == dense, kw
+        assert abs(values[0] - values[1]) < 1e-9 * abs(values[1])

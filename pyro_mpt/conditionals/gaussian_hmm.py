@@ -37,7 +37,9 @@ Gaussian engine uses for a ``GaussianHMM`` with latents or inside other
 structure). The messages run in blocks of about :math:`\sqrt T` steps
 (``_messages``), vectorized over masks, datapoints and blocks, in float64 (the
 covariances of a long chain lose digits in float32); the result is in the dtype of
-the model's parameters and data.
+the model's parameters and data. Masks shared by the batch go to the dense
+covariance (the ``"gaussian"`` engine), whose aggregated forms factorize each mask
+once for all the datapoints, where smoothing costs every datapoint its own pass.
 """
 
 import math
@@ -50,6 +52,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_one_sequence, check_sequence_alone
+from .gaussian import GaussianConditionals
 from .gaussian_linalg import LOG_2PI
 from .linear_dynamical import LinearDynamicalParts, gaussian_hmm_parts
 
@@ -82,6 +85,8 @@ class GaussianHMMState:
     :param bool diagonal_noise: whether every :math:`R_t` is diagonal (the step's other
         elements then carry no information on a target beyond :math:`z_t`).
     :param torch.dtype dtype: the dtype of the results.
+    :param tuple prepared_from: ``(tokens, model, guide, args, kwargs)``, from which masks
+        shared by the batch prepare the dense covariance's state (``dense``, made once).
     """
 
     parts: LinearDynamicalParts = field(repr=False)
@@ -91,6 +96,8 @@ class GaussianHMMState:
     num_data: int
     num_tokens: int
     num_steps: int
+    prepared_from: tuple = field(default=None, repr=False)
+    dense: tuple = field(default=None, repr=False)
 
 
 def _rows(t, batch_shape, event_ndim):
@@ -413,7 +420,8 @@ class GaussianHMMConditionals(ConditionalEngine):
         parts = LinearDynamicalParts(*rows)
         R = parts.obs_cov
         diagonal = bool((R - torch.diag_embed(R.diagonal(dim1=-2, dim2=-1)) == 0).all())
-        return GaussianHMMState(parts, tokens.name, diagonal, dtype, tokens.num_data, tokens.num_tokens, T)
+        return GaussianHMMState(parts, tokens.name, diagonal, dtype, tokens.num_data, tokens.num_tokens, T,
+                                (tokens, model, guide, args, kwargs))
 
     def _per_pair(self, state):
         """Elements kept per ``(mask, datapoint)`` pair for the backward pass: the steps'
@@ -479,8 +487,21 @@ class GaussianHMMConditionals(ConditionalEngine):
         var = (_mm(Ps, C) * C).sum(-2) + var_noise
         return mean, var
 
+    def _dense(self, state):
+        """The ``"gaussian"`` engine and its state on the sequence's dense covariance, for
+        masks shared by the batch: there its aggregated quadratic forms take each mask's
+        factorization once for all the datapoints (``masks="all", share_masks=True`` at
+        T = 300, H = 2, N = 20: 0.8 s, against 19 s of smoothing every datapoint here)."""
+        if state.dense is None:
+            engine = GaussianConditionals("dense", max_elements=self.max_elements)
+            state.dense = (engine, engine.prepare(*state.prepared_from))
+        return state.dense
+
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
+        if mask.shape[1] == 1 and self._single_targets(mask) is None:
+            engine, dense = self._dense(state)
+            return engine.mask_log_prob(dense, x, mask)
         q, n, T = mask.shape[0], x.shape[0], state.num_steps
         xs = x.to(torch.float64).reshape(n, T, -1).transpose(0, 1)  # (T, n, O)
         context = (~mask).to(torch.float64).reshape(q, mask.shape[1], T, -1).permute(2, 0, 1, 3)
@@ -554,6 +575,9 @@ class GaussianHMMConditionals(ConditionalEngine):
             # queries that each hide one token: every leave-one-out conditional from one
             # smoothing pass, where each query would take its own filter and smoother
             return self._gathered(state, self._leave_one_out(state, x), targets)
+        if mask.shape[1] == 1:
+            engine, dense = self._dense(state)
+            return engine.mask_sums(dense, x, mask)
         return super().mask_sums(state, x, mask)
 
     def mask_sums_within(self, state, x, mask, context):
@@ -562,13 +586,31 @@ class GaussianHMMConditionals(ConditionalEngine):
         if targets is not None and context.shape[0] == 1:
             # one target each, the context the observed tokens: a missing target scores 0
             return self._gathered(state, self._leave_one_out(state, x, context[0].expand(x.shape)), targets)
+        if mask.shape[1] == 1:
+            engine, dense = self._dense(state)
+            return engine.mask_sums_within(dense, x, mask, context)
         return super().mask_sums_within(state, x, mask, context)
+
+    def recomputes_mask_sums(self, state, x, mask, context=None):
+        if mask.shape[1] == 1 and self._single_targets(mask) is None:
+            engine, dense = self._dense(state)
+            return engine.recomputes_mask_sums(dense, x, mask, context)
+        return super().recomputes_mask_sums(state, x, mask, context)
+
+    def weighted_mask_sum(self, state, x, mask, coef):
+        if self._single_targets(mask.unsqueeze(1)) is not None:
+            return super().weighted_mask_sum(state, x, mask, coef)
+        engine, dense = self._dense(state)
+        return engine.weighted_mask_sum(dense, x, mask, coef)
 
     def weighted_sum_elements(self, state, x, mask=None):
         if mask is not None and self._single_targets(mask.unsqueeze(1)) is not None:
             # one smoothing pass serves every such query: a row of sums each
             return x.shape[0]
-        return super().weighted_sum_elements(state, x, mask)
+        if mask is None:  # masks drawn per datapoint: no weighted sum of shared masks
+            return super().weighted_sum_elements(state, x, mask)
+        engine, dense = self._dense(state)
+        return engine.weighted_sum_elements(dense, x, mask)
 
     def log_evidence(self, state, x, observed=None):
         r""":math:`\log p(x_i)` (of the observed tokens when ``observed`` is given), ``(n,)``:
