@@ -352,13 +352,18 @@ def _numpy_leave_one_out(S, r):
     return -0.5 * (np.log(2 * np.pi * var) + d**2 / var)
 
 
-def _refuse_per_mask_paths(monkeypatch):
+_PER_MASK_PATHS = ("lowrank_shared_sums", "lowrank_shared_sums_embedded", "dense_shared_sums", "lowrank_weighted_sum",
+                   "dense_weighted_sum", "lowrank_masks", "dense_masks", "dense_independent_sums",
+                   "lowrank_independent_sums")
+
+
+def _refuse_paths(monkeypatch, names=_PER_MASK_PATHS, what="a per-mask path"):
+    """Make the Gaussian engine's paths ``names`` fail the test when taken (the spy of
+    the tests that a cheaper path serves the queries)."""
     import pyro_mpt.conditionals.gaussian as gaussian_module
 
-    per_mask = ("lowrank_shared_sums", "lowrank_shared_sums_embedded", "dense_shared_sums", "lowrank_weighted_sum",
-                "dense_weighted_sum", "lowrank_masks", "dense_masks", "dense_independent_sums", "lowrank_independent_sums")
-    for name in per_mask:
-        monkeypatch.setattr(gaussian_module, name, lambda *a, _n=name, **k: pytest.fail(f"{_n}: a per-mask path"))
+    for name in names:
+        monkeypatch.setattr(gaussian_module, name, lambda *a, _n=name, **k: pytest.fail(f"{_n}: {what}"))
 
 
 @pytest.mark.parametrize("form", ["counties", "ppca", "dense"])
@@ -367,7 +372,7 @@ def test_pll_takes_one_factorization_for_all_its_queries(form, monkeypatch):
     # every leave-one-out conditional. Through the per-mask sums it took D context
     # factorizations: Pyro's radon model (1000 houses, 85 counties, one datapoint of
     # 1000 tokens) 7.3 s a step, now 0.03 s; a GP of 300 points 4.4 -> 0.4 s
-    _refuse_per_mask_paths(monkeypatch)
+    _refuse_paths(monkeypatch)
     g = torch.Generator().manual_seed(11)
     f64 = dict(generator=g, dtype=torch.float64)
     if form == "counties":
@@ -455,7 +460,7 @@ def test_pll_of_a_multi_output_gp_takes_one_factorization_for_all_its_queries(mo
     # a step, float64, one thread)
     import pyro.contrib.gp as gp
 
-    _refuse_per_mask_paths(monkeypatch)
+    _refuse_paths(monkeypatch)
     g = torch.Generator().manual_seed(3)
     B, N = 3, 25
     X = torch.linspace(0, 5, N, dtype=torch.float64)
@@ -478,17 +483,15 @@ def test_pll_of_a_multi_output_gp_takes_one_factorization_for_all_its_queries(mo
 
 @pytest.mark.parametrize("method", ["lowrank", "dense"])
 def test_missing_tokens_with_masks_per_datapoint_take_the_independent_sums(method, monkeypatch):
-    # missing tokens (dist.mask) make a datapoint's context its observed tokens: the
-    # queries went through the per-(mask, datapoint) conditionals (lowrank_masks, a
-    # (q, n, D) table and its graph per block, checkpointed); the independent sums
-    # take them, hiding the missing tokens and summing the targets alone. PPCA N=1000,
-    # D=200, K=5, 10 % missing, masks='all', one thread: 9.5 -> 3.2 s, peak RSS 1.56 ->
-    # 0.59 GB
-    import pyro_mpt.conditionals.gaussian as gaussian_module
+    """Missing tokens (dist.mask) make a datapoint's context its observed tokens: the
+    queries went through the per-(mask, datapoint) conditionals (lowrank_masks, a
+    (q, n, D) table and its graph per block, checkpointed); the independent sums
+    take them, hiding the missing tokens and summing the targets alone. PPCA N=1000,
+    D=200, K=5, 10 % missing, masks='all', one thread: 9.5 -> 3.2 s, peak RSS 1.56 ->
+    0.59 GB."""
     from pyro_mpt.masks import AllSizes, MaskSchedule
 
-    for name in ("lowrank_masks", "dense_masks"):
-        monkeypatch.setattr(gaussian_module, name, lambda *a, _n=name, **k: pytest.fail(f"{_n}: per (mask, datapoint)"))
+    _refuse_paths(monkeypatch, ("lowrank_masks", "dense_masks"), "per (mask, datapoint)")
     g = torch.Generator().manual_seed(21)
     n, D, K = 7, 9, 2
     W0 = torch.randn(D, K, generator=g, dtype=torch.float64)
@@ -553,7 +556,7 @@ def test_pll_with_a_noise_scale_per_datapoint_factors_each_datapoint_once(method
     # every datapoint its own covariance: the leave-one-out table factors each datapoint's
     # once, where the per-mask paths factored a context per token and datapoint (N=1000,
     # D=50, K=5, one thread: 506 -> 17 ms a step; Evidence 6 ms)
-    _refuse_per_mask_paths(monkeypatch)
+    _refuse_paths(monkeypatch)
     g = torch.Generator().manual_seed(8)
     n, D, K = 30, 7, 2
     W0 = torch.randn(D, K, generator=g, dtype=torch.float64)
