@@ -123,7 +123,16 @@ def _float_dtype(site, raw):
 
 
 def check_dtype(site, raw):
-    """Refuse an observation that computes in float16 or bfloat16."""
+    """Refuse an observation that computes in float16 or bfloat16.
+
+    :param dict site: the observed sample site.
+    :param torch.Tensor raw: its value, the data.
+    :raises ValueError: naming the site and the dtype to use instead.
+
+    Example::
+
+        >>> check_dtype(site, x.half())   # ValueError: float16
+    """
     dtype = _float_dtype(site, raw)
     if dtype in (torch.float16, torch.bfloat16):
         name = str(dtype).replace("torch.", "")

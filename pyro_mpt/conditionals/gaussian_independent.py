@@ -63,6 +63,11 @@ def lowrank_independent_sums(m, x, mask, data, observed=None):
         of ``mask`` that are observed, the others (missing tokens) are neither context
         nor summed (the masked residuals are exact whatever their placeholder values);
         None: every token of ``mask`` is a target.
+    :returns: ``(q, n)``, in the state's dtype.
+
+    Example::
+
+        >>> lowrank_independent_sums(state, x, mask, lowrank_shared_data(state, x))   # (q, n)
     """
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, K), (D,)
     if "independent" not in data:

@@ -26,6 +26,9 @@ def shared_sums_elements(n, D, R=None):
     :func:`dense_shared_sums` (``R`` None: its covariance blocks and their factors).
     With few datapoints of many tokens the per-mask factors dominate.
 
+    :param int n: datapoints.
+    :param int D: tokens per datapoint.
+    :param int R: the rank of the shared loading (low-rank path), or None (dense path).
     :returns: int.
 
     Example::

@@ -70,7 +70,13 @@ class LinearDynamicalParts(NamedTuple):
     :math:`w_t \sim \mathcal N(b_t, Q_t)`, :math:`x_t = z_tC_t + v_t`,
     :math:`v_t \sim \mathcal N(d_t, R_t)`. Leading dims broadcast to the batch
     shape (size 1 where the distribution's parts are broadcast, e.g. by a plate);
-    the time dim is :math:`T` or 1 (homogeneous)."""
+    the time dim is :math:`T` or 1 (homogeneous).
+
+    Example::
+
+        >>> m0, S0, A, b, Q, C, d, R = gaussian_hmm_parts(hmm)
+        >>> gaussian_hmm_parts(hmm).batch_shape   # the parts' broadcast batch shape
+    """
 
     #: :math:`m_0` ``(..., H)``
     init_loc: torch.Tensor
