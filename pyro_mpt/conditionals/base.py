@@ -232,11 +232,13 @@ class ConditionalEngine(ABC):
         return (coef.to(sums.dtype).unsqueeze(-1) * sums).sum(0)
 
     def weighted_sum_elements(self, state, x, mask=None):
-        """Elements of :meth:`weighted_mask_sum`'s working set per query, for tokens ``x``.
+        """Elements of :meth:`~pyro_mpt.conditionals.ConditionalEngine.weighted_mask_sum`'s
+        working set per query, for tokens ``x``.
 
         :func:`~pyro_mpt.estimate.mpt_estimate` merges the blocks of shared
         masks a schedule yields into groups of at most ``max_elements`` over
-        this many queries, one :meth:`weighted_mask_sum` call each. The
+        this many queries, one
+        :meth:`~pyro_mpt.conditionals.ConditionalEngine.weighted_mask_sum` call each. The
         default, ``n * D``, is the size of one query's table of conditionals;
         an engine whose working set per query does not grow with the data
         declares less, and gets fewer, larger groups; one whose per-query
