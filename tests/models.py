@@ -219,3 +219,12 @@ def numpy_lds_moments(m0, S0, A, b, Q, C, d, R):
         mean.append(mz @ C[t] + d[t])
     W = np.concatenate(rows, 0)
     return np.concatenate(mean), W @ block_diag(S0, *Q) @ W.T + block_diag(*R)
+
+
+def numpy_leave_one_out(S, r):
+    """log p(x_j | x_-j) of N(mu, S) for residuals r = x - mu, (n, D) or (D,): Rasmussen &
+    Williams (2006) eqs. 5.10-5.12 by numpy's inverse."""
+    Ki = np.linalg.inv(S)
+    var = 1 / np.diag(Ki)
+    d = (r @ Ki) * var  # x_j - mu_{j|-j}
+    return -0.5 * (np.log(2 * np.pi * var) + d**2 / var)

@@ -19,6 +19,8 @@ from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.conditionals import GaussianConditionals, gaussian_marginal
 from pyro_mpt.observed_tokens import trace_tokens
 
+from models import numpy_leave_one_out
+
 
 class LargestTensor(TorchDispatchMode):
     """Records the number of elements of the largest storage any op returns
@@ -343,15 +345,6 @@ def test_a_normal_latent_written_as_an_affine_transform_is_served_in_closed_form
         assert torch.allclose(a, b, atol=1e-8, rtol=1e-8)
 
 
-def _numpy_leave_one_out(S, r):
-    """log p(x_j | x_-j) of N(mu, S) for residuals r = x - mu, (n, D): Rasmussen &
-    Williams (2006) eqs. 5.10-5.12 by numpy's inverse."""
-    Ki = np.linalg.inv(S)
-    var = 1 / np.diag(Ki)
-    d = (r @ Ki) * var  # x_j - mu_{j|-j}
-    return -0.5 * (np.log(2 * np.pi * var) + d**2 / var)
-
-
 _PER_MASK_PATHS = ("lowrank_shared_sums", "lowrank_shared_sums_embedded", "dense_shared_sums", "lowrank_weighted_sum",
                    "dense_weighted_sum", "lowrank_masks", "dense_masks", "dense_independent_sums",
                    "lowrank_independent_sums")
@@ -440,7 +433,7 @@ def test_pll_takes_one_factorization_for_all_its_queries(form, monkeypatch):
     value = loss.differentiable_loss(model, None, *args)
     grads = torch.autograd.grad(value, leaves)
     loc, S = moments()
-    want = _numpy_leave_one_out(S.detach().numpy(), (x - loc).detach().numpy()).sum()
+    want = numpy_leave_one_out(S.detach().numpy(), (x - loc).detach().numpy()).sum()
     assert abs(value.item() + want) <= 1e-8 * abs(want)
     # the gradient: autograd of the same closed form written with torch.linalg.inv
     Ki = torch.linalg.inv(S)
@@ -472,7 +465,7 @@ def test_pll_of_a_multi_output_gp_takes_one_factorization_for_all_its_queries(mo
     value = loss.differentiable_loss(gpr.model, lambda: None)
     grads = torch.autograd.grad(value, params)
     S = gpr.kernel(X) + (gpr.noise + gpr.jitter) * torch.eye(N, dtype=torch.float64)
-    want = _numpy_leave_one_out(S.detach().numpy(), y.numpy()).sum()
+    want = numpy_leave_one_out(S.detach().numpy(), y.numpy()).sum()
     assert abs(value.item() + want) <= 1e-8 * abs(want)
     Ki = torch.linalg.inv(S)
     var = 1 / torch.diagonal(Ki)
@@ -579,7 +572,7 @@ def test_pll_with_a_noise_scale_per_datapoint_factors_each_datapoint_once(method
     W, a = pyro.param("W"), pyro.param("a")
     S = W @ W.T + torch.diag_embed((2 * a * u).exp().unsqueeze(-1).expand(n, D))  # (n, D, D)
     Sn = S.detach().numpy()
-    want = sum(_numpy_leave_one_out(Sn[i], x[i : i + 1].numpy()).sum() for i in range(n))
+    want = sum(numpy_leave_one_out(Sn[i], x[i : i + 1].numpy()).sum() for i in range(n))
     assert abs(value.item() + want) <= 1e-8 * abs(want)
     Ki = torch.linalg.inv(S)
     var = 1 / torch.diagonal(Ki, dim1=-2, dim2=-1)
