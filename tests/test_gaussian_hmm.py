@@ -2,6 +2,8 @@
 conditionals against numpy/scipy conditioning of the sequence's joint Gaussian (written here),
 evidence and gradients against Pyro's own GaussianHMM.log_prob, and the routing of "auto"."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.conditionals import (
     AUTO_MIN_TOKENS, EngineNotApplicable, GaussianConditionals, GaussianHMMConditionals, auto_engine,
 )
+from pyro_mpt.conditionals.gaussian_hmm import WIDE_HIDDEN
 from pyro_mpt.observed_tokens import trace_tokens
 
 from models import numpy_lds_moments
@@ -328,3 +331,24 @@ def test_masks_shared_by_the_batch_take_the_dense_covariance(float64, monkeypatc
             values.append(MaskedPretrainingLoss(conditionals=engine, **kw).loss(model, None, x))
         assert bool(calls) == dense, kw
         assert abs(values[0] - values[1]) < 1e-9 * abs(values[1])
+
+
+def test_auto_threshold_grows_with_a_wide_hidden_state(float64):
+    """Above hidden dim WIDE_HIDDEN the Kalman engine's steps cost more than the dense
+    covariance until min_tokens * H / WIDE_HIDDEN tokens (H = 32, 256 tokens: 2.8 s against
+    1.1 s, loss and gradient): 'auto' keeps the dense path below that and takes the Kalman
+    engine from it (it took the Kalman engine from 256 tokens at any H); both equal Pyro's
+    log_prob (1e-8), and the refusal names the scaled count."""
+    H, O = 13, 1
+    need = math.ceil(AUTO_MIN_TOKENS * H / WIDE_HIDDEN)
+    for T, kalman in ((AUTO_MIN_TOKENS, False), (need - 1, False), (need, True)):
+        hmm, _ = make_hmm(T, H, O, time_varying=False, full_noise=False, seed=11)
+        x = torch.randn(1, T, O, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+        model = _model(hmm, 1)
+        tokens = trace_tokens(model, None, (x,), {})
+        engine, _ = auto_engine(tokens, model, None, (x,), {})
+        assert isinstance(engine, GaussianHMMConditionals) == kalman
+        assert torch.allclose(Evidence(model)(x), hmm.log_prob(x), rtol=0, atol=1e-8)
+        if not kalman:
+            with pytest.raises(EngineNotApplicable, match=rf"fewer than {need} \(min_tokens=256 times hidden_dim 13 / 12\)"):
+                GaussianHMMConditionals(min_tokens=AUTO_MIN_TOKENS).prepare(tokens, model, None, (x,), {})

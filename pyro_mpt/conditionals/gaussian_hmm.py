@@ -56,7 +56,7 @@ from .gaussian import GaussianConditionals
 from .gaussian_linalg import LOG_2PI
 from .linear_dynamical import LinearDynamicalParts, gaussian_hmm_parts
 
-__all__ = ["GaussianHMMConditionals", "GaussianHMMState", "AUTO_MIN_TOKENS"]
+__all__ = ["GaussianHMMConditionals", "GaussianHMMState", "AUTO_MIN_TOKENS", "WIDE_HIDDEN"]
 
 _WHO = "conditionals='gaussian_hmm'"
 
@@ -66,6 +66,14 @@ _WHO = "conditionals='gaussian_hmm'"
 #: default masks break even at about 250 tokens and ``masks="all"`` at about 450
 #: (the dense path's cost grows as :math:`T^3` a mask, this one's as :math:`T`)
 AUTO_MIN_TOKENS = 256
+
+
+#: above this hidden dim the engine's sequences must hold ``min_tokens * H / WIDE_HIDDEN`` tokens:
+#: its steps' batched LAPACK routines grow with :math:`H` while the dense covariance's cost does
+#: not, and the break-even rises (loss and gradient, O = 1, N = 20, one thread, default masks:
+#: about 256 tokens at H = 12 and 16, 450 at H = 20, 520 at H = 32, where at 256 tokens this
+#: engine took 2.8 s and the dense covariance 1.1 s)
+WIDE_HIDDEN = 12
 
 
 #: matrices up to this size are multiplied, factorized and solved with elementwise operations
@@ -376,7 +384,8 @@ class GaussianHMMConditionals(ConditionalEngine):
     sequence.
 
     :param int min_tokens: sequences with fewer tokens (:math:`T\cdot O`) are declined
-        (``EngineNotApplicable``). 0 by default; ``"auto"`` asks for
+        (``EngineNotApplicable``), and with fewer than ``min_tokens * H / WIDE_HIDDEN``
+        above hidden dim :data:`WIDE_HIDDEN`. 0 by default; ``"auto"`` asks for
         :data:`AUTO_MIN_TOKENS`, below which the dense covariance is faster.
     :param int max_elements: bound on the elements the filter and smoother keep
         per chunk of ``(mask, datapoint)`` pairs (the steps' factors and
@@ -405,11 +414,14 @@ class GaussianHMMConditionals(ConditionalEngine):
         check_sequence_alone(tokens, hmm, _WHO, "integrates", " (conditionals='gaussian' serves a GaussianHMM "
                              "with Normal latents through its dense covariance).")
         check_one_sequence(tokens, hmm, _WHO, " (conditionals='gaussian' serves them as blocks)")
-        if tokens.num_tokens < self.min_tokens:
+        H = hmm.hidden_dim
+        needed = self.min_tokens * max(1.0, H / WIDE_HIDDEN)
+        if tokens.num_tokens < needed:
+            wide = f" times hidden_dim {H} / {WIDE_HIDDEN}" if H > WIDE_HIDDEN else ""
             raise EngineNotApplicable(
                 f"{_WHO} declines the GaussianHMM at site {tokens.name!r}: {tokens.num_tokens} "
-                f"tokens a sequence, fewer than min_tokens={self.min_tokens}, below which the "
-                f"dense covariance (conditionals='gaussian') is faster."
+                f"tokens a sequence, fewer than {math.ceil(needed)} (min_tokens={self.min_tokens}{wide}), "
+                f"below which the dense covariance (conditionals='gaussian') is faster."
             )
         T = tokens.event_shape[0]
         parts = gaussian_hmm_parts(hmm)
@@ -604,6 +616,9 @@ class GaussianHMMConditionals(ConditionalEngine):
         return engine.weighted_mask_sum(dense, x, mask, coef)
 
     def weighted_sum_elements(self, state, x, mask=None):
+        """Elements of the working set per query: ``n`` for masks ``(q, D)`` that each hide
+        one token (one smoothing pass serves them all), the dense engine's count for other
+        masks shared by the batch, ``n * D`` when the masks are not drawn yet."""
         if mask is not None and self._single_targets(mask.unsqueeze(1)) is not None:
             # one smoothing pass serves every such query: a row of sums each
             return x.shape[0]
