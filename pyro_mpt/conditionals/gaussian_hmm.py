@@ -28,7 +28,8 @@ so :math:`\log p(x_{t,o} \mid x_{\mathcal R})` is a univariate Normal density wi
 mean :math:`\hat m_t\tilde C_{t,o} + d_{t,o} + g_o(x_{t,c} - d_{t,c})` and variance
 :math:`\tilde C_{t,o}^\top\hat P_t\tilde C_{t,o} + R_{t,oo} - g_oR_{t,co}` (with a
 diagonal :math:`R_t`, :math:`g_o = 0`). ``log_evidence`` and every chain-rule sum are
-:math:`\log p(x)`, the forward messages' normalizer.
+:math:`\log p(x)`, the normalizer of the product of all the steps' factors (multiplied in
+pairs, ``_total``).
 
 Each mask costs :math:`O(T(H^3 + O^3))`, against :math:`O(T^3O^3)` for the dense
 covariance of the whole sequence
@@ -350,6 +351,23 @@ def _messages(start, f):
     return _Message(*(torch.stack(t, 1).reshape((B * b,) + t[0].shape[1:])[:T] for t in zip(*inside)))
 
 
+def _total(f):
+    r"""The factor over :math:`(z_{-1}, z_{T-1})` of the product of the steps' factors ``f``
+    ``(T, ...)``, the states between them integrated out, by combining neighbours in pairs:
+    :math:`\lceil\log_2 T\rceil` batched levels, where the messages take about
+    :math:`3\sqrt T` (the evidence needs no message but the last)."""
+    while f.c.shape[0] > 1:
+        T = f.c.shape[0]
+        k = T // 2
+        # pairs by reshape and unbind (indexing each would allocate a zero gradient of the whole table)
+        pairs = [t[: 2 * k].reshape((k, 2) + t.shape[1:]).unbind(1) for t in f]
+        merged = _combine(_Factor(*(p[0] for p in pairs)), _Factor(*(p[1] for p in pairs)))
+        if T % 2:
+            merged = _Factor(*(torch.cat([m, t[2 * k :]], 0) for m, t in zip(merged, f)))
+        f = merged
+    return _Factor(*(t[0] for t in f))
+
+
 def _check_finite(state, value):
     r"""Refuse non-finite results: in information form a state's precision after :math:`k`
     steps without context is that of a variance growing as :math:`\rho^{2k}` (:math:`\rho`
@@ -634,10 +652,11 @@ class GaussianHMMConditionals(ConditionalEngine):
         n, T = x.shape[0], state.num_steps
         xs = x.to(torch.float64).reshape(n, T, -1).transpose(0, 1)
         context = torch.ones_like(xs) if observed is None else observed.to(torch.float64).reshape(n, T, -1).transpose(0, 1)
-        # the forward messages alone (the smoother's backward pass is not needed)
+        # the product of all the steps' factors, then the initial state's density: no message
+        # but the last is needed (nor the smoother's backward pass)
         f = _step_factors(state.parts, xs, context.unsqueeze(1))
-        alpha = _messages(_prior_message(state.parts, f.Jaa.shape[1:-2], f.c.shape[1:]), f)
-        value = _log_normalizer(alpha.J[-1], alpha.h[-1], alpha.c[-1])[0]
+        last = _through(_prior_message(state.parts, f.Jaa.shape[1:-2], f.c.shape[1:]), _total(f))
+        value = _log_normalizer(*last)[0]
         _check_finite(state, value)
         return value.to(state.dtype)
 
