@@ -62,17 +62,9 @@ def exact_evidence(evidence, tokens, args, kwargs):
     if key not in evidence.engines:
         evidence.engines[key] = GaussianConditionals(options.pop("path", "auto"), **options)
     engine = evidence.engines[key]
-    state = None
-    if "path" not in evidence.options:
-        # a long GaussianHMM: its filter is linear in the steps, the dense covariance cubic
-        kalman = GaussianHMMConditionals(min_tokens=AUTO_MIN_TOKENS)
-        try:
-            engine, state = kalman, kalman.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
-        except EngineNotApplicable:
-            pass
+    kalman = None if "path" in evidence.options else _long_gaussian_hmm(evidence, tokens, args, kwargs)
     try:
-        if state is None:
-            state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
+        engine, state = kalman or (engine, engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs))
     except EngineNotApplicable as e:
         # a linear-Gaussian hierarchy (local latents in a token plate), or exact sums
         # over discrete latents (a finite mixture, or an HMM's chain)
@@ -100,3 +92,14 @@ def exact_evidence(evidence, tokens, args, kwargs):
     else:
         value = engine.log_evidence(state, tokens.value, tokens.observed)
     return EvidenceResult(value, torch.zeros_like(value.detach()))
+
+
+def _long_gaussian_hmm(evidence, tokens, args, kwargs):
+    """``(engine, state)`` of the Kalman engine for an observed ``GaussianHMM`` of at least
+    :data:`~pyro_mpt.conditionals.gaussian_hmm.AUTO_MIN_TOKENS` tokens (its filter is linear
+    in the steps, the dense covariance cubic); None for other models."""
+    kalman = GaussianHMMConditionals(min_tokens=AUTO_MIN_TOKENS)
+    try:
+        return kalman, kalman.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
+    except EngineNotApplicable:
+        return None
