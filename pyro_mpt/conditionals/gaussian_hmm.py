@@ -654,7 +654,7 @@ class GaussianHMMConditionals(ConditionalEngine):
     def weighted_sum_elements(self, state, x, mask=None):
         """Elements of the working set per query: ``n`` for masks ``(q, D)`` that each hide
         one token (one smoothing pass serves them all), the dense engine's count for other
-        masks shared by the batch that it serves (:meth:`_dense_cheaper`), else ``n * D``."""
+        masks shared by the batch that it serves (``_dense_cheaper``), else ``n * D``."""
         if mask is not None and self._single_targets(mask.unsqueeze(1)) is not None:
             # one smoothing pass serves every such query: a row of sums each
             return x.shape[0]
