@@ -316,6 +316,18 @@ def _observed_mask(site):
     m = site.get("mask")
     if m is not None and m is not True:
         m = torch.as_tensor(m, dtype=torch.bool)
+        if m.dim() > len(fn.batch_shape) or any(a not in (1, b) for a, b in zip(m.shape[::-1], fn.batch_shape[::-1])):
+            # poutine.mask multiplies the log-density, whose shape is the batch shape: a mask
+            # over the event's elements would be read as a batch of masks (Pyro's ELBOs fail on
+            # it with a broadcasting error)
+            raise ValueError(
+                f"Observed site {site['name']!r} has a poutine.mask mask of shape {tuple(m.shape)}, which "
+                f"does not broadcast to the site's batch shape {tuple(fn.batch_shape)} (the shape of its "
+                f"log_prob; its event shape {tuple(fn.event_shape)} holds the tokens). Mask whole "
+                f"datapoints with a mask of the batch shape, or single tokens inside the event with "
+                f"dist.Normal(...).mask(m).to_event(1) or a token plate (a GaussianHMM's elements "
+                f"cannot be masked one by one)."
+            )
         masks.append(m.reshape(m.shape + (1,) * len(fn.event_shape)))
     remaining = len(fn.event_shape)  # event dims to the right of the current level's batch
     level = fn

@@ -233,3 +233,17 @@ def _():
     MaskedPretrainingLoss().loss(model, None, torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 1.0]]))
 
 
+
+
+@trigger("sites-mask-shape")
+def _():
+    hmm = dist.GaussianHMM(dist.MultivariateNormal(torch.zeros(2), torch.eye(2)), 0.5 * torch.eye(2),
+                           dist.MultivariateNormal(torch.zeros(2), torch.eye(2)), torch.ones(2, 2),
+                           dist.Normal(torch.zeros(2), 1.0).to_event(1), duration=5)
+    missing = torch.rand(4, 5, 2) < 0.8
+
+    def model(x):
+        with pyro.plate("data", 4), poutine.mask(mask=missing):
+            pyro.sample("x", hmm, obs=x)
+
+    Evidence(model)(torch.randn(4, 5, 2))
