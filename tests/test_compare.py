@@ -3,12 +3,14 @@
 import json
 import math
 
+import numpy as np
 import pytest
+import torch
 from pyro.infer import RenyiELBO, Trace_ELBO
 
 from pyro_mpt import EncodeDecodeConditionals, ImportanceConditionals, ImportanceWeightedELBO, MaskedPretrainingLoss
 from pyro_mpt.experiments.cli import main as cli_main, run as cli_run
-from pyro_mpt.experiments.compare import compare, make_loss
+from pyro_mpt.experiments.compare import compare, heldout_evidence, khat_summary, make_loss
 from pyro_mpt.experiments.datasets import load_dataset
 from pyro_mpt.guide_elbo import WithGuideELBO
 from pyro_mpt.masks import FixedRate, UniformSizes
@@ -119,3 +121,20 @@ def test_deep_vae_example_quick(tmp_path):
     text = gallery.deep_vae_markdown(res, vars(module.parse_args(["--quick"])))
     for r in res.results:
         assert f"| {r.name} | " in text and f"{r.heldout:.3f} ± {r.stderr:.3f}" in text
+
+
+def test_khat_summary_counts_only_defined_khats():
+    """The held-out k-hat fraction and maximum are taken over the datapoints whose k-hat is
+    defined (numpy's nan-aware reference): an undefined (NaN) k-hat counts neither as reliable
+    nor as unreliable, and with none defined both are NaN. Before, NaN counted as reliable
+    (0 % above 0.7 for a run whose k-hats were all undefined) and the maximum was NaN."""
+    k = torch.tensor([0.2, math.nan, 0.9, -math.inf, 0.75, math.nan], dtype=torch.float64)
+    got = khat_summary(k)
+    kn = k.numpy()
+    assert got["khat_frac"] == pytest.approx(np.nanmean(np.where(np.isnan(kn), np.nan, kn > 0.7)))
+    assert got["khat_max"] == pytest.approx(np.nanmax(kn))
+    # fewer than 25 draws: every k-hat undefined
+    model, x, _ = make_ppca(4, 1, 6)
+    ev = heldout_evidence(model, None, x, num_samples=10)
+    assert math.isnan(ev["khat_frac"]) and math.isnan(ev["khat_max"])
+    assert np.isfinite(ev["mean"])

@@ -50,7 +50,7 @@ from ..importance_weighted_elbo import ImportanceWeightedELBO
 from ..importance_weights import ImportanceSamplingWarning
 from ..loss import MaskedPretrainingLoss
 
-__all__ = ["compare", "make_loss", "RunResult", "Comparison"]
+__all__ = ["compare", "make_loss", "RunResult", "Comparison", "heldout_evidence", "khat_summary"]
 
 
 @dataclass
@@ -63,8 +63,9 @@ class RunResult:
     :param float mc_stderr: its Monte Carlo standard error,
         :math:`\\sqrt{\\sum_i \\widehat{se}_i^2}/n`.
     :param float khat_frac: fraction of held-out datapoints with PSIS
-        :math:`\\hat k > 0.7` (their estimates are unreliable).
-    :param float khat_max: the largest :math:`\\hat k`.
+        :math:`\\hat k > 0.7` (their estimates are unreliable), among those whose
+        :math:`\\hat k` is defined (NaN when none is; see :func:`khat_summary`).
+    :param float khat_max: the largest defined :math:`\\hat k`.
     :param float train_time: seconds spent in optimization steps.
     :param float final_loss: mean training loss per datapoint in the last epoch.
     :param list history: dicts with ``epoch``, ``loss`` (per datapoint) and,
@@ -230,10 +231,30 @@ def heldout_evidence(model, guide, data, num_samples, batch_size=None):
         "mean": float(v.mean()),
         "stderr": float(v.std() / math.sqrt(n)) if n > 1 else math.nan,
         "mc_stderr": float(e.pow(2).sum().sqrt() / n),
-        "khat_frac": float((k > 0.7).double().mean()),
-        "khat_max": float(k.max()),
+        **khat_summary(k),
         "values": v,
     }
+
+
+def khat_summary(khat, threshold=0.7):
+    r"""The held-out :math:`\hat k` in two numbers: the fraction above ``threshold`` and the
+    largest, over the datapoints whose :math:`\hat k` is defined. A NaN (the tail of tied
+    weights of a discrete latent, or fewer than 25 draws: see
+    :func:`~pyro_mpt.importance_weights.psis_khat`) says nothing of the weights' reliability,
+    so it counts neither as reliable nor as unreliable.
+
+    :param torch.Tensor khat: ``(n,)``, NaN where undefined, :math:`-\infty` for equal weights.
+    :param float threshold: the :math:`\hat k` above which an estimate is unreliable.
+    :returns: dict with ``khat_frac`` and ``khat_max``, both NaN when no :math:`\hat k` is defined.
+
+    Example::
+
+        >>> khat_summary(torch.tensor([0.2, math.nan, 0.9]))   # {'khat_frac': 0.5, 'khat_max': 0.9}
+    """
+    known = khat[~torch.isnan(khat)]
+    if known.numel() == 0:
+        return {"khat_frac": math.nan, "khat_max": math.nan}
+    return {"khat_frac": float((known > threshold).double().mean()), "khat_max": float(known.max())}
 
 
 def compare(
