@@ -850,3 +850,63 @@ def test_mixture_of_factor_analysers_takes_the_woodbury_route_with_exact_gradien
     assert abs(value.item() - expected_value.item()) < 1e-9 * abs(expected_value.item())
     for a, b in zip(grads, torch.autograd.grad(expected_value, params)):
         assert torch.allclose(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("low_rank", [True, False], ids=["mixture-of-ppca", "full-covariance"])
+def test_gaussian_mixture_leave_one_out_from_one_factorization(low_rank, float64, monkeypatch):
+    """masks='pll' on a Gaussian mixture (a mixture of PPCA, and a full-covariance GMM): every
+    query hides one token, and log p(x_j | x_-j) comes from one factorization of each
+    component (the per-context path is never taken: spy) and equals scipy's
+    log p(x) - log p(x_-j) of the mixture (1e-9); its gradient equals autograd through the
+    per-context path, each query's context factorized on its own (1e-8)."""
+    from scipy.stats import multivariate_normal
+
+    from pyro_mpt.conditionals import GaussianMixtureTable
+
+    K, D, L, N = 3, 5, 2, 7
+    g = torch.Generator().manual_seed(20)
+    w = torch.softmax(torch.randn(K, generator=g), 0)
+    mu = 2 * torch.randn(K, D, generator=g)
+    W = torch.randn(K, D, L if low_rank else D, generator=g)
+    s = (0.5 + torch.rand(K, generator=g)).requires_grad_()
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Categorical(w))
+            if low_rank:
+                u = pyro.sample("u", dist.Normal(0.0, 1.0).expand([L]).to_event(1))
+                pyro.sample("x", dist.Normal((W[z] @ u.unsqueeze(-1)).squeeze(-1) + mu[z], s[z].unsqueeze(-1)).to_event(1), obs=x)
+            else:
+                cov = W @ W.transpose(-1, -2) + torch.diag_embed(s[:, None].expand(K, D) ** 2)
+                pyro.sample("x", dist.MultivariateNormal(mu[z], cov[z]), obs=x)
+
+    x = 2 * torch.randn(N, D, generator=g)
+    engine = EnumerateConditionals()
+    tokens = trace_tokens(model, None, (x,), {})
+    state = engine.prepare(tokens, model, None, (x,), {})
+    mask = torch.eye(D, dtype=torch.bool)[:, None, :]
+    # the reference: each query's context conditioned on its own (the per-context path)
+    reference = torch.where(mask, state.mixture.log_conditionals(~mask), torch.zeros(())).sum()
+    reference_grad = torch.autograd.grad(reference, s, retain_graph=True)[0]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the per-context path was taken")
+
+    monkeypatch.setattr(GaussianMixtureTable, "log_conditionals", refuse)
+    logc = engine.mask_log_prob(state, x, mask)
+    assert torch.allclose(torch.autograd.grad(logc.sum(), s)[0], reference_grad, rtol=1e-8, atol=1e-8)
+    got = logc.detach().numpy()  # (D, N, D)
+    cov = (W @ W.transpose(-1, -2) + torch.diag_embed(s.detach()[:, None].expand(K, D) ** 2)).numpy()
+
+    def log_marginal(xi, idx):
+        return logsumexp([np.log(w[k].item()) + multivariate_normal.logpdf(xi[idx], mu[k].numpy()[idx], cov[k][np.ix_(idx, idx)])
+                          for k in range(K)])
+
+    xn = x.numpy()
+    for i in range(N):
+        for j in range(D):
+            rest = [d for d in range(D) if d != j]
+            want = log_marginal(xn[i], list(range(D))) - log_marginal(xn[i], rest)
+            assert abs(got[j, i, j] - want) < 1e-9
+    # the loss's pll schedule takes the same path (the spy would raise)
+    assert torch.isfinite(MaskedPretrainingLoss(masks="pll", conditionals="enumerate").loss(model, None, x) * torch.ones(()))

@@ -498,6 +498,10 @@ class EnumerateConditionals(ConditionalEngine):
             c = mixture.log_weights.unsqueeze(-1) + (T.sum(-1, keepdim=True) - T)
             loo = (c + T).logsumexp(0) - c.logsumexp(0)  # (n, D)
             return torch.where(mask, loo, torch.zeros((), dtype=T.dtype, device=T.device))
+        if isinstance(mixture, GaussianMixtureTable) and mask.shape[0] > 1 and bool((mask.sum(-1) == 1).all()):
+            # every query hides one token: one factorization of each component serves them all
+            loo = mixture.leave_one_out()
+            return torch.where(mask, loo, torch.zeros((), dtype=loo.dtype, device=loo.device))
         return mixture.log_conditionals(~mask)
 
     def chain_log_prob(self, state, x, order):

@@ -161,6 +161,41 @@ class GaussianMixtureTable:
             out = torch.where(target, out, torch.zeros((), dtype=out.dtype, device=out.device))
         return out
 
+    def leave_one_out(self):
+        r""":math:`\log p(x_j \mid x_{-j})` of every token given all the others, ``(n, D)``,
+        from one factorization of each component's covariance (queries that each hide one
+        token, the ``"pll"`` schedule, would take one per token). With the component's
+        precision :math:`\Lambda_k = \Sigma_k^{-1}` and :math:`r_k = x - \mu_k`, its
+        leave-one-out conditional :math:`\ell_{kj} = \log p_k(x_j \mid x_{-j})` has
+        precision :math:`\Lambda_{k,jj}` and mean residual :math:`(\Lambda_kr_k)_j/\Lambda_{k,jj}`
+        (Rasmussen & Williams 2006, eqs. 5.10--5.12), and since
+        :math:`p(x_{-j}) = \sum_k w_k\,p_k(x)/p_k(x_j \mid x_{-j})`,
+
+        .. math::
+
+            \log p(x_j \mid x_{-j}) = \operatorname{logsumexp}_k[\log w_k + \log p_k(x)]
+                - \operatorname{logsumexp}_k[\log w_k + \log p_k(x) - \ell_{kj}].
+
+        Example::
+
+            >>> table.leave_one_out()   # (n, D)
+        """
+        if self.low_rank is not None:
+            F, psi = self.low_rank  # (K, n|1, D, R), (K, n|1, D)
+            cov = F @ F.transpose(-1, -2) + torch.diag_embed(psi)
+        else:
+            cov = self.covariance  # (K, n|1, D, D)
+        L = torch.linalg.cholesky(cov)
+        prec = torch.cholesky_inverse(L)
+        r = self.x - self.loc  # (K, n, D)
+        pr = _matmul_rows(prec, r)
+        D = self.x.shape[1]
+        log_p = -0.5 * ((r * pr).sum(-1) + 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1) + D * math.log(2 * math.pi))
+        d = torch.diagonal(prec, dim1=-2, dim2=-1)
+        ell = -0.5 * (math.log(2 * math.pi) - d.log() + pr.pow(2) / d)  # (K, n, D)
+        base = self.log_weights + log_p  # (K, n)
+        return base.logsumexp(0).unsqueeze(-1) - (base.unsqueeze(-1) - ell).logsumexp(0)
+
     def log_evidence(self, observed=None):
         r""":math:`\log p(x_i)` (of the observed tokens when ``observed`` is given), ``(n,)``."""
         if observed is None:  # one context for every datapoint: each component factored once
