@@ -194,6 +194,7 @@ def _cholesky_solve(B, L):
         x[i] = s / l[i][i].unsqueeze(-1)
     return torch.stack(x, -2)
 
+
 class _Factor(NamedTuple):
     r"""Gaussian factors over pairs :math:`(a, b)` of states, in information form:
     :math:`\exp(-\tfrac12[a;b]^\top J[a;b] + h_a^\top a + h_b^\top b + c)`,
@@ -246,8 +247,9 @@ def _prior_message(parts, J_batch, h_batch):
 
 def _step_factors(parts, x, context):
     r"""Each step's factor over :math:`(z_{t-1}, z_t)`: the transition density times the
-    likelihood of the step's context elements, ``(T, q, n, ...)``, from tokens ``x``
-    ``(T, n, O)`` and contexts ``(T, q, n|1, O)``."""
+    likelihood of the step's context elements, from tokens ``x`` ``(T, n, O)`` and contexts
+    ``(T, q, n|1, O)``: precisions ``(T, q, n|1, H, H)`` (one row for masks shared by the
+    batch and shared parameters), information vectors and normalizers ``(T, q, n, ...)``."""
     _, _, A, b, Q, C, d, R = (_time_first(t) for t in parts)
     H = A.shape[-1]
     eye = torch.eye(H, dtype=A.dtype, device=A.device)
