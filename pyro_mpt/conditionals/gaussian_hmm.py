@@ -668,7 +668,8 @@ class GaussianHMMConditionals(ConditionalEngine):
 
     def log_evidence(self, state, x, observed=None):
         r""":math:`\log p(x_i)` (of the observed tokens when ``observed`` is given), ``(n,)``:
-        the Kalman filter's log-likelihood."""
+        the normalizer of the initial state's density times every step's factor, the steps
+        multiplied in pairs (no forward message but the last, no backward pass)."""
         self._check_x(state, x)
         n, T = x.shape[0], state.num_steps
         xs = x.to(torch.float64).reshape(n, T, -1).transpose(0, 1)
