@@ -458,3 +458,39 @@ def test_pll_of_a_hierarchy_takes_the_full_data_posterior_once(monkeypatch):
     ref = -(-0.5 * (torch.log(2 * np.pi * v_t) + (Ki_t @ r) ** 2 * v_t)).sum()
     (grad_ref,) = torch.autograd.grad(ref, Wr)
     assert torch.allclose(grad, grad_ref, rtol=1e-8, atol=1e-8 * float(grad_ref.abs().max()))
+
+
+def test_a_mixed_model_in_nested_plates_takes_the_outer_token_plate_as_units():
+    """Random intercepts and slopes per group, observations in a plate nested in the
+    groups' (the way Pyro users write a linear mixed model), both plates token plates:
+    the groups are the units. Refused before ("exactly one token plate"), and 'auto'
+    fell back to importance sampling."""
+    G, n = 4, 5
+    g = np.random.default_rng(11)
+    t, y = g.normal(size=(G, n)), g.normal(size=(G, n)) + 1.0
+    sa, sb, s, s0, beta = 1.1, 0.6, 0.4, 1.5, (0.8, 0.4)
+
+    def lmm(t, y):
+        mu0 = pyro.sample("mu0", dist.Normal(torch.zeros((), dtype=y.dtype), s0))
+        with pyro.plate("groups", G, dim=-2):
+            a = pyro.sample("a", dist.Normal(torch.zeros((), dtype=y.dtype), sa))
+            b = pyro.sample("b", dist.Normal(torch.zeros((), dtype=y.dtype), sb))
+            with pyro.plate("obs", n, dim=-1):
+                pyro.sample("y", dist.Normal(mu0 + beta[0] + a + (beta[1] + b) * t, s), obs=y)
+
+    # the (G n)-dimensional marginal from the model's equations
+    A = np.kron(np.eye(G), np.ones((n, 1)))
+    B = np.zeros((G * n, G))
+    for k in range(G):
+        B[k * n:(k + 1) * n, k] = t[k]
+    cov = s0**2 * np.ones((G * n, G * n)) + sa**2 * A @ A.T + sb**2 * B @ B.T + s**2 * np.eye(G * n)
+    mean = beta[0] + beta[1] * t.ravel()
+    ref = _gauss_logpdf(y.ravel(), mean, cov)
+    tt, yt = torch.tensor(t), torch.tensor(y)
+    kw = dict(token_plates=("groups", "obs"))
+    assert abs(float(Evidence(lmm, method="exact", **kw)(tt, yt)) - ref) < TOL
+    loss = MaskedPretrainingLoss(masks="order", **kw)
+    assert abs(float(loss.score(lmm, None, tt, yt)) - ref) < TOL
+    assert isinstance(loss.memory.auto_engines[next(iter(loss.memory.auto_engines))], HierarchicalGaussianConditionals)
+    pll = MaskedPretrainingLoss(masks="pll", conditionals="hierarchical", **kw).score(lmm, None, tt, yt)
+    assert abs(float(pll) - numpy_leave_one_out(cov, y.ravel() - mean).sum()) < TOL

@@ -125,6 +125,20 @@ class HierarchicalGaussianState:
         return self.b.shape[-3]
 
 
+def _unit_plate(tokens):
+    """``(dim, name)`` of the token plate whose elements are the units.
+
+    With several token plates (an observation in nested plates, groups around
+    their observations) the units are the outermost one: the tokens are
+    flattened outermost plate first, so each unit's tokens are contiguous, and
+    the inner token plates run over a unit's own tokens, like event dims.
+    """
+    # token_plates is sorted by name, token_dims by dim: pair them through the site's frames
+    dims = {f.name: f.dim for f in tokens.site["cond_indep_stack"] if f.name in tokens.token_plates}
+    name = min(dims, key=dims.get)
+    return dims[name], name
+
+
 def hierarchical_loadings(tokens, model, args, kwargs):
     """Read :math:`\\mu, \\psi` and the loadings of a linear-Gaussian hierarchy off the model.
 
@@ -138,14 +152,12 @@ def hierarchical_loadings(tokens, model, args, kwargs):
         >>> tokens = trace_tokens(model, None, (x,), {}, token_plates=("data",))
         >>> state = hierarchical_loadings(tokens, model, (x,), {})
     """
-    if len(tokens.token_dims) != 1:
+    if not tokens.token_dims:
         raise NotHierarchicalError(
-            f"{_WHO} needs exactly one token plate over the units of observed site "
-            f"{tokens.name!r} (e.g. token_plates=('data',) over datapoints that share "
-            f"global latents); it has {len(tokens.token_dims)}."
+            f"{_WHO} needs a token plate over the units of observed site {tokens.name!r} "
+            f"(e.g. token_plates=('data',) over datapoints that share global latents); it has none."
         )
-    (unit_dim,) = tokens.token_dims
-    (unit_plate,) = tokens.token_plates
+    unit_dim, unit_plate = _unit_plate(tokens)
     U = tokens.site_batch_shape[unit_dim]
     D = tokens.num_tokens
     E = D // U
@@ -334,7 +346,8 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
     r"""Exact masked conditionals and evidence of linear-Gaussian hierarchies, linear in the tokens.
 
     Serves models whose observed site has one token plate of *units* (e.g. the
-    data plate under ``token_plates=("data",)``), Normal latents inside it
+    data plate under ``token_plates=("data",)``; with nested token plates, the
+    outermost, e.g. groups around their observations), Normal latents inside it
     (local) and outside it (global), and a Normal observation affine in them;
     see the module docstring for the algebra. Latents outside the data plate
     make the whole dataset one datapoint: ``score`` and ``Evidence`` then give
