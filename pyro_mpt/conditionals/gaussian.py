@@ -222,11 +222,15 @@ class GaussianConditionals(ConditionalEngine):
             if self.jitter:
                 cov = cov + self.jitter * torch.eye(D, dtype=cov.dtype, device=cov.device)
             work = dense_dtype(cov)
-            if work != cov.dtype and marginal.is_low_rank:
-                # rounding F F^T in the data's dtype would already lose the small noise
-                F = None if marginal.cov_factor is None else marginal.cov_factor.to(work)
-                wide = GaussianMarginal(marginal.loc, cov_factor=F, cov_diag=marginal.cov_diag.to(work))
-                cov = wide.dense()
+            if work != cov.dtype and (marginal.is_low_rank or marginal.parts is not None):
+                # rounding F F^T (or a dense noise plus W W^T) in the data's dtype would
+                # already lose the small noise: add the terms again in the wider dtype
+                if marginal.is_low_rank:
+                    F = None if marginal.cov_factor is None else marginal.cov_factor.to(work)
+                    cov = GaussianMarginal(marginal.loc, cov_factor=F, cov_diag=marginal.cov_diag.to(work)).dense()
+                else:
+                    noise, W = (t.to(work) for t in marginal.parts)
+                    cov = noise + W @ W.transpose(-1, -2)
                 if self.jitter:
                     cov = cov + self.jitter * torch.eye(D, dtype=cov.dtype, device=cov.device)
             state = GaussianMarginal(

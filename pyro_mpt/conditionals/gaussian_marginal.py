@@ -81,6 +81,11 @@ class GaussianMarginal:
     :param torch.Tensor cov_factor: ``(n|1, D, R)`` or None.
     :param torch.Tensor cov_diag: ``(n|1, D)`` or None.
     :param torch.Tensor covariance: ``(n|1, D, D)`` or None (dense form).
+    :param tuple parts: ``(noise, W)``, the dense form's two terms before their sum,
+        :math:`\Sigma = \Sigma_{\text{noise}} + W W^\top`, when the model has both a
+        dense observation covariance and latents; None otherwise. The engine
+        adds them again in float64 when the covariance's dtype cannot hold it:
+        float32's rounding of :math:`W W^\top` alone can exceed a small noise.
     :param str site: the observed site, for error messages.
     :param float jitter: jitter already added to the diagonal by
         :class:`~pyro_mpt.conditionals.GaussianConditionals`' rescue.
@@ -113,6 +118,7 @@ class GaussianMarginal:
     factor: Optional[torch.Tensor] = None
     data_dtype: Optional[torch.dtype] = None
     data_pieces: Optional[tuple] = None
+    parts: Optional[tuple] = None
 
     @property
     def is_low_rank(self):
@@ -378,7 +384,7 @@ def _assemble(mu, noise, kind, W, data_dtype):
         return GaussianMarginal(mu, cov_factor=W, cov_diag=var)
     if W is not None:
         cov, W = common_rows(cov, W)
-        cov = cov + W @ W.transpose(-1, -2)
+        return GaussianMarginal(mu, covariance=cov + W @ W.transpose(-1, -2), parts=(cov, W))
     return GaussianMarginal(mu, covariance=cov)
 
 
