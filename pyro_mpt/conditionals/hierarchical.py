@@ -162,6 +162,7 @@ def hierarchical_loadings(tokens, model, args, kwargs):
     D = tokens.num_tokens
     E = D // U
     global_layout, local_layout, K_g, K_l = {}, {}, 0, 0
+    inner_units = set()  # inner token plates that hold latents (the units declared inside)
     for site in tokens.latent_sites():
         base, _ = unwrap(site["fn"])
         if not isinstance(base, (dist.Normal, dist.MultivariateNormal)) or isinstance(
@@ -187,11 +188,21 @@ def hierarchical_loadings(tokens, model, args, kwargs):
                                                      dtype=dtype)
             K_l += event_shape.numel()
         else:
+            inner_units.update(f for f in others if f in tokens.token_plates)
             # a global latent's own plates (pyro.plate("g", G) around it) are its event dims
             plates = tuple(sorted((frames[f].dim, frames[f].size) for f in others))
             numel = math.prod(size for _, size in plates) * event_shape.numel()
             global_layout[site["name"]] = LatentSlice(site["name"], K_g, numel, event_shape, kind, plates, dtype)
             K_g += numel
+    if K_l == 0 and inner_units:
+        inner = ", ".join(map(repr, sorted(inner_units)))
+        raise NotHierarchicalError(
+            f"{_WHO} takes the outermost token plate {unit_plate!r} of observed site {tokens.name!r} "
+            f"as its units (each unit's tokens must be contiguous), but the local latents sit in "
+            f"token plate(s) {inner}, declared inside it. Declare the plates the other way round, "
+            f"the units' plate at the dim further left (e.g. pyro.plate({sorted(inner_units)[0]!r}, "
+            f"dim={unit_dim}) around pyro.plate({unit_plate!r}, dim=-1), the data transposed to match)."
+        )
     if K_l == 0:
         raise NotHierarchicalError(
             f"{_WHO} serves latents inside the token plate {unit_plate!r} of observed site "

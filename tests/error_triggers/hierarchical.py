@@ -20,6 +20,18 @@ def _():
     MaskedPretrainingLoss(conditionals="hierarchical").loss(model, None, x)
 
 
+@trigger("hierarchical-units-inside")
+def _():
+    def lmm(y):
+        with pyro.plate("groups", y.shape[1], dim=-1):
+            a = pyro.sample("a", dist.Normal(torch.zeros((), dtype=y.dtype), 1.0))
+            with pyro.plate("obs", y.shape[0], dim=-2):
+                pyro.sample("y", dist.Normal(a, 0.5), obs=y)
+
+    loss = MaskedPretrainingLoss(conditionals="hierarchical", token_plates=("groups", "obs"))
+    loss.loss(lmm, None, torch.zeros(3, 2, dtype=torch.float64))
+
+
 @trigger("hierarchical-no-local-latent")
 def _():
     def regression(x):
