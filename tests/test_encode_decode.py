@@ -212,3 +212,79 @@ def test_encode_decode_errors():
         EncodeDecodeConditionals(num_samples=0)
     with pytest.raises(ValueError, match="decode"):
         EncodeDecodeConditionals(decode="mode")
+
+
+def test_a_discrete_latent_is_encoded_at_a_value_of_its_support():
+    """A guide with a Bernoulli site (a two-component mixture's exact posterior).
+
+    The amortization check and the mean rounds set latents to their "mean"; a
+    Bernoulli's mean (0.56) is no value of the latent, and the guide's
+    log-density of it failed Pyro's support check, so the engine crashed on any
+    guide with a discrete site. The sampling rounds are a Gibbs sampler of
+    p(c, x_M | x_R): the conditionals meet numpy's sums over c within 4
+    standard errors (S = 3000 chains of T = 8 rounds).
+    """
+    import numpy as np
+    from scipy.special import logsumexp
+
+    pyro.set_rng_seed(0)
+    N, D, w = 5, 4, 0.4
+    mu = torch.tensor([[-1.0, 0.5, 1.0, -0.5], [1.0, -1.0, 0.0, 1.5]], dtype=torch.float64)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Bernoulli(torch.tensor(w, dtype=torch.float64)))
+            pyro.sample("x", dist.Normal(mu[c.long()], 1.0).to_event(1), obs=x)
+
+    def guide(x):
+        # the exact posterior q(c = 1 | x), computed from the data it is given
+        log_odds = math.log(w / (1 - w)) + dist.Normal(mu[1], 1.0).log_prob(x).sum(-1) \
+            - dist.Normal(mu[0], 1.0).log_prob(x).sum(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("c", dist.Bernoulli(logits=log_odds))
+
+    x = mu[torch.tensor([0, 1, 1, 0, 1])] + torch.randn(N, D, dtype=torch.float64)
+    mask = torch.zeros(1, N, D, dtype=torch.bool)
+    mask[0, :, [0, 2]] = True
+    # numpy reference: log p(x_j | x_R) = log sum_c p(c) p(x_R | c) p(x_j | c) - log sum_c p(c) p(x_R | c)
+    X, M = x.numpy(), mu.numpy()
+    lp = -0.5 * (X[:, None, :] - M[None]) ** 2 - 0.5 * np.log(2 * np.pi)  # (N, 2, D)
+    prior = np.log([1 - w, w])[None, :]
+    ctx = prior + lp[:, :, [1, 3]].sum(-1)
+    ref = logsumexp(ctx[:, :, None] + lp, 1) - logsumexp(ctx, 1)[:, None]
+
+    tokens = trace_tokens(model, guide, (x,), {})
+    engine = EncodeDecodeConditionals(3000, 8, encode="sample", decode="sample")
+    state = engine.prepare(tokens, model, guide, (x,), {})
+    out, diag = engine.mask_log_prob_and_diagnostics(state, x, mask)
+    z = (out[0] - torch.from_numpy(ref)) / diag["stderr"][0]
+    assert z[:, [0, 2]].abs().max() < 4, z
+    # the mean rounds run (the latent at its most probable value), and give finite conditionals
+    engine = EncodeDecodeConditionals(4, 3, encode="mean", decode="mean")
+    out = engine.mask_log_prob(engine.prepare(tokens, model, guide, (x,), {}), x, mask)
+    assert torch.isfinite(out).all()
+
+
+def test_mean_latents_sets_a_discrete_site_to_its_most_probable_value():
+    """MeanLatents against numpy's argmax over the support, first value on ties."""
+    import numpy as np
+    from pyro import poutine
+    from pyro_mpt.conditionals.plate_runs import MeanLatents
+
+    probs = torch.tensor([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.4, 0.4, 0.2]])
+    p = torch.tensor([0.4, 0.5, 0.7])
+
+    def fn():
+        pyro.sample("c", dist.Categorical(probs))
+        pyro.sample("b", dist.Bernoulli(p))
+        pyro.sample("e", dist.Bernoulli(p).to_event(1))
+        pyro.sample("k", dist.Poisson(torch.tensor([3.5, 0.2])))
+        pyro.sample("z", dist.Normal(torch.tensor([1.5]), 2.0))
+
+    trace = poutine.trace(MeanLatents()(fn)).get_trace()
+    assert trace.nodes["c"]["value"].tolist() == np.argmax(probs.numpy(), 1).tolist()
+    bern = np.argmax(np.stack([1 - p.numpy(), p.numpy()]), 0).astype(float).tolist()
+    assert trace.nodes["b"]["value"].tolist() == bern == [0.0, 0.0, 1.0]
+    assert trace.nodes["e"]["value"].tolist() == bern
+    assert trace.nodes["k"]["value"].tolist() == [3.0, 0.0]
+    assert trace.nodes["z"]["value"].tolist() == [1.5]

@@ -14,11 +14,13 @@ input, and the decoder is the Pyro model run with its latents set:
 
 1. **initialize** the masked tokens :math:`\tilde x_{\mathcal M}` (``init``):
    ``"prior_mean"`` -- the decoder's mean with every latent at its prior mean
-   (one model run per loss evaluation); ``"data_mean"`` -- each token's mean
+   (a discrete latent at its most probable value, one the model can take; one
+   model run per loss evaluation); ``"data_mean"`` -- each token's mean
    over the batch; or a number;
 2. **iterate** ``num_iterations`` (:math:`T`) times: encode the completed input
    :math:`\tilde x = (x_{\mathcal R}, \tilde x_{\mathcal M})`, take a draw
-   (``encode="sample"``) or the mean (``"mean"``) of :math:`z`, decode, and
+   (``encode="sample"``) or the mean (``"mean"``; a discrete latent's most
+   probable value) of :math:`z`, decode, and
    overwrite the masked tokens with a draw (``decode="sample"``) or the mean
    (``"mean"``) of :math:`p(x_{\mathcal M} \mid z)`; the context tokens never
    change;

@@ -45,7 +45,7 @@ from ..token_site import vectorized_frames
 from .base import EngineNotApplicable, callable_key
 from .distributions import affine_normal, compact, unwrap
 
-__all__ = ["LatentSlice", "latent_layout", "PROBE_REACH", "affinity_probes", "alternating_signs", "reaches_points", "CoordinateLatents", "MeanLatents", "run_in_plate", "RunMemory", "run_with_fallback"]
+__all__ = ["LatentSlice", "latent_layout", "PROBE_REACH", "affinity_probes", "alternating_signs", "reaches_points", "CoordinateLatents", "MeanLatents", "most_probable", "run_in_plate", "RunMemory", "run_with_fallback"]
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -311,8 +311,41 @@ class CoordinateLatents(Messenger):
         msg["done"] = True
 
 
+def most_probable(fn):
+    """The most probable value of a discrete distribution, in ``fn.shape()``; None when unknown.
+
+    Ties go to the first value of the support (a ``Bernoulli(0.5)`` gives 0,
+    where torch's ``mode`` is NaN). Wrappers over event dims
+    (``Independent``) are taken apart: their elements are independent, so the
+    joint mode is the elementwise one.
+
+    Example::
+
+        >>> most_probable(dist.Bernoulli(torch.tensor([0.5, 0.7])))
+        tensor([0., 1.])
+    """
+    base = fn
+    while isinstance(base, torch.distributions.Independent):
+        base = base.base_dist
+    if base.has_enumerate_support:
+        values = base.enumerate_support(expand=True)  # (K,) + batch + event
+        best = base.log_prob(values).argmax(0)
+        index = best.reshape((1,) + best.shape + (1,) * len(base.event_shape)).expand((1,) + values.shape[1:])
+        return values.gather(0, index)[0].expand(fn.shape())
+    try:
+        value = base.mode
+    except NotImplementedError:
+        return None
+    return value.expand(fn.shape()) if bool(torch.isfinite(value).all()) else None
+
+
 class MeanLatents(Messenger):
     """Set latent sites to the mean of their distribution (its mode when it has no finite mean).
+
+    A discrete latent is set to its most probable value (:func:`most_probable`):
+    its mean (a ``Bernoulli(0.4)``'s 0.4) is not a value the model can take, so
+    the model would index or mix with it, and a guide's log-density of it
+    fails Pyro's support check.
 
     :param set names: the latent sites to set; None: every latent site.
 
@@ -331,6 +364,21 @@ class MeanLatents(Messenger):
         if self.names is not None and msg["name"] not in self.names:
             return
         fn = msg["fn"]
+        try:
+            discrete = fn.support.is_discrete
+        except NotImplementedError:  # a distribution that does not declare its support
+            discrete = False
+        if discrete:
+            value = most_probable(fn)
+            if value is None:
+                raise ValueError(
+                    f"Site {msg['name']!r} ({type(fn).__name__}) is discrete and has no finite "
+                    f"mode, so it cannot be set to its most probable value; use sampling instead "
+                    f"(encode='sample') or another init."
+                )
+            msg["value"] = value
+            msg["done"] = True
+            return
         value = None
         try:
             value = fn.mean
