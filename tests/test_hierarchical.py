@@ -494,3 +494,47 @@ def test_a_mixed_model_in_nested_plates_takes_the_outer_token_plate_as_units():
     assert isinstance(loss.memory.auto_engines[next(iter(loss.memory.auto_engines))], HierarchicalGaussianConditionals)
     pll = MaskedPretrainingLoss(masks="pll", conditionals="hierarchical", **kw).score(lmm, None, tt, yt)
     assert abs(float(pll) - numpy_leave_one_out(cov, y.ravel() - mean).sum()) < TOL
+
+
+@pytest.mark.parametrize("noise", [1e-2, 1e-3])
+def test_float32_mixed_model_with_600_tokens_computes_in_float64(noise):
+    """A float32 linear mixed model, 100 groups of 6 observations (D = 600) with noise sd
+    1e-2 or 1e-3: the posterior precision's trace is ~1e9-1e11, so float32 arithmetic
+    cancels log p's Mahalanobis sums to nothing (Evidence was 1.8 nats off at 1e-2,
+    and the 'order' chain failed in a Cholesky at 1e-3). The state now computes in
+    float64: Evidence, 'order' and 'pll' equal numpy's float64 closed form of the model
+    as float32 rounds its data to 100 float32 eps (relative), in float32."""
+    G, n = 100, 6
+    g = np.random.default_rng(5)
+    t = torch.tensor(g.normal(size=(G, n)), dtype=torch.float32)
+    y = torch.tensor(1.0 + 0.5 * t.double().numpy() + 3 * g.normal(size=(G, 1)) + noise * g.normal(size=(G, n)),
+                     dtype=torch.float32)
+
+    def lmm(t, y):
+        mu0 = pyro.sample("mu0", dist.Normal(torch.tensor(0.0), 10.0))
+        with pyro.plate("groups", G, dim=-2):
+            a = pyro.sample("a", dist.Normal(torch.tensor(0.0), 3.0))
+            b = pyro.sample("b", dist.Normal(torch.tensor(0.0), 0.5))
+            with pyro.plate("obs", n, dim=-1):
+                pyro.sample("y", dist.Normal(mu0 + 0.75 + a + (0.5 + b) * t, noise), obs=y)
+
+    tn, yn = t.double().numpy(), y.double().numpy().ravel()
+    A = np.kron(np.eye(G), np.ones((n, 1)))
+    B = np.zeros((G * n, G))
+    for k in range(G):
+        B[k * n:(k + 1) * n, k] = tn[k]
+    noise32 = float(torch.tensor(noise, dtype=torch.float32))  # the scale the model computes with
+    cov = 100 * np.ones((G * n, G * n)) + 9 * A @ A.T + 0.25 * B @ B.T + noise32**2 * np.eye(G * n)
+    r = yn - (0.75 + 0.5 * tn.ravel())
+    L = np.linalg.cholesky(cov)
+    ref = -0.5 * (np.linalg.solve(L, r) ** 2).sum() - np.log(np.diag(L)).sum() - 0.5 * G * n * np.log(2 * np.pi)
+    kw = dict(token_plates=("groups", "obs"))
+    tol = 100 * torch.finfo(torch.float32).eps
+    values = {
+        "exact": (Evidence(lmm, method="exact", **kw)(t, y), ref),
+        "order": (MaskedPretrainingLoss(masks="order", **kw).score(lmm, None, t, y), ref),
+        "pll": (MaskedPretrainingLoss(masks="pll", **kw).score(lmm, None, t, y), numpy_leave_one_out(cov, r).sum()),
+    }
+    for name, (value, expected) in values.items():
+        assert value.dtype == torch.float32, name
+        assert abs(float(value) - expected) <= tol * abs(expected), (name, float(value), expected)

@@ -71,6 +71,7 @@ from ..observed_tokens import check_local_latent
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import unwrap
 from .gaussian_leave_one_out import leave_one_out_from_full, leave_one_out_targets
+from .gaussian_linalg import PRECISION
 from .marginal_rows import rows_equal
 from .plate_runs import CoordinateLatents, LatentSlice, affinity_probes, alternating_signs, run_in_plate
 
@@ -110,6 +111,9 @@ class HierarchicalGaussianState:
     :param torch.Tensor psi: the observation variances :math:`\psi`, ``(n|1, D)``.
     :param torch.Tensor a: global loadings, ``(n|1, U, E, K_g)``.
     :param torch.Tensor b: local loadings, ``(n|1, U, E, K_l)``.
+    :param torch.dtype data_dtype: the dtype of the results when the state computes in a
+        wider one (float64 for float32 data whose posterior precision float32 cannot
+        hold, see :func:`hierarchical_loadings`); None otherwise.
     """
 
     num_data: int
@@ -119,6 +123,7 @@ class HierarchicalGaussianState:
     a: torch.Tensor
     b: torch.Tensor
     site: Optional[str] = None
+    data_dtype: Optional[torch.dtype] = None
 
     @property
     def units(self):
@@ -316,7 +321,25 @@ def hierarchical_loadings(tokens, model, args, kwargs):
                                    f"of plate {unit_plate!r} reading only its own local latents (off "
                                    f"by {float(err):.3g} at a random point)")
     psi = scale[0] ** 2
-    return HierarchicalGaussianState(n, D, mu, psi, a, b, tokens.name)
+    # log p's Mahalanobis term cancels sums of size up to tr P (the posterior precision
+    # of the noises, I + sum_t (a_t a_t^T + b_t b_t^T) / psi_t), losing eps tr P nats:
+    # beyond PRECISION (float32 at D = 600 and noise sd 1e-2: about 2 nats, and a failed
+    # Cholesky at 1e-3) the state computes in float64, by casts, so gradients reach the model
+    data_dtype = None
+    if dt != torch.float64:
+        with torch.no_grad():
+            trace = K_g + K_l + float(((A.pow(2).sum(-1) + Bl.pow(2).sum(-1)) / psi).sum(-1).max())
+        if torch.finfo(dt).eps * trace > PRECISION:
+            data_dtype, (mu, psi, a, b) = dt, (t.to(torch.float64) for t in (mu, psi, a, b))
+    return HierarchicalGaussianState(n, D, mu, psi, a, b, tokens.name, data_dtype)
+
+
+def _to_work(state, x):
+    return x if state.data_dtype is None else x.to(state.loc.dtype)
+
+
+def _to_data(state, out):
+    return out if state.data_dtype is None else out.to(state.data_dtype)
 
 
 def _posterior(state, r, ctx):
@@ -386,7 +409,8 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
         step = self._per_chunk(state)
-        return torch.cat([self._masks(state, x, mask[s : s + step]) for s in range(0, mask.shape[0], step)], 0)
+        x = _to_work(state, x)
+        return _to_data(state, torch.cat([self._masks(state, x, mask[s : s + step]) for s in range(0, mask.shape[0], step)], 0))
 
     def mask_sums(self, state, x, mask):
         targets = leave_one_out_targets(mask[:, 0]) if mask.shape[1] == 1 else None
@@ -396,8 +420,9 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         # posterior, one query's work instead of one per token
         self._check_x(state, x)
         nothing = torch.zeros((1, x.shape[0], x.shape[1]), dtype=torch.bool, device=x.device)
+        x = _to_work(state, x)
         mean, spread = self._moments(state, x, nothing)
-        return leave_one_out_from_full(x - mean[0], state.psi, spread[0]).T[targets]
+        return _to_data(state, leave_one_out_from_full(x - mean[0], state.psi, spread[0]).T[targets])
 
     def _masks(self, state, x, mask):
         mean, spread = self._moments(state, x, mask)
@@ -430,11 +455,13 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         U, E, K_l = state.b.shape[-3:]
         K = state.a.shape[-1] + K_l
         per = max(1, self.max_elements // max(1, state.num_data * state.num_tokens * K * K * 8))
-        return torch.cat([chain_terms(state, x, order[s : s + per]) for s in range(0, order.shape[0], per)], 0)
+        x = _to_work(state, x)
+        return _to_data(state, torch.cat([chain_terms(state, x, order[s : s + per]) for s in range(0, order.shape[0], per)], 0))
 
     def log_evidence(self, state, x, observed=None):
         r""":math:`\log p(x)` per datapoint, ``(n,)``; with ``observed`` ``(n, D)`` the density of the observed tokens."""
         self._check_x(state, x)
+        x = _to_work(state, x)
         ctx = torch.ones_like(x)[None] if observed is None else observed.to(x.dtype)[None]
         r = x - state.loc
         L_u, L_S, X, m_g, m_u, eta_s, eta_u, y = _posterior(state, r, ctx)
@@ -444,7 +471,7 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         quad = (ctx * r**2 / state.psi).sum(-1) - (eta_u * y).sum((-1, -2)) - (eta_s * m_g).sum(-1)
         logpsi = (ctx * state.psi.log()).sum(-1)
         D_obs = ctx.sum(-1)
-        return (-0.5 * (D_obs * _LOG_2PI + logpsi + logdet + quad))[0]
+        return _to_data(state, (-0.5 * (D_obs * _LOG_2PI + logpsi + logdet + quad))[0])
 
 
 def _suffix(t, dim):
