@@ -279,6 +279,7 @@ def test_mean_latents_sets_a_discrete_site_to_its_most_probable_value():
         pyro.sample("b", dist.Bernoulli(p))
         pyro.sample("e", dist.Bernoulli(p).to_event(1))
         pyro.sample("k", dist.Poisson(torch.tensor([3.5, 0.2])))
+        pyro.sample("n", dist.Binomial(torch.tensor([10.0, 4.0]), torch.tensor([0.33, 0.9])))
         pyro.sample("z", dist.Normal(torch.tensor([1.5]), 2.0))
 
     trace = poutine.trace(MeanLatents()(fn)).get_trace()
@@ -287,4 +288,9 @@ def test_mean_latents_sets_a_discrete_site_to_its_most_probable_value():
     assert trace.nodes["b"]["value"].tolist() == bern == [0.0, 0.0, 1.0]
     assert trace.nodes["e"]["value"].tolist() == bern
     assert trace.nodes["k"]["value"].tolist() == [3.0, 0.0]
+    # total counts that differ have no enumerated support: their mode, scipy's argmax of the pmf
+    from scipy import stats
+
+    pmf_max = [float(np.argmax(stats.binom(n, q).pmf(np.arange(n + 1)))) for n, q in [(10, 0.33), (4, 0.9)]]
+    assert trace.nodes["n"]["value"].tolist() == pmf_max
     assert trace.nodes["z"]["value"].tolist() == [1.5]

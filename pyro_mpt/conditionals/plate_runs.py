@@ -327,8 +327,13 @@ def most_probable(fn):
     base = fn
     while isinstance(base, torch.distributions.Independent):
         base = base.base_dist
+    values = None
     if base.has_enumerate_support:
-        values = base.enumerate_support(expand=True)  # (K,) + batch + event
+        try:
+            values = base.enumerate_support(expand=True)  # (K,) + batch + event
+        except NotImplementedError:  # e.g. a Binomial whose total counts differ: its mode serves
+            values = None
+    if values is not None:
         best = base.log_prob(values).argmax(0)
         index = best.reshape((1,) + best.shape + (1,) * len(base.event_shape)).expand((1,) + values.shape[1:])
         return values.gather(0, index)[0].expand(fn.shape())
