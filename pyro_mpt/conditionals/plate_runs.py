@@ -373,17 +373,12 @@ class MeanLatents(Messenger):
             discrete = fn.support.is_discrete
         except NotImplementedError:  # a distribution that does not declare its support
             discrete = False
-        if discrete:
-            value = most_probable(fn)
-            if value is None:
-                raise ValueError(
-                    f"Site {msg['name']!r} ({type(fn).__name__}) is discrete and has no finite "
-                    f"mode, so it cannot be set to its most probable value; use sampling instead "
-                    f"(encode='sample') or another init."
-                )
+        value = most_probable(fn) if discrete else None
+        if value is not None:
             msg["value"] = value
             msg["done"] = True
             return
+        # continuous, or discrete without a known mode: the mean, else the mode
         value = None
         try:
             value = fn.mean
