@@ -223,14 +223,18 @@ class GaussianConditionals(ConditionalEngine):
                 cov = cov + self.jitter * torch.eye(D, dtype=cov.dtype, device=cov.device)
             work = dense_dtype(cov)
             if work != cov.dtype and (marginal.is_low_rank or marginal.parts is not None):
-                # rounding F F^T (or a dense noise plus W W^T) in the data's dtype would
+                # rounding F F^T (or a dense noise's T T^T, plus W W^T) in the data's dtype would
                 # already lose the small noise: add the terms again in the wider dtype
                 if marginal.is_low_rank:
                     F = None if marginal.cov_factor is None else marginal.cov_factor.to(work)
                     cov = GaussianMarginal(marginal.loc, cov_factor=F, cov_diag=marginal.cov_diag.to(work)).dense()
                 else:
-                    noise, W = (t.to(work) for t in marginal.parts)
-                    cov = noise + W @ W.transpose(-1, -2)
+                    kind, noise, W = marginal.parts
+                    noise = noise.to(work)
+                    cov = noise @ noise.transpose(-1, -2) if kind == "tril" else noise
+                    if W is not None:
+                        W = W.to(work)
+                        cov = cov + W @ W.transpose(-1, -2)
                 if self.jitter:
                     cov = cov + self.jitter * torch.eye(D, dtype=cov.dtype, device=cov.device)
             state = GaussianMarginal(

@@ -81,11 +81,15 @@ class GaussianMarginal:
     :param torch.Tensor cov_factor: ``(n|1, D, R)`` or None.
     :param torch.Tensor cov_diag: ``(n|1, D)`` or None.
     :param torch.Tensor covariance: ``(n|1, D, D)`` or None (dense form).
-    :param tuple parts: ``(noise, W)``, the dense form's two terms before their sum,
-        :math:`\Sigma = \Sigma_{\text{noise}} + W W^\top`, when the model has both a
-        dense observation covariance and latents; None otherwise. The engine
-        adds them again in float64 when the covariance's dtype cannot hold it:
-        float32's rounding of :math:`W W^\top` alone can exceed a small noise.
+    :param tuple parts: ``(kind, noise, W)``, what the dense form is computed from:
+        :math:`\Sigma = \Sigma_{\text{noise}} + W W^\top` with ``kind`` ``"cov"``
+        (``noise`` is :math:`\Sigma_{\text{noise}}`) or ``"tril"`` (``noise`` is its
+        Cholesky factor :math:`T`, :math:`\Sigma_{\text{noise}} = T T^\top`, a
+        MultivariateNormal observation's ``scale_tril``); ``W`` is None without
+        latents. None when the form has no such parts. The engine computes
+        :math:`\Sigma` from them again in float64 when its dtype cannot hold it:
+        float32's rounding of :math:`T T^\top` or :math:`W W^\top` alone can exceed a
+        small noise.
     :param str site: the observed site, for error messages.
     :param float jitter: jitter already added to the diagonal by
         :class:`~pyro_mpt.conditionals.GaussianConditionals`' rescue.
@@ -175,7 +179,9 @@ def _observation_parts(fn, tokens):
     if isinstance(base, dist.LowRankMultivariateNormal):
         return base.loc, ("lowrank", base.cov_factor, base.cov_diag), fn.batch_shape
     if isinstance(base, dist.MultivariateNormal):
-        return base.loc, ("dense", base.covariance_matrix), fn.batch_shape
+        # the factor, not its product: Pyro's log_prob uses it, and a wider dtype
+        # multiplies it again where float32's rounding of T T^T would lose a small noise
+        return base.loc, ("tril", base.scale_tril), fn.batch_shape
     if isinstance(base, dist.Normal):
         shape = fn.batch_shape + fn.event_shape
         loc = tokens.to_tokens(base.loc.expand(shape))
@@ -376,6 +382,10 @@ def _assemble(mu, noise, kind, W, data_dtype):
         psi, *factors = common_rows(psi, *factors)
         return GaussianMarginal(mu, cov_factor=torch.cat(factors, -1), cov_diag=psi)
     (cov,) = noise
+    parts = ("cov", cov)
+    if kind == "tril":
+        parts = ("tril", cov)
+        cov = cov @ cov.transpose(-1, -2)
     var = _diagonal_variances(cov)
     if var is not None:
         if W is None:
@@ -384,8 +394,8 @@ def _assemble(mu, noise, kind, W, data_dtype):
         return GaussianMarginal(mu, cov_factor=W, cov_diag=var)
     if W is not None:
         cov, W = common_rows(cov, W)
-        return GaussianMarginal(mu, covariance=cov + W @ W.transpose(-1, -2), parts=(cov, W))
-    return GaussianMarginal(mu, covariance=cov)
+        return GaussianMarginal(mu, covariance=cov + W @ W.transpose(-1, -2), parts=parts + (W,))
+    return GaussianMarginal(mu, covariance=cov, parts=parts + (None,) if kind == "tril" else None)
 
 
 def _diagonal_variances(cov):

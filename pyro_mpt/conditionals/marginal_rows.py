@@ -32,7 +32,7 @@ def to_rows(t, batch_shape, event_ndim, rows):
     return t.reshape((rows, -1) + event)
 def basis_rows(loc, noise, batch_shape, rows):
     """Bring location and noise tensors to ``(rows, n|1, *event)``."""
-    event_ndims = {"diag": (1,), "lowrank": (2, 1), "dense": (2,)}[noise[0]]
+    event_ndims = {"diag": (1,), "lowrank": (2, 1), "dense": (2,), "tril": (2,)}[noise[0]]
     loc = to_rows(loc, batch_shape, 1, rows)
     parts = tuple(equal_rows_once(to_rows(t, batch_shape, e, rows)) for t, e in zip(noise[1:], event_ndims))
     return loc, (noise[0],) + parts
