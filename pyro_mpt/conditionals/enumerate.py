@@ -489,19 +489,12 @@ class EnumerateConditionals(ConditionalEngine):
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
         mixture = state.mixture
-        if (isinstance(mixture, MixtureTable) and mask.shape[0] > 1 and bool((mask.sum(-1) == 1).all())
-                and bool(torch.isfinite(mixture.table).all())):
-            # every query hides one token (the "pll" schedule): one pass over the table
-            # serves them all, log p(x_j | x_-j) = logsumexp_k[c_kj + T_kj] - logsumexp_k c_kj
-            # with c_kj = log w_k + sum_{d != j} T_kd
-            T = mixture.table
-            c = mixture.log_weights.unsqueeze(-1) + (T.sum(-1, keepdim=True) - T)
-            loo = (c + T).logsumexp(0) - c.logsumexp(0)  # (n, D)
-            return torch.where(mask, loo, torch.zeros((), dtype=T.dtype, device=T.device))
-        if isinstance(mixture, GaussianMixtureTable) and mask.shape[0] > 1 and bool((mask.sum(-1) == 1).all()):
-            # every query hides one token: one factorization of each component serves them all
+        if mask.shape[0] > 1 and bool((mask.sum(-1) == 1).all()):
+            # every query hides one token (the "pll" schedule): one pass over the table, or one
+            # factorization of each Gaussian component, serves them all
             loo = mixture.leave_one_out()
-            return torch.where(mask, loo, torch.zeros((), dtype=loo.dtype, device=loo.device))
+            if loo is not None:
+                return torch.where(mask, loo, torch.zeros((), dtype=loo.dtype, device=loo.device))
         return mixture.log_conditionals(~mask)
 
     def chain_log_prob(self, state, x, order):

@@ -118,6 +118,24 @@ class MixtureTable:
             T = torch.where(observed, T, torch.zeros((), dtype=T.dtype, device=T.device))
         return self.log_weights + T.sum(-1)
 
+    def leave_one_out(self):
+        r""":math:`\log p(x_j \mid x_{-j})` of every token given all the others, ``(n, D)``,
+        from one pass over the table (queries that each hide one token, the ``"pll"``
+        schedule, would take one each): with :math:`c_{kj} = \log w_k + \sum_{d\ne j}T_{kd}`,
+        :math:`\operatorname{logsumexp}_k[c_{kj} + T_{kj}] - \operatorname{logsumexp}_k c_{kj}`.
+        None when the table has an infinite entry (an impossible token given a point), which
+        the sum over the other tokens cannot subtract.
+
+        Example::
+
+            >>> table.leave_one_out()   # (n, D), or None
+        """
+        T = self.table
+        if not bool(torch.isfinite(T).all()):
+            return None
+        c = self.log_weights.unsqueeze(-1) + (T.sum(-1, keepdim=True) - T)
+        return (c + T).logsumexp(0) - c.logsumexp(0)
+
     def log_evidence(self, observed=None):
         r""":math:`\log p(x_i) = \operatorname{logsumexp}_k (\log w_k + \sum_d T_{kid})`, ``(n,)``.
 
