@@ -226,6 +226,22 @@ def _logdet(L):
     return 2 * L.diagonal(dim1=-2, dim2=-1).log().sum(-1)
 
 
+def _context_block(R, c):
+    r"""The Cholesky factor of :math:`R`'s context block, embedded (the identity at the other
+    elements: one factorization for every mask), and the context pairs ``c c^T``, for noise
+    covariances ``R`` ``(..., O, O)`` and context indicators ``c`` ``(..., O)`` (float)."""
+    cc = c.unsqueeze(-1) * c.unsqueeze(-2)
+    return _cholesky(R * cc + torch.diag_embed(1 - c)), cc
+
+
+def _context_precision(R, c):
+    r"""The inverse of :math:`R`'s context block, embedded with zeros, ``(..., O, O)``, and the
+    block's Cholesky factor (see :func:`_context_block`)."""
+    L, cc = _context_block(R, c)
+    eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
+    return _cholesky_solve(eye.expand_as(L), L) * cc, L
+
+
 def _log_normalizer(J, h, c):
     r""":math:`\log\int\exp(-\tfrac12 z^\top Jz + h^\top z + c)\,dz`."""
     L = _cholesky(J)
@@ -261,9 +277,7 @@ def _step_factors(parts, x, context):
     c_trans = -0.5 * (b * Qib).sum(-1) - 0.5 * _logdet(LQ) - 0.5 * H * LOG_2PI
     # the context elements' likelihood: R's context block inverted, embedded with zeros
     c = context
-    cc = c.unsqueeze(-1) * c.unsqueeze(-2)
-    LR = _cholesky(R * cc + torch.diag_embed(1 - c))
-    W = _cholesky_solve(torch.eye(R.shape[-1], dtype=R.dtype, device=R.device).expand_as(LR), LR) * cc
+    W, LR = _context_precision(R, c)
     e = x.unsqueeze(1) - d
     We = _mv(e, W)
     CW = _mm(C, W)
@@ -480,7 +494,7 @@ class GaussianHMMConditionals(ConditionalEngine):
     def _smoothed(self, state, x, context):
         r"""For contexts ``(T, q, n|1, O)`` (float, 1 at context elements) and tokens
         ``(T, n, O)``: the smoothed means ``(T, q, n, H)`` and covariances ``(T, q, n, H, H)``
-        of the states, and :math:`\log p(x_{\mathcal R})` ``(q, n)``."""
+        of the states."""
         f = _step_factors(state.parts, x, context)
         H = f.Jaa.shape[-1]
         T = state.num_steps
@@ -495,20 +509,19 @@ class GaussianHMMConditionals(ConditionalEngine):
         L = _cholesky(J)
         ms = _cholesky_solve(h.unsqueeze(-1), L).squeeze(-1)
         Ps = _cholesky_solve(torch.eye(H, dtype=J.dtype, device=J.device).expand_as(J), L)
-        return ms, Ps, _log_normalizer(alpha.J[-1], alpha.h[-1], alpha.c[-1])
+        return ms, Ps
 
     def _conditionals(self, state, x, context):
         """Means and variances ``(T, q, n, O)`` of every token given the context."""
-        ms, Ps, _ = self._smoothed(state, x, context)
+        ms, Ps = self._smoothed(state, x, context)
         C, d, R = (_time_first(t) for t in state.parts[5:])  # (T|1, 1, n|1, ...)
         var_noise = R.diagonal(dim1=-2, dim2=-1)
         offset = d
         if not state.diagonal_noise:
             # g = R_oc R_cc^-1 for every element o (zero columns outside the context)
             c = context
-            cc = c.unsqueeze(-1) * c.unsqueeze(-2)
             Rc = R * c.unsqueeze(-2)
-            L = _cholesky(R * cc + torch.diag_embed(1 - c))
+            L, _ = _context_block(R, c)
             # rows of the context elements zeroed: their own values are no context of theirs (the
             # variance would be 0, its log-density and gradient not finite where no target is)
             g = _cholesky_solve(Rc.transpose(-1, -2), L).transpose(-1, -2) * (1 - c).unsqueeze(-1)
@@ -589,11 +602,9 @@ class GaussianHMMConditionals(ConditionalEngine):
             context = torch.ones_like(xs[:, :1]).unsqueeze(1)  # (T, 1, 1, O)
         else:
             context = observed.to(torch.float64).reshape(n, T, -1).transpose(0, 1).unsqueeze(1)
-        ms, Ps, _ = self._smoothed(state, xs, context)  # (T, 1, n, H), (T, 1, n, H, H)
+        ms, Ps = self._smoothed(state, xs, context)  # (T, 1, n, H), (T, 1, n, H, H)
         C, d, R = (_time_first(t) for t in state.parts[5:])
-        cc = context.unsqueeze(-1) * context.unsqueeze(-2)
-        LR = _cholesky(R * cc + torch.diag_embed(1 - context))
-        W = _cholesky_solve(torch.eye(R.shape[-1], dtype=R.dtype, device=R.device).expand_as(LR), LR) * cc
+        W, _ = _context_precision(R, context)
         u = _mv(xs.unsqueeze(1) - d - _mv(ms, C), W)
         CW = _mm(C, W)
         K = W.diagonal(dim1=-2, dim2=-1) - (_mm(Ps, CW) * CW).sum(-2)
