@@ -193,17 +193,23 @@ def test_training_gradients_equal_the_dense_path(full_noise, float64):
                 assert torch.allclose(a, b, rtol=1e-9, atol=1e-9)
 
 
+def _auto_routed(T, H, n, seed):
+    """A homogeneous GaussianHMM of T steps (one element each) over n sequences, its model,
+    data and tokens, and the engine "auto" picks for it."""
+    hmm, _ = make_hmm(T, H, 1, time_varying=False, full_noise=False, seed=seed)
+    x = torch.randn(n, T, 1, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    model = _model(hmm, n)
+    tokens = trace_tokens(model, None, (x,), {})
+    return hmm, model, x, tokens, auto_engine(tokens, model, None, (x,), {})[0]
+
+
 def test_auto_routes_long_sequences_to_the_kalman_engine(float64):
     """'auto' and Evidence take the Kalman engine from AUTO_MIN_TOKENS tokens a sequence and the
     dense covariance below; both give Pyro's log_prob (1e-8); the engine declines a model with a
     latent and a site holding several sequences per datapoint."""
     H, O = 2, 1
     for T, kalman in ((AUTO_MIN_TOKENS - 1, False), (AUTO_MIN_TOKENS, True)):
-        hmm, _ = make_hmm(T, H, O, time_varying=False, full_noise=False, seed=6)
-        x = torch.randn(2, T, O, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-        model = _model(hmm, 2)
-        tokens = trace_tokens(model, None, (x,), {})
-        engine, _ = auto_engine(tokens, model, None, (x,), {})
+        hmm, model, x, tokens, engine = _auto_routed(T, H, 2, seed=6)
         assert isinstance(engine, GaussianHMMConditionals) == kalman
         assert isinstance(engine, GaussianConditionals) != kalman
         assert torch.allclose(Evidence(model)(x), hmm.log_prob(x), rtol=0, atol=1e-8)
@@ -339,14 +345,10 @@ def test_auto_threshold_grows_with_a_wide_hidden_state(float64):
     1.1 s, loss and gradient): 'auto' keeps the dense path below that and takes the Kalman
     engine from it (it took the Kalman engine from 256 tokens at any H); both equal Pyro's
     log_prob (1e-8), and the refusal names the scaled count."""
-    H, O = 13, 1
+    H = 13
     need = math.ceil(AUTO_MIN_TOKENS * H / WIDE_HIDDEN)
     for T, kalman in ((AUTO_MIN_TOKENS, False), (need - 1, False), (need, True)):
-        hmm, _ = make_hmm(T, H, O, time_varying=False, full_noise=False, seed=11)
-        x = torch.randn(1, T, O, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
-        model = _model(hmm, 1)
-        tokens = trace_tokens(model, None, (x,), {})
-        engine, _ = auto_engine(tokens, model, None, (x,), {})
+        hmm, model, x, tokens, engine = _auto_routed(T, H, 1, seed=11)
         assert isinstance(engine, GaussianHMMConditionals) == kalman
         assert torch.allclose(Evidence(model)(x), hmm.log_prob(x), rtol=0, atol=1e-8)
         if not kalman:
