@@ -250,6 +250,82 @@ def test_quadrature_prior_grid_with_as_many_datapoints_as_nodes_is_not_mixed_up(
     assert np.abs(twin - multivariate_normal(np.zeros(Dq), cov).logpdf(x.numpy())).max() < 1e-9
 
 
+def test_quadrature_categorical_tokens_with_as_many_datapoints_as_nodes_are_not_mixed_up(float64):
+    # The guard above looked for the nodes' dim at the position a Normal's
+    # location has it: counted from the right past the event dims. A
+    # Categorical's logits have one dim more (the vocabulary), so it read the
+    # datapoints' dim, saw it vary and let the mixed-up run through: 2 to 19
+    # nats off per datapoint. Reference: numpy's Gauss-Hermite rule on the prior.
+    from numpy.polynomial.hermite_e import hermegauss
+    from scipy.special import log_softmax, logsumexp
+    from pyro_mpt import QuadratureConditionals
+
+    g = torch.Generator().manual_seed(3)
+    n, Dq, V = 8, 3, 4
+    W = torch.randn(Dq * V, 1, generator=g, dtype=torch.float64)
+    x = torch.randint(0, V, (n, Dq), generator=g).double()
+
+    def make(view):
+        def model(x):
+            with pyro.plate("data", x.shape[0]):
+                z = pyro.sample("z", dist.Normal(torch.zeros(1, dtype=x.dtype), 1.0).to_event(1))
+                z = z.view(x.shape[0], 1) if view else z
+                logits = (z @ W.T).reshape(z.shape[:-1] + (Dq, V))
+                pyro.sample("x", dist.Categorical(logits=logits).to_event(1), obs=x)
+        return model
+
+    def score(model):
+        quad = QuadratureConditionals(num_nodes=8, adaptive=False, ess_warning=None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SlowEngineWarning)
+            return MaskedPretrainingLoss(masks="order", conditionals=quad).score(model, None, x).detach().numpy()
+
+    nodes, weights = hermegauss(8)
+    logp = log_softmax((nodes[:, None] * W.numpy()[:, 0]).reshape(8, Dq, V), -1)  # (Q, D, V)
+    xi = x.numpy().astype(int)
+    table = logp[:, np.arange(Dq)[None, :], xi].sum(-1)  # (Q, n)
+    ref = logsumexp(np.log(weights / np.sqrt(2 * np.pi))[:, None] + table, axis=0)
+    assert np.abs(score(make(False)) - ref).max() < 1e-10
+    assert np.abs(score(make(True)) - ref).max() < 1e-10
+
+
+def test_quadrature_runs_transformed_observations_vectorized(float64):
+    # A TransformedDistribution observation keeps its parameters in its base
+    # distribution (LogNormal) or in its transforms (an AffineTransform at a
+    # latent location), where the guard did not look: every such model was
+    # declined as having "moved the nodes' dim" and run once per node with a
+    # SlowEngineWarning. Reference: scipy's Gaussian marginal of the log (or
+    # shifted) data with the change of variables (adaptive Gauss-Hermite is
+    # exact for a Gaussian posterior).
+    from scipy.stats import multivariate_normal
+
+    g = torch.Generator().manual_seed(5)
+    n, Dq, Kq, s = 5, 4, 2, 0.6
+    W = torch.randn(Dq, Kq, generator=g, dtype=torch.float64)
+    y = torch.randn(n, Kq, generator=g, dtype=torch.float64) @ W.T + s * torch.randn(n, Dq, generator=g, dtype=torch.float64)
+    gauss = multivariate_normal(np.zeros(Dq), (W @ W.T).numpy() + s**2 * np.eye(Dq)).logpdf(y.numpy())
+
+    def lognormal(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([Kq]).to_event(1))
+            pyro.sample("x", dist.LogNormal(z @ W.T, s).to_event(1), obs=x)
+
+    def shifted(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([Kq]).to_event(1))
+            fn = dist.TransformedDistribution(dist.Normal(torch.zeros(Dq), s / 2),
+                                              [dist.transforms.AffineTransform(z @ W.T, 2.0)])
+            pyro.sample("x", fn.to_event(1), obs=x)
+
+    for model, x, ref in [(lognormal, y.exp(), gauss - y.sum(-1).numpy()), (shifted, y, gauss)]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SlowEngineWarning)
+            ev = Evidence(model, method="quadrature")(x)
+            order = MaskedPretrainingLoss(masks="order", conditionals="quadrature").score(model, None, x)
+        assert np.abs(ev.detach().numpy() - ref).max() < 1e-8
+        assert np.abs(order.detach().numpy() - ref).max() < 1e-8
+
+
 def test_quadrature_node_runs_are_capped_before_running(float64):
     """A model run once per node made num_nodes**K runs per evaluation with no bound (48**2 =
     2304 for the default K = 2 prior grid, 10**4 for num_nodes=100: 4 s with this tiny model,

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
 import pyro
+import pyro.distributions as dist
 from pyro import poutine
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
@@ -174,12 +175,20 @@ def reaches_points(fn, dim):
     node's likelihood for every node), so the callers decline it and run the
     model in a mode that asks less of it (one point at a time).
 
+    The parameters are looked for wherever the distribution keeps them: its
+    own tensors (whose trailing dims may be more than its event dims, as a
+    ``Categorical``'s logits ``batch + (V,)``), the distributions it wraps
+    (``TransformedDistribution``'s base, ``MixtureSameFamily``'s parts,
+    Pyro's ``ExpandedDistribution``) and a ``TransformedDistribution``'s
+    transforms (an ``AffineTransform`` whose location is computed from the
+    latents).
+
     :param fn: the site's distribution in the run (``Independent`` and mask
         wrappers allowed).
     :param int dim: the plate's dim counted from the right of the site's batch
         shape (``max_plate_nesting + 1``).
-    :returns: True when some tensor parameter of the base distribution has the
-        points' dim with a nonzero stride (or the plate has one point).
+    :returns: True when some tensor parameter has the points' dim with a
+        nonzero stride (or the plate has one point).
 
     Example::
 
@@ -188,12 +197,54 @@ def reaches_points(fn, dim):
     batch = fn.batch_shape
     if len(batch) < dim or batch[len(batch) - dim] == 1:
         return True
-    offset = dim + len(fn.event_shape)  # from the right of a parameter of shape batch + event
-    base, _ = unwrap(fn, masks=True)
-    for t in vars(base).values():
-        if torch.is_tensor(t) and t.dim() >= offset and t.shape[-offset] > 1 and t.stride(-offset) != 0:
+    return _varies_along(fn, len(batch) - dim)
+
+
+def _varies_along(fn, index):
+    # index: the points' dim counted from the left of fn.batch_shape, where
+    # wrappers that keep the batch dims (Independent, masks, transformed and
+    # mixture bases) have it too; an expanded distribution's base is aligned
+    # to the right of the expanded batch instead
+    batch, event = fn.batch_shape, fn.event_shape
+    if isinstance(fn, dist.ExpandedDistribution):
+        return _varies_along(fn.base_dist, index - (len(batch) - len(fn.base_dist.batch_shape)))
+    if index < 0 or index >= len(batch):
+        return False  # the wrapped distribution has no such dim: expanded over it
+    for value in vars(fn).values():
+        if isinstance(value, torch.distributions.Distribution):
+            if _varies_along(value, index):
+                return True
+        elif torch.is_tensor(value) and _tensor_varies(value, batch, index, len(event)):
             return True
+    if isinstance(fn, torch.distributions.TransformedDistribution):
+        # a transform's parameters broadcast against the value, batch + event
+        for t in _transform_parts(fn.transforms):
+            for value in vars(t).values():
+                if torch.is_tensor(value) and _varies_at(value, len(batch) + len(event) - index):
+                    return True
     return False
+
+
+def _tensor_varies(t, batch, index, event_dims):
+    # a parameter laid out as batch + (its own trailing dims) is read from the
+    # left; one broadcast from fewer dims, from the right of batch + event
+    n = len(batch)
+    if t.dim() >= n and all(a in (1, b) for a, b in zip(t.shape[:n], batch)):
+        return _varies_at(t, t.dim() - index)
+    return _varies_at(t, n - index + event_dims)
+
+
+def _varies_at(t, offset):
+    # dim -offset of t exists, is not a broadcast 1 and is not expanded (stride 0)
+    return t.dim() >= offset and t.shape[-offset] > 1 and t.stride(-offset) != 0
+
+
+def _transform_parts(transforms):
+    for t in transforms:
+        if isinstance(t, torch.distributions.transforms.ComposeTransform):
+            yield from _transform_parts(t.parts)
+        else:
+            yield t
 
 
 class CoordinateLatents(Messenger):
