@@ -21,6 +21,12 @@ Two mistakes give silently wrong numbers rather than errors:
   datapoint when two further draws from its distribution repeat the traced
   value exactly (for a continuous latent, a probability-zero event otherwise)
   and, for a discrete latent, the traced value has probability one.
+
+And one mistake gives a silently biased gradient: an importance-weighted
+estimate differentiated through draws that have no reparameterized sampler
+(a ``Categorical`` guide site) misses the score-function term of those draws,
+so the guide's parameters get a biased gradient.
+:func:`warn_not_reparameterized` says so once per site.
 """
 
 import math
@@ -30,7 +36,7 @@ import torch
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import site_is_subsample
 
-__all__ = ["check_guide_sites", "check_proposal_density"]
+__all__ = ["check_guide_sites", "check_proposal_density", "warn_not_reparameterized"]
 
 
 def _guide_sample_sites(guide_trace):
@@ -142,4 +148,43 @@ def check_proposal_density(tokens, who, instead):
             f"proposal it has no density over the model's latent space: its weights "
             f"p(x, z0) / q(z0) give log p(x, z0) at one point, not the evidence, with zero "
             f"spread. A MAP guide (AutoDelta, dist.Delta) cannot be a proposal; use {instead}."
+        )
+
+
+def warn_not_reparameterized(tokens, who, warned):
+    r"""Warn, once per guide site, that a draw without ``rsample`` biases its parameters' gradient.
+
+    An importance-weighted estimate :math:`\log\frac1S\sum_s p(x, z_s)/q_\phi(z_s)` is
+    differentiated through its draws; a draw :math:`z_s` with no reparameterized sampler
+    contributes only :math:`-\nabla_\phi\log q_\phi(z_s)` through its weight, not the
+    score-function term :math:`\nabla_\phi\log q_\phi(z_s)` of the draw itself, so the
+    gradient with respect to :math:`\phi` is biased (as in Pyro's ``RenyiELBO``). Only
+    sites whose log-density depends on something that requires a gradient are named:
+    the model's gradient (draws held fixed) is the estimate's own.
+
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens (with the guide trace).
+    :param str who: the caller, named in the message.
+    :param set warned: names of the sites already warned about; updated in place.
+    """
+    if not torch.is_grad_enabled():
+        return
+    sites = []
+    for site in _guide_sample_sites(tokens.guide_trace):
+        fn = site["fn"]
+        if getattr(fn, "has_rsample", True) or site["name"] in warned:
+            continue
+        if fn.log_prob(site["value"]).requires_grad:
+            sites.append((site["name"], type(fn).__name__))
+    if sites:
+        warned.update(name for name, _ in sites)
+        names = ", ".join(f"{name!r} ({kind})" for name, kind in sites)
+        warnings.warn(
+            f"{who}: guide site(s) {names} have no reparameterized sampler (has_rsample=False): "
+            f"the estimate's gradient flows through the log-densities of their draws but not "
+            f"through the draws (no score-function term), so the guide's parameters get a biased "
+            f"gradient, as with Pyro's RenyiELBO. Reparameterize the site, sum a discrete latent "
+            f"out in the model (TraceEnum_ELBO), or train the guide by Trace_ELBO "
+            f"(pyro_mpt.guide_elbo.WithGuideELBO).",
+            UserWarning,
+            stacklevel=4,
         )

@@ -5,17 +5,15 @@ those of ``Evidence(method="importance")`` with the guide as proposal and
 :math:`K` particles (:func:`~pyro_mpt.evidence.importance.importance_log_weights`).
 """
 
-import warnings
 
 import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
-from pyro.poutine.util import site_is_subsample
 from pyro.util import warn_if_nan
 
 from .conditionals.latent_runs import logmeanexp
 from .evidence.importance import importance_log_weights
-from .guide_checks import check_guide_sites
+from .guide_checks import check_guide_sites, warn_not_reparameterized
 from .observed_tokens import check_latent_scales, trace_tokens
 
 __all__ = ["ImportanceWeightedELBO"]
@@ -72,8 +70,7 @@ class ImportanceWeightedELBO(ELBO):
     def differentiable_loss(self, model, guide, *args, **kwargs):
         """:math:`-\\sum_i s_i \\log\\hat p_K(x_i)`, a differentiable scalar."""
         tokens = self._tokens(model, guide, args, kwargs)
-        if torch.is_grad_enabled():
-            self._warn_not_reparameterized(tokens)
+        warn_not_reparameterized(tokens, "ImportanceWeightedELBO", self._warned)
         K = self.num_particles
         lw = importance_log_weights(
             tokens, model, guide, args, kwargs, K, self.chunk_size or K, who="ImportanceWeightedELBO",
@@ -84,29 +81,6 @@ class ImportanceWeightedELBO(ELBO):
         loss = -(tokens.scale * logmeanexp(lw, 0)).sum()
         warn_if_nan(loss, "loss")
         return loss
-
-    def _warn_not_reparameterized(self, tokens):
-        # the bound's gradient is taken through the draws (rsample); a draw without one has no
-        # score-function term here, so its parameters' gradient is biased: said once per site
-        sites = [
-            (name, type(site["fn"]).__name__)
-            for name, site in tokens.guide_trace.nodes.items()
-            if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
-            and not getattr(site["fn"], "has_rsample", True) and name not in self._warned
-        ]
-        if sites:
-            self._warned.update(name for name, _ in sites)
-            names = ", ".join(f"{name!r} ({kind})" for name, kind in sites)
-            warnings.warn(
-                f"ImportanceWeightedELBO: guide site(s) {names} have no reparameterized sampler "
-                f"(has_rsample=False): the bound's gradient flows through the log-densities of their "
-                f"draws but not through the draws (no score-function term), so the guide's parameters "
-                f"get a biased gradient, as with Pyro's RenyiELBO. Reparameterize the site, sum a "
-                f"discrete latent out in the model (TraceEnum_ELBO), or train the guide by Trace_ELBO "
-                f"(pyro_mpt.guide_elbo.WithGuideELBO).",
-                UserWarning,
-                stacklevel=3,
-            )
 
     def loss(self, model, guide, *args, **kwargs):
         """The loss as a float, without gradients."""

@@ -105,6 +105,8 @@ class Evidence:
         self.max_plate_nesting = max_plate_nesting
         self.options = options
         self.engines = {}
+        #: guide sites already named by a once-per-estimator warning
+        self.warned_sites = set()
 
     def estimate(self, *args, **kwargs):
         r"""Run the estimator and return the full :class:`EvidenceResult`.

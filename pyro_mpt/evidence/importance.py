@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint
 from ..conditionals.base import EngineNotApplicable
 from ..conditionals.data_args import refuse_missing
 from ..conditionals.latent_runs import LatentRunner, logmeanexp
-from ..guide_checks import check_proposal_density
+from ..guide_checks import check_proposal_density, warn_not_reparameterized
 from ..conditionals.guide_proposals import AutoguideProposal, is_autoguide
 from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
 from .result import EvidenceResult
@@ -159,6 +159,8 @@ def importance_evidence(evidence, tokens, args, kwargs):
     # with missing tokens "auto" uses the prior, which leaves them out exactly
     auto_prior = proposal == "auto" and tokens.observed is not None
     guide = None if proposal == "prior" or auto_prior else evidence.guide
+    if guide is not None:
+        warn_not_reparameterized(tokens, "Evidence(method='importance')", evidence.warned_sites)
     lw = importance_log_weights(
         tokens, evidence.model, guide, args, kwargs, num_samples, chunk_size, max_elements,
         who="Evidence(method='importance')",

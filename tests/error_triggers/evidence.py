@@ -82,9 +82,11 @@ def _():
             pyro.sample("x", dist.Normal(loc[..., None].expand(c.shape + (3,)), 1.0).to_event(1), obs=x)
 
     def guide(x):
+        logits = pyro.param("c_logits", torch.zeros(2, dtype=torch.float64))
         with pyro.plate("data", x.shape[0]):
-            pyro.sample("c", dist.Categorical(torch.ones(2, dtype=torch.float64) / 2))
+            pyro.sample("c", dist.Categorical(logits=logits))
 
+    pyro.clear_param_store()
     ImportanceWeightedELBO(4).differentiable_loss(model, guide, _x())
 
 
