@@ -68,8 +68,8 @@ def random_masks(sizes, shape, device, observed=None):
 
         >>> random_masks(torch.arange(1, 6)[:, None], (5, 1, 5), None).sum(-1)   # sizes 1..5
     """
-    if observed is None and sizes.shape[-1] == 1 and shape[1] >= _SELECT_ROWS and torch.device(device or "cpu").type == "cpu":
-        return _selected_masks(sizes[..., 0], shape, device)
+    if sizes.shape[-1] == 1 and shape[1] >= _SELECT_ROWS and torch.device(device or "cpu").type == "cpu":
+        return _selected_masks(sizes[..., 0], shape, device, observed)
     order = random_order(shape, device, observed)
     pos = torch.arange(shape[-1], device=device)
     first = sizes[..., None]
@@ -97,18 +97,29 @@ KEY_BITS = 7
 _SELECT_TOKENS = 2**19
 
 
-def _selected_masks(sizes, shape, device):
+def _selected_masks(sizes, shape, device, observed=None):
     """:func:`random_masks` for sizes ``(q,)`` shared by the rows: the tokens of the M
     smallest of i.i.d. uniform keys per row (:func:`smallest_keys`).
 
     Exact: a row's keys (coarse, with fine keys breaking the ties at its
     boundary) are i.i.d. and continuous in effect, so the M smallest are a
-    uniform M-subset; rows and queries draw independent keys.
+    uniform M-subset; rows and queries draw independent keys. With
+    ``observed``, a missing token's key is ``2**b``, above every drawn one, and a row's size
+    is capped at its :math:`D_i` observed tokens, so the M smallest are a uniform
+    M-subset of them (all of them above :math:`D_i`, as the orderings give).
     """
     q, rows, D = shape
-    keys = random_keys((q * rows, D), device)
-    want = sizes.to(device=keys.device)[:, None].expand(q, rows).reshape(-1)
-    return smallest_keys(keys, want).view(shape)
+    keys = random_keys((q, rows, D), device)
+    want = sizes.to(device=keys.device)[:, None].expand(q, rows)
+    if observed is not None:
+        keys.masked_fill_(~observed, 1 << _key_bits(D))
+        count = observed.sum(-1)
+        # a row without observed tokens takes one (missing) token, dropped below
+        want = torch.minimum(want, count.clamp_min(1))
+    mask = smallest_keys(keys.view(q * rows, D), want.reshape(-1)).view(shape)
+    if observed is not None and bool((count == 0).any()):
+        mask &= observed
+    return mask
 
 
 def _key_bits(D):
@@ -145,8 +156,10 @@ def smallest_keys(keys, sizes):
     listed tokens, until none does (an event symmetric in each row's tokens,
     so the chosen subset stays uniform). Always exactly M tokens a row.
 
-    :param torch.Tensor keys: uint8 ``(rows, D)``, each in ``0 .. 2**b - 1`` (``b``
-        as in :func:`random_keys`; a larger key would count in the next row's bins).
+    :param torch.Tensor keys: uint8 ``(rows, D)``, each in ``0 .. 2**b`` (``b``
+        as in :func:`random_keys`, which draws below ``2**b``; a larger key would count
+        in the next row's bins). A key ``2**b`` is taken after every drawn one (a
+        missing token, :func:`random_masks`).
     :param torch.Tensor sizes: long ``(rows,)``, each in ``1..D``.
     :returns: bool ``(rows, D)``.
 
@@ -157,7 +170,8 @@ def smallest_keys(keys, sizes):
     """
     rows, D = keys.shape
     device = keys.device
-    bins = 1 << _key_bits(D)
+    # one bin above the drawn keys' for the key 2**b
+    bins = (1 << _key_bits(D)) + 1
     # contiguous: an expanded (stride-0) row of sizes made searchsorted copy it, with a UserWarning
     sizes = sizes.to(device=device, dtype=torch.int64).contiguous()
     mask = torch.empty((rows, D), dtype=torch.bool, device=device)
@@ -190,7 +204,7 @@ def smallest_keys(keys, sizes):
         thr = threshold[:r]
         thr.copy_((b[:, 0] + (~partial)).to(torch.uint8)[:, None].expand(r, D))
         torch.lt(k, thr, out=mask[part])
-        thr.copy_(torch.where(partial, b[:, 0], 255).to(torch.uint8)[:, None].expand(r, D))  # 255: no key (< 2**7)
+        thr.copy_(torch.where(partial, b[:, 0], 255).to(torch.uint8)[:, None].expand(r, D))  # 255: no key (<= 2**7)
         # the tied keys listed in row-major order: a nonzero over 64-bit words of the
         # bool table (an eighth of its length), then over the few words hit
         torch.eq(k, thr, out=tie[:r, :D])

@@ -161,3 +161,37 @@ def test_smallest_keys_takes_expanded_sizes_without_a_warning():
     assert mask.sum(-1).tolist() == [2, 2, 2]
     # row 0: keys 0 (col 3) and one of the two 1s; row 1: 0 and 1 (cols 0, 4); row 2: 0, 1 (cols 1, 0)
     assert mask[0, 3] and mask[1, 0] and mask[1, 4] and mask[2, 0] and mask[2, 1]
+
+
+@pytest.mark.parametrize("key_bits", [mask_draws.KEY_BITS, 2])
+def test_masks_among_observed_tokens_are_uniform_subsets_of_them(monkeypatch, key_bits):
+    """With missing tokens, sizes shared by the rows take the counting path (no sort:
+    the orderings' argsort made 10 % missing tokens cost 2.6x the step at D = 200) and
+    each mask is a uniform subset of its row's observed tokens: exactly min(M, D_i) of
+    them, never a missing one, every min(M, D_i)-subset equally often (chi-square).
+    With 2-bit keys the missing tokens' key ties the drawn ones' bins often."""
+    monkeypatch.setattr(mask_draws, "KEY_BITS", key_bits)
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("masks with shared sizes were drawn by sorting")
+
+    monkeypatch.setattr(mask_draws, "random_order", no_sort)
+    torch.manual_seed(7)
+    D, reps = 6, 4000
+    patterns = torch.tensor([[1, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0], [0] * 6, [0, 1, 1, 0, 1, 0]]).bool()
+    observed = patterns.repeat(reps, 1)  # (5 reps, D): row r has pattern r % 5
+    sizes = torch.tensor([[1], [2], [3], [6]])
+    masks = random_masks(sizes, (4, observed.shape[0], D), None, observed)
+    count = observed.sum(-1)
+    assert not bool((masks & ~observed).any())
+    assert torch.equal(masks.sum(-1), torch.minimum(sizes, count))
+    for q, M in enumerate(sizes[:, 0].tolist()):
+        for r, pattern in enumerate(patterns):
+            m = min(M, int(pattern.sum()))
+            if m in (0, int(pattern.sum())):
+                continue  # one subset only: checked by the sizes above
+            obs = pattern.nonzero()[:, 0].tolist()
+            cells = [c for c in range(2**D) if bin(c).count("1") == m and all(c >> j & 1 == 0 for j in range(D) if j not in obs)]
+            counts = _subset_counts(masks[q, r::5], D)[cells]
+            assert int(counts.sum()) == reps
+            assert chisquare(counts.numpy()).pvalue > P_MIN
