@@ -57,7 +57,8 @@ class LatentSlice:
 
     :param str name: the site.
     :param int offset: first coordinate.
-    :param int numel: number of coordinates (the event's size).
+    :param int numel: number of coordinates (the event's size, or the
+        unconstrained size of a ``"transform"`` latent with event dims).
     :param torch.Size event_shape: the site's event shape.
     :param str kind: how the engine parameterizes it (e.g. ``"normal"``,
         ``"mvn"``, ``"transform"``).
@@ -69,6 +70,10 @@ class LatentSlice:
     :param torch.dtype dtype: the dtype of the site's traced value (the model's
         own sample); the site's values at the coordinates are given in it, or in
         the coordinates' dtype when None.
+    :param torch.Size coord_shape: the coordinates' event shape where it is not
+        ``event_shape``: a ``"transform"`` latent whose support has event dims
+        (a ``Dirichlet``'s simplex of K entries has K - 1 unconstrained
+        coordinates, ``biject_to(support).inverse_shape``); None otherwise.
     """
 
     name: str
@@ -78,6 +83,12 @@ class LatentSlice:
     kind: str
     plates: tuple = ()
     dtype: torch.dtype = None
+    coord_shape: torch.Size = None
+
+    @property
+    def coordinates_shape(self):
+        """The event shape of the site's coordinates (``coord_shape``, else ``event_shape``)."""
+        return self.event_shape if self.coord_shape is None else self.coord_shape
 
 
 def latent_layout(tokens, kind_of):
@@ -100,9 +111,13 @@ def latent_layout(tokens, kind_of):
         event_shape = site["fn"].event_shape
         # kind_of accepted any plate the observed site lacks as event dims of the latent
         plates = tuple(sorted((f.dim, f.size) for f in vectorized_frames(site, 2) if f.name not in data))
-        numel = math.prod(size for _, size in plates) * event_shape.numel()
+        coord_shape = None
+        if kind == "transform" and len(event_shape):
+            # a support with event dims (a simplex) has its own unconstrained shape
+            coord_shape = torch.Size(biject_to(site["fn"].support).inverse_shape(event_shape))
+        numel = math.prod(size for _, size in plates) * (event_shape if coord_shape is None else coord_shape).numel()
         dtype = site["value"].dtype if site["value"].is_floating_point() else None
-        layout[site["name"]] = LatentSlice(site["name"], offset, numel, event_shape, kind, plates, dtype)
+        layout[site["name"]] = LatentSlice(site["name"], offset, numel, event_shape, kind, plates, dtype, coord_shape)
         offset += numel
     return layout, offset
 
@@ -330,7 +345,9 @@ class CoordinateLatents(Messenger):
             # a float32 latent stays float32 when the coordinates follow float64 data: the
             # model may combine it with float32 parameters (z @ W.T), as under Pyro's sampling
             u = u.to(entry.dtype)
-        u = self._place(u, entry.plates, fn.event_shape) if entry.plates else u.reshape(self._shape(fn.event_shape))
+        coords = fn.event_shape if entry.coord_shape is None else entry.coord_shape
+        u = self._place(u, entry.plates, coords) if entry.plates else u.reshape(self._shape(coords))
+        summed = E  # the event dims over which log_pi is still per element
         if entry.kind in ("normal", "mvn"):
             mvn = entry.kind == "mvn"
             loc, scale = (base.loc, base.scale_tril) if mvn else (base.loc, base.scale)
@@ -346,13 +363,15 @@ class CoordinateLatents(Messenger):
         else:
             t = biject_to(base.support)
             value = t(u)
+            # both terms already sum over the base's own event dims (a simplex's)
             log_pi = base.log_prob(value) + t.log_abs_det_jacobian(u, value)
+            summed = E - len(base.event_shape)
             # points whose image hits the boundary in floating point carry no mass
             log_pi = torch.where(torch.isnan(log_pi), torch.full_like(log_pi, -math.inf), log_pi)
         if not self.compact:
             value = value.expand(broadcast_shape(value.shape, fn.shape()))
-        if E:
-            log_pi = log_pi.sum(tuple(range(-E, 0)))
+        if summed:
+            log_pi = log_pi.sum(tuple(range(-summed, 0)))
         if entry.plates:
             log_pi = log_pi.sum(tuple(d for d, _ in entry.plates), keepdim=True)
         # without plate the coordinates are one point: a leading size-one dim

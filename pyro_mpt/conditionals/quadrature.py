@@ -56,7 +56,10 @@ Poisson, Beta, ...).
   the Laplace approximation :math:`\mathcal N(c, SS^\top)` of :math:`\pi` with
   change-of-variables weights :math:`w_q / \mathcal N(u_q; c, SS^\top)`: exact in
   the limit, and accurate when :math:`\pi` has Gaussian or lighter tails in
-  :math:`u` (not Cauchy-like priors).
+  :math:`u` (not Cauchy-like priors). A latent with event dims whose support
+  ``biject_to`` maps from an unconstrained space (a ``Dirichlet``: the
+  :math:`K - 1` stick-breaking coordinates of its simplex) is handled the same
+  way, with :math:`|\det T'(u)|`.
 * ``adaptive=True`` centres and scales the grid, per datapoint, on the Laplace
   approximation of the posterior given *all* its tokens
   (:class:`~pyro_mpt.conditionals.laplace.LaplaceSearch`: Newton steps with

@@ -3,8 +3,9 @@ r"""The quadrature engine's model runs: latents at grid nodes, token log-likelih
 The nodes live in coordinates :math:`u \in \mathbb R^K` in which each latent
 is generated from its (conditional) prior (see
 :mod:`~pyro_mpt.conditionals.quadrature`): Normal and MultivariateNormal
-latents are :math:`z = \mu + L u`, other continuous scalar latents
-:math:`z = T(u)` with :math:`T` = ``biject_to(support)``. :class:`NodeRunner`
+latents are :math:`z = \mu + L u`, other continuous latents (scalar, or on a
+support such as a ``Dirichlet``'s simplex) :math:`z = T(u)` with :math:`T` =
+``biject_to(support)``. :class:`NodeRunner`
 runs the model once per chunk of nodes in the plate ``_mpt_nodes`` with every
 latent set to its node values (or, for a model that does not broadcast over
 that plate, once per node without it: :data:`RUN_MODES`), and returns the prior log-density of the nodes
@@ -79,13 +80,15 @@ def _latent_kind(tokens, site):
         kind = "normal"
     elif isinstance(base, (dist.MultivariateNormal, dist.LowRankMultivariateNormal)):
         kind = "mvn"
-    elif isinstance(base, (dist.Delta, dist.VonMises)) or len(base.event_shape) > 0:
+    elif isinstance(base, (dist.Delta, dist.VonMises)) or (len(base.event_shape) > 0 and not _unconstrained(base)):
         raise NotQuadratureError(
             f"conditionals='quadrature' cannot parameterize latent site {name!r} "
             f"({kind_name}{'' if not base.event_shape else ' with event shape ' + str(tuple(base.event_shape))}): "
-            f"it supports Normal and MultivariateNormal latents and continuous "
+            f"it supports Normal and MultivariateNormal latents, continuous "
             f"scalar latents on an interval or half-line (Gamma, Beta, Uniform, "
-            f"LogNormal, ...). Reparameterize it with such latents, or use "
+            f"LogNormal, ...) and latents whose support torch maps from an "
+            f"unconstrained space (biject_to: Dirichlet's simplex, ...). "
+            f"Reparameterize it with such latents, or use "
             f"{ALTERNATIVES}."
         )
     else:
@@ -99,6 +102,17 @@ def _latent_kind(tokens, site):
             ) from None
         kind = "transform"
     return kind
+
+
+def _unconstrained(base):
+    # a latent with event dims whose support maps from an unconstrained space
+    # (a Dirichlet's simplex: K - 1 coordinates by stick breaking)
+    try:
+        t = biject_to(base.support)
+        t.inverse_shape(base.event_shape)
+    except (NotImplementedError, AttributeError):
+        return False
+    return True
 
 
 class NodeRunner:

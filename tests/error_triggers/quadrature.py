@@ -43,7 +43,7 @@ def _():
 def _():
     def model(x):
         with pyro.plate("data", x.shape[0]):
-            p = pyro.sample("p", dist.Dirichlet(torch.ones(3)))
+            p = pyro.sample("p", dist.ProjectedNormal(torch.ones(3)))  # on the sphere: no biject_to
             pyro.sample("x", dist.Normal(p, 1.0).to_event(1), obs=x)
 
     MaskedPretrainingLoss(conditionals="quadrature").loss(model, None, _x())
