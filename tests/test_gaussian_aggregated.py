@@ -616,3 +616,93 @@ def test_float32_state_between_the_two_bounds_takes_the_form_in_float64(monkeypa
     lml = dist.LowRankMultivariateNormal(torch.zeros(D, dtype=torch.float64), W64, torch.full((D,), var, dtype=torch.float64))
     (want,) = torch.autograd.grad(-lml.log_prob(x.double()).sum(), W64)
     assert float((got.double() - want).abs().max()) <= 16 * eps * float(want.abs().max())
+
+
+# ---------------------------------------------------------------------- target blocks of the precision
+def numpy_target_blocks(S, mask, coef):
+    """sum_m E^T C W C E and sum_m a sum_j log(2 pi v_j), with C = S_TT - S_TR S_RR^-1 S_RT
+    (the conditional covariance from the covariance, not through the precision), in numpy."""
+    S, mask, coef = np.asarray(S), np.asarray(mask), np.asarray(coef)
+    D = S.shape[0]
+    A, logdet = np.zeros((D, D)), 0.0
+    for q in range(mask.shape[0]):
+        T, R = np.flatnonzero(mask[q]), np.flatnonzero(~mask[q])
+        C = S[np.ix_(T, T)] - (S[np.ix_(T, R)] @ np.linalg.solve(S[np.ix_(R, R)], S[np.ix_(R, T)]) if R.size else 0)
+        v = np.diag(C)
+        A[np.ix_(T, T)] += C @ np.diag(coef[q] / v) @ C
+        logdet += coef[q] * np.log(2 * np.pi * v).sum()
+    return A, logdet
+
+
+def test_target_blocks_equal_numpy_conditioning_and_pass_gradcheck():
+    """TargetBlockForm's A and log-determinant against numpy's conditional covariances
+    (1e-11), on masks of every kind: all tokens targets, one target, groups padded to
+    their largest mask (small max_elements: several groups); its written-out gradient
+    with respect to the precision against finite differences (torch.autograd.gradcheck)."""
+    from pyro_mpt.conditionals.gaussian_target_form import TargetBlockForm, target_form_groups
+
+    g = torch.Generator().manual_seed(5)
+    D, R = 9, 4
+    F = torch.randn(D, R, generator=g, dtype=torch.float64)
+    S = F @ F.T + torch.diag(0.3 + torch.rand(D, generator=g, dtype=torch.float64))
+    sizes = torch.tensor([D, 1, 1, 2, 4, 5, 5, 8, 4, 7])
+    mask = torch.rand(len(sizes), D, generator=g).argsort(-1) < sizes[:, None]
+    coef = torch.rand(len(sizes), generator=g, dtype=torch.float64) + 0.5
+    groups = target_form_groups(mask, 2**20)
+    assert len(groups) >= 4 and any((idx == D).any() for _, idx in groups)  # padded groups
+    assert sorted(torch.cat([rows for rows, _ in groups]).tolist()) == list(range(len(sizes)))
+    A, logdet = TargetBlockForm.apply(torch.linalg.inv(S), groups, coef, "x")
+    A_ref, logdet_ref = numpy_target_blocks(S, mask, coef)
+    np.testing.assert_allclose(A.numpy(), A_ref, rtol=1e-11, atol=1e-11 * np.abs(A_ref).max())
+    assert abs(float(logdet) - logdet_ref) <= 1e-11 * abs(logdet_ref)
+    P = torch.linalg.inv(S).requires_grad_()
+    # the form reads a symmetric precision: check along symmetric directions
+    sym = lambda P: TargetBlockForm.apply(0.5 * (P + P.T), groups, coef, "x")  # noqa: E731
+    assert torch.autograd.gradcheck(lambda P: sym(P)[0], (P,), atol=1e-7)
+    assert torch.autograd.gradcheck(lambda P: sym(P)[1], (P,), atol=1e-7)
+
+
+def test_masks_split_between_target_blocks_and_the_context_side_match_the_loop(monkeypatch):
+    """PPCA with a loading of rank K = 60 over D = 80 tokens: masks with few targets take
+    the target blocks of the precision, the others the low-rank context side (a spy sees
+    both); the score equals numpy's per-mask conditioning (1e-10) and the gradients autograd
+    of a per-mask loop in torch (1e-8). Where a token has no loading and a noise variance
+    of 1e-12, the bound on the blocks' condition number exceeds the form's tolerance: all
+    masks stay on the context side, with the same agreement."""
+    import pyro_mpt.conditionals.gaussian_aggregated as aggregated
+
+    calls = {"blocks": 0, "context": 0}
+    blocks, context = aggregated.TargetBlockForm.apply, aggregated.LowRankForm.apply
+
+    def spy(name, fn):
+        def run(*args):
+            calls[name] += 1
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(aggregated.TargetBlockForm, "apply", spy("blocks", blocks))
+    monkeypatch.setattr(aggregated.LowRankForm, "apply", spy("context", context))
+    D, K, N, P = 80, 60, 200, 40
+    for split in (True, False):
+        calls.update(blocks=0, context=0)
+        model, args, names, cov_loc = user_model("fa", D, K, N, seed=11)
+        pyro.clear_param_store()
+        model(*args)
+        if not split:
+            pyro.param("W").unconstrained().data[5] = 0.0
+            pyro.param("sd").unconstrained().data[5] = math.log(1e-6)
+        g = torch.Generator().manual_seed(P)
+        mask = torch.rand(P, D, generator=g).argsort(-1) < torch.randint(1, D + 1, (P, 1), generator=g)
+        mask[0], mask[1] = True, torch.arange(D) == 2
+        weight = torch.rand(P, 1, generator=g, dtype=torch.float64) + 0.5
+        loss = MaskedPretrainingLoss(masks=Replay([MaskBlock(mask[:, None], mask.sum(-1, keepdim=True), weight)]))
+        coef = weight[:, 0] / mask.sum(-1)
+        leaves = [pyro.param(k).unconstrained() for k in names]
+        value = loss.differentiable_loss(model, None, *args)
+        assert (calls["blocks"] > 0) == split and calls["context"] > 0
+        S, loc = cov_loc()
+        want = rows_weighted_sum(S.detach(), loc.detach(), args[0], mask, coef).sum()
+        assert abs(-float(value) - want) <= 1e-10 * abs(want)
+        ref = -torch_weighted_sum(S, torch.zeros(D), args[0] - loc, mask, coef).sum()
+        for k, a, b in zip(names, torch.autograd.grad(value, leaves), torch.autograd.grad(ref, leaves)):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8, atol=1e-8 * float(b.abs().max()), err_msg=k)
