@@ -421,3 +421,46 @@ def test_few_shared_masks_on_a_long_sequence_stay_with_the_smoother(float64, mon
         assert bool(calls) == dense, kw
         assert abs(float(results[0][0] - results[1][0])) < 1e-9 * abs(float(results[1][0]))
         assert torch.allclose(results[0][1], results[1][1], rtol=1e-9, atol=1e-9)
+
+
+def test_auto_sends_masks_per_datapoint_to_the_dense_covariance_where_cheaper(float64, monkeypatch):
+    """Masks drawn per datapoint on sequences of AUTO_MIN_TOKENS to about 470 tokens cost
+    the smoother more than the dense covariance's sums over the pairs (masks='all', T = 256,
+    H = 2, N = 4, loss + gradient, one thread: 5.2 s against 3.1 s): 'auto' sends them there
+    by a measured cost rule (spy on the dense state), and their sums equal numpy's
+    conditioning of the sequence's joint Gaussian on the same masks; the engine asked for by
+    name smooths them (same sums), and so does 'auto' for one mask per datapoint on a
+    sequence of 1000 tokens, where smoothing is the cheaper."""
+    calls = []
+    original = GaussianHMMConditionals._dense
+    monkeypatch.setattr(GaussianHMMConditionals, "_dense", lambda self, state: calls.append(1) or original(self, state))
+    T, n = AUTO_MIN_TOKENS, 2
+    hmm, model, x, tokens, engine = _auto_routed(T, 2, n, seed=20)
+    assert isinstance(engine, GaussianHMMConditionals) and engine.dense_per_datapoint
+    _, parts = make_hmm(T, 2, 1, time_varying=False, full_noise=False, seed=20)
+    g = torch.Generator().manual_seed(21)
+    # 12 masks of 2 datapoints: enough pairs to pay for the dense covariance's preparation
+    mask = torch.rand(12, n, T, generator=g) < torch.linspace(0.05, 0.95, 12)[:, None, None]
+    mean, cov = numpy_lds_moments(*parts)
+    xs = x.reshape(n, T).numpy()
+    want = np.zeros((12, n))
+    for a in range(12):
+        for i in range(n):
+            # every target of the pair from one solve against its context block
+            t, c = mask[a, i].numpy(), ~mask[a, i].numpy()
+            G = np.linalg.solve(cov[np.ix_(c, c)], cov[np.ix_(c, t)])
+            m = mean[t] + G.T @ (xs[i, c] - mean[c])
+            v = np.diag(cov)[t] - (G * cov[np.ix_(c, t)]).sum(0)
+            want[a, i] = norm.logpdf(xs[i, t], m, np.sqrt(v)).sum()
+    for chosen, dense in ((engine, True), (GaussianHMMConditionals(), False)):
+        calls.clear()
+        got = chosen.mask_sums(chosen.prepare(tokens, model, None, (x,), {}), tokens.value, mask)
+        assert bool(calls) == dense
+        assert np.abs(got.numpy() - want).max() < 1e-9 * np.abs(want).max()
+    calls.clear()
+    hmm, model, x, tokens, engine = _auto_routed(1000, 2, 1, seed=22)
+    state = engine.prepare(tokens, model, None, (x,), {})
+    mask = torch.rand(1, 1, 1000, generator=g) < 0.5
+    assert engine.recomputes_mask_sums(state, tokens.value, mask) is False
+    sums = engine.mask_sums(state, tokens.value, mask)
+    assert not calls and torch.isfinite(sums).all()

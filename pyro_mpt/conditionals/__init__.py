@@ -117,8 +117,9 @@ ENGINES = {
 }
 
 #: constructor options that ``"auto"`` gives an engine beyond the user's: the Kalman engine
-#: only for sequences long enough that it beats the dense covariance
-AUTO_OPTIONS = {"gaussian_hmm": {"min_tokens": AUTO_MIN_TOKENS}}
+#: only for sequences long enough that it beats the dense covariance, and masks drawn per
+#: datapoint sent to the dense covariance where its cost rule says that is cheaper
+AUTO_OPTIONS = {"gaussian_hmm": {"min_tokens": AUTO_MIN_TOKENS, "dense_per_datapoint": True}}
 
 #: ``"auto"`` warns when, with a guide given, it picks a quadrature grid with
 #: more nodes than this: more than the 256 draws of ``"importance"``'s default,

@@ -421,6 +421,12 @@ class GaussianHMMConditionals(ConditionalEngine):
         (``EngineNotApplicable``), and with fewer than ``min_tokens * H / WIDE_HIDDEN``
         above hidden dim :data:`WIDE_HIDDEN`. 0 by default; ``"auto"`` asks for
         :data:`AUTO_MIN_TOKENS`, below which the dense covariance is faster.
+    :param bool dense_per_datapoint: send masks drawn per datapoint to the dense
+        covariance (``"gaussian"``'s sums over the pairs) where a measured cost rule says
+        it is cheaper (sequences of fewer than about 470 tokens at H = 2; the rule is in
+        ``_dense_cheaper_per_datapoint``). False by default, so that this engine, asked
+        for by name, smooths them; ``"auto"`` asks for True. Masks shared by the batch
+        follow their own cost rule either way.
     :param int max_elements: bound on the elements the filter and smoother keep
         per chunk of ``(mask, datapoint)`` pairs (the steps' factors and
         messages); the chunks of one call are recomputed in the backward
@@ -434,9 +440,10 @@ class GaussianHMMConditionals(ConditionalEngine):
         >>> MaskedPretrainingLoss(conditionals="gaussian_hmm").differentiable_loss(lds, None, x)
     """
 
-    def __init__(self, *, min_tokens=0, max_elements=2**24):
+    def __init__(self, *, min_tokens=0, dense_per_datapoint=False, max_elements=2**24):
         super().__init__(max_elements=max_elements)
         self.min_tokens = int(min_tokens)
+        self.dense_per_datapoint = bool(dense_per_datapoint)
 
     def prepare(self, tokens, model, guide, args, kwargs):
         hmm = base_distribution(tokens.site["fn"])
@@ -560,6 +567,34 @@ class GaussianHMMConditionals(ConditionalEngine):
         D, n = state.num_tokens, state.num_data
         return (15 + masks) * D * D < 2.5e5 * masks * n
 
+    @staticmethod
+    def _dense_cheaper_per_datapoint(state, masks):
+        r"""Whether ``masks`` masks drawn per datapoint cost less on the dense covariance
+        (its sums over each (mask, datapoint) pair with their backward pass written out,
+        ``gaussian_dense_independent``) than smoothed. Measured (loss and gradient,
+        ``masks="all"``, H = 2, O = 1, N = 4, one thread), a pair costs the dense path about
+        :math:`530\,D^2` units at D = 256..384 (3.0 and 6.6 ms; its passes over the pair's
+        :math:`D	imes D` tables, not yet its :math:`D^3` factorization, set the pace),
+        and smoothing :math:`2.5\cdot10^5\,D` (5.1 and 8.1 ms), plus the dense covariance's
+        preparation, :math:`15\,D^3` once: they break even near D = 470, and the default
+        single mask per datapoint near D = 290 at N = 20. Only where the sequences share
+        their parameters (one covariance for the batch, which those sums need)."""
+        if any(part.shape[0] != 1 for part in state.parts):
+            return False
+        D, n = state.num_tokens, state.num_data
+        prepare = 0 if state.dense is not None else 15 * D
+        return (prepare + 530 * masks * n) * D * D < 2.5e5 * masks * n * D
+
+    def _dense_serves(self, state, mask, context=None):
+        """Whether the dense covariance (:meth:`_dense`) takes the sums of ``mask`` ``(q, n|1, D)``
+        (with ``context`` ``(1, n, D)``, the observed tokens): shared masks by
+        :meth:`_dense_cheaper`, masks per datapoint by :meth:`_dense_cheaper_per_datapoint`."""
+        if mask.shape[1] == 1:
+            return self._dense_cheaper(state, mask.shape[0])
+        if not self.dense_per_datapoint or (context is not None and context.shape[0] != 1):
+            return False
+        return self._dense_cheaper_per_datapoint(state, mask.shape[0])
+
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
         if mask.shape[1] == 1 and self._single_targets(mask) is None and self._dense_cheaper(state, mask.shape[0]):
@@ -636,7 +671,7 @@ class GaussianHMMConditionals(ConditionalEngine):
             # queries that each hide one token: every leave-one-out conditional from one
             # smoothing pass, where each query would take its own filter and smoother
             return self._gathered(state, self._leave_one_out(state, x), targets)
-        if mask.shape[1] == 1 and self._dense_cheaper(state, mask.shape[0]):
+        if self._dense_serves(state, mask):
             engine, dense = self._dense(state)
             return engine.mask_sums(dense, x, mask)
         return super().mask_sums(state, x, mask)
@@ -647,13 +682,13 @@ class GaussianHMMConditionals(ConditionalEngine):
         if targets is not None and context.shape[0] == 1:
             # one target each, the context the observed tokens: a missing target scores 0
             return self._gathered(state, self._leave_one_out(state, x, context[0].expand(x.shape)), targets)
-        if mask.shape[1] == 1 and self._dense_cheaper(state, mask.shape[0]):
+        if self._dense_serves(state, mask, context):
             engine, dense = self._dense(state)
             return engine.mask_sums_within(dense, x, mask, context)
         return super().mask_sums_within(state, x, mask, context)
 
     def recomputes_mask_sums(self, state, x, mask, context=None):
-        if mask.shape[1] == 1 and self._single_targets(mask) is None and self._dense_cheaper(state, mask.shape[0]):
+        if self._single_targets(mask) is None and self._dense_serves(state, mask, context):
             engine, dense = self._dense(state)
             return engine.recomputes_mask_sums(dense, x, mask, context)
         return super().recomputes_mask_sums(state, x, mask, context)
