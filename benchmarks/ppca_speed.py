@@ -212,7 +212,9 @@ def flop_bound(D, K, N, blocks):
     weighted sum over masks, one quadratic form per datapoint, see
     ``pyro_mpt.conditionals.gaussian_aggregated``): the form's matrix gathers
     each mask's rank-:math:`R` pieces over :math:`D + R` coordinates,
-    :math:`2(D+R)^2R` flops a mask (dense: its :math:`|\mathcal M|` target rows
+    :math:`2(D+R)^2R` flops a mask, or its :math:`|\mathcal M|\times|\mathcal M|`
+    target block of the precision, :math:`2|\mathcal M|^3`, where fewer
+    (``pyro_mpt.conditionals.gaussian_target_form``) (dense: its :math:`|\mathcal M|` target rows
     of :math:`D` coordinates, :math:`2D^2|\mathcal M|`), and the data enter once,
     :math:`2N(D+R)^2` (:math:`2ND^2`). The backward pass needs twice the forward
     products (one for each factor's gradient), so the count is three times the
@@ -224,7 +226,8 @@ def flop_bound(D, K, N, blocks):
         M = b.mask[:, 0].sum(-1).double()
         if K < D:
             per_mask += 2 * N * D * K * M.numel()
-            aggregated += 2 * (D + K) ** 2 * K * M.numel()
+            # a mask's rank-R pieces, or its M x M target block C W C of the precision, whichever is fewer
+            aggregated += float(torch.clamp(2 * M**3, max=2 * (D + K) ** 2 * K).sum())
         else:
             per_mask += float((2 * N * M * (D - M)).sum())
             aggregated += float((2 * D * D * M).sum())
