@@ -574,7 +574,7 @@ class GaussianHMMConditionals(ConditionalEngine):
         ``gaussian_dense_independent``) than smoothed. Measured (loss and gradient,
         ``masks="all"``, H = 2, O = 1, N = 4, one thread), a pair costs the dense path about
         :math:`530\,D^2` units at D = 256..384 (3.0 and 6.6 ms; its passes over the pair's
-        :math:`D	imes D` tables, not yet its :math:`D^3` factorization, set the pace),
+        :math:`D\times D` tables, not yet its :math:`D^3` factorization, set the pace),
         and smoothing :math:`2.5\cdot10^5\,D` (5.1 and 8.1 ms), plus the dense covariance's
         preparation, :math:`15\,D^3` once: they break even near D = 470, and the default
         single mask per datapoint near D = 290 at N = 20. Only where the sequences share
