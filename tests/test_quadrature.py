@@ -241,6 +241,12 @@ def test_dirichlet_categorical_matches_the_dirichlet_multinomial_evidence(float6
     pyro.clear_param_store()
     ev = Evidence(model, method="quadrature", num_nodes=200).estimate(x)
     assert np.abs(ev.log_evidence.detach().numpy() - ref).max() < 1e-8
+    # what the refusal of a Multinomial observation says (engine-multinomial-counts):
+    # the counts' log p is the draws' plus the log multinomial coefficient
+    from scipy.stats import dirichlet_multinomial
+    coef = gammaln(D + 1) - gammaln(counts + 1).sum(1)
+    dm = dirichlet_multinomial(alpha0.numpy(), D).logpmf(counts)
+    assert np.abs(ev.log_evidence.detach().numpy() + coef - dm).max() < 1e-8
     assert float(ev.stderr.max()) < 1e-8
     # the default grid (8 nodes a dim) is not exact here; its error estimate says so
     coarse = Evidence(model, method="quadrature").estimate(x)

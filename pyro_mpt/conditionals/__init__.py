@@ -139,8 +139,9 @@ REQUIREMENTS = {
     "of units (e.g. token_plates=('data',)) and outside it, and a Normal observation "
     "affine in them",
     "quadrature": "an observation that factorizes over tokens given continuous "
-    "latents local to each datapoint (Normal/MultivariateNormal, or scalar "
-    "Gamma, Beta, Uniform, ...) with at most 4 latent dims per datapoint",
+    "latents local to each datapoint (Normal/MultivariateNormal, scalar "
+    "Gamma, Beta, Uniform, ..., or Dirichlet) with at most 4 latent dims per datapoint "
+    "(a Dirichlet over K categories counts K - 1)",
     "enumerate": "discrete latents with finite support (Categorical, Bernoulli, "
     "...) local to each datapoint, at most max_support joint values, and tokens "
     "independent given them (or, with Normal latents too, linear-Gaussian components)",

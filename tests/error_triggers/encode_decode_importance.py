@@ -22,6 +22,16 @@ def _():
     MaskedPretrainingLoss(conditionals="importance").loss(model, guide, x)
 
 
+@trigger("engine-multinomial-counts")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            theta = pyro.sample("theta", dist.Dirichlet(torch.ones(3)))
+            pyro.sample("x", dist.Multinomial(5, theta), obs=x)
+
+    MaskedPretrainingLoss(conditionals="importance").loss(model, None, torch.tensor([[2.0, 2.0, 1.0], [0.0, 5.0, 0.0]]))
+
+
 @trigger("encode-decode-autoguide")
 def _():
     from pyro.infer.autoguide import AutoDiagonalNormal
