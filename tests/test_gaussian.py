@@ -924,3 +924,31 @@ def test_lowrank_precision_is_checked_once_per_call_and_the_loss_unchanged(monke
     got = torch.autograd.grad(value, W)[0]
     want = torch.autograd.grad(-exact(x).sum(), W)[0]  # torch's MultivariateNormal
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-8, atol=1e-10)
+
+
+def test_affine_transformed_normal_observation_is_gaussian(float64):
+    # TransformedDistribution(Normal(m, s), [AffineTransform(a, b)]) is N(a + b m, |b| s):
+    # the Gaussian engine read it for latents but refused it as an observation
+    # ("needs a Gaussian observed site; 'x' is TransformedDistribution"), so
+    # Evidence(method='exact') failed and "auto" fell to quadrature (K <= 4) or
+    # importance sampling. The transform's location may depend on the latents.
+    # Reference: scipy's Gaussian marginal.
+    from scipy.stats import multivariate_normal
+
+    g = torch.Generator().manual_seed(5)
+    n, D, K, s = 5, 6, 5, 0.6
+    W = torch.randn(D, K, generator=g)
+    c = torch.randn(D, generator=g)
+    x = torch.randn(n, K, generator=g) @ W.T + c + s * torch.randn(n, D, generator=g)
+    ref = multivariate_normal(c.numpy(), (W @ W.T).numpy() + s**2 * np.eye(D)).logpdf(x.numpy())
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            fn = dist.TransformedDistribution(dist.Normal(c / 4, s / 2), [dist.transforms.AffineTransform(z @ W.T + c / 2, 2.0)])
+            pyro.sample("x", fn.to_event(1), obs=x)
+
+    assert np.abs(Evidence(model, method="exact")(x).detach().numpy() - ref).max() < 1e-8
+    for masks in ["exhaustive", "order"]:
+        score = MaskedPretrainingLoss(masks=masks).score(model, None, x)  # "auto": the Gaussian engine
+        assert np.abs(score.detach().numpy() - ref).max() < 1e-8

@@ -173,6 +173,9 @@ def _observation_parts(fn, tokens):
     """
     name = tokens.name
     base, _ = unwrap(fn, masks=True)
+    if affine_normal(base) is not None:
+        # TransformedDistribution(Normal, [AffineTransform]): a Normal
+        base = affine_normal(base)
     if is_block_gaussian(base, fn, tokens):
         # several independent blocks of tokens, or a GaussianHMM: moments built there
         return block_diagonal_parts(base, fn, tokens)
