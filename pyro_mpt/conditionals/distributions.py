@@ -177,14 +177,17 @@ def check_factorized(fn, name, who, error=EngineNotApplicable,
     base = base_distribution(fn)
     if len(base.event_shape) > 0 and isinstance(base, (dist.Multinomial, dist.DirichletMultinomial)):
         # counts are a summary of draws: the draws are the tokens
+        draws = "dist.Categorical(probs.unsqueeze(-2).expand(..., total_count, K)).to_event(1)"
+        if isinstance(base, dist.DirichletMultinomial):
+            # its draws share the Dirichlet: a latent, not independent tokens
+            draws = (f"probs = pyro.sample(..., dist.Dirichlet(concentration)) in the data plate, "
+                     f"then {draws}")
         raise error(
             f"{who} needs the tokens of observed site {name!r} to be independent given "
             f"the latents, but it is {type(base).__name__}: its count vector of event "
             f"shape {tuple(base.event_shape)} does not factorize over categories. Observe "
-            f"the draws as Categorical tokens instead, "
-            f"dist.Categorical(probs.unsqueeze(-2).expand(..., total_count, K)).to_event(1) "
-            f"(log p of the counts is that of the draws plus log of the multinomial "
-            f"coefficient, a constant); {instead}."
+            f"the draws as Categorical tokens instead, {draws} (log p of the counts is "
+            f"that of the draws plus log of the multinomial coefficient, a constant); {instead}."
         )
     if len(base.event_shape) > 0:
         raise error(
