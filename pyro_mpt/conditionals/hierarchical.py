@@ -458,6 +458,14 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         x = _to_work(state, x)
         return _to_data(state, torch.cat([chain_terms(state, x, order[s : s + per]) for s in range(0, order.shape[0], per)], 0))
 
+    def chain_sums(self, state, x, order, observed=None):
+        r"""Every complete ordering of the hierarchy's one Gaussian joint telescopes to
+        :math:`\log p(x)` (the chain rule), so the sums are :meth:`log_evidence`, one
+        posterior factorization, instead of the ordering's suffix sums
+        (:meth:`chain_log_prob`, :math:`O(D K^2)` an ordering); with ``observed``
+        (missing tokens first in every ordering) the density of the observed tokens."""
+        return self.log_evidence(state, x, observed).expand(order.shape[0], x.shape[0])
+
     def log_evidence(self, state, x, observed=None):
         r""":math:`\log p(x)` per datapoint, ``(n,)``; with ``observed`` ``(n, D)`` the density of the observed tokens."""
         self._check_x(state, x)
