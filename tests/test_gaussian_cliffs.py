@@ -579,3 +579,30 @@ def test_pll_with_a_noise_scale_per_datapoint_factors_each_datapoint_once(method
     ref = -(-0.5 * (torch.log(2 * math.pi * var) + (Ki @ x.unsqueeze(-1)).squeeze(-1) ** 2 * var)).sum()
     for got, exp in zip(grads, torch.autograd.grad(ref, leaves)):
         assert torch.allclose(got, exp, rtol=1e-8, atol=1e-8 * float(exp.abs().max()))
+
+
+def test_leave_one_out_targets_against_a_row_by_row_check():
+    """leave_one_out_targets (one count over the table, then each row's first target) finds
+    the target of every query exactly when each row hides one token, as a row-by-row
+    Python check says: tables with a row of two targets and one of none (the same total),
+    one query, an empty row, and a strided (non-contiguous) table."""
+    from pyro_mpt.conditionals.gaussian_leave_one_out import leave_one_out_targets
+
+    def brute(mask):
+        rows = [torch.nonzero(r)[:, 0].tolist() for r in mask]
+        if mask.shape[0] < 2 or any(len(r) != 1 for r in rows):
+            return None
+        return [r[0] for r in rows]
+
+    g = torch.Generator().manual_seed(3)
+    eye = torch.eye(7, dtype=torch.bool)[torch.randperm(7, generator=g)]
+    two_and_none = eye.clone()
+    two_and_none[1, :] = False
+    two_and_none[2, torch.nonzero(eye[1])[0, 0]] = True
+    cases = [eye, two_and_none, eye[:1], eye & False, eye.T.contiguous().T[:, ::2], eye[:, :5]]
+    for mask in cases:
+        got = leave_one_out_targets(mask)
+        want = brute(mask)
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert got.tolist() == want

@@ -55,9 +55,14 @@ def leave_one_out_targets(mask):
         >>> leave_one_out_targets(torch.eye(3, dtype=torch.bool)[[2, 0]])
         tensor([2, 0])
     """
-    if mask.shape[0] < 2 or not bool((mask.sum(-1) == 1).all()):
+    # one count over the whole table (a per-row sum of bools promotes them to int64:
+    # 60 ms at 4000 x 4000, against 4 ms), then each row's first target must be one
+    if mask.shape[0] < 2 or int(torch.count_nonzero(mask)) != mask.shape[0]:
         return None
-    return mask.to(torch.uint8).argmax(-1)
+    targets = mask.view(torch.uint8).argmax(-1)
+    if not bool(mask.gather(-1, targets.unsqueeze(-1)).all()):
+        return None  # a query without a target, so another with several
+    return targets
 
 
 def leave_one_out_from_full(e, psi, spread):

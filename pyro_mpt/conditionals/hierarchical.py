@@ -424,6 +424,15 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         mean, spread = self._moments(state, x, nothing)
         return _to_data(state, leave_one_out_from_full(x - mean[0], state.psi, spread[0]).T[targets])
 
+    def weighted_sum_elements(self, state, x, mask=None):
+        """Elements of the working set per query: ``n`` for masks ``(q, D)`` that each hide
+        one token (the ``"pll"`` schedule: the full-data posterior serves them all, so
+        :func:`~pyro_mpt.estimate.mpt_estimate` keeps them in one group instead of
+        blocks that each redo it, recomputed in the backward pass), else ``n * D``."""
+        if mask is not None and leave_one_out_targets(mask) is not None:
+            return x.shape[0]
+        return super().weighted_sum_elements(state, x, mask)
+
     def _masks(self, state, x, mask):
         mean, spread = self._moments(state, x, mask)
         var = state.psi + spread
