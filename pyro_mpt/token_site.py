@@ -16,6 +16,7 @@ datapoints themselves). The flattened token order is the site's layout: the
 token-plate dims in their batch order, then the event dims.
 """
 
+import pyro.distributions as dist
 from pyro.poutine.util import site_is_subsample
 
 from .site_checks import data_event_shape, is_factor
@@ -36,6 +37,28 @@ def sample_sites(trace):
         for site in trace.nodes.values()
         if site["type"] == "sample" and not site_is_subsample(site)
     ]
+
+
+def holds_no_data(site):
+    """Whether an observed sample site only records a value: ``pyro.deterministic`` (and the
+    combined site Pyro records for ``obs_mask``), or the ``Delta(...).mask(False)`` that
+    ``poutine.reparam`` leaves at a reparameterized latent (``LocScaleReparam``,
+    ``TransformReparam``: the value computed from the new latent, log-density 0)."""
+    if site["infer"].get("_deterministic"):
+        return True
+    fn = site["fn"]
+    return (
+        isinstance(fn, dist.MaskedDistribution)
+        and fn._mask is False
+        and isinstance(unwrap_masks(fn.base_dist), dist.Delta)
+    )
+
+
+def unwrap_masks(fn):
+    # Independent and mask wrappers, as .to_event / .mask stack them
+    while isinstance(fn, (dist.Independent, dist.MaskedDistribution)):
+        fn = fn.base_dist
+    return fn
 
 
 def _describe_plates(frames):
@@ -104,8 +127,9 @@ def locate_site(model_trace, obs_site):
     :raises ValueError: when there is no such site, or several and no ``obs_site``.
     """
     sites = sample_sites(model_trace)
-    # pyro.deterministic sites (and the combined site Pyro records for obs_mask) hold no data
-    observed = [s for s in sites if s["is_observed"] and not s["infer"].get("_deterministic")]
+    # pyro.deterministic sites (and the combined site Pyro records for obs_mask, and
+    # poutine.reparam's record of a reparameterized latent) hold no data
+    observed = [s for s in sites if s["is_observed"] and not holds_no_data(s)]
     factors = [s for s in observed if is_factor(s)]
     observed = [s for s in observed if not is_factor(s)]
     if obs_site is None:
@@ -133,7 +157,7 @@ def locate_site(model_trace, obs_site):
         if site["type"] == "sample" and site["infer"].get("_deterministic"):
             # obs_mask=... records the data at '<name>_observed'
             site = model_trace.nodes.get(f"{obs_site}_observed", site)
-        if site["type"] != "sample" or not site["is_observed"] or site["infer"].get("_deterministic"):
+        if site["type"] != "sample" or not site["is_observed"] or holds_no_data(site):
             raise ValueError(
                 f"obs_site={obs_site!r} is not an observed sample site; pass the data "
                 f"with pyro.sample({obs_site!r}, dist, obs=x)."
