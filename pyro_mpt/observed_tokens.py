@@ -476,7 +476,7 @@ def trace_tokens(
         # surfaced as a misleading "does not broadcast" fallback or refusal); more is harmless
         max_plate_nesting = used
     site, latents, others = locate_site(model_trace, obs_site)
-    check_extra_sites(site, others, extra_sites)
+    check_extra_sites(site, others, extra_sites, order=list(model_trace.nodes))
     layout, plates = site_layout(site, latents, token_plates)
     raw = site["value"]
     check_shape(site, raw)

@@ -54,9 +54,15 @@ def is_factor(site):
     return isinstance(site["fn"], dist.Unit)
 
 
-def check_extra_sites(site, others, extra_sites):
+def check_extra_sites(site, others, extra_sites, order=None):
     """Refuse observed sites and factors other than ``site`` that the estimate would drop,
-    unless ``extra_sites="drop"``."""
+    unless ``extra_sites="drop"``.
+
+    :param list order: the model trace's site names in program order (None: every other
+        observed site is taken to come after ``site``). A site observed before the token
+        site may feed it (``poutine.condition`` on a latent): its value stays in the model
+        as given, so the message says the result is conditional on it, not marginal.
+    """
     if extra_sites not in ("error", "drop"):
         raise ValueError(
             f"extra_sites={extra_sites!r}: use 'error' (refuse models with other observed "
@@ -67,11 +73,23 @@ def check_extra_sites(site, others, extra_sites):
     observed = [s["name"] for s in others if not is_factor(s)]
     factors = [s["name"] for s in others if is_factor(s)]
     parts = []
-    if observed:
+    position = {name: i for i, name in enumerate(order or [])}
+    here = position.get(site["name"], -1)
+    before = [o for o in observed if position.get(o, here + 1) < here]
+    after = [o for o in observed if o not in before]
+    name = site["name"]
+    if before:
+        given = ", ".join(before)
         parts.append(
-            f"observed site(s) {', '.join(map(repr, observed))} (integrated out: the "
-            f"result is log p({site['name']}), not log p({site['name']} | "
-            f"{', '.join(observed)}))"
+            f"the log-density of observed site(s) {', '.join(map(repr, before))}, sampled "
+            f"before {name!r} (their values stay where the model reads them, as given: the "
+            f"result is log of the integral of p({name} | latents, {given}) over the "
+            f"latents' prior, which is log p({name} | {given}) when {given} depend(s) on no latent)"
+        )
+    if after:
+        parts.append(
+            f"observed site(s) {', '.join(map(repr, after))} (integrated out: the "
+            f"result is log p({name}), not log p({name} | {', '.join(after)}))"
         )
     if factors:
         parts.append(

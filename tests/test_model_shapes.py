@@ -1276,3 +1276,34 @@ def test_poutine_reparam_models_are_served_as_their_originals(float64):
     for fn in (model, poisson_lognormal):
         score = MaskedPretrainingLoss(masks="order").score(fn, None, counts)  # "auto": quadrature
         assert np.abs(score.detach().numpy() - ref).max() < 1e-8
+
+
+def test_a_latent_fixed_by_poutine_condition_is_a_given_value(float64):
+    # poutine.condition(model, {"z": z0}) makes the latent z an observed site
+    # sampled before x. The refusal said the result would be "log p(x), not
+    # log p(x | z)" (z integrated out); it is the reverse: the model reads z0 as
+    # given, and extra_sites="drop" gives log p(x | z = z0) with the other latent
+    # integrated out. Reference: scipy's N(x; W z0, s^2 I + 1 1^T).
+    from scipy.stats import multivariate_normal
+
+    g = torch.Generator().manual_seed(6)
+    N, D, K, s = 6, 5, 2, 0.7
+    W = torch.randn(D, K, generator=g)
+    x = torch.randn(N, D, generator=g)
+    z0 = torch.randn(N, K, generator=g)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            shift = pyro.sample("shift", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal(z @ W.T + shift.unsqueeze(-1), s).to_event(1), obs=x)
+
+    conditioned = poutine.condition(model, data={"z": z0})
+    with pytest.raises(ValueError, match=r"drop the log-density of observed site\(s\) 'z', sampled before 'x' .*log p\(x \| z\) when z depend"):
+        Evidence(conditioned, obs_site="x")(x)
+    cov = s**2 * np.eye(D) + np.ones((D, D))
+    ref = np.array([multivariate_normal((W @ z0[i]).numpy(), cov).logpdf(x[i].numpy()) for i in range(N)])
+    drop = dict(obs_site="x", extra_sites="drop")
+    assert np.abs(Evidence(conditioned, **drop)(x).detach().numpy() - ref).max() < 1e-8
+    score = MaskedPretrainingLoss(masks="order", **drop).score(conditioned, None, x)
+    assert np.abs(score.detach().numpy() - ref).max() < 1e-8

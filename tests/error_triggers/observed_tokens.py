@@ -190,6 +190,15 @@ def _():
     MaskedPretrainingLoss(obs_site="x").loss(_two_observed_sites, None, _x(), _x()[:, :1])
 
 
+@trigger("sites-extra-observed-before")
+def _():
+    from pyro import poutine
+
+    z0 = torch.zeros(_x().shape[0], 1)
+    conditioned = poutine.condition(_two_observed_sites, data={"z": z0})
+    MaskedPretrainingLoss(obs_site="x").loss(conditioned, None, _x(), _x()[:, :1])
+
+
 @trigger("sites-extra-factor")
 def _():
     model, x = _ppca()
