@@ -38,6 +38,13 @@ class QuadratureState:
         streamed table it is filled by the first query).
     :param torch.Tensor axis_ess: the same per grid axis, ``(n, K)``
         (:func:`~pyro_mpt.conditionals.quadrature_rules.effective_nodes`).
+    :param tuple frame: for an adaptive grid, ``(centre (r, K), sqrt_cov (r, K, K),
+        std_nodes (Q, K), std_log_weights (Q,))``: the nodes are
+        ``centre + sqrt_cov @ std_nodes`` (:func:`~pyro_mpt.conditionals.quadrature_rules.affine_grid`);
+        None for a prior-centred grid.
+    :param quadratics: the table's projection onto quadratics
+        (:func:`~pyro_mpt.conditionals.quadrature_contexts.token_quadratics`),
+        computed by the first query that needs it.
     """
 
     nodes: torch.Tensor
@@ -50,6 +57,8 @@ class QuadratureState:
     ess: Optional[torch.Tensor] = None
     axis_ess: Optional[torch.Tensor] = None
     ess_pending: bool = False
+    frame: Optional[tuple] = field(default=None, repr=False)
+    quadratics: object = field(default=None, repr=False)
 
     @property
     def num_nodes(self):
@@ -84,6 +93,18 @@ class QuadratureState:
         logw = self.log_weights[:, sl] + log_pi.transpose(0, 1)
         # a strided view: the reductions are batched matrix products that read it as is
         return MixtureChunk(logw, logp.transpose(0, 1))
+
+    def detached_parts(self):
+        """``(slice, log_prior (r, Q_c), table (n, Q_c, D))`` per chunk, detached: the kept
+        chunks as they are, the streamed ones run again without a graph."""
+        with torch.no_grad():
+            for sl in self.slices():
+                index = sl.start // self.node_chunk
+                kept = self.chunks is not None and index < len(self.chunks)
+                chunk = self.chunks[index] if kept else self.compute_chunk(sl)
+                # the chunk's weights are the rule's times the prior density at the nodes
+                log_prior = chunk.log_weights.detach() - self.log_weights[:, sl].to(chunk.log_weights.dtype)
+                yield sl, log_prior, chunk.table.detach()
 
     def reduce(self, reducer, *inputs, check_ess=None):
         """Apply ``reducer(chunk, *inputs)`` to every chunk of the table; combine with logaddexp.
