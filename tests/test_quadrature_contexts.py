@@ -179,3 +179,36 @@ def test_exhaustive_mpt_with_context_grids_recovers_the_true_evidence(float64):
     assert np.abs(score.detach().numpy() - truth).max() < 5e-3
     ev = Evidence(model, method="quadrature")(x).detach().numpy()
     assert np.abs(ev - truth).max() < 1e-4
+
+
+def test_evidence_error_estimate_covers_the_true_error(float64):
+    """Evidence(method="quadrature")'s stderr against a dense numpy grid, on the
+    case where the 2m/3-node rule alone was optimistic (a 2-D latent, 3 Poisson
+    tokens, 20 datapoints: one true error 2.4 times that difference): with the
+    (m - 1)-node rule compared too, every datapoint is covered."""
+    D, K, n = 3, 2, 20
+    g = torch.Generator().manual_seed(0)
+    W = 0.5 * torch.randn(D, K, generator=g, dtype=torch.float64)
+    z = torch.randn(n, K, generator=g, dtype=torch.float64)
+    x = torch.poisson(torch.exp(z @ W.T), generator=g)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            zz = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([K]).to_event(1))
+            pyro.sample("x", dist.Poisson(torch.exp(zz @ W.T)).to_event(1), obs=x)
+
+    from scipy.special import gammaln
+
+    a = np.linspace(-9, 9, 601)
+    Z = np.stack(np.meshgrid(a, a, indexing="ij"), -1).reshape(-1, 2)
+    f = Z @ W.numpy().T  # log-rates (G, D)
+    xs = x.numpy()
+    log_lik = f @ xs.T - np.exp(f).sum(1)[:, None] - gammaln(xs + 1).sum(1)[None]  # (G, n): Poisson log-pmf, summed
+    truth = logsumexp(stats.norm.logpdf(Z).sum(1)[:, None] + log_lik, 0) + 2 * math.log(a[1] - a[0])
+    ev = Evidence(model, method="quadrature").estimate(x)
+    value = ev.log_evidence.detach().numpy()
+    true = np.abs(value - truth)
+    assert (true <= ev.stderr.numpy()).all()
+    coarse_only = np.abs(value - ev.diagnostics["coarse"].numpy())
+    assert (true > coarse_only).any()  # the case the second rule is there for
+    assert ev.diagnostics["previous"] is not None

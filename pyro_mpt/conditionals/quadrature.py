@@ -19,14 +19,18 @@ two mixture sums over the same nodes,
     - \operatorname*{logsumexp}_q \Big[\log\omega_q + \sum_{r\in\mathcal R} T_{qr}\Big],
     \qquad T_{qd} = \log p(x_d \mid z_q),
 
-so all conditionals come from one joint measure (the mixture): Proposition 1
-holds exactly for them, with :math:`\log p(x)` the mixture's evidence. The
-normalizer of the empty context is taken as exactly one (the prior's integral,
-which the prior-centred Gauss–Hermite rule for Normal latents reproduces to
-rounding): the chain rule then telescopes to the rule's
+On one grid all conditionals come from one joint measure (the mixture):
+Proposition 1 holds exactly for them, with :math:`\log p(x)` the mixture's
+evidence. The normalizer of the empty context is taken as exactly one (the
+prior's integral, which the prior-centred Gauss–Hermite rule for Normal latents
+reproduces to rounding): the chain rule then telescopes to the rule's
 :math:`\log \sum_q \omega_q \prod_d p(x_d\mid z_q)`, which is accurate for
 adaptive grids, rather than to that value minus the log of the grid's (poor)
-estimate of :math:`\int p(z)\,dz`.
+estimate of :math:`\int p(z)\,dz`. The default adaptive rule gives a query
+whose context the full-posterior grid does not resolve a grid of its own
+(*context grids*, :mod:`~pyro_mpt.conditionals.quadrature_contexts`): each
+conditional is then accurate by itself, and exhaustive MPT recovers the true
+:math:`\log p(x)` to the rule's accuracy instead of the mixture's to rounding.
 
 **The table.** :math:`T` (per datapoint, ``(Q, D)``) is read off the Pyro model
 itself (:class:`~pyro_mpt.conditionals.quadrature_nodes.NodeRunner`): the
@@ -69,10 +73,18 @@ Poisson, Beta, ...).
   graph), with the same change-of-variables weights, so the rule stays valid
   for any centre. Prior-centred grids need hundreds of nodes per dimension
   once D is large, because the posterior is much narrower than the prior; the
-  adaptive grid needs about a dozen. Caveat: conditionals with few context tokens
-  are then those of the mixture on nodes centred on the full posterior; they
-  still telescope exactly to the (accurate) :math:`\log p(x)`, but to study the
-  curve :math:`S(x; M)` at large mask rates use a prior-centred grid.
+  adaptive grid needs about a dozen.
+* ``context_grids=True`` (with ``adaptive``, the default): a masked
+  conditional is an expectation under the posterior given its *context*, which
+  is wider than the full one and, when an outlying token is hidden, centred
+  elsewhere. Each query whose context's Gaussian model the full grid does not
+  resolve (to :func:`~pyro_mpt.conditionals.quadrature_contexts.resolved_tol`)
+  is integrated on a grid centred and scaled on that model, and every log-sum
+  gets the closed-form correction that makes the rule exact for Gaussian
+  likelihoods (:func:`~pyro_mpt.conditionals.quadrature_contexts.gaussian_corrections`).
+  ``log_evidence`` and the chain-rule sums use the full grid;
+  ``chain_log_prob`` (per-position terms along orderings, for curves) uses it
+  too, so its terms at large masking rates are those of the one mixture.
 
 **Cost and memory.** A block of ``q`` masks costs one ``(Q, D) x (D, q)`` and one
 ``(q, Q) x (Q, D)`` matrix product per datapoint (in exp-space with max shifts,

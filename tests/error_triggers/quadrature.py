@@ -162,3 +162,17 @@ def _():
     MaskedPretrainingLoss(conditionals=QuadratureConditionals(newton_steps=0)).loss(model, None, x)
 
 
+
+
+@trigger("evidence-quadrature-inaccurate")
+def _():
+    g = torch.Generator().manual_seed(0)
+    W = 1.5 * torch.randn(3, 2, generator=g)
+    x = torch.poisson(torch.exp(torch.randn(6, 2, generator=g) @ W.T), generator=g)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Poisson(torch.exp(z @ W.T)).to_event(1), obs=x)
+
+    Evidence(model, method="quadrature", num_nodes=3)(x)
