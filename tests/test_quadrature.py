@@ -625,7 +625,7 @@ def test_prior_centred_evidence_warns_and_its_error_covers_the_truth(float64):
     coarse = np.maximum(
         np.abs(value - ev.diagnostics["coarse"].numpy()), np.abs(value - ev.diagnostics["previous"].numpy())
     )
-    assert (error <= np.maximum(coarse, true_error + 1e-6)).all()
+    assert (error <= np.maximum(coarse, true_error + 1e-6) + 1e-12).all()  # + the rounding term
     assert float(ev.diagnostics["axis_ess"].min()) < 1.95
     ref = ev.diagnostics["reference"].numpy()
     assert np.abs(ref - truth).max() < 1e-8
