@@ -253,6 +253,26 @@ def support_ok(layout, site):
     return layout.to_tokens(ok).reshape(layout.num_data, -1)
 
 
+def _support_text(support, layout, i, j):
+    """``(support, where)`` for the message: a support with bounds per token (a Binomial's
+    total_count) would print its whole bound tensors, so it is named with its bounds at the
+    offending token instead."""
+    cls = type(support).__name__.lstrip("_")
+    bounds = {k: v for k, v in vars(support).items() if torch.is_tensor(v) and v.numel() > 1}
+    if not bounds:
+        return str(support), ""
+    parts = []
+    for k, v in vars(support).items():
+        if k in bounds:
+            try:
+                v = layout.to_tokens(v.detach())[i, j]
+            except (RuntimeError, ValueError, IndexError):
+                return f"{cls} (bounds per token)", ""
+        if torch.is_tensor(v) or isinstance(v, (int, float)):
+            parts.append(f"{k.strip('_')}={float(v):g}")
+    return f"{cls} (bounds per token)", f", where it is {cls}({', '.join(parts)})"
+
+
 def validate_values(layout, site, flat, observed):
     """Refuse non-finite tokens and tokens outside the support of the site's distribution
     (observed ones only: missing tokens may hold any placeholder).
@@ -290,10 +310,11 @@ def validate_values(layout, site, flat, observed):
     if not ok.all():
         i, j = (~ok).nonzero()[0].tolist()
         base = elementwise(site["fn"])
+        support, where = _support_text(base.support, layout, i, j)
         raise ValueError(
             f"Observed site {name!r} has {int((~ok).sum())} value(s) outside the support "
-            f"{base.support} of its {type(base).__name__} distribution, e.g. "
-            f"{float(flat[i, j]):g} at datapoint {i}, token {j}; Pyro's log_prob refuses "
+            f"{support} of its {type(base).__name__} distribution, e.g. "
+            f"{float(flat[i, j]):g} at datapoint {i}, token {j}{where}; Pyro's log_prob refuses "
             f"such data (Trace_ELBO raises on it). Pass data in the support (e.g. 0/1 for a "
             f"Bernoulli, non-negative integers for a Poisson), use an observation "
             f"distribution whose support holds the data, or mark the values missing with "

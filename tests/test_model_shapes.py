@@ -903,6 +903,27 @@ def test_out_of_support_data_is_refused_by_every_engine_and_evidence(float64, li
     assert torch.allclose(loss.score(model, None, x), expected, atol=1e-7)
 
 
+def test_out_of_support_message_names_per_token_bounds_at_the_offending_token(float64):
+    # A Binomial with a total count per token has a support whose bounds are
+    # tensors: the message printed them whole (a 5 x 4 tensor here, thousands of
+    # lines for a real data set). It now names the bound at the offending token,
+    # checked against the total count written here.
+    total = torch.tensor([3.0, 5.0, 8.0, 2.0])
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            p = pyro.sample("p", dist.Beta(2.0, 3.0))
+            pyro.sample("x", dist.Binomial(total, p.unsqueeze(-1).expand(p.shape + (4,))).to_event(1), obs=x)
+
+    x = torch.tensor([[1.0, 2.0, 3.0, 1.0]] * 5)
+    x[3, 1] = 6.0  # above its total count of 5
+    with pytest.raises(ValueError) as info:
+        MaskedPretrainingLoss().loss(model, None, x)
+    message = str(info.value)
+    assert "e.g. 6 at datapoint 3, token 1, where it is IntegerInterval(lower_bound=0, upper_bound=5);" in message
+    assert "tensor" not in message and len(message) < 600
+
+
 def test_validation_off_turns_the_per_step_checks_off(float64):
     """Under pyro.validation_enabled(False), as in Pyro, the data is not checked: the
     Bernoulli observation of 2 is scored with Pyro's formula x z - softplus(z) (scipy
