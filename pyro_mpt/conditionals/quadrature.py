@@ -226,7 +226,10 @@ class QuadratureConditionals(ConditionalEngine):
     :param int max_latent_dim: refuse models with more latent dims than this.
     :param int cache_elements: keep the ``n x Q x D`` table, chunk by chunk from the
         first, up to this many entries (all of it when it has at most this many);
-        stream the other chunks (each costs one more model run per pass).
+        stream the other chunks (each costs one more model run per pass). The
+        context grids' tables of one query block are kept with their graph when
+        they fit in what the full table leaves of it, else each of their chunks is
+        recomputed in the backward pass.
     :param int max_elements: entries per table chunk (``Q_c n D``) and per
         intermediate of the chain-rule path.
     :param int max_node_runs: for a model that does not broadcast over the
@@ -495,7 +498,8 @@ class QuadratureConditionals(ConditionalEngine):
                 dnum, dden = gaussian_corrections(quad, frames, target[rows], e, log_w, self.max_elements)
             num, den = context_partials(
                 state.runner, e, log_w, frames.centre, frames.sqrt_cov, ctx[rows], self.max_elements,
-                keep_elements=self.cache_elements,
+                # one cache for both tables: what the full one keeps, the context ones cannot
+                keep_elements=self.cache_elements - len(state.chunks or ()) * state.node_chunk * n * D,
             )
             parts.append((rows, num + dnum.to(num.dtype), den + dden.to(den.dtype)))
         if len(parts) == 1:

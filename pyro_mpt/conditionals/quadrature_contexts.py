@@ -84,6 +84,49 @@ class TokenQuadratics:
         self.finite = finite
 
 
+def _project(T, basis):
+    """``(n, D, B)``: ``sum_q T[n, q, d] basis[q, b]``, one matrix product over the
+    table's node dim (the engine's chunks are ``(Q_c, n, D)`` in memory)."""
+    n, Qc, D = T.shape
+    X = T.transpose(0, 1)
+    if X.is_contiguous():
+        return (basis.T @ X.reshape(Qc, n * D)).reshape(-1, n, D).permute(1, 2, 0)
+    return torch.einsum("nqd,qb->ndb", T, basis)
+
+
+def _small_solve(M, beta):
+    """``(log det M, M^{-1} beta, ok)`` for a batch of symmetric ``K x K`` matrices, ``ok``
+    where ``M`` is positive definite; closed forms for ``K <= 3`` (batched LAPACK calls
+    on 2 x 2 matrices cost more than the rest of the corrections)."""
+    K = M.shape[-1]
+    if K == 1:
+        d = M[..., 0, 0]
+        ok = d > 0
+        return d.clamp_min(1e-300).log(), beta / torch.where(ok, d, torch.ones_like(d))[..., None], ok
+    if K in (2, 3):
+        if K == 2:
+            a, b, c = M[..., 0, 0], M[..., 0, 1], M[..., 1, 1]
+            det = a * c - b * b
+            ok = (a > 0) & (det > 0)
+            adj = torch.stack([torch.stack([c, -b], -1), torch.stack([-b, a], -1)], -2)
+        else:
+            r0, r1, r2 = M[..., 0, :], M[..., 1, :], M[..., 2, :]
+            c0, c1, c2 = torch.linalg.cross(r1, r2), torch.linalg.cross(r2, r0), torch.linalg.cross(r0, r1)
+            det = (r0 * c0).sum(-1)
+            minor2 = M[..., 0, 0] * M[..., 1, 1] - M[..., 0, 1] * M[..., 1, 0]
+            ok = (M[..., 0, 0] > 0) & (minor2 > 0) & (det > 0)
+            adj = torch.stack([c0, c1, c2], -1)  # symmetric M: the adjugate's columns
+        safe = torch.where(ok, det, torch.ones_like(det))
+        y = (adj @ beta.unsqueeze(-1)).squeeze(-1) / safe[..., None]
+        return safe.log(), y, ok
+    eye = torch.eye(K, dtype=M.dtype, device=M.device)
+    chol, info = torch.linalg.cholesky_ex(M)
+    ok = info == 0
+    chol = torch.where(ok[..., None, None], chol, eye.expand_as(chol))
+    y = torch.cholesky_solve(beta.unsqueeze(-1), chol).squeeze(-1)
+    return 2 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1), y, ok
+
+
 def token_quadratics(std_nodes, std_log_weights, parts):
     r"""Project the prior and the table onto quadratics in :math:`e`, chunk by chunk.
 
@@ -123,14 +166,16 @@ def token_quadratics(std_nodes, std_log_weights, parts):
             shift_pi = torch.nan_to_num(log_pi[:, :1], nan=0.0, posinf=0.0, neginf=0.0)
         # the K first and K^2 second Hermite functions, weighted: one matrix product each
         basis = w[:, None] * torch.cat([e, (e[:, :, None] * e[:, None, :] - eye).reshape(-1, K * K)], -1)
-        ok = torch.isfinite(T).all(-1).all(-1) & torch.isfinite(log_pi).all(-1)
-        finite = ok if finite is None else finite & ok
         Tc, lc = T - shift_T, log_pi - shift_pi
-        if not bool(ok.all()):
-            Tc = torch.nan_to_num(Tc, nan=0.0, posinf=0.0, neginf=0.0)
-            lc = torch.nan_to_num(lc, nan=0.0, posinf=0.0, neginf=0.0)
-        tok = torch.einsum("nqd,qb->ndb", Tc, basis)  # (n, D, K + K^2)
+        tok = _project(Tc, basis)
         pri = lc @ basis  # (r, K + K^2)
+        # a non-finite entry leaves its token's projections non-finite (the weights are
+        # positive): found on the small results, not the table
+        ok = torch.isfinite(tok).all(-1).all(-1) & torch.isfinite(pri).all(-1)
+        if not bool(ok.all()):
+            tok = _project(torch.nan_to_num(Tc, nan=0.0, posinf=0.0, neginf=0.0), basis)
+            pri = torch.nan_to_num(lc, nan=0.0, posinf=0.0, neginf=0.0) @ basis
+        finite = ok if finite is None else finite & ok
         part = (
             pri[:, :K],
             pri[:, K:].reshape(-1, K, K),
@@ -279,24 +324,21 @@ def gaussian_corrections(quad, frames, target, std_nodes, std_log_weights, max_e
     alpha0 = eye - Lt @ frames.precision @ L  # (q, n, K, K)
     e = std_nodes.to(dtype)
     lw = std_log_weights.to(dtype)
-    # the quadratic form on the nodes as one product: e^T alpha e = <vec(alpha), vec(e e^T)>
-    ee = (e[:, :, None] * e[:, None, :]).reshape(-1, K * K)  # (Q, K^2)
+    # the linear and quadratic forms on the nodes as one product:
+    # beta^T e + e^T alpha e / 2 = <(beta, vec(alpha)), (e, vec(e e^T) / 2)>
+    features = torch.cat([e, 0.5 * (e[:, :, None] * e[:, None, :]).reshape(-1, K * K)], -1).T  # (K + K^2, Q)
 
     def rule(beta, alpha):  # (t, K), (t, K, K) -> log sum_k w_k g(e_k), (t,)
         step = max(1, max_elements // max(1, e.shape[0]))
         out = []
         for s in range(0, beta.shape[0], step):
-            expo = beta[s : s + step] @ e.T + 0.5 * (alpha[s : s + step].reshape(-1, K * K) @ ee.T)
-            out.append(torch.logsumexp(expo + lw, -1))
+            coef = torch.cat([beta[s : s + step], alpha[s : s + step].reshape(-1, K * K)], -1)
+            out.append(torch.logsumexp(torch.addmm(lw, coef, features), -1))
         return torch.cat(out) if out else beta.new_zeros(0)
 
     def correction(beta, alpha):
         M = eye - 0.5 * (alpha + alpha.transpose(-1, -2))
-        chol, info = torch.linalg.cholesky_ex(M)
-        ok = info == 0
-        chol = torch.where(ok[..., None, None], chol, eye.expand_as(chol))
-        y = torch.cholesky_solve(beta.unsqueeze(-1), chol).squeeze(-1)
-        logdet = 2 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        logdet, y, ok = _small_solve(M, beta)
         corr = -0.5 * logdet + 0.5 * (beta * y).sum(-1) - rule(beta, alpha)
         ok = ok & torch.isfinite(corr)
         return torch.where(ok, corr, torch.zeros_like(corr))
