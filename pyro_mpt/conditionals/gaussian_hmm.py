@@ -96,6 +96,7 @@ class GaussianHMMState:
     :param torch.dtype dtype: the dtype of the results.
     :param tuple prepared_from: ``(tokens, model, guide, args, kwargs)``, from which masks
         shared by the batch prepare the dense covariance's state (``dense``, made once).
+    :param float radius: the largest spectral radius of the transition matrices.
     """
 
     parts: LinearDynamicalParts = field(repr=False)
@@ -107,6 +108,13 @@ class GaussianHMMState:
     num_steps: int
     prepared_from: tuple = field(default=None, repr=False)
     dense: tuple = field(default=None, repr=False)
+    radius: float = 0.0
+
+    @property
+    def explosive(self):
+        """Whether a transition matrix has a spectral radius above 1: the moment-form filter
+        (``_moment_filter``) then serves every mask, and never the dense covariance."""
+        return self.radius > 1.0
 
 
 def _rows(t, batch_shape, event_ndim):
@@ -384,6 +392,143 @@ def _total(f):
     return _Factor(*(t[0] for t in f))
 
 
+def _per_step(t, T):
+    """The ``T`` steps of a part ``(T|1, ...)`` as a list (by ``unbind``; a homogeneous part repeated)."""
+    return list(t.unbind(0)) if t.shape[0] == T else [t[0]] * T
+
+
+def _moment_filter(parts, x, context, smooth=True):
+    r"""The two-filter smoother for explosive dynamics, from tokens ``x`` ``(T, n, O)`` and
+    contexts ``(T, q, n|1, O)``: the smoothed means ``(T, q, n, H)`` and square roots
+    :math:`S_t` of the covariances, :math:`\hat P_t = S_t^\top S_t` ``(T, q, n, H, H)`` (None
+    when not ``smooth``), and :math:`\log p(x_{\mathcal R})` ``(q, n)``.
+
+    The states' variance grows as :math:`\rho^{2k}` over :math:`k` steps without context,
+    which the information form's prediction :math:`Q^{-1} - Q^{-1}A^\top(J +
+    AQ^{-1}A^\top)^{-1}AQ^{-1}` loses (two numbers of the noise's scale subtracted to give
+    one :math:`\rho^{2k}` times smaller), and which a step's context, pinning a few directions
+    of the state, splits into a covariance of condition number about :math:`\rho^{2k}`.
+    The forward filter therefore carries square roots (float64 represents condition numbers
+    up to :math:`10^{32}` through them, against :math:`10^{16}` for the matrices): it
+    predicts :math:`\hat P_t = A_t^\top P_{t-1}A_t + Q_t` as the triangular factor of the QR
+    decomposition of :math:`[S_{t-1}A_t;\, U_{Q_t}]`, and updates the precision
+    :math:`J_t = \hat P_t^{-1} + C_tW_tC_t^\top` as that of :math:`[\hat S_t^{-\top};\,
+    (C_tB_t)^\top]` (:math:`W_t = B_tB_t^\top`), sums where the moment form's update
+    subtracts. The backward filter carries the later context's information on
+    :math:`z_{t-1}`, :math:`A_t(Q_t + G_t^{-1})^{-1}A_t^\top` with :math:`G_t` that of
+    :math:`z_t`, as the product :math:`Q_t^{-1}(Q_t^{-1} + G_t)^{-1}G_t` (no subtraction;
+    exactly zero without later context, where the smoothed state is the filtered one and
+    keeps its square root); it stays below :math:`A_tQ_t^{-1}A_t^\top`. The evidence sums the
+    steps' predictive densities, each quadratic form the sum of two non-negative ones at
+    the filtered mean. A step at a time: :math:`T` batched steps, against about
+    :math:`3\sqrt T` in blocks for the information form (``_messages``).
+    """
+    _, _, A, b, Q, C, d, R = (_time_first(t) for t in parts)
+    T = x.shape[0]
+    H = A.shape[-1]
+    eye = torch.eye(H, dtype=A.dtype, device=A.device)
+    tri = torch.linalg.solve_triangular
+    W, LR = _context_precision(R, context)
+    # W = B B^T, B = diag(c) L_R^{-T}: the context block's inverse, embedded with zeros
+    B = context.unsqueeze(-1) * tri(LR, torch.eye(R.shape[-1], dtype=R.dtype, device=R.device), upper=False).transpose(-1, -2)
+    CB = _mm(C, B)
+    CW = _mm(C, W)
+    e = x.unsqueeze(1) - d
+    hl = _mv(e, CW.transpose(-1, -2))
+    UQ = torch.linalg.cholesky(Q).transpose(-1, -2)  # Q = UQ^T UQ
+    As, bs, Qs, Cs, UQs = (_per_step(t, T) for t in (A, b, Q, C, UQ))
+    Bs, LRs, CBs, CWs, hls, es, cs = (_per_step(t, T) for t in (B, LR, CB, CW, hl, e, context))
+    S = torch.linalg.cholesky(parts.init_cov).transpose(-1, -2)  # P = S^T S
+    w = _mv(parts.init_loc, tri(S, eye.expand_as(S), upper=True))  # the mean whitened, m = w S
+    Rf, hf, mf, Sf = [], [], [], []
+    log_p = 0.0
+    for t in range(T):
+        Qo, Sh = _stacked_qr(_mm(S, As[t]), UQs[t])  # predicted covariance Sh^T Sh
+        Shi = tri(Sh, eye.expand_as(Sh), upper=True)
+        wh = _mv(w, Qo[..., :H, :]) + _mv(bs[t], Shi)
+        Qo, Rt = _stacked_qr(Shi.transpose(-1, -2), CBs[t].transpose(-1, -2))  # filtered precision Rt^T Rt
+        eB = _mv(es[t], Bs[t])
+        w = _mv(wh, Qo[..., :H, :]) + _mv(eB, Qo[..., H:, :])
+        S = tri(Rt, eye.expand_as(Rt), upper=True).transpose(-1, -2)
+        quad = wh.pow(2).sum(-1) + eB.pow(2).sum(-1) - w.pow(2).sum(-1)
+        logdets = _abs_logdet(Sh) + _abs_logdet(Rt) + _logdet(LRs[t])
+        # a step without context keeps the prediction: the QR of an ill-conditioned Sh^-T alone
+        # would give back its smallest root to eps times the largest (0.07 nats of a target's
+        # log-density at condition 1e29)
+        none = cs[t].sum(-1) == 0
+        S = torch.where(none[..., None, None], Sh, S)
+        w = torch.where(none[..., None], wh, w)
+        Rt = torch.where(none[..., None, None], Shi.transpose(-1, -2), Rt)
+        quad = torch.where(none, 0.0, quad)
+        logdets = torch.where(none, 0.0, logdets)
+        log_p = log_p - 0.5 * (quad + logdets + LOG_2PI * cs[t].sum(-1))
+        if smooth:
+            Rf.append(Rt)
+            hf.append(_mv(w, Rt))
+            mf.append(_mv(w, S))
+            Sf.append(S)
+    if not smooth:
+        return None, None, log_p
+    Jb = [torch.zeros_like(Rf[-1])]
+    hb = [torch.zeros_like(hf[-1])]
+    for t in range(T - 1, 0, -1):
+        G = Jb[-1] + _mm(CWs[t], Cs[t].transpose(-1, -2))
+        g = hb[-1] + hls[t]
+        Qi = torch.cholesky_inverse(UQs[t], upper=True)
+        L = torch.linalg.cholesky(Qi + G)
+        N = _mm(Qi, torch.cholesky_solve(G, L))
+        N = 0.5 * (N + N.transpose(-1, -2))
+        k = _mv(torch.cholesky_solve(g.unsqueeze(-1), L).squeeze(-1), Qi)
+        At = As[t].transpose(-1, -2)
+        Jb.append(_mm(_mm(As[t], N), At))
+        hb.append(_mv(k - _mv(bs[t], N), At))
+    ms, Ss = [], []
+    for t in range(T):
+        J, hs = Jb[T - 1 - t], hb[T - 1 - t]
+        # no later context: the smoothed state is the filtered one, kept as its square root
+        # (its covariance may be too ill-conditioned to factorize from the precision)
+        last = (J == 0).all(-1).all(-1)
+        Js = torch.where(last[..., None, None], eye, _mm(Rf[t].transpose(-1, -2), Rf[t]) + J)
+        L = torch.linalg.cholesky(Js)
+        m_s = torch.cholesky_solve((hf[t] + hs).unsqueeze(-1), L).squeeze(-1)
+        S_s = tri(L, eye.expand_as(L), upper=False)
+        ms.append(torch.where(last[..., None], mf[t], m_s))
+        Ss.append(torch.where(last[..., None, None], Sf[t], S_s))
+    return _stacked(ms), _stacked(Ss), log_p
+
+
+def _stacked_qr(a, b):
+    r"""The reduced QR decomposition :math:`[a; b] = QR` of the rows of ``a`` over those of
+    ``b`` (batch dims broadcast): :math:`R^\top R = a^\top a + b^\top b`."""
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return torch.linalg.qr(torch.cat([a.expand(batch + a.shape[-2:]), b.expand(batch + b.shape[-2:])], -2))
+
+
+def _abs_logdet(R):
+    r""":math:`\log|R^\top R|` of triangular ``R`` (a QR factor, its diagonal of either sign)."""
+    return 2 * R.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
+
+
+def _stacked(ts):
+    """The tensors ``ts`` (of broadcastable shapes) stacked on a new leading dim."""
+    shape = torch.broadcast_shapes(*(t.shape for t in ts))
+    return torch.stack([t.expand(shape) for t in ts], 0)
+
+
+def _moments(J, h):
+    r"""Means of Gaussians in information form ``(J, h)`` and square roots :math:`S` of their
+    covariances, :math:`J^{-1} = S^\top S` (:math:`S = L^{-1}`, :math:`J = LL^\top`)."""
+    L = _cholesky(J)
+    m = _cholesky_solve(h.unsqueeze(-1), L).squeeze(-1)
+    return m, _solve_lower(L, torch.eye(J.shape[-1], dtype=J.dtype, device=J.device).expand_as(J))
+
+
+def _spectral_radius(A):
+    """The largest spectral radius of transition matrices ``A`` ``(..., H, H)``."""
+    A = A.detach()
+    return float(torch.linalg.eigvals(A).abs().max()) if A.numel() else 0.0
+
+
 def _check_finite(state, value):
     r"""Refuse non-finite results: in information form a state's precision after :math:`k`
     steps without context is that of a variance growing as :math:`\rho^{2k}` (:math:`\rho`
@@ -456,8 +601,12 @@ class GaussianHMMConditionals(ConditionalEngine):
                              "with Normal latents through its dense covariance).")
         check_one_sequence(tokens, hmm, _WHO, " (conditionals='gaussian' serves them as blocks)")
         H = hmm.hidden_dim
+        parts = gaussian_hmm_parts(hmm)
+        radius = _spectral_radius(parts.transition)
         needed = self.min_tokens * max(1.0, H / WIDE_HIDDEN)
-        if tokens.num_tokens < needed:
+        # explosive dynamics: the dense covariance's entries span rho^(2T), beyond the digits of
+        # its factorization, so this engine serves sequences of any length
+        if tokens.num_tokens < needed and radius <= 1.0:
             wide = f" times hidden_dim {H} / {WIDE_HIDDEN}" if H > WIDE_HIDDEN else ""
             raise EngineNotApplicable(
                 f"{_WHO} declines the GaussianHMM at site {tokens.name!r}: {tokens.num_tokens} "
@@ -465,7 +614,6 @@ class GaussianHMMConditionals(ConditionalEngine):
                 f"below which the dense covariance (conditionals='gaussian') is faster."
             )
         T = tokens.event_shape[0]
-        parts = gaussian_hmm_parts(hmm)
         dtype = torch.promote_types(tokens.value.dtype, parts.transition.dtype)
         rows = []
         for part, event_ndim in zip(parts, (1, 2, 3, 2, 3, 3, 2, 3)):
@@ -474,7 +622,7 @@ class GaussianHMMConditionals(ConditionalEngine):
         R = parts.obs_cov
         diagonal = bool((R - torch.diag_embed(R.diagonal(dim1=-2, dim2=-1)) == 0).all())
         return GaussianHMMState(parts, tokens.name, diagonal, dtype, tokens.num_data, tokens.num_tokens, T,
-                                (tokens, model, guide, args, kwargs))
+                                (tokens, model, guide, args, kwargs), radius=radius)
 
     def _per_pair(self, state):
         """Elements kept per ``(mask, datapoint)`` pair for the backward pass: the steps'
@@ -502,6 +650,9 @@ class GaussianHMMConditionals(ConditionalEngine):
         r"""For contexts ``(T, q, n|1, O)`` (float, 1 at context elements) and tokens
         ``(T, n, O)``: the smoothed means ``(T, q, n, H)`` and covariances ``(T, q, n, H, H)``
         of the states."""
+        if state.explosive:
+            ms, Ss, _ = _moment_filter(state.parts, x, context)
+            return ms, Ss
         f = _step_factors(state.parts, x, context)
         H = f.Jaa.shape[-1]
         T = state.num_steps
@@ -512,15 +663,11 @@ class GaussianHMMConditionals(ConditionalEngine):
         back = _messages(zero, _Factor(f.Jbb.flip(0), f.Jab.transpose(-1, -2).flip(0), f.Jaa.flip(0),
                                        f.hb.flip(0), f.ha.flip(0), f.c.flip(0)))
         beta = _Message(*(torch.cat([t[: T - 1].flip(0), z.unsqueeze(0)], 0) for t, z in zip(back, zero)))
-        J, h = alpha.J + beta.J, alpha.h + beta.h
-        L = _cholesky(J)
-        ms = _cholesky_solve(h.unsqueeze(-1), L).squeeze(-1)
-        Ps = _cholesky_solve(torch.eye(H, dtype=J.dtype, device=J.device).expand_as(J), L)
-        return ms, Ps
+        return _moments(alpha.J + beta.J, alpha.h + beta.h)
 
     def _conditionals(self, state, x, context):
         """Means and variances ``(T, q, n, O)`` of every token given the context."""
-        ms, Ps = self._smoothed(state, x, context)
+        ms, Ss = self._smoothed(state, x, context)
         C, d, R = (_time_first(t) for t in state.parts[5:])  # (T|1, 1, n|1, ...)
         var_noise = R.diagonal(dim1=-2, dim2=-1)
         offset = d
@@ -536,7 +683,7 @@ class GaussianHMMConditionals(ConditionalEngine):
             offset = d + _mv(x.unsqueeze(1) - d, g.transpose(-1, -2))
             var_noise = var_noise - (g * R).sum(-1)
         mean = _mv(ms, C) + offset
-        var = (_mm(Ps, C) * C).sum(-2) + var_noise
+        var = _mm(Ss, C).pow(2).sum(-2) + var_noise
         return mean, var
 
     def _dense(self, state):
@@ -562,6 +709,8 @@ class GaussianHMMConditionals(ConditionalEngine):
         against 0.55 s and 0.34 GB. Once this evaluation has prepared the dense covariance
         (the first block's masks decided so) its cost is sunk and later blocks, which
         :func:`~pyro_mpt.estimate.mpt_estimate` may split into single masks, stay there."""
+        if state.explosive:
+            return False
         if state.dense is not None:
             return True
         D, n = state.num_tokens, state.num_data
@@ -637,12 +786,12 @@ class GaussianHMMConditionals(ConditionalEngine):
             context = torch.ones_like(xs[:, :1]).unsqueeze(1)  # (T, 1, 1, O)
         else:
             context = observed.to(torch.float64).reshape(n, T, -1).transpose(0, 1).unsqueeze(1)
-        ms, Ps = self._smoothed(state, xs, context)  # (T, 1, n, H), (T, 1, n, H, H)
+        ms, Ss = self._smoothed(state, xs, context)  # (T, 1, n, H), (T, 1, n, H, H)
         C, d, R = (_time_first(t) for t in state.parts[5:])
         W, _ = _context_precision(R, context)
         u = _mv(xs.unsqueeze(1) - d - _mv(ms, C), W)
         CW = _mm(C, W)
-        K = W.diagonal(dim1=-2, dim2=-1) - (_mm(Ps, CW) * CW).sum(-2)
+        K = W.diagonal(dim1=-2, dim2=-1) - _mm(Ss, CW).pow(2).sum(-2)
         # a missing token's K is 0: a placeholder keeps its (unused) term and gradient finite
         kept = context.expand(K.shape) > 0
         K = torch.where(kept, K, torch.ones((), dtype=K.dtype, device=K.device))
@@ -720,6 +869,10 @@ class GaussianHMMConditionals(ConditionalEngine):
         n, T = x.shape[0], state.num_steps
         xs = x.to(torch.float64).reshape(n, T, -1).transpose(0, 1)
         context = torch.ones_like(xs) if observed is None else observed.to(torch.float64).reshape(n, T, -1).transpose(0, 1)
+        if state.explosive:
+            _, _, value = _moment_filter(state.parts, xs, context.unsqueeze(1), smooth=False)
+            _check_finite(state, value[0])
+            return value[0].to(state.dtype)
         # the product of all the steps' factors, then the initial state's density: no message
         # but the last is needed (nor the smoother's backward pass)
         f = _step_factors(state.parts, xs, context.unsqueeze(1))
