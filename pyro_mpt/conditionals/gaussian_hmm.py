@@ -97,6 +97,8 @@ class GaussianHMMState:
     :param tuple prepared_from: ``(tokens, model, guide, args, kwargs)``, from which masks
         shared by the batch prepare the dense covariance's state (``dense``, made once).
     :param float radius: the largest spectral radius of the transition matrices.
+    :param float noise_precision: the largest eigenvalue of the transition noise's precisions
+        :math:`Q_t^{-1}`, the scale of the information form's rounding errors.
     """
 
     parts: LinearDynamicalParts = field(repr=False)
@@ -109,6 +111,7 @@ class GaussianHMMState:
     prepared_from: tuple = field(default=None, repr=False)
     dense: tuple = field(default=None, repr=False)
     radius: float = 0.0
+    noise_precision: float = 1.0
 
     @property
     def explosive(self):
@@ -397,104 +400,132 @@ def _per_step(t, T):
     return list(t.unbind(0)) if t.shape[0] == T else [t[0]] * T
 
 
-def _moment_filter(parts, x, context, smooth=True):
-    r"""The two-filter smoother for explosive dynamics, from tokens ``x`` ``(T, n, O)`` and
-    contexts ``(T, q, n|1, O)``: the smoothed means ``(T, q, n, H)`` and square roots
-    :math:`S_t` of the covariances, :math:`\hat P_t = S_t^\top S_t` ``(T, q, n, H, H)`` (None
-    when not ``smooth``), and :math:`\log p(x_{\mathcal R})` ``(q, n)``.
+class _Steps(NamedTuple):
+    """Per-step lists (``T`` entries) of a sequence's parts and its context's terms, for the
+    filters that go a step at a time."""
+
+    A: list
+    b: list
+    C: list
+    UQ: list  # Q = UQ^T UQ
+    B: list  # W = B B^T, B = diag(c) L_R^{-T}: the context block's inverse, embedded with zeros
+    LR: list
+    CW: list
+    hl: list  # e W C^T
+    e: list  # x - d
+    c: list
+
+
+def _steps(parts, x, context):
+    """The :class:`_Steps` of ``parts`` with tokens ``x`` ``(T, n, O)`` and contexts ``(T, q, n|1, O)``."""
+    _, _, A, b, Q, C, d, R = (_time_first(t) for t in parts)
+    T = x.shape[0]
+    W, LR = _context_precision(R, context)
+    eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
+    B = context.unsqueeze(-1) * torch.linalg.solve_triangular(LR, eye.expand_as(LR), upper=False).transpose(-1, -2)
+    CW = _mm(C, W)
+    e = x.unsqueeze(1) - d
+    UQ = torch.linalg.cholesky(Q).transpose(-1, -2)
+    return _Steps(*(_per_step(t, T) for t in (A, b, C, UQ, B, LR, CW, _mv(e, CW.transpose(-1, -2)), e, context)))
+
+
+def _root_filter(parts, steps):
+    r"""The forward filter for explosive dynamics, a step at a time over :class:`_Steps`: the
+    filtered precisions' triangular roots :math:`R_t` (:math:`J_t = R_t^\top R_t`), information
+    vectors, means and covariance roots :math:`S_t = R_t^{-\top}` (:math:`P_t = S_t^\top S_t`),
+    each ``(T, q, n|1 or n, ...)``, and :math:`\log p(x_{\mathcal R})` ``(q, n)``.
 
     The states' variance grows as :math:`\rho^{2k}` over :math:`k` steps without context,
     which the information form's prediction :math:`Q^{-1} - Q^{-1}A^\top(J +
-    AQ^{-1}A^\top)^{-1}AQ^{-1}` loses (two numbers of the noise's scale subtracted to give
-    one :math:`\rho^{2k}` times smaller), and which a step's context, pinning a few directions
-    of the state, splits into a covariance of condition number about :math:`\rho^{2k}`.
-    The forward filter therefore carries square roots (float64 represents condition numbers
-    up to :math:`10^{32}` through them, against :math:`10^{16}` for the matrices): it
-    predicts :math:`\hat P_t = A_t^\top P_{t-1}A_t + Q_t` as the triangular factor of the QR
-    decomposition of :math:`[S_{t-1}A_t;\, U_{Q_t}]`, and updates the precision
-    :math:`J_t = \hat P_t^{-1} + C_tW_tC_t^\top` as that of :math:`[\hat S_t^{-\top};\,
-    (C_tB_t)^\top]` (:math:`W_t = B_tB_t^\top`), sums where the moment form's update
-    subtracts. The backward filter carries the later context's information on
-    :math:`z_{t-1}`, :math:`A_t(Q_t + G_t^{-1})^{-1}A_t^\top` with :math:`G_t` that of
-    :math:`z_t`, as the product :math:`Q_t^{-1}(Q_t^{-1} + G_t)^{-1}G_t` (no subtraction;
-    exactly zero without later context, where the smoothed state is the filtered one and
-    keeps its square root); it stays below :math:`A_tQ_t^{-1}A_t^\top`. The evidence sums the
-    steps' predictive densities, each quadratic form the sum of two non-negative ones at
-    the filtered mean. A step at a time: :math:`T` batched steps, against about
-    :math:`3\sqrt T` in blocks for the information form (``_messages``).
+    AQ^{-1}A^\top)^{-1}AQ^{-1}` loses (two numbers of the noise's scale subtracted to give one
+    :math:`\rho^{2k}` times smaller). This filter predicts :math:`\hat P_t = A_t^\top
+    P_{t-1}A_t + Q_t` as the triangular factor of the QR decomposition of :math:`[S_{t-1}A_t;\,
+    U_{Q_t}]` and updates the precision :math:`J_t = \hat P_t^{-1} + C_tW_tC_t^\top` as that of
+    :math:`[\hat S_t^{-\top};\, (C_tB_t)^\top]`, sums where the moment form's update
+    subtracts, and carries the mean whitened, :math:`m_t = w_tS_t`, through the orthogonal
+    factors (a square-root information filter). Its roots keep condition numbers up to about
+    :math:`10^{32}` of the covariances, but only to float64's eps times the square root of
+    that relative to the largest (see :func:`_reliable`). The evidence sums the steps'
+    predictive densities, each quadratic form the least-squares residual :math:`|\hat w_t|^2 +
+    |e_tB_t|^2 - |w_t|^2`.
     """
-    _, _, A, b, Q, C, d, R = (_time_first(t) for t in parts)
-    T = x.shape[0]
-    H = A.shape[-1]
-    eye = torch.eye(H, dtype=A.dtype, device=A.device)
+    T = len(steps.A)
+    H = steps.A[0].shape[-1]
+    eye = torch.eye(H, dtype=steps.A[0].dtype, device=steps.A[0].device)
     tri = torch.linalg.solve_triangular
-    W, LR = _context_precision(R, context)
-    # W = B B^T, B = diag(c) L_R^{-T}: the context block's inverse, embedded with zeros
-    B = context.unsqueeze(-1) * tri(LR, torch.eye(R.shape[-1], dtype=R.dtype, device=R.device), upper=False).transpose(-1, -2)
-    CB = _mm(C, B)
-    CW = _mm(C, W)
-    e = x.unsqueeze(1) - d
-    hl = _mv(e, CW.transpose(-1, -2))
-    UQ = torch.linalg.cholesky(Q).transpose(-1, -2)  # Q = UQ^T UQ
-    As, bs, Qs, Cs, UQs = (_per_step(t, T) for t in (A, b, Q, C, UQ))
-    Bs, LRs, CBs, CWs, hls, es, cs = (_per_step(t, T) for t in (B, LR, CB, CW, hl, e, context))
     S = torch.linalg.cholesky(parts.init_cov).transpose(-1, -2)  # P = S^T S
     w = _mv(parts.init_loc, tri(S, eye.expand_as(S), upper=True))  # the mean whitened, m = w S
     Rf, hf, mf, Sf = [], [], [], []
     log_p = 0.0
     for t in range(T):
-        Qo, Sh = _stacked_qr(_mm(S, As[t]), UQs[t])  # predicted covariance Sh^T Sh
+        Qo, Sh = _stacked_qr(_mm(S, steps.A[t]), steps.UQ[t])  # predicted covariance Sh^T Sh
         Shi = tri(Sh, eye.expand_as(Sh), upper=True)
-        wh = _mv(w, Qo[..., :H, :]) + _mv(bs[t], Shi)
-        Qo, Rt = _stacked_qr(Shi.transpose(-1, -2), CBs[t].transpose(-1, -2))  # filtered precision Rt^T Rt
-        eB = _mv(es[t], Bs[t])
+        wh = _mv(w, Qo[..., :H, :]) + _mv(steps.b[t], Shi)
+        Qo, Rt = _stacked_qr(Shi.transpose(-1, -2), _mm(steps.C[t], steps.B[t]).transpose(-1, -2))
+        eB = _mv(steps.e[t], steps.B[t])
         w = _mv(wh, Qo[..., :H, :]) + _mv(eB, Qo[..., H:, :])
         S = tri(Rt, eye.expand_as(Rt), upper=True).transpose(-1, -2)
         quad = wh.pow(2).sum(-1) + eB.pow(2).sum(-1) - w.pow(2).sum(-1)
-        logdets = _abs_logdet(Sh) + _abs_logdet(Rt) + _logdet(LRs[t])
+        logdets = _abs_logdet(Sh) + _abs_logdet(Rt) + _logdet(steps.LR[t])
         # a step without context keeps the prediction: the QR of an ill-conditioned Sh^-T alone
         # would give back its smallest root to eps times the largest (0.07 nats of a target's
         # log-density at condition 1e29)
-        none = cs[t].sum(-1) == 0
+        none = steps.c[t].sum(-1) == 0
         S = torch.where(none[..., None, None], Sh, S)
         w = torch.where(none[..., None], wh, w)
         Rt = torch.where(none[..., None, None], Shi.transpose(-1, -2), Rt)
         quad = torch.where(none, 0.0, quad)
         logdets = torch.where(none, 0.0, logdets)
-        log_p = log_p - 0.5 * (quad + logdets + LOG_2PI * cs[t].sum(-1))
-        if smooth:
-            Rf.append(Rt)
-            hf.append(_mv(w, Rt))
-            mf.append(_mv(w, S))
-            Sf.append(S)
-    if not smooth:
-        return None, None, log_p
-    Jb = [torch.zeros_like(Rf[-1])]
-    hb = [torch.zeros_like(hf[-1])]
+        log_p = log_p - 0.5 * (quad + logdets + LOG_2PI * steps.c[t].sum(-1))
+        Rf.append(Rt)
+        hf.append(_mv(w, Rt))
+        mf.append(_mv(w, S))
+        Sf.append(S)
+    return (_stacked(Rf), _stacked(hf), _stacked(mf), _stacked(Sf)), log_p
+
+
+def _backward_information(steps):
+    r"""The information :math:`(J_t, h_t)` of the later context on each state, ``(T, ...)``,
+    a step at a time over :class:`_Steps`: that on :math:`z_{t-1}` is :math:`A_t(Q_t +
+    G_t^{-1})^{-1}A_t^\top` with :math:`G_t` that on :math:`z_t` (its own context's
+    included), written as the product :math:`Q_t^{-1}(Q_t^{-1} + G_t)^{-1}G_t`: no
+    subtraction, exactly zero without later context (where the information form's
+    :math:`G - G(Q^{-1} + G)^{-1}G` leaves rounding errors of the noise's scale, which
+    explosive dynamics make larger than the state's own precision)."""
+    T = len(steps.A)
+    J = [None] * T
+    h = [None] * T
+    Jb, hb = 0.0, 0.0
     for t in range(T - 1, 0, -1):
-        G = Jb[-1] + _mm(CWs[t], Cs[t].transpose(-1, -2))
-        g = hb[-1] + hls[t]
-        Qi = torch.cholesky_inverse(UQs[t], upper=True)
+        G = Jb + _mm(steps.CW[t], steps.C[t].transpose(-1, -2))
+        g = hb + steps.hl[t]
+        Qi = torch.cholesky_inverse(steps.UQ[t], upper=True)
         L = torch.linalg.cholesky(Qi + G)
         N = _mm(Qi, torch.cholesky_solve(G, L))
         N = 0.5 * (N + N.transpose(-1, -2))
         k = _mv(torch.cholesky_solve(g.unsqueeze(-1), L).squeeze(-1), Qi)
-        At = As[t].transpose(-1, -2)
-        Jb.append(_mm(_mm(As[t], N), At))
-        hb.append(_mv(k - _mv(bs[t], N), At))
-    ms, Ss = [], []
-    for t in range(T):
-        J, hs = Jb[T - 1 - t], hb[T - 1 - t]
-        # no later context: the smoothed state is the filtered one, kept as its square root
-        # (its covariance may be too ill-conditioned to factorize from the precision)
-        last = (J == 0).all(-1).all(-1)
-        Js = torch.where(last[..., None, None], eye, _mm(Rf[t].transpose(-1, -2), Rf[t]) + J)
-        L = torch.linalg.cholesky(Js)
-        m_s = torch.cholesky_solve((hf[t] + hs).unsqueeze(-1), L).squeeze(-1)
-        S_s = tri(L, eye.expand_as(L), upper=False)
-        ms.append(torch.where(last[..., None], mf[t], m_s))
-        Ss.append(torch.where(last[..., None, None], Sf[t], S_s))
-    return _stacked(ms), _stacked(Ss), log_p
+        At = steps.A[t].transpose(-1, -2)
+        Jb, hb = _mm(_mm(steps.A[t], N), At), _mv(k - _mv(steps.b[t], N), At)
+        J[t - 1], h[t - 1] = Jb, hb
+    J[T - 1] = torch.zeros_like(J[T - 2]) if T > 1 else torch.zeros_like(_mm(steps.CW[0], steps.C[0].transpose(-1, -2)))
+    h[T - 1] = torch.zeros_like(h[T - 2]) if T > 1 else torch.zeros_like(steps.hl[0])
+    return _stacked(J), _stacked(h)
+
+
+def _root_smoothed(forward, Jb, hb):
+    r"""The smoothed means and covariance roots ``(T, ...)`` from :func:`_root_filter`'s
+    ``forward`` and :func:`_backward_information`'s ``(Jb, hb)``: :math:`J = R^\top R + J_b`,
+    except where there is no later context (:math:`J_b = 0`), where the smoothed state is the
+    filtered one and keeps its root (its covariance may be too ill-conditioned to factorize
+    from the precision)."""
+    Rf, hf, mf, Sf = forward
+    H = Rf.shape[-1]
+    eye = torch.eye(H, dtype=Rf.dtype, device=Rf.device)
+    Jb, hb = torch.broadcast_tensors(Jb, Rf)[0], torch.broadcast_tensors(hb, hf)[0]
+    last = (Jb == 0).all(-1).all(-1)
+    J = torch.where(last[..., None, None], eye, _mm(Rf.transpose(-1, -2), Rf) + Jb)
+    m, S = _moments(J, hf + hb)
+    return torch.where(last[..., None], mf, m), torch.where(last[..., None, None], Sf, S)
 
 
 def _stacked_qr(a, b):
@@ -527,6 +558,30 @@ def _spectral_radius(A):
     """The largest spectral radius of transition matrices ``A`` ``(..., H, H)``."""
     A = A.detach()
     return float(torch.linalg.eigvals(A).abs().max()) if A.numel() else 0.0
+
+
+def _noise_precision(Q):
+    """The largest eigenvalue of the precisions of noise covariances ``Q`` ``(..., H, H)``."""
+    return float(1.0 / torch.linalg.eigvalsh(Q.detach()).min())
+
+
+#: the smallest eigenvalue of a smoothed state's precision, relative to the transition noise's,
+#: from which the information form's rounding errors (about float64's eps times the noise's
+#: precision, from the prediction's subtraction) leave it 9 digits
+INFORMATION_RTOL = 1e-7
+
+
+def _reliable(J, state):
+    r"""Where the smoothed precisions ``J`` ``(T, q, n|1, H, H)`` from the information form
+    are finite, and where moreover each eigenvalue is at least :data:`INFORMATION_RTOL` times
+    the noise's precision, ``(T, q, n|1)`` each; below, the state's variance has outgrown the
+    noise's (explosive dynamics over a stretch without context) and the information form has
+    lost it."""
+    finite = torch.isfinite(J).all(-1).all(-1)
+    finite = finite & finite.all(0)  # a non-finite step spoils its whole sequence's messages
+    J = torch.where(finite[..., None, None], J, torch.zeros((), dtype=J.dtype, device=J.device))
+    smallest = torch.linalg.eigvalsh(J)[..., 0]
+    return finite, finite & (smallest > INFORMATION_RTOL * state.noise_precision)
 
 
 def _check_finite(state, value):
@@ -622,7 +677,8 @@ class GaussianHMMConditionals(ConditionalEngine):
         R = parts.obs_cov
         diagonal = bool((R - torch.diag_embed(R.diagonal(dim1=-2, dim2=-1)) == 0).all())
         return GaussianHMMState(parts, tokens.name, diagonal, dtype, tokens.num_data, tokens.num_tokens, T,
-                                (tokens, model, guide, args, kwargs), radius=radius)
+                                (tokens, model, guide, args, kwargs), radius=radius,
+                                noise_precision=_noise_precision(parts.trans_cov) if radius > 1.0 else 1.0)
 
     def _per_pair(self, state):
         """Elements kept per ``(mask, datapoint)`` pair for the backward pass: the steps'
@@ -650,20 +706,69 @@ class GaussianHMMConditionals(ConditionalEngine):
         r"""For contexts ``(T, q, n|1, O)`` (float, 1 at context elements) and tokens
         ``(T, n, O)``: the smoothed means ``(T, q, n, H)`` and covariances ``(T, q, n, H, H)``
         of the states."""
-        if state.explosive:
-            ms, Ss, _ = _moment_filter(state.parts, x, context)
-            return ms, Ss
-        f = _step_factors(state.parts, x, context)
+        if not state.explosive:
+            return _moments(*self._smoothed_information(state.parts, x, context))
+        # explosive dynamics: the later context's information by products (exact zero where
+        # there is none), the earlier's in information form at the steps where the smoothed
+        # precision keeps its digits (blocked, faster), by the square-root filter at the others;
+        # each on its own (mask, datapoint) pairs, as a pair's non-finite intermediates would
+        # make every gradient NaN
+        q, n, T = context.shape[1], x.shape[1], x.shape[0]
+        Jb, hb = _backward_information(_steps(state.parts, x, context))
+        with torch.no_grad():
+            alpha = self._forward_information(state.parts, x, context)
+            finite, ok = _reliable(alpha.J + Jb, state)
+        finite, ok = finite.expand(T, q, n), ok.expand(T, q, n)
+        if bool(ok.all()):
+            alpha = self._forward_information(state.parts, x, context)
+            return _moments(alpha.J + Jb, alpha.h + hb)
+        H = state.parts.transition.shape[-1]
+        ms = x.new_zeros((q * n, T, H))  # pairs first, for index_put
+        Ss = x.new_zeros((q * n, T, H, H))
+        eye = torch.eye(H, dtype=x.dtype, device=x.device)
+        for pairs, information in ((finite.all(0), True), (~ok.all(0), False)):
+            qi, ni = pairs.nonzero(as_tuple=True)
+            if qi.numel() == 0:
+                continue
+            parts = LinearDynamicalParts(*(t[ni] if t.shape[0] > 1 else t for t in state.parts))
+            ctx = context.expand(-1, -1, n, -1)[:, qi, ni].unsqueeze(1)
+            Jb_, hb_ = (t.expand((T, q, n) + t.shape[3:])[:, qi, ni].unsqueeze(1) for t in (Jb, hb))
+            keep = ok[:, qi, ni].unsqueeze(1)  # (T, 1, pairs): the information form's steps
+            if information:
+                alpha = self._forward_information(parts, x[:, ni], ctx)
+                m, S = _moments(torch.where(keep[..., None, None], alpha.J + Jb_, eye), alpha.h + hb_)
+            else:
+                m, S = _root_smoothed(_root_filter(parts, _steps(parts, x[:, ni], ctx))[0], Jb_, hb_)
+            m, S = m[:, 0].movedim(0, 1), S[:, 0].movedim(0, 1)  # (pairs, T, ...)
+            i = qi * n + ni
+            if not information:
+                keep = keep[:, 0].transpose(0, 1)
+                m = torch.where(keep[..., None], ms[i], m)
+                S = torch.where(keep[..., None, None], Ss[i], S)
+            ms, Ss = ms.index_put((i,), m), Ss.index_put((i,), S)
+        return ms.reshape(q, n, *ms.shape[1:]).movedim(2, 0), Ss.reshape(q, n, *Ss.shape[1:]).movedim(2, 0)
+
+    @staticmethod
+    def _forward_information(parts, x, context):
+        """The forward messages :math:`\\alpha_t` in information form (blocked, ``_messages``)."""
+        f = _step_factors(parts, x, context)
+        return _messages(_prior_message(parts, f.Jaa.shape[1:-2], f.c.shape[1:]), f)
+
+    @staticmethod
+    def _smoothed_information(parts, x, context):
+        """The smoothed states in information form, ``(T, q, n|1, H, H)`` and ``(T, q, n, H)``:
+        the forward and backward messages, each in blocks (``_messages``)."""
+        f = _step_factors(parts, x, context)
         H = f.Jaa.shape[-1]
-        T = state.num_steps
+        T = x.shape[0]
         J_batch, h_batch = f.Jaa.shape[1:-2], f.c.shape[1:]
-        alpha = _messages(_prior_message(state.parts, J_batch, h_batch), f)
+        alpha = _messages(_prior_message(parts, J_batch, h_batch), f)
         zero = _Message(f.Jaa.new_zeros(J_batch + (H, H)), f.ha.new_zeros(h_batch + (H,)), f.c.new_zeros(h_batch))
         # beta_t: the reversed chain's messages, beta_{T-2} .. beta_{-1}; beta_{T-1} is flat
         back = _messages(zero, _Factor(f.Jbb.flip(0), f.Jab.transpose(-1, -2).flip(0), f.Jaa.flip(0),
                                        f.hb.flip(0), f.ha.flip(0), f.c.flip(0)))
         beta = _Message(*(torch.cat([t[: T - 1].flip(0), z.unsqueeze(0)], 0) for t, z in zip(back, zero)))
-        return _moments(alpha.J + beta.J, alpha.h + beta.h)
+        return alpha.J + beta.J, alpha.h + beta.h
 
     def _conditionals(self, state, x, context):
         """Means and variances ``(T, q, n, O)`` of every token given the context."""
@@ -870,7 +975,7 @@ class GaussianHMMConditionals(ConditionalEngine):
         xs = x.to(torch.float64).reshape(n, T, -1).transpose(0, 1)
         context = torch.ones_like(xs) if observed is None else observed.to(torch.float64).reshape(n, T, -1).transpose(0, 1)
         if state.explosive:
-            _, _, value = _moment_filter(state.parts, xs, context.unsqueeze(1), smooth=False)
+            _, value = _root_filter(state.parts, _steps(state.parts, xs, context.unsqueeze(1)))
             _check_finite(state, value[0])
             return value[0].to(state.dtype)
         # the product of all the steps' factors, then the initial state's density: no message
