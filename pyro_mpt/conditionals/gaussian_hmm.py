@@ -461,16 +461,18 @@ def _root_filter(parts, steps):
         Qo, Sh = _stacked_qr(_mm(S, steps.A[t]), steps.UQ[t])  # predicted covariance Sh^T Sh
         Shi = tri(Sh, eye.expand_as(Sh), upper=True)
         wh = _mv(w, Qo[..., :H, :]) + _mv(steps.b[t], Shi)
-        Qo, Rt = _stacked_qr(Shi.transpose(-1, -2), _mm(steps.C[t], steps.B[t]).transpose(-1, -2))
+        # a step without context keeps the prediction: the QR of an ill-conditioned Sh^-T alone
+        # would give back its smallest root to eps times the largest (0.07 nats of a target's
+        # log-density at condition 1e29); the identity stands in for it, whose unused gradient
+        # stays finite where that of a root of 1e-70 would overflow
+        none = steps.c[t].sum(-1) == 0
+        Vt = torch.where(none[..., None, None], eye, Shi.transpose(-1, -2))
+        Qo, Rt = _stacked_qr(Vt, _mm(steps.C[t], steps.B[t]).transpose(-1, -2))
         eB = _mv(steps.e[t], steps.B[t])
         w = _mv(wh, Qo[..., :H, :]) + _mv(eB, Qo[..., H:, :])
         S = tri(Rt, eye.expand_as(Rt), upper=True).transpose(-1, -2)
         quad = wh.pow(2).sum(-1) + eB.pow(2).sum(-1) - w.pow(2).sum(-1)
         logdets = _abs_logdet(Sh) + _abs_logdet(Rt) + _logdet(steps.LR[t])
-        # a step without context keeps the prediction: the QR of an ill-conditioned Sh^-T alone
-        # would give back its smallest root to eps times the largest (0.07 nats of a target's
-        # log-density at condition 1e29)
-        none = steps.c[t].sum(-1) == 0
         S = torch.where(none[..., None, None], Sh, S)
         w = torch.where(none[..., None], wh, w)
         Rt = torch.where(none[..., None, None], Shi.transpose(-1, -2), Rt)
@@ -491,7 +493,12 @@ def _backward_information(steps):
     included), written as the product :math:`Q_t^{-1}(Q_t^{-1} + G_t)^{-1}G_t`: no
     subtraction, exactly zero without later context (where the information form's
     :math:`G - G(Q^{-1} + G)^{-1}G` leaves rounding errors of the noise's scale, which
-    explosive dynamics make larger than the state's own precision)."""
+    explosive dynamics make larger than the state's own precision).
+
+    A direction of the state that the later context does not inform (or hardly) has zero
+    information, but the expanding dynamics multiply the rounding errors along it by
+    :math:`\rho^2` a step; negative eigenvalues are therefore set to zero at every step
+    (:func:`_psd`), where they would grow until the factorization fails."""
     T = len(steps.A)
     J = [None] * T
     h = [None] * T
@@ -505,11 +512,26 @@ def _backward_information(steps):
         N = 0.5 * (N + N.transpose(-1, -2))
         k = _mv(torch.cholesky_solve(g.unsqueeze(-1), L).squeeze(-1), Qi)
         At = steps.A[t].transpose(-1, -2)
-        Jb, hb = _mm(_mm(steps.A[t], N), At), _mv(k - _mv(steps.b[t], N), At)
+        Jb, hb = _psd(_mm(_mm(steps.A[t], N), At)), _mv(k - _mv(steps.b[t], N), At)
         J[t - 1], h[t - 1] = Jb, hb
     J[T - 1] = torch.zeros_like(J[T - 2]) if T > 1 else torch.zeros_like(_mm(steps.CW[0], steps.C[0].transpose(-1, -2)))
     h[T - 1] = torch.zeros_like(h[T - 2]) if T > 1 else torch.zeros_like(steps.hl[0])
     return _stacked(J), _stacked(h)
+
+
+def _psd(J):
+    """Symmetric matrices ``J`` with their negative eigenvalues set to zero (those without
+    one unchanged, and out of the eigendecomposition, whose gradient is not finite at
+    repeated eigenvalues, e.g. of a zero matrix)."""
+    with torch.no_grad():
+        negative = torch.linalg.eigvalsh(J)[..., 0] < 0
+    if not bool(negative.any()):
+        return J
+    H = J.shape[-1]
+    safe = torch.diag(torch.arange(1, H + 1, dtype=J.dtype, device=J.device))
+    lam, V = torch.linalg.eigh(torch.where(negative[..., None, None], J, safe))
+    projected = _mm(V * lam.clamp_min(0).unsqueeze(-2), V.transpose(-1, -2))
+    return torch.where(negative[..., None, None], projected, J)
 
 
 def _root_smoothed(forward, Jb, hb):
@@ -524,8 +546,20 @@ def _root_smoothed(forward, Jb, hb):
     Jb, hb = torch.broadcast_tensors(Jb, Rf)[0], torch.broadcast_tensors(hb, hf)[0]
     last = (Jb == 0).all(-1).all(-1)
     J = torch.where(last[..., None, None], eye, _mm(Rf.transpose(-1, -2), Rf) + Jb)
+    # a direction that expands and that the context hardly informs on either side (e.g. C =
+    # (1, 1) with A near a multiple of the identity leaves (1, -1) so) leaves the smoothed
+    # precision too ill-conditioned for float64: the caller refuses such steps
+    with torch.no_grad():
+        lam = torch.linalg.eigvalsh(J)
+        bad = ~(lam[..., 0] > CONDITION_RTOL * lam[..., -1])
+    J = torch.where(bad[..., None, None], eye, J)
     m, S = _moments(J, hf + hb)
-    return torch.where(last[..., None], mf, m), torch.where(last[..., None, None], Sf, S)
+    return torch.where(last[..., None], mf, m), torch.where(last[..., None, None], Sf, S), bad
+
+
+#: the smallest ratio of a smoothed precision's eigenvalues that the square-root smoother
+#: accepts: below, the matrix is singular to float64's rounding
+CONDITION_RTOL = 1e-14
 
 
 def _stacked_qr(a, b):
@@ -555,8 +589,11 @@ def _moments(J, h):
 
 
 def _spectral_radius(A):
-    """The largest spectral radius of transition matrices ``A`` ``(..., H, H)``."""
+    """The largest spectral radius of transition matrices ``A`` ``(..., H, H)`` (infinite where
+    an entry is not finite: LAPACK's eigenvalue routines do not return on those)."""
     A = A.detach()
+    if not bool(torch.isfinite(A).all()):
+        return math.inf
     return float(torch.linalg.eigvals(A).abs().max()) if A.numel() else 0.0
 
 
@@ -584,26 +621,40 @@ def _reliable(J, state):
     return finite, finite & (smallest > INFORMATION_RTOL * state.noise_precision)
 
 
+def _refuse_ill_conditioned(state):
+    """Raise for smoothed states too ill-conditioned for float64 (see :func:`_root_smoothed`)."""
+    raise ValueError(
+        f"{_WHO}: the conditionals of site {state.site!r} cannot be computed to float64's "
+        f"precision. The transition matrices' spectral radius is {state.radius:.3g} > 1, and a "
+        f"direction of the state that they expand is hardly informed by the context of some "
+        f"masks (e.g. an observation matrix with equal columns and a transition matrix near a "
+        f"multiple of the identity): the states' covariances span more digits than float64 "
+        f"has. Keep the dynamics stable (e.g. parametrize the transition matrix with a "
+        f"spectral radius below 1), or mask shorter stretches."
+    )
+
+
 def _check_finite(state, value):
-    r"""Refuse non-finite results: in information form a state's precision after :math:`k`
-    steps without context is that of a variance growing as :math:`\rho^{2k}` (:math:`\rho`
-    the transition matrices' spectral radius), and once that exceeds the noise's by float64's
-    16 digits it is lost to cancellation (so is the dense covariance's factorization)."""
+    r"""Refuse non-finite results: with explosive dynamics a state's variance grows as
+    :math:`\rho^{2k}` over :math:`k` steps without context (:math:`\rho` the transition
+    matrices' spectral radius), and past float64's largest number (about :math:`10^{308}`)
+    nothing finite is left to condition on."""
     if bool(torch.isfinite(value).all()):
         return
-    radius = float(torch.linalg.eigvals(state.parts.transition.detach()).abs().max())
+    radius = state.radius
     raise ValueError(
         f"{_WHO}: the conditionals of site {state.site!r} are not finite. The transition "
         f"matrices' spectral radius is {radius:.3g}"
         + (
             f" > 1: the states' variance grows as {radius:.3g}^(2 k) over k steps without context, "
-            f"beyond float64's digits over the masked stretches of these {state.num_steps} steps. "
+            f"beyond float64's range (about 1e308) over the masked stretches of these {state.num_steps} steps. "
             if radius > 1
             else ": the model's covariances lose all their digits in float64. "
         )
         + "Keep the dynamics stable (e.g. parametrize the transition matrix with a spectral "
         "radius below 1) or score shorter sequences."
     )
+
 
 class GaussianHMMConditionals(ConditionalEngine):
     r"""Exact masked conditionals of an observed ``dist.GaussianHMM`` by Kalman smoothing.
@@ -657,7 +708,7 @@ class GaussianHMMConditionals(ConditionalEngine):
         check_one_sequence(tokens, hmm, _WHO, " (conditionals='gaussian' serves them as blocks)")
         H = hmm.hidden_dim
         parts = gaussian_hmm_parts(hmm)
-        radius = _spectral_radius(parts.transition)
+        radius = _spectral_radius(parts.transition.to(torch.float64))
         needed = self.min_tokens * max(1.0, H / WIDE_HIDDEN)
         # explosive dynamics: the dense covariance's entries span rho^(2T), beyond the digits of
         # its factorization, so this engine serves sequences of any length
@@ -738,7 +789,9 @@ class GaussianHMMConditionals(ConditionalEngine):
                 alpha = self._forward_information(parts, x[:, ni], ctx)
                 m, S = _moments(torch.where(keep[..., None, None], alpha.J + Jb_, eye), alpha.h + hb_)
             else:
-                m, S = _root_smoothed(_root_filter(parts, _steps(parts, x[:, ni], ctx))[0], Jb_, hb_)
+                m, S, bad = _root_smoothed(_root_filter(parts, _steps(parts, x[:, ni], ctx))[0], Jb_, hb_)
+                if bool((bad & ~keep).any()):
+                    _refuse_ill_conditioned(state)
             m, S = m[:, 0].movedim(0, 1), S[:, 0].movedim(0, 1)  # (pairs, T, ...)
             i = qi * n + ni
             if not information:

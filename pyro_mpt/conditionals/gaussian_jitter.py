@@ -56,14 +56,44 @@ def factor_whole(state, precision_checked=False):
         )
     state.factor = posterior_precision_factor(F, psi, state.site)
 
-def mean_diagonal(state):
-    """The mean diagonal of the state's covariance without the rescue's jitter."""
+def _diagonal(state):
+    """The diagonal of the state's covariance, the rescue's jitter included."""
     with torch.no_grad():
         if state.is_low_rank:
-            diag = state.cov_diag + state.cov_factor.pow(2).sum(-1)
-        else:
-            diag = torch.diagonal(state.covariance, dim1=-2, dim2=-1)
-        return float(diag.mean()) - state.jitter
+            return state.cov_diag + state.cov_factor.pow(2).sum(-1)
+        return torch.diagonal(state.covariance, dim1=-2, dim2=-1)
+
+
+def mean_diagonal(state):
+    """The mean diagonal of the state's covariance without the rescue's jitter."""
+    return float(_diagonal(state).mean()) - state.jitter
+
+
+#: the most jitter, relative to the smallest variance of a token, that the rescue adds: above
+#: it the jitter changes that token's conditionals by more than about 0.005 nats (half the
+#: ratio, the least it changes a Normal's log-density by through its variance)
+MAX_JITTER_PER_VARIANCE = 1e-2
+
+
+def _check_token_scale(state, tau, rel, scale, error):
+    r"""Refuse a jitter :math:`\tau` of at least :data:`MAX_JITTER_PER_VARIANCE` times the
+    smallest variance of a token: the covariance's scales span more digits than its dtype
+    has, and the jittered model would give that token's conditionals the jitter's
+    numbers, not the model's (a jitter relative to the mean diagonal, dominated by the
+    largest variances)."""
+    smallest = float(_diagonal(state).min()) - state.jitter
+    if tau < MAX_JITTER_PER_VARIANCE * smallest:
+        return
+    raise ValueError(
+        f"{error}, and the jitter that would make it so, {tau:.3g} ({rel:.0e} x its mean "
+        f"diagonal {scale:.3g}), is {tau / smallest:.3g} x its smallest variance {smallest:.3g} "
+        f"(more than {MAX_JITTER_PER_VARIANCE:g}): it would change the conditionals of that token "
+        f"materially. The covariance's variances span more digits than its dtype has (e.g. "
+        f"a GaussianHMM with explosive dynamics, whose variance grows as rho^(2 t) with the "
+        f"transition matrices' spectral radius rho > 1: conditionals='gaussian_hmm' serves "
+        f"one without other latents exactly). Rescale the tokens to comparable variances, "
+        f"or keep the dynamics stable."
+    ) from None
 
 def set_jitter(state, tau):
     """Make the rescue's jitter on the state's diagonal ``tau`` in total."""
@@ -100,6 +130,7 @@ def add_jitter(state, error, max_jitter, reached):
             f"GaussianConditionals(jitter=...) with a larger value."
         ) from None
     tau = rel * scale
+    _check_token_scale(state, tau, rel, scale, error)
     set_jitter(state, tau)
     reached[(state.site, dtype)] = rel
     change = log_det_change(state)

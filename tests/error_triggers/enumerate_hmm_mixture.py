@@ -206,7 +206,8 @@ def _():
 @trigger("gaussian-hmm-not-finite")
 def _():
     eye = torch.eye(2)
-    lds = dist.GaussianHMM(dist.MultivariateNormal(torch.zeros(2), eye), 2.0 * eye, dist.MultivariateNormal(torch.zeros(2), eye),
+    # 100^(2 k) passes float64's 1e308 after 77 steps without context
+    lds = dist.GaussianHMM(dist.MultivariateNormal(torch.zeros(2), eye), 100.0 * eye, dist.MultivariateNormal(torch.zeros(2), eye),
                            torch.ones(2, 1), dist.Normal(torch.zeros(1), 1.0).to_event(1))
 
     def model(x):
