@@ -41,6 +41,16 @@ covariances of a long chain lose digits in float32); the result is in the dtype 
 the model's parameters and data. Masks shared by the batch go to the dense
 covariance (the ``"gaussian"`` engine), whose aggregated forms factorize each mask
 once for all the datapoints, where smoothing costs every datapoint its own pass.
+
+Explosive dynamics (a transition matrix of spectral radius :math:`\rho > 1`) grow a
+state's variance as :math:`\rho^{2k}` over :math:`k` steps without context, which the
+information form's prediction loses to cancellation and the dense covariance to its
+span of :math:`\rho^{2T}`. For them the later context's information comes from a
+product form (``_backward_information``), the earlier's from the information form at
+the steps where the smoothed precision keeps its digits and from a square-root
+information filter elsewhere (``_root_filter``, a step at a time), and the evidence
+from the square-root filter; see docs/numerics.md for the measured accuracy and the
+refusals (``gaussian-hmm-ill-conditioned``, ``gaussian-hmm-not-finite``).
 """
 
 import math
@@ -524,7 +534,9 @@ def _psd(J):
     one unchanged, and out of the eigendecomposition, whose gradient is not finite at
     repeated eigenvalues, e.g. of a zero matrix)."""
     with torch.no_grad():
-        negative = torch.linalg.eigvalsh(J)[..., 0] < 0
+        finite = torch.isfinite(J).all(-1).all(-1)
+        eye = torch.eye(J.shape[-1], dtype=J.dtype, device=J.device)
+        negative = finite & (torch.linalg.eigvalsh(torch.where(finite[..., None, None], J, eye))[..., 0] < 0)
     if not bool(negative.any()):
         return J
     H = J.shape[-1]
@@ -550,8 +562,10 @@ def _root_smoothed(forward, Jb, hb):
     # (1, 1) with A near a multiple of the identity leaves (1, -1) so) leaves the smoothed
     # precision too ill-conditioned for float64: the caller refuses such steps
     with torch.no_grad():
-        lam = torch.linalg.eigvalsh(J)
-        bad = ~(lam[..., 0] > CONDITION_RTOL * lam[..., -1])
+        # past float64's range (not finite) the caller's finiteness check refuses instead
+        finite = torch.isfinite(J).all(-1).all(-1)
+        lam = torch.linalg.eigvalsh(torch.where(finite[..., None, None], J, eye))
+        bad = finite & ~(lam[..., 0] > CONDITION_RTOL * lam[..., -1])
     J = torch.where(bad[..., None, None], eye, J)
     m, S = _moments(J, hf + hb)
     return torch.where(last[..., None], mf, m), torch.where(last[..., None, None], Sf, S), bad
@@ -790,7 +804,7 @@ class GaussianHMMConditionals(ConditionalEngine):
                 m, S = _moments(torch.where(keep[..., None, None], alpha.J + Jb_, eye), alpha.h + hb_)
             else:
                 m, S, bad = _root_smoothed(_root_filter(parts, _steps(parts, x[:, ni], ctx))[0], Jb_, hb_)
-                if bool((bad & ~keep).any()):
+                if bool((bad & ~keep).any()) and bool(torch.isfinite(m).all()):
                     _refuse_ill_conditioned(state)
             m, S = m[:, 0].movedim(0, 1), S[:, 0].movedim(0, 1)  # (pairs, T, ...)
             i = qi * n + ni

@@ -216,3 +216,33 @@ def _():
 
     pyro.set_rng_seed(0)
     MaskedPretrainingLoss(conditionals="gaussian_hmm", masks="all").loss(model, None, torch.randn(2, 100, 1))
+
+
+@trigger("gaussian-hmm-ill-conditioned")
+def _():
+    from pyro_mpt.conditionals import GaussianHMMConditionals
+    from pyro_mpt.observed_tokens import trace_tokens
+
+    # C = (1, 1), A near 1.35 I: the direction (1, -1) expands, informed only through A's
+    # small off-diagonal part; 115 of 120 steps masked
+    T, f64 = 120, torch.float64
+    eye = torch.eye(2, dtype=f64)
+    A = 1.35 * eye + 0.05 * torch.randn(2, 2, generator=torch.Generator().manual_seed(1), dtype=f64)
+    lds = dist.GaussianHMM(dist.MultivariateNormal(torch.zeros(2, dtype=f64), eye), A,
+                           dist.MultivariateNormal(torch.zeros(2, dtype=f64), 0.1 * eye), torch.ones(2, 1, dtype=f64),
+                           dist.Normal(torch.zeros(1, dtype=f64), 0.5).to_event(1), duration=T)
+    x = 0.3 * torch.randn(2, T, 1, generator=torch.Generator().manual_seed(0), dtype=f64).cumsum(1)
+
+    def model(x):
+        with pyro.plate("sequences", x.shape[0]):
+            pyro.sample("x", lds, obs=x)
+
+    tokens = trace_tokens(model, None, (x,), {})
+    engine = GaussianHMMConditionals()
+    state = engine.prepare(tokens, model, None, (x,), {})
+    g = torch.Generator().manual_seed(3)
+    mask = torch.zeros(8, 2, T, dtype=torch.bool)
+    for a in range(8):
+        for i in range(2):
+            mask[a, i, torch.randperm(T, generator=g)[:115]] = True
+    engine.mask_log_prob(state, tokens.value, mask)

@@ -121,3 +121,19 @@ def _():
     loss = MaskedPretrainingLoss(masks="all", share_masks=True, conditionals="gaussian")
     value = loss.differentiable_loss(model, None, x)
     torch.autograd.grad(value, pyro.param("s2nd").unconstrained(), create_graph=True)
+
+
+@trigger("gaussian-jitter-swamps-token")
+def _():
+    # explosive dynamics: the sequence's variances grow as 3^(2 t), 1e38 apart over 40 steps
+    eye = torch.eye(2, dtype=torch.float64)
+    lds = dist.GaussianHMM(dist.MultivariateNormal(torch.zeros(2, dtype=torch.float64), eye), 3.0 * eye,
+                           dist.MultivariateNormal(torch.zeros(2, dtype=torch.float64), eye), torch.ones(2, 1, dtype=torch.float64),
+                           dist.Normal(torch.zeros(1, dtype=torch.float64), 1.0).to_event(1), duration=40)
+
+    def model(x):
+        with pyro.plate("sequences", x.shape[0]):
+            pyro.sample("x", lds, obs=x)
+
+    MaskedPretrainingLoss(conditionals=GaussianConditionals(method="dense")).loss(
+        model, None, torch.randn(2, 40, 1, dtype=torch.float64))
