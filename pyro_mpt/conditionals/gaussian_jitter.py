@@ -80,7 +80,11 @@ def _check_token_scale(state, tau, rel, scale, error):
     smallest variance of a token: the covariance's scales span more digits than its dtype
     has, and the jittered model would give that token's conditionals the jitter's
     numbers, not the model's (a jitter relative to the mean diagonal, dominated by the
-    largest variances)."""
+    largest variances). The dense path only: on the low-rank one a tiny noise variance is
+    what makes the covariance singular, and the jitter that raises it is the rescue's purpose
+    (and warns with its effect on log p)."""
+    if state.is_low_rank:
+        return
     smallest = float(_diagonal(state).min()) - state.jitter
     if tau < MAX_JITTER_PER_VARIANCE * smallest:
         return
