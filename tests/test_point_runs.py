@@ -375,3 +375,29 @@ def test_quadrature_node_runs_are_capped_before_running(float64):
     with pytest.raises(NotQuadratureError, match=r"needs at least 128 model runs \(a grid of 64 nodes, 64 runs made so far\), more than max_node_runs=100"):
         score(8, masks="exhaustive", chunk_size=NQ * DQ, max_node_runs=100, cache_elements=0)
     assert len(runs) <= 64 + 3
+
+
+def test_reaches_points_reads_each_parameter_in_its_own_layout(float64):
+    # The guard looks for the points' dim (here dim 0 of a (P, n) batch) with a
+    # nonzero stride. A MultivariateNormal keeps its scale_tril unbroadcast,
+    # (D, D): read from the left as if it had the batch dims, it "varied" over the
+    # points whenever D == P, so a location expanded over them (a model that
+    # moved the points' dim) went through. Also: a Categorical's logits have a
+    # vocabulary dim after the batch, a transform's parameters live in the
+    # TransformedDistribution.
+    from pyro_mpt.conditionals.plate_runs import reaches_points
+
+    P = n = D = 3
+    moved = torch.randn(1, n, D).expand(P, n, D)  # stride 0 along the points
+    varied = torch.randn(P, n, D)
+    eye = torch.eye(D)
+    assert not reaches_points(dist.MultivariateNormal(moved, scale_tril=eye), 2)
+    assert reaches_points(dist.MultivariateNormal(varied, scale_tril=eye), 2)
+    # as Pyro's plate expands a distribution computed without the points (Categorical
+    # normalizes its logits on construction, so only .expand keeps the stride 0)
+    assert not reaches_points(dist.Categorical(logits=torch.randn(n, D, 4)).expand([P, n, D]).to_event(1), 2)
+    assert reaches_points(dist.Categorical(logits=varied.unsqueeze(-1).expand(P, n, D, 4)).to_event(1), 2)
+    shift = dist.transforms.AffineTransform(varied, 2.0)
+    assert reaches_points(dist.TransformedDistribution(dist.Normal(moved, 1.0), [shift]).to_event(1), 2)
+    assert not reaches_points(dist.LogNormal(moved, 1.0).to_event(1), 2)
+    assert reaches_points(dist.LogNormal(varied, 1.0).to_event(1), 2)

@@ -244,7 +244,7 @@ def _tensor_varies(t, batch, index, event_dims):
     # a parameter laid out as batch + (its own trailing dims) is read from the
     # left; one broadcast from fewer dims, from the right of batch + event
     n = len(batch)
-    if t.dim() >= n and all(a in (1, b) for a, b in zip(t.shape[:n], batch)):
+    if t.dim() >= n + event_dims and all(a in (1, b) for a, b in zip(t.shape[:n], batch)):
         return _varies_at(t, t.dim() - index)
     return _varies_at(t, n - index + event_dims)
 
