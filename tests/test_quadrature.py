@@ -627,6 +627,21 @@ def test_prior_centred_evidence_warns_and_its_error_covers_the_truth(float64):
     assert float(ev.diagnostics["axis_ess"].min()) < 1.95
     ref = ev.diagnostics["reference"].numpy()
     assert np.abs(ref - truth).max() < 1e-8
+    # tol= refuses it naming where the estimate comes from: here the adaptive reference
+    # (the refusal said "the estimate moves by up to 2.63 between 42 and 64 nodes per
+    # dim", where it moves by 1.15)
+    worst = int(np.argmax(error))
+    assert error[worst] > coarse[worst] + 1.0
+    import re
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(ValueError) as info:
+            Evidence(model, method="quadrature", adaptive=False, num_nodes=64, tol=1e-3)(x)
+    expected = (f"the estimated error is up to {error[worst]:.3g} (datapoint {worst}): the distance to the "
+                f"adaptive rule plus that rule's own error (the estimate moves by only {coarse[worst]:.3g} "
+                f"between 42 and 64 nodes per dim)")
+    assert re.sub(r"\s+", " ", str(info.value)).find(expected) > 0
 
 
 def test_prior_centred_evidence_with_many_nodes_reports_its_own_accuracy(float64):
