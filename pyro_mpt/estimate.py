@@ -21,11 +21,11 @@ import inspect
 import itertools
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from .mask_bits import pack_bits, unpack_bits
 from .mask_blocks import ChainBlock, MaskBlock
+from .recompute import recomputed
 
 __all__ = ["block_scores", "mpt_estimate"]
 
@@ -302,10 +302,10 @@ def _block_estimate(block, engine, state, x, recompute=True):
 
 
 def _recomputed(recompute, fn, *args):
-    """``fn(*args)``, under non-reentrant activation checkpointing (recomputed
-    in the backward pass, from the same random state) when ``recompute`` and
-    gradients are on."""
+    """``fn(*args)``, its intermediates recomputed in the backward pass (from the
+    same random state, :func:`~pyro_mpt.recompute.recomputed`) when ``recompute``
+    and gradients are on."""
     if not (recompute and torch.is_grad_enabled()):
         return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+    return recomputed(fn, *args)
 

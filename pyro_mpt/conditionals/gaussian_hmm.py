@@ -59,7 +59,7 @@ from typing import NamedTuple
 
 import torch
 import pyro.distributions as dist
-from torch.utils.checkpoint import checkpoint
+from ..recompute import recomputed
 
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_one_sequence, check_sequence_alone
@@ -770,7 +770,7 @@ class GaussianHMMConditionals(ConditionalEngine):
         outs = []
         for start in range(0, q, per):
             chunk = context[:, start : start + per]
-            outs.append(checkpoint(fn, x, chunk, use_reentrant=False) if recompute else fn(x, chunk))
+            outs.append(recomputed(fn, x, chunk) if recompute else fn(x, chunk))
         return tuple(torch.cat(parts, 1) for parts in zip(*outs))
 
     def _smoothed(self, state, x, context):

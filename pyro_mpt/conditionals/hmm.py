@@ -40,8 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 import pyro.distributions as dist
-from torch.utils.checkpoint import checkpoint
-
+from ..recompute import recomputed
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_one_sequence, check_sequence_alone
 
@@ -212,7 +211,7 @@ class DiscreteHMMConditionals(ConditionalEngine):
         out = []
         for start in range(0, q, per):
             context = ~mask[start : start + per]
-            out.append(checkpoint(chunk, context, use_reentrant=False) if recompute else chunk(context))
+            out.append(recomputed(chunk, context) if recompute else chunk(context))
         return torch.cat(out, 0)
 
     def _leave_one_out(self, state):

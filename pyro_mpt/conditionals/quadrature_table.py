@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from ..recompute import recomputed
 
 from .mixture import combine_partials
 from .mixture_chunks import MixtureChunk
@@ -134,7 +134,7 @@ class QuadratureState:
                 return reducer(chunk, *inp)
 
             if torch.is_grad_enabled():
-                part = checkpoint(run, *inputs, use_reentrant=False)
+                part = recomputed(run, *inputs)
             else:
                 part = run(*inputs)
             total = combine_partials(total, part)

@@ -48,7 +48,7 @@ The proposal must have a density over the model's latents: a point mass (an
 import math
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from ..recompute import recomputed
 
 from ..conditionals.base import EngineNotApplicable
 from ..conditionals.data_args import refuse_missing
@@ -103,7 +103,7 @@ def importance_log_weights(
         if recompute and start > 0 and torch.is_grad_enabled():
             # the first chunk settles how the model runs (vectorized or one value at a
             # time, RunMemory), so a recomputation repeats the same runs
-            parts.append(checkpoint(source.log_weights, rows, use_reentrant=False, preserve_rng_state=True))
+            parts.append(recomputed(source.log_weights, rows))
         else:
             parts.append(source.log_weights(rows))
     return torch.cat(parts, 0)

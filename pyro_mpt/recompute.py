@@ -1,0 +1,104 @@
+r"""Activation recomputation: a function's intermediate tensors are not kept for the
+backward pass but computed again in it, from the same inputs and random state.
+
+This is what non-reentrant ``torch.utils.checkpoint.checkpoint`` does, written
+here on :func:`torch.autograd.graph.saved_tensors_hooks` because torch's reads a
+``torch._dynamo`` setting on every call, so that its first call imports the
+compiler stack (sympy included: 1--3 s, more than a whole training step of most
+models; measured on a ``masks="pll"`` step of a linear-Gaussian hierarchy, 3.8 s
+the first call against 0.4 s the next).
+
+The forward pass runs once with every tensor autograd saves replaced by its
+position; the first position the backward pass asks for runs the function again
+(with the random state of the first run, under grad mode) with those tensors
+kept, in the same order, until it has as many as the first run (the rest of it
+is not run), and every later one takes its own (let go of then). Regions may nest: an
+inner region's tensors are its own, so the outer region's positions count
+the same tensors in both runs.
+"""
+
+import torch
+
+__all__ = ["recomputed"]
+
+
+class _Region:
+    """One call's function, inputs, random state and, once recomputed, its saved tensors."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+        self.cpu_state = torch.get_rng_state()
+        # the random state of the current CUDA device too, when CUDA is in use: sampling
+        # engines draw there, and the second run must draw the same numbers
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda_device = torch.cuda.current_device() if self.cuda else None
+        self.cuda_state = torch.cuda.get_rng_state(self.cuda_device) if self.cuda else None
+        self.count = 0
+        self.saved = None
+
+    def pack(self, tensor):
+        position = self.count
+        self.count += 1
+        return position
+
+    def unpack(self, position):
+        if self.saved is None or self.saved[position] is None:
+            # the first position asked for; or one asked for again (a second backward pass
+            # through a retained graph), after this pass let go of it
+            self.saved = []
+            devices = [self.cuda_device] if self.cuda else []
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(self.cpu_state)
+                if self.cuda:
+                    torch.cuda.set_rng_state(self.cuda_state, self.cuda_device)
+                try:
+                    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self.keep, _identity):
+                        self.fn(*self.args)
+                except _AllSaved:
+                    pass
+            if len(self.saved) != self.count:
+                raise RuntimeError(
+                    f"A recomputed region saved {len(self.saved)} tensors for the backward pass, "
+                    f"its first run {self.count}: the function must compute the same way twice."
+                )
+        # each tensor is let go of once the backward pass has it: the allocator reuses its
+        # memory for the gradients (kept to the end, the step took 20 % longer)
+        tensor, self.saved[position] = self.saved[position], None
+        return tensor
+
+    def keep(self, tensor):
+        # detached: the second run's graph is not needed, and would keep every one of its
+        # intermediates alive through the saved tensors' grad_fn
+        self.saved.append(tensor.detach())
+        if len(self.saved) == self.count:
+            # the rest of the second run would save nothing the backward pass needs
+            raise _AllSaved
+        return tensor
+
+
+class _AllSaved(Exception):
+    """Raised inside the second run once it has saved as many tensors as the first."""
+
+
+def _identity(tensor):
+    return tensor
+
+
+def recomputed(fn, *args):
+    """``fn(*args)`` with its intermediate tensors recomputed in the backward pass
+    instead of kept (see the module docstring); a plain call when gradients are off.
+
+    :param callable fn: a deterministic function of ``args`` and the random state
+        (it is run again, from the same random state, in the backward pass).
+    :returns: what ``fn`` returns.
+
+    Example::
+
+        >>> y = recomputed(lambda a: (a.exp() * a).sum(), x)   # x.exp() not kept
+        >>> y.backward()
+    """
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    region = _Region(fn, args)
+    with torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):
+        return fn(*args)
