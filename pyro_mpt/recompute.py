@@ -58,8 +58,11 @@ class _Region:
                     pass
             if len(self.saved) != self.count:
                 raise RuntimeError(
-                    f"A recomputed region saved {len(self.saved)} tensors for the backward pass, "
-                    f"its first run {self.count}: the function must compute the same way twice."
+                    f"A block recomputed in the backward pass saved {len(self.saved)} tensors for it "
+                    f"in its second run and {self.count} in its first: the model (or guide) must "
+                    f"compute the same way twice from the same torch random state. Draw random "
+                    f"numbers with torch or pyro.sample, not numpy or Python's random, and do not "
+                    f"branch on them; or raise chunk_size so that no block is recomputed."
                 )
         # each tensor is let go of once the backward pass has it: the allocator reuses its
         # memory for the gradients (kept to the end, the step took 20 % longer)

@@ -118,3 +118,17 @@ def _():
     MaskedPretrainingLoss(masks=[1, 2])
 
 
+
+
+@trigger("recompute-not-deterministic")
+def _():
+    from pyro_mpt.recompute import recomputed
+
+    runs = []
+
+    def block(a):
+        # the first run saves 4 tensors (two exps, the product's two factors), the second 1
+        runs.append(1)
+        return (a.exp() * a.exp()).sum() if len(runs) == 1 else a.exp().sum()
+
+    recomputed(block, torch.ones(3, requires_grad=True)).backward()
