@@ -130,8 +130,9 @@ class GaussianHMMState:
 
     @property
     def explosive(self):
-        """Whether a transition matrix has a spectral radius above 1: the moment-form filter
-        (``_moment_filter``) then serves every mask, and never the dense covariance."""
+        """Whether a transition matrix has a spectral radius above 1: the smoother then checks
+        the information form's digits and takes the square-root filter (``_root_filter``)
+        where they are lost, and never sends masks to the dense covariance."""
         return self.radius > 1.0
 
 
