@@ -11,8 +11,7 @@ the first call against 0.4 s the next).
 The forward pass runs once with every tensor autograd saves replaced by its
 position; the first position the backward pass asks for runs the function again
 (with the random state of the first run, under grad mode) with those tensors
-kept, in the same order, until it has as many as the first run (the rest of it
-is not run), and every later one takes its own (let go of then). Regions may nest: an
+kept, in the same order, and every later one takes its own (let go of then). Regions may nest: an
 inner region's tensors are its own, so the outer region's positions count
 the same tensors in both runs.
 """
@@ -51,11 +50,10 @@ class _Region:
                 torch.set_rng_state(self.cpu_state)
                 if self.cuda:
                     torch.cuda.set_rng_state(self.cuda_state, self.cuda_device)
-                try:
-                    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self.keep, _identity):
-                        self.fn(*self.args)
-                except _AllSaved:
-                    pass
+                # run to its end: stopping it once every position is saved again would mean
+                # raising from inside the model, whose callers may catch exceptions
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self.keep, _identity):
+                    self.fn(*self.args)
             if len(self.saved) != self.count:
                 raise RuntimeError(
                     f"A block recomputed in the backward pass saved {len(self.saved)} tensors for it "
@@ -73,14 +71,7 @@ class _Region:
         # detached: the second run's graph is not needed, and would keep every one of its
         # intermediates alive through the saved tensors' grad_fn
         self.saved.append(tensor.detach())
-        if len(self.saved) == self.count:
-            # the rest of the second run would save nothing the backward pass needs
-            raise _AllSaved
         return tensor
-
-
-class _AllSaved(Exception):
-    """Raised inside the second run once it has saved as many tensors as the first."""
 
 
 def _identity(tensor):
