@@ -19,7 +19,7 @@ token-plate dims in their batch order, then the event dims.
 import pyro.distributions as dist
 from pyro.poutine.util import site_is_subsample
 
-from .site_checks import data_event_shape, is_factor
+from .site_checks import data_event_shape, elementwise, is_factor
 from .token_layout import TokenLayout
 
 __all__ = ["locate_site", "site_layout", "vectorized_frames", "sample_sites"]
@@ -50,15 +50,8 @@ def holds_no_data(site):
     return (
         isinstance(fn, dist.MaskedDistribution)
         and fn._mask is False
-        and isinstance(unwrap_masks(fn.base_dist), dist.Delta)
+        and isinstance(elementwise(fn.base_dist), dist.Delta)
     )
-
-
-def unwrap_masks(fn):
-    # Independent and mask wrappers, as .to_event / .mask stack them
-    while isinstance(fn, (dist.Independent, dist.MaskedDistribution)):
-        fn = fn.base_dist
-    return fn
 
 
 def _describe_plates(frames):
