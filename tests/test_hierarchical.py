@@ -57,6 +57,45 @@ def _hierarchy(W, A, c, s=0.7, tau=0.8, mvn_global=False):
     return model, dense
 
 
+def _masked_hierarchy(W, A, c, m):
+    """The hierarchy of :func:`_hierarchy` (s = 0.7, tau = 0.8, G = 2) with the tokens outside
+    the bool mask ``m`` (N, D) missing."""
+    Wt, At, ct = (torch.tensor(t) for t in (W, A, c))
+
+    def masked(x):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(mu @ At.T, 0.8).to_event(1))
+            pyro.sample("x", dist.Normal(z @ Wt.T + ct, 0.7).mask(m).to_event(1), obs=x)
+
+    return masked
+
+
+def _global_mean_ppca(W0):
+    """PPCA with a global latent mean: mu ~ N(0, I_K), z_n ~ N(mu, 0.7^2 I), x_n ~ N(W z_n, 0.5^2 I),
+    W a param started at ``W0`` (D, K)."""
+    K = W0.shape[-1]
+
+    def model(x):
+        W = pyro.param("W", W0.clone())
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(mu, 0.7).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
+
+    return model
+
+
+def _global_mean_ppca_log_prob(W, x):
+    """log p(x) of :func:`_global_mean_ppca` by torch's dense MultivariateNormal of vec x (N D),
+    Cov = 1 1^T kron W W^T + I kron (0.49 W W^T + 0.25 I), differentiable in ``W``."""
+    N, D = x.shape
+    cov = torch.kron(torch.ones(N, N, dtype=torch.float64), W @ W.T) + torch.kron(
+        torch.eye(N, dtype=torch.float64), 0.49 * W @ W.T + 0.25 * torch.eye(D, dtype=torch.float64)
+    )
+    return torch.distributions.MultivariateNormal(torch.zeros(N * D, dtype=torch.float64), cov).log_prob(x.reshape(-1))
+
+
 def _gauss_logpdf(v, mean, cov):
     r = v - mean
     return -0.5 * (len(v) * np.log(2 * np.pi) + np.linalg.slogdet(cov)[1] + r @ np.linalg.solve(cov, r))
@@ -286,23 +325,13 @@ def test_gradient_matches_the_dense_gaussian_and_svi_runs():
     x = torch.randn(N, D, generator=g, dtype=torch.float64)
     W0 = torch.randn(D, K, generator=g, dtype=torch.float64)
     pyro.clear_param_store()
-
-    def model(x):
-        W = pyro.param("W", W0.clone())
-        mu = pyro.sample("mu", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(mu, 0.7).to_event(1))
-            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
-
+    model = _global_mean_ppca(W0)
     model(x)
     W = pyro.param("W").unconstrained()
     value = Evidence(model, method="exact", token_plates=("data",))(x)
     (grad,) = torch.autograd.grad(value, W)
     Wd = W0.clone().requires_grad_(True)
-    cov = torch.kron(torch.ones(N, N, dtype=torch.float64), Wd @ Wd.T) + torch.kron(
-        torch.eye(N, dtype=torch.float64), 0.49 * Wd @ Wd.T + 0.25 * torch.eye(D, dtype=torch.float64)
-    )
-    dense = torch.distributions.MultivariateNormal(torch.zeros(N * D, dtype=torch.float64), cov).log_prob(x.reshape(-1))
+    dense = _global_mean_ppca_log_prob(Wd, x)
     (ref,) = torch.autograd.grad(dense, Wd)
     assert abs(float(value) - float(dense)) < TOL
     assert float((grad - ref).abs().max()) < 1e-8
@@ -315,15 +344,8 @@ def test_gradient_matches_the_dense_gaussian_and_svi_runs():
 def test_missing_tokens_give_the_evidence_of_the_observed_tokens():
     N = 4
     W, A, c, X = _params(3, 2, 2, seed=6)
-    Wt, At, ct = (torch.tensor(t) for t in (W, A, c))
     m = torch.rand(N, 3, generator=torch.Generator().manual_seed(1)) > 0.3
-
-    def masked(x):
-        mu = pyro.sample("mu", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(mu @ At.T, 0.8).to_event(1))
-            pyro.sample("x", dist.Normal(z @ Wt.T + ct, 0.7).mask(m).to_event(1), obs=x)
-
+    masked = _masked_hierarchy(W, A, c, m)
     _, dense = _hierarchy(W, A, c)
     mean, cov = dense(X[:N])
     o = m.numpy().reshape(-1)
@@ -555,37 +577,20 @@ def test_order_sums_are_the_evidence_without_the_chain_terms(monkeypatch):
     x = torch.randn(N, D, generator=g, dtype=torch.float64)
     W0 = torch.randn(D, K, generator=g, dtype=torch.float64)
     pyro.clear_param_store()
-
-    def model(x):
-        W = pyro.param("W", W0.clone())
-        mu = pyro.sample("mu", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(mu, 0.7).to_event(1))
-            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
-
+    model = _global_mean_ppca(W0)
     model(x)
     loss = MaskedPretrainingLoss(masks="order", num_masks=3, token_plates=("data",))
     value = -loss.differentiable_loss(model, None, x)
     (grad,) = torch.autograd.grad(value, pyro.param("W").unconstrained())
     Wd = W0.clone().requires_grad_(True)
-    cov = torch.kron(torch.ones(N, N, dtype=torch.float64), Wd @ Wd.T) + torch.kron(
-        torch.eye(N, dtype=torch.float64), 0.49 * Wd @ Wd.T + 0.25 * torch.eye(D, dtype=torch.float64)
-    )
-    dense = torch.distributions.MultivariateNormal(torch.zeros(N * D, dtype=torch.float64), cov).log_prob(x.reshape(-1))
+    dense = _global_mean_ppca_log_prob(Wd, x)
     (ref,) = torch.autograd.grad(dense, Wd)
     assert abs(float(value) - float(dense)) < TOL
     assert float((grad - ref).abs().max()) < 1e-8
     # missing tokens: the density of the observed ones
     W, A, c, X = _params(3, 2, 2, seed=10)
-    Wt, At, ct = (torch.tensor(t) for t in (W, A, c))
     m = torch.rand(N, 3, generator=torch.Generator().manual_seed(11)) > 0.3
-
-    def masked(x):
-        mu = pyro.sample("mu", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(mu @ At.T, 0.8).to_event(1))
-            pyro.sample("x", dist.Normal(z @ Wt.T + ct, 0.7).mask(m).to_event(1), obs=x)
-
+    masked = _masked_hierarchy(W, A, c, m)
     _, dense_moments = _hierarchy(W, A, c)
     mean, cov = dense_moments(X[:N])
     o = m.numpy().reshape(-1)
