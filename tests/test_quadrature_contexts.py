@@ -104,9 +104,12 @@ def test_gaussian_model_conditionals_are_exact_at_every_masking_rate(float64, K)
     assert worst_single > 0.1
 
 
-def _bernoulli_case():
-    D, n = 20, 5
-    g = torch.Generator().manual_seed(0)
+def _bernoulli_case(D=20, n=5, seed=0, half_width=7.0, points=401):
+    """A 2-D standard normal latent, ``D`` Bernoulli tokens with logits ``W z``: the model,
+    ``n`` datapoints drawn from it, and numpy's dense grid of ``points**2`` nodes on
+    ``[-half_width, half_width]**2``: log prior ``(G,)``, token log-likelihoods ``(G, n, D)``
+    and the node spacing."""
+    g = torch.Generator().manual_seed(seed)
     W = 1.5 * torch.randn(D, 2, generator=g, dtype=torch.float64)
     x = torch.bernoulli(torch.sigmoid(torch.randn(n, 2, generator=g, dtype=torch.float64) @ W.T), generator=g)
 
@@ -115,12 +118,12 @@ def _bernoulli_case():
             z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([2]).to_event(1))
             pyro.sample("x", dist.Bernoulli(logits=z @ W.T).to_event(1), obs=x)
 
-    a = np.linspace(-7, 7, 401)
+    a = np.linspace(-half_width, half_width, points)
     Z = np.stack(np.meshgrid(a, a, indexing="ij"), -1).reshape(-1, 2)
     log_prior = stats.norm.logpdf(Z).sum(1)
     f = Z @ W.numpy().T  # (G, D)
     log_lik = -np.logaddexp(0.0, -np.where(x.numpy()[None] > 0, 1.0, -1.0) * f[:, None, :])  # (G, n, D)
-    return model, x, log_prior, log_lik
+    return model, x, log_prior, log_lik, a[1] - a[0]
 
 
 def _dense_conditionals(log_prior, log_lik, mask):
@@ -140,7 +143,7 @@ def test_bernoulli_conditionals_match_a_dense_grid_at_every_rate(float64):
     0.03 nats of a dense 401 x 401 numpy grid at every masking rate (measured
     2.6e-3, 7.9e-4, 5.3e-3, 1.2e-2 at M = 1 and rates 0.25, 0.5, 0.9), where
     the full-posterior grid alone is off by more than 0.1 at rate 0.9."""
-    model, x, log_prior, log_lik = _bernoulli_case()
+    model, x, log_prior, log_lik, _ = _bernoulli_case()
     n, D = x.shape
     for rate in (None, 0.25, 0.5, 0.9):
         mask = _masks(rate, 3, n, D, seed=1)
@@ -160,21 +163,8 @@ def test_exhaustive_mpt_with_context_grids_recovers_the_true_evidence(float64):
     from one mixture, so exhaustive MPT is the true log p(x) up to the rule's
     accuracy, not to rounding: within 5e-3 nats of the dense grid's log p(x)
     (D = 8 Bernoulli tokens, K = 2)."""
-    D, n = 8, 4
-    g = torch.Generator().manual_seed(2)
-    W = 1.5 * torch.randn(D, 2, generator=g, dtype=torch.float64)
-    x = torch.bernoulli(torch.sigmoid(torch.randn(n, 2, generator=g, dtype=torch.float64) @ W.T), generator=g)
-
-    def model(x):
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([2]).to_event(1))
-            pyro.sample("x", dist.Bernoulli(logits=z @ W.T).to_event(1), obs=x)
-
-    a = np.linspace(-8, 8, 641)
-    Z = np.stack(np.meshgrid(a, a, indexing="ij"), -1).reshape(-1, 2)
-    f = Z @ W.numpy().T
-    log_lik = -np.logaddexp(0.0, -np.where(x.numpy()[None] > 0, 1.0, -1.0) * f[:, None, :])
-    truth = logsumexp(stats.norm.logpdf(Z).sum(1)[:, None] + log_lik.sum(-1), 0) + 2 * math.log(a[1] - a[0])
+    model, x, log_prior, log_lik, step = _bernoulli_case(D=8, n=4, seed=2, half_width=8.0, points=641)
+    truth = logsumexp(log_prior[:, None] + log_lik.sum(-1), 0) + 2 * math.log(step)
     score = MaskedPretrainingLoss(conditionals="quadrature", masks="exhaustive").score(model, None, x)
     assert np.abs(score.detach().numpy() - truth).max() < 5e-3
     ev = Evidence(model, method="quadrature")(x).detach().numpy()
