@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from scipy.linalg import block_diag
+from scipy.stats import norm
 import pyro
 import pyro.distributions as dist
 
@@ -228,3 +229,23 @@ def numpy_leave_one_out(S, r):
     var = 1 / np.diag(Ki)
     d = (r @ Ki) * var  # x_j - mu_{j|-j}
     return -0.5 * (np.log(2 * np.pi * var) + d**2 / var)
+
+
+def numpy_conditionals(mean, cov, x, mask):
+    """log p(x_j | x_context) of x ~ N(mean, cov) for every target j of every (mask, datapoint):
+    ``mask`` (q, n, D) bool, True at the targets, ``x`` (n, D); by conditioning in numpy, a
+    solve per target. Returns (q, n, D), zero outside the targets."""
+    q, n, D = mask.shape
+    out = np.zeros((q, n, D))
+    for a in range(q):
+        for i in range(n):
+            ctx = ~mask[a, i]
+            for j in np.flatnonzero(mask[a, i]):
+                if ctx.any():
+                    gain = np.linalg.solve(cov[np.ix_(ctx, ctx)], cov[ctx, j])
+                    m = mean[j] + gain @ (x[i, ctx] - mean[ctx])
+                    v = cov[j, j] - gain @ cov[ctx, j]
+                else:
+                    m, v = mean[j], cov[j, j]
+                out[a, i, j] = norm.logpdf(x[i, j], m, np.sqrt(v))
+    return out

@@ -18,7 +18,7 @@ from pyro_mpt.conditionals import (
 from pyro_mpt.conditionals.gaussian_hmm import WIDE_HIDDEN
 from pyro_mpt.observed_tokens import trace_tokens
 
-from models import numpy_lds_moments
+from models import numpy_conditionals, numpy_lds_moments
 
 
 def make_hmm(T, H, O, *, time_varying, full_noise, seed=0, requires_grad=False):
@@ -48,24 +48,6 @@ def make_hmm(T, H, O, *, time_varying, full_noise, seed=0, requires_grad=False):
     parts = (m0.numpy(), S0.numpy(), steps(A), [b.numpy()] * T, [np.diag(q.numpy() ** 2)] * T, steps(C),
              [d.numpy()] * T, [Rm.numpy()] * T)
     return hmm, parts
-
-
-def scipy_conditionals(mean, cov, x, mask):
-    """log p(x_j | x_context) for every target j of every (mask, datapoint), by conditioning in numpy."""
-    q, n, D = mask.shape
-    out = np.zeros((q, n, D))
-    for a in range(q):
-        for i in range(n):
-            ctx = ~mask[a, i]
-            for j in np.flatnonzero(mask[a, i]):
-                if ctx.any():
-                    gain = np.linalg.solve(cov[np.ix_(ctx, ctx)], cov[ctx, j])
-                    m = mean[j] + gain @ (x[i, ctx] - mean[ctx])
-                    v = cov[j, j] - gain @ cov[ctx, j]
-                else:
-                    m, v = mean[j], cov[j, j]
-                out[a, i, j] = norm.logpdf(x[i, j], m, np.sqrt(v))
-    return out
 
 
 def _model(hmm, n):
@@ -101,7 +83,7 @@ def test_masked_conditionals_equal_conditioning_of_the_joint_gaussian(T, H, O, t
     mask[1, :, 1:] = False  # one target
     got = engine.mask_log_prob(state, tokens.value, mask).numpy()
     mean, cov = numpy_lds_moments(*parts)
-    want = scipy_conditionals(mean, cov, x.reshape(n, D).numpy(), mask.numpy())
+    want = numpy_conditionals(mean, cov, x.reshape(n, D).numpy(), mask.numpy())
     assert np.abs(np.where(mask.numpy(), got - want, 0.0)).max() < 1e-9
 
 
@@ -285,14 +267,14 @@ def test_leave_one_out_queries_take_one_smoothing_pass(H, O, full_noise, float64
     xn = x.reshape(n, D).numpy()
     eye = torch.eye(D, dtype=torch.bool)
     got = engine.mask_sums(state, tokens.value, eye[:, None]).numpy()  # (D, n)
-    want = scipy_conditionals(mean, cov, xn, np.broadcast_to(eye[:, None].numpy(), (D, n, D)))
+    want = numpy_conditionals(mean, cov, xn, np.broadcast_to(eye[:, None].numpy(), (D, n, D)))
     assert np.abs(got - want.sum(-1)).max() < 1e-9
     observed = torch.rand(n, D, generator=torch.Generator().manual_seed(10)) < 0.6
     observed[:, 0] = True
     got = engine.mask_sums_within(state, tokens.value, eye[:, None], observed[None]).numpy()
     for i in range(n):
         keep = observed[i].numpy()
-        sub = scipy_conditionals(mean[keep], cov[np.ix_(keep, keep)], xn[i : i + 1, keep],
+        sub = numpy_conditionals(mean[keep], cov[np.ix_(keep, keep)], xn[i : i + 1, keep],
                                  np.eye(keep.sum(), dtype=bool)[:, None])
         want = np.zeros(D)
         want[keep] = sub.sum(-1)[:, 0]

@@ -19,8 +19,7 @@ from pyro_mpt.conditionals import GaussianHMMConditionals
 from pyro_mpt.conditionals import gaussian_hmm
 from pyro_mpt.observed_tokens import trace_tokens
 
-from models import numpy_lds_moments
-from test_gaussian_hmm import scipy_conditionals
+from models import numpy_conditionals, numpy_lds_moments
 
 
 def mp_log_density(parts, x, keep, dps):
@@ -167,7 +166,7 @@ def test_square_root_filter_equals_conditioning_of_the_joint_gaussian(float64, m
     parts = (np.zeros(H), np.eye(H), [A0.numpy()] * T, [np.zeros(H)] * T, [0.36 * np.eye(H)] * T, [C0.numpy()] * T,
              [np.zeros(O)] * T, [0.49 * np.eye(O)] * T)
     mean, cov = numpy_lds_moments(*parts)
-    want = scipy_conditionals(mean, cov, x.reshape(n, -1).numpy(), mask.numpy())
+    want = numpy_conditionals(mean, cov, x.reshape(n, -1).numpy(), mask.numpy())
     assert np.abs(np.where(mask.numpy(), root - want, 0.0)).max() < 1e-9
     assert np.abs(np.where(mask.numpy(), info - want, 0.0)).max() < 1e-9
     assert abs(float(root_value - info_value)) < 1e-9 * abs(float(info_value))

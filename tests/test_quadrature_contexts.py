@@ -20,6 +20,8 @@ from pyro_mpt.conditionals.quadrature_contexts import token_quadratics
 from pyro_mpt.conditionals.quadrature_rules import gaussian_grid
 from pyro_mpt.observed_tokens import trace_tokens
 
+from models import numpy_conditionals
+
 
 def _prepared(engine, model, x):
     tokens = trace_tokens(model, None, (x,), {})
@@ -34,24 +36,6 @@ def _masks(rate, q, n, D, seed):
     m = g.random((q, n, D)) < rate
     m[..., 0] |= ~m.any(-1)
     return torch.as_tensor(m)
-
-
-def _gaussian_conditionals(W, sigma, x, mask):
-    """log N(x_j; E[x_j | x_R], Var[x_j | x_R]) of x = W z + sigma eps, z ~ N(0, I), by numpy."""
-    C = W @ W.T + sigma**2 * np.eye(W.shape[0])
-    q, n, D = mask.shape
-    out = np.zeros((q, n, D))
-    for a in range(q):
-        for i in range(n):
-            R = ~mask[a, i]
-            for j in np.flatnonzero(mask[a, i]):
-                if not R.any():
-                    out[a, i, j] = stats.norm.logpdf(x[i, j], 0.0, math.sqrt(C[j, j]))
-                    continue
-                cjR = C[j, R]
-                sol = np.linalg.solve(C[np.ix_(R, R)], np.stack([x[i, R], cjR], -1))
-                out[a, i, j] = stats.norm.logpdf(x[i, j], cjR @ sol[:, 0], math.sqrt(C[j, j] - cjR @ sol[:, 1]))
-    return out
 
 
 def test_projection_recovers_quadratic_log_likelihoods(float64):
@@ -91,10 +75,11 @@ def test_gaussian_model_conditionals_are_exact_at_every_masking_rate(float64, K)
             z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([K]).to_event(1))
             pyro.sample("x", dist.Normal(z @ W.T, sigma).to_event(1), obs=x)
 
+    C = W.numpy() @ W.numpy().T + sigma**2 * np.eye(D)
     worst_single = 0.0
     for rate in (None, 0.25, 0.5, 0.9):
         mask = _masks(rate, 4, n, D, seed=1)
-        ref = _gaussian_conditionals(W.numpy(), sigma, x.numpy(), mask.numpy())
+        ref = numpy_conditionals(np.zeros(D), C, x.numpy(), mask.numpy())
         engine = QuadratureConditionals()
         lp = engine.mask_log_prob(_prepared(engine, ppca, x), x, mask).numpy()
         assert np.abs(lp - ref)[mask.numpy()].max() < 1e-8, rate
