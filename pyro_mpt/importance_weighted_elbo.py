@@ -5,7 +5,6 @@ those of ``Evidence(method="importance")`` with the guide as proposal and
 :math:`K` particles (:func:`~pyro_mpt.evidence.importance.importance_log_weights`).
 """
 
-
 import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item

@@ -99,6 +99,7 @@ def _counting_pays(shape):
     q, rows, D = shape
     return rows >= _SELECT_ROWS or (q * rows * D >= _SELECT_ELEMENTS and D >= _SELECT_TOKENS_MIN)
 
+
 #: bits of the coarse integer keys of :func:`random_masks` when the sizes are shared
 #: by the rows (fewer for short rows, about one key per bin): eight keys come from
 #: one 64-bit draw (at most 7 bits, so that ``b + 1`` fits the uint8

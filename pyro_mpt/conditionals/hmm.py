@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 import pyro.distributions as dist
+
 from ..recompute import recomputed
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_one_sequence, check_sequence_alone

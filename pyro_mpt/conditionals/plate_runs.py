@@ -85,11 +85,6 @@ class LatentSlice:
     dtype: torch.dtype = None
     coord_shape: torch.Size = None
 
-    @property
-    def coordinates_shape(self):
-        """The event shape of the site's coordinates (``coord_shape``, else ``event_shape``)."""
-        return self.event_shape if self.coord_shape is None else self.coord_shape
-
 
 def latent_layout(tokens, kind_of):
     """Give each latent site of ``tokens`` a :class:`LatentSlice` of the stacked coordinates.

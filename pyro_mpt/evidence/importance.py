@@ -48,7 +48,6 @@ The proposal must have a density over the model's latents: a point mass (an
 import math
 
 import torch
-from ..recompute import recomputed
 
 from ..conditionals.base import EngineNotApplicable
 from ..conditionals.data_args import refuse_missing
@@ -56,6 +55,7 @@ from ..conditionals.latent_runs import LatentRunner, logmeanexp
 from ..guide_checks import check_proposal_density, warn_not_reparameterized
 from ..conditionals.guide_proposals import AutoguideProposal, is_autoguide
 from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
+from ..recompute import recomputed
 from .result import EvidenceResult
 
 __all__ = ["importance_log_weights", "importance_evidence"]
