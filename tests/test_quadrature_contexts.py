@@ -187,3 +187,39 @@ def test_evidence_error_estimate_covers_the_true_error(float64):
     coarse_only = np.abs(value - ev.diagnostics["coarse"].numpy())
     assert (true > coarse_only).any()  # the case the second rule is there for
     assert ev.diagnostics["previous"] is not None
+
+
+def test_first_evaluation_warns_when_the_conditionals_are_estimated_off(float64):
+    """check_tol: on its first evaluation the engine compares its conditionals with
+    the 2m/3-node rule's and warns above 0.1 nats, once per engine: a 2-D
+    Poisson model with an outlying count, leave-one-out masks, 4 nodes per dim
+    (estimate 2.7 nats) warns once; the default 8 x 8 grid (estimate 0.06,
+    true error 8.8e-3 against a dense grid in
+    tests/test_quadrature.py::test_conditional_error_estimate_covers_leave_one_out_errors) is quiet."""
+    import warnings
+
+    D, n = 12, 4
+    g = torch.Generator().manual_seed(0)
+    W = 0.7 * torch.randn(D, 2, generator=g, dtype=torch.float64)
+    x = torch.poisson(torch.exp(torch.randn(n, 2, generator=g, dtype=torch.float64) @ W.T), generator=g)
+    x[:, 0] = 7.0
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Poisson(torch.exp(z @ W.T)).to_event(1), obs=x)
+
+    mask = torch.eye(D, dtype=torch.bool)[:, None, :].expand(D, n, D)
+    for m, expected in ((4, 1), (None, 0)):
+        engine = QuadratureConditionals(m)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                engine.mask_log_prob(_prepared(engine, model, x), x, mask)
+        found = [w for w in rec if "estimated to be off" in str(w.message)]
+        assert len(found) == expected, (m, [str(w.message) for w in rec])
+    engine = QuadratureConditionals(4, check_tol=None)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        engine.mask_log_prob(_prepared(engine, model, x), x, mask)
+    assert not [w for w in rec if "estimated to be off" in str(w.message)]

@@ -147,7 +147,10 @@ from .quadrature_rules import (
     gaussian_grid,
 )
 
-__all__ = ["QuadratureConditionals", "QuadratureMemory"]
+__all__ = ["QuadratureConditionals", "QuadratureMemory", "CHECK_TOL"]
+
+#: the default ``check_tol`` of :class:`QuadratureConditionals` (nats per conditional)
+CHECK_TOL = 0.1
 
 
 @dataclass
@@ -163,6 +166,8 @@ class QuadratureMemory:
         mode is tried first at the next call.
     :param tuple warm_key: the data and minibatch indices (cloned) of the last
         adaptive search.
+    :param bool checked: whether the first evaluation's conditionals were
+        checked against a coarser rule (``check_tol`` of the engine).
     :param torch.Tensor warm_centres: the converged posterior centres of that
         search, ``(n, K)`` (detached); with ``warm_start=True`` the next search
         on the same data and minibatch starts there. The search runs to
@@ -173,6 +178,7 @@ class QuadratureMemory:
     run_mode: RunMemory = field(default_factory=RunMemory)
     warm_key: Optional[tuple] = None
     warm_centres: Optional[torch.Tensor] = None
+    checked: bool = False
 
 
 # ---------------------------------------------------------------------- engine
@@ -223,6 +229,11 @@ class QuadratureConditionals(ConditionalEngine):
         many tokens poorly (leave-one-out conditionals 0.57 nats off with the
         default 8 x 8 grid). :meth:`log_evidence` and the chain-rule sums use
         the full grid either way.
+    :param float check_tol: on the engine's first :meth:`mask_log_prob`, estimate
+        the conditionals' error (:meth:`mask_log_prob_error`, one more evaluation
+        with 2m/3 nodes per dim, once) and warn, naming the site, the largest
+        estimate and ``num_nodes``, when it exceeds this many nats (the estimate
+        is conservative: 1.4 to 7 times the true error where measured); None: no check.
     :param int max_latent_dim: refuse models with more latent dims than this.
     :param int cache_elements: keep the ``n x Q x D`` table, chunk by chunk from the
         first, up to this many entries (all of it when it has at most this many);
@@ -255,6 +266,7 @@ class QuadratureConditionals(ConditionalEngine):
         min_ess=1.5,
         ess_warning=RESOLVED_AXIS_ESS,
         context_grids=True,
+        check_tol=CHECK_TOL,
         max_latent_dim=MAX_LATENT_DIM,
         cache_elements=2**27,
         max_elements=2**24,
@@ -281,6 +293,7 @@ class QuadratureConditionals(ConditionalEngine):
         self.min_ess = min_ess
         self.ess_warning = ess_warning
         self.context_grids = bool(context_grids)
+        self.check_tol = check_tol
         self.max_latent_dim = int(max_latent_dim)
         self.cache_elements = int(cache_elements)
         self.max_node_runs = int(max_node_runs)
@@ -460,12 +473,36 @@ class QuadratureConditionals(ConditionalEngine):
     # ------------------------------------------------------------------ queries
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
+        if self.check_tol is not None and not self.memory.checked and state.latent_dim > 0:
+            self.memory.checked = True  # before the check, which calls this method again
+            self._check_conditionals(state, x, mask)
         ctx = (~mask).to(state.nodes.dtype)
         if self._uses_context_grids(state):
             return self._context_log_prob(state, mask)
         num, den = self._reduce(state, MixtureChunk.mask_partials, ctx)
         # the prior integrates to one: an empty context has normalizer exactly 1
         return num - normalize_empty(den, ~mask).unsqueeze(-1)
+
+    def _check_conditionals(self, state, x, mask):
+        """Warn once per engine when the first evaluation's conditionals are estimated
+        to be off by more than ``check_tol``."""
+        try:
+            err = self.mask_log_prob_error(state, x, mask)
+        except NotQuadratureError:  # a model run one node at a time past max_node_runs: no check
+            return
+        worst = float(err.max())
+        if worst > self.check_tol:
+            m = state.nodes_per_dim
+            bad = int((err > self.check_tol).sum())
+            warnings.warn(
+                f"QuadratureConditionals: the masked conditionals of site {state.runner.tokens.name!r} "
+                f"are estimated to be off by up to {worst:.3g} nats ({bad} of {int(mask.expand_as(err).sum())} "
+                f"conditionals of the first evaluation above check_tol={self.check_tol:g}; the difference "
+                f"to the rule with {max(1, (2 * m) // 3)} nodes per dim) with {m} nodes per latent dim. "
+                f"Use more nodes (num_nodes=...); check_tol=None skips this check.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _context_log_prob(self, state, mask):
         """:meth:`mask_log_prob` with context grids where the full grid does not resolve
@@ -551,6 +588,7 @@ class QuadratureConditionals(ConditionalEngine):
             min_ess=None,
             ess_warning=None,
             context_grids=self.context_grids,
+            check_tol=None,
             max_latent_dim=self.max_latent_dim,
             cache_elements=self.cache_elements,
             max_elements=self.max_elements,

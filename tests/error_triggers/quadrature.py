@@ -176,3 +176,18 @@ def _():
             pyro.sample("x", dist.Poisson(torch.exp(z @ W.T)).to_event(1), obs=x)
 
     Evidence(model, method="quadrature", num_nodes=3)(x)
+
+
+@trigger("quadrature-conditionals-inaccurate")
+def _():
+    g = torch.Generator().manual_seed(0)
+    W = 0.7 * torch.randn(12, 2, generator=g)
+    x = torch.poisson(torch.exp(torch.randn(4, 2, generator=g) @ W.T), generator=g)
+    x[:, 0] = 7.0
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Poisson(torch.exp(z @ W.T)).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(masks="pll", conditionals=QuadratureConditionals(4)).loss(model, None, x)
