@@ -229,7 +229,7 @@ class QuadratureConditionals(ConditionalEngine):
         many tokens poorly (leave-one-out conditionals 0.57 nats off with the
         default 8 x 8 grid). :meth:`log_evidence` and the chain-rule sums use
         the full grid either way.
-    :param float check_tol: on the engine's first :meth:`mask_log_prob`, estimate
+    :param float check_tol: with context grids, on the engine's first :meth:`mask_log_prob`, estimate
         the conditionals' error (:meth:`mask_log_prob_error`, one more evaluation
         with 2m/3 nodes per dim, once) and warn, naming the site, the largest
         estimate and ``num_nodes``, when it exceeds this many nats (the estimate
@@ -473,7 +473,8 @@ class QuadratureConditionals(ConditionalEngine):
     # ------------------------------------------------------------------ queries
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
-        if self.check_tol is not None and not self.memory.checked and state.latent_dim > 0:
+        # adaptive grids only: a prior-centred grid's own check is its effective nodes
+        if self.check_tol is not None and not self.memory.checked and self._uses_context_grids(state):
             self.memory.checked = True  # before the check, which calls this method again
             self._check_conditionals(state, x, mask)
         ctx = (~mask).to(state.nodes.dtype)
