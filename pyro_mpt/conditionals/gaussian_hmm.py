@@ -59,8 +59,8 @@ from typing import NamedTuple
 
 import torch
 import pyro.distributions as dist
-from ..recompute import recomputed
 
+from ..recompute import recomputed
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_one_sequence, check_sequence_alone
 from .gaussian import GaussianConditionals

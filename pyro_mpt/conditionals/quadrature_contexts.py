@@ -46,11 +46,12 @@ entries under activation checkpointing, reduced by
 """
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from ..recompute import recomputed
 from .mixture import combine_partials
 from .mixture_chunks import MixtureChunk
 from .quadrature_rules import affine_grid
+
 
 def resolved_tol(dtype):
     """The full grid's error on a query's Gaussian model (nats) above which the query
@@ -411,7 +412,7 @@ def context_partials(runner, std_nodes, std_log_weights, centre, sqrt_cov, ctx, 
                 return chunk.mask_partials(c_ctx)
 
             if torch.is_grad_enabled() and q * per_query > keep_elements:
-                part = checkpoint(run, c_ctx, use_reentrant=False)
+                part = recomputed(run, c_ctx)
             else:
                 part = run(c_ctx)
             total = combine_partials(total, part)
