@@ -486,6 +486,7 @@ def test_float32_noise_gradient_of_the_aggregated_form(D, K, psi, tol):
     (want,) = torch.autograd.grad(ref, s64)
     assert abs(float(got) - float(want)) <= tol * abs(float(want)), (float(got), float(want))
 
+
 def _float32_ppca(D, K, N, seed, noise_sd):
     """A float32 PPCA as a user writes it, its data and its loading ``W0`` ``(D, K)``;
     ``noise_sd(W0)`` gives the noise scale."""

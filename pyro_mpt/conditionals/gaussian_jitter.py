@@ -56,6 +56,7 @@ def factor_whole(state, precision_checked=False):
         )
     state.factor = posterior_precision_factor(F, psi, state.site)
 
+
 def _diagonal(state):
     """The diagonal of the state's covariance, the rescue's jitter included."""
     with torch.no_grad():
@@ -99,6 +100,7 @@ def _check_token_scale(state, tau, rel, scale, error):
         f"or keep the dynamics stable."
     ) from None
 
+
 def set_jitter(state, tau):
     """Make the rescue's jitter on the state's diagonal ``tau`` in total."""
     delta = tau - state.jitter
@@ -110,6 +112,7 @@ def set_jitter(state, tau):
         eye = torch.eye(state.num_tokens, dtype=state.loc.dtype, device=state.loc.device)
         state.covariance = state.covariance + delta * eye
     state.jitter = tau
+
 
 def add_jitter(state, error, max_jitter, reached):
     """Raise the jitter of ``state`` tenfold (or to the first jitter) after ``error``, and warn; record it in ``reached``.
@@ -154,6 +157,7 @@ def add_jitter(state, error, max_jitter, reached):
     )
     warning.log_prob_change = change
     warnings.warn(warning, stacklevel=4)
+
 
 def log_det_change(state):
     r"""How much the rescue's jitter :math:`\tau` changes log p per datapoint
