@@ -644,6 +644,37 @@ def test_prior_centred_evidence_warns_and_its_error_covers_the_truth(float64):
     assert re.sub(r"\s+", " ", str(info.value)).find(expected) > 0
 
 
+def test_tol_refusal_of_an_adaptive_grid_names_its_rules_difference(float64):
+    """An adaptive grid has no adaptive reference: its refusal names the rules'
+    difference (the 2m/3 and m - 1 node rules against m), the error estimate in the
+    result's stderr. With the rounding term added to the estimate the refusal's test
+    'difference >= estimate' never held, and every refusal, adaptive or not, said 'the
+    distance to the adaptive rule plus that rule's own error'."""
+    import re
+    import warnings
+
+    import numpy as np
+
+    D, N = 5, 6
+    g = torch.Generator().manual_seed(1)
+    z0 = torch.randn(N, generator=g, dtype=torch.float64)
+    x = torch.poisson(torch.exp(1.0 + 0.8 * z0)[:, None].expand(N, D), generator=g)
+    model = _poisson_counts_model(D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ev = Evidence(model, method="quadrature", num_nodes=4).estimate(x)
+        with pytest.raises(ValueError) as info:
+            Evidence(model, method="quadrature", num_nodes=4, tol=1e-12)(x)
+    value = ev.log_evidence.detach().numpy()
+    error = ev.stderr.numpy()
+    moved = np.maximum(np.abs(value - ev.diagnostics["coarse"].numpy()), np.abs(value - ev.diagnostics["previous"].numpy()))
+    assert np.abs(error - moved).max() < 1e-12  # the rounding term, 8 eps (|value| + 1)
+    worst = int(np.argmax(error))
+    message = re.sub(r"\s+", " ", str(info.value))
+    assert f"the estimate moves by up to {error[worst]:.3g} (datapoint {worst}) between 2 or 3 and 4 nodes per dim" in message
+    assert "adaptive rule" not in message
+
+
 def test_prior_centred_evidence_with_many_nodes_reports_its_own_accuracy(float64):
     # The adaptive reference of a prior-centred estimate ran at its default
     # 8 x 8 nodes whatever num_nodes asked, and its own error (~1e-3 here) was a

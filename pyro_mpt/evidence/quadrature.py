@@ -124,6 +124,7 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     # the rule's own rounding: its log-sum of Q terms of size |log p(x)|
     eps = torch.finfo(value.dtype).eps
     error = error + 8 * eps * (value.detach().abs() + 1)
+    moved = error  # the rules' differences, before the reference's triangle below
     reference = None
     if not engine.adaptive and K > 0:
         # the reference's own error enters the estimate: at the default adaptive
@@ -141,8 +142,9 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
         error = torch.maximum(error, (value.detach() - reference).abs() + ref_error)
     if tol is not None and bool((error > tol).any()):
         worst = int(error.argmax())
-        if bool(between[worst] >= error[worst]):
-            why = f"the estimate moves by up to {float(error[worst]):.3g} (datapoint {worst}) between {error_nodes} and {m} nodes per dim"
+        if reference is None or bool(moved[worst] >= error[worst]):
+            rules = f"{error_nodes}{'' if previous is None else f' or {m - 1}'} and {m}"
+            why = f"the estimate moves by up to {float(error[worst]):.3g} (datapoint {worst}) between {rules} nodes per dim"
         else:
             # the triangle through the adaptive reference: two prior grids that agree can both be off
             why = (f"the estimated error is up to {float(error[worst]):.3g} (datapoint {worst}): the distance to "
