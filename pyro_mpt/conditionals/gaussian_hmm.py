@@ -647,9 +647,9 @@ def _refuse_ill_conditioned(state):
         f"{_WHO}: the conditionals of site {state.site!r} cannot be computed to float64's "
         f"precision. The transition matrices' spectral radius is {state.radius:.3g} > 1, and a "
         f"direction of the state that they expand is hardly informed by the context of some "
-        f"masks (e.g. an observation matrix with equal columns and a transition matrix near a "
-        f"multiple of the identity): the states' covariances span more digits than float64 "
-        f"has. Keep the dynamics stable (e.g. parametrize the transition matrix with a "
+        f"masks (e.g. masks that leave a token or two of a long sequence visible, or an "
+        f"observation matrix with equal columns and a transition matrix near a multiple of the "
+        f"identity): the states' covariances span more digits than float64 has. Keep the dynamics stable (e.g. parametrize the transition matrix with a "
         f"spectral radius below 1), or mask shorter stretches."
     )
 
