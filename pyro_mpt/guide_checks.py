@@ -165,6 +165,10 @@ def warn_not_reparameterized(tokens, who, warned):
     :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens (with the guide trace).
     :param str who: the caller, named in the message.
     :param set warned: names of the sites already warned about; updated in place.
+
+    Example::
+
+        >>> warn_not_reparameterized(tokens, "ImportanceWeightedELBO", self._warned)
     """
     if not torch.is_grad_enabled():
         return

@@ -43,7 +43,15 @@ def holds_no_data(site):
     """Whether an observed sample site only records a value: ``pyro.deterministic`` (and the
     combined site Pyro records for ``obs_mask``), or the ``Delta(...).mask(False)`` that
     ``poutine.reparam`` leaves at a reparameterized latent (``LocScaleReparam``,
-    ``TransformReparam``: the value computed from the new latent, log-density 0)."""
+    ``TransformReparam``: the value computed from the new latent, log-density 0).
+
+    :param dict site: a trace site of type ``"sample"``.
+    :returns: bool.
+
+    Example::
+
+        >>> [n for n, s in trace.nodes.items() if s["type"] == "sample" and holds_no_data(s)]   # ['z'] under LocScaleReparam of 'z'
+    """
     if site["infer"].get("_deterministic"):
         return True
     fn = site["fn"]

@@ -51,7 +51,18 @@ def target_form_cheaper(M, D, R):
     r"""Bool tensor like ``M``: the masks whose ``M`` targets cost less as target blocks
     (:math:`\propto M^3`, plus a fixed cost) than on the low-rank context side
     (:math:`\propto RD(D + 3R)`); none where their savings would not repay the call's
-    fixed cost."""
+    fixed cost.
+
+    :param torch.Tensor M: long ``(P,)``, the masks' numbers of targets.
+    :param int D: tokens.
+    :param int R: rank of the covariance's low-rank factor.
+    :returns: bool ``(P,)``.
+
+    Example::
+
+        >>> target_form_cheaper(torch.tensor([2] * 10 + [150]), D=200, R=50)   # 10 x True, False
+        >>> target_form_cheaper(torch.tensor([2]), D=200, R=50)   # False: one mask saves too little
+    """
     saving = R * D * (D + 3 * R) - TARGET_UNIT * M.to(torch.float64) ** 3 - TARGET_OVERHEAD
     small = saving >= 0
     return small if float(saving[small].sum()) >= TARGET_CALL else torch.zeros_like(small)
@@ -60,7 +71,16 @@ def target_form_cheaper(M, D, R):
 def target_form_condition(F, psi):
     r"""A bound on the condition number of every target block :math:`P_{\mathcal M\mathcal M}`
     of :math:`P = (FF^\top + \Psi)^{-1}`: its eigenvalues lie between
-    :math:`\lambda_{\min}(P) \ge 1/(\psi_{\max} + \|F\|_2^2)` and :math:`1/\psi_{\min}`."""
+    :math:`\lambda_{\min}(P) \ge 1/(\psi_{\max} + \|F\|_2^2)` and :math:`1/\psi_{\min}`.
+
+    :param torch.Tensor F: the covariance's low-rank factor, ``(D, R)``.
+    :param torch.Tensor psi: its diagonal, ``(D,)``.
+    :returns: float, :math:`(\psi_{\max} + \|F\|_2^2)/\psi_{\min}`.
+
+    Example::
+
+        >>> target_form_condition(torch.zeros(3, 0), torch.tensor([1.0, 2.0, 4.0]))   # 4.0
+    """
     with torch.no_grad():
         F, psi = F.double(), psi.double()
         top = torch.linalg.eigvalsh(F.T @ F)[-1] if F.shape[-1] else F.new_zeros(())
@@ -76,6 +96,15 @@ def target_form_groups(mask, max_elements):
     padding would cost more than a group's own steps (``TARGET_GROUP`` in units of
     :math:`M^3`: the :math:`\sum_m (M_p^3 - M_m^3)` of its masks, bounded by that of
     its smallest) or its blocks ``g Mp^2`` would exceed ``max_elements / 8``.
+
+    :param torch.Tensor mask: bool ``(P, D)``, True at the targets.
+    :param int max_elements: memory bound, as the engine's.
+    :returns: list of ``(rows (g,), idx (g, Mp))`` long tensors.
+
+    Example::
+
+        >>> mask = torch.tensor([[True, False, True], [False, True, False]])
+        >>> target_form_groups(mask, 2**20)   # [(tensor([1, 0]), tensor([[1, 3], [0, 2]]))]
     """
     P, D = mask.shape
     M = mask.sum(-1)
@@ -119,8 +148,13 @@ class TargetBlockForm(torch.autograd.Function):
 
     :param P: ``(D, D)``, symmetric positive definite.
     :param list groups: :func:`target_form_groups` of the masks.
-    :param coef: ``(masks,)``. :param str site: for error messages.
+    :param coef: ``(masks,)``.
+    :param str site: for error messages.
     :returns: ``A`` ``(D, D)``, ``logdet`` ``()``.
+
+    Example::
+
+        >>> A, logdet = TargetBlockForm.apply(P, target_form_groups(mask, 2**24), coef, "x")
     """
 
     @staticmethod
@@ -145,7 +179,7 @@ class TargetBlockForm(torch.autograd.Function):
             A.index_add_(0, flat, (C @ (aw.unsqueeze(-1) * C)).reshape(-1))
             saved.append((flat, C, v, aw))
         ctx.saved = saved
-        ctx.coef_rows = [(rows, idx) for rows, idx in groups]
+        ctx.groups = list(groups)
         ctx.coef = coef
         ctx.D = D
         return A.view(D + 1, D + 1)[:D, :D], logdet
@@ -157,7 +191,7 @@ class TargetBlockForm(torch.autograd.Function):
         D = ctx.D
         G = torch.nn.functional.pad(0.5 * (gA + gA.T), (0, 1, 0, 1)).reshape(-1)
         gP = G.new_zeros((D + 1) * (D + 1))
-        for (flat, C, v, aw), (rows, idx) in zip(ctx.saved, ctx.coef_rows):
+        for (flat, C, v, aw), (rows, idx) in zip(ctx.saved, ctx.groups):
             Gm = G.index_select(0, flat).view(C.shape)
             a = (ctx.coef.index_select(0, rows).unsqueeze(-1) * (idx < D)).to(C.dtype)
             GC = Gm @ C
