@@ -707,3 +707,16 @@ def test_masks_split_between_target_blocks_and_the_context_side_match_the_loop(m
         ref = -torch_weighted_sum(S, torch.zeros(D), args[0] - loc, mask, coef).sum()
         for k, a, b in zip(names, torch.autograd.grad(value, leaves), torch.autograd.grad(ref, leaves)):
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8, atol=1e-8 * float(b.abs().max()), err_msg=k)
+
+
+def test_target_form_condition_of_non_finite_parameters_is_infinite():
+    """A NaN in the loading (a diverged step) keeps every mask on the context side, whose
+    handling of it is the engine's as before, instead of stopping in eigvalsh with a LAPACK
+    convergence error."""
+    from pyro_mpt.conditionals.gaussian_target_form import target_form_condition
+
+    F = torch.randn(20, 5, dtype=torch.float64)
+    psi = torch.ones(20, dtype=torch.float64)
+    assert target_form_condition(F, psi) == pytest.approx(float((1 + torch.linalg.matrix_norm(F, 2) ** 2) / 1))
+    F[3, 2] = float("nan")
+    assert target_form_condition(F, psi) == math.inf
