@@ -249,3 +249,21 @@ def numpy_conditionals(mean, cov, x, mask):
                     m, v = mean[j], cov[j, j]
                 out[a, i, j] = norm.logpdf(x[i, j], m, np.sqrt(v))
     return out
+
+
+def outlying_poisson_counts(D=12, n=4, seed=0):
+    """Poisson tokens with a 2-D standard normal latent, ``x_d ~ Poisson(exp(W_d z))`` with
+    ``W = 0.7 randn(D, 2)``, and ``n`` datapoints drawn from it whose token 0 is set to an
+    outlying count of 7 (a leave-one-out conditional far from the full posterior's grid).
+    Returns the model, the data ``(n, D)`` and ``W``."""
+    g = torch.Generator().manual_seed(seed)
+    W = 0.7 * torch.randn(D, 2, generator=g, dtype=torch.float64)
+    x = torch.poisson(torch.exp(torch.randn(n, 2, generator=g, dtype=torch.float64) @ W.T), generator=g)
+    x[:, 0] = 7.0
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Poisson(torch.exp(z @ W.T)).to_event(1), obs=x)
+
+    return model, x, W

@@ -21,7 +21,7 @@ from pyro_mpt.conditionals import (
 from pyro_mpt.conditionals.quadrature_rules import MAX_LATENT_DIM, affine_grid, gaussian_grid, hermite_rule
 from pyro_mpt.observed_tokens import trace_tokens
 
-from models import make_ppca
+from models import make_ppca, outlying_poisson_counts
 
 
 # ---------------------------------------------------------------------- models
@@ -816,17 +816,8 @@ def test_conditional_error_estimate_covers_leave_one_out_errors(float64):
     import numpy as np
     from scipy import stats
 
-    D, n = 12, 4
-    g = torch.Generator().manual_seed(0)
-    W = 0.7 * torch.randn(D, 2, generator=g, dtype=torch.float64)
-    x = torch.poisson(torch.exp(torch.randn(n, 2, generator=g, dtype=torch.float64) @ W.T), generator=g)
-    x[:, 0] = 7.0
-
-    def model(x):
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([2]).to_event(1))
-            pyro.sample("x", dist.Poisson(torch.exp(z @ W.T)).to_event(1), obs=x)
-
+    model, x, W = outlying_poisson_counts()
+    n, D = x.shape
     a = np.linspace(-7, 7, 601)
     Z = np.stack(np.meshgrid(a, a, indexing="ij"), -1).reshape(-1, 2)
     log_prior = stats.norm.logpdf(Z).sum(1)

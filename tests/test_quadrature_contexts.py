@@ -20,7 +20,7 @@ from pyro_mpt.conditionals.quadrature_contexts import token_quadratics
 from pyro_mpt.conditionals.quadrature_rules import gaussian_grid
 from pyro_mpt.observed_tokens import trace_tokens
 
-from models import numpy_conditionals
+from models import numpy_conditionals, outlying_poisson_counts
 
 
 def _prepared(engine, model, x):
@@ -198,17 +198,8 @@ def test_first_evaluation_warns_when_the_conditionals_are_estimated_off(float64)
     tests/test_quadrature.py::test_conditional_error_estimate_covers_leave_one_out_errors) is quiet."""
     import warnings
 
-    D, n = 12, 4
-    g = torch.Generator().manual_seed(0)
-    W = 0.7 * torch.randn(D, 2, generator=g, dtype=torch.float64)
-    x = torch.poisson(torch.exp(torch.randn(n, 2, generator=g, dtype=torch.float64) @ W.T), generator=g)
-    x[:, 0] = 7.0
-
-    def model(x):
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([2]).to_event(1))
-            pyro.sample("x", dist.Poisson(torch.exp(z @ W.T)).to_event(1), obs=x)
-
+    model, x, _ = outlying_poisson_counts()
+    n, D = x.shape
     mask = torch.eye(D, dtype=torch.bool)[:, None, :].expand(D, n, D)
     for m, expected in ((4, 1), (None, 0)):
         engine = QuadratureConditionals(m)
