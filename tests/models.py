@@ -267,3 +267,17 @@ def outlying_poisson_counts(D=12, n=4, seed=0):
             pyro.sample("x", dist.Poisson(torch.exp(z @ W.T)).to_event(1), obs=x)
 
     return model, x, W
+
+
+def saved_numel(fn):
+    """Elements of the tensors autograd saves for backward while ``fn()`` runs (each time it
+    saves one, views included), and ``fn()``'s result."""
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return saved[0], out

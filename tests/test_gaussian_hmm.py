@@ -18,7 +18,7 @@ from pyro_mpt.conditionals import (
 from pyro_mpt.conditionals.gaussian_hmm import WIDE_HIDDEN
 from pyro_mpt.observed_tokens import trace_tokens
 
-from models import numpy_conditionals, numpy_lds_moments
+from models import numpy_conditionals, numpy_lds_moments, saved_numel
 
 
 def make_hmm(T, H, O, *, time_varying, full_noise, seed=0, requires_grad=False):
@@ -233,15 +233,8 @@ def test_saved_tensors_per_chunk_within_max_elements(H, O, float64):
     state = engine.prepare(tokens, model, None, (x,), {})
     engine.max_elements = budget = 2 * n * engine._per_pair(state)  # two masks a chunk
     mask = torch.rand(q, n, T * O, generator=torch.Generator().manual_seed(10)) < 0.5
-    saved = [0]
-
-    def pack(t):
-        saved[0] += t.numel()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        engine.mask_log_prob(state, tokens.value, mask[:2])
-    assert budget / 4 < saved[0] <= budget, (saved[0], budget)
+    saved, _ = saved_numel(lambda: engine.mask_log_prob(state, tokens.value, mask[:2]))
+    assert budget / 4 < saved <= budget, (saved, budget)
 
 
 @pytest.mark.parametrize("H,O,full_noise", [(2, 2, True), (7, 1, False)])

@@ -17,6 +17,8 @@ from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.conditionals import DiscreteHMMConditionals, EngineNotApplicable, EnumerateConditionals, auto_engine
 from pyro_mpt.observed_tokens import trace_tokens
 
+from models import saved_numel
+
 
 # ---------------------------------------------------------------------- references
 def numpy_forward(log_init, log_trans, log_emit):
@@ -397,16 +399,9 @@ def test_chunks_of_masks_are_recomputed_and_their_tables_not_kept(float64):
         tokens = trace_tokens(hmm, None, (x,), {})  # a graph of its own from the parameters
         engine = DiscreteHMMConditionals(max_elements=max_elements)
         state = engine.prepare(tokens, hmm, None, (x,), {})
-        saved = [0]
-
-        def pack(t):
-            saved[0] += t.numel()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logc = engine.mask_log_prob(state, tokens.value, mask)
+        saved, logc = saved_numel(lambda: engine.mask_log_prob(state, tokens.value, mask))
         value = torch.where(mask, logc, torch.zeros((), dtype=logc.dtype)).sum()
-        results.append((logc.detach(), torch.autograd.grad(value, [init, trans]), saved[0]))
+        results.append((logc.detach(), torch.autograd.grad(value, [init, trans]), saved))
     (whole, grads_whole, kept_whole), (chunked, grads_chunked, kept_chunked) = results
     assert kept_chunked < kept_whole / 4, (kept_chunked, kept_whole)
     assert torch.allclose(chunked, whole, rtol=0, atol=1e-10)
