@@ -52,15 +52,25 @@ from .mixture import combine_partials
 from .mixture_chunks import MixtureChunk
 from .quadrature_rules import affine_grid
 
+__all__ = [
+    "resolved_tol", "TokenQuadratics", "ContextFrames", "token_quadratics", "context_models",
+    "full_frames", "context_frames", "gaussian_corrections", "context_partials",
+]
+
 
 def resolved_tol(dtype):
     """The full grid's error on a query's Gaussian model (nats) above which the query
     gets a grid of its own: 1e-6, or 100 eps of ``dtype`` where that is larger
-    (rounding of the rule's log-sums)."""
+    (rounding of the rule's log-sums).
+
+    :param torch.dtype dtype: the table's dtype.
+    :returns: float.
+
+    Example::
+
+        >>> resolved_tol(torch.float32)   # 1.19e-05
+    """
     return max(1e-6, 100 * torch.finfo(dtype).eps)
-
-
-__all__ = ["resolved_tol", "TokenQuadratics", "ContextFrames", "token_quadratics", "context_models", "full_frames", "context_frames", "gaussian_corrections", "context_partials"]
 
 
 class TokenQuadratics:
@@ -228,9 +238,16 @@ def context_models(quad, ctx):
 
 
 def full_frames(quad, h, P):
-    """The full grid itself as every context's frame (:math:`m = 0`, :math:`L = I`).
+    r"""The full grid itself as every context's frame (:math:`m = 0`, :math:`L = I`).
 
+    :param TokenQuadratics quad: from :func:`token_quadratics`.
+    :param torch.Tensor h: :math:`h_{\mathcal R}` ``(q, n, K)`` (:func:`context_models`).
+    :param torch.Tensor P: :math:`P_{\mathcal R}` ``(q, n, K, K)``.
     :returns: :class:`ContextFrames` without ``centre`` and ``sqrt_cov``.
+
+    Example::
+
+        >>> frames = full_frames(quad, *context_models(quad, (~mask).double()))
     """
     q, n, K = h.shape
     eye = torch.eye(K, dtype=h.dtype, device=h.device)
