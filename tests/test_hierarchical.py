@@ -71,10 +71,13 @@ def _masked_hierarchy(W, A, c, m):
     return masked
 
 
-def _global_mean_ppca(W0):
+def _global_mean_ppca(N, D, K, seed):
     """PPCA with a global latent mean: mu ~ N(0, I_K), z_n ~ N(mu, 0.7^2 I), x_n ~ N(W z_n, 0.5^2 I),
-    W a param started at ``W0`` (D, K)."""
-    K = W0.shape[-1]
+    W a param started at ``W0`` (D, K). Returns the model (run once, its param in a cleared
+    store), data ``x`` (N, D) and ``W0``, both standard normal draws of ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g, dtype=torch.float64)
+    W0 = torch.randn(D, K, generator=g, dtype=torch.float64)
 
     def model(x):
         W = pyro.param("W", W0.clone())
@@ -83,7 +86,9 @@ def _global_mean_ppca(W0):
             z = pyro.sample("z", dist.Normal(mu, 0.7).to_event(1))
             pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
 
-    return model
+    pyro.clear_param_store()
+    model(x)
+    return model, x, W0
 
 
 def _global_mean_ppca_log_prob(W, x):
@@ -320,13 +325,7 @@ def test_bayesian_regression_in_the_tutorial_form_names_token_plates_and_then_is
 def test_gradient_matches_the_dense_gaussian_and_svi_runs():
     # the engine's log p(x_1..N) is differentiable in the model's params: its gradient
     # equals that of torch's dense MultivariateNormal built here from the equations
-    N, D, K = 4, 3, 2
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(N, D, generator=g, dtype=torch.float64)
-    W0 = torch.randn(D, K, generator=g, dtype=torch.float64)
-    pyro.clear_param_store()
-    model = _global_mean_ppca(W0)
-    model(x)
+    model, x, W0 = _global_mean_ppca(N=4, D=3, K=2, seed=5)
     W = pyro.param("W").unconstrained()
     value = Evidence(model, method="exact", token_plates=("data",))(x)
     (grad,) = torch.autograd.grad(value, W)
@@ -572,13 +571,8 @@ def test_order_sums_are_the_evidence_without_the_chain_terms(monkeypatch):
     import pyro_mpt.conditionals.hierarchical as module
 
     monkeypatch.setattr(module, "chain_terms", lambda *a: pytest.fail("chain terms formed"))
-    N, D, K = 5, 3, 2
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(N, D, generator=g, dtype=torch.float64)
-    W0 = torch.randn(D, K, generator=g, dtype=torch.float64)
-    pyro.clear_param_store()
-    model = _global_mean_ppca(W0)
-    model(x)
+    N = 5
+    model, x, W0 = _global_mean_ppca(N=N, D=3, K=2, seed=9)
     loss = MaskedPretrainingLoss(masks="order", num_masks=3, token_plates=("data",))
     value = -loss.differentiable_loss(model, None, x)
     (grad,) = torch.autograd.grad(value, pyro.param("W").unconstrained())
