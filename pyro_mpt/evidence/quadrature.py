@@ -55,7 +55,8 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     :math:`\varepsilon` the dtype's machine epsilon (the rule's own rounding).
     Two rules can be off by nearly the same amount by chance, so one
     difference alone can be far below the error (measured: a true error 2.4
-    times the :math:`m'` difference); two differences rarely both are. Two prior-centred rules that both miss a sharp peak
+    times the :math:`m'` difference); two differences rarely both are. Two
+    prior-centred rules that both miss a sharp peak
     are off by similar, unrelated amounts, so their difference alone can be
     smaller than either error; the second term bounds the error by the
     triangle inequality through the adaptive rule, which resolves such peaks.
@@ -63,14 +64,24 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     more accurate. A warning (the engine's ``ess_warning``) says when some
     posterior sits on too few effective nodes, whatever ``adaptive``.
 
+    :param ~pyro_mpt.evidence.Evidence evidence: the estimator (its options and engines).
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
+    :param tuple args: the model's arguments.
+    :param dict kwargs: its keyword arguments.
     :returns: :class:`~pyro_mpt.evidence.EvidenceResult` whose ``stderr`` is the
         per-datapoint error estimate :math:`\hat\epsilon` and whose
         diagnostics hold ``num_nodes``, ``error_nodes``, ``coarse`` (the coarser
         estimate), ``previous`` (the rule with ``m - 1`` nodes per dim, adaptive
-        grids only, or None when that is the coarser rule or there is none), ``reference`` (the adaptive value, prior-centred grids only,
+        grids only, or None when that is the coarser rule or there is none),
+        ``reference`` (the adaptive value, prior-centred grids only,
         else None), ``ess`` and ``axis_ess`` (effective nodes in all and per
         latent axis), each with the observed site's batch shape (``axis_ess``
         with the latent axis last), and ``adaptive``.
+
+    Example::
+
+        >>> result = Evidence(model, method="quadrature", num_nodes=12).estimate(x)
+        >>> result.log_evidence, result.stderr   # (n,) each
     """
     options = dict(evidence.options)
     tol = options.pop("tol", None)
