@@ -59,10 +59,13 @@ def random_masks(sizes, shape, device, observed=None):
 
     ``sizes`` (long, broadcastable to ``(q, rows)``) gives each mask's size M;
     the mask holds the first M tokens of a fresh uniformly random ordering
-    (one sort of i.i.d. uniforms and one scatter, an exact size M; sizes shared
-    by at least 16 rows count integer keys instead, :func:`smallest_keys`). With
-    ``observed`` (bool ``(rows, D)``) the masks are drawn among each row's
-    observed tokens (the orderings list the missing ones first).
+    (one sort of i.i.d. uniforms and one scatter, an exact size M). Sizes shared
+    by the rows count integer keys instead (:func:`smallest_keys`), on the CPU
+    where that beats the sort: at least 16 rows a size, or a block of at least
+    2**14 elements of rows of at least 64 tokens. With ``observed`` (bool
+    ``(rows, D)``) the masks are drawn among each row's observed tokens (the
+    orderings list the missing ones first; the keys give them a key above every
+    drawn one), a row's size capped at its number of observed tokens.
 
     Example::
 
