@@ -58,10 +58,18 @@ def check_extra_sites(site, others, extra_sites, order=None):
     """Refuse observed sites and factors other than ``site`` that the estimate would drop,
     unless ``extra_sites="drop"``.
 
+    :param dict site: the token site (a trace site).
+    :param list others: the model trace's other observed sample sites and factors.
+    :param str extra_sites: ``"error"`` (refuse them) or ``"drop"`` (score ``site`` alone).
     :param list order: the model trace's site names in program order (None: every other
         observed site is taken to come after ``site``). A site observed before the token
         site may feed it (``poutine.condition`` on a latent): its value stays in the model
         as given, so the message says the result is conditional on it, not marginal.
+    :raises ValueError: naming the sites and what the result would be without them.
+
+    Example::
+
+        >>> check_extra_sites(site, others, "error", order=list(model_trace.nodes))
     """
     if extra_sites not in ("error", "drop"):
         raise ValueError(
