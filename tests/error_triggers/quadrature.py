@@ -162,8 +162,6 @@ def _():
     MaskedPretrainingLoss(conditionals=QuadratureConditionals(newton_steps=0)).loss(model, None, x)
 
 
-
-
 @trigger("evidence-quadrature-inaccurate")
 def _():
     g = torch.Generator().manual_seed(0)
