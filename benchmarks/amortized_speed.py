@@ -31,8 +31,10 @@ SVI step (loss + gradient + Adam) interleaved, round by round, with
     guide's density of every draw under every chain's component; the prior
     density; the decoder with its gradient on the ``S q n`` draws;
   - ``quadrature`` (``Q = m^K`` nodes): the decoder with its gradient on the
-    ``Q n`` node values (in the engine's node chunks). The adaptive grid's
-    Newton search is not in the floor: its cost is its own column.
+    ``Q n`` node values (in the engine's node chunks), and on ``Q n`` more for
+    each query with a context grid of its own (``context_grids``, counted in one
+    evaluation of the loss before the timings). The adaptive grid's Newton search
+    is not in the floor: its cost is its own column.
 
 The ratio *step / floor* is how far the engine is from the work it cannot
 avoid. One more, instrumented step per engine splits the step into the
@@ -297,7 +299,33 @@ def floor_for(name, vae, x, engine_options, resolved):
     e = QuadratureConditionals(**engine_options)
     m = e.num_nodes or default_num_nodes(vae.latent_dim, e.adaptive)
     chunk = max(1, e.max_elements // (n * D))
-    return lambda x, mask: floor_quadrature(vae, x, m**vae.latent_dim, chunk), e
+    grids = 1 + context_grid_queries(vae, x, engine_options)
+    return lambda x, mask: floor_quadrature(vae, x, grids * m**vae.latent_dim, chunk), e
+
+
+def context_grid_queries(vae, x, engine_options):
+    """Queries that get a context grid of their own in an evaluation of the default loss
+    with the quadrature engine after its first (whose one-time error check runs coarser
+    grids too): each runs the decoder on its grid's ``Q n`` node values."""
+    import pyro_mpt.conditionals.quadrature as quadrature
+
+    rows = []
+    context_partials = quadrature.context_partials
+
+    def spy(runner, e, log_w, centre, sqrt_cov, ctx, *args, **kwargs):
+        rows.append(ctx.shape[0])
+        return context_partials(runner, e, log_w, centre, sqrt_cov, ctx, *args, **kwargs)
+
+    loss = MaskedPretrainingLoss(conditionals=QuadratureConditionals(**engine_options))
+    pyro.set_rng_seed(0)
+    with torch.no_grad():
+        loss.loss(vae.model, vae.guide, x)
+        quadrature.context_partials = spy
+        try:
+            loss.loss(vae.model, vae.guide, x)
+        finally:
+            quadrature.context_partials = context_partials
+    return sum(rows)
 
 
 def resolve(name, vae, x):
