@@ -720,3 +720,16 @@ def test_target_form_condition_of_non_finite_parameters_is_infinite():
     assert target_form_condition(F, psi) == pytest.approx(float((1 + torch.linalg.matrix_norm(F, 2) ** 2) / 1))
     F[3, 2] = float("nan")
     assert target_form_condition(F, psi) == math.inf
+
+
+def test_target_form_possible_bounds_what_target_form_cheaper_can_choose():
+    """target_form_possible (sizes only) is False exactly where no set of P masks could get
+    a target block from target_form_cheaper: checked against it with P one-target masks,
+    the most any masks can save, over a grid of (P, D, R)."""
+    from pyro_mpt.conditionals.gaussian_target_form import target_form_cheaper, target_form_possible
+
+    for P in (1, 10, 100, 512):
+        for D in (10, 50, 100, 200, 512):
+            for R in (2, 10, 50):
+                best = bool(target_form_cheaper(torch.ones(P, dtype=torch.long), D, R).any())
+                assert target_form_possible(P, D, R) == best, (P, D, R)

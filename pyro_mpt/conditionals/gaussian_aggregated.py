@@ -24,7 +24,9 @@ import math
 import torch
 
 from .gaussian_linalg import LOG_2PI, PRECISION, cholesky, posterior_precision_factor, signal_to_noise
-from .gaussian_target_form import TargetBlockForm, target_form_cheaper, target_form_condition, target_form_groups
+from .gaussian_target_form import (
+    TargetBlockForm, target_form_cheaper, target_form_condition, target_form_groups, target_form_possible,
+)
 from .written_backward import first_order_backward
 from .gaussian_lowrank_form import LowRankForm, lowrank_form_chunks
 
@@ -200,6 +202,9 @@ def _target_side(F, psi, mask):
     (:func:`~pyro_mpt.conditionals.gaussian_target_form.target_form_cheaper`), where the
     blocks keep the form's digits (their condition number within ``FORM_TOLERANCE``)."""
     D, R = F.shape
+    if not target_form_possible(mask.shape[0], D, R):
+        # the per-call test of the small paths (D = 10: 'all' costs 4.6 ms), without a host sync
+        return mask.new_zeros(mask.shape[0])
     small = target_form_cheaper(mask.sum(-1), D, R)
     if not bool(small.any()):
         return small

@@ -31,7 +31,7 @@ import torch
 from .gaussian_linalg import LOG_2PI, cholesky
 from .written_backward import first_order_backward
 
-__all__ = ["TargetBlockForm", "target_form_cheaper", "target_form_condition", "target_form_groups"]
+__all__ = ["TargetBlockForm", "target_form_cheaper", "target_form_condition", "target_form_groups", "target_form_possible"]
 
 #: measured costs, one thread, in the units in which the context side costs ``R D (D + 3R)`` a
 #: mask (its matrix products run near the machine's rate): a target block of ``M`` tokens about
@@ -45,6 +45,19 @@ TARGET_CALL = 2e7
 #: a group's fixed steps (gathers, factorization calls, the backward pass's) against a block of
 #: M tokens, in units of M^3: measured 0.2 ms a group against 0.4 ms a block at M = 100
 TARGET_GROUP = 5e5
+
+
+def target_form_possible(P, D, R):
+    """Whether any of ``P`` masks could repay the target blocks at all: the most one
+    mask can save (one target) times ``P`` against the call's fixed cost, from the
+    sizes alone (no look at the masks).
+
+    Example::
+
+        >>> target_form_possible(10, D=10, R=2), target_form_possible(200, D=200, R=50)
+        (False, True)
+    """
+    return P * (R * D * (D + 3 * R) - TARGET_UNIT - TARGET_OVERHEAD) >= TARGET_CALL
 
 
 def target_form_cheaper(M, D, R):
