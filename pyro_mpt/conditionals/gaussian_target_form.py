@@ -33,12 +33,13 @@ from .written_backward import first_order_backward
 
 __all__ = ["TargetBlockForm", "target_form_cheaper", "target_form_condition", "target_form_groups", "target_form_possible"]
 
-#: measured costs, one thread, in the units in which the context side costs ``R D (D + 3R)`` a
-#: mask (its matrix products run near the machine's rate): a target block of ``M`` tokens about
-#: ``TARGET_UNIT * M**3 + TARGET_OVERHEAD`` (batched ``M x M`` factorizations and per-group
-#: steps run slower), and a call that takes any about ``TARGET_CALL`` more (the precision, the
-#: groups); measured at D = 50, K = 20, ``"all"``: 7.6 ms without the blocks, 10 ms with 14 masks
-#: there, where the masks save less than that
+#: measured costs, in the units in which the context side costs ``R D (D + 3R)`` a mask (its
+#: matrix products run near the machine's rate): a target block of ``M`` tokens about
+#: ``TARGET_UNIT * M**3 + TARGET_OVERHEAD`` with one thread (``TARGET_UNIT`` is per thread of
+#: torch's: batched ``M x M`` factorizations and per-group steps run slower and on about one),
+#: and a call that takes any about ``TARGET_CALL`` more (the precision, the groups); measured at
+#: D = 50, K = 20, ``"all"``: 7.6 ms without the blocks, 10 ms with 14 masks there, where the
+#: masks save less than that
 TARGET_UNIT = 3.0
 TARGET_OVERHEAD = 1e5
 TARGET_CALL = 2e7
@@ -57,7 +58,14 @@ def target_form_possible(P, D, R):
         >>> target_form_possible(10, D=10, R=2), target_form_possible(200, D=200, R=50)
         (False, True)
     """
-    return P * (R * D * (D + 3 * R) - TARGET_UNIT - TARGET_OVERHEAD) >= TARGET_CALL
+    return P * (R * D * (D + 3 * R) - _unit() - TARGET_OVERHEAD) >= TARGET_CALL
+
+
+def _unit():
+    # the context side's matrix products run on every thread torch has, the batched
+    # factorizations of small blocks on about one: measured best at 3 with one thread,
+    # 6-12 with two (PPCA D = 200 and 512, K = 50)
+    return TARGET_UNIT * max(1, torch.get_num_threads())
 
 
 def target_form_cheaper(M, D, R):
@@ -76,7 +84,7 @@ def target_form_cheaper(M, D, R):
         >>> target_form_cheaper(torch.tensor([2] * 10 + [150]), D=200, R=50)   # 10 x True, False
         >>> target_form_cheaper(torch.tensor([2]), D=200, R=50)   # False: one mask saves too little
     """
-    saving = R * D * (D + 3 * R) - TARGET_UNIT * M.to(torch.float64) ** 3 - TARGET_OVERHEAD
+    saving = R * D * (D + 3 * R) - _unit() * M.to(torch.float64) ** 3 - TARGET_OVERHEAD
     small = saving >= 0
     return small if float(saving[small].sum()) >= TARGET_CALL else torch.zeros_like(small)
 
