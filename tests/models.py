@@ -201,6 +201,17 @@ def assert_close_to_rounding(actual, expected, dtype=torch.float32, ulps=256):
     assert bool((err <= tol).all()), f"max error {err.max().item():.3g} > tolerance {tol.max().item():.3g}"
 
 
+def sequences_model(hmm, n):
+    """A model observing ``n`` sequences of the distribution ``hmm`` (a ``GaussianHMM`` or
+    ``DiscreteHMM``) in a plate ``"sequences"``, at site ``"x"``."""
+
+    def model(x):
+        with pyro.plate("sequences", n):
+            pyro.sample("x", hmm, obs=x)
+
+    return model
+
+
 def numpy_lds_moments(m0, S0, A, b, Q, C, d, R):
     """Mean and covariance of x_0..x_{T-1} for z_{-1} ~ N(m0, S0), z_t = z_{t-1} A_t + N(b_t, Q_t),
     x_t = z_t C_t + N(d_t, R_t) (row vectors; per-step arrays of length T), by writing every

@@ -18,7 +18,7 @@ from pyro_mpt.conditionals import (
 from pyro_mpt.conditionals.gaussian_hmm import WIDE_HIDDEN
 from pyro_mpt.observed_tokens import trace_tokens
 
-from models import numpy_conditionals, numpy_lds_moments, saved_numel
+from models import numpy_conditionals, numpy_lds_moments, saved_numel, sequences_model
 
 
 def make_hmm(T, H, O, *, time_varying, full_noise, seed=0, requires_grad=False):
@@ -50,14 +50,6 @@ def make_hmm(T, H, O, *, time_varying, full_noise, seed=0, requires_grad=False):
     return hmm, parts
 
 
-def _model(hmm, n):
-    def model(x):
-        with pyro.plate("sequences", n):
-            pyro.sample("x", hmm, obs=x)
-
-    return model
-
-
 @pytest.mark.parametrize("T,H,O,time_varying,full_noise", [
     (1, 2, 2, False, False),
     (7, 3, 2, True, True),  # 7 steps: blocks of 3, the last padded
@@ -72,7 +64,7 @@ def test_masked_conditionals_equal_conditioning_of_the_joint_gaussian(T, H, O, t
     hmm, parts = make_hmm(T, H, O, time_varying=time_varying, full_noise=full_noise)
     n, D = 3, T * O
     x = torch.randn(n, T, O, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    model = _model(hmm, n)
+    model = sequences_model(hmm, n)
     tokens = trace_tokens(model, None, (x,), {})
     engine = GaussianHMMConditionals()
     state = engine.prepare(tokens, model, None, (x,), {})
@@ -102,7 +94,7 @@ def test_evidence_and_gradients_equal_pyro_log_prob(full_noise, float64):
            if full_noise else dist.Normal(0.0, torch.tensor(0.5, dtype=torch.float64)).expand([O]).to_event(1))
     hmm = dist.GaussianHMM(init, A, trans, C, obs, duration=T)
     x = torch.randn(n, T, O, generator=g, dtype=torch.float64)
-    model = _model(hmm, n)
+    model = sequences_model(hmm, n)
     tokens = trace_tokens(model, None, (x,), {})
     engine = GaussianHMMConditionals()
     state = engine.prepare(tokens, model, None, (x,), {})
@@ -180,7 +172,7 @@ def _auto_routed(T, H, n, seed):
     data and tokens, and the engine "auto" picks for it."""
     hmm, _ = make_hmm(T, H, 1, time_varying=False, full_noise=False, seed=seed)
     x = torch.randn(n, T, 1, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
-    model = _model(hmm, n)
+    model = sequences_model(hmm, n)
     tokens = trace_tokens(model, None, (x,), {})
     return hmm, model, x, tokens, auto_engine(tokens, model, None, (x,), {})[0]
 
@@ -227,7 +219,7 @@ def test_saved_tensors_per_chunk_within_max_elements(H, O, float64):
     hmm, _ = make_hmm(T, H, O, time_varying=False, full_noise=True, seed=8, requires_grad=True)
     # gradients with respect to the parameters and the data record the whole computation
     x = torch.randn(n, T, O, generator=torch.Generator().manual_seed(9), dtype=torch.float64).requires_grad_()
-    model = _model(hmm, n)
+    model = sequences_model(hmm, n)
     tokens = trace_tokens(model, None, (x,), {})
     engine = GaussianHMMConditionals()
     state = engine.prepare(tokens, model, None, (x,), {})
@@ -249,7 +241,7 @@ def test_leave_one_out_queries_take_one_smoothing_pass(H, O, full_noise, float64
     hmm, parts = make_hmm(T, H, O, time_varying=True, full_noise=full_noise, seed=8)
     D = T * O
     x = torch.randn(n, T, O, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    model = _model(hmm, n)
+    model = sequences_model(hmm, n)
     tokens = trace_tokens(model, None, (x,), {})
     engine = GaussianHMMConditionals()
     state = engine.prepare(tokens, model, None, (x,), {})
@@ -300,7 +292,7 @@ def test_masks_shared_by_the_batch_take_the_dense_covariance(float64, monkeypatc
     T, H, O, n = 12, 2, 1, 4
     hmm, _ = make_hmm(T, H, O, time_varying=False, full_noise=False, seed=11)
     x = torch.randn(n, T, O, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
-    model = _model(hmm, n)
+    model = sequences_model(hmm, n)
     calls = []
     original = GaussianHMMConditionals._dense
     monkeypatch.setattr(GaussianHMMConditionals, "_dense", lambda self, state: calls.append(1) or original(self, state))
@@ -351,7 +343,7 @@ def test_evidence_by_pairwise_products_equals_pyro_log_prob(T, float64, monkeypa
                            dist.MultivariateNormal(torch.zeros(O, dtype=torch.float64), torch.tensor([[1.0, 0.4], [0.4, 0.8]], dtype=torch.float64)),
                            duration=T)
     x = torch.randn(n, T, O, generator=g, dtype=torch.float64)
-    model = _model(hmm, n)
+    model = sequences_model(hmm, n)
     tokens = trace_tokens(model, None, (x,), {})
     engine = GaussianHMMConditionals()
     got = engine.log_evidence(engine.prepare(tokens, model, None, (x,), {}), tokens.value)

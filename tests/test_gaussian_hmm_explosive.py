@@ -19,7 +19,7 @@ from pyro_mpt.conditionals import GaussianHMMConditionals
 from pyro_mpt.conditionals import gaussian_hmm
 from pyro_mpt.observed_tokens import trace_tokens
 
-from models import numpy_conditionals, numpy_lds_moments
+from models import numpy_conditionals, numpy_lds_moments, sequences_model
 
 
 def mp_log_density(parts, x, keep, dps):
@@ -73,16 +73,8 @@ def explosive_hmm(T, H, O, rho, *, mixed, seed=0):
     return hmm, parts
 
 
-def _model(hmm, n):
-    def model(x):
-        with pyro.plate("sequences", n):
-            pyro.sample("x", hmm, obs=x)
-
-    return model
-
-
 def _prepared(hmm, x):
-    model = _model(hmm, x.shape[0])
+    model = sequences_model(hmm, x.shape[0])
     tokens = trace_tokens(model, None, (x,), {})
     engine = GaussianHMMConditionals()
     return engine, engine.prepare(tokens, model, None, (x,), {}), tokens
@@ -276,7 +268,7 @@ def test_dense_covariance_refuses_jitter_that_swamps_a_token(float64):
     T, H, O, n = 256, 20, 1, 1
     hmm, _ = explosive_hmm(T, H, O, 1.5, mixed=False, seed=2)
     x = torch.randn(n, T, O, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    model = _model(hmm, n)
+    model = sequences_model(hmm, n)
     with pytest.raises(ValueError, match="smallest variance"):
         Evidence(model, method="exact", path="dense")(x)
     got = Evidence(model, method="exact")(x).detach()
