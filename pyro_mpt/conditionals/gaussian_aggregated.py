@@ -19,14 +19,10 @@ full-data residual and the residual of the normal equations, on the dense path
 the whitened data.
 """
 
-import math
-
 import torch
 
-from .gaussian_linalg import LOG_2PI, PRECISION, cholesky, posterior_precision_factor, signal_to_noise
-from .gaussian_target_form import (
-    TargetBlockForm, target_form_cheaper, target_form_condition, target_form_groups, target_form_possible,
-)
+from .gaussian_linalg import LOG_2PI, PRECISION, cholesky, signal_to_noise
+from .gaussian_target_form import TargetBlockForm, lowrank_precision, target_form_groups, target_form_split
 from .written_backward import first_order_backward
 from .gaussian_lowrank_form import LowRankForm, lowrank_form_chunks
 
@@ -159,10 +155,8 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
     Masks with few targets cost less through the target blocks of the precision
     (:class:`~pyro_mpt.conditionals.gaussian_target_form.TargetBlockForm`, an
     :math:`M\times M` factorization a mask against the form's :math:`O(RD(D+R))`): they
-    are split off by :func:`~pyro_mpt.conditionals.gaussian_target_form.target_form_cheaper`
-    where the blocks keep the form's digits (:math:`2\epsilon\,\mathrm{cond}\sqrt{P'}`
-    within ``FORM_TOLERANCE``, with the bound ``target_form_condition`` and :math:`P'` such
-    masks), and their blocks join :math:`A`'s :math:`D\times D` block as a form in
+    are split off by :func:`~pyro_mpt.conditionals.gaussian_target_form.target_form_split`
+    where the blocks keep the form's digits (``FORM_TOLERANCE``), and their blocks join :math:`A`'s :math:`D\times D` block as a form in
     :math:`\Psi^{-1}e = P r`. PPCA, ``"all"`` shared, one thread, float32: D = 200, K = 50
     1.24x faster (104 of 200 masks on the blocks), D = 512, K = 50 1.18x, D = 100, K = 50
     1.36x; at K = 2 or D = 50 the rule keeps every mask on the form.
@@ -178,7 +172,7 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
     """
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
     D, R = F.shape
-    small = _target_side(F, psi, mask)
+    small = target_form_split(F, psi, mask, FORM_TOLERANCE.get(F.dtype, PRECISION))
     logdet = F.new_zeros(())
     wsum = F.new_zeros(D)
     A = F.new_zeros(D + R, D + R)
@@ -189,34 +183,13 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
     if bool(small.any()):
         rows = small.nonzero()[:, 0]
         groups = target_form_groups(mask.index_select(0, rows), max_elements)
-        At, logdet_t = TargetBlockForm.apply(_precision(F, psi, m.site), groups, coef.index_select(0, rows).to(F.dtype), m.site)
+        P = lowrank_precision(F, psi, m.site)
+        At, logdet_t = TargetBlockForm.apply(P, groups, coef.index_select(0, rows).to(F.dtype), m.site)
         # the blocks' form is in u = P r = e / psi
         A = A + torch.nn.functional.pad(At / psi.unsqueeze(-1) / psi, (0, R, 0, R))
         logdet = logdet + logdet_t
     quad = QuadraticRows.apply(data["y"], A) + data["e2"] @ wsum  # y (n, D + R)
     return -0.5 * (logdet + quad)
-
-
-def _target_side(F, psi, mask):
-    """Bool ``(P,)``: the masks whose target blocks cost less than their context side
-    (:func:`~pyro_mpt.conditionals.gaussian_target_form.target_form_cheaper`), where the
-    blocks keep the form's digits (their condition number within ``FORM_TOLERANCE``)."""
-    D, R = F.shape
-    if not target_form_possible(mask.shape[0], D, R):
-        # the per-call test of the small paths (D = 10: 'all' costs 4.6 ms), without a host sync
-        return mask.new_zeros(mask.shape[0])
-    small = target_form_cheaper(mask.sum(-1), D, R)
-    if not bool(small.any()):
-        return small
-    rounding = 2 * torch.finfo(F.dtype).eps * target_form_condition(F, psi) * math.sqrt(int(small.sum()))
-    return small if rounding <= FORM_TOLERANCE.get(F.dtype, PRECISION) else torch.zeros_like(small)
-
-
-def _precision(F, psi, site):
-    r""":math:`P = (FF^\top + \Psi)^{-1} = \Psi^{-1} - \Psi^{-1}F\Lambda_0^{-1}F^\top\Psi^{-1}`, ``(D, D)``."""
-    Fp = F / psi.unsqueeze(-1)
-    G = torch.linalg.solve_triangular(posterior_precision_factor(F, psi, site), Fp.T, upper=False)
-    return torch.diag(1 / psi) - G.T @ G
 
 
 class QuadraticRows(torch.autograd.Function):
