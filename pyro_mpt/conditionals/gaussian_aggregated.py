@@ -156,8 +156,8 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
     (:class:`~pyro_mpt.conditionals.gaussian_target_form.TargetBlockForm`, an
     :math:`M\times M` factorization a mask against the form's :math:`O(RD(D+R))`): they
     are split off by :func:`~pyro_mpt.conditionals.gaussian_target_form.target_form_split`
-    where the blocks keep the form's digits (``FORM_TOLERANCE``), and their blocks join :math:`A`'s :math:`D\times D` block as a form in
-    :math:`\Psi^{-1}e = P r`. PPCA, ``"all"`` shared, one thread, float32: D = 200, K = 50
+    where the blocks keep the form's digits (``FORM_TOLERANCE``), and their blocks join
+    :math:`A`'s :math:`D\times D` block as a form in :math:`\Psi^{-1}e = P r`. PPCA, ``"all"`` shared, one thread, float32: D = 200, K = 50
     1.24x faster (104 of 200 masks on the blocks), D = 512, K = 50 1.18x, D = 100, K = 50
     1.36x; at K = 2 or D = 50 the rule keeps every mask on the form.
 

@@ -63,14 +63,15 @@ def target_form_possible(P, D, R):
         >>> target_form_possible(10, D=10, R=2), target_form_possible(200, D=200, R=50)
         (False, True)
     """
-    return P * (R * D * (D + 3 * R) - _unit() - TARGET_OVERHEAD) >= TARGET_CALL
+    return P * _saving(1, D, R) >= TARGET_CALL
 
 
-def _unit():
-    # the context side's matrix products run on every thread torch has, the batched
-    # factorizations of small blocks on about one: measured best at 3 with one thread,
-    # 6-12 with two (PPCA D = 200 and 512, K = 50)
-    return TARGET_UNIT * max(1, torch.get_num_threads())
+def _saving(M, D, R):
+    # a mask's context-side cost less its target block's: the context side's matrix products
+    # run on every thread torch has, the batched factorizations of small blocks on about one
+    # (measured best at TARGET_UNIT 3 with one thread, 6-12 with two: PPCA D = 200 and 512, K = 50)
+    unit = TARGET_UNIT * max(1, torch.get_num_threads())
+    return R * D * (D + 3 * R) - unit * M**3 - TARGET_OVERHEAD
 
 
 def target_form_cheaper(M, D, R):
@@ -89,7 +90,7 @@ def target_form_cheaper(M, D, R):
         >>> target_form_cheaper(torch.tensor([2] * 10 + [150]), D=200, R=50)   # 10 x True, False
         >>> target_form_cheaper(torch.tensor([2]), D=200, R=50)   # False: one mask saves too little
     """
-    saving = R * D * (D + 3 * R) - _unit() * M.to(torch.float64) ** 3 - TARGET_OVERHEAD
+    saving = _saving(M.to(torch.float64), D, R)
     small = saving >= 0
     return small if float(saving[small].sum()) >= TARGET_CALL else torch.zeros_like(small)
 
@@ -245,14 +246,12 @@ class TargetBlockForm(torch.autograd.Function):
             block.diagonal(dim1=-2, dim2=-1).add_((idx == D).to(P.dtype))
             C = torch.cholesky_inverse(cholesky(block, "target block P_MM of the precision", site))
             v = torch.diagonal(C, dim1=-2, dim2=-1)
-            aw = (coef.index_select(0, rows).unsqueeze(-1) * (idx < D)).to(P.dtype)
-            logdet = logdet + (aw * (LOG_2PI + v.log())).sum()
-            aw = aw / v
+            a = (coef.index_select(0, rows).unsqueeze(-1) * (idx < D)).to(P.dtype)
+            logdet = logdet + (a * (LOG_2PI + v.log())).sum()
+            aw = a / v
             A.index_add_(0, flat, (C @ (aw.unsqueeze(-1) * C)).reshape(-1))
-            saved.append((flat, C, v, aw))
+            saved.append((flat, C, v, a, aw))
         ctx.saved = saved
-        ctx.groups = list(groups)
-        ctx.coef = coef
         ctx.D = D
         return A.view(D + 1, D + 1)[:D, :D], logdet
 
@@ -263,9 +262,8 @@ class TargetBlockForm(torch.autograd.Function):
         D = ctx.D
         G = torch.nn.functional.pad(0.5 * (gA + gA.T), (0, 1, 0, 1)).reshape(-1)
         gP = G.new_zeros((D + 1) * (D + 1))
-        for (flat, C, v, aw), (rows, idx) in zip(ctx.saved, ctx.groups):
+        for flat, C, v, a, aw in ctx.saved:
             Gm = G.index_select(0, flat).view(C.shape)
-            a = (ctx.coef.index_select(0, rows).unsqueeze(-1) * (idx < D)).to(C.dtype)
             GC = Gm @ C
             # W's gradient diag(C G C); v enters through w = a / v and the log-determinant
             gw = (C * GC).sum(-2)
