@@ -737,3 +737,43 @@ def test_target_form_possible_bounds_what_target_form_cheaper_can_choose():
             for R in (2, 10, 50):
                 best = bool(target_form_cheaper(torch.ones(P, dtype=torch.long), D, R).any())
                 assert target_form_possible(P, D, R) == best, (P, D, R)
+
+
+def test_embedded_sums_values_and_gradients_equal_the_loop(monkeypatch):
+    """A few masks at a small rank take the per-mask sums over the whole residual table
+    (EmbeddedSums, backward pass written out): values against the numpy loop, gradients
+    of the loading, noise, location and data against autograd of the torch loop."""
+    import pyro_mpt.conditionals.gaussian_embedded as embedded_module
+
+    n, D, R = 40, 10, 2
+    F, psi, mu, S, x, mask, coef = problem(n, D, R, P=3, seed=12)
+    assert not aggregated_cheaper(n, D, R, masks=3)
+    calls = []
+    real = embedded_module.EmbeddedSums.forward
+    monkeypatch.setattr(embedded_module.EmbeddedSums, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
+    F, psi, mu, x = (t.clone().requires_grad_() for t in (F, psi, mu, x))
+    u = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got = GaussianConditionals().weighted_mask_sum(state_of(F, psi, mu, False), x, mask, coef)
+    assert calls
+    np.testing.assert_allclose(got.detach().numpy(), numpy_weighted_sum(S, mu.detach(), x.detach(), mask, coef), rtol=1e-10, atol=1e-8)
+    grads = torch.autograd.grad((u * got).sum(), (F, psi, mu, x))
+    want = torch.autograd.grad((u * torch_weighted_sum(F @ F.T + torch.diag(psi), mu, x, mask, coef)).sum(), (F, psi, mu, x))
+    for a, b in zip(grads, want):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8, atol=1e-8 * float(b.abs().max()))
+
+
+def test_embedded_sums_pass_gradcheck_and_gradgradcheck():
+    """EmbeddedSums' written backward pass against finite differences, and its second
+    derivatives (the recorded forward pass replayed) against finite differences of it."""
+    from pyro_mpt.conditionals.gaussian_embedded import EmbeddedSums
+
+    g = torch.Generator().manual_seed(5)
+    D, R, n = 7, 3, 4
+    F = torch.randn(D, R, generator=g, dtype=torch.float64)
+    psi = 0.3 + torch.rand(D, generator=g, dtype=torch.float64)
+    e, zhat = torch.randn(n, D, generator=g, dtype=torch.float64), torch.randn(n, R, generator=g, dtype=torch.float64)
+    t = (torch.arange(D) < torch.tensor([[1], [4], [7]])).to(torch.float64)  # one target, some, all
+    inputs = tuple(a.clone().requires_grad_() for a in (F, psi, e, zhat, e * e))
+    f = lambda *a: EmbeddedSums.apply(*a, t, "x")  # noqa: E731
+    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradgradcheck(f, inputs)

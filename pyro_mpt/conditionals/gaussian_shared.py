@@ -5,6 +5,7 @@ over its gathered targets (masks grouped by size), low-rank and dense.
 
 import torch
 
+from .gaussian_embedded import EmbeddedSums
 from .gaussian_linalg import LOG_2PI, cholesky, posterior_precision_factor
 
 
@@ -148,29 +149,13 @@ def lowrank_shared_sums_embedded(m, x, mask, data):
     (e_j + f_j^\top u)^2/v_j` with :math:`u = \Lambda^{-1}(\hat z - F^\top C\Psi^{-1}e)`
     (:math:`C` the context indicator) into products of the whole residual table
     :math:`e` with mask-weighted copies of :math:`F`, ``(D, q R)``: at small
-    :math:`R` these products are cheaper than gathering each mask's tokens.
+    :math:`R` these products are cheaper than gathering each mask's tokens
+    (:class:`~pyro_mpt.conditionals.gaussian_embedded.EmbeddedSums`, with its
+    backward pass written out).
     """
     F, psi = m.cov_factor[0], m.cov_diag[0]  # (D, R), (D,)
-    R = F.shape[-1]
-    q = mask.shape[0]
-    eye = torch.eye(R, dtype=x.dtype, device=x.device)
-    ctx, tgt = (~mask).to(x.dtype), mask.to(x.dtype)  # (q, D)
-    e, zhat = data["eT"].T, data["zhat"].T  # (n, D), (n, R)
-    cw = ctx / psi  # (q, D)
-    FF = (F[:, :, None] * F[:, None, :]).reshape(-1, R * R)
-    L = cholesky((cw @ FF).reshape(-1, R, R) + eye, "context precision I + F_R^T Psi_R^-1 F_R", m.site)
-    P = torch.cholesky_solve(F.T.expand(q, R, -1), L)  # Lambda^-1 F^T, (q, R, D)
-    var = psi + (F.T * P).sum(-2)  # (q, D)
-    Ep = (e @ (cw[..., None] * F).permute(1, 0, 2).reshape(-1, q * R)).reshape(-1, q, R)
-    u = torch.cholesky_solve((zhat[:, None] - Ep).permute(1, 2, 0), L)  # (q, R, n)
-    w = tgt / var  # (q, D)
-    t1 = data["e2"] @ w.T  # (n, q)
-    We = (e @ (w[..., None] * F).permute(1, 0, 2).reshape(-1, q * R)).reshape(-1, q, R)
-    t2 = (We * u.permute(2, 0, 1)).sum(-1)  # (n, q)
-    Mw = (F.T * w[:, None]) @ F  # (q, R, R)
-    t3 = ((Mw @ u) * u).sum(-2).T  # (n, q)
-    logdet = (tgt * (LOG_2PI + var.log())).sum(-1)  # (q,)
-    return -0.5 * (logdet[:, None] + (t1 + 2 * t2 + t3).T)
+    t = mask.to(x.dtype)
+    return EmbeddedSums.apply(F, psi, data["eT"].T, data["zhat"].T, data["e2"], t, m.site)
 
 
 def lowrank_shared_data(m, x):
