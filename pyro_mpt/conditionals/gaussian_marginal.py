@@ -39,7 +39,7 @@ from .base import EngineNotApplicable
 from .distributions import affine_normal, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
 from .marginal_rows import basis_rows, common_rows, rows_equal, shared_loading
-from .plate_runs import (CoordinateLatents, affinity_probes, alternating_signs, latent_layout, reaches_points,
+from .plate_runs import (CoordinateLatents, alternating_signs, fixed_probes, latent_layout, reaches_points,
                          run_in_plate, run_with_fallback)
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
@@ -232,8 +232,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
 
     value = tokens.value
     # a fixed generator: the affinity check must not consume the user's random stream
-    gen = torch.Generator(device="cpu").manual_seed(20231207)
-    probes = affinity_probes(K, gen, value.dtype, value.device)
+    probes, gen = fixed_probes(K, value.dtype, value.device)
     basis = torch.cat(
         [
             torch.zeros(1, K, dtype=value.dtype, device=value.device),

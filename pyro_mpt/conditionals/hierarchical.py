@@ -73,7 +73,7 @@ from .distributions import unwrap
 from .gaussian_leave_one_out import leave_one_out_from_full, leave_one_out_targets
 from .gaussian_linalg import PRECISION
 from .marginal_rows import rows_equal
-from .plate_runs import CoordinateLatents, LatentSlice, affinity_probes, alternating_signs, run_in_plate
+from .plate_runs import CoordinateLatents, LatentSlice, alternating_signs, fixed_probes, run_in_plate
 
 __all__ = ["HierarchicalGaussianConditionals", "HierarchicalGaussianState", "NotHierarchicalError", "hierarchical_loadings", "chain_terms"]
 
@@ -216,10 +216,9 @@ def hierarchical_loadings(tokens, model, args, kwargs):
     value = tokens.value
     dt, dev = value.dtype, value.device
     # a fixed generator: the affinity check must not consume the user's random stream
-    gen = torch.Generator(device="cpu").manual_seed(20231207)
     # three probes (see affinity_probes): a normal point, and +-3 in every
     # coordinate with random signs (the units' local ones alternating)
-    rg = affinity_probes(K_g, gen, dt, dev)
+    rg, gen = fixed_probes(K_g, dt, dev)
     sl = alternating_signs(U, K_l, gen, dt, dev)
     rl = torch.stack([torch.randn(U, K_l, generator=gen, dtype=dt, device="cpu").to(dev), sl, -sl])
     B = K_g + K_l + 4
