@@ -731,6 +731,36 @@ def test_affinity_probes_reach_three_prior_sds_with_both_signs():
     assert len(set(rows.abs().reshape(-1).tolist())) > 4  # sizes drawn, not all r
 
 
+
+def test_kept_probes_and_their_generator_equal_a_fresh_draw():
+    # fixed_probes keeps the draw: the probes and the generator's next draws (the
+    # per-datapoint probes of the "rows" runs) equal those of a freshly seeded generator
+    from pyro_mpt.conditionals.plate_runs import PROBE_SEED, affinity_probes, alternating_signs, fixed_probes
+
+    for _ in range(2):
+        probes, gen = fixed_probes(4, torch.float32, "cpu")
+        fresh = torch.Generator().manual_seed(PROBE_SEED)
+        assert torch.equal(probes, affinity_probes(4, fresh, torch.float32, "cpu"))
+        assert torch.equal(alternating_signs(6, 4, gen, torch.float32, "cpu"), alternating_signs(6, 4, fresh, torch.float32, "cpu"))
+
+
+def test_signal_to_noise_follows_in_place_changes_and_new_tensors():
+    # remembered for the last (F, psi) by identity and version: an in-place change of
+    # either, or another tensor, is computed afresh (numpy reference)
+    from pyro_mpt.conditionals.gaussian_linalg import signal_to_noise
+
+    g = torch.Generator().manual_seed(3)
+    F, psi = torch.randn(6, 2, generator=g, dtype=torch.float64), 0.5 + torch.rand(6, generator=g, dtype=torch.float64)
+    ref = lambda: float((F.numpy() ** 2).sum(-1).__truediv__(psi.numpy()).sum())  # noqa: E731
+    assert signal_to_noise(F, psi) == pytest.approx(ref(), rel=1e-14)
+    psi.mul_(2)
+    assert signal_to_noise(F, psi) == pytest.approx(ref(), rel=1e-14)
+    F[0, 0] += 10.0
+    assert signal_to_noise(F, psi) == pytest.approx(ref(), rel=1e-14)
+    F = F.clone() * 3
+    assert signal_to_noise(F, psi) == pytest.approx(ref(), rel=1e-14)
+
+
 @pytest.mark.parametrize("n, j", [(9, 8), (12, 9)])
 def test_a_loading_that_varies_by_datapoint_along_a_latent_difference_is_not_taken_for_shared(n, j):
     # loc = c_i (z1 - z2) w: with probes of equal sizes (+-3 exactly), a row
