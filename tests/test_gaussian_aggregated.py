@@ -105,6 +105,34 @@ def test_aggregated_gradient_equals_autograd_of_loop(n, D, R, dense, max_element
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8, atol=1e-8 * float(b.abs().max()))
 
 
+# (fraction, max_elements): 2**24 one chunk, its Y kept; 2000 one mask a chunk, none kept;
+# 20000 chunks of 11 masks, some on each path, Y kept
+@pytest.mark.parametrize("fraction,max_elements", [(1.0, 2**24), (1.0, 2000), (0.5, 2000), (0.5, 20000)])
+def test_lowrank_form_context_path_equals_numpy_and_autograd_of_loop(monkeypatch, fraction, max_elements):
+    """The low-rank form's context path (products over each mask's context rows, Y_m kept for
+    the backward pass within max_elements // 4, else made again): for every chunk (fraction 1)
+    or for the chunks whose contexts are at most half the tokens (both paths in one call), the
+    score equals numpy's per-mask conditioning (1e-10) and the gradients autograd of a per-mask
+    loop in torch (1e-8)."""
+    import pyro_mpt.conditionals.gaussian_lowrank_form as form
+
+    monkeypatch.setattr(form, "CONTEXT_MIN_RANK", 1)
+    monkeypatch.setattr(form, "CONTEXT_FRACTION", fraction)
+    n, D, R = 200, 30, 7
+    F, psi, mu, S, x, mask, coef = problem(n, D, R, P=31, seed=17)
+    mask[1] = False
+    mask[1, 4] = True  # one target
+    engine = GaussianConditionals(max_elements=max_elements)
+    got = engine.weighted_mask_sum(state_of(F, psi, mu, False), x, mask, coef)
+    np.testing.assert_allclose(got.numpy(), numpy_weighted_sum(S, mu, x, mask, coef), rtol=1e-10, atol=1e-8)
+    F, psi, mu, x = (t.clone().requires_grad_() for t in (F, psi, mu, x))
+    u = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got = torch.autograd.grad((u * engine.weighted_mask_sum(state_of(F, psi, mu, False), x, mask, coef)).sum(), (F, psi, mu, x))
+    want = torch.autograd.grad((u * torch_weighted_sum(F @ F.T + torch.diag(psi), mu, x, mask, coef)).sum(), (F, psi, mu, x))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8, atol=1e-8 * float(b.abs().max()))
+
+
 def test_dense_form_gradient_of_a_raw_covariance_equals_autograd_of_loop():
     # the dense form's backward pass is written out (DenseForm): against a
     # covariance given as a leaf tensor (its symmetric part is what any

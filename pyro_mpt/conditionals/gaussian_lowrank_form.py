@@ -25,17 +25,24 @@ __all__ = ["LowRankForm", "lowrank_form_chunks"]
 #: tables are touched per chunk, and at this size they stay in a core's cache
 #: between the passes (measured: 1.15-1.3x faster than 8 MB tables at D = 200-512)
 CHUNK_BYTES = 2**20
+#: the context path of a chunk of masks (:class:`LowRankForm`): taken where the rank is at least
+#: ``CONTEXT_MIN_RANK`` (below it the gathers cost more than the products they save) and the
+#: chunk's largest context is at most ``CONTEXT_FRACTION`` of the tokens
+CONTEXT_MIN_RANK = 8
+CONTEXT_FRACTION = 0.5
 
 
 def lowrank_form_chunks(D, R, dtype, max_elements):
-    r"""Masks per chunk of :class:`LowRankForm`, ``(outer, inner)``: the outer
-    chunks' :math:`R\times R` and :math:`D`-vector pieces (about ``10 R^2 + 8 D``
+    r"""Masks per chunk of :class:`LowRankForm` and what it may keep, ``(outer, inner, keep)``:
+    the outer chunks' :math:`R\times R` and :math:`D`-vector pieces (about ``10 R^2 + 8 D``
     elements a mask alive at once) within ``max_elements``; the inner chunks'
     ``(c, R, D)`` tables within ``CHUNK_BYTES`` each and about eight of them
-    within ``max_elements``."""
+    within ``max_elements``; and ``keep``, the elements of the masks' :math:`Y_m`
+    (``R D`` a mask) that the forward pass may keep for the backward pass
+    (a quarter of ``max_elements``; beyond it the backward pass makes them again)."""
     itemsize = torch.finfo(dtype).bits // 8
     inner = max(1, min(CHUNK_BYTES // (R * D * itemsize), max_elements // (8 * R * D)))
-    return max(inner, max_elements // (10 * R * R + 8 * D)), inner
+    return max(inner, max_elements // (10 * R * R + 8 * D)), inner, max_elements // 4
 
 
 class _Packing(SymmetricPacking):
@@ -93,6 +100,18 @@ class LowRankForm(torch.autograd.Function):
     makes from each mask's context columns (recorded apart, the two are terms of order
     :math:`1/\psi` that cancel).
 
+    :math:`X_m` and :math:`Y_m` are zero at the context columns, so a mask's share of
+    :math:`A_{ee}` lives on its targets; with :math:`X_m = F_p^\top - X^c_m`
+    (:math:`F_p = \Psi^{-1}F`, :math:`X^c_m = F_p^\top\operatorname{diag}(1 - t_m)`),
+    :math:`A_{ee} = F_p\sum_mY_m - \sum_m(X^c_m)^\top Y_m`, whose per-mask products run over
+    the :math:`|\mathcal R_m|` context rows instead of all :math:`D` tokens, and so do the
+    backward pass's (:func:`_context_backward_chunk`). The masks are sorted by their number of
+    context tokens and a chunk takes this context path where the rank is at least
+    ``CONTEXT_MIN_RANK`` and its largest context at most ``CONTEXT_FRACTION`` of the tokens:
+    the masks the target blocks leave to this form have many targets and few context tokens
+    (PPCA D = 200, K = 50, ``"all"``: 96 masks with 0 to 95 context tokens; the form's loss +
+    gradient 37 -> 30 ms float32, 71 -> 56 ms float64, one thread).
+
     :param F: ``(D, R)``. :param psi: ``(D,)``. :param t: the targets, 0/1 in
         ``F``'s dtype, ``(P, D)``. :param a: ``(P,)``. :param tuple chunks: masks
         per outer and inner chunk (:func:`lowrank_form_chunks`): the
@@ -106,6 +125,9 @@ class LowRankForm(torch.autograd.Function):
         """``(A, wsum, logdet)``."""
         D, R = F.shape
         P = t.shape[0]
+        # the masks by their number of context tokens, so that a chunk's contexts pad little
+        order = torch.argsort(t.sum(-1), descending=True, stable=True)
+        t, a = t.index_select(0, order), a.index_select(0, order)
         pk = _Packing(F)
         # what the backward pass keeps, 2(R^2 + D) a mask with t (``aggregated_elements``: one more
         # R x R table a mask, such as Q, would split D = 512, K = 50 into two groups within the
@@ -115,7 +137,8 @@ class LowRankForm(torch.autograd.Function):
         wsum, logdet = F.new_zeros(D), F.new_zeros(())
         # A_ed's rows T1[j] F_j, T1[j] = sum_m s_mj Q_m (packed; a fifth of the stacked product's flops)
         T1 = F.new_zeros(D, pk.FF.shape[1])
-        outer, inner = chunks
+        outer, inner, keep = chunks
+        kept = []
         eye = torch.eye(R, dtype=F.dtype, device=F.device)
         for o in range(0, P, outer):
             so = slice(o, o + outer)
@@ -133,10 +156,14 @@ class LowRankForm(torch.autograd.Function):
             Q = Lio @ torch.matmul(pk.outer(w), Lio, out=Mw[so])
             s = to / psi
             T1.addmm_(s.T, pk.pack(Q))
-            _forward_form(F, Lio, Q, w, s, inner, A)
+            plan = _context_chunks(s, R, inner)
+            Yk = _kept_tables(plan, R, D, F, keep)
+            keep -= 0 if Yk is None else Yk.numel()
+            kept.append(Yk)
+            _forward_form(F, psi, Lio, Q, w, s, plan, A, Yk)
         A[:D, D:] = (pk.unpack(T1) @ F.unsqueeze(-1)).squeeze(-1)
         ctx.save_for_backward(F, psi, t, a, Li, Mw, v)
-        ctx.chunks = chunks
+        ctx.chunks, ctx.kept = chunks, kept
         return A, wsum, logdet
 
     @staticmethod
@@ -149,7 +176,7 @@ class LowRankForm(torch.autograd.Function):
         pk = _Packing(F)
         G = _symh(gA)
         Ged, Gdd = G[:D, D:], G[D:, D:]
-        outer, inner = ctx.chunks
+        outer, inner, _ = ctx.chunks
         # A_ed[j] = T1[j] F_j: T1[j]'s gradient (symmetric part) G_ed[j] F_j^T, packed (F_j there is
         # X's: its gradient is in gXc below)
         gF = torch.zeros_like(F)
@@ -163,7 +190,7 @@ class LowRankForm(torch.autograd.Function):
         # every row j's R x R gradient of F_j F_j^T, summed over the masks (packed), and psi's
         rows = F.new_zeros(D, pk.FF.shape[1])
         gpsi = torch.zeros_like(psi)
-        for o in range(0, P, outer):
+        for k, o in enumerate(range(0, P, outer)):
             so = slice(o, o + outer)
             Lio, vo, to = Li[so], v[so], t[so]
             LMo = MwLi[so].transpose(-1, -2)  # Li Mw, both symmetric
@@ -172,7 +199,7 @@ class LowRankForm(torch.autograd.Function):
             gu = torch.empty_like(w)
             gLi, gQ = torch.empty_like(Lio), torch.empty_like(Q)
             so_psi = to / psi
-            _backward_form(F, Lio, Q, w, so_psi, G, inner, gF, gXc, gu, gLi, gQ)
+            _backward_form(F, psi, Lio, Q, w, so_psi, G, _context_chunks(so_psi, R, inner), ctx.kept[k], gF, gXc, gu, gLi, gQ)
             # Li and Q are symmetric for every F and psi: only their gradients' symmetric parts count
             gQ = _symh(gQ.add_(Gdd)).add_(pk.unpack(so_psi @ gT1))
             # Q = Li Mw Li
@@ -198,43 +225,120 @@ class LowRankForm(torch.autograd.Function):
         return gF, gpsi, None, None, None, None
 
 
-def _forward_form(F, Li, Q, w, s, chunk, A):
-    """Adds the masks' share of ``A`` chunk by chunk (its :math:`A_{ee}` as one
-    product over the stacked masks of a chunk)."""
+def _context_chunks(s, R, inner):
+    """The chunks of masks, a list of ``(slice, idx)``: ``idx`` ``(c, Rm)`` the context tokens
+    of the chunk's masks (increasing, padded with ``D``) where the chunk takes the context
+    path, else None. The masks come sorted by their number of context tokens (increasing); a
+    context chunk's ``(c, Rm, D)`` gathers stay within the ``(inner, R, D)`` of a chunk's table."""
+    P, D = s.shape
+    context = s == 0
+    counts = context.sum(-1).tolist()
+    idx = None
+    plan, i = [], 0
+    while i < P:
+        c = min(inner, P - i)
+        if R >= CONTEXT_MIN_RANK and counts[i + c - 1] <= CONTEXT_FRACTION * D:
+            if idx is None:
+                # every mask's context tokens in increasing order, padded with D
+                slot = context.cumsum(-1) - 1
+                m_of, j_of = context.nonzero(as_tuple=True)
+                idx = torch.full((P, max(1, max(counts))), D, dtype=torch.long, device=s.device)
+                idx[m_of, slot[m_of, j_of]] = j_of
+            c = min(c, max(1, inner * R // max(1, counts[i + c - 1])))
+            plan.append((slice(i, i + c), idx[i : i + c, : max(1, counts[i + c - 1])]))
+        else:
+            plan.append((slice(i, i + c), None))
+        i += c
+    return plan
+
+
+def _kept_tables(plan, R, D, F, keep):
+    """The ``(n, R, D)`` table of the context chunks' :math:`Y_m` that the forward pass keeps
+    (``n`` the masks on the context path), or None: none there, or more than ``keep`` elements."""
+    n = sum(sl.stop - sl.start for sl, idx in plan if idx is not None)
+    return F.new_empty(n, R, D) if 0 < n * R * D <= keep else None
+
+
+def _forward_form(F, psi, Li, Q, w, s, plan, A, Yk=None):
+    r"""Adds the masks' share of ``A`` chunk by chunk: :math:`A_{de} = \sum_m Y_m` and
+    :math:`A_{ee} = \sum_m X_m^\top Y_m`, as one product over the stacked masks of a chunk
+    (the target path), or (the context path) as
+    :math:`F_p\sum_m Y_m - \sum_m (X^c_m)^\top Y_m` with :math:`F_p = \Psi^{-1}F` and
+    :math:`X^c_m = F_p^\top\operatorname{diag}(1 - t_m)`, whose products run over the
+    masks' context rows only (:math:`X_m = F_p^\top - X^c_m`)."""
     D, R = F.shape
     Aee, Ade = A[:D, :D], A[D:, :D]
     Ft = F.T.contiguous()
     ws = Workspace(F.dtype, F.device)
-    for i in range(0, Li.shape[0], chunk):
-        sl = slice(i, i + chunk)
-        (X, Y), _ = _pieces(F, Ft, Li[sl], Q[sl], w[sl], s[sl], ws)
-        c = X.shape[0]
-        Aee.addmm_(X.view(c * R, D).T, Y.view(c * R, D))
-        Ade.add_(Y.sum(0))
+    Fpx = Ysum = Aeec = None
+    k = 0
+    for sl, idx in plan:
+        if idx is None:
+            (X, Y), _ = _pieces(F, Ft, Li[sl], Q[sl], w[sl], s[sl], ws)
+            c = X.shape[0]
+            Aee.addmm_(X.view(c * R, D).T, Y.view(c * R, D))
+            Ade.add_(Y.sum(0))
+            continue
+        if Fpx is None:
+            # F_p's rows and a zero row for the padding token D
+            Fpx = torch.cat([F / psi.unsqueeze(-1), F.new_zeros(1, R)])
+            Ysum, Aeec = F.new_zeros(R, D), F.new_zeros(D + 1, D)
+        c, Rm = idx.shape
+        Yo = None if Yk is None else Yk[k : k + c]
+        k += c
+        (_, Y), _ = _pieces(F, Ft, Li[sl], Q[sl], w[sl], s[sl], ws, x=False, Y=Yo)
+        flat = idx.reshape(-1)
+        Ysum.add_(Y.sum(0))
+        rows = torch.matmul(Fpx.index_select(0, flat).view(c, Rm, R), Y, out=ws.take("rows", (c, Rm, D)))
+        Aeec.index_add_(0, flat, rows.view(c * Rm, D))
+    if Fpx is not None:
+        Ade.add_(Ysum)
+        Aee.addmm_(Fpx[:D], Ysum).sub_(Aeec[:D])
     A[D:, D:] += Q.sum(0)
 
 
-def _backward_form(F, Li, Q, w, s, G, chunk, gF, gXc, gu, gLi, gQ):
-    D = F.shape[0]
+def _backward_form(F, psi, Li, Q, w, s, G, plan, Yk, gF, gXc, gu, gLi, gQ):
+    D, R = F.shape
     Gee, Gde = G[:D, :D], G[D:, :D]
     Ft = F.T.contiguous()
     ws = Workspace(F.dtype, F.device)
-    for i in range(0, Li.shape[0], chunk):
-        sl = slice(i, i + chunk)
-        _backward_chunk(F, Ft, Li[sl], Q[sl], w[sl], s[sl], Gee, Gde, gF, gXc, gu[sl], gLi[sl], gQ[sl], ws)
+    Fpx = None
+    k = 0
+    for sl, idx in plan:
+        if idx is None:
+            _backward_chunk(F, Ft, Li[sl], Q[sl], w[sl], s[sl], Gee, Gde, gF, gXc, gu[sl], gLi[sl], gQ[sl], ws)
+            continue
+        if Fpx is None:
+            Fpx = torch.cat([F / psi.unsqueeze(-1), F.new_zeros(1, R)])
+            # X_m G_ee + G_de = F_p^T G_ee + G_de - X^c_m G_ee: the first two once for all masks
+            H = torch.addmm(Gde, Fpx[:D].T, Gee)
+            Geex = torch.cat([Gee, Gee.new_zeros(1, D)])
+            GdeT = Gde.T.contiguous()
+            gXcT, gFt = F.new_zeros(D + 1, R), F.new_zeros(R, D)
+        c = idx.shape[0]
+        Y = None if Yk is None else Yk[k : k + c]
+        k += c
+        _context_backward_chunk(
+            F, Ft, Fpx, H, Geex, GdeT, Li[sl], Q[sl], w[sl], s[sl], Y, idx, gFt, gXcT, gu[sl], gLi[sl], gQ[sl], ws
+        )
+    if Fpx is not None:
+        gXc.add_(gXcT[:D].T)
+        gF.add_(gFt.T)
 
 
-def _pieces(F, Ft, Li, Q, w, s, ws):
-    """A chunk's ``[X, Y]`` ``(2, c, R, D)`` with ``X = F^T o s`` and
-    ``Y = [Li F^T] o 2w + [Q F^T] o s``, and ``[Li F^T, Q F^T]`` ``(c, 2, R, D)``,
-    in the workspace ``ws``."""
+def _pieces(F, Ft, Li, Q, w, s, ws, x=True, Y=None):
+    """A chunk's ``[X, Y]`` ``(2, c, R, D)`` with ``X = F^T o s`` (left unset where ``x``
+    is False) and ``Y = [Li F^T] o 2w + [Q F^T] o s``, and ``[Li F^T, Q F^T]`` ``(c, 2, R, D)``,
+    in the workspace ``ws``; with ``Y`` given (``(c, R, D)``, where ``x`` is False), ``Y`` is
+    made there and returned in ``[X, Y]``'s place."""
     c, R, _ = Li.shape
     D = F.shape[0]
     LQ = torch.stack([Li, Q], 1).view(2 * c * R, R)
     LQF = torch.matmul(LQ, Ft, out=ws.take("LQF", (2 * c * R, D))).view(c, 2, R, D)
-    XY = ws.take("XY", (2, c, R, D))
+    XY = ws.take("XY", (2, c, R, D)) if Y is None else (None, Y)
     s1 = s.unsqueeze(1)
-    torch.mul(Ft, s1, out=XY[0])  # F^T contiguous: read strided, this pass took 5x longer
+    if x:
+        torch.mul(Ft, s1, out=XY[0])  # F^T contiguous: read strided, this pass took 5x longer
     torch.mul(LQF[:, 0], (2 * w).unsqueeze(1), out=XY[1])
     XY[1].addcmul_(LQF[:, 1], s1)
     return XY, LQF
@@ -270,3 +374,42 @@ def _backward_chunk(F, Ft, Li, Q, w, s, Gee, Gde, gF, gXc, gu, gLi, gQ, ws):
     torch.matmul(Z[1].view(c * R, D), F, out=gQ.view(c * R, R))
     # Y's Li F^T factor (its Q F^T o s = Q X is X's, in gXc)
     gF.addmm_(Z[0].view(c * R, D).T, Li.reshape(c * R, R))
+
+
+def _context_backward_chunk(F, Ft, Fpx, H, Geex, GdeT, Li, Q, w, s, Y, idx, gFt, gXcT, gu, gLi, gQ, ws):
+    r""":func:`_backward_chunk` on the context path: with the chunk's context tokens ``idx``
+    ``(c, Rm)`` (padded with the zero row ``D`` of ``Fpx`` and ``Geex``),
+    :math:`\bar Y_m = H - X^c_mG_{ee}` with :math:`H = F_p^\top G_{ee} + G_{de}`, and
+    :math:`\bar X_m`'s context columns :math:`(Y_mG_{ee} + Q_m(\bar Y_m + G_{de}))_{:,\mathcal R_m}`,
+    whose :math:`G_{ee}` columns are the rows of :math:`G_{ee}` at the context
+    (symmetric): products of width :math:`|\mathcal R_m|` where the target path's are of
+    width :math:`D`. ``gXcT`` ``(D + 1, R)`` takes them transposed (row ``D``: the padding).
+    :math:`Y_m`'s factor :math:`\Lambda_m^{-1}F^\top\operatorname{diag}(2w_m)` has the gradients
+    :math:`\Lambda_m^{-1}\bar Y_m\operatorname{diag}(2w_m)` of :math:`F^\top` (into ``gFt``) and
+    :math:`\operatorname{diag}(F\Lambda_m^{-1}\bar Y_m)` of :math:`2w_m` from one product
+    :math:`\Lambda_m^{-1}\bar Y_m`. ``Y``: the chunk's kept :math:`Y_m`, or None (made again)."""
+    c, R, _ = Li.shape
+    D = F.shape[0]
+    Rm = idx.shape[1]
+    if Y is None:
+        (_, Y), _ = _pieces(F, Ft, Li, Q, w, s, ws, x=False)
+    flat = idx.reshape(-1)
+    Gc = torch.index_select(Geex, 0, flat, out=ws.take("Gc", (c * Rm, D))).view(c, Rm, D)
+    Xc = Fpx.index_select(0, flat).view(c, Rm, R).transpose(1, 2)
+    gY = torch.baddbmm(H, Xc, Gc, alpha=-1, out=ws.take("gY", (c, R, D)))
+    LgY = torch.matmul(Li, gY, out=ws.take("LgY", (c, R, D)))
+    u1 = (2 * w).unsqueeze(1)
+    Z = ws.take("Z", (2, c, R, D))
+    torch.sum(torch.mul(LgY, Ft, out=Z[0]), 1, out=gu)
+    gFt.add_(torch.mul(LgY, u1, out=Z[0]).sum(0))
+    # the padding's slots gather any column (clamped) and are scattered to row D
+    near = idx.clamp(max=D - 1)
+    gYc = torch.gather(gY.transpose(1, 2), 1, near.unsqueeze(-1).expand(c, Rm, R))
+    gYc += GdeT.index_select(0, near.reshape(-1)).view(c, Rm, R)
+    T = torch.matmul(Gc, Y.transpose(1, 2))
+    T.baddbmm_(gYc, Q)  # Q symmetric: (Q (gY + G_de))^T at the context columns
+    gXcT.index_add_(0, flat, T.view(c * Rm, R))
+    torch.mul(gY, u1, out=Z[0])
+    torch.mul(gY, s.unsqueeze(1), out=Z[1])
+    torch.matmul(Z[0].view(c * R, D), F, out=gLi.view(c * R, R))
+    torch.matmul(Z[1].view(c * R, D), F, out=gQ.view(c * R, R))
