@@ -105,7 +105,7 @@ class LowRankForm(torch.autograd.Function):
     (:math:`F_p = \Psi^{-1}F`, :math:`X^c_m = F_p^\top\operatorname{diag}(1 - t_m)`),
     :math:`A_{ee} = F_p\sum_mY_m - \sum_m(X^c_m)^\top Y_m`, whose per-mask products run over
     the :math:`|\mathcal R_m|` context rows instead of all :math:`D` tokens, and so do the
-    backward pass's (:func:`_context_backward_chunk`). The masks are sorted by their number of
+    backward pass's. The masks are sorted by their number of
     context tokens and a chunk takes this context path where the rank is at least
     ``CONTEXT_MIN_RANK`` and its largest context at most ``CONTEXT_FRACTION`` of the tokens:
     the masks the target blocks leave to this form have many targets and few context tokens
