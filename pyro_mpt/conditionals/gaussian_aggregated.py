@@ -379,18 +379,19 @@ class DenseForm(torch.autograd.Function):
         # copies), and for Z's rows: a solve from the right treats
         # the rows apart, and only the target rows are kept, packed over the masks,
         # (sum_m M_m, D); so are U's and the variances
-        Wt = torch.linalg.solve_triangular(L.transpose(-1, -2), Z, upper=True, left=False)
-        Bt = torch.linalg.solve_triangular(L, Wt, upper=False, left=False)
+        # (in place: Z is the solves' own table, and a solve into a fresh one copies it first)
+        Wt = torch.linalg.solve_triangular(L.transpose(-1, -2), Z, upper=True, left=False, out=Z)
         rows = mask.reshape(-1).nonzero()[:, 0]  # m D + j for the targets j of mask m
         m_of, j_of = rows // D, rows % D
+        # the variances as a sum of squares: accurate to eps cond(L), not eps cond(S)
+        var = torch.diagonal(S).index_select(0, j_of) - Wt[m_of, j_of].pow(2).sum(-1)
+        Bt = torch.linalg.solve_triangular(L, Wt, upper=False, left=False, out=Wt)
         # the solves return column-major tables: gather the rows, not reshape (a transposing copy);
         # E - B^T, the target rows of P_m (B^T is zero at the targets)
         Bt = Bt[m_of, j_of]
         EB = Bt.neg()
         diag = torch.arange(rows.shape[0], device=rows.device) * D + j_of  # entries (r, j_r) of the packed rows
         EB.view(-1).index_fill_(0, diag, 1.0)
-        # the variances as a sum of squares: accurate to eps cond(L), not eps cond(S)
-        var = torch.diagonal(S).index_select(0, j_of) - Wt.pow(2).sum(-1).reshape(-1).index_select(0, rows)
         U = EB @ L0  # target rows of P_m L0
         a = coef.to(S.dtype).index_select(0, m_of)
         aw = a / var
@@ -417,7 +418,8 @@ class DenseForm(torch.autograd.Function):
         gBt = torch.zeros(P, D, D, dtype=U.dtype, device=U.device).transpose(-1, -2)
         gBt[m_of, j_of] = (gU @ L0.T).mul_(c.index_select(0, m_of))
         # H^T = gB^T X^-1, X = L L^T: zero rows at the context
-        Ht = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L.transpose(-1, -2), gBt, upper=True, left=False), upper=False, left=False)
+        torch.linalg.solve_triangular(L.transpose(-1, -2), gBt, upper=True, left=False, out=gBt)
+        Ht = torch.linalg.solve_triangular(L, gBt, upper=False, left=False, out=gBt)
         Ht = Ht[m_of, j_of]
         Bvt = gvar.unsqueeze(-1) * Bt  # (B diag(gvar))^T, packed
         Yt = Bt.T @ (Bvt + Ht)
