@@ -86,12 +86,14 @@ class LowRankForm(torch.autograd.Function):
         \text{logdet} = \sum_m a_m \sum_j t_{mj}\log(2\pi v_{mj}).
 
     :math:`A_{ee}` and :math:`A_{de}` are products of height :math:`PR` over the
-    stacked masks, made in chunks of masks; :math:`A_{ed}`'s rows are
-    :math:`T_j F_j` with :math:`T_j = \sum_m s_{mj}Q_m`, and the :math:`R\times R`
+    stacked masks, made in chunks of masks; the form's only use, the quadratic form
+    :math:`y^\top Ay`, reads only :math:`A`'s symmetric part, so :math:`A_{ed} =
+    \sum_m\operatorname{diag}(s_m)FQ_m` is returned transposed inside :math:`A_{de}`
+    (its :math:`\sum_mQ_mF^\top\operatorname{diag}(s_m)` is a term of :math:`\sum_mY_m`'s
+    chunks) and :math:`A_{ed} = 0`; the :math:`R\times R`
     pieces come from products of :math:`P\times D` tables with the rows'
     outer products :math:`F_jF_j^\top`, all packed (:math:`R(R+1)/2` entries).
-    The backward pass assumes what the form's only use, the quadratic form
-    :math:`y^\top Ay`, gives: a symmetric gradient of :math:`A`; and that
+    The backward pass assumes what that use gives: a symmetric gradient of :math:`A`; and that
     :math:`y = [e; \delta]` with :math:`\delta = \hat z - F^\top\Psi^{-1}e` built
     with :math:`F^\top\Psi^{-1}` held constant: the form meets :math:`\delta` only in
     :math:`u_m = X_me + \delta` (:math:`X_m = F^\top\operatorname{diag}(s_m)`), so
@@ -135,8 +137,6 @@ class LowRankForm(torch.autograd.Function):
         Li, Mw, v = F.new_empty(P, R, R), F.new_empty(P, R, R), F.new_empty(P, D)
         A = F.new_zeros(D + R, D + R)
         wsum, logdet = F.new_zeros(D), F.new_zeros(())
-        # A_ed's rows T1[j] F_j, T1[j] = sum_m s_mj Q_m (packed; a fifth of the stacked product's flops)
-        T1 = F.new_zeros(D, pk.FF.shape[1])
         outer, inner, keep = chunks
         kept = []
         eye = torch.eye(R, dtype=F.dtype, device=F.device)
@@ -155,15 +155,13 @@ class LowRankForm(torch.autograd.Function):
             wsum += w.sum(0)
             Q = Lio @ torch.matmul(pk.outer(w), Lio, out=Mw[so])
             s = to / psi
-            T1.addmm_(s.T, pk.pack(Q))
             plan = _context_chunks(s, R, inner)
             Yk = _kept_tables(plan, R, D, F, keep)
             keep -= 0 if Yk is None else Yk.numel()
             kept.append(Yk)
             _forward_form(F, psi, Lio, Q, w, s, plan, A, Yk)
-        A[:D, D:] = (pk.unpack(T1) @ F.unsqueeze(-1)).squeeze(-1)
         ctx.save_for_backward(F, psi, t, a, Li, Mw, v)
-        ctx.chunks, ctx.kept = chunks, kept
+        ctx.chunks, ctx.kept, ctx.pk = chunks, kept, pk
         return A, wsum, logdet
 
     @staticmethod
@@ -173,14 +171,11 @@ class LowRankForm(torch.autograd.Function):
         F, psi, t, a, Li, MwLi, v = ctx.saved_tensors
         D, R = F.shape
         P = t.shape[0]
-        pk = _Packing(F)
+        pk = ctx.pk
         G = _symh(gA)
-        Ged, Gdd = G[:D, D:], G[D:, D:]
+        Gdd = G[D:, D:]
         outer, inner, _ = ctx.chunks
-        # A_ed[j] = T1[j] F_j: T1[j]'s gradient (symmetric part) G_ed[j] F_j^T, packed (F_j there is
-        # X's: its gradient is in gXc below)
         gF = torch.zeros_like(F)
-        gT1 = pk.pack(_symh(Ged.unsqueeze(-1) * F.unsqueeze(1)))
         # X_m = Fp^T diag(t_m) (Fp = F / psi) enters the form only in u_m = X_m e + delta, and the
         # caller's delta = zhat - Fp^T e carries Fp without gradient: X_m and delta's Fp together
         # have Fp's gradient -sum_m (gX_m o c_m)^T (c = 1 - t), made here from the context columns
@@ -201,7 +196,7 @@ class LowRankForm(torch.autograd.Function):
             so_psi = to / psi
             _backward_form(F, psi, Lio, Q, w, so_psi, G, _context_chunks(so_psi, R, inner), ctx.kept[k], gF, gXc, gu, gLi, gQ)
             # Li and Q are symmetric for every F and psi: only their gradients' symmetric parts count
-            gQ = _symh(gQ.add_(Gdd)).add_(pk.unpack(so_psi @ gT1))
+            gQ = _symh(gQ.add_(Gdd))
             # Q = Li Mw Li
             gMw = Lio @ gQ @ Lio
             gQLM = gQ @ LMo
@@ -274,10 +269,10 @@ def _forward_form(F, psi, Li, Q, w, s, plan, A, Yk=None):
     k = 0
     for sl, idx in plan:
         if idx is None:
-            (X, Y), _ = _pieces(F, Ft, Li[sl], Q[sl], w[sl], s[sl], ws)
+            (X, Y), _, QX = _pieces(F, Ft, Li[sl], Q[sl], w[sl], s[sl], ws, qx=True)
             c = X.shape[0]
             Aee.addmm_(X.view(c * R, D).T, Y.view(c * R, D))
-            Ade.add_(Y.sum(0))
+            Ade.add_(Y.sum(0)).add_(QX)
             continue
         if Fpx is None:
             # F_p's rows and a zero row for the padding token D
@@ -286,8 +281,9 @@ def _forward_form(F, psi, Li, Q, w, s, plan, A, Yk=None):
         c, Rm = idx.shape
         Yo = None if Yk is None else Yk[k : k + c]
         k += c
-        (_, Y), _ = _pieces(F, Ft, Li[sl], Q[sl], w[sl], s[sl], ws, x=False, Y=Yo)
+        (_, Y), _, QX = _pieces(F, Ft, Li[sl], Q[sl], w[sl], s[sl], ws, x=False, Y=Yo, qx=True)
         flat = idx.reshape(-1)
+        Ade.add_(QX)
         Ysum.add_(Y.sum(0))
         rows = torch.matmul(Fpx.index_select(0, flat).view(c, Rm, R), Y, out=ws.take("rows", (c, Rm, D)))
         Aeec.index_add_(0, flat, rows.view(c * Rm, D))
@@ -326,11 +322,12 @@ def _backward_form(F, psi, Li, Q, w, s, G, plan, Yk, gF, gXc, gu, gLi, gQ):
         gF.add_(gFt.T)
 
 
-def _pieces(F, Ft, Li, Q, w, s, ws, x=True, Y=None):
+def _pieces(F, Ft, Li, Q, w, s, ws, x=True, Y=None, qx=False):
     """A chunk's ``[X, Y]`` ``(2, c, R, D)`` with ``X = F^T o s`` (left unset where ``x``
     is False) and ``Y = [Li F^T] o 2w + [Q F^T] o s``, and ``[Li F^T, Q F^T]`` ``(c, 2, R, D)``,
     in the workspace ``ws``; with ``Y`` given (``(c, R, D)``, where ``x`` is False), ``Y`` is
-    made there and returned in ``[X, Y]``'s place."""
+    made there and returned in ``[X, Y]``'s place; and where ``qx``, :math:`\\sum_m Q_mX_m` ``(R, D)``
+    (else None)."""
     c, R, _ = Li.shape
     D = F.shape[0]
     LQ = torch.stack([Li, Q], 1).view(2 * c * R, R)
@@ -339,9 +336,10 @@ def _pieces(F, Ft, Li, Q, w, s, ws, x=True, Y=None):
     s1 = s.unsqueeze(1)
     if x:
         torch.mul(Ft, s1, out=XY[0])  # F^T contiguous: read strided, this pass took 5x longer
-    torch.mul(LQF[:, 0], (2 * w).unsqueeze(1), out=XY[1])
-    XY[1].addcmul_(LQF[:, 1], s1)
-    return XY, LQF
+    torch.mul(LQF[:, 1], s1, out=XY[1])
+    QX = XY[1].sum(0) if qx else None
+    XY[1].addcmul_(LQF[:, 0], (2 * w).unsqueeze(1))
+    return XY, LQF, QX
 
 
 def _backward_chunk(F, Ft, Li, Q, w, s, Gee, Gde, gF, gXc, gu, gLi, gQ, ws):
@@ -355,7 +353,7 @@ def _backward_chunk(F, Ft, Li, Q, w, s, Gee, Gde, gF, gXc, gu, gLi, gQ, ws):
     ``gLi``, ``gQ`` (the chunk's rows) written in place."""
     c, R, _ = Li.shape
     D = F.shape[0]
-    XY, LQF = _pieces(F, Ft, Li, Q, w, s, ws)
+    XY, LQF, _ = _pieces(F, Ft, Li, Q, w, s, ws)
     gYX = torch.matmul(XY.view(2 * c * R, D), Gee, out=ws.take("gYX", (2 * c * R, D))).view(2, c, R, D)
     gY, gX = gYX[0], gYX[1]
     gY += Gde
@@ -369,7 +367,8 @@ def _backward_chunk(F, Ft, Li, Q, w, s, Gee, Gde, gF, gXc, gu, gLi, gQ, ws):
     # Y's factors [Li F^T] o 2w and [Q F^T] o s
     Z = ws.take("Z", (2, c, R, D))
     torch.mul(gY, (2 * w).unsqueeze(1), out=Z[0])
-    torch.mul(gY, s1, out=Z[1])
+    # (gY + G_de) o s: G_de's Q X term is A_ed's, folded into A_de
+    torch.add(gY, Gde, out=Z[1]).mul_(s1)
     torch.matmul(Z[0].view(c * R, D), F, out=gLi.view(c * R, R))
     torch.matmul(Z[1].view(c * R, D), F, out=gQ.view(c * R, R))
     # Y's Li F^T factor (its Q F^T o s = Q X is X's, in gXc)
@@ -392,7 +391,7 @@ def _context_backward_chunk(F, Ft, Fpx, H, Geex, GdeT, Li, Q, w, s, Y, idx, gFt,
     D = F.shape[0]
     Rm = idx.shape[1]
     if Y is None:
-        (_, Y), _ = _pieces(F, Ft, Li, Q, w, s, ws, x=False)
+        (_, Y), _, _ = _pieces(F, Ft, Li, Q, w, s, ws, x=False)
     flat = idx.reshape(-1)
     Gc = torch.index_select(Geex, 0, flat, out=ws.take("Gc", (c * Rm, D))).view(c, Rm, D)
     Xc = Fpx.index_select(0, flat).view(c, Rm, R).transpose(1, 2)
@@ -410,6 +409,6 @@ def _context_backward_chunk(F, Ft, Fpx, H, Geex, GdeT, Li, Q, w, s, Y, idx, gFt,
     T.baddbmm_(gYc, Q)  # Q symmetric: (Q (gY + G_de))^T at the context columns
     gXcT.index_add_(0, flat, T.view(c * Rm, R))
     torch.mul(gY, u1, out=Z[0])
-    torch.mul(gY, s.unsqueeze(1), out=Z[1])
+    torch.add(gY, GdeT.T, out=Z[1]).mul_(s.unsqueeze(1))
     torch.matmul(Z[0].view(c * R, D), F, out=gLi.view(c * R, R))
     torch.matmul(Z[1].view(c * R, D), F, out=gQ.view(c * R, R))
