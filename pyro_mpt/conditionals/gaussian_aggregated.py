@@ -384,7 +384,7 @@ class DenseForm(torch.autograd.Function):
         rows = mask.reshape(-1).nonzero()[:, 0]  # m D + j for the targets j of mask m
         m_of, j_of = rows // D, rows % D
         # the variances as a sum of squares: accurate to eps cond(L), not eps cond(S)
-        var = torch.diagonal(S).index_select(0, j_of) - Wt[m_of, j_of].pow(2).sum(-1)
+        var = torch.diagonal(S).index_select(0, j_of) - Wt.pow(2).sum(-1).reshape(-1).index_select(0, rows)
         Bt = torch.linalg.solve_triangular(L, Wt, upper=False, left=False, out=Wt)
         # the solves return column-major tables: gather the rows, not reshape (a transposing copy);
         # E - B^T, the target rows of P_m (B^T is zero at the targets)
