@@ -70,3 +70,36 @@ def test_dense_dtype_on_a_batch_decides_by_its_worst_matrix():
     ill = torch.cat([well, random_spd(30, 1e9, 2, batch=(1,))])
     assert dense_dtype(ill) == inverse_iteration_dtype(ill) == torch.float64
     assert dense_dtype(ill.double()) == torch.float64
+
+
+@pytest.mark.parametrize("D", [3, 20, 50])
+def test_dense_dtype_with_the_noise_decides_as_without_it(D):
+    # F F^T + diag(psi) of rank-deficient F (method="dense" on a low-rank marginal), over noise levels
+    # that cross the threshold: the noise's bound psi_min / max_j S_jj on the smallest
+    # eigenvalue of the scaled matrix settles the well-conditioned ones without a factor,
+    # and gives the decision of the estimate (and of the exact eigenvalue, away from the threshold)
+    g = np.random.default_rng(D)
+    by_noise = 0
+    decided = {torch.float32: 0, torch.float64: 0}
+    for i, sd in enumerate(np.logspace(1, -5, 19)):
+        F = g.standard_normal((D, max(1, D // 2))) / np.sqrt(D)
+        psi = sd**2 * np.exp(0.5 * g.standard_normal(D))
+        cov = torch.tensor(F @ F.T + np.diag(psi), dtype=torch.float32)
+        noise = torch.tensor(psi, dtype=torch.float32)
+        got = dense_dtype(cov, noise)
+        assert got == dense_dtype(cov) == inverse_iteration_dtype(cov), (D, sd)
+        # the bound the noise gives, in float64
+        lam_bound = psi.min() / np.diagonal(F @ F.T + np.diag(psi)).max()
+        if np.finfo(np.float32).eps * D / lam_bound <= 0.5 * PRECISION:
+            by_noise += 1
+            assert got == torch.float32 and exact_bound(cov) <= PRECISION, (D, sd)
+        if exact_bound(cov) > 4 * PRECISION:
+            assert got == torch.float64, (D, sd)
+        decided[got] += 1
+    assert by_noise >= 3 and decided[torch.float32] >= 3 and decided[torch.float64] >= 3
+
+
+def test_dense_dtype_with_a_noise_of_zeros_or_nan_falls_back_to_the_estimate():
+    cov = random_spd(20, 1e9, 3)
+    for noise in (torch.zeros(20), torch.full((20,), float("nan"))):
+        assert dense_dtype(cov, noise) == dense_dtype(cov) == torch.float64

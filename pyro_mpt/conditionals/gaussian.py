@@ -221,7 +221,12 @@ class GaussianConditionals(ConditionalEngine):
             cov = marginal.dense()
             if self.jitter:
                 cov = cov + self.jitter * torch.eye(D, dtype=cov.dtype, device=cov.device)
-            work = dense_dtype(cov)
+            # a low-rank marginal's noise bounds the covariance's smallest eigenvalue: most
+            # are settled without the factorization of dense_dtype's estimate
+            noise = None
+            if marginal.is_low_rank:
+                noise = marginal.cov_diag + self.jitter
+            work = dense_dtype(cov, noise)
             if work != cov.dtype and (marginal.is_low_rank or marginal.parts is not None):
                 # rounding F F^T (or a dense noise's T T^T, plus W W^T) in the data's dtype would
                 # already lose the small noise: add the terms again in the wider dtype

@@ -123,7 +123,7 @@ def lowrank_dtype(F, psi, dtypes=None):
     return None
 
 
-def dense_dtype(cov):
+def dense_dtype(cov, noise=None):
     r"""``cov``'s dtype when Cholesky solves with it are accurate in that dtype, else float64.
 
     Solves with a Cholesky factor of :math:`\Sigma` carry relative errors of about
@@ -135,10 +135,32 @@ def dense_dtype(cov):
     the factor; it must stay below ``PRECISION / eps``. The bound
     :math:`\lambda_{\min} \ge 1/\operatorname{tr}\Sigma_s^{-1}` settles most
     covariances before the iteration.
+
+    With ``noise``, a variance that the covariance has in every direction (the
+    noise :math:`\psi` of :math:`\Sigma = FF^\top + \operatorname{diag}(\psi)`, which is
+    :math:`\succeq \psi_{\min} I`): :math:`\lambda_{\min} \ge \psi_{\min}/\max_j\Sigma_{jj}`
+    settles the covariance without a factorization when that bound passes with a factor
+    2 to spare (for the rounding of :math:`\Sigma` itself, about ``eps`` :math:`D\max_j\Sigma_{jj}`);
+    the estimate below is no smaller than :math:`\lambda_{\min}`, so it would pass too.
+
+    :param torch.Tensor cov: ``(..., D, D)``.
+    :param torch.Tensor noise: ``(..., D)`` or None.
+    :returns: ``cov.dtype`` or ``torch.float64``.
+
+    Example::
+
+        >>> dense_dtype(F @ F.T + torch.diag(psi), noise=psi)
+        torch.float32
     """
     if cov.dtype == torch.float64:
         return cov.dtype
     with torch.no_grad():
+        if noise is not None:
+            D = cov.shape[-1]
+            largest = torch.diagonal(cov, dim1=-2, dim2=-1).amax(-1)
+            bound = torch.finfo(cov.dtype).eps * D * largest <= 0.5 * PRECISION * noise.amin(-1)
+            if bool(bound.all()):
+                return cov.dtype
         d = torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(torch.finfo(cov.dtype).tiny).sqrt()
         L, info = torch.linalg.cholesky_ex(cov / (d.unsqueeze(-1) * d.unsqueeze(-2)))
         if bool((info != 0).any()):
