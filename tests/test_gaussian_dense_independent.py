@@ -152,11 +152,13 @@ def conditional(S, r, t, c):
     return torch.distributions.Normal(S[t, c] @ sol[:, 0], (S[t, t] - S[t, c] @ sol[:, 1]).sqrt()).log_prob(r[t])
 
 
-def test_component_conditionals_and_context_densities_match_a_loop():
+@pytest.mark.parametrize("max_elements", [25, 8 * 25, 2**20])  # one pair a chunk, four, all
+def test_component_conditionals_and_context_densities_match_a_loop(max_elements):
     """``DenseContextConditionals`` (a mixture's pieces) against a loop: per component and
     pair, each target's conditional given the pair's context and the context's density
     (``MultivariateNormal`` on the pair's own block), with random weights on both outputs
-    for the gradients; chunks of one pair."""
+    for the gradients; chunks of one pair, of several (contexts and target sets of
+    different sizes padded to the chunk's largest) and of all."""
     q, n, D, K = 2, 3, 5, 2
     g = torch.Generator().manual_seed(4)
     A = torch.randn(K, D, D, generator=g, dtype=torch.float64).requires_grad_()
@@ -177,7 +179,7 @@ def test_component_conditionals_and_context_densities_match_a_loop():
             log_r_ref[i, k, j] = torch.distributions.MultivariateNormal(zero, S[k][c][:, c]).log_prob(r[c])
         for t in (~context[i, j]).nonzero().flatten().tolist():
             log_c_ref[i, k, j, t] = conditional(S[k], r, t, c)
-    got_c, got_r = gdi.DenseContextConditionals.apply(S, x, loc, context, D * D, "x")
+    got_c, got_r = gdi.DenseContextConditionals.apply(S, x, loc, context, max_elements, "x")
     assert_close_to_rounding(got_r, log_r_ref, torch.float64)
     assert_close_to_rounding(got_c, log_c_ref, torch.float64)
     grads = torch.autograd.grad((wc * got_c).sum() + (wr * got_r).sum(), (A, loc, x), retain_graph=True)
@@ -219,3 +221,23 @@ def test_gaussian_mixture_with_contexts_per_datapoint_takes_the_written_backward
             each = torch.stack([conditional(S[k], x[j] - loc[k, 0], t, c) for k in range(K)])
             want = (base + each).logsumexp(0) - base.logsumexp(0)
             assert abs(float(got[i, j, t] - want)) < 1e-12
+
+
+def test_chunks_factor_their_largest_context_not_the_whole_covariance(monkeypatch):
+    """Pairs sorted by context size: a chunk whose contexts hold at most 2 of D = 8 tokens
+    factors 2 x 2 blocks (before: every pair's context embedded in a D x D matrix), and its
+    sums still match the loop."""
+    q, n, D = 1, 6, 8
+    g = torch.Generator().manual_seed(11)
+    A = torch.randn(D, D, generator=g, dtype=torch.float64)
+    S = A @ A.T + 0.5 * torch.eye(D, dtype=torch.float64)
+    x = torch.randn(n, D, generator=g, dtype=torch.float64)
+    mask = torch.ones(q, n, D, dtype=torch.bool)
+    mask[0, torch.arange(n), torch.arange(n)] = False  # one context token each
+    mask[0, 0, 7] = False  # two for one pair
+    sizes = []
+    factor = gdi.cholesky
+    monkeypatch.setattr(gdi, "cholesky", lambda X, *a: sizes.append(X.shape[-1]) or factor(X, *a))
+    got = gdi.DenseIndependentSums.apply(S, x, torch.zeros(1, D, dtype=torch.float64), mask, 2**20, "x")
+    assert sizes == [2]
+    assert_close_to_rounding(got, brute_sums(S, x, mask), torch.float64)
