@@ -22,3 +22,15 @@ def test_packing_round_trips_and_its_weighted_inner_product_is_the_full_one():
     want = np.einsum("ja,mab,jb->mj", F.numpy(), M.numpy(), F.numpy())
     got = (pk.pack(M) * pk.off) @ pk.features(F).T
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-13, atol=1e-13)
+
+
+def test_features_of_a_large_loading_equal_numpy():
+    """The features' two ways (from the full outer products below 2**22 of them, by column
+    selections above) give numpy's products exactly, in float32 and float64."""
+    g = torch.Generator().manual_seed(1)
+    for D, R in ((30, 20), (420, 100)):  # 12000 and 4.2e6 > 2**22 outer products
+        iu = np.triu_indices(R)
+        for dtype in (torch.float32, torch.float64):
+            F = torch.randn(D, R, generator=g, dtype=dtype)
+            want = F.numpy()[:, iu[0]] * F.numpy()[:, iu[1]]
+            np.testing.assert_array_equal(SymmetricPacking(R, dtype).features(F).numpy(), want)

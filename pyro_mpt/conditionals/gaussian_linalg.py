@@ -252,6 +252,10 @@ class SymmetricPacking:
 
     def features(self, F):
         r"""``(D, R)`` -> ``(D, R(R+1)/2)``: the rows' outer products :math:`F_{ja}F_{jb}`."""
+        if F.shape[-2] * self.R * self.R <= 2**22:
+            # the full outer products, then the packed entries (the same products): two selections
+            # of R(R+1)/2 columns from F's R ran 4-5x slower (D = 200, R = 50: 1.0 -> 0.26 ms float32)
+            return self.pack(F.unsqueeze(-1) * F.unsqueeze(-2))
         return F.index_select(-1, self.a) * F.index_select(-1, self.b)
 
     def pack(self, M):
