@@ -74,6 +74,13 @@ class MaskSchedule:
         and per step; must be at least 1.
     :param bool share_masks: draw one mask set for the whole batch instead of
         independent masks per datapoint.
+
+    Example::
+
+        >>> schedule = make_schedule("all", num_masks=2, share_masks=True)
+        >>> block = next(schedule.blocks(4, 5))  # 4 datapoints of 5 tokens
+        >>> block.mask.shape, block.size.shape  # (q, 1, D): one set shared by the batch
+        (torch.Size([10, 1, 5]), torch.Size([10, 1]))
     """
 
     #: True when every mask size M = 1..D gets queries (so a curve is complete).
@@ -158,6 +165,12 @@ class AllSizes(MaskSchedule):
     reproduce earlier runs and the HuggingFace adapters' nested curves.
 
     :param bool nested: nest the masks of one repetition (one permutation).
+
+    Example::
+
+        >>> loss = MaskedPretrainingLoss(masks=AllSizes(4, share_masks=True))  # masks="all", num_masks=4
+        >>> next(AllSizes(1, share_masks=True).blocks(4, 5)).size[:, 0].tolist()  # every size once
+        [1, 2, 3, 4, 5]
     """
 
     covers_all_sizes = True
@@ -206,6 +219,12 @@ class UniformSizes(MaskSchedule):
     still marginally uniform, so the estimate stays unbiased, while the sizes
     spread evenly over :math:`1..D`, lowering the variance of each datapoint's
     estimate (or, with one mask, of the batch sum).
+
+    Example::
+
+        >>> loss = MaskedPretrainingLoss(masks=UniformSizes(8, stratified=True))  # masks="stratified", num_masks=8
+        >>> next(UniformSizes(3).blocks(4, 5)).mask.shape  # 3 masks for each of 4 datapoints
+        torch.Size([3, 4, 5])
     """
 
     def __init__(self, num_masks=1, *, stratified=False, share_masks=False):
@@ -257,6 +276,11 @@ class RandomOrders(MaskSchedule):
     When the conditionals come from one joint distribution (Gaussian closed
     form, exact quadrature) each ordering gives :math:`\log p(x)` exactly and the
     estimate has zero variance.
+
+    Example::
+
+        >>> loss = MaskedPretrainingLoss(masks=RandomOrders(1, share_masks=True))  # masks="order"
+        >>> loss.score(ppca, None, x)  # (N,): log p(x_i) exactly for a linear-Gaussian model
     """
 
     covers_all_sizes = True
@@ -284,6 +308,11 @@ class Exhaustive(MaskSchedule):
     Deterministic; equals :math:`\log p(x)` when the conditionals come from one
     joint. Enumerates :math:`2^D - 1` masks shared by the whole batch, so it
     refuses :math:`D >` :data:`MAX_EXHAUSTIVE_TOKENS`. ``num_masks`` is unused.
+
+    Example::
+
+        >>> next(Exhaustive().blocks(4, 5)).mask.shape  # the 2^5 - 1 subsets, shared by the batch
+        torch.Size([31, 1, 5])
     """
 
     covers_all_sizes = True
@@ -395,6 +424,12 @@ class FixedRate(MaskSchedule):
     gives every :math:`S(x; M)` through :meth:`MaskedPretrainingLoss.curve`).
 
     :param float rate: the masking rate, in (0, 1).
+
+    Example::
+
+        >>> loss = MaskedPretrainingLoss(masks=0.15)  # FixedRate(0.15): BERT's rate
+        >>> next(FixedRate(0.2, 2).blocks(3, 10)).size.tolist()  # round(0.2 * 10) targets a mask
+        [[2], [2]]
     """
 
     def __init__(self, rate, num_masks=1, *, share_masks=False):

@@ -160,6 +160,13 @@ def make_engine(spec, **options):
     :param spec: ``"auto"``, an engine name (see :data:`ENGINES`) or a
         :class:`ConditionalEngine`.
     :param options: passed to the engine's constructor.
+
+    Example::
+
+        >>> make_engine("quadrature", num_nodes=20)
+        QuadratureConditionals(num_nodes=20, adaptive=True)
+        >>> make_engine("auto") is None
+        True
     """
     if isinstance(spec, ConditionalEngine):
         return spec
@@ -178,6 +185,11 @@ def auto_engine(tokens, model, guide, args, kwargs, **options):
 
     :returns: ``(engine, state)`` with the state already prepared.
     :raises ValueError: listing the engines and what each needs, when none applies.
+
+    Example::
+
+        >>> tokens = trace_tokens(ppca, None, (x,), {})
+        >>> engine, state = auto_engine(tokens, ppca, None, (x,), {})  # GaussianConditionals for PPCA
     """
     accepted = {name: inspect.signature(cls.__init__).parameters for name, cls in ENGINES.items()}
     unused = set(options).difference(*accepted.values())

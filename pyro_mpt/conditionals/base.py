@@ -77,6 +77,16 @@ class ConditionalEngine(ABC):
     :param int max_elements: bound on the number of elements of the largest
         intermediate tensor an engine creates per chunk; engines split blocks
         further to stay under it.
+
+    Example (the whole engine, exact for a latent class model, is
+    ``docs/snippets/latent_class_engine.py``; docs/engines.rst walks through it)::
+
+        >>> class MyConditionals(ConditionalEngine):
+        ...     def prepare(self, tokens, model, guide, args, kwargs):
+        ...         return ...  # whatever mask_log_prob needs, from the traced model
+        ...     def mask_log_prob(self, state, x, mask):
+        ...         return ...  # (q, n, D): log p(x_j | x_context) at the targets
+        >>> loss = MaskedPretrainingLoss(conditionals=MyConditionals())
     """
 
     def __init__(self, *, max_elements=2**24):
