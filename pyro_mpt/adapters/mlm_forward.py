@@ -48,6 +48,11 @@ def masked_lm_head(model):
     maps hidden states ``(N, H)`` to logits ``(N, V)``, so the vocabulary
     projection runs on the masked positions only. Returns ``None`` for other
     classes, which then compute full logits.
+
+    Example::
+
+        >>> encoder, head = masked_lm_head(BertForMaskedLM.from_pretrained(path))
+        >>> logits = head(encoder(**inputs)[0][is_masked])  # (masked tokens, V)
     """
     spec = HEADS.get(type(model).__name__)
     if spec is None:

@@ -33,6 +33,11 @@ class Encoded:
         token (-1 unknown), unique across the segments of a sentence pair (word
         indices restart in each segment; the segment is part of the key), or
         None when the tokenizer gives no word boundaries.
+
+    Example::
+
+        >>> enc = MaskedLMScorer(model, tokenizer).encode(["a sentence", "another one"])
+        >>> len(enc), enc.ids[0].shape  # 2 sequences; the first one's T_0 ids
     """
 
     ids: List[torch.Tensor]

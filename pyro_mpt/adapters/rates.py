@@ -71,6 +71,13 @@ def parse_rates(spec):
     inclusive) or a comma list ``"0.05,0.15,0.5"``; values in (0, 1).
 
     :raises ValueError: naming the bad value.
+
+    Example::
+
+        >>> parse_rates("0.1:0.3:0.1")
+        array([0.1, 0.2, 0.3])
+        >>> parse_rates("0.05,0.15,0.5")
+        array([0.05, 0.15, 0.5 ])
     """
     spec = str(spec).strip()
     try:
@@ -290,6 +297,11 @@ def table2_area(curve, num_tokens=512, step=0.01, strict=True):
     :param float step: the 0.01 of the paper.
     :param bool strict: refuse curves on another rate grid.
     :rtype: float
+
+    Example::
+
+        >>> curve = scorer.curve(sentences, rates=PAPER_MLM_RATES)  # MaskedLMScorer, 1 %..99 %
+        >>> table2_area(curve)  # comparable with the paper's Table 2
     """
     rates = np.asarray(curve.rates)
     if strict and (rates.shape != PAPER_MLM_RATES.shape or not np.allclose(rates, PAPER_MLM_RATES)):
