@@ -45,7 +45,10 @@ hits both alike. The ratio is measured in this run.
    default loss (one mask per datapoint) against a ``TraceEnum_ELBO`` step: every
    datapoint's context is factored once per component. The pairs are sorted by context
    size and each chunk factors its largest context, no longer every context embedded in a
-   ``D x D`` matrix (at D = 50, K = 4, N = 1000: 350 -> 220 ms, 53x -> 32x ``TraceEnum_ELBO``).
+   ``D x D`` matrix (at D = 50, K = 4, N = 1000: 350 -> 220 ms, 53x -> 32x ``TraceEnum_ELBO``),
+   and the mixture's log-sum-exps clamp the terms below float32's exp underflow, where
+   torch's exp is 40-100x slower (220 -> 163 ms, 23x; ``masks="all"`` with shared masks
+   1.10 -> 0.59 s).
 
 Usage::
 

@@ -305,6 +305,38 @@ def test_mixture_table_reductions_against_numpy(per_datapoint):
     assert np.abs(chains.sum(-1).numpy() - big.log_evidence().numpy()[None]).max() < 1e-10
 
 
+def test_mixture_table_far_apart_points_in_float32():
+    """Points hundreds of nats apart (a well-separated mixture: most of its log-sum-exp
+    terms lie below float32's exp underflow, where torch's exp is 40-100x slower, so the
+    reductions clamp them to ``exp_floor``): conditionals and their gradient in float32
+    against scipy's log-sum-exps in float64 and autograd of ``torch.logsumexp`` in float64."""
+    logw, T = _table(K=4, n=5, D=6, seed=10)
+    T = (T * 40).float()
+    K, n, D = T.shape
+    g = torch.Generator().manual_seed(11)
+    context = torch.rand(7, n, D, generator=g) < 0.5
+    context[0] = False
+    T32 = T.clone().requires_grad_()
+    out = MixtureTable(logw.float(), T32).log_conditionals(context)
+    weight = torch.randn(out.shape, generator=g)
+    (grad,) = torch.autograd.grad((weight * out).sum(), T32)
+
+    T64 = T.double().requires_grad_()
+    c = context.double()[:, None]  # (q, 1, n, D)
+    base = logw[None, :, None] + (T64[None] * c).sum(-1)  # (q, K, n)
+    den = torch.where(context.any(-1), torch.logsumexp(base, 1), torch.zeros(()))
+    ref = torch.logsumexp(base[..., None] + T64[None], 1) - den[..., None]
+    (ref_grad,) = torch.autograd.grad((weight.double() * ref).sum(), T64)
+    Tn, lw = T.double().numpy(), logw.numpy()
+    for q in range(1, 7):
+        b = lw[:, None] + (Tn * context[q].numpy()[None]).sum(-1)
+        want = logsumexp(b[..., None] + Tn, 0) - logsumexp(b, 0)[:, None]
+        assert np.abs(ref[q].detach().numpy() - want).max() < 1e-9
+    tol = 64 * torch.finfo(torch.float32).eps * float(base.detach().abs().max())
+    assert (out.double() - ref).abs().max() < tol
+    assert (grad.double() - ref_grad).abs().max() < 64 * torch.finfo(torch.float32).eps * float(weight.abs().max()) * D
+
+
 def test_mixture_table_impossible_points_give_no_nan():
     """A point with log-likelihood -inf on a token (e.g. a Categorical class that
     cannot emit the value) drops out; no nan from -inf times a zero mask."""

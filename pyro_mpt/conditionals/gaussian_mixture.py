@@ -11,6 +11,7 @@ import torch
 
 from .gaussian_dense_independent import DenseContextConditionals
 from .mixture import normalize_empty
+from .mixture_chunks import stable_logsumexp
 
 __all__ = ["GaussianMixtureTable"]
 
@@ -111,7 +112,7 @@ class GaussianMixtureTable:
         """``(num, den)`` of :meth:`_partials` from the components' log-conditionals
         ``(q, K, n, D)`` and context log-densities ``(q, K, n)``."""
         base = self.log_weights[None] + log_pR  # (q, K, n)
-        return (base[..., None] + log_c).logsumexp(1), base.logsumexp(1)
+        return stable_logsumexp(base[..., None] + log_c, 1), stable_logsumexp(base, 1)
 
     def _partials(self, context):
         """``(num (q, n, D), den (q, n))`` for contexts ``(q, n|1, D)``."""
@@ -194,7 +195,7 @@ class GaussianMixtureTable:
         d = torch.diagonal(prec, dim1=-2, dim2=-1)
         ell = -0.5 * (math.log(2 * math.pi) - d.log() + pr.pow(2) / d)  # (K, n, D)
         base = self.log_weights + log_p  # (K, n)
-        return base.logsumexp(0).unsqueeze(-1) - (base.unsqueeze(-1) - ell).logsumexp(0)
+        return stable_logsumexp(base, 0).unsqueeze(-1) - stable_logsumexp(base.unsqueeze(-1) - ell, 0)
 
     def log_evidence(self, observed=None):
         r""":math:`\log p(x_i)` (of the observed tokens when ``observed`` is given), ``(n,)``."""

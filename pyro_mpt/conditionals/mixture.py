@@ -38,6 +38,8 @@ empty context has normalizer one) and :func:`chain_terms`.
 
 import torch
 
+from .mixture_chunks import stable_logsumexp
+
 __all__ = ["MixtureTable", "combine_partials", "normalize_empty", "chain_terms"]
 
 
@@ -134,7 +136,7 @@ class MixtureTable:
         if not bool(torch.isfinite(T).all()):
             return None
         c = self.log_weights.unsqueeze(-1) + (T.sum(-1, keepdim=True) - T)
-        return (c + T).logsumexp(0) - c.logsumexp(0)
+        return stable_logsumexp(c + T, 0) - stable_logsumexp(c, 0)
 
     def log_evidence(self, observed=None):
         r""":math:`\log p(x_i) = \operatorname{logsumexp}_k (\log w_k + \sum_d T_{kid})`, ``(n,)``.
@@ -164,8 +166,8 @@ class MixtureTable:
                 # where, not a product: a -inf entry outside the context must not give nan
                 lin = torch.where(ctx[:, None], T[None], zero).sum(-1)  # (qc, K, nc)
                 base = self._weights(nsl)[None] + lin
-                row_den.append(base.logsumexp(1))
-                row_num.append((base[..., None] + T[None]).logsumexp(1))  # (qc, nc, D)
+                row_den.append(stable_logsumexp(base, 1))
+                row_num.append(stable_logsumexp(base[..., None] + T[None], 1))  # (qc, nc, D)
             nums.append(torch.cat(row_num, 1))
             dens.append(torch.cat(row_den, 1))
         return torch.cat(nums, 0), torch.cat(dens, 0)
@@ -207,7 +209,7 @@ class MixtureTable:
                 Tp = T[None].expand(pc, K, nc, D).gather(-1, o[:, None].expand(pc, K, nc, D))
                 C = Tp.flip(-1).cumsum(-1).flip(-1)
                 C = torch.cat([C, torch.zeros_like(C[..., :1])], -1)  # (pc, K, nc, D + 1)
-                row.append((C + self._weights(nsl)[None, :, :, None]).logsumexp(1))
+                row.append(stable_logsumexp(C + self._weights(nsl)[None, :, :, None], 1))
             out.append(torch.cat(row, 1))
         return torch.cat(out, 0)
 
