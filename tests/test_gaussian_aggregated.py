@@ -680,10 +680,14 @@ def test_target_blocks_equal_numpy_conditioning_and_pass_gradcheck():
     groups = target_form_groups(mask, 512)
     assert len(groups) >= 4 and any((idx == D).any() for _, idx in groups)  # padded groups
     assert sorted(torch.cat([rows for rows, _ in groups]).tolist()) == list(range(len(sizes)))
-    A, logdet = TargetBlockForm.apply(torch.linalg.inv(S), groups, coef, "x")
     A_ref, logdet_ref = numpy_target_blocks(S, mask, coef)
-    np.testing.assert_allclose(A.numpy(), A_ref, rtol=1e-11, atol=1e-11 * np.abs(A_ref).max())
-    assert abs(float(logdet) - logdet_ref) <= 1e-11 * abs(logdet_ref)
+    # with the factor (F, psi): the groups of Mp >= 6 (Mp^3 >= R^2 D) from the context's R x R precision
+    psi = torch.diagonal(S) - (F * F).sum(-1)
+    assert any(idx.shape[-1] ** 3 >= R * R * D for _, idx in groups) and any(idx.shape[-1] ** 3 < R * R * D for _, idx in groups)
+    for factor in (None, (F, psi)):
+        A, logdet = TargetBlockForm.apply(torch.linalg.inv(S), groups, coef, "x", factor)
+        np.testing.assert_allclose(A.numpy(), A_ref, rtol=1e-11, atol=1e-11 * np.abs(A_ref).max())
+        assert abs(float(logdet) - logdet_ref) <= 1e-11 * abs(logdet_ref)
     P = torch.linalg.inv(S).requires_grad_()
     # the form reads a symmetric precision: check along symmetric directions
     sym = lambda P: TargetBlockForm.apply(0.5 * (P + P.T), groups, coef, "x")  # noqa: E731

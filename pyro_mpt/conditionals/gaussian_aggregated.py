@@ -184,7 +184,7 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
         rows = small.nonzero()[:, 0]
         groups = target_form_groups(mask.index_select(0, rows), max_elements)
         P = lowrank_precision(F, psi, m.site)
-        At, logdet_t = TargetBlockForm.apply(P, groups, coef.index_select(0, rows).to(F.dtype), m.site)
+        At, logdet_t = TargetBlockForm.apply(P, groups, coef.index_select(0, rows).to(F.dtype), m.site, (F, psi))
         # the blocks' form is in u = P r = e / psi
         A = A + torch.nn.functional.pad(At / psi.unsqueeze(-1) / psi, (0, R, 0, R))
         logdet = logdet + logdet_t

@@ -51,6 +51,9 @@ TARGET_CALL = 2e7
 #: a group's fixed steps (gathers, factorization calls, the backward pass's) against a block of
 #: M tokens, in units of M^3: measured 0.2 ms a group against 0.4 ms a block at M = 100
 TARGET_GROUP = 5e5
+#: a group of blocks of ``Mp`` tokens takes its conditional covariances from the context's
+#: ``R x R`` precision (:class:`TargetBlockForm` with ``factor``) where ``Mp**3 >= CONTEXT_ROUTE * R**2 * D``
+CONTEXT_ROUTE = 1.0
 
 
 def target_form_possible(P, D, R):
@@ -219,10 +222,20 @@ class TargetBlockForm(torch.autograd.Function):
     :math:`\bar P_{\mathcal M\mathcal M} = -C\bar CC`, gathered into :math:`\bar P`: four
     batched products, no differentiation of the factorization.
 
+    With ``factor`` :math:`(F, \psi)` such that :math:`P = (FF^\top + \Psi)^{-1}`, the groups
+    of large blocks (:math:`M_p^3 \ge R^2D`, :math:`F` of rank :math:`R`) take :math:`C` as
+    :math:`\Psi_{\mathcal M} + F_{\mathcal M}\Lambda^{-1}F_{\mathcal M}^\top`,
+    :math:`\Lambda = I + F_{\mathcal R}^\top\Psi_{\mathcal R}^{-1}F_{\mathcal R}` (an
+    :math:`R\times R` factorization and products, where the :math:`M\times M` factorization and
+    inverse of small blocks run far below the machine's rate: PPCA D = 200, K = 50, five blocks
+    of 100 tokens, 0.55 -> 0.30 ms float32); the backward pass is the same.
+
     :param P: ``(D, D)``, symmetric positive definite.
     :param list groups: :func:`target_form_groups` of the masks.
     :param coef: ``(masks,)``.
     :param str site: for error messages.
+    :param tuple factor: ``(F (D, R), psi (D,))`` of ``P``, or None; taken without gradient
+        (``P``'s carries it).
     :returns: ``A`` ``(D, D)``, ``logdet`` ``()``.
 
     Example::
@@ -231,7 +244,7 @@ class TargetBlockForm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, P, groups, coef, site):
+    def forward(ctx, P, groups, coef, site, factor=None):
         """``(A, logdet)``."""
         D = P.shape[-1]
         # the padding token D: gathered from a zero row and column of P, then an identity
@@ -242,9 +255,12 @@ class TargetBlockForm(torch.autograd.Function):
         saved = []
         for rows, idx in groups:
             flat = (idx.unsqueeze(-1) * (D + 1) + idx.unsqueeze(-2)).reshape(-1)
-            block = Pext.view(-1).index_select(0, flat).view(idx.shape + idx.shape[-1:])
-            block.diagonal(dim1=-2, dim2=-1).add_((idx == D).to(P.dtype))
-            C = torch.cholesky_inverse(cholesky(block, "target block P_MM of the precision", site))
+            if factor is not None and idx.shape[-1] ** 3 >= CONTEXT_ROUTE * factor[0].shape[-1] ** 2 * D:
+                C = _conditional_covariance(*factor, idx, site)
+            else:
+                block = Pext.view(-1).index_select(0, flat).view(idx.shape + idx.shape[-1:])
+                block.diagonal(dim1=-2, dim2=-1).add_((idx == D).to(P.dtype))
+                C = torch.cholesky_inverse(cholesky(block, "target block P_MM of the precision", site))
             v = torch.diagonal(C, dim1=-2, dim2=-1)
             a = (coef.index_select(0, rows).unsqueeze(-1) * (idx < D)).to(P.dtype)
             logdet = logdet + (a * (LOG_2PI + v.log())).sum()
@@ -272,4 +288,26 @@ class TargetBlockForm(torch.autograd.Function):
             gC = gC + gC.transpose(-1, -2)
             gC.diagonal(dim1=-2, dim2=-1).add_(gv)
             gP.index_add_(0, flat, (C @ gC @ C).neg_().reshape(-1))
-        return gP.view(D + 1, D + 1)[:D, :D], None, None, None
+        return gP.view(D + 1, D + 1)[:D, :D], None, None, None, None
+
+
+def _conditional_covariance(F, psi, idx, site):
+    r"""The targets' conditional covariances :math:`\Psi_{\mathcal M} + F_{\mathcal M}\Lambda^{-1}
+    F_{\mathcal M}^\top` of a group, ``(g, Mp, Mp)``, with :math:`\Lambda = I +
+    F_{\mathcal R}^\top\Psi_{\mathcal R}^{-1}F_{\mathcal R}` over each mask's context; the padding
+    slots (token ``D``) get an identity block, as :class:`TargetBlockForm`'s."""
+    D, R = F.shape
+    with torch.no_grad():
+        F, psi = F.detach(), psi.detach()
+        context = torch.ones(idx.shape[0], D + 1, dtype=F.dtype, device=F.device).scatter_(1, idx, 0.0)
+        Lam = torch.matmul(F.T * (context[:, :D] / psi).unsqueeze(1), F)
+        Lam.diagonal(dim1=-2, dim2=-1).add_(1)
+        L = cholesky(Lam, "context precision I + F_R^T Psi_R^-1 F_R", site)
+        # Lambda >= I: L^-1 has norm <= 1, its explicit inverse is accurate
+        eye = torch.eye(R, dtype=F.dtype, device=F.device)
+        Linv = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False)
+        flat = idx.reshape(-1)
+        V = torch.matmul(Linv, torch.cat([F, F.new_zeros(1, R)]).index_select(0, flat).view(*idx.shape, R).transpose(1, 2))
+        C = torch.matmul(V.transpose(1, 2), V)
+        C.diagonal(dim1=-2, dim2=-1).add_(torch.cat([psi, psi.new_ones(1)]).index_select(0, flat).view(idx.shape))
+        return C
