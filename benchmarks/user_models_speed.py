@@ -49,10 +49,15 @@ hits both alike. The ratio is measured in this run.
    and the mixture's log-sum-exps clamp the terms below float32's exp underflow, where
    torch's exp is 40-100x slower (220 -> 163 ms, 23x; ``masks="all"`` with shared masks
    1.10 -> 0.59 s).
+8. ``hmm`` -- an observed ``dist.DiscreteHMM`` (S = 4 states, Normal emissions, 50 steps,
+   200 sequences), ``masks="all"`` (50 masks) against ``DiscreteHMM.log_prob`` with its
+   gradient: the forward messages of many masks run step by step (S^2 work a step, not the
+   blocks' S^3), and the steps are unbound once instead of indexed (each index's backward
+   made a zero gradient of the whole table): 4.2 -> 1.0 s, 220x -> 55x (about 1.1x a mask).
 
 Usage::
 
-    python benchmarks/user_models_speed.py            # all seven (a few minutes)
+    python benchmarks/user_models_speed.py            # all eight (a few minutes)
     python benchmarks/user_models_speed.py --quick    # smaller sizes (< 1 min)
     python benchmarks/user_models_speed.py pll
 """
@@ -247,6 +252,25 @@ def full_covariance_gmm(N, D, K=4, seed=0):
     return model, (x,), {}
 
 
+def discrete_hmm(N, T, S=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    locs0 = 3.0 * torch.arange(S).float()
+    x = locs0[torch.randint(0, S, (N, T), generator=g)] + 0.5 * torch.randn(N, T, generator=g)
+
+    def parts():
+        init = pyro.param("init", torch.ones(S) / S, constraint=dist.constraints.simplex)
+        trans = pyro.param("trans", torch.eye(S) * 0.8 + 0.2 / S, constraint=dist.constraints.simplex)
+        locs = pyro.param("locs", locs0.clone())
+        scale = pyro.param("scale", torch.tensor(0.5), constraint=dist.constraints.positive)
+        return dist.DiscreteHMM(init.log(), trans.log(), dist.Normal(locs, scale))
+
+    def model(x):
+        with pyro.plate("sequences", N):
+            pyro.sample("x", parts(), obs=x)
+
+    return model, (x,), parts
+
+
 def timed_pair(a, b, repeats):
     """Median seconds of ``a`` and ``b`` (no arguments), interleaved."""
     (ta, _), (tb, _) = run_interleaved(lambda seed: torch.manual_seed(seed), [lambda _: a(), lambda _: b()], repeats)[0]
@@ -344,6 +368,23 @@ def mixture_rows(quick, repeats):
         print(f"| N={N} | {D} | {tm.cell()} | {te.cell()} | {fmt_ratio(tm.median / te.median)} |", flush=True)
 
 
+def hmm_rows(quick, repeats):
+    N, T = (50, 50) if quick else (200, 50)
+    print("\n| DiscreteHMM, S = 4 | N, T | `all` loss + grad | `log_prob` + grad | ratio |")
+    print("|---|---|---|---|---|")
+    pyro.clear_param_store()
+    model, args, parts = discrete_hmm(N, T)
+    loss = MaskedPretrainingLoss(masks="all")
+
+    def own():
+        value = parts().log_prob(args[0]).sum()
+        torch.autograd.grad(value, [p.unconstrained() for p in pyro.get_param_store().values()])
+
+    step(loss, model, args)
+    ta, to = timed_pair(lambda: step(loss, model, args), own, repeats)
+    print(f"| sequences | {N}, {T} | {ta.cell()} | {to.cell()} | {fmt_ratio(ta.median / to.median)} |", flush=True)
+
+
 def memory_rows(quick):
     N = 400 if quick else 1000
     pyro.clear_param_store()
@@ -362,7 +403,7 @@ def memory_rows(quick):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("parts", nargs="*", default=["pll", "missing", "memory", "order", "recompute", "gaussian_hmm", "mixture"])
+    parser.add_argument("parts", nargs="*", default=["pll", "missing", "memory", "order", "recompute", "gaussian_hmm", "mixture", "hmm"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
@@ -384,6 +425,8 @@ def main():
         gaussian_hmm_rows(a.quick, a.repeats)
     if "mixture" in a.parts:
         mixture_rows(a.quick, a.repeats)
+    if "hmm" in a.parts:
+        hmm_rows(a.quick, a.repeats)
 
 
 if __name__ == "__main__":

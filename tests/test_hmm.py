@@ -355,23 +355,35 @@ def test_leave_one_out_queries_take_one_forward_backward_pass(monkeypatch):
     assert torch.allclose(grad_one, grad_each, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("sequential", [False, True])
 @pytest.mark.parametrize("T", [1, 2, 4, 7, 16, 30, 101])
-def test_blocked_messages_equal_the_sequential_forward_algorithm(T):
-    """``_messages_forward`` (blocks of about sqrt(T) steps) against numpy's step-by-step
-    forward recursion, for lengths with and without padding of the last block, on a
-    batch of two chains with every message kept."""
+def test_blocked_messages_equal_the_sequential_forward_algorithm(T, sequential, monkeypatch):
+    """``_messages_forward`` (blocks of about sqrt(T) steps, or step by step for a large
+    batch) against numpy's step-by-step forward recursion, for lengths with and without
+    padding of the last block, on a batch of two chains with every message kept; the
+    gradient of a weighted sum of the messages against autograd of a torch loop."""
     from pyro_mpt.conditionals import hmm as hmm_module
 
+    monkeypatch.setattr(hmm_module, "SEQUENTIAL_ELEMENTS", 1 if sequential else 2**62)
     S = 3
     g = torch.Generator().manual_seed(T)
-    M = torch.randn(2, T, S, S, generator=g, dtype=torch.float64)
+    M = torch.randn(2, T, S, S, generator=g, dtype=torch.float64).requires_grad_()
     start = torch.randn(2, S, generator=g, dtype=torch.float64)
-    got = hmm_module._messages_forward(start, M).numpy()
+    messages = hmm_module._messages_forward(start, M)
+    got = messages.detach().numpy()
     for i in range(2):
         a = start[i].numpy()
         for t in range(T):
-            a = logsumexp(a[:, None] + M[i, t].numpy(), axis=0)
+            a = logsumexp(a[:, None] + M[i, t].detach().numpy(), axis=0)
             assert np.abs(got[i, t] - a).max() < 1e-12
+    weight = torch.randn(messages.shape, generator=g, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((weight * messages).sum(), M)
+    a, loop = start, []
+    for t in range(T):
+        a = torch.logsumexp(a.unsqueeze(-1) + M[:, t], -2)
+        loop.append(a)
+    (want,) = torch.autograd.grad((weight * torch.stack(loop, 1)).sum(), M)
+    assert (grad - want).abs().max() < 1e-12
 
 
 def test_chunks_of_masks_are_recomputed_and_their_tables_not_kept(float64):
