@@ -809,3 +809,27 @@ def test_embedded_sums_pass_gradcheck_and_gradgradcheck():
     f = lambda *a: EmbeddedSums.apply(*a, t, "x")  # noqa: E731
     assert torch.autograd.gradcheck(f, inputs)
     assert torch.autograd.gradgradcheck(f, inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cholesky_in_place_equals_numpy_and_keeps_the_pivot_check(dtype):
+    from pyro_mpt.conditionals.gaussian_linalg import NotPositiveDefinite, cholesky
+
+    g = np.random.default_rng(0)
+    A = g.standard_normal((6, 9, 12))
+    S = A @ np.swapaxes(A, -1, -2) / 12 + np.eye(9)
+    want = np.linalg.cholesky(S)
+    # column-major, as DenseForm builds its context blocks: factored in its own storage
+    X = torch.tensor(np.swapaxes(S, -1, -2).copy(), dtype=dtype).transpose(-1, -2)
+    ptr = X.data_ptr()
+    L = cholesky(X, "x", overwrite=True)
+    assert L.data_ptr() == ptr
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    np.testing.assert_allclose(torch.tril(L).double().numpy(), want, atol=tol * np.abs(want).max())
+    # a row-major one is factored too (through a copy), and a matrix that lost its pivot is refused
+    L = cholesky(torch.tensor(S, dtype=dtype), "x", overwrite=True)
+    np.testing.assert_allclose(torch.tril(L).double().numpy(), want, atol=tol * np.abs(want).max())
+    bad = S.copy()
+    bad[2] = np.outer(bad[2][0], bad[2][0]) / bad[2][0, 0]  # rank one
+    with pytest.raises(NotPositiveDefinite, match="context covariance"):
+        cholesky(torch.tensor(bad, dtype=dtype), "context covariance", overwrite=True)

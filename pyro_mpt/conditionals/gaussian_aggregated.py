@@ -374,7 +374,8 @@ class DenseForm(torch.autograd.Function):
         Z = (c.unsqueeze(-1) * S.T.contiguous()).transpose(-1, -2)
         X = Z * c.unsqueeze(-1)
         X.diagonal(dim1=-2, dim2=-1).add_(t)  # identity at the targets
-        L = cholesky(X, "context covariance S_RR", site)
+        # (in place: X, column-major like Z, is not needed after it)
+        L = cholesky(X, "context covariance S_RR", site, overwrite=True)
         # W^T = S_MR L^-T and B^T = W^T L^-1, both solved from the right (no transposed
         # copies), and for Z's rows: a solve from the right treats
         # the rows apart, and only the target rows are kept, packed over the masks,

@@ -26,16 +26,27 @@ class NotPositiveDefinite(ValueError):
     """A Cholesky factorization failed; ``GaussianConditionals._rescued`` catches it."""
 
 
-def cholesky(A, what, site=None):
+def cholesky(A, what, site=None, overwrite=False):
     """Cholesky factor of ``A``; raises :class:`NotPositiveDefinite` when it fails
     or when a pivot :math:`L_{kk}^2` falls below ``10 eps`` times its diagonal
     entry: rounding errors in a pivot are of order ``eps`` times the diagonal,
     so such a pivot (and the log-determinant and solves built on it) has lost
-    all its digits even where the factorization happens to succeed."""
-    L, info = torch.linalg.cholesky_ex(A)
+    all its digits even where the factorization happens to succeed.
+
+    :param bool overwrite: factor in ``A``'s own storage (no gradient: ``A`` is then
+        the factor). Where ``A`` is batched column-major, the layout LAPACK works in,
+        no table is allocated, where a fresh one of a megabyte or more is faulted in
+        page by page (50 float64 matrices of 50 x 50, one thread: 0.91 ms with a fresh
+        table, 0.36 ms in place)."""
+    if overwrite:
+        diag = torch.diagonal(A, dim1=-2, dim2=-1).clone()  # before A turns into L
+        info = torch.empty(A.shape[:-2], dtype=torch.int32, device=A.device)
+        L, info = torch.linalg.cholesky_ex(A, out=(A, info))
+    else:
+        L, info = torch.linalg.cholesky_ex(A)
+        diag = torch.diagonal(A, dim1=-2, dim2=-1)
     with torch.no_grad():
         pivots = torch.diagonal(L, dim1=-2, dim2=-1).pow(2)
-        diag = torch.diagonal(A, dim1=-2, dim2=-1)
         # one host sync for both checks (the pivots of a failed factor are junk, but then info says so)
         bad = bool(((info != 0) | (pivots < 10 * torch.finfo(A.dtype).eps * diag).any(-1)).any())
     if bad:
