@@ -223,7 +223,7 @@ class TargetBlockForm(torch.autograd.Function):
     batched products, no differentiation of the factorization.
 
     With ``factor`` :math:`(F, \psi)` such that :math:`P = (FF^\top + \Psi)^{-1}`, the groups
-    of large blocks (:math:`M_p^3 \ge R^2D`, :math:`F` of rank :math:`R`) take :math:`C` as
+    of large blocks (:math:`M_p^3 \ge` ``CONTEXT_ROUTE`` :math:`R^2D`, :math:`F` of rank :math:`R`) take :math:`C` as
     :math:`\Psi_{\mathcal M} + F_{\mathcal M}\Lambda^{-1}F_{\mathcal M}^\top`,
     :math:`\Lambda = I + F_{\mathcal R}^\top\Psi_{\mathcal R}^{-1}F_{\mathcal R}` (an
     :math:`R\times R` factorization and products, where the :math:`M\times M` factorization and
