@@ -38,7 +38,7 @@ def lowrank_form_chunks(D, R, dtype, max_elements):
     elements a mask alive at once) within ``max_elements``; the inner chunks'
     ``(c, R, D)`` tables within ``CHUNK_BYTES`` each and about eight of them
     within ``max_elements``; and ``keep``, the elements of the masks' :math:`Y_m`
-    (``R D`` a mask) that the forward pass may keep for the backward pass
+    (``R D`` a mask) and then :math:`Q_m` (``R^2``) that the forward pass may keep for the backward pass
     (a quarter of ``max_elements``; beyond it the backward pass makes them again)."""
     itemsize = torch.finfo(dtype).bits // 8
     inner = max(1, min(CHUNK_BYTES // (R * D * itemsize), max_elements // (8 * R * D)))
@@ -158,7 +158,10 @@ class LowRankForm(torch.autograd.Function):
             plan = _context_chunks(s, R, inner)
             Yk = _kept_tables(plan, R, D, F, keep)
             keep -= 0 if Yk is None else Yk.numel()
-            kept.append(Yk)
+            # Q too, where it fits after the Y's (the backward pass makes it again otherwise)
+            Qk = Q if Q.numel() <= keep else None
+            keep -= 0 if Qk is None else Qk.numel()
+            kept.append((Yk, Qk))
             _forward_form(F, psi, Lio, Q, w, s, plan, A, Yk)
         ctx.save_for_backward(F, psi, t, a, Li, Mw, v)
         ctx.chunks, ctx.kept, ctx.pk = chunks, kept, pk
@@ -189,12 +192,14 @@ class LowRankForm(torch.autograd.Function):
             so = slice(o, o + outer)
             Lio, vo, to = Li[so], v[so], t[so]
             LMo = MwLi[so].transpose(-1, -2)  # Li Mw, both symmetric
-            Q = LMo @ Lio
+            Yk, Q = ctx.kept[k]
+            if Q is None:
+                Q = LMo @ Lio
             w = a[so].unsqueeze(-1) * to / vo
             gu = torch.empty_like(w)
             gLi, gQ = torch.empty_like(Lio), torch.empty_like(Q)
             so_psi = to / psi
-            _backward_form(F, psi, Lio, Q, w, so_psi, G, _context_chunks(so_psi, R, inner), ctx.kept[k], gF, gXc, gu, gLi, gQ)
+            _backward_form(F, psi, Lio, Q, w, so_psi, G, _context_chunks(so_psi, R, inner), Yk, gF, gXc, gu, gLi, gQ)
             # Li and Q are symmetric for every F and psi: only their gradients' symmetric parts count
             gQ = _symh(gQ.add_(Gdd))
             # Q = Li Mw Li
