@@ -20,7 +20,7 @@ from pyro_mpt.conditionals import GaussianConditionals
 from pyro_mpt.conditionals import gaussian_dense_independent as gdi
 from pyro_mpt.observed_tokens import trace_tokens
 
-from models import assert_close_to_rounding
+from models import assert_close_to_rounding, saved_numel
 
 
 def brute_sums(S, r, mask):
@@ -152,8 +152,9 @@ def conditional(S, r, t, c):
     return torch.distributions.Normal(S[t, c] @ sol[:, 0], (S[t, t] - S[t, c] @ sol[:, 1]).sqrt()).log_prob(r[t])
 
 
+@pytest.mark.parametrize("keep_elements", [0, 2**20])  # every chunk recomputed; every chunk kept
 @pytest.mark.parametrize("max_elements", [25, 8 * 25, 2**20])  # one pair a chunk, four, all
-def test_component_conditionals_and_context_densities_match_a_loop(max_elements):
+def test_component_conditionals_and_context_densities_match_a_loop(max_elements, keep_elements):
     """``DenseContextConditionals`` (a mixture's pieces) against a loop: per component and
     pair, each target's conditional given the pair's context and the context's density
     (``MultivariateNormal`` on the pair's own block), with random weights on both outputs
@@ -179,7 +180,7 @@ def test_component_conditionals_and_context_densities_match_a_loop(max_elements)
             log_r_ref[i, k, j] = torch.distributions.MultivariateNormal(zero, S[k][c][:, c]).log_prob(r[c])
         for t in (~context[i, j]).nonzero().flatten().tolist():
             log_c_ref[i, k, j, t] = conditional(S[k], r, t, c)
-    got_c, got_r = gdi.DenseContextConditionals.apply(S, x, loc, context, max_elements, "x")
+    got_c, got_r = gdi.DenseContextConditionals.apply(S, x, loc, context, max_elements, "x", keep_elements)
     assert_close_to_rounding(got_r, log_r_ref, torch.float64)
     assert_close_to_rounding(got_c, log_c_ref, torch.float64)
     grads = torch.autograd.grad((wc * got_c).sum() + (wr * got_r).sum(), (A, loc, x), retain_graph=True)
@@ -241,3 +242,29 @@ def test_chunks_factor_their_largest_context_not_the_whole_covariance(monkeypatc
     got = gdi.DenseIndependentSums.apply(S, x, torch.zeros(1, D, dtype=torch.float64), mask, 2**20, "x")
     assert sizes == [2]
     assert_close_to_rounding(got, brute_sums(S, x, mask), torch.float64)
+
+
+def test_kept_chunks_stay_within_their_budget():
+    """``keep_elements`` bounds the floating-point tables that ``DenseContextConditionals``
+    keeps for its backward pass (beyond them: its inputs, the context bits and the kept
+    chunks' token indices); 0 keeps none of them, and a kept chunk's gradient equals the
+    recomputed one's."""
+    q, n, D, K = 3, 40, 6, 2
+    g = torch.Generator().manual_seed(12)
+    A = torch.randn(K, D, D, generator=g, dtype=torch.float64)
+    S = (A @ A.mT + 0.4 * torch.eye(D, dtype=torch.float64)).requires_grad_()
+    loc = torch.randn(K, 1, D, generator=g, dtype=torch.float64)
+    x = torch.randn(n, D, generator=g, dtype=torch.float64)
+    context = torch.rand(q, n, D, generator=g) < 0.5
+    base = S.numel() + x.numel() + loc.numel() + context.numel()  # an upper bound of the inputs and bits
+    grads = []
+    for keep in (0, 300, 10**6):
+        kept, (log_c, log_r) = saved_numel(
+            lambda: gdi.DenseContextConditionals.apply(S, x, loc, context, 8 * D * D, "x", keep))
+        indices = 2 * q * n * D  # the kept chunks' token indices, at most
+        assert kept <= base + (keep and keep + indices), (keep, kept)
+        grads.append(torch.autograd.grad(log_c.sum() + log_r.sum(), S)[0])
+        if keep == 10**6:
+            assert kept > base + 300  # the check can fail: everything kept
+    for a in grads[1:]:
+        assert_close_to_rounding(a, grads[0], torch.float64)

@@ -128,11 +128,8 @@ class _Pieces:
         M = torch.sort(context.to(torch.uint8), dim=-1, stable=True).indices[:, :m]
         self.M = torch.where(pos[:m] < D - nR, M, D + s + pos[:m])
         self.nR = nR.squeeze(-1).to(Sp.dtype)
-        # positions in the flattened (D+1, D+1) table: one index_select per block (and its
-        # gradient one index_add_), where broadcast advanced indexing is several times slower
+        self._flat_indices(D)
         E = 3 * D
-        self.iX = (self.R.unsqueeze(-1) * E + self.R.unsqueeze(-2)).view(-1)
-        self.iC = (self.R.unsqueeze(-1) * E + self.M.unsqueeze(-2)).view(-1)
         flatS = Sp.view(K, E * E)
         X = flatS.index_select(1, self.iX).view(K, P, s, s)
         self.C = flatS.index_select(1, self.iC).view(K, P, s, m)
@@ -148,6 +145,34 @@ class _Pieces:
         self.alpha = torch.cholesky_solve(self.rR.unsqueeze(-1), self.L).squeeze(-1)
         rM = rp.gather(-1, self.M.expand(K, -1, -1))
         self.d = rM - (self.alpha.unsqueeze(-2) @ self.C).squeeze(-2)  # (K, P, m), 0 at the padding
+
+    #: what the backward pass reads; a chunk kept by the forward pass keeps these
+    KEPT = ("R", "M", "L", "B0", "alpha", "d", "v")
+
+    def _flat_indices(self, D):
+        # positions in the flattened padded table: one index_select per block (and its
+        # gradient one index_add_), where broadcast advanced indexing is several times slower
+        E = 3 * D
+        self.iX = (self.R.unsqueeze(-1) * E + self.R.unsqueeze(-2)).view(-1)
+        self.iC = (self.R.unsqueeze(-1) * E + self.M.unsqueeze(-2)).view(-1)
+
+    def kept(self):
+        """The tensors of :attr:`KEPT`, for :meth:`restored`."""
+        return tuple(getattr(self, k) for k in self.KEPT)
+
+    @classmethod
+    def restored(cls, tensors, D):
+        """The pieces of a chunk from its :meth:`kept` tensors, for the backward pass."""
+        pc = cls.__new__(cls)
+        for k, t in zip(cls.KEPT, tensors):
+            setattr(pc, k, t)
+        pc._flat_indices(D)
+        return pc
+
+    @staticmethod
+    def numel(K, P, s, m):
+        """Elements of a chunk's kept floating-point tables."""
+        return K * P * (s * s + s * m + s + 2 * m)
 
     def _scatter(self, index, values, D):
         """``(K, P, D)`` with ``values`` ``(K, P, w)`` added at ``index`` ``(P, w)``, the padding dropped."""
@@ -197,6 +222,30 @@ class _Pieces:
         return self._scatter(self.M, gd, D) + self._scatter(self.R, gRr, D)
 
 
+class _Keeper:
+    """The chunks' pieces kept by the forward pass for the backward pass, as many as fit in
+    ``budget`` elements: the backward pass takes them instead of factoring their chunks
+    again (a fifth of a step), and recomputes the rest, so that what is kept stays bounded."""
+
+    def __init__(self, budget):
+        self.budget, self.tensors, self.flags = budget, [], []
+
+    def offer(self, pc, K, P, s, m):
+        size = _Pieces.numel(K, P, s, m)
+        take = size <= self.budget
+        if take:
+            self.budget -= size
+            self.tensors.extend(pc.kept())
+        self.flags.append(take)
+
+    @staticmethod
+    def restore(tensors, flags, D):
+        """An iterator over the chunks: their restored pieces, or None (recompute)."""
+        it, n = iter(tensors), len(_Pieces.KEPT)
+        for take in flags:
+            yield _Pieces.restored([next(it) for _ in range(n)], D) if take else None
+
+
 class DenseIndependentSums(torch.autograd.Function):
     r"""The summed log-conditionals of dense masks drawn per datapoint, ``(q, n)``, with
     the backward pass written out (see the module docstring for the formulas).
@@ -228,7 +277,8 @@ class DenseIndependentSums(torch.autograd.Function):
             out[sl] = (logc if observed is None else logc * observed[rows[sl]]).sum(-1)
         ctx.observed = observed
         # x and loc rather than r: they are shared by every block of masks, r would be one more
-        # (n, D) table kept per block
+        # (n, D) table kept per block (the engine's blocks are not checkpointed: each keeps only
+        # this, and its chunks are recomputed)
         ctx.save_for_backward(S, x, loc, pack_bits(mask))
         ctx.max_elements, ctx.site, ctx.num_tokens = max_elements, site, D
         return out.view(q, n)
@@ -272,15 +322,17 @@ class DenseContextConditionals(torch.autograd.Function):
     :param loc: ``(K, n|1, D)``. :param context: bool ``(q, n, D)``, kept as bits.
     :param int max_elements: elements of one ``(pairs, D, D)`` table of a chunk.
     :param str site: for error messages.
+    :param int keep_elements: elements of the chunks' tables kept for the backward pass
+        (the rest is recomputed there); 0: none.
     :returns: ``(q, K, n, D)`` and ``(q, K, n)``.
 
     Example::
 
-        >>> log_c, log_ctx = DenseContextConditionals.apply(covs, x, locs, context, 2**24, "x")
+        >>> log_c, log_ctx = DenseContextConditionals.apply(covs, x, locs, context, 2**24, "x", 2**22)
     """
 
     @staticmethod
-    def forward(ctx, S, x, loc, context, max_elements, site):
+    def forward(ctx, S, x, loc, context, max_elements, site, keep_elements=0):
         """``(log_c, log_ctx)``."""
         q, n, D = context.shape
         K = S.shape[0]
@@ -288,10 +340,13 @@ class DenseContextConditionals(torch.autograd.Function):
         rows = torch.arange(q * n, device=x.device) % n
         log_c, log_ctx = S.new_empty(K, q * n, D), S.new_empty(K, q * n)
         Sp, rp = _padded(S, x - loc)  # (K, n, 3 D)
+        keep = _Keeper(keep_elements if any(ctx.needs_input_grad[:3]) else 0)
         for sl, s, m in _sorted_chunks(~flat, K * S.element_size(), max_elements // K, S.device):
             pc = _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, site, check_pivots=False)
             log_c[:, sl], log_ctx[:, sl] = pc.log_conditionals(D), pc.log_context()
-        ctx.save_for_backward(S, x, loc, pack_bits(context))
+            keep.offer(pc, K, len(sl), s, m)
+        ctx.save_for_backward(S, x, loc, pack_bits(context), *keep.tensors)
+        ctx.kept = keep.flags
         ctx.max_elements, ctx.site, ctx.num_tokens = max_elements, site, D
         return log_c.view(K, q, n, D).transpose(0, 1), log_ctx.view(K, q, n).transpose(0, 1)
 
@@ -299,7 +354,8 @@ class DenseContextConditionals(torch.autograd.Function):
     @first_order_backward
     def backward(ctx, gc, gR):
         """The gradients of ``S``, ``x`` and ``loc``."""
-        S, x, loc, bits = ctx.saved_tensors
+        S, x, loc, bits = ctx.saved_tensors[:4]
+        kept = _Keeper.restore(ctx.saved_tensors[4:], ctx.kept, ctx.num_tokens)
         context = unpack_bits(bits, ctx.num_tokens)
         q, n, D = context.shape
         flat = ~context.reshape(q * n, D)
@@ -312,9 +368,9 @@ class DenseContextConditionals(torch.autograd.Function):
         G = torch.zeros_like(Sp).view(K, -1)  # S's gradient before symmetrization, padded
         gc = torch.nn.functional.pad(gc, (0, 2 * D))
         for sl, s, m in _sorted_chunks(~flat, K * S.element_size(), ctx.max_elements // K, S.device):
-            pc = _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, ctx.site, check_pivots=False)
+            pc = next(kept) or _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, ctx.site, check_pivots=False)
             gr.index_add_(1, rows[sl], pc.backward(gc[:, sl], gR[:, sl], G))
         G = G.view(K, 3 * D, 3 * D)[:, :D, :D]
         gS = 0.5 * (G + G.transpose(-1, -2))
         gloc = (-gr).sum_to_size(loc.shape) if ctx.needs_input_grad[2] else None
-        return gS, gr.sum(0), gloc, None, None, None
+        return gS, gr.sum(0), gloc, None, None, None, None

@@ -114,8 +114,9 @@ class GaussianMixtureTable:
         base = self.log_weights[None] + log_pR  # (q, K, n)
         return stable_logsumexp(base[..., None] + log_c, 1), stable_logsumexp(base, 1)
 
-    def _partials(self, context):
-        """``(num (q, n, D), den (q, n))`` for contexts ``(q, n|1, D)``."""
+    def _partials(self, context, keep_elements=0):
+        """``(num (q, n, D), den (q, n))`` for contexts ``(q, n|1, D)``; ``keep_elements``:
+        what the per-datapoint path may keep for its backward pass."""
         if self.low_rank is not None:
             return self._lowrank_partials(context)
         D = self.x.shape[1]
@@ -124,7 +125,7 @@ class GaussianMixtureTable:
             # pass written out, in cache-sized chunks (recorded op by op, the factorizations' and
             # solves' backward passes made a full-covariance GMM's default loss 0.9 s a step at D = 50)
             return self._mix(*DenseContextConditionals.apply(
-                self.covariance[:, 0], self.x, self.loc, context, self.max_elements, None
+                self.covariance[:, 0], self.x, self.loc, context, self.max_elements, None, keep_elements
             ))
         cq = context[:, None]  # (q, 1, n|1, D)
         C = self.covariance[None]  # (1, K, n|1, D, D)
@@ -151,9 +152,12 @@ class GaussianMixtureTable:
         K, n, D = self.loc.shape[0], self.x.shape[0], self.x.shape[1]
         per = max(1, self.max_elements // max(1, K * n * D * D))
         outs = []
+        # the query chunks share max_elements of tables kept for the backward pass (the
+        # estimate's blocks after the first are recomputed whole, one at a time)
+        keep = self.max_elements // -(-context.shape[0] // per)
         for start in range(0, context.shape[0], per):
             c = context[start : start + per]
-            num, den = self._partials(c)
+            num, den = self._partials(c, keep)
             if self.normalized:
                 den = normalize_empty(den, c)
             outs.append(num - den[..., None])
