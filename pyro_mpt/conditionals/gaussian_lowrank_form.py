@@ -138,6 +138,8 @@ class LowRankForm(torch.autograd.Function):
         A = F.new_zeros(D + R, D + R)
         wsum, logdet = F.new_zeros(D), F.new_zeros(())
         outer, inner, keep = chunks
+        # tables kept for a backward pass that will not run would only hold memory
+        keep = keep if any(ctx.needs_input_grad[:2]) else 0
         kept = []
         eye = torch.eye(R, dtype=F.dtype, device=F.device)
         for o in range(0, P, outer):
