@@ -25,8 +25,8 @@ def test_packing_round_trips_and_its_weighted_inner_product_is_the_full_one():
 
 
 def test_features_of_a_large_loading_equal_numpy():
-    """The features' two ways (from the full outer products below 2**22 of them, by column
-    selections above) give numpy's products exactly, in float32 and float64."""
+    """The features' two ways (float64: from the full outer products below 2**22 of them;
+    else by column selections) give numpy's products exactly, in float32 and float64."""
     g = torch.Generator().manual_seed(1)
     for D, R in ((30, 20), (420, 100)):  # 12000 and 4.2e6 > 2**22 outer products
         iu = np.triu_indices(R)
