@@ -1,6 +1,7 @@
 """Exact conditionals of discrete-latent models by enumeration, and the mixture toolkit (issue 13 §1, issue 12 §1)."""
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -942,3 +943,17 @@ def test_gaussian_mixture_leave_one_out_from_one_factorization(low_rank, float64
             assert abs(got[j, i, j] - want) < 1e-9
     # the loss's pll schedule takes the same path (the spy would raise)
     assert torch.isfinite(MaskedPretrainingLoss(masks="pll", conditionals="enumerate").loss(model, None, x) * torch.ones(()))
+
+
+def test_stable_logsumexp_against_scipy_with_infinite_rows():
+    """``mixture_chunks.stable_logsumexp`` against scipy on rows hundreds of nats wide, a
+    row with some ``-inf`` terms and a row of only ``-inf`` (read from the row's max)."""
+    from pyro_mpt.conditionals.mixture_chunks import stable_logsumexp
+
+    t = torch.tensor([[0.0, -300.0, 2.5, -1e4], [1.0, -math.inf, -2.0, -math.inf], [-math.inf] * 4],
+                     dtype=torch.float64)
+    got = stable_logsumexp(t, 1).numpy()
+    want = logsumexp(t.numpy(), 1)
+    assert np.isneginf(got[2]) and np.isneginf(want[2])
+    assert np.abs(got[:2] - want[:2]).max() < 1e-14
+    assert torch.equal(stable_logsumexp(t.T, 0), stable_logsumexp(t, 1))

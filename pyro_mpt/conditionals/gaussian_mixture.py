@@ -96,7 +96,9 @@ class GaussianMixtureTable:
         Lam.diagonal(dim1=-2, dim2=-1).add_(1)
         L = torch.linalg.cholesky(Lam)  # (q, K, n|1, R, R)
         r = self.x - self.loc[None]  # (1, K, n, D)
-        eta = ((cw * r).unsqueeze(-2) @ F)[..., 0, :]  # (q, K, n, R)
+        # F^T (c r / psi) row by row; a loading shared by the rows makes it one product with all
+        # of them (as a batch of (1, D) @ (D, R) products it was a third of a step)
+        eta = _matmul_rows(F.transpose(-1, -2), cw * r)  # (q, K, n, R)
         zhat = _solve_rows(L, eta)
         e = r - _matmul_rows(F, zhat)
         quad = (c * e * e / psi).sum(-1) + zhat.pow(2).sum(-1)

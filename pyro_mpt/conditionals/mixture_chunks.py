@@ -37,11 +37,11 @@ def stable_logsumexp(t, dim):
 
         >>> stable_logsumexp(torch.tensor([0.0, -math.inf]), 0)  # tensor(0.)
     """
-    m = t.detach().amax(dim, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    top = t.detach().amax(dim, keepdim=True)
+    m = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     s = torch.exp((t - m).clamp_min(exp_floor(t.dtype))).sum(dim, keepdim=True)
     out = (s.log() + m).squeeze(dim)
-    allneg = torch.isneginf(t).all(dim)
+    allneg = torch.isneginf(top).squeeze(dim)  # every term -inf (read from the max: no pass over t)
     return torch.where(allneg, torch.full_like(out, -math.inf), out) if bool(allneg.any()) else out
 
 
