@@ -43,6 +43,8 @@ The backward pass recomputes each chunk's factor, so that nothing of the size of
 pairs' tables outlives the forward pass.
 """
 
+import bisect
+
 import torch
 
 from ..mask_bits import pack_bits, unpack_bits
@@ -81,18 +83,29 @@ def _sorted_chunks(context, itemsize, max_elements, device):
 
     Sorted by size, a chunk's pairs factor ``s x s`` blocks and solve ``s x m`` ones
     (``s + m`` about ``D``) instead of each embedding its context in a ``D x D`` matrix:
-    with sizes uniform on ``0..D``, a tenth of the embedded form's flops."""
+    with sizes uniform on ``0..D``, about a seventh of the embedded form's flops. A chunk
+    takes as many pairs as keep its ``(pairs, s, s + m)`` tables within ``max_elements``
+    (on the CPU also within ``CHUNK_BYTES``): sized by ``D x D`` instead, chunks of small
+    contexts were a few pairs each, their kernels' fixed cost most of a step at D = 200."""
     P, D = context.shape
     size = context.sum(-1)
     order = torch.argsort(size, stable=True)
     sizes = size[order].tolist()  # one host sync for every chunk's bounds
-    step = max_elements // (D * D)
+    budget = max_elements
     if device.type == "cpu":
-        step = min(step, CHUNK_BYTES // (D * D * itemsize))
-    step = max(1, step)
-    for start in range(0, P, step):
-        stop = min(P, start + step)
-        yield order[start:stop], max(1, sizes[stop - 1]), max(1, D - sizes[start])
+        budget = min(budget, CHUNK_BYTES // itemsize)
+    start = 0
+    while start < P:
+        lo = sizes[start]
+
+        def elements(stop):
+            s = max(1, sizes[stop - 1])
+            return (stop - start) * s * (s + max(1, D - lo))
+
+        # the tables grow with the chunk's last (largest) context: the largest stop within budget
+        stop = max(start + 1, bisect.bisect_right(range(start + 1, P + 1), budget, key=elements) + start)
+        yield order[start:stop], max(1, sizes[stop - 1]), max(1, D - lo)
+        start = stop
 
 
 def _padded(S, r):
