@@ -186,6 +186,13 @@ def target_form_groups(mask, max_elements):
     M = mask.sum(-1)
     order = torch.argsort(M, stable=True)
     sizes = M[order].tolist()
+    # every mask's targets in increasing order, padded with D, in the sorted order (once for all
+    # groups: per group, these steps cost about 0.03 ms each)
+    sub = mask.index_select(0, order)
+    slot = sub.cumsum(-1) - 1  # each target's rank among its mask's targets
+    m_of, j_of = sub.nonzero(as_tuple=True)
+    targets = torch.full((P, max(1, sizes[-1])), D, dtype=torch.long, device=mask.device)
+    targets[m_of, slot[m_of, j_of]] = j_of
     groups, start = [], 0
     budget = max(1, max_elements // 8)
     for end in range(1, P + 1):
@@ -193,15 +200,7 @@ def target_form_groups(mask, max_elements):
             top = sizes[end]
             if (end + 1 - start) * top * top <= budget and (end - start) * (top**3 - sizes[start] ** 3) <= TARGET_GROUP:
                 continue
-        rows = order[start:end]
-        sub = mask.index_select(0, rows)
-        Mp = max(1, sizes[end - 1])
-        # each target's slot: its rank among its mask's targets
-        slot = sub.cumsum(-1) - 1
-        m_of, j_of = sub.nonzero(as_tuple=True)
-        idx = torch.full((rows.shape[0], Mp), D, dtype=torch.long, device=mask.device)
-        idx[m_of, slot[m_of, j_of]] = j_of
-        groups.append((rows, idx))
+        groups.append((order[start:end], targets[start:end, : max(1, sizes[end - 1])].contiguous()))
         start = end
     return groups
 
