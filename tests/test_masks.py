@@ -310,3 +310,22 @@ def test_unknown_schedule_name():
         make_schedule("bert")
     with pytest.raises(TypeError, match="masks must be"):
         make_schedule([0.1])
+
+
+def test_pll_blocks_hold_only_their_own_rows():
+    """``masks="pll"`` in spans of queries: each span's masks are the identity's rows
+    ``start..stop`` (checked against numpy's identity) in storage of their own, ``q x D``
+    bytes, not views of one ``D x D`` identity (400 MB for one datapoint of 20000 tokens)."""
+    import numpy as np
+
+    from pyro_mpt import MaskedPretrainingLoss
+
+    D = 50
+    blocks = list(MaskedPretrainingLoss(masks="pll").schedule.blocks(1, D, max_elements=7 * D))
+    assert len(blocks) == 8
+    rows = []
+    for block in blocks:
+        mask = block.masks()
+        assert mask.untyped_storage().nbytes() == mask.numel() < D * D
+        rows.append(mask[:, 0].numpy())
+    assert np.array_equal(np.concatenate(rows), np.eye(D, dtype=bool))
