@@ -82,19 +82,20 @@ from harness import PeakRSS, Timing, fmt_ratio, machine_line, run_interleaved  #
 from pyro_mpt import Evidence, MaskedPretrainingLoss  # noqa: E402
 
 
-def step(loss, model, args):
-    """One loss + gradient into every param of the store."""
-    value = loss.differentiable_loss(model, None, *args)
+def grad_step(value):
+    """The gradient of ``value`` into every param of the store; returns ``float(value)``."""
     leaves = [p.unconstrained() for p in pyro.get_param_store().values()]
     torch.autograd.grad(value, leaves, allow_unused=True)
     return float(value)
+
+
+def step(loss, model, args):
+    """One loss + gradient into every param of the store."""
+    return grad_step(loss.differentiable_loss(model, None, *args))
 
 
 def evidence_step(evidence, args):
-    value = evidence(*args).sum()
-    leaves = [p.unconstrained() for p in pyro.get_param_store().values()]
-    torch.autograd.grad(value, leaves, allow_unused=True)
-    return float(value)
+    return grad_step(evidence(*args).sum())
 
 
 def radon(N, G=85, seed=0):
@@ -365,8 +366,7 @@ def mixture_rows(quick, repeats):
         loss, elbo = MaskedPretrainingLoss(), pyro.infer.TraceEnum_ELBO(max_plate_nesting=1)
 
         def enum_step():
-            value = elbo.differentiable_loss(model, lambda x: None, *args)
-            torch.autograd.grad(value, [p.unconstrained() for p in pyro.get_param_store().values()])
+            grad_step(elbo.differentiable_loss(model, lambda x: None, *args))
 
         tm, te = timed_pair(lambda: step(loss, model, args), enum_step, repeats)
         print(f"| N={N} | {D} | {tm.cell()} | {te.cell()} | {fmt_ratio(tm.median / te.median)} |", flush=True)
@@ -381,8 +381,7 @@ def hmm_rows(quick, repeats):
     loss = MaskedPretrainingLoss(masks="all")
 
     def own():
-        value = parts().log_prob(args[0]).sum()
-        torch.autograd.grad(value, [p.unconstrained() for p in pyro.get_param_store().values()])
+        grad_step(parts().log_prob(args[0]).sum())
 
     step(loss, model, args)
     ta, to = timed_pair(lambda: step(loss, model, args), own, repeats)
