@@ -61,7 +61,7 @@ def dense_independent_sums(m, x, mask, max_elements, observed=None):
     :param m: the dense state, its covariance shared by the batch (``(1, D, D)``).
     :param torch.Tensor x: ``(n, D)``, in the state's dtype.
     :param torch.Tensor mask: bool ``(q, n, D)``, True at a target token.
-    :param int max_elements: elements of one ``(pairs, D, D)`` table of a chunk.
+    :param int max_elements: elements of a chunk's ``(pairs, s, s + m)`` tables.
 
     Example::
 
@@ -71,7 +71,7 @@ def dense_independent_sums(m, x, mask, max_elements, observed=None):
     return DenseIndependentSums.apply(m.covariance[0], x, m.loc, mask, max_elements, m.site, o)
 
 
-#: bytes of one ``(pairs, D, D)`` table of a chunk on the CPU: the dozen passes over a
+#: bytes of a chunk's ``(pairs, s, s + m)`` tables on the CPU: the dozen passes over a
 #: chunk's tables then run in a core's cache (measured at D = 200: 1.5x faster than 64 MB
 #: tables); a GPU takes chunks of ``max_elements``, as many pairs as its kernels can fill
 CHUNK_BYTES = 2**20
@@ -266,7 +266,7 @@ class DenseIndependentSums(torch.autograd.Function):
     :param S: ``(D, D)``, symmetric positive definite. :param x: ``(n, D)``.
     :param loc: :math:`\mu`, ``(1|n, D)``. :param mask: bool ``(q, n, D)``, kept as
         bits (:func:`~pyro_mpt.mask_bits.pack_bits`) for the backward pass.
-    :param int max_elements: elements of one ``(pairs, D, D)`` table of a chunk.
+    :param int max_elements: elements of a chunk's ``(pairs, s, s + m)`` tables.
     :param str site: for error messages.
     :returns: ``(q, n)``.
 
@@ -333,7 +333,7 @@ class DenseContextConditionals(torch.autograd.Function):
 
     :param S: ``(K, D, D)``, the components' covariances. :param x: ``(n, D)``.
     :param loc: ``(K, n|1, D)``. :param context: bool ``(q, n, D)``, kept as bits.
-    :param int max_elements: elements of one ``(pairs, D, D)`` table of a chunk.
+    :param int max_elements: elements of a chunk's ``(pairs, s, s + m)`` tables.
     :param str site: for error messages.
     :param int keep_elements: elements of the chunks' tables kept for the backward pass
         (the rest is recomputed there); 0: none.
