@@ -25,11 +25,12 @@ token :math:`j = (t, e) \notin \mathcal R`,
 
 The messages are computed in blocks of about :math:`\sqrt T` steps
 (``_messages_forward``: about :math:`3\sqrt T` batched steps, :math:`O(TS^3)`
-work), vectorized over queries and datapoints, or step by step (:math:`T` batched steps,
-:math:`O(TS^2)` work) when a step's tables hold ``SEQUENTIAL_ELEMENTS`` or more (many
-masks: ``masks="all"`` on 200 sequences of 50 steps, S = 4, went from 4.2 to 1.0 s a
-step, 55x ``DiscreteHMM.log_prob`` for its 50 masks); the exhaustive schedule and every ordering therefore
-equal :math:`\log p(x)` (``DiscreteHMM.log_prob``) to rounding.
+work), vectorized over queries and datapoints, or step by step (:math:`T` batched
+steps, :math:`O(TS^2)` work) when a step's tables hold ``SEQUENTIAL_ELEMENTS`` or more
+(many masks: ``masks="all"`` on 200 sequences of 50 steps, S = 4, went from 4.2 to
+1.0 s a step, 55x ``DiscreteHMM.log_prob`` for its 50 masks); the exhaustive schedule
+and every ordering therefore equal :math:`\log p(x)` (``DiscreteHMM.log_prob``) to
+rounding.
 
 An HMM written the Pyro-tutorial way (``for t in pyro.markov(range(T))`` with
 one observed site per step) has its tokens in several sites; write it as one
@@ -71,7 +72,9 @@ def _messages_forward(start, M):
 
     About :math:`3\sqrt T` batched steps and :math:`O(TS^3)` work; a parallel scan over
     all prefixes takes :math:`\log_2 T` steps but :math:`O(TS^3\log T)` work in
-    ``(..., T, S, S, S)`` temporaries (measured: 5-10x slower at T = 30)."""
+    ``(..., T, S, S, S)`` temporaries (measured: 5-10x slower at T = 30). Where one
+    step's ``(..., S, S)`` table holds ``SEQUENTIAL_ELEMENTS`` or more, the messages
+    run step by step instead: :math:`T` batched steps, :math:`O(TS^2)` work."""
     T, S = M.shape[-3], M.shape[-1]
     if M[..., 0, :, :].numel() >= SEQUENTIAL_ELEMENTS:
         # a large batch: T vector-matrix steps do S times less work than the blocks, and
