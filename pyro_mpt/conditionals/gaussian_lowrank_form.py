@@ -254,6 +254,12 @@ def _context_chunks(s, R, inner):
     return plan
 
 
+def _padded_fp(F, psi):
+    r"""``(D + 1, R)``: the rows of :math:`F_p = \Psi^{-1}F` and a zero row for the padding token
+    ``D`` of :func:`_context_chunks`' context indices."""
+    return torch.cat([F / psi.unsqueeze(-1), F.new_zeros(1, F.shape[-1])])
+
+
 def _kept_tables(plan, R, D, F, keep):
     """The ``(n, R, D)`` table of the context chunks' :math:`Y_m` that the forward pass keeps
     (``n`` the masks on the context path), or None: none there, or more than ``keep`` elements."""
@@ -282,8 +288,7 @@ def _forward_form(F, psi, Li, Q, w, s, plan, A, Yk=None):
             Ade.add_(Y.sum(0)).add_(QX)
             continue
         if Fpx is None:
-            # F_p's rows and a zero row for the padding token D
-            Fpx = torch.cat([F / psi.unsqueeze(-1), F.new_zeros(1, R)])
+            Fpx = _padded_fp(F, psi)
             Ysum, Aeec = F.new_zeros(R, D), F.new_zeros(D + 1, D)
         c, Rm = idx.shape
         Yo = None if Yk is None else Yk[k : k + c]
@@ -312,7 +317,7 @@ def _backward_form(F, psi, Li, Q, w, s, G, plan, Yk, gF, gXc, gu, gLi, gQ):
             _backward_chunk(F, Ft, Li[sl], Q[sl], w[sl], s[sl], Gee, Gde, gF, gXc, gu[sl], gLi[sl], gQ[sl], ws)
             continue
         if Fpx is None:
-            Fpx = torch.cat([F / psi.unsqueeze(-1), F.new_zeros(1, R)])
+            Fpx = _padded_fp(F, psi)
             # X_m G_ee + G_de = F_p^T G_ee + G_de - X^c_m G_ee: the first two once for all masks
             H = torch.addmm(Gde, Fpx[:D].T, Gee)
             Geex = torch.cat([Gee, Gee.new_zeros(1, D)])
