@@ -956,4 +956,5 @@ def test_stable_logsumexp_against_scipy_with_infinite_rows():
     want = logsumexp(t.numpy(), 1)
     assert np.isneginf(got[2]) and np.isneginf(want[2])
     assert np.abs(got[:2] - want[:2]).max() < 1e-14
-    assert torch.equal(stable_logsumexp(t.T, 0), stable_logsumexp(t, 1))
+    # the same reduction over the other dimension (a transposed layout: equal to rounding)
+    np.testing.assert_allclose(stable_logsumexp(t.T, 0).numpy(), got, rtol=4 * np.finfo(np.float64).eps)

@@ -731,7 +731,6 @@ def test_affinity_probes_reach_three_prior_sds_with_both_signs():
     assert len(set(rows.abs().reshape(-1).tolist())) > 4  # sizes drawn, not all r
 
 
-
 def test_kept_probes_and_their_generator_equal_a_fresh_draw():
     # fixed_probes keeps the draw: the probes and the generator's next draws (the
     # per-datapoint probes of the "rows" runs) equal those of a freshly seeded generator
