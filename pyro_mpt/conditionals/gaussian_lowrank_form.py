@@ -116,7 +116,8 @@ class LowRankForm(torch.autograd.Function):
 
     :param F: ``(D, R)``. :param psi: ``(D,)``. :param t: the targets, 0/1 in
         ``F``'s dtype, ``(P, D)``. :param a: ``(P,)``. :param tuple chunks: masks
-        per outer and inner chunk (:func:`lowrank_form_chunks`): the
+        per outer and inner chunk, and the elements of :math:`Y_m`, :math:`Q_m` kept for
+        the backward pass (:func:`lowrank_form_chunks`): the
         :math:`R\times R` pieces of an outer chunk are alive at once, and the
         ``(c, R, D)`` tables of an inner one. :param str site: for error messages.
     :returns: ``A`` ``(D + R, D + R)``, ``wsum`` ``(D,)``, ``logdet`` ``()``.
@@ -131,9 +132,10 @@ class LowRankForm(torch.autograd.Function):
         order = torch.argsort(t.sum(-1), descending=True, stable=True)
         t, a = t.index_select(0, order), a.index_select(0, order)
         pk = _Packing(F)
-        # what the backward pass keeps, 2(R^2 + D) a mask with t (``aggregated_elements``: one more
-        # R x R table a mask, such as Q, would split D = 512, K = 50 into two groups within the
-        # default chunk_size, each with its own product with the data: 1.5x slower)
+        # what the backward pass keeps of every mask, 2(R^2 + D) with t (``aggregated_elements``: one
+        # more R x R table a mask, such as Q, would split D = 512, K = 50 into two groups within the
+        # default chunk_size, each with its own product with the data: 1.5x slower); Y_m and Q_m
+        # only within the chunks' own keep budget, below
         Li, Mw, v = F.new_empty(P, R, R), F.new_empty(P, R, R), F.new_empty(P, D)
         A = F.new_zeros(D + R, D + R)
         wsum, logdet = F.new_zeros(D), F.new_zeros(())
