@@ -15,6 +15,7 @@ differentiate it (:func:`recorded_sums`).
 import torch
 
 from .gaussian_linalg import LOG_2PI, cholesky
+
 __all__ = ["EmbeddedSums", "recorded_sums"]
 
 
@@ -144,7 +145,15 @@ def _replayed_backward(ctx, g, inputs, t):
 
 def recorded_sums(F, psi, e, zhat, e2, t, site):
     """:class:`EmbeddedSums`' values, ``(q, n)``, computed op by op under autograd (whose
-    graph then has every derivative, second ones included)."""
+    graph then has every derivative, second ones included).
+
+    The parameters are :class:`EmbeddedSums`'; returns ``(q, n)``.
+
+    Example::
+
+        >>> s = recorded_sums(F, psi, e, zhat, e * e, t, "x")  # equals EmbeddedSums.apply(...)
+        >>> torch.autograd.grad(s.sum(), F, create_graph=True)  # differentiable again
+    """
     q = t.shape[0]
     D, R = F.shape
     FF = _rows_outer(F)

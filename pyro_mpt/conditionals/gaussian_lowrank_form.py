@@ -39,7 +39,13 @@ def lowrank_form_chunks(D, R, dtype, max_elements):
     ``(c, R, D)`` tables within ``CHUNK_BYTES`` each and about eight of them
     within ``max_elements``; and ``keep``, the elements of the masks' :math:`Y_m`
     (``R D`` a mask) and then :math:`Q_m` (``R^2``) that the forward pass may keep for the backward pass
-    (a quarter of ``max_elements``; beyond it the backward pass makes them again)."""
+    (a quarter of ``max_elements``; beyond it the backward pass makes them again).
+
+    Example::
+
+        >>> lowrank_form_chunks(200, 50, torch.float32, 2**24)  # PPCA D = 200, K = 50
+        (630, 26, 4194304)
+    """
     itemsize = torch.finfo(dtype).bits // 8
     inner = max(1, min(CHUNK_BYTES // (R * D * itemsize), max_elements // (8 * R * D)))
     return max(inner, max_elements // (10 * R * R + 8 * D)), inner, max_elements // 4
