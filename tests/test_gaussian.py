@@ -750,7 +750,7 @@ def test_signal_to_noise_follows_in_place_changes_and_new_tensors():
 
     g = torch.Generator().manual_seed(3)
     F, psi = torch.randn(6, 2, generator=g, dtype=torch.float64), 0.5 + torch.rand(6, generator=g, dtype=torch.float64)
-    ref = lambda: float((F.numpy() ** 2).sum(-1).__truediv__(psi.numpy()).sum())  # noqa: E731
+    ref = lambda: float(((F.numpy() ** 2).sum(-1) / psi.numpy()).sum())  # noqa: E731
     assert signal_to_noise(F, psi) == pytest.approx(ref(), rel=1e-14)
     psi.mul_(2)
     assert signal_to_noise(F, psi) == pytest.approx(ref(), rel=1e-14)
