@@ -134,9 +134,10 @@ class LowRankForm(torch.autograd.Function):
         """``(A, wsum, logdet)``."""
         D, R = F.shape
         P = t.shape[0]
-        # the masks by their number of context tokens, so that a chunk's contexts pad little
-        order = torch.argsort(t.sum(-1), descending=True, stable=True)
-        t, a = t.index_select(0, order), a.index_select(0, order)
+        if R >= CONTEXT_MIN_RANK:
+            # the masks by their number of context tokens, so that a chunk's contexts pad little
+            order = torch.argsort(t.sum(-1), descending=True, stable=True)
+            t, a = t.index_select(0, order), a.index_select(0, order)
         pk = _Packing(F)
         # what the backward pass keeps of every mask, 2(R^2 + D) with t (``aggregated_elements``: one
         # more R x R table a mask, such as Q, would split D = 512, K = 50 into two groups within the
@@ -241,6 +242,8 @@ def _context_chunks(s, R, inner):
     path, else None. The masks come sorted by their number of context tokens (increasing); a
     context chunk's ``(c, Rm, D)`` gathers stay within the ``(inner, R, D)`` of a chunk's table."""
     P, D = s.shape
+    if R < CONTEXT_MIN_RANK:
+        return [(slice(i, i + inner), None) for i in range(0, P, inner)]
     context = s == 0
     counts = context.sum(-1).tolist()
     idx = None
