@@ -63,6 +63,8 @@ def dense_independent_sums(m, x, mask, max_elements, observed=None):
     :param torch.Tensor x: ``(n, D)``, in the state's dtype.
     :param torch.Tensor mask: bool ``(q, n, D)``, True at a target token.
     :param int max_elements: elements of a chunk's ``(pairs, s, s + m)`` tables.
+    :param torch.Tensor observed: bool ``(n, D)``, True at an observed token (the targets
+        of ``mask`` outside it are hidden but not summed: missing tokens), or None.
 
     Example::
 
@@ -269,6 +271,8 @@ class DenseIndependentSums(torch.autograd.Function):
         bits (:func:`~pyro_mpt.mask_bits.pack_bits`) for the backward pass.
     :param int max_elements: elements of a chunk's ``(pairs, s, s + m)`` tables.
     :param str site: for error messages.
+    :param observed: ``(n, D)``, 1 at an observed token and 0 at a missing one (hidden
+        but not summed), in ``S``'s dtype, or None.
     :returns: ``(q, n)``.
 
     Example::
