@@ -173,7 +173,8 @@ def fixed_probes(K, dtype, device):
     probes, state = _probe_draw(K, dtype)
     generator = torch.Generator(device="cpu")
     generator.set_state(state)
-    return probes.to(device), generator
+    # a copy: the kept draw must not change with what a caller does to its probes
+    return probes.to(device, copy=True), generator
 
 
 @functools.lru_cache(maxsize=64)
