@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .gaussian_dense_independent import DenseContextConditionals
+from .gaussian_dense_precision import dense_context_conditionals
 from .mixture import normalize_empty
 from .mixture_chunks import stable_logsumexp
 
@@ -126,7 +126,7 @@ class GaussianMixtureTable:
             # contexts per datapoint, covariances shared: the components' pieces with their backward
             # pass written out, in cache-sized chunks (recorded op by op, the factorizations' and
             # solves' backward passes made a full-covariance GMM's default loss 0.9 s a step at D = 50)
-            return self._mix(*DenseContextConditionals.apply(
+            return self._mix(*dense_context_conditionals(
                 self.covariance[:, 0], self.x, self.loc, context, self.max_elements, None, keep_elements
             ))
         cq = context[:, None]  # (q, 1, n|1, D)

@@ -1,0 +1,254 @@
+r"""A Gaussian mixture's per-datapoint conditionals through the components' precisions,
+for the (mask, datapoint) pairs with fewer targets than context tokens.
+
+:class:`~pyro_mpt.conditionals.gaussian_dense_independent.DenseContextConditionals`
+factors each pair's context block :math:`\Sigma_{\mathcal R\mathcal R}` (``s x s``).
+With :math:`\Lambda = \Sigma^{-1}` (one factorization per component, shared by the
+batch) and :math:`y = \Lambda r`, :math:`r = x - \mu`, the targets given the context
+have precision :math:`\Lambda_{\mathcal M\mathcal M}` and residual from their
+conditional mean :math:`d = \Lambda_{\mathcal M\mathcal M}^{-1} y_{\mathcal M}`, so
+
+.. math::
+
+    \log p(x_j\mid x_{\mathcal R}) = -\tfrac12\Big[\log 2\pi v_j + \frac{d_j^2}{v_j}\Big],
+    \quad v_j = (\Lambda_{\mathcal M\mathcal M}^{-1})_{jj},\qquad
+    \log p(x_{\mathcal R}) = \log p(x) - \log p(x_{\mathcal M}\mid x_{\mathcal R}),
+
+with :math:`\log p(x_{\mathcal M}\mid x_{\mathcal R}) = -\tfrac12[m\log 2\pi -
+\log|\Lambda_{\mathcal M\mathcal M}| + y_{\mathcal M}^\top d]`: one ``m x m``
+factorization a pair instead of ``s x s`` and ``s x m`` solves. With sizes uniform on
+``0..D`` half the pairs have ``m < s``. :class:`PrecisionTargetConditionals` writes the
+backward pass out: with :math:`P = \Lambda_{\mathcal M\mathcal M}^{-1}`, the upstream
+gradients :math:`\bar d, \bar v` of the residuals and variances (as in
+:mod:`~pyro_mpt.conditionals.gaussian_dense_independent`), :math:`h` that of
+:math:`\log p(x_{\mathcal M}\mid x_{\mathcal R})` and :math:`u = P\bar d`,
+
+.. math::
+
+    \bar\Lambda_{\mathcal M\mathcal M} = -u d^\top - P\operatorname{diag}(\bar v)P
+    + \tfrac h2(P + dd^\top),\qquad \bar y_{\mathcal M} = u - h d.
+
+:math:`\Lambda` and :math:`y` reach :math:`\Sigma`, :math:`x` and :math:`\mu` by autograd
+(``K`` factorizations of ``D x D``). Where a component is ill-conditioned the precision
+loses digits that the context route keeps: :func:`dense_context_conditionals` takes this
+route only while every component's condition number is within :data:`MAX_CONDITION`
+of the dtype's precision.
+"""
+
+import torch
+
+from ..mask_bits import pack_bits, unpack_bits
+from .gaussian_dense_independent import CHUNK_BYTES, DenseContextConditionals
+from .gaussian_linalg import LOG_2PI
+from .written_backward import first_order_backward
+
+__all__ = ["MAX_CONDITION", "PrecisionTargetConditionals", "dense_context_conditionals", "precision_route_fits"]
+
+#: the largest ``cond * eps`` (of a component's correlation matrix; ``eps`` the dtype's)
+#: for which a mixture takes the precision route: in float32 a condition number up to
+#: about 8e3. Conservative: measured against float64 on components of condition number
+#: 1e1..1e6 (spread eigenvalues, a few tiny ones, tokens of scales 1e-3..1e3), the two
+#: routes' float32 errors were within 1-3x of each other
+MAX_CONDITION = 1e-3
+
+
+def _target_chunks(target, itemsize, max_elements, device):
+    """``(pairs, m)``: chunks of the pairs sorted by target count, each within
+    ``max_elements`` (on the CPU also ``CHUNK_BYTES``) of its ``(pairs, m, m)`` tables."""
+    size = target.sum(-1)
+    order = torch.argsort(size, stable=True)
+    sizes = size[order].tolist()
+    budget = max_elements if device.type != "cpu" else min(max_elements, CHUNK_BYTES // itemsize)
+    start, P = 0, len(sizes)
+    while start < P:
+        stop = start + 1
+        # the tables grow with the chunk's last (largest) target set
+        while stop < P and (stop + 1 - start) * max(1, sizes[stop]) ** 2 <= budget:
+            stop += 1
+        yield order[start:stop], max(1, sizes[stop - 1])
+        start = stop
+
+
+class _TargetPieces:
+    """A chunk's target blocks for every component: the token indices ``M`` (padding
+    tokens ``D + a`` past each pair's targets: precision 1, uncorrelated, ``y`` 0), the
+    blocks' inverses ``P``, residuals ``d`` and variances ``v`` (1 and 0 at the padding)."""
+
+    KEPT = ("M", "P", "d", "v")
+
+    def __init__(self, Lp, yp, target, m):
+        K, D = Lp.shape[0], target.shape[-1]
+        E = Lp.shape[-1]
+        nM = target.sum(-1, keepdim=True)
+        pos = torch.arange(m, device=yp.device)
+        M = torch.sort((~target).to(torch.uint8), dim=-1, stable=True).indices[:, :m]
+        self.M = torch.where(pos < nM, M, D + pos)
+        A = Lp.view(K, E * E).index_select(1, self._iMM(E)).view(K, -1, m, m)
+        L = torch.linalg.cholesky(A)
+        W = torch.linalg.solve_triangular(L, torch.eye(m, dtype=A.dtype, device=A.device).expand_as(L), upper=False)
+        self.P = W.transpose(-1, -2) @ W
+        self.v = W.square().sum(-2)
+        yM = yp.gather(-1, self.M.expand(K, -1, -1))
+        self.d = torch.cholesky_solve(yM.unsqueeze(-1), L).squeeze(-1)
+        logdet = 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)  # of Lambda_MM; the padding adds 0
+        self.log_targets = -0.5 * (nM.squeeze(-1).to(A.dtype) * LOG_2PI - logdet + (yM * self.d).sum(-1))
+
+    def _iMM(self, E):
+        return (self.M.unsqueeze(-1) * E + self.M.unsqueeze(-2)).view(-1)
+
+    def scatter(self, values, D):
+        """``(K, P, D)`` with ``values`` ``(K, P, m)`` at the targets, the padding dropped."""
+        out = values.new_zeros(values.shape[:-1] + (3 * D,))
+        return out.scatter_add_(-1, self.M.expand(values.shape[0], -1, -1), values)[..., :D]
+
+    def log_conditionals(self, D):
+        return self.scatter(-0.5 * (LOG_2PI + self.v.log() + self.d * self.d / self.v), D)
+
+    def backward(self, gcp, h, G, D):
+        """Adds :math:`\\bar\\Lambda`'s terms to ``G`` ``(K, E^2)``; returns :math:`\\bar y` ``(K, P, D)``."""
+        K = gcp.shape[0]
+        gc = gcp.gather(-1, self.M.expand(K, -1, -1))
+        gd = -gc * self.d / self.v
+        gv = (-0.5 * gc) * (1 - self.d * self.d / self.v) / self.v
+        u = (self.P @ gd.unsqueeze(-1)).squeeze(-1)
+        hd = h.unsqueeze(-1) * self.d
+        gA = (0.5 * hd - u).unsqueeze(-1) * self.d.unsqueeze(-2) - (self.P * gv.unsqueeze(-2)) @ self.P
+        gA = gA + (0.5 * h)[..., None, None] * self.P
+        G.index_add_(1, self._iMM(3 * D), gA.reshape(K, -1))
+        return self.scatter(u - hd, D)
+
+
+class PrecisionTargetConditionals(torch.autograd.Function):
+    r"""Per-token log-conditionals and :math:`\log p(x_{\mathcal M}\mid x_{\mathcal R})`
+    of Gaussian components from their precisions, for (mask, datapoint) pairs, with the
+    backward pass written out (formulas in the module docstring).
+
+    :param Lam: ``(K, D, D)``, the components' precisions :math:`\Lambda_k`.
+    :param y: ``(K, n, D)``, :math:`\Lambda_k (x_i - \mu_k)` of the datapoints.
+    :param rows: long ``(P,)``, each pair's datapoint.
+    :param target: bool ``(P, D)``, True at a target token; kept as bits.
+    :param int max_elements: elements of a chunk's ``(K, pairs, m, m)`` tables.
+    :param int keep_elements: elements of the chunks' tables kept for the backward pass
+        (the rest is recomputed there).
+    :returns: ``(K, P, D)`` (0 at the context) and ``(K, P)``.
+
+    Example::
+
+        >>> log_c, log_t = PrecisionTargetConditionals.apply(Lam, y, rows, target, 2**24, 2**22)
+    """
+
+    @staticmethod
+    def forward(ctx, Lam, y, rows, target, max_elements, keep_elements=0):
+        """``(log_c, log_targets)``."""
+        (K, _, D), P = y.shape, target.shape[0]
+        Lp, yp = _padded(Lam, y)
+        log_c, log_t = y.new_empty(K, P, D), y.new_empty(K, P)
+        kept, flags = [], []
+        budget = keep_elements if any(ctx.needs_input_grad[:2]) else 0
+        for sl, m in _target_chunks(target, K * y.element_size(), max_elements // K, y.device):
+            pc = _TargetPieces(Lp, yp[:, rows[sl]], target[sl], m)
+            log_c[:, sl], log_t[:, sl] = pc.log_conditionals(D), pc.log_targets
+            size = K * len(sl) * (m * m + 2 * m)
+            flags.append(size <= budget)
+            if flags[-1]:
+                budget -= size
+                kept.extend(getattr(pc, k) for k in _TargetPieces.KEPT)
+        ctx.save_for_backward(Lam, y, rows, pack_bits(target), *kept)
+        ctx.flags, ctx.max_elements, ctx.num_tokens = flags, max_elements, D
+        return log_c, log_t
+
+    @staticmethod
+    @first_order_backward
+    def backward(ctx, gc, gt):
+        """The gradients of ``Lam`` and ``y``."""
+        Lam, y, rows, bits = ctx.saved_tensors[:4]
+        kept = iter(ctx.saved_tensors[4:])
+        D = ctx.num_tokens
+        target = unpack_bits(bits, D)
+        K = y.shape[0]
+        Lp, yp = _padded(Lam, y)
+        G = torch.zeros_like(Lp).view(K, -1)
+        gy = torch.zeros_like(y)
+        gc = torch.nn.functional.pad(gc, (0, 2 * D))
+        chunks = _target_chunks(target, K * y.element_size(), ctx.max_elements // K, y.device)
+        for (sl, m), take in zip(chunks, ctx.flags):
+            if take:
+                pc = _TargetPieces.__new__(_TargetPieces)
+                for k in _TargetPieces.KEPT:
+                    setattr(pc, k, next(kept))
+            else:
+                pc = _TargetPieces(Lp, yp[:, rows[sl]], target[sl], m)
+            gy.index_add_(1, rows[sl], pc.backward(gc[:, sl], gt[:, sl], G, D))
+        G = G.view(K, 3 * D, 3 * D)[:, :D, :D]
+        return 0.5 * (G + G.transpose(-1, -2)), gy, None, None, None, None
+
+
+def _padded(Lam, y):
+    """``Lam`` ``(K, D, D)`` and ``y`` ``(K, n, D)`` with ``2 D`` padding tokens: precision
+    1, uncorrelated, ``y`` 0, so that a pair's target block is the identity past its targets."""
+    K, D = Lam.shape[0], Lam.shape[-1]
+    Lp = Lam.new_zeros(K, 3 * D, 3 * D)
+    Lp[:, :D, :D] = Lam
+    Lp[:, D:, D:].diagonal(dim1=-2, dim2=-1).fill_(1)
+    return Lp, torch.nn.functional.pad(y, (0, 2 * D))
+
+
+def precision_route_fits(S):
+    """Whether every component's correlation matrix has its condition number within
+    :data:`MAX_CONDITION` of ``S``'s dtype. The correlation's, not the covariance's: the
+    factorizations' rounding does not grow with the tokens' scales (a covariance of
+    tokens of scales 1e-2..1e2 has a condition number of 1e8, its correlation one of 10)."""
+    with torch.no_grad():
+        scale = torch.diagonal(S, dim1=-2, dim2=-1).clamp_min(torch.finfo(S.dtype).tiny).rsqrt()
+        e = torch.linalg.eigvalsh(scale.unsqueeze(-1) * S * scale.unsqueeze(-2))
+        lo, hi = e[..., 0], e[..., -1]
+        return bool((lo > 0).all() and (hi * torch.finfo(S.dtype).eps <= MAX_CONDITION * lo).all())
+
+
+def dense_context_conditionals(S, x, loc, context, max_elements, site, keep_elements=0):
+    r"""What :class:`~pyro_mpt.conditionals.gaussian_dense_independent.DenseContextConditionals`
+    returns (``(q, K, n, D)`` log-conditionals, ``(q, K, n)`` context log-densities), with
+    the pairs of fewer targets than context tokens taken through the components'
+    precisions (:class:`PrecisionTargetConditionals`) where they are well-conditioned.
+
+    :param S: ``(K, D, D)``. :param x: ``(n, D)``. :param loc: ``(K, n|1, D)``.
+    :param context: bool ``(q, n, D)``. :param int max_elements: as the Function's.
+    :param str site: for error messages. :param int keep_elements: kept for the backward
+        pass, shared by the two routes.
+    :returns: ``(q, K, n, D)`` and ``(q, K, n)``.
+
+    Example::
+
+        >>> log_c, log_ctx = dense_context_conditionals(covs, x, locs, context, 2**24, "x", 2**22)
+    """
+    q, n, D = context.shape
+    K = S.shape[0]
+    flat = context.reshape(q * n, D)
+    nR = flat.sum(-1)
+    prec = 2 * nR > D
+    if not bool(prec.any()) or not precision_route_fits(S):
+        return DenseContextConditionals.apply(S, x, loc, context, max_elements, site, keep_elements)
+    ia, ib = (~prec).nonzero().squeeze(-1), prec.nonzero().squeeze(-1)
+    parts_c, parts_r = [], []
+    if len(ia):
+        ra = ia % n
+        la = loc if loc.shape[1] == 1 else loc[:, ra]
+        c, r = DenseContextConditionals.apply(
+            S, x[ra], la, flat[ia][None], max_elements, site, keep_elements - keep_elements // 2)
+        parts_c.append(c[0])
+        parts_r.append(r[0])
+    rb = ib % n
+    Lc = torch.linalg.cholesky(S)
+    Lam = torch.cholesky_inverse(Lc)
+    res = x - loc  # (K, n, D)
+    yfull = res @ Lam
+    log_x = -0.5 * ((res * yfull).sum(-1) + 2 * torch.diagonal(Lc, dim1=-2, dim2=-1).log().sum(-1)[:, None]
+                    + D * LOG_2PI)  # (K, n)
+    c, t = PrecisionTargetConditionals.apply(Lam, yfull, rb, ~flat[ib], max_elements, keep_elements // 2)
+    parts_c.append(c)
+    parts_r.append(log_x[:, rb] - t)
+    inv = torch.empty_like(nR, dtype=torch.long)
+    inv[torch.cat([ia, ib])] = torch.arange(q * n, device=inv.device)
+    log_c = torch.cat(parts_c, 1).index_select(1, inv)
+    log_r = torch.cat(parts_r, 1).index_select(1, inv)
+    return log_c.view(K, q, n, D).transpose(0, 1), log_r.view(K, q, n).transpose(0, 1)

@@ -1,0 +1,143 @@
+"""A Gaussian mixture's per-datapoint conditionals through the components' precisions
+(pairs with fewer targets than context tokens).
+
+References: a loop over (mask, component, datapoint) of one-dimensional conditionals from
+``torch.linalg.solve`` on the pair's own context block and the context's density from
+``scipy.stats.multivariate_normal``, differentiated by autograd.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from pyro_mpt.conditionals import gaussian_dense_independent as gdi
+from pyro_mpt.conditionals import gaussian_dense_precision as gdp
+
+from models import assert_close_to_rounding, saved_numel
+
+
+def loop_reference(S, x, loc, context):
+    """``(q, K, n, D)`` log-conditionals (0 at the context) and ``(q, K, n)`` context densities."""
+    q, n, D = context.shape
+    K = S.shape[0]
+    log_c = [[[None] * n for _ in range(K)] for _ in range(q)]
+    log_r = [[[None] * n for _ in range(K)] for _ in range(q)]
+    for i, k, j in itertools.product(range(q), range(K), range(n)):
+        c = context[i, j].nonzero().flatten()
+        r = x[j] - loc[k, j if loc.shape[1] > 1 else 0]
+        row = [r.new_zeros(())] * D
+        for t in (~context[i, j]).nonzero().flatten().tolist():
+            if len(c):
+                sol = torch.linalg.solve(S[k][c][:, c], torch.stack([r[c], S[k][c, t]], -1))
+                mean, var = S[k][t, c] @ sol[:, 0], S[k][t, t] - S[k][t, c] @ sol[:, 1]
+            else:
+                mean, var = r.new_zeros(()), S[k][t, t]
+            row[t] = torch.distributions.Normal(mean, var.sqrt()).log_prob(r[t])
+        log_c[i][k][j] = torch.stack(row)
+        if len(c):
+            log_r[i][k][j] = torch.distributions.MultivariateNormal(r.new_zeros(len(c)), S[k][c][:, c]).log_prob(r[c])
+        else:
+            log_r[i][k][j] = r.new_zeros(())
+    return (torch.stack([torch.stack([torch.stack(b) for b in a]) for a in log_c]),
+            torch.stack([torch.stack([torch.stack(b) for b in a]) for a in log_r]))
+
+
+def spd(K, D, g, dtype=torch.float64):
+    """``(S, A)``: ``S = A A^T / D + I / 2`` with ``A`` a leaf, so that gradients compare
+    through ``A`` (a loop's gradient of ``S`` itself is not symmetrized)."""
+    A = torch.randn(K, D, D, generator=g, dtype=dtype).requires_grad_()
+    return A @ A.mT / D + 0.5 * torch.eye(D, dtype=dtype), A
+
+
+@pytest.mark.parametrize("keep_elements", [0, 2**20])  # every chunk recomputed; every chunk kept
+@pytest.mark.parametrize("max_elements", [2, 40, 2**20])  # one pair a chunk, several, all
+def test_precision_route_matches_a_loop(monkeypatch, max_elements, keep_elements):
+    """Values and gradients (of S, loc and x, random weights on both outputs) against the
+    loop, with pairs on both routes: targets fewer than, equal to and more than the context,
+    no target at all (the context density is the full joint's) and no context."""
+    q, n, D, K = 2, 5, 6, 2
+    g = torch.Generator().manual_seed(21)
+    S, A = spd(K, D, g)
+    loc = torch.randn(K, n, D, generator=g, dtype=torch.float64).requires_grad_()
+    x = torch.randn(n, D, generator=g, dtype=torch.float64).requires_grad_()
+    context = torch.rand(q, n, D, generator=g) < torch.linspace(0.1, 0.9, n)[:, None]
+    context[0, 0] = True  # no target
+    context[0, 1] = False  # no context
+    context[1, 2] = torch.arange(D) < 4  # two targets, four context tokens
+    context[1, 3] = torch.arange(D) < 3  # as many targets as context tokens: the context's route
+    calls = []
+    apply = gdp.PrecisionTargetConditionals.apply
+    monkeypatch.setattr(gdp.PrecisionTargetConditionals, "apply", lambda *a: calls.append(a[3].shape[0]) or apply(*a))
+    got_c, got_r = gdp.dense_context_conditionals(S, x, loc, context, max_elements, "x", keep_elements)
+    assert calls == [int((2 * context.sum(-1) > D).sum())]
+    ref_c, ref_r = loop_reference(S, x, loc, context)
+    assert_close_to_rounding(got_c, ref_c, torch.float64)
+    assert_close_to_rounding(got_r, ref_r, torch.float64)
+    # the full joint's density (no target) from scipy, outside torch
+    want = scipy.stats.multivariate_normal(loc[1, 0].detach().numpy(), S[1].detach().numpy()).logpdf(x[0].detach().numpy())
+    assert abs(float(got_r[0, 1, 0]) - want) < 1e-12 * max(1.0, abs(want))
+    wc = torch.randn(q, K, n, D, generator=g, dtype=torch.float64)
+    wr = torch.randn(q, K, n, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((wc * got_c).sum() + (wr * got_r).sum(), (A, loc, x), retain_graph=True)
+    expected = torch.autograd.grad((wc * ref_c).sum() + (wr * ref_r).sum(), (A, loc, x))
+    for a, b in zip(grads, expected):
+        assert_close_to_rounding(a, b, torch.float64)
+
+
+def rotated(K, D, eigenvalues, g):
+    Q = torch.linalg.qr(torch.randn(K, D, D, generator=g, dtype=torch.float64))[0]
+    S = Q @ torch.diag_embed(eigenvalues.expand(K, D)) @ Q.mT
+    return 0.5 * (S + S.mT)
+
+
+@pytest.mark.parametrize("condition", [1e2, 1e5])
+def test_float32_precision_route_keeps_the_context_routes_digits(monkeypatch, condition):
+    """float32 against float64: on components of condition number 1e2 the precision route
+    is taken and its errors stay within 4x the context route's (measured: 1-3x at 1e1..1e3;
+    the two lose digits alike as the condition grows); at 1e5, past MAX_CONDITION, every
+    pair takes the context route."""
+    q, n, D, K = 1, 200, 20, 2
+    g = torch.Generator().manual_seed(22)
+    S = rotated(K, D, torch.logspace(0, np.log10(condition), D, dtype=torch.float64), g)
+    loc = torch.zeros(K, 1, D, dtype=torch.float64)
+    x = (torch.linalg.cholesky(S[0]) @ torch.randn(D, n, generator=g, dtype=torch.float64)).T
+    context = torch.rand(q, n, D, generator=g) < torch.rand(q, n, 1, generator=g)
+    calls = []
+    apply = gdp.PrecisionTargetConditionals.apply
+    monkeypatch.setattr(gdp.PrecisionTargetConditionals, "apply", lambda *a: calls.append(1) or apply(*a))
+    ref = gdi.DenseContextConditionals.apply(S, x, loc, context, 2**22, "x", 0)
+    f32 = (S.float(), x.float(), loc.float(), context, 2**22, "x", 0)
+    old = gdi.DenseContextConditionals.apply(*f32)
+    new = gdp.dense_context_conditionals(*f32)
+    assert bool(calls) == (condition < 1e4)
+    for a, b, r in zip(old, new, ref):
+        err_old = float((a.double() - r).abs().max())
+        err_new = float((b.double() - r).abs().max())
+        assert err_new <= 4 * err_old + 1e-5, (err_new, err_old)
+
+
+def test_precision_routes_kept_tables_stay_within_their_budget():
+    """``keep_elements`` bounds the tables that the two routes keep for the backward pass
+    together (beyond them: inputs, the pairs' rows, bits and token indices); kept and
+    recomputed chunks give equal gradients."""
+    q, n, D, K = 3, 40, 6, 2
+    g = torch.Generator().manual_seed(23)
+    S = spd(K, D, g)[0].detach().requires_grad_()
+    loc = torch.randn(K, 1, D, generator=g, dtype=torch.float64)
+    x = torch.randn(n, D, generator=g, dtype=torch.float64)
+    context = torch.rand(q, n, D, generator=g) < 0.5
+    # inputs, the precisions, the (K, n, D) residual products, Cholesky factors, bits and
+    # rows: an upper bound of what is saved whatever is kept
+    base = 4 * S.numel() + 4 * x.numel() * K + 2 * q * n * D + 8 * q * n
+    grads = []
+    for keep in (0, 300, 10**6):
+        kept, (log_c, log_r) = saved_numel(lambda: gdp.dense_context_conditionals(S, x, loc, context, 8 * D * D, "x", keep))
+        assert kept <= base + (keep and keep + 2 * q * n * D), (keep, kept)
+        if keep == 10**6:
+            assert kept > base + 300  # the check can fail: everything kept
+        grads.append(torch.autograd.grad(log_c.sum() + log_r.sum(), S)[0])
+    for a in grads[1:]:
+        assert_close_to_rounding(a, grads[0], torch.float64)
