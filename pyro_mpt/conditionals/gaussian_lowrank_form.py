@@ -58,10 +58,13 @@ class _Packing(SymmetricPacking):
     def __init__(self, F):
         super().__init__(F.shape[1], F.dtype, F.device)
         self.FF = self.features(F)
+        # the off-diagonal weights folded into the rows once, not into every packed table
+        self.FFo = self.FF * self.off
 
-    def inner(self, M):
-        r"""``(P, R, R)`` -> ``(P, D)``: :math:`F_j^\top M_m F_j` (``M`` symmetric)."""
-        return (self.pack(M) * self.off) @ self.FF.T
+    def inner(self, M, packed=None):
+        r"""``(P, R, R)`` -> ``(P, D)``: :math:`F_j^\top M_m F_j` (``M`` symmetric; ``packed``:
+        ``pack(M)`` where already made)."""
+        return (self.pack(M) if packed is None else packed) @ self.FFo.T
 
     def outer(self, c):
         r"""``(P, D)`` -> ``(P, R, R)``: :math:`\sum_j c_{mj}F_jF_j^\top`."""
@@ -197,7 +200,7 @@ class LowRankForm(torch.autograd.Function):
         # up to 2 of its 7 digits of psi's gradient at D = 100, K = 20)
         gXc = F.new_zeros(R, D)
         # every row j's R x R gradient of F_j F_j^T, summed over the masks (packed), and psi's
-        rows = F.new_zeros(D, pk.FF.shape[1])
+        rows = None
         gpsi = torch.zeros_like(psi)
         for k, o in enumerate(range(0, P, outer)):
             so = slice(o, o + outer)
@@ -218,17 +221,22 @@ class LowRankForm(torch.autograd.Function):
             gQLM = gQ @ LMo
             gLi += gQLM + gQLM.transpose(-1, -2)
             # Mw = sum_j w_j F_j F_j^T, u = 2 w, w = a t / v, logdet = sum a t log v
-            gw = pk.inner(gMw).add_(gwsum).add_(gu, alpha=2)
+            pMw = pk.pack(gMw)
+            gw = pk.inner(gMw, pMw).add_(gwsum).add_(gu, alpha=2)
             gv = w * (glog - gw / vo)
             # v = psi + F_j^T Li F_j, Li = Lambda^-1, Lambda = I + sum_j (c_j / psi_j) F_j F_j^T
             gLi = _symh(gLi).add_(pk.outer(gv))
             # minus Lambda's gradient, -(d/dLambda) = Li gLi Li (the sign goes into its two uses)
             mgLam = Lio @ gLi @ Lio
             cpsi = (1 - to) / psi
-            # the three terms of the rows' gradients
-            for coef, M, sign in ((w, gMw, 1.0), (gv, Lio, 1.0), (cpsi, mgLam, -1.0)):
-                rows.addmm_(coef.T, pk.pack(M), alpha=sign)
-            gpsi += gv.sum(0) + (cpsi * pk.inner(mgLam)).sum(0) / psi
+            # the three terms of the rows' gradients, the one through Lambda first: psi's gradient
+            # through Lambda, sum_m (c_mj / psi_j^2) F_j^T mgLam_m F_j, is its row j against
+            # F_j F_j^T (no (P, D) product of every mask's mgLam); the first chunk's term starts
+            # the rows (a fresh table filled with zeros costs its page faults once more)
+            Crows = torch.mm(cpsi.T, pk.pack(mgLam))
+            gpsi += torch.bmm(Crows.unsqueeze(1), pk.FFo.unsqueeze(2)).view(D) / psi + gv.sum(0)
+            rows = Crows.neg_() if rows is None else rows.sub_(Crows)
+            rows.addmm_(w.T, pMw).addmm_(gv.T, pk.pack(Lio))
         gF += 2 * (pk.unpack(rows) @ F.unsqueeze(-1)).squeeze(-1)
         gFp = -gXc.T
         gF += gFp / psi.unsqueeze(-1)
