@@ -234,7 +234,7 @@ class LowRankForm(torch.autograd.Function):
             # F_j F_j^T (no (P, D) product of every mask's mgLam); the first chunk's term starts
             # the rows (a fresh table filled with zeros costs its page faults once more)
             Crows = torch.mm(cpsi.T, pk.pack(mgLam))
-            gpsi += torch.bmm(Crows.unsqueeze(1), pk.FFo.unsqueeze(2)).view(D) / psi + gv.sum(0)
+            gpsi += torch.linalg.vecdot(Crows, pk.FFo) / psi + gv.sum(0)  # a batched bmm: 6x slower
             rows = Crows.neg_() if rows is None else rows.sub_(Crows)
             rows.addmm_(w.T, pMw).addmm_(gv.T, pk.pack(Lio))
         gF += 2 * (pk.unpack(rows) @ F.unsqueeze(-1)).squeeze(-1)
