@@ -197,7 +197,16 @@ def precision_route_fits(S):
     """Whether every component's correlation matrix has its condition number within
     :data:`MAX_CONDITION` of ``S``'s dtype. The correlation's, not the covariance's: the
     factorizations' rounding does not grow with the tokens' scales (a covariance of
-    tokens of scales 1e-2..1e2 has a condition number of 1e8, its correlation one of 10)."""
+    tokens of scales 1e-2..1e2 has a condition number of 1e8, its correlation one of 10).
+
+    :param S: ``(K, D, D)``, the components' covariances.
+    :returns: bool; False also where a component is not positive definite.
+
+    Example::
+
+        >>> precision_route_fits(torch.eye(3)[None])
+        True
+    """
     with torch.no_grad():
         scale = torch.diagonal(S, dim1=-2, dim2=-1).clamp_min(torch.finfo(S.dtype).tiny).rsqrt()
         e = torch.linalg.eigvalsh(scale.unsqueeze(-1) * S * scale.unsqueeze(-2))
