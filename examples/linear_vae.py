@@ -50,8 +50,9 @@ the logits of the pixel means). The ELBO needs the smaller rate: on digits, from
 this initialization, Adam at 0.02 or more drives W to ~0 within 100 epochs (the
 posterior-collapse optimum: the LML then stays at the independent-pixel value,
 about -24.4 nats per image), whereas 0.01 escapes it. On 2 idle CPU cores
-an MPT epoch costs about 0.1 s on digits (the quadrature table has
-1797 x 64 nodes x 64 tokens) and about 13 s on 2000 MNIST images
+an MPT epoch costs about 0.2 s on digits (the quadrature table has
+1797 x 64 nodes x 64 tokens, and each masked image's context grid as many) and
+about 13 s on 2000 MNIST images
 (2000 x 64 x 784); an ELBO epoch costs a few milliseconds. Run
 ``python examples/linear_vae.py`` (digits, about 80 s on one CPU core) or add ``--quick``
 for a reduced setting used by the tests.
@@ -59,10 +60,8 @@ for a reduced setting used by the tests.
 What to expect on digits (measured): both objectives track the LML (the
 negative MPT loss is an unbiased estimate of it, noisy with one mask per image;
 the ELBO a lower bound, 0.01-0.05 nats below it here). MPT reaches its final
-LML, about -21.87 nats per image, within ~100 epochs; the ELBO climbs more
-slowly, to about -22.3 after 300 epochs (in a separate run,
-``TraceMeanField_ELBO`` at a constant 0.01 reached the same -21.87 after ~1500
-epochs), in line with the paper, where both methods converge to a similar LML.
+LML, about -21.88 nats per image, within ~100 epochs; the ELBO climbs more
+slowly, to about -21.88 after its default 2000 epochs, in line with the paper, where both methods converge to a similar LML.
 """
 
 import argparse
