@@ -82,24 +82,22 @@ class EmbeddedSums(torch.autograd.Function):
         Wu = We.permute(1, 2, 0)  # (q, R, n)
         quad = (e2 @ w.T).T + ((2 * Wu + Mw @ u) * u).sum(-2)
         logdet = (t * (LOG_2PI + var.log())).sum(-1, keepdim=True)
-        ctx.save_for_backward(F, psi, e, zhat, e2, t, Li, var, y, u, Wu)
+        ctx.save_for_backward(F, psi, e, zhat, e2, t, FF, Li, Mw, var, y, u, Wu)
         ctx.site = site
         return -0.5 * (logdet + quad)
 
     @staticmethod
     def backward(ctx, g):
         """The gradients of ``F``, ``psi``, ``e``, ``zhat`` and ``e2``."""
-        F, psi, e, zhat, e2, t, Li, var, y, u, Wu = ctx.saved_tensors
+        F, psi, e, zhat, e2, t, FF, Li, Mw, var, y, u, Wu = ctx.saved_tensors
         if torch.is_grad_enabled():
             # a graph of the gradient (second derivatives): the saved pieces, made without
             # one, would be constants in it; the recorded forward pass has them all
             return _replayed_backward(ctx, g, (F, psi, e, zhat, e2), t)
         q = t.shape[0]
         D, R = F.shape
-        FF = _rows_outer(F)
         G = -0.5 * g  # (q, n), the gradient of the bracket
         cw, w = (1 - t) / psi, t / var
-        Mw = (w @ FF).view(q, R, R)
         Gu = u * G.unsqueeze(-2)  # (q, R, n)
         # quad = e2 w + 2 Wu.u + u^T Mw u
         ge2 = G.T @ w
