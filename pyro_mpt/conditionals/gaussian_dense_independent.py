@@ -52,7 +52,7 @@ from ..mask_bits import pack_bits, unpack_bits
 from .gaussian_linalg import LOG_2PI, cholesky
 from .written_backward import first_order_backward
 
-__all__ = ["DenseContextConditionals", "DenseIndependentSums", "dense_independent_sums"]
+__all__ = ["DenseContextConditionals", "DenseIndependentSums", "dense_independent_sums", "padded_tokens", "sorted_spans"]
 
 
 def dense_independent_sums(m, x, mask, max_elements, observed=None):
@@ -80,6 +80,40 @@ def dense_independent_sums(m, x, mask, max_elements, observed=None):
 CHUNK_BYTES = 2**20
 
 
+def sorted_spans(size, elements, itemsize, max_elements, device):
+    """Spans of pairs sorted by ``size``, each as long as its tables allow: yields
+    ``(pairs, lo, hi)``, the indices of a span's pairs and its smallest and largest size.
+
+    A span takes as many pairs as keep ``elements(count, lo, hi)`` (the elements of its
+    tables, growing with the span) within ``max_elements``, on the CPU also within
+    ``CHUNK_BYTES`` of ``itemsize``-byte entries; at least one pair.
+
+    :param torch.Tensor size: long ``(P,)``.
+    :param callable elements: ``(count, lo, hi) -> int``, nondecreasing in ``count`` and ``hi``.
+
+    Example::
+
+        >>> [p.tolist() for p, lo, hi in sorted_spans(torch.tensor([3, 1, 2]), lambda c, lo, hi: c * hi, 4, 5, "cpu")]
+        [[1, 2], [0]]
+    """
+    budget = max_elements
+    if torch.device(device).type == "cpu":
+        budget = min(budget, CHUNK_BYTES // itemsize)
+    order = torch.argsort(size, stable=True)
+    sizes = size[order].tolist()  # one host sync for every span's bounds
+    start, P = 0, len(sizes)
+    while start < P:
+        lo = sizes[start]
+
+        def span_elements(stop):
+            return elements(stop - start, lo, sizes[stop - 1])
+
+        # the largest stop within budget (the elements grow with the span's last, largest size)
+        stop = max(start + 1, bisect.bisect_right(range(start + 1, P + 1), budget, key=span_elements) + start)
+        yield order[start:stop], lo, sizes[stop - 1]
+        start = stop
+
+
 def _sorted_chunks(context, itemsize, max_elements, device):
     """Chunks of the pairs, by context size: yields ``(pairs, s, m)``, the indices of a
     chunk's pairs, its largest context ``s`` and its largest target set ``m``.
@@ -90,32 +124,27 @@ def _sorted_chunks(context, itemsize, max_elements, device):
     takes as many pairs as keep its ``(pairs, s, s + m)`` tables within ``max_elements``
     (on the CPU also within ``CHUNK_BYTES``): sized by ``D x D`` instead, chunks of small
     contexts were a few pairs each, their kernels' fixed cost most of a step at D = 200."""
-    P, D = context.shape
-    size = context.sum(-1)
-    order = torch.argsort(size, stable=True)
-    sizes = size[order].tolist()  # one host sync for every chunk's bounds
-    budget = max_elements
-    if device.type == "cpu":
-        budget = min(budget, CHUNK_BYTES // itemsize)
-    start = 0
-    while start < P:
-        lo = sizes[start]
+    D = context.shape[-1]
 
-        def elements(stop):
-            s = max(1, sizes[stop - 1])
-            return (stop - start) * s * (s + max(1, D - lo))
+    def elements(count, lo, hi):
+        return count * max(1, hi) * (max(1, hi) + max(1, D - lo))
 
-        # the tables grow with the chunk's last (largest) context: the largest stop within budget
-        stop = max(start + 1, bisect.bisect_right(range(start + 1, P + 1), budget, key=elements) + start)
-        yield order[start:stop], max(1, sizes[stop - 1]), max(1, D - lo)
-        start = stop
+    for pairs, lo, hi in sorted_spans(context.sum(-1), elements, itemsize, max_elements, device):
+        yield pairs, max(1, hi), max(1, D - lo)
 
 
-def _padded(S, r):
-    """``S`` ``(K, D, D)`` and ``r`` ``(K, P, D)`` with ``2 D`` padding tokens appended:
-    variance 1, uncorrelated, residual 0. A pair's compact blocks index a padding token of
-    their own at each position past its context (``D + a``) and targets (``D + s + a``),
-    which makes them the identity there, and uncorrelated, without masks."""
+def padded_tokens(S, r):
+    """``S`` ``(K, D, D)`` (a covariance or a precision) and ``r`` ``(K, P, D)`` with ``2 D``
+    padding tokens appended: diagonal 1, uncorrelated, ``r`` 0. A pair's compact blocks
+    index a padding token of their own at each position past its tokens, which makes
+    them the identity there, and uncorrelated, without masks.
+
+    Example::
+
+        >>> Sp, rp = padded_tokens(torch.eye(2)[None] * 4, torch.ones(1, 3, 2))
+        >>> Sp.shape, rp.shape
+        (torch.Size([1, 6, 6]), torch.Size([1, 3, 6]))
+    """
     K, D = S.shape[0], S.shape[-1]
     Sp = S.new_zeros(K, 3 * D, 3 * D)
     Sp[:, :D, :D] = S
@@ -129,7 +158,7 @@ class _Pieces:
     (``s x m``), ``alpha``, the targets' variances ``v`` and residuals ``d`` (``m``; 1 and 0
     past each pair's targets).
 
-    :param Sp: ``(K, 3D, 3D)`` and :param rp: ``(K, P, 3D)``, from :func:`_padded`.
+    :param Sp: ``(K, 3D, 3D)`` and :param rp: ``(K, P, 3D)``, from :func:`padded_tokens`.
     :param context: bool ``(P, D)``. :param int s: the chunk's largest context.
     :param int m: its largest target set."""
 
@@ -289,7 +318,7 @@ class DenseIndependentSums(torch.autograd.Function):
         flat = mask.reshape(q * n, D)
         out = S.new_empty(q * n)
         rows = torch.arange(q * n, device=r.device) % n
-        Sp, rp = _padded(S[None], r[None])
+        Sp, rp = padded_tokens(S[None], r[None])
         for sl, s, m in _sorted_chunks(~flat, S.element_size(), max_elements, S.device):
             logc = _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, site).log_conditionals(D)[0]
             out[sl] = (logc if observed is None else logc * observed[rows[sl]]).sum(-1)
@@ -312,7 +341,7 @@ class DenseIndependentSums(torch.autograd.Function):
         flat, gflat = mask.reshape(q * n, D), g.reshape(q * n, 1)
         rows = torch.arange(q * n, device=r.device) % n
         gr = torch.zeros_like(r)
-        Sp, rp = _padded(S[None], r[None])
+        Sp, rp = padded_tokens(S[None], r[None])
         G = torch.zeros_like(Sp).view(1, -1)  # S's gradient before symmetrization, padded
         for sl, s, m in _sorted_chunks(~flat, S.element_size(), ctx.max_elements, S.device):
             pc = _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, ctx.site)
@@ -357,7 +386,7 @@ class DenseContextConditionals(torch.autograd.Function):
         flat = ~context.reshape(q * n, D)
         rows = torch.arange(q * n, device=x.device) % n
         log_c, log_ctx = S.new_empty(K, q * n, D), S.new_empty(K, q * n)
-        Sp, rp = _padded(S, x - loc)  # (K, n, 3 D)
+        Sp, rp = padded_tokens(S, x - loc)  # (K, n, 3 D)
         keep = _Keeper(keep_elements if any(ctx.needs_input_grad[:3]) else 0)
         for sl, s, m in _sorted_chunks(~flat, K * S.element_size(), max_elements // K, S.device):
             pc = _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, site, check_pivots=False)
@@ -381,7 +410,7 @@ class DenseContextConditionals(torch.autograd.Function):
         K = S.shape[0]
         gc = gc.transpose(0, 1).reshape(K, q * n, D)
         gR = gR.transpose(0, 1).reshape(K, q * n)
-        Sp, rp = _padded(S, x - loc)  # (K, n, 3 D)
+        Sp, rp = padded_tokens(S, x - loc)  # (K, n, 3 D)
         gr = torch.zeros_like(rp[..., :D])
         G = torch.zeros_like(Sp).view(K, -1)  # S's gradient before symmetrization, padded
         gc = torch.nn.functional.pad(gc, (0, 2 * D))

@@ -38,7 +38,7 @@ of the dtype's precision.
 import torch
 
 from ..mask_bits import pack_bits, unpack_bits
-from .gaussian_dense_independent import CHUNK_BYTES, DenseContextConditionals
+from .gaussian_dense_independent import DenseContextConditionals, padded_tokens, sorted_spans
 from .gaussian_linalg import LOG_2PI
 from .written_backward import first_order_backward
 
@@ -55,18 +55,9 @@ MAX_CONDITION = 1e-3
 def _target_chunks(target, itemsize, max_elements, device):
     """``(pairs, m)``: chunks of the pairs sorted by target count, each within
     ``max_elements`` (on the CPU also ``CHUNK_BYTES``) of its ``(pairs, m, m)`` tables."""
-    size = target.sum(-1)
-    order = torch.argsort(size, stable=True)
-    sizes = size[order].tolist()
-    budget = max_elements if device.type != "cpu" else min(max_elements, CHUNK_BYTES // itemsize)
-    start, P = 0, len(sizes)
-    while start < P:
-        stop = start + 1
-        # the tables grow with the chunk's last (largest) target set
-        while stop < P and (stop + 1 - start) * max(1, sizes[stop]) ** 2 <= budget:
-            stop += 1
-        yield order[start:stop], max(1, sizes[stop - 1])
-        start = stop
+    spans = sorted_spans(target.sum(-1), lambda count, lo, hi: count * max(1, hi) ** 2, itemsize, max_elements, device)
+    for pairs, lo, hi in spans:
+        yield pairs, max(1, hi)
 
 
 class _TargetPieces:
@@ -141,7 +132,7 @@ class PrecisionTargetConditionals(torch.autograd.Function):
     def forward(ctx, Lam, y, rows, target, max_elements, keep_elements=0):
         """``(log_c, log_targets)``."""
         (K, _, D), P = y.shape, target.shape[0]
-        Lp, yp = _padded(Lam, y)
+        Lp, yp = padded_tokens(Lam, y)
         log_c, log_t = y.new_empty(K, P, D), y.new_empty(K, P)
         kept, flags = [], []
         budget = keep_elements if any(ctx.needs_input_grad[:2]) else 0
@@ -166,7 +157,7 @@ class PrecisionTargetConditionals(torch.autograd.Function):
         D = ctx.num_tokens
         target = unpack_bits(bits, D)
         K = y.shape[0]
-        Lp, yp = _padded(Lam, y)
+        Lp, yp = padded_tokens(Lam, y)
         G = torch.zeros_like(Lp).view(K, -1)
         gy = torch.zeros_like(y)
         gc = torch.nn.functional.pad(gc, (0, 2 * D))
@@ -181,16 +172,6 @@ class PrecisionTargetConditionals(torch.autograd.Function):
             gy.index_add_(1, rows[sl], pc.backward(gc[:, sl], gt[:, sl], G, D))
         G = G.view(K, 3 * D, 3 * D)[:, :D, :D]
         return 0.5 * (G + G.transpose(-1, -2)), gy, None, None, None, None
-
-
-def _padded(Lam, y):
-    """``Lam`` ``(K, D, D)`` and ``y`` ``(K, n, D)`` with ``2 D`` padding tokens: precision
-    1, uncorrelated, ``y`` 0, so that a pair's target block is the identity past its targets."""
-    K, D = Lam.shape[0], Lam.shape[-1]
-    Lp = Lam.new_zeros(K, 3 * D, 3 * D)
-    Lp[:, :D, :D] = Lam
-    Lp[:, D:, D:].diagonal(dim1=-2, dim2=-1).fill_(1)
-    return Lp, torch.nn.functional.pad(y, (0, 2 * D))
 
 
 def precision_route_fits(S):
