@@ -266,7 +266,7 @@ def _context_chunks(s, R, inner):
     plan, i = [], 0
     while i < P:
         c = min(inner, P - i)
-        if R >= CONTEXT_MIN_RANK and counts[i + c - 1] <= CONTEXT_FRACTION * D:
+        if counts[i + c - 1] <= CONTEXT_FRACTION * D:
             if idx is None:
                 # every mask's context tokens in increasing order, padded with D
                 slot = context.cumsum(-1) - 1
