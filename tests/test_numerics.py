@@ -4,6 +4,7 @@ import contextlib
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributions.multivariate_normal as torch_mvn
@@ -713,3 +714,15 @@ def test_float32_gp_of_600_points_takes_the_scale_tril_in_float64():
     for name, (value, expected) in values.items():
         assert value.dtype == torch.float32, name
         assert abs(float(value) - expected) <= tol * abs(expected), (name, float(value), expected)
+
+
+def test_tril_inverse_matches_numpy_inverse_batched():
+    from pyro_mpt.conditionals.gaussian_linalg import tril_inverse
+
+    rng = np.random.default_rng(3)
+    A = rng.standard_normal((4, 3, 6, 6))
+    S = A @ np.swapaxes(A, -1, -2) + 6 * np.eye(6)
+    L = np.linalg.cholesky(S)
+    got = tril_inverse(torch.from_numpy(L)).numpy()
+    np.testing.assert_allclose(got, np.linalg.inv(L), rtol=1e-12, atol=1e-13)
+    assert np.all(np.triu(got, 1) == 0)

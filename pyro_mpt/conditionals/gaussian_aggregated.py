@@ -21,7 +21,7 @@ the whitened data.
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, PRECISION, cholesky, signal_to_noise
+from .gaussian_linalg import LOG_2PI, PRECISION, cholesky, signal_to_noise, tril_inverse
 from .gaussian_target_form import TargetBlockForm, lowrank_precision, target_form_groups, target_form_split
 from .written_backward import first_order_backward
 from .gaussian_lowrank_form import LowRankForm, lowrank_form_chunks
@@ -272,8 +272,7 @@ def dense_weighted_sum(m, x, mask, coef):
         L0 = m.factor[0] if m.factor is not None else cholesky(S, "covariance", m.site)
         # the whitening as a product with L0^-1 (a D x D solve): the solve with n right-hand
         # sides costs about twice the product with the data
-        eye = torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
-        M = torch.linalg.solve_triangular(L0, eye, upper=False)
+        M = tril_inverse(L0)
     A, logdet = DenseForm.apply(S, L0, mask, coef, m.site)
     return -0.5 * (logdet + WhitenedQuad.apply(x, m.loc, M, A))
 

@@ -49,7 +49,7 @@ import bisect
 import torch
 
 from ..mask_bits import pack_bits, unpack_bits
-from .gaussian_linalg import LOG_2PI, cholesky
+from .gaussian_linalg import LOG_2PI, cholesky, tril_inverse
 from .written_backward import first_order_backward
 
 __all__ = ["DenseContextConditionals", "DenseIndependentSums", "dense_independent_sums", "padded_tokens", "sorted_spans"]
@@ -256,8 +256,7 @@ class _Pieces:
             gRr = gRr - gR.unsqueeze(-1) * self.alpha
             # X^-1 = W^T W with W = L^-1: a triangular solve and a batched product take half the
             # time of LAPACK's per-matrix cholesky_inverse at these sizes
-            W = torch.linalg.solve_triangular(self.L, torch.eye(
-                self.L.shape[-1], dtype=self.L.dtype, device=self.L.device).expand_as(self.L), upper=False)
+            W = tril_inverse(self.L)
             gX = gX - (0.5 * gR)[..., None, None] * (W.transpose(-1, -2) @ W)
             gX = gX + (0.5 * gR.unsqueeze(-1) * self.alpha).unsqueeze(-1) * self.alpha.unsqueeze(-2)
         E = 3 * D

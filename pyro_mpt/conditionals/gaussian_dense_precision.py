@@ -39,7 +39,7 @@ import torch
 
 from ..mask_bits import pack_bits, unpack_bits
 from .gaussian_dense_independent import DenseContextConditionals, padded_tokens, sorted_spans
-from .gaussian_linalg import LOG_2PI
+from .gaussian_linalg import LOG_2PI, tril_inverse
 from .written_backward import first_order_backward
 
 __all__ = ["MAX_CONDITION", "PrecisionTargetConditionals", "dense_context_conditionals", "precision_route_fits"]
@@ -76,7 +76,7 @@ class _TargetPieces:
         self.M = torch.where(pos < nM, M, D + pos)
         A = Lp.view(K, E * E).index_select(1, self._iMM(E)).view(K, -1, m, m)
         L = torch.linalg.cholesky(A)
-        W = torch.linalg.solve_triangular(L, torch.eye(m, dtype=A.dtype, device=A.device).expand_as(L), upper=False)
+        W = tril_inverse(L)
         self.P = W.transpose(-1, -2) @ W
         self.v = W.square().sum(-2)
         yM = yp.gather(-1, self.M.expand(K, -1, -1))

@@ -64,7 +64,7 @@ from ..recompute import recomputed
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_one_sequence, check_sequence_alone
 from .gaussian import GaussianConditionals
-from .gaussian_linalg import LOG_2PI
+from .gaussian_linalg import LOG_2PI, tril_inverse
 from .linear_dynamical import LinearDynamicalParts, gaussian_hmm_parts
 
 __all__ = ["GaussianHMMConditionals", "GaussianHMMState", "AUTO_MIN_TOKENS", "WIDE_HIDDEN"]
@@ -437,8 +437,7 @@ def _steps(parts, x, context):
     _, _, A, b, Q, C, d, R = (_time_first(t) for t in parts)
     T = x.shape[0]
     W, LR = _context_precision(R, context)
-    eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
-    B = context.unsqueeze(-1) * torch.linalg.solve_triangular(LR, eye.expand_as(LR), upper=False).transpose(-1, -2)
+    B = context.unsqueeze(-1) * tril_inverse(LR).transpose(-1, -2)
     CW = _mm(C, W)
     e = x.unsqueeze(1) - d
     UQ = torch.linalg.cholesky(Q).transpose(-1, -2)

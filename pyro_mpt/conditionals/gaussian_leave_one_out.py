@@ -32,7 +32,7 @@ small centred terms, as in the engine's other low-rank paths.
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, cholesky, posterior_precision_factor
+from .gaussian_linalg import LOG_2PI, cholesky, posterior_precision_factor, tril_inverse
 
 __all__ = [
     "lowrank_leave_one_out",
@@ -152,8 +152,7 @@ def dense_leave_one_out(m, x):
     """
     S = m.covariance  # (n|1, D, D)
     L = m.factor if m.factor is not None else cholesky(S, "covariance", m.site)
-    eye = torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
-    Linv = torch.linalg.solve_triangular(L, eye.expand(L.shape), upper=False)
+    Linv = tril_inverse(L)
     p = Linv.pow(2).sum(-2)  # P_jj, the column norms of L^-1, (n|1, D)
     r = x - m.loc
     if S.shape[0] == 1:

@@ -181,8 +181,7 @@ def dense_dtype(cov, noise=None):
         # M^8 v / |M^8 v|: M^8 from three squarings of the explicit inverse (scaled
         # by its trace, which bounds its largest eigenvalue: no power overflows, and
         # the direction is the same) is a dozen small ops in place of 48
-        eye = torch.eye(D, dtype=cov.dtype, device=cov.device)
-        Linv = torch.linalg.solve_triangular(L, eye.expand(L.shape), upper=False)
+        Linv = tril_inverse(L)
         trace = Linv.pow(2).sum((-2, -1), keepdim=True)  # tr M = |L^-1|_F^2
         # M's largest eigenvalue is at most its trace, so lambda_min >= 1 / tr M, and the
         # estimate below is no smaller: when that bound passes, so would the estimate
@@ -204,6 +203,22 @@ def posterior_precision_factor(F, psi, site):
     r"""Cholesky factor of :math:`I + F^\top\Psi^{-1}F`, ``(..., R, R)``."""
     eye = torch.eye(F.shape[-1], dtype=F.dtype, device=F.device)
     return cholesky(eye + F.transpose(-1, -2) @ (F / psi.unsqueeze(-1)), "posterior precision I + F^T Psi^-1 F", site)
+
+
+def tril_inverse(L):
+    r""":math:`L^{-1}` of lower-triangular factors ``L`` ``(..., n, n)``, by a triangular solve
+    against the identity (torch has no triangular inverse of its own; the solve keeps the
+    result lower-triangular to rounding).
+
+    Example::
+
+        >>> L = torch.tensor([[2.0, 0.0], [1.0, 4.0]])
+        >>> tril_inverse(L) @ L
+        tensor([[1., 0.],
+                [0., 1.]])
+    """
+    eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
+    return torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False)
 
 
 def missing_as_standard_normal(observed, x):

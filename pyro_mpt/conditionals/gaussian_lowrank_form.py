@@ -15,7 +15,7 @@ and the variances, and remakes the rest in chunks whose tables live in one
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, SymmetricPacking, cholesky
+from .gaussian_linalg import LOG_2PI, SymmetricPacking, cholesky, tril_inverse
 from .workspace import Workspace
 from .written_backward import first_order_backward
 
@@ -160,7 +160,6 @@ class LowRankForm(torch.autograd.Function):
         # tables kept for a backward pass that will not run would only hold memory
         keep = keep if any(ctx.needs_input_grad[:2]) else 0
         kept = []
-        eye = torch.eye(R, dtype=F.dtype, device=F.device)
         for o in range(0, P, outer):
             so = slice(o, o + outer)
             to, ao = t[so], a[so].unsqueeze(-1)
@@ -168,7 +167,7 @@ class LowRankForm(torch.autograd.Function):
             Lam.diagonal(dim1=-2, dim2=-1).add_(1)
             L = cholesky(Lam, "context precision I + F_R^T Psi_R^-1 F_R", site)
             # Lambda >= I, so L^-1 has norm <= 1: its explicit inverse is accurate
-            Linv = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False)
+            Linv = tril_inverse(L)
             Lio = torch.matmul(Linv.transpose(-1, -2), Linv, out=Li[so])
             vo = torch.add(pk.inner(Lio), psi, out=v[so])
             w = ao * to / vo

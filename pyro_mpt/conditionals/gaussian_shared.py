@@ -6,7 +6,7 @@ over its gathered targets (masks grouped by size), low-rank and dense.
 import torch
 
 from .gaussian_embedded import EmbeddedSums
-from .gaussian_linalg import LOG_2PI, cholesky, posterior_precision_factor
+from .gaussian_linalg import LOG_2PI, cholesky, posterior_precision_factor, tril_inverse
 
 
 #: whole residual table (memory-bound gathers cost more than the extra products)
@@ -125,7 +125,7 @@ def lowrank_shared_sums(m, x, mask, max_elements, data):
             L = cholesky(Fpc.transpose(-1, -2) @ F[cidx] + eye, "context precision I + F_R^T Psi_R^-1 F_R", m.site)
             # Lambda >= I, so L^-1 has norm <= 1: its explicit inverse is accurate, and
             # turns the solves over the data into matrix products
-            Linv = torch.linalg.solve_triangular(L, eye.expand(g, R, R), upper=False)
+            Linv = tril_inverse(L)
             Ec = eT.index_select(0, cidx.reshape(-1)).view(cidx.shape + (n,))  # (g, C, n)
             # h = L^-1 (zhat - F_R^T Psi_R^-1 e_R), V = L^-1 F_M^T
             h = torch.baddbmm(Linv @ zhat, Linv @ Fpc.transpose(-1, -2), Ec, alpha=-1)  # (g, R, n)

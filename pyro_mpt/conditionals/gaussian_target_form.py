@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, cholesky, posterior_precision_factor
+from .gaussian_linalg import LOG_2PI, cholesky, posterior_precision_factor, tril_inverse
 from .written_backward import first_order_backward
 
 __all__ = [
@@ -303,8 +303,7 @@ def _conditional_covariance(F, psi, idx, site):
         Lam.diagonal(dim1=-2, dim2=-1).add_(1)
         L = cholesky(Lam, "context precision I + F_R^T Psi_R^-1 F_R", site)
         # Lambda >= I: L^-1 has norm <= 1, its explicit inverse is accurate
-        eye = torch.eye(R, dtype=F.dtype, device=F.device)
-        Linv = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False)
+        Linv = tril_inverse(L)
         flat = idx.reshape(-1)
         V = torch.matmul(Linv, torch.cat([F, F.new_zeros(1, R)]).index_select(0, flat).view(*idx.shape, R).transpose(1, 2))
         C = torch.matmul(V.transpose(1, 2), V)
