@@ -147,7 +147,9 @@ def lowrank_weighted_sum(m, mask, coef, data, max_elements=2**24):
     :math:`\sum_m \operatorname{diag}(t_m/\psi)FQ_m` and
     :math:`\sum_m(\Lambda_m^{-1}F^\top\operatorname{diag}(2a_mw_m) +
     Q_mF^\top\operatorname{diag}(t_m/\psi))` with :math:`Q_m = a_m\Lambda_m^{-1}F^\top
-    W_mF\Lambda_m^{-1}`, i.e. products with :math:`D\times P` tables. The
+    W_mF\Lambda_m^{-1}`, i.e. products with :math:`D\times P` tables (the form reads only
+    the symmetric part of its matrix, so :class:`LowRankForm` returns the first of them
+    transposed inside the second). The
     result is :math:`-\tfrac12\big(\sum_m a_m \sum_j t_{mj}\log(2\pi v_{mj}) +
     \text{the form}\big)`. The masks' part of the form, with its backward pass
     written out, is :class:`~pyro_mpt.conditionals.gaussian_lowrank_form.LowRankForm`.
