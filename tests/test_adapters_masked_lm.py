@@ -447,3 +447,45 @@ def test_antiberty_curve_decays_and_random_init_is_flat(antiberty):
     np.testing.assert_allclose(flat.score, -math.log(model.config.vocab_size), atol=0.2)
     assert np.ptp(trained.score) > 10 * np.ptp(flat.score)
     assert trained.area() > flat.area()
+
+
+def _hand_pll(model, tok, text, dtype):
+    """Per-token PLL by one forward per token, the model in eval mode, log-softmax in ``dtype``."""
+    ids = torch.tensor(tok(text)["input_ids"])
+    out = []
+    for j in range(1, ids.numel() - 1):
+        x = ids.clone()
+        x[j] = tok.mask_token_id
+        with torch.no_grad():
+            out.append(model(input_ids=x[None]).logits[0, j].to(dtype).log_softmax(-1)[ids[j]])
+    return torch.stack(out).double()
+
+
+def test_model_in_train_mode_is_scored_without_dropout_and_keeps_its_mode(tmp_path_factory):
+    # a scorer built once and queried between training steps: the model is in train mode then
+    model, tok = tiny_bert(tmp_path_factory.mktemp("dropout_vocab"), hidden_dropout_prob=0.5,
+                           attention_probs_dropout_prob=0.5)
+    scorer = MaskedLMScorer(model, tok)
+    texts = ["a b c d e f", "g h i"]
+    expected = [_hand_pll(model.eval(), tok, t, torch.float32) for t in texts]
+    model.train()
+    model.bert.embeddings.eval()  # a submodule in its own mode (e.g. frozen embeddings)
+    for _ in range(2):
+        total, per_tok = scorer.pll(texts, per_token=True)
+        for i in range(len(texts)):
+            # dropout at 0.5 moves these by nats; eval mode agrees to float32 rounding
+            torch.testing.assert_close(per_tok[i], expected[i], rtol=0, atol=1e-5)
+        curve = scorer.curve(texts, rates=[0.3, 0.7], num_masks=2)
+        np.testing.assert_allclose(curve.per_item, scorer.curve(texts, rates=[0.3, 0.7], num_masks=2).per_item,
+                                   rtol=0, atol=1e-6)
+    assert model.training and model.cls.training and not model.bert.embeddings.training
+
+
+def test_float64_model_keeps_float64_log_probs(tmp_path_factory):
+    model, tok = tiny_bert(tmp_path_factory.mktemp("f64_vocab"))
+    model = model.double()
+    texts = ["a b c d e f g h", "j i"]
+    _, per_tok = MaskedLMScorer(model, tok).pll(texts, per_token=True)
+    for i, text in enumerate(texts):
+        # float64 rounding; a float32 log-softmax is ~1e-7 off
+        torch.testing.assert_close(per_tok[i], _hand_pll(model, tok, text, torch.float64), rtol=0, atol=1e-12)

@@ -132,3 +132,45 @@ def test_zero_position_embeddings_are_restored_and_flagged():
     assert pe.abs().max() <= 1 and torch.unique(pe, dim=0).shape[0] == 16
     # encoder and decoder have the same width here, so the same table
     torch.testing.assert_close(model.decoder.decoder_pos_embed, model.vit.embeddings.position_embeddings)
+
+
+def _hand_mse(model, x, M, ranks, dtype):
+    """Masked-patch MSE of each image by the model's own forward and patchify, one image at a time."""
+    N = ranks.shape[-1]
+    model.config.mask_ratio, old = 1 - (N - M + 0.5) / N, model.config.mask_ratio
+    try:
+        out = []
+        for i in range(x.shape[0]):
+            with torch.no_grad():
+                o = model(pixel_values=x[i : i + 1].to(dtype), noise=-ranks[i : i + 1].to(dtype))
+            e = ((o.logits[0] - model.patchify(x[i : i + 1].to(dtype))[0]) ** 2).mean(-1)
+            out.append(e[o.mask[0].bool()].mean())
+        return torch.stack(out).double()
+    finally:
+        model.config.mask_ratio = old
+
+
+def test_model_in_train_mode_is_scored_without_dropout_and_keeps_its_mode():
+    model = tiny_vit_mae(image_size=16, patch_size=4, hidden_size=32, hidden_dropout_prob=0.5,
+                         attention_probs_dropout_prob=0.5)
+    scorer = MAEScorer(model)
+    x = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    ranks = nested_ranks(torch.Generator().manual_seed(5), 3, 16)
+    expected = _hand_mse(model.eval(), x, 6, ranks, torch.float32)
+    model.train()
+    for _ in range(2):
+        rec = scorer.reconstruction(x, 6, ranks)
+        got = (rec["patch_error"] * rec["mask"]).sum(-1) / 6
+        # dropout at 0.5 moves these by tens of percent; eval mode agrees to float32 rounding
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=0)
+    assert model.training and model.decoder.training
+
+
+def test_float64_model_keeps_float64_errors():
+    model = tiny_vit_mae(image_size=16, patch_size=4, hidden_size=32).double()
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(6))
+    ranks = nested_ranks(torch.Generator().manual_seed(7), 2, 16)
+    rec = MAEScorer(model).reconstruction(x, 5, ranks)
+    assert rec["patch_error"].dtype == torch.float64
+    got = (rec["patch_error"] * rec["mask"]).sum(-1) / 5
+    torch.testing.assert_close(got, _hand_mse(model, x, 5, ranks, torch.float64), rtol=1e-12, atol=0)

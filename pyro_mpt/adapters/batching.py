@@ -14,10 +14,11 @@ puts the per-item results back together on every process.
 
 import math
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 
-__all__ = ["group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator", "place_model"]
+__all__ = ["group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator", "place_model", "eval_mode"]
 
 
 def group_by_length(indices, lengths):
@@ -73,10 +74,12 @@ def resolve_accelerator(accelerator):
 
 
 def place_model(model, device=None, accelerator=None):
-    """Put ``model`` in eval mode on its device; return ``(model, device, accelerator)``.
+    """Put ``model`` on its device; return ``(model, device, accelerator)``.
 
     The device is the accelerator's when one is used (``accelerate`` assigns one
     per process), else ``device``, else where the model's parameters already are.
+    The model's train/eval mode is left alone: the scorers run each query under
+    :func:`eval_mode`.
     """
     accelerator = resolve_accelerator(accelerator)
     if accelerator is not None:
@@ -84,7 +87,30 @@ def place_model(model, device=None, accelerator=None):
     if device is not None:
         model = model.to(device)
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    return model.eval(), device, accelerator
+    return model, device, accelerator
+
+
+@contextmanager
+def eval_mode(model):
+    """Run a block with ``model`` in eval mode, then give every submodule back its own mode.
+
+    A scorer built once and queried between training steps sees the model in
+    train mode, where dropout would make every log-probability a random draw;
+    setting eval mode once at construction is not enough, and leaving it set
+    would switch dropout off in the user's training.
+
+    Example::
+
+        >>> with eval_mode(model):
+        ...     logits = model(input_ids).logits   # deterministic, whatever model.training was
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def shard(n, accelerator):

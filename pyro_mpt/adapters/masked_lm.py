@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ..masks import make_schedule
-from .batching import gather_rows, place_model, shard
+from .batching import eval_mode, gather_rows, place_model, shard
 from .mlm_forward import MaskedForward
 from .mlm_inputs import check_tokenizer, encode_inputs
 from .mlm_jobs import pll_jobs, rate_jobs, run_jobs, schedule_jobs
@@ -67,7 +67,8 @@ class MaskedLMScorer:
     batch shapes may run other BLAS kernels: agreement to about
     :math:`256\,\epsilon_{\text{float32}} \approx 3\cdot10^{-5}` relative).
 
-    :param model: a masked LM (``transformers.PreTrainedModel``); put in eval mode.
+    :param model: a masked LM (``transformers.PreTrainedModel``); every query runs
+        it in eval mode (no dropout) and gives it back in the mode it was in.
     :param tokenizer: its tokenizer; needed for text inputs. Pre-tokenized
         inputs work without one given ``mask_token_id`` and ``special_token_ids``.
     :param int max_tokens: token budget of one forward pass (copies x length).
@@ -177,7 +178,8 @@ class MaskedLMScorer:
         main = self.accelerator is None or self.accelerator.is_local_main_process
         bar = tqdm(desc=desc, unit="copy", disable=not (self.progress and main))
         try:
-            return run_jobs(enc, items, make_jobs, self.forward, self.mask_token_id, self.max_tokens, bar)
+            with eval_mode(self.model):
+                return run_jobs(enc, items, make_jobs, self.forward, self.mask_token_id, self.max_tokens, bar)
         finally:
             bar.close()
 

@@ -150,4 +150,6 @@ class MaskedForward:
 
 
 def _gather(logits, targets):
-    return logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    # half-precision logits are normalized in float32; float64 models keep their precision
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .batching import gather_rows, place_model, shard
+from .batching import eval_mode, gather_rows, place_model, shard
 from .rates import PAPER_MAE_RATES, check_rates, item_generator, mask_counts, nested_ranks, rate_curve
 
 __all__ = ["MAEScorer", "init_position_embeddings"]
@@ -75,7 +75,8 @@ def init_position_embeddings(model):
 class MAEScorer:
     r"""Reconstruction-error and Gaussian log-density MPT curves of a ViT-MAE.
 
-    :param model: a ``transformers.ViTMAEForPreTraining``; put in eval mode.
+    :param model: a ``transformers.ViTMAEForPreTraining``; every forward pass
+        runs it in eval mode (no dropout) and gives it back in the mode it was in.
     :param image_processor: turns PIL images / arrays into ``pixel_values``
         (e.g. ``AutoImageProcessor.from_pretrained(...)``); not needed for
         tensors that are already preprocessed.
@@ -225,14 +226,16 @@ class MAEScorer:
         # argsort(noise) keeps the lowest noise: the highest ranks stay visible
         noise = -ranks.to(self.device).float()
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
-        with torch.inference_mode(), self._keep_exactly(N - num_masked), amp:
+        with torch.inference_mode(), eval_mode(self.model), self._keep_exactly(N - num_masked), amp:
             out = self.model(pixel_values=pv, noise=noise)
-        target = self.model.patchify(pv).float()
+        # errors in float32 at least: bf16/half models lose nothing, float64 models keep float64
+        work = torch.promote_types(out.logits.dtype, torch.float32)
+        target = self.model.patchify(pv).to(work)
         if self.model.config.norm_pix_loss:
             mean = target.mean(dim=-1, keepdim=True)
             var = target.var(dim=-1, keepdim=True)
             target = (target - mean) / (var + 1.0e-6) ** 0.5
-        err = ((out.logits.float() - target) ** 2).mean(-1)
+        err = ((out.logits.to(work) - target) ** 2).mean(-1)
         mask = out.mask.float()
         counts = mask.sum(-1)
         if not torch.all(counts == num_masked):
@@ -241,7 +244,7 @@ class MAEScorer:
                 f"this ViT-MAE does not honour noise/mask_ratio as expected. Use a "
                 f"transformers ViTMAEForPreTraining, whose random masking reads both."
             )
-        return {"patch_error": err, "mask": mask, "loss": out.loss.float()}
+        return {"patch_error": err, "mask": mask.to(work), "loss": out.loss.to(work)}
 
     # ------------------------------------------------------------- curves
     def curves(self, inputs, rates=PAPER_MAE_RATES, num_masks=1, seed=None, label=None):
