@@ -489,3 +489,20 @@ def test_float64_model_keeps_float64_log_probs(tmp_path_factory):
     for i, text in enumerate(texts):
         # float64 rounding; a float32 log-softmax is ~1e-7 off
         torch.testing.assert_close(per_tok[i], _hand_pll(model, tok, text, torch.float64), rtol=0, atol=1e-12)
+
+
+def test_texts_are_truncated_to_the_model_positions_when_the_tokenizer_allows_more(tmp_path_factory):
+    # a tokenizer saved for a larger model of the family (bert-base's 512) with a 32-position model
+    model, tok = tiny_bert(tmp_path_factory.mktemp("long_vocab"))
+    tok.model_max_length = 512
+    letters = LETTERS * 5
+    text = " ".join(letters[:40])  # 42 tokens with CLS and SEP
+    with pytest.warns(UserWarning, match="longer than max_length=32"):
+        _, per_tok = MaskedLMScorer(model, tok).pll([text], per_token=True)
+    # the first 30 letters between CLS and SEP, scored by a loop over the positions
+    ids = torch.tensor(tok(text, truncation=True, max_length=32)["input_ids"])
+    assert ids.numel() == 32
+    direct = torch.stack([
+        _log_probs(model, tok, ids, torch.arange(32) == j)[j] for j in range(1, 31)
+    ])
+    torch.testing.assert_close(per_tok[0], direct, rtol=0, atol=1e-5)

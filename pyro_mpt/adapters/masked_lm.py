@@ -44,7 +44,7 @@ import torch
 from ..masks import make_schedule
 from .batching import eval_mode, gather_rows, place_model, shard
 from .mlm_forward import MaskedForward
-from .mlm_inputs import check_tokenizer, encode_inputs
+from .mlm_inputs import check_tokenizer, encode_inputs, position_limit
 from .mlm_jobs import pll_jobs, rate_jobs, run_jobs, schedule_jobs
 from .rates import PAPER_MLM_RATES, check_rates, item_generator, mask_counts, nested_ranks, rate_curve
 
@@ -80,7 +80,8 @@ class MaskedLMScorer:
     :param str head: ``"auto"`` (masked positions only when the class is known),
         ``"masked"`` (require it) or ``"full"`` (always full logits).
     :param int max_length: truncate texts to this many tokens; default the
-        model's limit.
+        model's limit (the smaller of the tokenizer's ``model_max_length`` and
+        the model's positions). Refused beyond the model's positions.
     :param text_column: column of a ``datasets.Dataset`` (or a pair of columns).
     :param int seed: default seed of the masks.
     :param bool progress: show a tqdm progress bar.
@@ -132,6 +133,13 @@ class MaskedLMScorer:
         self.text_column = text_column
         self.seed = seed
         self.progress = progress
+        limit = position_limit(self.model.config)
+        if max_length is not None and limit is not None and int(max_length) > limit:
+            raise ValueError(
+                f"max_length={max_length} is more than the {limit} positions the model takes "
+                f"(config.max_position_embeddings); pass max_length <= {limit}, or leave it out to "
+                f"truncate to the model's limit."
+            )
         self.max_length = max_length
 
         if mask_token_id is None:

@@ -110,8 +110,8 @@ def encode_inputs(inputs, *, tokenizer, config, special_token_ids, max_length=No
     :param config: the model's ``config`` (position limit, padding id).
     :param special_token_ids: long tensor of the ids never masked nor scored.
     :param int max_length: truncate texts to (and refuse ids longer than) this
-        many tokens; default the tokenizer's ``model_max_length``, else the
-        model's position limit.
+        many tokens; default the smaller of the tokenizer's ``model_max_length``
+        and the model's position limit (:func:`position_limit`).
     :param text_column: column (or pair of columns) of a ``datasets.Dataset``.
     :rtype: Encoded
 
@@ -168,10 +168,14 @@ class _Source:
     def text_limit(self):
         if self.max_length is not None:
             return int(self.max_length)
+        # a tokenizer saved for a larger model of the family (bert-base's 512 with a small
+        # BERT of 128 positions) would let texts outgrow the position embeddings
+        limits = [position_limit(self.config)]
         limit = getattr(self.tokenizer, "model_max_length", None)
         if limit is not None and limit < 1_000_000:
-            return int(limit)
-        return position_limit(self.config)
+            limits.append(int(limit))
+        limits = [n for n in limits if n is not None]
+        return min(limits) if limits else None
 
     def pad_token_id(self):
         """The padding id, when known: the tokenizer's, else the config's if it is a special id."""

@@ -109,6 +109,11 @@ def _():
     _scorer(max_length=4).encode(["a b c d e f"])
 
 
+@trigger("mlm-max-length-beyond-positions")
+def _():
+    _scorer(max_length=64)
+
+
 @trigger("mlm-tokenizer-vocabulary")
 def _():
     transformers = pytest.importorskip("transformers")
