@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .loading import optional_import
+
 __all__ = ["group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator", "place_model", "eval_mode"]
 
 
@@ -67,9 +69,7 @@ def resolve_accelerator(accelerator):
     if accelerator is None or accelerator is False:
         return None
     if accelerator is True:
-        from accelerate import Accelerator
-
-        return Accelerator()
+        return optional_import("accelerate", "accelerator=True").Accelerator()
     return accelerator
 
 

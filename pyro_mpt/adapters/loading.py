@@ -12,6 +12,7 @@ BERT architecture, amino-acid vocabulary) shipped inside the
 """
 
 import glob
+import importlib
 import os
 import socket
 import threading
@@ -34,6 +35,29 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".
 
 class ResourceUnavailable(OSError):
     """A model or dataset could not be found locally nor reached on the hub."""
+
+
+def optional_import(module, purpose, instead=""):
+    """``importlib.import_module(module)`` for a package of the ``hf`` extra, or
+    :class:`ResourceUnavailable` naming the package, what needed it and how to install it.
+
+    :param str module: e.g. ``"datasets"`` or ``"transformers"``.
+    :param str purpose: what needs it, for the message (``"Loading a dataset (--dataset)"``).
+    :param str instead: a way around it, appended to the message.
+
+    Example::
+
+        >>> optional_import("json", "Reading JSON").__name__
+        'json'
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        package = module.split(".")[0]
+        raise ResourceUnavailable(
+            f"{purpose} needs the '{package}' package, which could not be imported ({err}). Install "
+            f"pyro_mpt's HuggingFace extras: pip install 'pyro-mpt[hf]' (or pip install {package}).{instead}"
+        ) from err
 
 
 def _truthy(name):
@@ -117,8 +141,7 @@ def quiet_transformers():
     AntiBERTy's checkpoint carries extra heads (species, chain, graft) that
     BertForMaskedLM reports as unexpected keys; they are not used.
     """
-    from transformers.utils import logging
-
+    logging = optional_import("transformers.utils.logging", "The HuggingFace adapters")
     logging.set_verbosity_error()
     logging.disable_progress_bar()
 
@@ -154,7 +177,8 @@ def load_tokenizer(spec, model_dir=None, lowercase=None, where="local"):
     :param str spec: the tokenizer; None for the model's (``model_dir``).
     :param str where: how ``model_dir`` resolved (``"local"``, ``"hub"``, ``"cache"``).
     """
-    from transformers import AutoTokenizer, BertTokenizer
+    transformers = optional_import("transformers", "Loading a tokenizer")
+    AutoTokenizer, BertTokenizer = transformers.AutoTokenizer, transformers.BertTokenizer
 
     if spec is not None and os.path.isfile(spec):
         # transformers 5 ignores vocab_file=; the vocabulary goes in vocab=
@@ -186,7 +210,8 @@ def _load_model(name, label, hint, from_config, from_pretrained, random_init, se
     if quiet:
         quiet_transformers()
     import torch
-    from transformers import AutoConfig
+
+    AutoConfig = optional_import("transformers", f"Loading {label} {name!r}").AutoConfig
 
     kw = {"local_files_only": True} if where == "cache" else {}
     try:
@@ -215,7 +240,7 @@ def load_masked_lm(name, tokenizer=None, random_init=False, lowercase=None, seed
     if name == "antiberty":
         name, vocab = antiberty_paths()
         tokenizer = tokenizer or vocab
-    from transformers import AutoModelForMaskedLM
+    AutoModelForMaskedLM = optional_import("transformers", "Loading a masked LM").AutoModelForMaskedLM
 
     from .mlm_inputs import check_tokenizer
 
@@ -233,7 +258,9 @@ def load_vit_mae(name, processor=None, random_init=False, seed=0, quiet=False):
     ImageNet statistics (those of ``facebook/vit-mae-base``) when the model
     directory has no processor file.
     """
-    from transformers import AutoImageProcessor, ViTImageProcessor, ViTMAEForPreTraining
+    transformers = optional_import("transformers", "Loading a ViT-MAE")
+    AutoImageProcessor, ViTImageProcessor = transformers.AutoImageProcessor, transformers.ViTImageProcessor
+    ViTMAEForPreTraining = transformers.ViTMAEForPreTraining
 
     from .vit_mae import init_position_embeddings
 
@@ -262,8 +289,10 @@ _DATA_HINT = (
 
 def load_dataset_split(name, config=None, split="validation"):
     """A ``datasets.Dataset``: a ``save_to_disk`` directory, a data file, or a hub dataset."""
-    import datasets
-
+    datasets = optional_import(
+        "datasets", "Loading a dataset (--dataset, dataset=)",
+        " Or give the data without it: --text-file FILE (one sequence per line) or --image-folder DIR.",
+    )
     if os.path.isdir(name):
         ds = datasets.load_from_disk(name)
         if isinstance(ds, datasets.DatasetDict):

@@ -101,6 +101,7 @@ def _():
 
 @trigger("load-file-type")
 def _():
+    pytest.importorskip("datasets")
     loading = _loading()
     path = Path(_tmpdir()) / "data.xml"
     path.write_text("<a/>")
@@ -109,10 +110,22 @@ def _():
 
 @trigger("load-dataset-unreachable")
 def _():
+    pytest.importorskip("datasets")
     loading = _loading()
     mp = _offline()
     try:
         loading.load_texts(dataset="no-such-org/no-such-dataset")
+    finally:
+        mp.undo()
+
+
+@trigger("load-missing-package")
+def _():
+    loading = _loading()
+    mp = pytest.MonkeyPatch()
+    mp.setitem(sys.modules, "datasets", None)  # what an environment without it imports
+    try:
+        loading.load_texts(dataset=_csv("text\na\n"))
     finally:
         mp.undo()
 
@@ -135,11 +148,13 @@ def _csv(text):
 
 @trigger("load-no-text-column")
 def _():
+    pytest.importorskip("datasets")
     _loading().load_texts(dataset=_csv("label,score\n1,2\n"))
 
 
 @trigger("load-column-missing")
 def _():
+    pytest.importorskip("datasets")
     _loading().load_texts(dataset=_csv("text,label\na,1\n"), columns=["sentence"])
 
 
