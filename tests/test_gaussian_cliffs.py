@@ -346,7 +346,7 @@ def test_a_normal_latent_written_as_an_affine_transform_is_served_in_closed_form
 
 
 _PER_MASK_PATHS = ("lowrank_shared_sums", "lowrank_shared_sums_embedded", "dense_shared_sums", "lowrank_weighted_sum",
-                   "dense_weighted_sum", "lowrank_masks", "dense_masks", "dense_independent_sums",
+                   "dense_weighted_sum", "lowrank_masks", "dense_masks", "routed_dense_sums",
                    "lowrank_independent_sums")
 
 

@@ -141,3 +141,178 @@ def test_precision_routes_kept_tables_stay_within_their_budget():
         grads.append(torch.autograd.grad(log_c.sum() + log_r.sum(), S)[0])
     for a in grads[1:]:
         assert_close_to_rounding(a, grads[0], torch.float64)
+
+
+class _State:
+    """The fields of a dense Gaussian state that ``routed_dense_sums`` reads."""
+
+    def __init__(self, S, loc):
+        self.covariance, self.loc, self.site = S[None], loc, "x"
+
+
+def spy(monkeypatch, cls):
+    """The number of pairs each ``cls.apply`` call's own route serves (its outputs not 0 by
+    its route), in order."""
+    calls = []
+    apply = cls.apply
+
+    def served(a):
+        if cls is gdi.DenseIndependentSums:
+            return int((a[3].sum(-1) >= (a[7] if len(a) > 7 else 0)).sum())
+        return int((a[2].sum(-1) <= a[5]).sum())
+
+    monkeypatch.setattr(cls, "apply", lambda *a: calls.append(served(a)) or apply(*a))
+    return calls
+
+
+@pytest.mark.parametrize("missing", [False, True])
+@pytest.mark.parametrize("loc_rows", [1, 5])
+@pytest.mark.parametrize("max_elements", [1, 40, 2**20])  # one pair a chunk (on both routes), several, all
+def test_routed_sums_match_a_loop(monkeypatch, max_elements, loc_rows, missing):
+    """A single Gaussian's summed conditionals with masks per datapoint, each pair on its
+    route (fewer targets than context tokens: the precision's; else the context's): values
+    and gradients (of S through its factor, loc and x; random weights per pair) against the
+    loop's conditionals, with missing tokens (hidden, never summed) or without; pairs with no
+    target, no context, one target, and as many targets as context tokens."""
+    q, n, D = 3, 5, 6
+    g = torch.Generator().manual_seed(31)
+    S, A = spd(1, D, g)
+    loc = torch.randn(loc_rows, D, generator=g, dtype=torch.float64).requires_grad_()
+    x = torch.randn(n, D, generator=g, dtype=torch.float64).requires_grad_()
+    mask = torch.rand(q, n, D, generator=g) < torch.linspace(0.1, 0.9, n)[:, None]
+    mask[0, 0] = False  # no target
+    mask[0, 1] = True  # no context
+    mask[1, 2] = torch.arange(D) == 4  # one target
+    mask[1, 3] = torch.arange(D) < 3  # as many targets as context tokens: the context's route
+    observed = torch.rand(n, D, generator=g) < 0.7 if missing else None
+    prec_calls, ctx_calls = spy(monkeypatch, gdp.PrecisionTargetSums), spy(monkeypatch, gdi.DenseIndependentSums)
+    got = gdp.routed_dense_sums(_State(S[0], loc), x, mask, max_elements, observed)
+    n_prec = int((2 * mask.sum(-1) < D).sum())
+    assert prec_calls == [n_prec] and ctx_calls == [q * n - n_prec]
+    log_c = loop_reference(S, x, loc[None], ~mask)[0][:, 0]  # (q, n, D), 0 at the context
+    want = (log_c * (1.0 if observed is None else observed.double())).sum(-1)
+    assert_close_to_rounding(got, want, torch.float64)
+    w = torch.randn(q, n, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((w * got).sum(), (A, loc, x), retain_graph=True)
+    expected = torch.autograd.grad((w * want).sum(), (A, loc, x))
+    for a, b in zip(grads, expected):
+        assert_close_to_rounding(a, b, torch.float64)
+
+
+def test_routed_sums_value_of_one_pair_against_scipy():
+    """One pair on the precision route (two targets of seven) against scipy's conditional
+    of the multivariate normal, outside torch: each target's marginal given the context."""
+    D = 7
+    g = torch.Generator().manual_seed(32)
+    S = spd(1, D, g)[0][0].detach()
+    x = torch.randn(1, D, generator=g, dtype=torch.float64)
+    mask = torch.zeros(1, 1, D, dtype=torch.bool)
+    mask[0, 0, [1, 5]] = True
+    got = float(gdp.routed_dense_sums(_State(S, torch.zeros(1, D, dtype=torch.float64)), x, mask, 2**20))
+    Sn, r = S.numpy(), x[0].numpy()
+    t, c = mask[0, 0].numpy(), ~mask[0, 0].numpy()
+    cond = Sn[np.ix_(t, c)] @ np.linalg.inv(Sn[np.ix_(c, c)])
+    mean, var = cond @ r[c], np.diag(Sn[np.ix_(t, t)] - cond @ Sn[np.ix_(c, t)])
+    want = scipy.stats.norm.logpdf(r[t], mean, np.sqrt(var)).sum()
+    assert abs(got - want) < 1e-12 * max(1.0, abs(want))
+
+
+@pytest.mark.parametrize("condition", [1e2, 1e5])
+def test_float32_routed_sums_keep_the_context_routes_digits(monkeypatch, condition):
+    """float32 against float64: at condition number 1e2 the precision route serves the pairs
+    of few targets and the sums' errors (values and S's gradient) stay within 4x the context
+    route's alone; at 1e5, past MAX_CONDITION, every pair takes the context route."""
+    q, n, D = 1, 300, 20
+    g = torch.Generator().manual_seed(33)
+    S = rotated(1, D, torch.logspace(0, np.log10(condition), D, dtype=torch.float64), g)[0]
+    x = (torch.linalg.cholesky(S) @ torch.randn(D, n, generator=g, dtype=torch.float64)).T
+    mask = torch.rand(q, n, D, generator=g) < torch.rand(q, n, 1, generator=g)
+    loc = torch.zeros(1, D, dtype=torch.float64)
+    w = torch.rand(q, n, generator=g, dtype=torch.float64)
+
+    def run(fn, dtype):
+        Sd = S.to(dtype).requires_grad_()
+        out = fn(Sd, dtype)
+        return out.double(), torch.autograd.grad((w.to(dtype) * out).sum(), Sd)[0].double()
+
+    def old(Sd, dtype):
+        return gdi.DenseIndependentSums.apply(Sd, x.to(dtype), loc.to(dtype), mask, 2**22, "x")
+
+    def new(Sd, dtype):
+        return gdp.routed_dense_sums(_State(Sd, loc.to(dtype)), x.to(dtype), mask, 2**22)
+
+    ref = run(old, torch.float64)
+    calls = spy(monkeypatch, gdp.PrecisionTargetSums)
+    got_old, got_new = run(old, torch.float32), run(new, torch.float32)
+    assert bool(calls) == (condition < 1e4)
+    for a, b, r in zip(got_old, got_new, ref):
+        err_old = float((a - r).abs().max())
+        err_new = float((b - r).abs().max())
+        assert err_new <= 4 * err_old + 1e-5 * float(r.abs().max()), (err_new, err_old)
+
+
+def test_precision_sums_keep_only_their_inputs_and_bits():
+    """What the precision route saves for its backward pass: its inputs (the precision,
+    ``y``) and the masks' bits, none of the chunks' tables (they are recomputed); the
+    gradient is that of a chunk of every pair, and the pairs past ``max_targets`` have sums
+    0 and no gradient."""
+    q, n, D = 4, 50, 8
+    g = torch.Generator().manual_seed(34)
+    Lam = torch.linalg.inv(spd(1, D, g)[0][0].detach()).requires_grad_()
+    y = torch.randn(n, D, generator=g, dtype=torch.float64).requires_grad_()
+    mask = torch.rand(q, n, D, generator=g) < 0.4
+    grads = []
+    for max_elements in (1, 2**20):
+        saved, out = saved_numel(lambda: gdp.PrecisionTargetSums.apply(Lam, y, mask, max_elements, None, 3))
+        assert saved <= Lam.numel() + y.numel() + q * n * ((D + 7) // 8), saved
+        assert bool((out[mask.sum(-1) > 3] == 0).all()) and bool((out[mask.sum(-1) <= 3] != 0).any())
+        grads.append(torch.autograd.grad(out.sum(), (Lam, y)))
+    for a, b in zip(*grads):
+        assert_close_to_rounding(a, b, torch.float64)
+
+
+def test_training_loss_over_several_blocks_takes_both_routes_and_one_precision(monkeypatch):
+    """``MaskedPretrainingLoss`` with masks per datapoint on a full-covariance MVN whose
+    ``scale_tril`` and mean are params, ``masks="all"`` in blocks of one mask (``chunk_size
+    = N D``): the loss and its gradients against the loop's conditionals of the same masks,
+    differentiated by autograd; every block takes the precision route for its pairs of few
+    targets, from one precision per step (its check made once, not per block)."""
+    import pyro
+    import pyro.distributions as dist
+    from pyro_mpt import MaskedPretrainingLoss
+
+    pyro.clear_param_store()
+    D, N = 7, 6
+    g = torch.Generator().manual_seed(35)
+    L0 = torch.linalg.cholesky(spd(1, D, g)[0][0].detach())
+    x = torch.randn(N, D, generator=g, dtype=torch.float64) @ L0.T + 0.5
+
+    def model(x):
+        L = pyro.param("L", L0.clone(), constraint=dist.constraints.lower_cholesky)
+        loc = pyro.param("loc", torch.full((D,), 0.3, dtype=torch.float64))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", dist.MultivariateNormal(loc, scale_tril=L), obs=x)
+
+    checks, blocks_seen = [], spy(monkeypatch, gdp.PrecisionTargetSums)
+    fits = gdp.precision_route_fits
+    monkeypatch.setattr(gdp, "precision_route_fits", lambda S: checks.append(1) or fits(S))
+    loss = MaskedPretrainingLoss(masks="all", share_masks=False, chunk_size=N * D)
+    pyro.set_rng_seed(8)
+    value = loss.differentiable_loss(model, None, x)
+    assert len(checks) == 1 and len(blocks_seen) == (D - 1) // 2  # sizes 1..3 of 7 have few targets
+    params = [pyro.param("L").unconstrained(), pyro.param("loc").unconstrained()]
+    got = torch.autograd.grad(value, params)
+
+    pyro.set_rng_seed(8)
+    blocks = list(loss.schedule.blocks(N, D, max_elements=loss.chunk_size))
+    L, loc = pyro.param("L"), pyro.param("loc")
+    S = L @ L.T
+    estimate = x.new_zeros(())
+    for block in blocks:
+        mask = block.masks().expand(-1, N, -1)
+        log_c = loop_reference(S[None], x, loc[None, None], ~mask)[0][:, 0]
+        sums = (log_c * mask).sum(-1)
+        estimate = estimate + (block.weight.to(sums.dtype) * sums / block.size.to(sums.dtype)).sum()
+    assert_close_to_rounding(value, -estimate, torch.float64)
+    for a, b in zip(got, torch.autograd.grad(-estimate, params)):
+        assert_close_to_rounding(a, b, torch.float64)

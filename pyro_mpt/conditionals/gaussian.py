@@ -50,7 +50,7 @@ from .gaussian_aggregated import (
 )
 from .gaussian_blocks import BlockGaussianState, block_marginal
 from .gaussian_dense import dense_chain, dense_log_prob, dense_masks
-from .gaussian_dense_independent import dense_independent_sums
+from .gaussian_dense_precision import routed_dense_sums
 from .gaussian_independent import lowrank_independent_sums
 from .gaussian_jitter import add_jitter, factor_whole, resume_jitter
 from .gaussian_leave_one_out import dense_leave_one_out, leave_one_out_targets, lowrank_leave_one_out, lowrank_leave_one_out_rows
@@ -356,14 +356,15 @@ class GaussianConditionals(ConditionalEngine):
                 return lowrank_independent_sums(form, xf, mask, self._shared_data(form, x_data, xf), observed)
 
             return self._rescued(state, compute).to(_result_dtype(state))
-        # the conditionals' sums with their backward pass written out, chunks recomputed in it
+        # the conditionals' sums with their backward pass written out, chunks recomputed in it;
+        # the precision route's pieces computed once per state and data, for every block
         x = _to_work(state, x_data)
-        return _to_data(state, self._rescued(
-            state, lambda: dense_independent_sums(state, x, mask, self.max_elements, observed)))
+        return _to_data(state, self._rescued(state, lambda: routed_dense_sums(
+            state, x, mask, self.max_elements, observed, self._kept(state, x_data))))
 
     def _independent_within(self, state, mask, context):
         """Whether :meth:`mask_sums_within` takes the sums over masks drawn per datapoint
-        (``gaussian_independent``'s or ``gaussian_dense_independent``'s): a context shared
+        (``gaussian_independent``'s or ``gaussian_dense_precision``'s): a context shared
         by the queries (the observed tokens) and a state those sums serve
         (:meth:`_independent_sums`, :meth:`_dense_independent`)."""
         return (
@@ -377,8 +378,8 @@ class GaussianConditionals(ConditionalEngine):
         """True for masks drawn per datapoint with a loading (low-rank path) or a
         covariance (dense path) shared by the batch:
         ``gaussian_independent.lowrank_independent_sums`` and
-        ``gaussian_dense_independent.dense_independent_sums`` keep only the masks (as
-        bits) and recompute their chunks in their backward passes; with a context
+        ``gaussian_dense_precision.routed_dense_sums`` (both of its routes) keep only the
+        masks (as bits) and recompute their chunks in their backward passes; with a context
         (missing tokens), where :meth:`mask_sums_within` takes them."""
         if context is not None:
             return self._independent_within(state, mask, context)
@@ -390,7 +391,7 @@ class GaussianConditionals(ConditionalEngine):
 
     @staticmethod
     def _dense_independent(state):
-        """Whether masks per datapoint take ``gaussian_dense_independent``'s sums: a dense
+        """Whether masks per datapoint take ``gaussian_dense_precision``'s routed sums: a dense
         state whose covariance the batch shares."""
         return not state.is_low_rank and state.covariance.shape[0] == 1
 

@@ -301,6 +301,10 @@ class DenseIndependentSums(torch.autograd.Function):
     :param str site: for error messages.
     :param observed: ``(n, D)``, 1 at an observed token and 0 at a missing one (hidden
         but not summed), in ``S``'s dtype, or None.
+    :param int min_targets: the pairs with fewer targets are left to another route (their
+        sums 0 here).
+    :param bits: ``pack_bits(mask)`` where the caller has it (shared with another route's
+        Function, so that a block of masks keeps its bits once), or None.
     :returns: ``(q, n)``.
 
     Example::
@@ -310,23 +314,23 @@ class DenseIndependentSums(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, S, x, loc, mask, max_elements, site, observed=None):
+    def forward(ctx, S, x, loc, mask, max_elements, site, observed=None, min_targets=0, bits=None):
         """``(q, n)``."""
         q, n, D = mask.shape
         r = x - loc
         flat = mask.reshape(q * n, D)
-        out = S.new_empty(q * n)
+        out = S.new_zeros(q * n)
         rows = torch.arange(q * n, device=r.device) % n
         Sp, rp = padded_tokens(S[None], r[None])
-        for sl, s, m in _sorted_chunks(~flat, S.element_size(), max_elements, S.device):
+        for sl, s, m in _chunks_from(flat, min_targets, S.element_size(), max_elements, S.device):
             logc = _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, site).log_conditionals(D)[0]
             out[sl] = (logc if observed is None else logc * observed[rows[sl]]).sum(-1)
         ctx.observed = observed
         # x and loc rather than r: they are shared by every block of masks, r would be one more
         # (n, D) table kept per block (the engine's blocks are not checkpointed: each keeps only
         # this, and its chunks are recomputed)
-        ctx.save_for_backward(S, x, loc, pack_bits(mask))
-        ctx.max_elements, ctx.site, ctx.num_tokens = max_elements, site, D
+        ctx.save_for_backward(S, x, loc, pack_bits(mask) if bits is None else bits)
+        ctx.max_elements, ctx.site, ctx.num_tokens, ctx.min_targets = max_elements, site, D, min_targets
         return out.view(q, n)
 
     @staticmethod
@@ -342,14 +346,25 @@ class DenseIndependentSums(torch.autograd.Function):
         gr = torch.zeros_like(r)
         Sp, rp = padded_tokens(S[None], r[None])
         G = torch.zeros_like(Sp).view(1, -1)  # S's gradient before symmetrization, padded
-        for sl, s, m in _sorted_chunks(~flat, S.element_size(), ctx.max_elements, S.device):
+        for sl, s, m in _chunks_from(flat, ctx.min_targets, S.element_size(), ctx.max_elements, S.device):
             pc = _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, ctx.site)
             gc = gflat[sl].expand(-1, D) if ctx.observed is None else gflat[sl] * ctx.observed[rows[sl]]
             gr.index_add_(0, rows[sl], pc.backward(torch.nn.functional.pad(gc, (0, 2 * D))[None], None, G)[0])
         G = G.view(3 * D, 3 * D)[:D, :D]
         gS = 0.5 * (G + G.T)
         gloc = (-gr).sum_to_size(loc.shape) if ctx.needs_input_grad[2] else None
-        return gS, gr if ctx.needs_input_grad[1] else None, gloc, None, None, None, None
+        return gS, gr if ctx.needs_input_grad[1] else None, gloc, None, None, None, None, None, None
+
+
+def _chunks_from(flat, min_targets, itemsize, max_elements, device):
+    """:func:`_sorted_chunks` of the pairs of ``flat`` ``(P, D)`` (True at a target) with at
+    least ``min_targets`` targets, their indices into ``flat``."""
+    if min_targets <= 0:
+        yield from _sorted_chunks(~flat, itemsize, max_elements, device)
+        return
+    sel = (flat.sum(-1) >= min_targets).nonzero().squeeze(-1)
+    for pairs, s, m in _sorted_chunks(~flat[sel], itemsize, max_elements, device):
+        yield sel[pairs], s, m
 
 
 class DenseContextConditionals(torch.autograd.Function):
