@@ -726,3 +726,18 @@ def test_tril_inverse_matches_numpy_inverse_batched():
     got = tril_inverse(torch.from_numpy(L)).numpy()
     np.testing.assert_allclose(got, np.linalg.inv(L), rtol=1e-12, atol=1e-13)
     assert np.all(np.triu(got, 1) == 0)
+
+
+def test_tril_inverse_transposed_matches_numpy_batched():
+    """L^-T from the solve from the right, and (L L^T)^-1 = X X^T, against numpy's inverses
+    (1e-12), on row-major and column-major batches of factors."""
+    from pyro_mpt.conditionals.gaussian_linalg import tril_inverse_transposed
+
+    rng = np.random.default_rng(4)
+    A = rng.standard_normal((5, 2, 7, 9))
+    S = A @ np.swapaxes(A, -1, -2) + 2 * np.eye(7)
+    L = torch.from_numpy(np.linalg.cholesky(S))
+    for factor in (L, L.mT.contiguous().mT):
+        X = tril_inverse_transposed(factor)
+        np.testing.assert_allclose(X.numpy(), np.swapaxes(np.linalg.inv(L.numpy()), -1, -2), rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose((X @ X.mT).numpy(), np.linalg.inv(S), rtol=1e-11, atol=1e-12 * np.abs(np.linalg.inv(S)).max())

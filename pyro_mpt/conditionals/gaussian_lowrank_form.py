@@ -15,7 +15,7 @@ and the variances, and remakes the rest in chunks whose tables live in one
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, SymmetricPacking, cholesky, tril_inverse
+from .gaussian_linalg import LOG_2PI, SymmetricPacking, cholesky, tril_inverse_transposed
 from .workspace import Workspace
 from .written_backward import first_order_backward
 
@@ -167,8 +167,8 @@ class LowRankForm(torch.autograd.Function):
             Lam.diagonal(dim1=-2, dim2=-1).add_(1)
             L = cholesky(Lam, "context precision I + F_R^T Psi_R^-1 F_R", site)
             # Lambda >= I, so L^-1 has norm <= 1: its explicit inverse is accurate
-            Linv = tril_inverse(L)
-            Lio = torch.matmul(Linv.transpose(-1, -2), Linv, out=Li[so])
+            X = tril_inverse_transposed(L)
+            Lio = torch.matmul(X, X.transpose(-1, -2), out=Li[so])
             vo = torch.add(pk.inner(Lio), psi, out=v[so])
             w = ao * to / vo
             logdet += (ao * to * (LOG_2PI + vo.log())).sum()

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .gaussian_linalg import LOG_2PI, cholesky, posterior_precision_factor, tril_inverse
+from .gaussian_linalg import LOG_2PI, cholesky, posterior_precision_factor, tril_inverse_transposed
 from .written_backward import first_order_backward
 
 __all__ = [
@@ -261,7 +261,8 @@ class TargetBlockForm(torch.autograd.Function):
             else:
                 block = Pext.view(-1).index_select(0, flat).view(idx.shape + idx.shape[-1:])
                 block.diagonal(dim1=-2, dim2=-1).add_(idx == D)
-                C = torch.cholesky_inverse(cholesky(block, "target block P_MM of the precision", site))
+                X = tril_inverse_transposed(cholesky(block, "target block P_MM of the precision", site))
+                C = X @ X.transpose(-1, -2)  # (L L^T)^-1: cholesky_inverse takes 1.3-1.7x longer
             v = torch.diagonal(C, dim1=-2, dim2=-1)
             a = coef.index_select(0, rows).unsqueeze(-1) * (idx < D)
             logv = v.log()
@@ -318,7 +319,7 @@ def _conditional_covariance(F, psi, idx, site):
         Lam.diagonal(dim1=-2, dim2=-1).add_(1)
         L = cholesky(Lam, "context precision I + F_R^T Psi_R^-1 F_R", site)
         # Lambda >= I: L^-1 has norm <= 1, its explicit inverse is accurate
-        Linv = tril_inverse(L)
+        Linv = tril_inverse_transposed(L).transpose(-1, -2)
         flat = idx.reshape(-1)
         V = torch.matmul(Linv, torch.cat([F, F.new_zeros(1, R)]).index_select(0, flat).view(*idx.shape, R).transpose(1, 2))
         C = torch.matmul(V.transpose(1, 2), V)
