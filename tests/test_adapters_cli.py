@@ -154,10 +154,12 @@ def test_console_script_exit_statuses(bert_dir, tmp_path):
     bad = _pyro_mpt("mlm-curve", "no-such-org/no-such-model", "--text-file", texts, "--num-masks", "0", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stdout == ""
     assert "argument --num-masks: must be a positive integer, got '0'" in bad.stderr and "Traceback" not in bad.stderr
-    # a failure after the scores were computed: the JSON cannot be written
-    fail = _pyro_mpt("mlm-curve", d, "--text-file", texts, "--rates", "0.5", "--scores", "--no-plot",
-                     "--json", tmp_path / "missing-dir" / "x.json", cwd=tmp_path)
-    assert fail.returncode == 1 and "FileNotFoundError" in fail.stderr
+    # an unexpected failure inside the run: Python's traceback and status 1
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "bert", "vocab_size": "many"}')
+    fail = _pyro_mpt("mlm-curve", tmp_path / "broken", "--tokenizer", d, "--text-file", texts, "--rates", "0.5",
+                     "--no-plot", "--json", js, cwd=tmp_path)
+    assert fail.returncode == 1 and "Traceback" in fail.stderr
 
 
 def test_dataset_without_the_datasets_package_is_a_usage_error(bert_dir, tmp_path):
@@ -246,3 +248,44 @@ def test_unknown_residues_exit_2_with_the_reason(bert_dir, tmp_path, capsys):
     assert err.value.code == 2
     msg = capsys.readouterr().err
     assert "Sequence 1 has no maskable token: all its 3 token(s) are the unknown token '[UNK]'" in msg
+
+
+def test_output_folders_are_created_and_unwritable_outputs_refused_before_the_run(bert_dir, tmp_path):
+    """A run must not fail at its last line: --json / --plot folders are created up front, and a
+    path that cannot be written is a usage error before anything is loaded (the model named in
+    the refused runs does not exist)."""
+    d, texts = bert_dir
+    js, png = tmp_path / "results" / "cola" / "r.json", tmp_path / "figures" / "r.png"
+    ok = _pyro_mpt("mlm-curve", d, "--text-file", texts, "--rates", "0.5", "--scores", "--json", js, "--plot", png,
+                   cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(js.read_text())["num_sequences"] == 3 and png.stat().st_size > 1000
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    under_file = _pyro_mpt("mlm-curve", "no-such-org/no-such-model", "--text-file", texts,
+                           "--json", blocker / "r.json", cwd=tmp_path)
+    assert under_file.returncode == 2 and "Traceback" not in under_file.stderr
+    assert f"--json '{blocker / 'r.json'}': cannot write in its folder '{blocker}'" in under_file.stderr
+    folder = _pyro_mpt("mae-curve", "no-such-org/no-such-model", "--image-folder", tmp_path,
+                       "--plot", tmp_path, cwd=tmp_path)
+    assert folder.returncode == 2 and f"--plot '{tmp_path}' is a folder; give a file path" in folder.stderr
+
+
+def test_device_and_sigma2_are_usage_errors(bert_dir, tmp_path):
+    """Exit status 2 and one line naming the argument, before any model is loaded, instead of a
+    traceback (status 1) once the model had loaded."""
+    import torch
+
+    _, texts = bert_dir
+    devices = ["gpu"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in devices:
+        bad = _pyro_mpt("mlm-curve", "no-such-org/no-such-model", "--text-file", texts, "--device", device,
+                        cwd=tmp_path)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr
+        assert f"pyro-mpt: error: --device '{device}' cannot be used on this machine" in bad.stderr
+        assert "pass --device cpu" in bad.stderr
+    for sigma2 in ["-1", "inf"]:
+        bad = _pyro_mpt("mae-curve", "no-such-org/no-such-model", "--image-folder", tmp_path, "--sigma2", sigma2,
+                        cwd=tmp_path)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr
+        assert f"--sigma2 must be a positive number or 'mle', got '{sigma2}'." in bad.stderr

@@ -117,8 +117,8 @@ class MAEScorer:
         progress=False,
         accelerator=None,
     ):
-        if not (sigma2 == "mle" or (isinstance(sigma2, (int, float)) and sigma2 > 0)):
-            raise ValueError(f'sigma2 must be a positive float or "mle", got {sigma2!r}.')
+        if not (sigma2 == "mle" or (isinstance(sigma2, (int, float)) and math.isfinite(sigma2) and sigma2 > 0)):
+            raise ValueError(f'sigma2 must be a positive finite float or "mle", got {sigma2!r}.')
         if int(batch_size) < 1 or int(chunk_images) < 1:
             raise ValueError(
                 f"MAEScorer(batch_size={batch_size}, chunk_images={chunk_images}): both must be "

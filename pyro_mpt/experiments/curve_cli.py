@@ -15,11 +15,13 @@ Data-parallel runs shard the items across processes and gather the results::
 
 import argparse
 import json
+import math
 import os
 import sys
+import tempfile
 import time
 
-__all__ = ["register", "SUBCOMMANDS", "positive_int"]
+__all__ = ["register", "SUBCOMMANDS", "positive_int", "check_device", "prepare_outputs"]
 
 _MLM_EPILOG = """\
 examples:
@@ -134,6 +136,67 @@ def _fail(err):
     raise SystemExit(2)
 
 
+def check_device(text):
+    """The ``--device`` argument, checked before any model is loaded: a device name torch
+    reads and that this machine has (``cuda`` on a CPU-only build, ``cuda:3`` on a one-GPU
+    machine and ``gpu`` are usage errors, not tracebacks after the model has loaded).
+
+    :param str text: the value of ``--device``.
+    :returns: ``text``, unchanged.
+    :raises ValueError: naming the argument and what to pass instead.
+
+    Example::
+
+        >>> check_device("cpu")
+        'cpu'
+        >>> check_device("gpu")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: --device 'gpu' cannot be used on this machine (...); pass --device cpu, ...
+    """
+    import torch
+
+    try:
+        torch.empty(0, device=torch.device(text))
+    except (RuntimeError, AssertionError, ValueError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"--device {text!r} cannot be used on this machine ({reason}); pass --device cpu, "
+            f"or leave --device out (cuda when available, else cpu)."
+        ) from None
+    return text
+
+
+def prepare_outputs(args, command):
+    """Check, before the run, that the JSON and the plot can be written: their folders are
+    created when missing, and a path that is a folder or a folder that cannot be created is
+    a usage error (a run of an hour must not fail at its last line).
+
+    :param argparse.Namespace args: the parsed ``json``, ``plot`` and ``no_plot``.
+    :param str command: the subcommand, whose name gives the default file names.
+    :raises ValueError: naming the argument and the path.
+
+    Example::
+
+        >>> prepare_outputs(argparse.Namespace(json="runs/cola.json", plot=None, no_plot=False), "mlm-curve")
+        >>> os.path.isdir("runs")   # created; the plot goes to ./mlm-curve.png
+        True
+    """
+    outputs = [("--json", args.json or f"{command}.json")]
+    if not args.no_plot:
+        outputs.append(("--plot", args.plot or f"{command}.png"))
+    for flag, path in outputs:
+        if os.path.isdir(path):
+            raise ValueError(f"{flag} {path!r} is a folder; give a file path, e.g. {os.path.join(path, command)}"
+                             f"{'.json' if flag == '--json' else '.png'}.")
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as err:
+            raise ValueError(f"{flag} {path!r}: cannot write in its folder {folder!r} ({err.strerror or err}); "
+                             f"give a path in a folder you can write to.") from None
+
+
 def _setup(args):
     import torch
 
@@ -179,6 +242,9 @@ def _run_mlm(args):
     # arguments and data first: a usage error must not wait for (or hide behind) the model
     try:
         rates = parse_rates(args.rates)
+        if args.device is not None:
+            check_device(args.device)
+        prepare_outputs(args, "mlm-curve")
         texts = load_texts(args.text_file, args.dataset, args.dataset_config, args.split, args.column, args.limit)
     except (ResourceUnavailable, ValueError) as err:
         _fail(err)
@@ -249,7 +315,12 @@ def _run_mae(args):
             try:
                 sigma2 = float(sigma2)
             except ValueError:
-                raise ValueError(f"--sigma2 must be a positive number or 'mle', got {sigma2!r}.") from None
+                sigma2 = float("nan")
+            if not (math.isfinite(sigma2) and sigma2 > 0):
+                raise ValueError(f"--sigma2 must be a positive number or 'mle', got {args.sigma2!r}.")
+        if args.device is not None:
+            check_device(args.device)
+        prepare_outputs(args, "mae-curve")
         images = load_images(args.image_folder, args.dataset, args.dataset_config, args.split, args.column, args.limit)
         model, proc = load_vit_mae(args.model, args.processor, args.random_init, args.seed, quiet=not args.progress)
     except (ResourceUnavailable, ValueError) as err:

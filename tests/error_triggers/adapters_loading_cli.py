@@ -200,6 +200,23 @@ def _():
     _cli(["mae-curve", "model", "--image-folder", _tmpdir(), "--sigma2", "big"])
 
 
+@trigger("cli-device")
+def _():
+    _cli(["mlm-curve", "model", "--text-file", "t.txt", "--device", "gpu"])
+
+
+@trigger("cli-output-is-folder")
+def _():
+    _cli(["mlm-curve", "model", "--text-file", "t.txt", "--json", _tmpdir()])
+
+
+@trigger("cli-output-unwritable")
+def _():
+    blocker = Path(_tmpdir()) / "a-file"
+    blocker.write_text("")
+    _cli(["mlm-curve", "model", "--text-file", "t.txt", "--json", str(blocker / "r.json")])
+
+
 @trigger("cli-resource-unavailable")
 def _():
     text = Path(_tmpdir()) / "t.txt"
