@@ -214,3 +214,69 @@ def test_first_evaluation_warns_when_the_conditionals_are_estimated_off(float64)
         warnings.simplefilter("always")
         engine.mask_log_prob(_prepared(engine, model, x), x, mask)
     assert not [w for w in rec if "estimated to be off" in str(w.message)]
+
+
+def _every_mask(D):
+    """Every non-empty target set of ``D`` tokens, ``(2^D - 1, 1, D)`` bool."""
+    bits = (np.arange(1, 2**D)[:, None] >> np.arange(D)) & 1
+    return torch.as_tensor(bits.astype(bool))[:, None, :]
+
+
+@pytest.mark.parametrize("family", ["gamma_poisson", "beta_binomial"])
+def test_conjugate_conditionals_at_every_context_match_scipy(float64, family):
+    """A 1-D conjugate latent (a Gamma rate of Poisson counts, a Beta probability of
+    Binomial counts), written as users write it: with the default 32 nodes every
+    conditional of every mask is within 1e-4 nats of scipy's posterior
+    predictive (nbinom, betabinom; measured 2.8e-5 and 4.1e-6), and exhaustive
+    MPT within 1e-4 of scipy's chain rule (6.6e-6 and 8.9e-7). Before, a query
+    whose context's Gaussian model the 32-node full grid resolved kept that grid,
+    although the context's true posterior (one count of five) is wider and
+    heavier-tailed in the latent's unconstrained coordinates: 1.7e-2 and 1.4e-3
+    nats off (Gamma-Poisson exhaustive: 3.4e-3)."""
+    n, D = 6, 5
+    g = torch.Generator().manual_seed(0)
+    if family == "gamma_poisson":
+        a, b = 2.5, 0.7
+        x = torch.poisson(torch.full((n, D), 3.0), generator=g)
+
+        def model(x):
+            with pyro.plate("data", x.shape[0]):
+                lam = pyro.sample("lam", dist.Gamma(a, b))
+                pyro.sample("x", dist.Poisson(lam.unsqueeze(-1)).expand(lam.shape + (D,)).to_event(1), obs=x)
+
+        def predictive(xs, ctx):  # (n, D) given ctx (n, D) bool
+            shape = a + (xs * ctx).sum(1, keepdims=True)
+            rate = b + ctx.sum(1, keepdims=True)
+            return stats.nbinom.logpmf(xs, shape, rate / (rate + 1))
+
+        def log_evidence(xs):
+            return stats.nbinom.logpmf(xs[:, 0], a, b / (b + 1)) + sum(
+                predictive(xs, np.broadcast_to(np.arange(D) < j, xs.shape))[:, j] for j in range(1, D)
+            )
+    else:
+        a, b, trials = 2.0, 3.0, 7
+        x = torch.binomial(torch.full((n, D), float(trials)), torch.full((n, D), 0.3), generator=g)
+
+        def model(x):
+            with pyro.plate("data", x.shape[0]):
+                p = pyro.sample("p", dist.Beta(a, b))
+                pyro.sample("x", dist.Binomial(trials, p.unsqueeze(-1)).expand(p.shape + (D,)).to_event(1), obs=x)
+
+        def predictive(xs, ctx):
+            s = (xs * ctx).sum(1, keepdims=True)
+            return stats.betabinom.logpmf(xs, trials, a + s, b + trials * ctx.sum(1, keepdims=True) - s)
+
+        def log_evidence(xs):
+            return stats.betabinom.logpmf(xs[:, 0], trials, a, b) + sum(
+                predictive(xs, np.broadcast_to(np.arange(D) < j, xs.shape))[:, j] for j in range(1, D)
+            )
+
+    mask = _every_mask(D)
+    engine = QuadratureConditionals()
+    lp = engine.mask_log_prob(_prepared(engine, model, x), x, mask).numpy()
+    xs = x.numpy()
+    ref = np.stack([predictive(xs, np.broadcast_to(~m[0].numpy(), xs.shape)) for m in mask])
+    full = mask.expand(-1, n, -1).numpy()
+    assert np.abs(lp - ref)[full].max() < 1e-4
+    score = MaskedPretrainingLoss(masks="exhaustive").score(model, None, x).detach().numpy()
+    assert np.abs(score - log_evidence(xs)).max() < 1e-4

@@ -77,8 +77,8 @@ Poisson, Beta, ...).
 * ``context_grids=True`` (with ``adaptive``, the default): a masked
   conditional is an expectation under the posterior given its *context*, which
   is wider than the full one and, when an outlying token is hidden, centred
-  elsewhere. Each query whose context's Gaussian model the full grid does not
-  resolve (to :func:`~pyro_mpt.conditionals.quadrature_contexts.resolved_tol`)
+  elsewhere. Each query whose context's Gaussian model is too far from the full
+  posterior (:func:`~pyro_mpt.conditionals.quadrature_contexts.full_grid_resolves`)
   is integrated on a grid centred and scaled on that model, and every log-sum
   gets the closed-form correction that makes the rule exact for Gaussian
   likelihoods (:func:`~pyro_mpt.conditionals.quadrature_contexts.gaussian_corrections`).
@@ -125,8 +125,8 @@ from .quadrature_contexts import (
     context_models,
     context_partials,
     full_frames,
+    full_grid_resolves,
     gaussian_corrections,
-    resolved_tol,
     token_quadratics,
 )
 from .quadrature_table import QuadratureState
@@ -519,15 +519,13 @@ class QuadratureConditionals(ConditionalEngine):
             # a query whose context's Gaussian the full grid resolves (e.g. most
             # leave-one-out contexts) keeps it: no model run; the numerators' integrands
             # lie between that posterior and the full one, which the grid is built for
-            dden = gaussian_corrections(quad, full, None, e, log_w, self.max_elements)[1]
-            # a query's grid runs the model for all datapoints: all of them use it
-            own = (dden.abs() > resolved_tol(dden.dtype)).any(1)  # (q,)
+            own = ~full_grid_resolves(quad, full, state.nodes_per_dim, self.max_elements)  # (q,)
         kept = (~own).nonzero().squeeze(-1)
         rows = own.nonzero().squeeze(-1)
         parts = []
         if kept.numel() > 0:
             with torch.no_grad():
-                dnum = gaussian_corrections(quad, full, target, e, log_w, self.max_elements)[0]
+                dnum, dden = gaussian_corrections(quad, full, target, e, log_w, self.max_elements)
             num, den = self._reduce(state, MixtureChunk.mask_partials, ctx[kept])
             parts.append((kept, num + dnum[kept].to(num.dtype), den + dden[kept].to(den.dtype)))
         if rows.numel() > 0:
