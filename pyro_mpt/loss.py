@@ -19,10 +19,11 @@ full-data loss whenever the schedule is unbiased.
 
 from dataclasses import dataclass, field
 
+import pyro.distributions as dist
 import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
-from pyro.util import warn_if_nan
+from pyro.util import get_rng_state, set_rng_state, warn_if_nan
 
 from .conditionals import auto_engine, make_engine
 from .conditionals.base import EngineNotApplicable, callable_key
@@ -43,6 +44,11 @@ _ELBO_OPTIONS = frozenset(
 )
 
 
+class _Revalidate(Exception):
+    """The model's trace without Pyro's argument validation does not serve this step: trace
+    it again with validation."""
+
+
 @dataclass
 class LossMemory:
     """All that a :class:`MaskedPretrainingLoss` remembers across calls.
@@ -58,9 +64,16 @@ class LossMemory:
         every step. It is asked first at the next call; when it no longer
         applies, ``"auto"`` chooses again. ``auto_engines.clear()`` forgets
         them.
+    :param set validating_engines: the models (``callable_key``) whose engine built
+        every distribution of the model trace again under Pyro's validation at the last
+        validated step (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.validates_model`):
+        their next steps trace the model without that validation (a full-covariance
+        GMM's sampled trace checked a ``scale_tril`` of ``(N, D, D)``, a sixth of its
+        step at D = 50), and trace again with it should anything fail.
     """
 
     auto_engines: dict = field(default_factory=dict)
+    validating_engines: set = field(default_factory=set)
 
 
 class MaskedPretrainingLoss(ELBO):
@@ -187,10 +200,11 @@ class MaskedPretrainingLoss(ELBO):
         self.progress = progress
 
     # ------------------------------------------------------------------ internals
-    def _trace_tokens(self, model, guide, args, kwargs, check=True):
+    def _trace_tokens(self, model, guide, args, kwargs, check=True, validate_model=True):
         mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
         tokens = trace_tokens(
-            model, guide, args, kwargs, self.obs_site, mpn, self.token_plates, extra_sites=self.extra_sites
+            model, guide, args, kwargs, self.obs_site, mpn, self.token_plates, extra_sites=self.extra_sites,
+            validate_model=validate_model,
         )
         if check:
             check_guide_sites(tokens)
@@ -205,14 +219,41 @@ class MaskedPretrainingLoss(ELBO):
         global latents at the guide's point masses (0. without; see :mod:`~pyro_mpt.point_latents`),
         which the engines then see as fixed."""
         user_model = callable_key(model)  # the memory's key (see LossMemory), not the fixed twin's
+        if user_model in self.memory.validating_engines and dist.is_validation_enabled():
+            rng = get_rng_state()
+            try:
+                return self._prepare_traced(model, guide, args, kwargs, user_model, validate_model=False)
+            except Exception:
+                # whatever failed, the validated path fails as it always did: Pyro's own error
+                # for a bad argument, raised by the model's first trace
+                set_rng_state(rng)
+                self.memory.validating_engines.discard(user_model)
+        return self._prepare_traced(model, guide, args, kwargs, user_model, validate_model=True)
+
+    def _prepare_traced(self, model, guide, args, kwargs, user_model, validate_model):
+        """:meth:`_prepare_with_prior` with the model traced with Pyro's argument validation
+        (``validate_model``), or without it, for the remembered engine only, which must
+        construct every distribution again under that validation (else :class:`_Revalidate`)."""
         tokens, model, guide, points = trace_with_point_globals(
-            lambda model, guide: self._trace_tokens(model, guide, args, kwargs, check=False), model, guide
+            lambda model, guide: self._trace_tokens(model, guide, args, kwargs, check=False, validate_model=validate_model),
+            model, guide,
         )
         key = (user_model, tokens.name)
+        if not validate_model and points:
+            raise _Revalidate  # the point masses' log-prior checks their support while validating
         prior = log_prior(points)
         check_guide_sites(tokens)
         check_latent_scales(tokens)
+        if not validate_model:
+            engine = self.engine if self.engine is not None else self.memory.auto_engines.get(key)
+            if engine is None or not engine.validates_model(tokens):
+                raise _Revalidate
+            return tokens, engine, engine.prepare(tokens, model, guide, args, kwargs), prior
         tokens, engine, state = self._prepare_engine(tokens, key, model, guide, args, kwargs)
+        if not points and engine.validates_model(tokens):
+            self.memory.validating_engines.add(user_model)
+        else:
+            self.memory.validating_engines.discard(user_model)
         return tokens, engine, state, prior
 
     def _prepare_engine(self, tokens, key, model, guide, args, kwargs):

@@ -39,6 +39,7 @@ is dropped, which changes the model. :func:`trace_tokens` refuses such a model
 unless ``extra_sites="drop"`` asks for exactly that computation.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -380,13 +381,17 @@ def _empty_plate(error):
     return name
 
 
-def _run_traces(model, guide, args, kwargs):
-    """The guide trace (empty without a guide) and the model trace replayed on it."""
+def _run_traces(model, guide, args, kwargs, validate_model=True):
+    """The guide trace (empty without a guide) and the model trace replayed on it; the
+    model run without Pyro's distribution-argument validation unless ``validate_model``."""
+    checks = contextlib.nullcontext() if validate_model else dist.validation_enabled(False)
     try:
         if guide is None:
-            return Trace(), poutine.trace(model).get_trace(*args, **kwargs)
+            with checks:
+                return Trace(), poutine.trace(model).get_trace(*args, **kwargs)
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
+        with checks:
+            model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
         return guide_trace, model_trace
     except ZeroDivisionError as e:
         plate = _empty_plate(e)
@@ -439,7 +444,8 @@ def _datapoint_scale(layout, site, token_plates, dtype, validate):
 
 
 def trace_tokens(
-    model, guide, args, kwargs, obs_site=None, max_plate_nesting=None, token_plates=None, extra_sites="error"
+    model, guide, args, kwargs, obs_site=None, max_plate_nesting=None, token_plates=None, extra_sites="error",
+    validate_model=True,
 ):
     r"""Run ``guide`` then ``model`` (replayed on the guide) and locate the tokens.
 
@@ -460,6 +466,10 @@ def trace_tokens(
         ``"drop"`` scores the token site alone, :math:`\log p(x_i)` of the
         model without those factors, with the other observed sites integrated
         out (their values still enter wherever the model reads them).
+    :param bool validate_model: False runs the model with Pyro's distribution-argument
+        validation off (the checks of the tokens' values still run while it is on): for a
+        caller whose engine constructs every distribution again under it
+        (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.validates_model`).
     :returns: the observed tokens and the traces.
     :rtype: ObservedTokens
 
@@ -468,7 +478,7 @@ def trace_tokens(
         >>> tokens = trace_tokens(model, None, (x,), {}, token_plates=("tokens",))
         >>> tokens.value.shape          # (n, D)
     """
-    guide_trace, model_trace = _run_traces(model, guide, args, kwargs)
+    guide_trace, model_trace = _run_traces(model, guide, args, kwargs, validate_model)
     used = guess_max_plate_nesting(model_trace, guide_trace)
     if max_plate_nesting is None or max_plate_nesting == float("inf") or max_plate_nesting < used:
         # the engines put their plate of points at dim -(max_plate_nesting + 1): a value

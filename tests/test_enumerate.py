@@ -958,3 +958,103 @@ def test_stable_logsumexp_against_scipy_with_infinite_rows():
     assert np.abs(got[:2] - want[:2]).max() < 1e-14
     # the same reduction over the other dimension (a transposed layout: equal to rounding)
     np.testing.assert_allclose(stable_logsumexp(t.T, 0).numpy(), got, rtol=4 * np.finfo(np.float64).eps)
+
+
+def _tril_gmm(N=40, D=3, C=3, seed=12):
+    """A full-covariance GMM in the form of Pyro's GMM tutorial (an enumerated assignment,
+    ``MultivariateNormal(locs[a], scale_tril=tril[a])``) whose ``tril`` is an argument,
+    recording whether Pyro's distribution validation was on at each run of the model."""
+    g = torch.Generator().manual_seed(seed)
+    locs = 2 * torch.randn(C, D, generator=g, dtype=torch.float64)
+    A = torch.randn(C, D, D, generator=g, dtype=torch.float64)
+    tril = torch.linalg.cholesky(A @ A.mT + torch.eye(D, dtype=torch.float64))
+    x = torch.randn(N, D, generator=g, dtype=torch.float64)
+    runs = []
+
+    @config_enumerate
+    def model(x, tril):
+        runs.append(dist.is_validation_enabled())
+        weights = pyro.param("weights", torch.full((C,), 1.0 / C, dtype=torch.float64), constraint=constraints.simplex)
+        L = pyro.param("locs", locs.clone())
+        with pyro.plate("data", x.shape[0]):
+            a = pyro.sample("a", dist.Categorical(weights))
+            pyro.sample("x", dist.MultivariateNormal(L[a], scale_tril=tril[a]), obs=x)
+
+    return model, x, tril, runs
+
+
+def test_gmm_traces_its_sampled_assignment_without_validation_after_the_first_step():
+    """The loss's first, sampled trace builds ``tril[a]`` at ``(N, D, D)`` and Pyro validated
+    it (a sixth of a step at D = 50, N = 1000); the enumeration engine constructs every
+    distribution again under validation, so from the second step on the sampled trace runs
+    without it: the same loss (same seed) as a fresh loss's fully validated step, and
+    validation back on for every later run."""
+    model, x, tril, runs = _tril_gmm()
+    pyro.clear_param_store()
+    loss = MaskedPretrainingLoss(masks="uniform", num_masks=2)
+    loss.differentiable_loss(model, None, x, tril)
+    assert runs == [True, True]  # first step: the sampled trace validated, then the enumerated one
+    runs.clear()
+    pyro.set_rng_seed(3)
+    quiet = loss.differentiable_loss(model, None, x, tril)
+    assert runs == [False, True] and dist.is_validation_enabled()
+    pyro.set_rng_seed(3)
+    fresh = MaskedPretrainingLoss(masks="uniform", num_masks=2).differentiable_loss(model, None, x, tril)
+    assert_close = torch.testing.assert_close
+    assert_close(quiet, fresh, rtol=1e-12, atol=0)
+    # with validation off by the user, nothing changes: every run without it
+    runs.clear()
+    with pyro.validation_enabled(False):
+        loss.differentiable_loss(model, None, x, tril)
+    assert runs == [False, False]
+
+
+@pytest.mark.parametrize("bad", ["upper", "negative_diagonal", "nan"])
+def test_gmm_bad_scale_tril_raises_pyros_error_at_a_later_step(bad):
+    """A ``scale_tril`` that goes bad after the first step raises the very error a fresh
+    loss raises (Pyro's validation of the argument), although that step's sampled trace
+    ran without validation: the user sees what they saw before."""
+    model, x, tril, runs = _tril_gmm()
+    pyro.clear_param_store()
+    loss = MaskedPretrainingLoss()
+    loss.differentiable_loss(model, None, x, tril)
+    broken = tril.clone()
+    if bad == "upper":
+        broken[1] = tril[1].mT
+    elif bad == "negative_diagonal":
+        broken[2, 0, 0] = -1.0
+    else:
+        broken[0, 1, 0] = float("nan")
+    pyro.set_rng_seed(5)
+    with pytest.raises(Exception) as fresh:
+        MaskedPretrainingLoss().differentiable_loss(model, None, x, broken)
+    assert isinstance(fresh.value, ValueError) and "scale_tril" in str(fresh.value)
+    runs.clear()
+    pyro.set_rng_seed(5)  # the failed try gives the random state back: the same assignments in the message
+    with pytest.raises(Exception) as later:
+        loss.differentiable_loss(model, None, x, broken)
+    assert type(later.value) is type(fresh.value) and str(later.value) == str(fresh.value)
+    assert runs[0] is False and runs[-1] is True  # it did try without validation, then traced again with it
+    # and the loss recovers once the argument is good again
+    assert torch.isfinite(loss.differentiable_loss(model, None, x, tril))
+
+
+def test_models_whose_engine_does_not_run_them_again_stay_validated():
+    """A full-covariance MVN without latents (the Gaussian engine derives its marginal from
+    the model but does not construct the trace's distributions again): every step's trace
+    validated."""
+    runs = []
+    D, N = 3, 10
+    x = torch.randn(N, D, dtype=torch.float64)
+
+    def model(x):
+        runs.append(dist.is_validation_enabled())
+        L = pyro.param("L", torch.eye(D, dtype=torch.float64), constraint=constraints.lower_cholesky)
+        with pyro.plate("data", N):
+            pyro.sample("x", dist.MultivariateNormal(torch.zeros(D, dtype=torch.float64), scale_tril=L), obs=x)
+
+    pyro.clear_param_store()
+    loss = MaskedPretrainingLoss()
+    for _ in range(3):
+        loss.differentiable_loss(model, None, x)
+    assert runs and all(runs)

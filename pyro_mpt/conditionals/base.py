@@ -191,6 +191,25 @@ class ConditionalEngine(ABC):
         zero = torch.zeros((), dtype=logc.dtype, device=logc.device)
         return torch.where(mask, logc, zero).sum(-1)
 
+    def validates_model(self, tokens):
+        """Whether :meth:`prepare` runs the model again and constructs there every
+        distribution of ``tokens``' model trace (for every value its latents take there),
+        under Pyro's argument validation as the caller left it. Where it does,
+        :class:`~pyro_mpt.MaskedPretrainingLoss` traces the model without that validation at
+        later steps, since a bad argument still raises Pyro's error here (and, should
+        anything fail, it traces again with validation, as before). The default, False,
+        is always safe.
+
+        :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: what :meth:`prepare` took.
+        :returns: bool.
+
+        Example::
+
+            >>> engine.validates_model(tokens)   # False unless the engine says so
+            False
+        """
+        return False
+
     def recomputes_mask_sums(self, state, x, mask, context=None):
         """Whether :meth:`mask_sums` for these masks (:meth:`mask_sums_within` with
         ``context``) keeps nothing of the size of its

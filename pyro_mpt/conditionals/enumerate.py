@@ -318,6 +318,13 @@ class EnumerateConditionals(ConditionalEngine):
             )
         return sizes, continuous
 
+    def validates_model(self, tokens):
+        """True where :meth:`prepare` enumerates: its run of the model, replayed on the
+        tokens' trace with every discrete latent enumerated, constructs each distribution
+        of the sampled trace at every value of those latents (the only path that does
+        not, a ``MixtureSameFamily`` observation without latents, returns False)."""
+        return bool(tokens.latent_sites())
+
     def prepare(self, tokens, model, guide, args, kwargs):
         sizes, continuous = self._check(tokens)
         if sizes is None:
