@@ -252,12 +252,19 @@ class TargetBlockForm(torch.autograd.Function):
         A = P.new_zeros((D + 1) * (D + 1))
         logdet = P.new_zeros(())
         saved = []
-        for rows, idx in groups:
+        routes = [factor is not None and idx.shape[-1] ** 3 >= CONTEXT_ROUTE * factor[0].shape[-1] ** 2 * D for _, idx in groups]
+        if any(routes):
+            F, psi = factor[0].detach(), factor[1].detach()
+            Linv = _context_inverse_factors(F, psi, [idx for (_, idx), route in zip(groups, routes) if route], site)
+            Fx, psix = torch.cat([F, F.new_zeros(1, F.shape[-1])]), torch.cat([psi, psi.new_ones(1)])
+            k = 0
+        for (rows, idx), route in zip(groups, routes):
             # int32: the gathers and scatters take it as fast, and it is kept for the backward pass
             idx32 = idx.to(torch.int32)
             flat = torch.add(idx32.unsqueeze(-1) * (D + 1), idx32.unsqueeze(-2)).view(-1)
-            if factor is not None and idx.shape[-1] ** 3 >= CONTEXT_ROUTE * factor[0].shape[-1] ** 2 * D:
-                C = _conditional_covariance(*factor, idx, site)
+            if route:
+                C = _conditional_covariance(Fx, psix, idx, Linv[k : k + idx.shape[0]])
+                k += idx.shape[0]
             else:
                 block = Pext.view(-1).index_select(0, flat).view(idx.shape + idx.shape[-1:])
                 block.diagonal(dim1=-2, dim2=-1).add_(idx == D)
@@ -306,22 +313,36 @@ def _symmetric_part(X):
     return torch.add(X, X.T).mul_(0.5)
 
 
-def _conditional_covariance(F, psi, idx, site):
-    r"""The targets' conditional covariances :math:`\Psi_{\mathcal M} + F_{\mathcal M}\Lambda^{-1}
-    F_{\mathcal M}^\top` of a group, ``(g, Mp, Mp)``, with :math:`\Lambda = I +
-    F_{\mathcal R}^\top\Psi_{\mathcal R}^{-1}F_{\mathcal R}` over each mask's context; the padding
-    slots (token ``D``) get an identity block, as :class:`TargetBlockForm`'s."""
+def _context_inverse_factors(F, psi, idxs, site):
+    r""":math:`L^{-1}` of every mask's context precision :math:`\Lambda = LL^\top = I +
+    F_{\mathcal R}^\top\Psi_{\mathcal R}^{-1}F_{\mathcal R}`, ``(n, R, R)`` for the ``n`` masks of
+    the groups whose target tokens are ``idxs`` (a list of ``(g, Mp)``, padded with ``D``), in
+    one batch: the :math:`R\times R` factors do not depend on the group's size, and a call a
+    group cost its own factorization, inverse and check (PPCA D = 200, K = 50, six groups of
+    83 to 104 targets, float32, one thread: 1.0 -> 0.5 ms)."""
     D, R = F.shape
     with torch.no_grad():
         F, psi = F.detach(), psi.detach()
-        context = torch.ones(idx.shape[0], D + 1, dtype=F.dtype, device=F.device).scatter_(1, idx, 0.0)
+        context = torch.ones(sum(idx.shape[0] for idx in idxs), D + 1, dtype=F.dtype, device=F.device)
+        start = 0
+        for idx in idxs:
+            context[start : start + idx.shape[0]].scatter_(1, idx, 0.0)
+            start += idx.shape[0]
         Lam = torch.matmul(F.T * (context[:, :D] / psi).unsqueeze(1), F)
         Lam.diagonal(dim1=-2, dim2=-1).add_(1)
         L = cholesky(Lam, "context precision I + F_R^T Psi_R^-1 F_R", site)
         # Lambda >= I: L^-1 has norm <= 1, its explicit inverse is accurate
-        Linv = tril_inverse_transposed(L).transpose(-1, -2)
-        flat = idx.reshape(-1)
-        V = torch.matmul(Linv, torch.cat([F, F.new_zeros(1, R)]).index_select(0, flat).view(*idx.shape, R).transpose(1, 2))
-        C = torch.matmul(V.transpose(1, 2), V)
-        C.diagonal(dim1=-2, dim2=-1).add_(torch.cat([psi, psi.new_ones(1)]).index_select(0, flat).view(idx.shape))
-        return C
+        return tril_inverse_transposed(L).transpose(-1, -2)
+
+
+def _conditional_covariance(Fx, psix, idx, Linv):
+    r"""The targets' conditional covariances :math:`\Psi_{\mathcal M} + F_{\mathcal M}\Lambda^{-1}
+    F_{\mathcal M}^\top` of a group, ``(g, Mp, Mp)``, with :math:`\Lambda^{-1} = L^{-\top}L^{-1}`
+    (``Linv`` ``(g, R, R)``, :func:`_context_inverse_factors`) over each mask's context; ``Fx``
+    ``(D + 1, R)`` and ``psix`` ``(D + 1,)``: the loading's rows and the noise with a zero row and
+    a one for the padding token ``D``, which so gets an identity block, as :class:`TargetBlockForm`'s."""
+    flat = idx.reshape(-1)
+    V = torch.matmul(Linv, Fx.index_select(0, flat).view(*idx.shape, -1).transpose(1, 2))
+    C = torch.matmul(V.transpose(1, 2), V)
+    C.diagonal(dim1=-2, dim2=-1).add_(psix.index_select(0, flat).view(idx.shape))
+    return C
