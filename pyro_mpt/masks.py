@@ -426,15 +426,21 @@ class FixedRate(MaskSchedule):
     gives every :math:`S(x; M)` through :meth:`MaskedPretrainingLoss.curve`).
 
     :param float rate: the masking rate, in (0, 1).
+    :param bool at_least_one: mask :math:`\max(1, \operatorname{round}(rD))`
+        tokens (at most :math:`D`) instead of refusing a :math:`D` whose
+        rounded count is 0: the rule of the adapters' rate curves, for corpora
+        whose sequences vary in length (a 3-token sentence at 15 %).
 
     Example::
 
         >>> loss = MaskedPretrainingLoss(masks=0.15)  # FixedRate(0.15): BERT's rate
         >>> next(FixedRate(0.2, 2).blocks(3, 10)).size.tolist()  # round(0.2 * 10) targets a mask
         [[2], [2]]
+        >>> FixedRate(0.15, at_least_one=True).size(3)  # round(0.45) = 0, raised to 1
+        1
     """
 
-    def __init__(self, rate, num_masks=1, *, share_masks=False):
+    def __init__(self, rate, num_masks=1, *, share_masks=False, at_least_one=False):
         super().__init__(num_masks, share_masks=share_masks)
         if isinstance(rate, bool) or not isinstance(rate, Real) or not 0.0 < rate < 1.0:
             raise ValueError(
@@ -442,15 +448,21 @@ class FixedRate(MaskSchedule):
                 f'e.g. masks=0.15, or masks="uniform" for an unbiased schedule.'
             )
         self.rate = float(rate)
+        self.at_least_one = bool(at_least_one)
 
     def size(self, D):
-        r"""The mask size :math:`\operatorname{round}(r D)`: an int for an int ``D``, long ``(n,)`` for counts ``(n,)``."""
+        r"""The mask size :math:`\operatorname{round}(r D)` (with ``at_least_one``, clamped to
+        :math:`1..D`): an int for an int ``D``, long ``(n,)`` for counts ``(n,)``."""
         if torch.is_tensor(D):
-            return (self.rate * D.to(torch.float64) + 0.5).floor().long()
-        return int(math.floor(self.rate * D + 0.5))
+            M = (self.rate * D.to(torch.float64) + 0.5).floor().long()
+            return torch.minimum(M.clamp(min=1), D.long()) if self.at_least_one else M
+        M = int(math.floor(self.rate * D + 0.5))
+        return min(max(M, 1), int(D)) if self.at_least_one else M
 
     def check(self, D):
         super().check(D)
+        if self.at_least_one:
+            return
         if D < 2:
             raise ValueError(
                 f"A fixed masking rate needs D >= 2 tokens (some masked, some "

@@ -506,3 +506,27 @@ def test_texts_are_truncated_to_the_model_positions_when_the_tokenizer_allows_mo
         _log_probs(model, tok, ids, torch.arange(32) == j)[j] for j in range(1, 31)
     ])
     torch.testing.assert_close(per_tok[0], direct, rtol=0, atol=1e-5)
+
+
+def test_fixed_rate_score_masks_at_least_one_token_of_short_sequences(tmp_path_factory):
+    """masks=0.15 on a corpus with 1- and 3-token sentences (round(0.15 L) = 0) was refused; it
+    masks max(1, round(r L)) tokens, the rule of curve()."""
+    from pyro_mpt.masks import FixedRate
+
+    model, tok = tiny_bert(tmp_path_factory.mktemp("rate_vocab"))
+    scorer = MaskedLMScorer(model, tok)
+    texts = ["c", "a b c", "a b c d e f g h i j a b c d e f g h i j"]
+    P = 400
+    score = scorer.score(texts, masks=0.15, num_masks=P, seed=3)
+    # one token: M = 1 masks it, L * S(x; 1) = log p(x_1 | [CLS] [MASK] [SEP]), no randomness
+    ids = torch.tensor(tok("c")["input_ids"])
+    assert abs(score[0].item() - _log_probs(model, tok, ids, torch.arange(3) == 1)[1].item()) < 1e-5
+    # three tokens: M = 1, so the estimate's expectation is 3 S(x; 1), the PLL, from P random tokens
+    ids = torch.tensor(tok("a b c")["input_ids"])
+    single = torch.stack([_log_probs(model, tok, ids, torch.arange(5) == j)[j] for j in (1, 2, 3)])
+    stderr = 3 * single.std(unbiased=False).item() / math.sqrt(P)
+    assert abs(score[1].item() - single.sum().item()) < 4 * stderr  # fixed seed, 4 standard errors
+    # where round(r L) >= 1 the masks and the number are FixedRate's own
+    expected = scorer.score(texts[2:], masks=FixedRate(0.15, P), seed=3)
+    alone = scorer.score(texts[2:], masks=0.15, num_masks=P, seed=3)
+    assert_close_to_rounding(alone, expected)

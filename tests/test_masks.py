@@ -329,3 +329,16 @@ def test_pll_blocks_hold_only_their_own_rows():
         assert mask.untyped_storage().nbytes() == mask.numel() < D * D
         rows.append(mask[:, 0].numpy())
     assert np.array_equal(np.concatenate(rows), np.eye(D, dtype=bool))
+
+
+def test_fixed_rate_at_least_one_clamps_the_rounded_count():
+    from pyro_mpt.masks import FixedRate
+
+    rate = FixedRate(0.15, 2, at_least_one=True)
+    # round(0.15 L) for L = 1, 3, 4, 20 is 0, 0, 1, 3 (halves up); clamped to 1..L
+    assert rate.size(torch.tensor([1, 3, 4, 20])).tolist() == [1, 1, 1, 3]
+    assert [rate.size(L) for L in (1, 3, 20)] == [1, 1, 3]
+    (block,) = list(rate.blocks(2, 3))
+    assert block.size.tolist() == [[1], [1]] and block.masks().sum(-1).eq(1).all()  # (masks, 1) shared size
+    with pytest.raises(ValueError, match="round"):
+        list(FixedRate(0.15).blocks(2, 3))

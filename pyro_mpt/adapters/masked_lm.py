@@ -38,10 +38,12 @@ into forward passes) and :mod:`~pyro_mpt.adapters.mlm_forward` (the forward
 pass and the head at the scored positions).
 """
 
+from numbers import Real
+
 import numpy as np
 import torch
 
-from ..masks import make_schedule
+from ..masks import FixedRate, make_schedule
 from .batching import eval_mode, gather_rows, place_model, shard
 from .mlm_forward import MaskedForward
 from .mlm_inputs import check_tokenizer, encode_inputs, position_limit
@@ -275,7 +277,9 @@ class MaskedLMScorer:
           (``P L`` passes, one scored token each).
 
         Also accepts ``"stratified"``, ``"exhaustive"`` (:math:`L \le 16`), a
-        fixed rate (biased), or a :class:`~pyro_mpt.masks.MaskSchedule`. All
+        fixed rate :math:`r` (biased: :math:`L\,\hat S(x; M)` with
+        :math:`M = \max(1, \operatorname{round}(rL))`, the rule of :meth:`curve`,
+        so short sequences are scored too), or a :class:`~pyro_mpt.masks.MaskSchedule`. All
         unbiased schedules estimate the same number: the expectation over
         orderings of an order-specific log-likelihood, a lower bound on the
         log-likelihood of the mixture over orderings (see the module
@@ -285,6 +289,9 @@ class MaskedLMScorer:
         """
         enc = self.encode(inputs, text_column)
         schedule = make_schedule(masks, num_masks)
+        if isinstance(masks, Real) and not isinstance(masks, bool):
+            # sequences vary in length: a rate masks max(1, round(r L)) tokens, as in curve()
+            schedule = FixedRate(masks, num_masks, at_least_one=True)
         seed = self._seed(seed)
         lengths = enc.lengths
 
