@@ -351,13 +351,12 @@ def _backward_form(F, psi, Li, Q, w, s, G, plan, Yk, gF, gXc, gu, gLi, gQ):
             # X_m G_ee + G_de = F_p^T G_ee + G_de - X^c_m G_ee: the first two once for all masks
             H = torch.addmm(Gde, Fpx[:D].T, Gee)
             Geex = torch.cat([Gee, Gee.new_zeros(1, D)])
-            GdeT = Gde.T.contiguous()
             gXcT, gFt = F.new_zeros(D + 1, R), F.new_zeros(R, D)
         c = idx.shape[0]
         Y = None if Yk is None else Yk[k : k + c]
         k += c
         _context_backward_chunk(
-            F, Ft, Fpx, H, Geex, GdeT, Li[sl], Q[sl], w[sl], s[sl], Y, idx, gFt, gXcT, gu[sl], gLi[sl], gQ[sl], ws
+            F, Ft, Fpx, H, Geex, Gde, Li[sl], Q[sl], w[sl], s[sl], Y, idx, gFt, gXcT, gu[sl], gLi[sl], gQ[sl], ws
         )
     if Fpx is not None:
         gXc.add_(gXcT[:D].T)
@@ -417,7 +416,7 @@ def _backward_chunk(F, Ft, Li, Q, w, s, Gee, Gde, gF, gXc, gu, gLi, gQ, ws):
     gF.addmm_(Z[0].view(c * R, D).T, Li.reshape(c * R, R))
 
 
-def _context_backward_chunk(F, Ft, Fpx, H, Geex, GdeT, Li, Q, w, s, Y, idx, gFt, gXcT, gu, gLi, gQ, ws):
+def _context_backward_chunk(F, Ft, Fpx, H, Geex, Gde, Li, Q, w, s, Y, idx, gFt, gXcT, gu, gLi, gQ, ws):
     r""":func:`_backward_chunk` on the context path: with the chunk's context tokens ``idx``
     ``(c, Rm)`` (padded with the zero row ``D`` of ``Fpx`` and ``Geex``),
     :math:`\bar Y_m = H - X^c_mG_{ee}` with :math:`H = F_p^\top G_{ee} + G_{de}`, and
@@ -440,17 +439,19 @@ def _context_backward_chunk(F, Ft, Fpx, H, Geex, GdeT, Li, Q, w, s, Y, idx, gFt,
     gY = torch.baddbmm(H, Xc, Gc, alpha=-1, out=ws.take("gY", (c, R, D)))
     LgY = torch.matmul(Li, gY, out=ws.take("LgY", (c, R, D)))
     u1 = (2 * w).unsqueeze(1)
-    Z = ws.take("Z", (2, c, R, D))
-    torch.sum(torch.mul(LgY, Ft, out=Z[0]), 1, out=gu)
-    gFt.add_(torch.mul(LgY, u1, out=Z[0]).sum(0))
+    torch.sum(torch.mul(LgY, Ft, out=ws.take("Z", (c, R, D))), 1, out=gu)
+    gFt.add_(LgY.mul_(u1).sum(0))
+    # the tables are reused as they fall free (fewer tables a chunk: fewer cache misses, fewer
+    # pages): LgY's takes gY o 2w, gY turns into gY + G_de (read at the context columns below),
+    # then (gY + G_de) o s
+    Z0 = torch.mul(gY, u1, out=LgY)
+    gYd = gY.add_(Gde)
     # the padding's slots gather any column (clamped) and are scattered to row D
     near = idx.clamp(max=D - 1)
-    gYc = torch.gather(gY.transpose(1, 2), 1, near.unsqueeze(-1).expand(c, Rm, R))
-    gYc += GdeT.index_select(0, near.reshape(-1)).view(c, Rm, R)
+    gYc = torch.gather(gYd, 2, near.unsqueeze(1).expand(c, R, Rm))
     T = torch.matmul(Gc, Y.transpose(1, 2))
-    T.baddbmm_(gYc, Q)  # Q symmetric: (Q (gY + G_de))^T at the context columns
+    T.baddbmm_(gYc.transpose(1, 2), Q)  # Q symmetric: (Q (gY + G_de))^T at the context columns
     gXcT.index_add_(0, flat, T.view(c * Rm, R))
-    torch.mul(gY, u1, out=Z[0])
-    torch.add(gY, GdeT.T, out=Z[1]).mul_(s.unsqueeze(1))
-    torch.matmul(Z[0].view(c * R, D), F, out=gLi.view(c * R, R))
-    torch.matmul(Z[1].view(c * R, D), F, out=gQ.view(c * R, R))
+    Z1 = gYd.mul_(s.unsqueeze(1))
+    torch.matmul(Z0.view(c * R, D), F, out=gLi.view(c * R, R))
+    torch.matmul(Z1.view(c * R, D), F, out=gQ.view(c * R, R))
