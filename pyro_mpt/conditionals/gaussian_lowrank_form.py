@@ -185,7 +185,8 @@ class LowRankForm(torch.autograd.Function):
             # Q too, where it fits after the Y's (the backward pass makes it again otherwise)
             Qk = Q if Q.numel() <= keep else None
             keep -= 0 if Qk is None else Qk.numel()
-            kept.append((Yk, Qk))
+            # the plan too: making it again costs its host syncs (0.3 ms at D = 200, K = 50)
+            kept.append((Yk, Qk, plan))
             _forward_form(F, psi, Lio, Q, w, s, plan, A, Yk)
         ctx.save_for_backward(F, psi, t, a, Li, Mw, v)
         ctx.chunks, ctx.kept, ctx.pk = chunks, kept, pk
@@ -215,14 +216,14 @@ class LowRankForm(torch.autograd.Function):
         for k, o in enumerate(range(0, P, outer)):
             so = slice(o, o + outer)
             Lio, vo, to = Li[so], v[so], t[so]
-            Yk, Q = ctx.kept[k]
+            Yk, Q, plan = ctx.kept[k]
             if Q is None:
                 Q = MwLi[so].transpose(-1, -2) @ Lio  # Li Mw Li, Li and Mw symmetric
             w = a[so].unsqueeze(-1) * to / vo
             gu = torch.empty_like(w)
             gLi, gQ = torch.empty_like(Lio), torch.empty_like(Q)
             so_psi = to / psi
-            _backward_form(F, psi, Lio, Q, w, so_psi, G, _context_chunks(so_psi, R, inner), Yk, gF, gXc, gu, gLi, gQ)
+            _backward_form(F, psi, Lio, Q, w, so_psi, G, plan, Yk, gF, gXc, gu, gLi, gQ)
             # Li and Q are symmetric for every F and psi: only their gradients' symmetric parts
             # count, and the tables below are met only through packed symmetric parts (pack_sym),
             # so none is symmetrized in full (a transposed read of a table: 0.4 ms of 96 masks)
@@ -365,21 +366,24 @@ def _backward_form(F, psi, Li, Q, w, s, G, plan, Yk, gF, gXc, gu, gLi, gQ):
 
 def _pieces(F, Ft, Li, Q, w, s, ws, x=True, Y=None, qx=False):
     """A chunk's ``[X, Y]`` ``(2, c, R, D)`` with ``X = F^T o s`` (left unset where ``x``
-    is False) and ``Y = [Li F^T] o 2w + [Q F^T] o s``, and ``[Li F^T, Q F^T]`` ``(c, 2, R, D)``,
+    is False) and ``Y = [Li F^T] o 2w + [Q F^T] o s``, and ``[Li F^T, Q F^T]`` ``(2, c, R, D)``,
     in the workspace ``ws``; with ``Y`` given (``(c, R, D)``, where ``x`` is False), ``Y`` is
     made there and returned in ``[X, Y]``'s place; and where ``qx``, :math:`\\sum_m Q_mX_m` ``(R, D)``
     (else None)."""
     c, R, _ = Li.shape
     D = F.shape[0]
-    LQ = torch.stack([Li, Q], 1).view(2 * c * R, R)
-    LQF = torch.matmul(LQ, Ft, out=ws.take("LQF", (2 * c * R, D))).view(c, 2, R, D)
+    # two products into the halves of one table, not one product of a stacked copy of Li and Q
+    LQF = ws.take("LQF", (2, c * R, D))
+    torch.matmul(Li.reshape(c * R, R), Ft, out=LQF[0])
+    torch.matmul(Q.reshape(c * R, R), Ft, out=LQF[1])
+    LQF = LQF.view(2, c, R, D)
     XY = ws.take("XY", (2, c, R, D)) if Y is None else (None, Y)
     s1 = s.unsqueeze(1)
     if x:
         torch.mul(Ft, s1, out=XY[0])  # F^T contiguous: read strided, this pass took 5x longer
-    torch.mul(LQF[:, 1], s1, out=XY[1])
+    torch.mul(LQF[1], s1, out=XY[1])
     QX = XY[1].sum(0) if qx else None
-    XY[1].addcmul_(LQF[:, 0], (2 * w).unsqueeze(1))
+    XY[1].addcmul_(LQF[0], (2 * w).unsqueeze(1))
     return XY, LQF, QX
 
 
@@ -399,7 +403,7 @@ def _backward_chunk(F, Ft, Li, Q, w, s, Gee, Gde, gF, gXc, gu, gLi, gQ, ws):
     gY, gX = gYX[0], gYX[1]
     gY += Gde
     s1 = s.unsqueeze(1)
-    gu.copy_((gY * LQF[:, 0]).sum(1))
+    gu.copy_((gY * LQF[0]).sum(1))
     # X_m's gradient from A_ee = X^T Y, Y's Q X and A_ed = X^T Q, at the context columns
     # (Q (gY + G_de), accumulated in place without a table for gY + G_de)
     gX.baddbmm_(Q, gY)
