@@ -104,6 +104,42 @@ def test_cli_compare_prints_a_table_and_writes_json(tmp_path, capsys):
         cli_main([])  # a subcommand is required
 
 
+def test_cli_compare_refuses_bad_outputs_and_widths_before_training(tmp_path):
+    """Through the console script: a --json that cannot be written (its folder is a file) and
+    a zero hidden width are usage errors (status 2, one line) before any training; a missing
+    --json folder is created. Before, the first failed after training (FileNotFoundError,
+    status 1) and a zero width trained broken models."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from models import ROOT
+
+    script = Path(sys.executable).with_name("pyro-mpt")
+    script = str(script) if script.exists() else shutil.which("pyro-mpt")
+    if script is None:
+        pytest.skip("the pyro-mpt console script is not installed (pip install -e .)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MPLBACKEND="Agg")
+
+    def pyro_mpt(*argv):
+        return subprocess.run([script, "compare", *map(str, argv)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = pyro_mpt("--losses", "elbo", "--json", blocker / "c.json")
+    assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr
+    assert f"--json '{blocker / 'c.json'}': cannot write in its folder" in bad.stderr
+    width = pyro_mpt("--hidden", "16", "0")
+    assert width.returncode == 2 and "argument --hidden: must be a positive integer, got '0'" in width.stderr
+    ok = pyro_mpt("--n-train", "32", "--n-test", "16", "--epochs", "1", "--hidden", "8", "--latent-dim", "2",
+                  "--losses", "elbo", "--final-samples", "10", "--quiet", "--json", tmp_path / "runs" / "c.json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((tmp_path / "runs" / "c.json").read_text())["results"][0]["name"] == "elbo"
+
+
 def test_deep_vae_example_quick(tmp_path):
     module = load_script("examples/deep_vae.py")
     png = tmp_path / "fig.png"

@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from .curve_cli import positive_int
+from .curve_cli import check_output_path, positive_int
 
 __all__ = ["main", "run", "build_parser", "SUBCOMMANDS"]
 
@@ -27,7 +27,7 @@ def _add_compare_arguments(p):
     p.add_argument("--dataset", default="digits", choices=["digits", "mnist"], help="data (default: digits, bundled with scikit-learn)")
     p.add_argument("--likelihood", default="bernoulli", choices=["bernoulli", "gaussian"], help="pixel likelihood; bernoulli binarizes the data")
     p.add_argument("--latent-dim", type=positive_int, default=4, help="K, latent dims of the VAE")
-    p.add_argument("--hidden", type=int, nargs="+", default=[128], help="hidden layer widths of encoder and decoder")
+    p.add_argument("--hidden", type=positive_int, nargs="+", default=[128], help="hidden layer widths of encoder and decoder")
     p.add_argument("--n-train", type=positive_int, default=None, help="training images (default: all)")
     p.add_argument("--n-test", type=positive_int, default=None, help="held-out images")
     p.add_argument(
@@ -61,9 +61,11 @@ def _run_compare(args):
     from .datasets import load_dataset
     from .vae import DeepVAE
 
-    try:  # a misspelt loss is a usage error, found before any data is loaded or model trained
+    try:  # a misspelt loss or an unwritable --json is a usage error, found before any model is trained
         for spec in args.losses:
             make_loss(spec, mpt_encoder=args.mpt_encoder)
+        if args.json:
+            check_output_path("--json", args.json, "compare.json")
     except (TypeError, ValueError) as err:
         _fail(err)
     if args.threads:

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["register", "SUBCOMMANDS", "positive_int", "check_device", "prepare_outputs"]
+__all__ = ["register", "SUBCOMMANDS", "positive_int", "check_device", "prepare_outputs", "check_output_path"]
 
 _MLM_EPILOG = """\
 examples:
@@ -181,20 +181,32 @@ def prepare_outputs(args, command):
         >>> os.path.isdir("runs")   # created; the plot goes to ./mlm-curve.png
         True
     """
-    outputs = [("--json", args.json or f"{command}.json")]
+    check_output_path("--json", args.json or f"{command}.json", f"{command}.json")
     if not args.no_plot:
-        outputs.append(("--plot", args.plot or f"{command}.png"))
-    for flag, path in outputs:
-        if os.path.isdir(path):
-            raise ValueError(f"{flag} {path!r} is a folder; give a file path, e.g. {os.path.join(path, command)}"
-                             f"{'.json' if flag == '--json' else '.png'}.")
-        folder = os.path.dirname(os.path.abspath(path))
-        try:
-            os.makedirs(folder, exist_ok=True)
-            tempfile.TemporaryFile(dir=folder).close()
-        except OSError as err:
-            raise ValueError(f"{flag} {path!r}: cannot write in its folder {folder!r} ({err.strerror or err}); "
-                             f"give a path in a folder you can write to.") from None
+        check_output_path("--plot", args.plot or f"{command}.png", f"{command}.png")
+
+
+def check_output_path(flag, path, example):
+    """Create the folder of an output file and check it can be written there.
+
+    :param str flag: the argument, for the message (``"--json"``).
+    :param str path: the file to be written at the end of the run.
+    :param str example: a file name for the message when ``path`` is a folder.
+    :raises ValueError: when ``path`` is a folder, or its folder cannot be created or written.
+
+    Example::
+
+        >>> check_output_path("--json", "out/run.json", "run.json")   # creates out/
+    """
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a folder; give a file path, e.g. {os.path.join(path, example)}.")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        raise ValueError(f"{flag} {path!r}: cannot write in its folder {folder!r} ({err.strerror or err}); "
+                         f"give a path in a folder you can write to.") from None
 
 
 def _setup(args):
