@@ -86,12 +86,14 @@ class MPTCurve:
         from above (tightly when one mask set per datapoint dominates, loosely
         with many). With masks shared by the batch (``share_masks=True``, the
         default of :meth:`~pyro_mpt.MaskedPretrainingLoss.curve`) the mask
-        draw is common to all datapoints and is not counted. Without
-        per-datapoint areas, the per-size errors are added as if independent.
+        draw is common to all datapoints and is not counted. With one
+        datapoint it is NaN (unknown). Without per-datapoint areas, the
+        per-size errors are added as if independent.
         """
-        if self.item_areas is not None and len(self.item_areas) > 1:
+        if self.item_areas is not None:
             a = np.asarray(self.item_areas, dtype=np.float64)
-            return float(a.std(ddof=1) / np.sqrt(len(a)))
+            # one datapoint: NaN, as its per-size errors (see CurveAccumulator)
+            return float(a.std(ddof=1) / np.sqrt(len(a))) if len(a) > 1 else float("nan")
         return float(np.sqrt(np.nansum(np.asarray(self.stderr) ** 2)))
 
     def plot(self, ax=None, *, color=None, fill=True, annotate=True, **kwargs):
@@ -149,7 +151,9 @@ class CurveAccumulator:
 
     over the :math:`n_M` datapoints with a value at that size (the ratio
     estimator's variance, clustered by datapoint; with equal counts it is
-    :math:`\operatorname{sd}_i(s_i / c_i)/\sqrt{n_M}`).
+    :math:`\operatorname{sd}_i(s_i / c_i)/\sqrt{n_M}`). With one datapoint
+    it is NaN, not 0: the spread over datapoints is unknown, and the spread of
+    its masks cannot stand in (for ``"exhaustive"`` they are not random draws).
 
     :param int num_tokens: D.
 
@@ -207,7 +211,8 @@ class CurveAccumulator:
             dev = ((s - mean[:, None] * c) ** 2).sum(1)
             stderr = np.sqrt(dev * items / np.maximum(items - 1, 1)) / n
         mean = np.where(n > 0, mean, np.nan)
-        stderr = np.where(items > 1, stderr, np.where(n > 0, 0.0, np.nan))
+        # one datapoint: unknown, not 0 (a random estimate reported as exact)
+        stderr = np.where(items > 1, stderr, np.nan)
         sizes = np.arange(1, self.num_tokens + 1)
         areas = torch.cat(self._items).numpy() if self._items else None
         return MPTCurve(sizes, self.num_tokens, mean, stderr, n.astype(int), label, item_areas=areas)

@@ -289,3 +289,28 @@ def test_device_and_sigma2_are_usage_errors(bert_dir, tmp_path):
                         cwd=tmp_path)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr
         assert f"--sigma2 must be a positive number or 'mle', got '{sigma2}'." in bad.stderr
+
+
+def test_one_sequence_reports_its_error_over_masks_or_none(bert_dir, tmp_path, capsys):
+    """--limit 1: one mask gives an unknown error ('n/a', JSON null), not '+- 0.00'; several
+    masks give the spread of the masks' areas / sqrt(K)."""
+    from pyro_mpt.adapters.rates import rate_weights
+
+    d, texts = bert_dir
+    js = tmp_path / "one.json"
+    base = ["mlm-curve", str(d), "--text-file", str(texts), "--limit", "1", "--rates", "0.2,0.6", "--scores",
+            "--no-plot", "--json", str(js)]
+    main(base)
+    out = capsys.readouterr().out
+    assert "1 sequences, 2 rates: area" in out and "+- n/a" in out
+    data = json.loads(js.read_text())
+    assert data["area_stderr"] is None and data["stderr"] == [None, None]
+    main(base + ["--num-masks", "4"])
+    assert "+- n/a" not in capsys.readouterr().out
+    data = json.loads(js.read_text())
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    scorer = MaskedLMScorer(transformers.BertForMaskedLM.from_pretrained(d), transformers.AutoTokenizer.from_pretrained(d))
+    per_mask = scorer.curve(["a b c d e"], rates=[0.2, 0.6], num_masks=4).per_mask  # (rates, masks)
+    areas = 5 * (rate_weights([0.2, 0.6]) @ per_mask)
+    assert data["area_stderr"] == pytest.approx(areas.std(ddof=1) / 2, rel=1e-6)

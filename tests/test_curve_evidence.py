@@ -265,3 +265,36 @@ def test_exact_evidence_paths_agree():
     assert torch.allclose(dense, exact(x), atol=1e-10, rtol=0)
     with pytest.raises(ValueError, match="method='bogus'"):  # the option reaches the engine
         Evidence(model, method="exact", path="bogus")(x)
+
+
+def test_one_datapoint_curve_has_unknown_not_zero_standard_errors():
+    """With one datapoint the spread over datapoints is unknown: NaN, not 0 (which called a
+    random estimate exact: over mask seeds this area moves by about a nat, 'all' with 2 masks)."""
+    model, x, _ = make_ppca(6, 2, 1)
+    areas = []
+    for seed in range(20):
+        pyro.set_rng_seed(seed)
+        curve = MaskedPretrainingLoss(masks="all", num_masks=2).curve(model, None, x)
+        areas.append(curve.area())
+    assert np.std(areas) > 0.1  # the estimate is random...
+    assert np.isnan(curve.stderr).all() and np.isnan(curve.area_stderr())  # ...so its error is not 0
+
+
+def test_rate_curve_of_one_item_takes_its_errors_over_its_masks():
+    """One item (one sentence, one image): its K masks are independent permutations, so the
+    per-rate and area errors are the masks' spread / sqrt(K) (NaN with one mask), not 0."""
+    from pyro_mpt.adapters.rates import rate_curve, rate_weights
+
+    g = torch.Generator().manual_seed(1)
+    rates = [0.1, 0.3, 0.5, 0.7, 0.9]
+    values = torch.randn(1, 5, 6, generator=g, dtype=torch.float64).cumsum(1)  # nested masks: correlated over rates
+    curve = rate_curve(values, rates, lengths=[12])
+    v = values[0].numpy()
+    np.testing.assert_allclose(curve.stderr, v.std(1, ddof=1) / np.sqrt(6), rtol=1e-12, atol=0)
+    mask_areas = 12 * (rate_weights(rates) @ v)
+    assert curve.area() == pytest.approx(float(mask_areas.mean()), abs=1e-12)
+    assert curve.area_stderr() == pytest.approx(float(mask_areas.std(ddof=1) / np.sqrt(6)), abs=1e-12)
+    single = rate_curve(values[..., :1], rates, lengths=[12])
+    assert np.isnan(single.stderr).all() and np.isnan(single.area_stderr())
+    d = single.to_dict()  # JSON has no NaN: unknown errors are null
+    assert d["stderr"] == [None] * 5 and d["area_stderr"] is None

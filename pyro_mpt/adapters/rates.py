@@ -174,6 +174,10 @@ class RateCurve(MPTCurve):
     :param numpy.ndarray per_item: ``(n, R)``, each item's score averaged over
         its masks.
     :param numpy.ndarray lengths: ``(n,)``, maskable tokens :math:`L_i` per item.
+    :param numpy.ndarray per_mask: ``(R, K)``, the scores of each of the
+        :math:`K` masks when the curve has a single item, else None. The masks
+        are independent random permutations, so a single item's standard
+        errors are over its masks (NaN with one mask), not 0.
 
     Example::
 
@@ -185,6 +189,7 @@ class RateCurve(MPTCurve):
 
     per_item: Optional[np.ndarray] = None
     lengths: Optional[np.ndarray] = None
+    per_mask: Optional[np.ndarray] = None
 
     def area(self, num_tokens=None):
         r""":math:`D \sum_k w_k S(r_k)`, the Riemann sum of :math:`D\int_0^1 S(r)dr`.
@@ -208,14 +213,19 @@ class RateCurve(MPTCurve):
         S_i(r_k)`, so its error is :math:`\operatorname{sd}_i(a_i)/\sqrt n`; an
         item's masks are nested across rates, so its scores at different
         rates are correlated and adding per-rate errors in quadrature would
-        understate it. Without per-item scores, the per-rate errors are added
-        as if independent.
+        understate it. With a single item, the same over its :math:`K` masks'
+        areas (NaN when :math:`K = 1`). Without per-item scores, the per-rate
+        errors are added as if independent.
         """
         D = self.num_tokens if num_tokens is None else num_tokens
         w = rate_weights(self.rates)
         if self.per_item is not None and len(self.per_item) > 1:
             a = D * (np.asarray(self.per_item, dtype=np.float64) @ w)
             return float(a.std(ddof=1) / np.sqrt(len(a)))
+        if self.per_mask is not None:
+            # one item: its masks' areas are independent draws (nested across rates within a mask)
+            a = D * (w @ np.asarray(self.per_mask, dtype=np.float64))
+            return float(a.std(ddof=1) / np.sqrt(len(a))) if len(a) > 1 else float("nan")
         return float(D * np.sqrt(np.sum((w * self.stderr) ** 2)))
 
     def per_item_area(self):
@@ -243,6 +253,9 @@ class RateCurve(MPTCurve):
         if self.per_item is not None:
             out["per_item_area"] = self.per_item_area().tolist()
             out["lengths"] = np.asarray(self.lengths).tolist()
+        # an unknown standard error (one item, one mask) is null: NaN is not JSON
+        out["stderr"] = [None if np.isnan(v) else v for v in out["stderr"]]
+        out["area_stderr"] = None if np.isnan(out["area_stderr"]) else out["area_stderr"]
         return out
 
 
@@ -262,18 +275,24 @@ def rate_curve(values, rates, lengths, label=None):
     size = torch.arange(1, R + 1, device="cpu").view(R, 1, 1).expand(R, K, n)
     acc.add(values.permute(1, 2, 0).reshape(R * K, n), size.reshape(R * K, n))
     base = acc.result(label)
+    stderr, per_mask = base.stderr, None
+    if n == 1:
+        # one item: its K masks are independent permutations, the only randomness left
+        per_mask = values[0].numpy()
+        stderr = per_mask.std(-1, ddof=1) / np.sqrt(K) if K > 1 else np.full(R, np.nan)
     lengths = np.asarray(lengths, dtype=np.float64)
     m = mask_counts(rates, lengths).double().mean(0).numpy()
     return RateCurve(
         sizes=m,
         num_tokens=float(lengths.mean()),
         score=base.score,
-        stderr=base.stderr,
+        stderr=stderr,
         count=base.count,
         label=label,
         rates_override=np.asarray(rates, dtype=np.float64),
         per_item=values.mean(-1).numpy(),
         lengths=lengths,
+        per_mask=per_mask,
     )
 
 

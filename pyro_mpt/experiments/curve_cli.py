@@ -131,6 +131,11 @@ def _add_mae_arguments(p):
     c.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="masked copies per forward pass (default 64)")
 
 
+def _se(value):
+    """A standard error for the summary line; unknown (one item, one mask) as 'n/a'."""
+    return "n/a" if value is None or value != value else f"{value:.2f}"
+
+
 def _fail(err):
     print(f"pyro-mpt: error: {err}", file=sys.stderr)
     raise SystemExit(2)
@@ -300,7 +305,7 @@ def _run_mlm(args):
             per_seq[f"score_{kind}"] = scorer.score(enc, masks=kind, num_masks=args.score_masks).tolist()
     out["per_sequence"] = per_seq
     out["seconds"] = time.perf_counter() - t0
-    _say(acc, f"{len(enc)} sequences, {len(rates)} rates: area {curve.area():.2f} +- {curve.area_stderr():.2f}"
+    _say(acc, f"{len(enc)} sequences, {len(rates)} rates: area {curve.area():.2f} +- {_se(curve.area_stderr())}"
           + (f", Table 2 area {out['table2_area']:.2f}" if out["table2_area"] is not None else ""))
 
     def draw():
@@ -364,7 +369,7 @@ def _run_mae(args):
         "per_image": {"mse": curves["mse"].per_item.tolist(), "log_density_area": logd["per_item_area"]},
         "seconds": time.perf_counter() - t0,
     }
-    _say(acc, f"{len(images)} images, {len(rates)} rates: log-density area {logd['area']:.2f} +- {logd['area_stderr']:.2f} "
+    _say(acc, f"{len(images)} images, {len(rates)} rates: log-density area {logd['area']:.2f} +- {_se(logd['area_stderr'])} "
           f"(sigma2={curves['sigma2']:.4g}); MSE {mse['score'][0]:.4f} at {100 * rates[0]:.0f}% .. "
           f"{mse['score'][-1]:.4f} at {100 * rates[-1]:.0f}%")
 
