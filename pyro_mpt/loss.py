@@ -25,6 +25,7 @@ from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
 from pyro.util import get_rng_state, set_rng_state, warn_if_nan
 
+from .arg_checks import args_valid, checkable
 from .conditionals import auto_engine, make_engine
 from .conditionals.base import EngineNotApplicable, callable_key
 from .curve import CurveAccumulator
@@ -64,16 +65,20 @@ class LossMemory:
         every step. It is asked first at the next call; when it no longer
         applies, ``"auto"`` chooses again. ``auto_engines.clear()`` forgets
         them.
-    :param set validating_engines: the models (``callable_key``) whose engine built
-        every distribution of the model trace again under Pyro's validation at the last
-        validated step (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.validates_model`):
-        their next steps trace the model without that validation (a full-covariance
-        GMM's sampled trace checked a ``scale_tril`` of ``(N, D, D)``, a sixth of its
-        step at D = 50), and trace again with it should anything fail.
+    :param set quiet_traces: the models (``callable_key``) whose next step traces them
+        without Pyro's argument validation: at the last validated step their engine built
+        every distribution of the trace again under it
+        (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.validates_model`; a
+        full-covariance GMM's sampled trace checked ``scale_tril[a]`` at ``(N, D, D)``, a
+        sixth of its step at D = 50), or :mod:`~pyro_mpt.arg_checks` checks their
+        distributions at their arguments' own shapes (a latent mean's
+        ``MultivariateNormal`` checked its ``scale_tril`` expanded to ``(N, D, D)``, half of
+        its step at D = 200). Should anything fail there, the step traces again with
+        validation (Pyro's own error) and the model leaves this set.
     """
 
     auto_engines: dict = field(default_factory=dict)
-    validating_engines: set = field(default_factory=set)
+    quiet_traces: set = field(default_factory=set)
 
 
 class MaskedPretrainingLoss(ELBO):
@@ -219,21 +224,25 @@ class MaskedPretrainingLoss(ELBO):
         global latents at the guide's point masses (0. without; see :mod:`~pyro_mpt.point_latents`),
         which the engines then see as fixed."""
         user_model = callable_key(model)  # the memory's key (see LossMemory), not the fixed twin's
-        if user_model in self.memory.validating_engines and dist.is_validation_enabled():
+        if user_model in self.memory.quiet_traces and dist.is_validation_enabled():
             rng = get_rng_state()
             try:
                 return self._prepare_traced(model, guide, args, kwargs, user_model, validate_model=False)
             except Exception:
                 # whatever failed, the validated path fails as it always did: Pyro's own error
-                # for a bad argument, raised by the model's first trace
+                # for a bad argument, raised by the model's first trace; and it stays validated
                 set_rng_state(rng)
-                self.memory.validating_engines.discard(user_model)
+                self.memory.quiet_traces.discard(user_model)
+                return self._prepare_traced(model, guide, args, kwargs, user_model, True, remember=False)
         return self._prepare_traced(model, guide, args, kwargs, user_model, validate_model=True)
 
-    def _prepare_traced(self, model, guide, args, kwargs, user_model, validate_model):
+    def _prepare_traced(self, model, guide, args, kwargs, user_model, validate_model, remember=True):
         """:meth:`_prepare_with_prior` with the model traced with Pyro's argument validation
-        (``validate_model``), or without it, for the remembered engine only, which must
-        construct every distribution again under that validation (else :class:`_Revalidate`)."""
+        (``validate_model``; then ``user_model`` joins :attr:`LossMemory.quiet_traces` where
+        it may, if ``remember``) or without it, where the remembered
+        engine builds every distribution again under validation
+        (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.validates_model`) or
+        :func:`~pyro_mpt.arg_checks.args_valid` checks them (else :class:`_Revalidate`)."""
         tokens, model, guide, points = trace_with_point_globals(
             lambda model, guide: self._trace_tokens(model, guide, args, kwargs, check=False, validate_model=validate_model),
             model, guide,
@@ -246,14 +255,16 @@ class MaskedPretrainingLoss(ELBO):
         check_latent_scales(tokens)
         if not validate_model:
             engine = self.engine if self.engine is not None else self.memory.auto_engines.get(key)
-            if engine is None or not engine.validates_model(tokens):
+            if engine is not None and engine.validates_model(tokens):
+                return tokens, engine, engine.prepare(tokens, model, guide, args, kwargs), prior
+            if not args_valid(tokens.model_trace):
                 raise _Revalidate
-            return tokens, engine, engine.prepare(tokens, model, guide, args, kwargs), prior
         tokens, engine, state = self._prepare_engine(tokens, key, model, guide, args, kwargs)
-        if not points and engine.validates_model(tokens):
-            self.memory.validating_engines.add(user_model)
-        else:
-            self.memory.validating_engines.discard(user_model)
+        if validate_model and remember:
+            if not points and (engine.validates_model(tokens) or checkable(tokens.model_trace)):
+                self.memory.quiet_traces.add(user_model)
+            else:
+                self.memory.quiet_traces.discard(user_model)
         return tokens, engine, state, prior
 
     def _prepare_engine(self, tokens, key, model, guide, args, kwargs):

@@ -1039,10 +1039,10 @@ def test_gmm_bad_scale_tril_raises_pyros_error_at_a_later_step(bad):
     assert torch.isfinite(loss.differentiable_loss(model, None, x, tril))
 
 
-def test_models_whose_engine_does_not_run_them_again_stay_validated():
-    """A full-covariance MVN without latents (the Gaussian engine derives its marginal from
-    the model but does not construct the trace's distributions again): every step's trace
-    validated."""
+def test_models_with_a_distribution_no_one_checks_again_stay_validated():
+    """A full-covariance MVN beside a ``pyro.deterministic`` site (a ``Delta``, whose checks
+    :mod:`~pyro_mpt.arg_checks` does not make, in a model no engine runs again under
+    validation): every step's trace validated."""
     runs = []
     D, N = 3, 10
     x = torch.randn(N, D, dtype=torch.float64)
@@ -1050,6 +1050,7 @@ def test_models_whose_engine_does_not_run_them_again_stay_validated():
     def model(x):
         runs.append(dist.is_validation_enabled())
         L = pyro.param("L", torch.eye(D, dtype=torch.float64), constraint=constraints.lower_cholesky)
+        pyro.deterministic("scale", L.diagonal().sum())
         with pyro.plate("data", N):
             pyro.sample("x", dist.MultivariateNormal(torch.zeros(D, dtype=torch.float64), scale_tril=L), obs=x)
 

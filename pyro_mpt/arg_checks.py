@@ -1,0 +1,106 @@
+r"""Pyro's argument checks of a model trace's distributions, at the arguments' own shapes.
+
+torch checks a distribution's arguments when it is built (while Pyro's validation is
+on), at the shapes the distribution holds them in. ``MultivariateNormal(z, scale_tril=L)``
+with a mean per datapoint holds ``L`` expanded to ``(N, D, D)``, and its
+``lower_cholesky`` check reads all :math:`N D^2` entries: a latent-mean model's trace at
+``N = 1000``, ``D = 200`` took 237 ms validated against 1.5 ms without, half of a
+training step. A constraint's check is elementwise over the batch dims, so on an argument
+expanded along a batch dim (stride 0) one slice along it decides the same:
+:func:`args_valid` checks the arguments of the classes in :data:`CHECKED` that way,
+reading each distinct entry once.
+
+:class:`~pyro_mpt.MaskedPretrainingLoss` traces a model without Pyro's validation (from
+its second step on) when every distribution of its trace is one of these, checks them
+here, and traces again with validation when a check fails, so that the error is Pyro's
+own, as before.
+"""
+
+import pyro.distributions as dist
+from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
+from pyro.poutine.util import site_is_subsample
+from torch.distributions import constraints
+from torch.distributions.utils import lazy_property
+
+__all__ = ["CHECKED", "WRAPPERS", "args_valid", "checkable"]
+
+#: the distribution classes whose check when built is exactly torch's loop over their
+#: ``arg_constraints`` in ``Distribution.__init__`` (no check of their own in ``__init__``:
+#: ``test_arg_checks.py`` reads their sources)
+CHECKED = (
+    dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNormal, dist.Categorical, dist.OneHotCategorical,
+    dist.Bernoulli, dist.Binomial, dist.Poisson, dist.Gamma, dist.Exponential, dist.Dirichlet, dist.StudentT,
+    dist.Laplace, dist.Cauchy,
+)
+
+#: wrappers with no argument of their own to check: their base distribution is checked
+WRAPPERS = (dist.Independent, MaskedDistribution, ExpandedDistribution)
+
+
+def _distributions(trace):
+    """The distributions of the trace's sample sites (through the wrappers), or None when
+    one of them is not in :data:`CHECKED`."""
+    out = []
+    for site in trace.nodes.values():
+        if site["type"] != "sample" or site_is_subsample(site):
+            continue
+        fn = site["fn"]
+        while type(fn) in WRAPPERS:
+            fn = fn.base_dist
+        if type(fn) not in CHECKED:
+            return None
+        out.append(fn)
+    return out
+
+
+def checkable(trace):
+    """Whether every distribution of ``trace``'s sample sites is one :func:`args_valid` checks.
+
+    :param pyro.poutine.Trace trace: a model trace.
+    :returns: bool.
+
+    Example::
+
+        >>> checkable(poutine.trace(model).get_trace(x))
+        True
+    """
+    return _distributions(trace) is not None
+
+
+def _distinct(value, event_dim):
+    """``value`` narrowed to one slice along each batch dim it is expanded over (stride 0).
+    Not along an event dim: a check there is not elementwise (a matrix whose rows are one
+    expanded row is not lower-triangular with a positive diagonal where that row alone is)."""
+    for d in range(value.dim() - event_dim):
+        if value.stride(d) == 0 and value.shape[d] > 1:
+            value = value.narrow(d, 0, 1)
+    return value
+
+
+def args_valid(trace):
+    """Whether the distributions of ``trace`` pass the checks torch makes when it builds
+    them under Pyro's validation, each argument checked at its distinct entries; False
+    also where one of them is not in :data:`CHECKED` (:func:`checkable`).
+
+    :param pyro.poutine.Trace trace: a model trace (made with or without validation).
+    :returns: bool.
+
+    Example::
+
+        >>> with pyro.validation_enabled(False):
+        ...     trace = poutine.trace(model).get_trace(x)
+        >>> args_valid(trace)   # what building them with validation would have said
+        True
+    """
+    fns = _distributions(trace)
+    if fns is None:
+        return False
+    for fn in fns:
+        for param, constraint in fn.arg_constraints.items():
+            if constraints.is_dependent(constraint):
+                continue
+            if param not in fn.__dict__ and isinstance(getattr(type(fn), param), lazy_property):
+                continue  # torch skips the lazily computed arguments too
+            if not bool(constraint.check(_distinct(getattr(fn, param), constraint.event_dim)).all()):
+                return False
+    return True
