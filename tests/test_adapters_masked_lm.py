@@ -530,3 +530,35 @@ def test_fixed_rate_score_masks_at_least_one_token_of_short_sequences(tmp_path_f
     expected = scorer.score(texts[2:], masks=FixedRate(0.15, P), seed=3)
     alone = scorer.score(texts[2:], masks=0.15, num_masks=P, seed=3)
     assert_close_to_rounding(alone, expected)
+
+
+@pytest.mark.parametrize("head", ["auto", "full"])
+def test_pretraining_classes_are_scored_by_their_masked_lm_head(tmp_path_factory, head):
+    """BertForPreTraining (MLM + next-sentence heads) crashed ('no attribute logits'); its
+    masked-LM head is served, split or as full prediction_logits, equal to a loop over positions."""
+    _, tok = tiny_bert(tmp_path_factory.mktemp("pretraining_vocab"))
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=len(TINY_VOCAB), hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32, max_position_embeddings=32)
+    model = transformers.BertForPreTraining(config).eval()
+    _, per_tok = MaskedLMScorer(model, tok, head=head).pll(["a b c d e", "j i"], per_token=True)
+    for i, text in enumerate(["a b c d e", "j i"]):
+        ids = torch.tensor(tok(text)["input_ids"])
+        direct = []
+        for j in range(1, ids.numel() - 1):
+            x = ids.clone()
+            x[j] = tok.mask_token_id
+            with torch.no_grad():
+                direct.append(model(input_ids=x[None]).prediction_logits[0, j].log_softmax(-1)[ids[j]].double())
+        torch.testing.assert_close(per_tok[i], torch.stack(direct), rtol=0, atol=1e-5)
+
+
+def test_models_without_a_masked_lm_head_are_refused(tmp_path_factory):
+    _, tok = tiny_bert(tmp_path_factory.mktemp("nohead_vocab"))
+    config = dict(vocab_size=len(TINY_VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=32, max_position_embeddings=32)
+    for cls in (transformers.BertModel, transformers.BertForSequenceClassification):
+        with pytest.raises(ValueError, match=f"{cls.__name__} has no language-model head"):
+            MaskedLMScorer(cls(transformers.BertConfig(**config)), tok)
+    with pytest.raises(ValueError, match="configured as a decoder"):
+        MaskedLMScorer(transformers.BertLMHeadModel(transformers.BertConfig(is_decoder=True, **config)), tok)

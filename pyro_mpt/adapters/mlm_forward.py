@@ -14,7 +14,7 @@ import torch
 
 from .mlm_inputs import model_vocab_size
 
-__all__ = ["HEADS", "masked_lm_head", "MaskedForward"]
+__all__ = ["HEADS", "masked_lm_head", "check_masked_lm", "MaskedForward"]
 
 #: Masked-LM classes whose head can run on the masked positions alone:
 #: class name -> (encoder attribute, head attribute(s) applied in order).
@@ -35,6 +35,11 @@ HEADS = {
         "distilbert",
         ("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector"),
     ),
+    # pre-training classes: the masked-LM head beside a next-sentence / sentence-order head
+    "BertForPreTraining": ("bert", ("cls.predictions",)),
+    "MegatronBertForPreTraining": ("bert", ("cls.predictions",)),
+    "ErnieForPreTraining": ("ernie", ("cls.predictions",)),
+    "AlbertForPreTraining": ("albert", ("predictions",)),
 }
 
 # the masked-position head runs on a multiple of this many rows (see MaskedForward.__call__)
@@ -59,7 +64,7 @@ def masked_lm_head(model):
         return None
     enc_name, head_names = spec
     encoder = getattr(model, enc_name, None)
-    heads = [getattr(model, h, None) for h in head_names]
+    heads = [_attribute(model, h) for h in head_names]
     if encoder is None or any(h is None for h in heads):
         return None
 
@@ -69,6 +74,46 @@ def masked_lm_head(model):
         return h
 
     return encoder, head
+
+
+def _attribute(obj, dotted):
+    """``obj.a.b`` for ``"a.b"``, or None when a link is missing."""
+    for name in dotted.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def check_masked_lm(model):
+    """Refuse models that give no masked-token distribution over the vocabulary.
+
+    A model without a language-model head (``BertModel``, a sequence or token
+    classifier) has no vocabulary logits; a decoder (``config.is_decoder``,
+    e.g. ``BertLMHeadModel`` as a causal LM) attends to the left only, so its
+    prediction at a masked position ignores the tokens after it.
+
+    :param model: the model given to :class:`~pyro_mpt.adapters.MaskedLMScorer`.
+    :raises ValueError: naming the class and what to load instead.
+
+    Example::
+
+        >>> check_masked_lm(BertForMaskedLM(config))   # passes
+        >>> check_masked_lm(BertModel(config))         # raises: no language-model head
+    """
+    name = type(model).__name__
+    if getattr(getattr(model, "config", None), "is_decoder", False):
+        raise ValueError(
+            f"{name} is configured as a decoder (config.is_decoder=True): its attention is causal, so its "
+            f"prediction at a masked position sees only the tokens to the left. Load the checkpoint as a "
+            f"masked LM: AutoModelForMaskedLM.from_pretrained(...) (is_decoder=False)."
+        )
+    if masked_lm_head(model) is None and hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is None:
+        raise ValueError(
+            f"{name} has no language-model head (get_output_embeddings() is None), so it gives no "
+            f"distribution over the vocabulary at a masked position. Load the checkpoint as a masked LM: "
+            f"AutoModelForMaskedLM.from_pretrained(...)."
+        )
 
 
 class MaskedForward:
@@ -102,6 +147,7 @@ class MaskedForward:
                 f'head="masked" is not available for {type(model).__name__}: its head is not in '
                 f'pyro_mpt.adapters.mlm_forward.HEADS. Use head="auto" (full logits) instead.'
             )
+        check_masked_lm(model)
         self.encoder, self.head = split if split is not None else (None, None)
         self.vocab_size = model_vocab_size(model) or 1
         forward = (self.encoder or self.model).forward
@@ -144,7 +190,10 @@ class MaskedForward:
                     logits = self.head(h)[:n]
                     out.append(_gather(logits, targets[start : start + step]))
             else:
-                logits = self.model(**kw).logits
+                result = self.model(**kw)
+                # pre-training classes name their masked-LM logits prediction_logits
+                logits = getattr(result, "logits", None)
+                logits = result.prediction_logits if logits is None else logits
                 out.append(_gather(logits[sel], targets))
         return torch.cat(out) if out else torch.zeros(0, device=inp.device)
 

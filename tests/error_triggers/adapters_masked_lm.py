@@ -114,6 +114,27 @@ def _():
     _scorer(max_length=64)
 
 
+@trigger("mlm-no-lm-head")
+def _():
+    transformers = pytest.importorskip("transformers")
+    model = _bert(tokenizer=False)[0]
+    _scorer_for(transformers.BertForSequenceClassification(model.config))
+
+
+@trigger("mlm-decoder")
+def _():
+    transformers = pytest.importorskip("transformers")
+    config = _bert(tokenizer=False)[0].config
+    config.is_decoder = True
+    _scorer_for(transformers.BertLMHeadModel(config))
+
+
+def _scorer_for(model):
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    return MaskedLMScorer(model, _bert()[1])
+
+
 @trigger("mlm-tokenizer-vocabulary")
 def _():
     transformers = pytest.importorskip("transformers")
