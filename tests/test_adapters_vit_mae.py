@@ -174,3 +174,13 @@ def test_float64_model_keeps_float64_errors():
     assert rec["patch_error"].dtype == torch.float64
     got = (rec["patch_error"] * rec["mask"]).sum(-1) / 5
     torch.testing.assert_close(got, _hand_mse(model, x, 5, ranks, torch.float64), rtol=1e-12, atol=0)
+
+
+def test_numpy_integer_num_masks_is_taken():
+    """num_masks=np.int64(2) (from a numpy grid of settings) was refused as 'not a positive integer'."""
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(8))
+    scorer = MAEScorer(tiny_mae())
+    a = scorer.curves(x, rates=[0.25, 0.75], num_masks=np.int64(2))["mse"]
+    b = scorer.curves(x, rates=[0.25, 0.75], num_masks=2)["mse"]
+    assert a.per_item.shape == (2, 2) and (a.count == 4).all()
+    np.testing.assert_array_equal(a.per_item, b.per_item)  # the same computation, same shapes

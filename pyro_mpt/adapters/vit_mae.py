@@ -266,9 +266,10 @@ class MAEScorer:
         from tqdm.auto import tqdm
 
         rates = check_rates(rates)
-        if isinstance(num_masks, bool) or not isinstance(num_masks, int) or num_masks < 1:
+        # numpy integers too (np.arange / grids of settings), as MaskedLMScorer takes them
+        if isinstance(num_masks, bool) or not isinstance(num_masks, (int, np.integer)) or num_masks < 1:
             raise ValueError(f"num_masks must be a positive integer, got {num_masks!r}.")
-        K = num_masks
+        K = int(num_masks)
         seed = self.seed if seed is None else seed
         n = self._len(inputs)
         N = self.num_patches
