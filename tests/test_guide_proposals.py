@@ -160,3 +160,53 @@ def test_importance_conditionals_with_an_autoguide_telescope_to_its_evidence_and
     losses = [svi.step(x) for _ in range(5)]
     assert np.isfinite(losses).all()
     assert not torch.allclose(pyro.param("Wt"), torch.tensor(W) * 0.5)
+
+
+@pytest.mark.parametrize("guide_kind", ["autoguide", "encoder"])
+def test_importance_conditionals_train_the_model_not_the_proposal(guide_kind):
+    """The guide is the importance proposal: the exact conditionals do not depend
+    on it, so by default (guide_grad=False) no gradient of the loss reaches its
+    parameters (before: the gradient through the self-normalized estimate, which
+    rewards its bias, trained an AutoNormal away from the posterior: SVI on 200
+    Gamma-Poisson datapoints ended 2.9 nats of log p(x) below scipy's maximum
+    likelihood fit). The model's gradient is the same with guide_grad=True and the
+    same seed, the prior draws' path through the defensive mixture included (1e-10)."""
+    from pyro_mpt.conditionals import ImportanceConditionals
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.poisson(torch.full((8, 5), 3.0, dtype=torch.float64), generator=g)
+
+    def model(x):
+        a = pyro.param("a", torch.tensor(2.0, dtype=x.dtype), constraint=dist.constraints.positive)
+        b = pyro.param("b", torch.tensor(0.8, dtype=x.dtype), constraint=dist.constraints.positive)
+        with pyro.plate("data", x.shape[0]):
+            lam = pyro.sample("lam", dist.Gamma(a, b))
+            pyro.sample("x", dist.Poisson(lam.unsqueeze(-1)).expand(lam.shape + (x.shape[-1],)).to_event(1), obs=x)
+
+    def encoder(x):  # an amortized guide reading the tokens
+        w = pyro.param("w", torch.tensor(0.3, dtype=x.dtype))
+        s = pyro.param("s", torch.tensor(0.4, dtype=x.dtype), constraint=dist.constraints.positive)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("lam", dist.LogNormal(w * x.mean(-1), s))
+
+    grads = {}
+    for guide_grad in (False, True):
+        pyro.clear_param_store()
+        engine = ImportanceConditionals(64, guide_grad=guide_grad, diagnostics=False)
+        loss = MaskedPretrainingLoss(conditionals=engine, masks="uniform")
+        pyro.set_rng_seed(3)
+        guide = AutoNormal(model) if guide_kind == "autoguide" else encoder
+        with pyro.poutine.trace(param_only=True) as tr:
+            value = loss.differentiable_loss(model, guide, x)
+        params = {name: site["value"].unconstrained() for name, site in tr.trace.nodes.items()}
+        names = sorted(params)
+        grads[guide_grad] = (float(value), dict(zip(names, torch.autograd.grad(value, [params[k] for k in names], allow_unused=True))))
+    (v0, g0), (v1, g1) = grads[False], grads[True]
+    assert abs(v0 - v1) < 1e-10
+    guide_names = [k for k in g0 if k not in ("a", "b")]
+    assert guide_names
+    for k in ("a", "b"):
+        assert abs(float(g0[k]) - float(g1[k])) < 1e-10 * (1 + abs(float(g1[k])))
+    for k in guide_names:
+        assert g0[k] is None or float(g0[k].abs().max()) < 1e-10
+        assert float(g1[k].abs().max()) > 1e-3  # what guide_grad=True lets through

@@ -59,6 +59,11 @@ Two proposals (``proposal=``):
   :math:`\alpha\,p(z) + (1-\alpha)\,q(z)` for every query, drawn once per
   call into a table shared by all queries (as for the prior), with the
   density :math:`q(z)` of :class:`~pyro_mpt.conditionals.guide_proposals.AutoguideProposal`.
+  The estimate trains the model only: its gradient does not reach the
+  guide's parameters (``guide_grad=False``, as ``"encode_decode"``'s
+  ``encoder_grad=False``), since the exact conditionals do not depend on the
+  proposal; train the guide toward the posterior alongside, with
+  :class:`~pyro_mpt.guide_elbo.WithGuideELBO`.
 * ``"auto"`` (default) -- ``"guide"`` when a guide that samples the model's
   latents is given, else ``"prior"`` (e.g. with the no-op guide
   ``lambda x: None`` usual for MPT). With missing (masked) tokens ``"auto"``
@@ -154,6 +159,15 @@ class ImportanceConditionals(ConditionalEngine):
     :param int num_iterations: for the guide: sampling encode–decode rounds of
         each chain before the draws.
     :param data_arg: which model/guide argument holds the tokens (None: found).
+    :param bool guide_grad: for the guide: let the estimate's gradient reach the
+        guide's parameters through its draws and density. Off by default: the
+        exact conditionals do not depend on the proposal, so that gradient
+        only rewards the self-normalized estimate's bias, and trains the guide
+        away from the posterior (an overconfident proposal; SVI with an
+        ``AutoNormal`` guide ended 2.9 nats of log p(x) below the maximum
+        likelihood fit on 200 Gamma-Poisson datapoints). The model's gradient is
+        the same either way. Train the guide by its own objective,
+        :class:`~pyro_mpt.guide_elbo.WithGuideELBO`, as for ``"encode_decode"``.
     :param bool diagnostics: compute the diagnostics (ESS, standard
         errors, :math:`\hat k`) at each call and warn when the weights are
         poor; costs a few extra matrix products and one Pareto fit per
@@ -187,6 +201,7 @@ class ImportanceConditionals(ConditionalEngine):
         prior_weight=0.1,
         num_iterations=3,
         data_arg=None,
+        guide_grad=False,
         diagnostics=True,
         khat_threshold=0.7,
         min_ess=10.0,
@@ -214,6 +229,7 @@ class ImportanceConditionals(ConditionalEngine):
         self.init = init
         self.num_iterations = num_iterations
         self.data_arg = data_arg
+        self.guide_grad = bool(guide_grad)
         self.diagnostics = bool(diagnostics)
         self.khat_threshold = float(khat_threshold)
         self.min_ess = float(min_ess)
@@ -239,7 +255,8 @@ class ImportanceConditionals(ConditionalEngine):
             if is_autoguide(guide):
                 # it does not read the data, so missing tokens are no obstacle
                 runner, chunk = autoguide_table(
-                    tokens, model, guide, args, kwargs, who, self.num_samples, self.prior_weight, self.max_elements
+                    tokens, model, guide, args, kwargs, who, self.num_samples, self.prior_weight, self.max_elements,
+                    self.guide_grad,
                 )
                 return ImportanceState("guide", tokens.num_data, tokens.num_tokens, runner, chunk=chunk, imputed=False)
             refuse_missing(tokens, f"{who} with proposal='guide'")
@@ -352,7 +369,7 @@ class ImportanceConditionals(ConditionalEngine):
         n, D = x.shape
         lw0, T = guide_draws(
             state.runner, x, mask, state.init, state.imputed,
-            S, self.prior_weight, self.num_chains, self.num_iterations,
+            S, self.prior_weight, self.num_chains, self.num_iterations, self.guide_grad,
         )
         ctx = (~mask).to(T.dtype).expand(q, n, D)
         out, lw, omega, sum_pi2, sum_pi_omega = self_normalized_conditionals(lw0, T, ctx)
@@ -440,9 +457,14 @@ class ImportanceConditionals(ConditionalEngine):
                 "conditionals='importance'",
                 "datapoint(s) (each judged by its query with the fewest effective samples)",
                 khat, ess,
-                "Use proposal='guide' with a guide close to the posterior, more samples "
-                "(num_samples=...), or an exact engine (conditionals='gaussian' or 'quadrature') "
-                "where the model allows.",
+                ("The proposal is the guide: train it toward the posterior alongside the model, "
+                 "e.g. SVI(..., loss=WithGuideELBO(MaskedPretrainingLoss(...))) (pyro_mpt.guide_elbo); "
+                 "or use more samples (num_samples=...), or an exact engine (conditionals='gaussian' "
+                 "or 'quadrature') where the model allows."
+                 if state.proposal == "guide" else
+                 "Use proposal='guide' with a guide close to the posterior, more samples "
+                 "(num_samples=...), or an exact engine (conditionals='gaussian' or 'quadrature') "
+                 "where the model allows."),
                 self.khat_threshold, self.min_ess, stacklevel=5,
             )
             state.warned = bool(bad.any())

@@ -14,7 +14,30 @@ from .latent_runs import LatentRunner
 from .mixture_chunks import MixtureChunk
 
 
-def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_weight, max_elements):
+def through_draws(log_q, log_q_fixed):
+    r""":math:`\log q(z)` with its gradient through the draws :math:`z` alone.
+
+    ``log_q_fixed`` is the same density at the detached draws, so its gradient is
+    the guide parameters' part of ``log_q``'s; subtracting it leaves the draws'
+    part (a prior draw's, which depends on the model's parameters), with the value
+    unchanged.
+
+    :param torch.Tensor log_q: :math:`\log q_\phi(z)` at the draws.
+    :param torch.Tensor log_q_fixed: :math:`\log q_\phi(\bar z)` at the detached draws.
+    :returns: a tensor equal to ``log_q`` whose gradient reaches no guide parameter.
+
+    Example::
+
+        >>> log_q = through_draws(proposal.log_prob(trace, values, S), proposal.log_prob(trace, fixed, S))
+    """
+    return log_q - log_q_fixed + log_q_fixed.detach()
+
+
+def _detached(values):
+    return {k: v.detach() for k, v in values.items()}
+
+
+def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_weight, max_elements, guide_grad=False):
     r"""The table of one set of draws shared by every query, for a Pyro autoguide.
 
     An autoguide does not read the data (its parameters are per datapoint or
@@ -26,6 +49,8 @@ def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_
     :param int num_samples: :math:`S`, the draws.
     :param float prior_weight: the share :math:`\alpha` of them taken from the prior.
     :param int max_elements: bound on the elements of one chunk's table.
+    :param bool guide_grad: let the estimate's gradient reach the guide's parameters
+        (see :class:`~pyro_mpt.conditionals.importance.ImportanceConditionals`).
     :returns: ``(runner, chunk)``: the
         :class:`~pyro_mpt.conditionals.latent_runs.LatentRunner` and the
         :class:`~pyro_mpt.conditionals.mixture_chunks.MixtureChunk` of the
@@ -44,6 +69,8 @@ def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_
         # this chunk's share of prior draws, so that the whole set has S_p of them
         k_p = (start + rows) * S_p // S - start * S_p // S
         values, trace = source.sample(rows)
+        if not guide_grad:
+            values = _detached(values)
         if k_p:
             prior = runner.sample_prior(k_p)
             values = {
@@ -51,6 +78,8 @@ def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_
                 for name, v in values.items()
             }
         log_q = source.log_prob(trace, values, rows)
+        if not guide_grad:
+            log_q = through_draws(log_q, source.log_prob(trace, _detached(values), rows)) if k_p else log_q.detach()
         dec = runner.decode(values, rows)
         log_p = dec.log_prior()
         log_r = log_q
@@ -63,12 +92,14 @@ def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_
     return runner, MixtureChunk(logw, T)
 
 
-def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_chains, num_iterations):
+def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_chains, num_iterations, guide_grad=False):
     r"""Draws of the guide proposal for masks ``(q, n|1, D)``, ``S`` per query and datapoint.
 
     With ``imputed``, the defensive mixture of the prior (share ``prior_weight``)
     and the guide run on the states of ``num_chains`` encode--decode chains
     after ``num_iterations`` rounds from ``init``; else the guide on the original data.
+    Without ``guide_grad`` no gradient reaches the guide's parameters (the prior
+    draws keep theirs, through :func:`through_draws`).
 
     :returns: ``(lw0, T)``: :math:`\log p(z_s) - \log r(z_s)` ``(S, q, n)`` and
         :math:`\log p(x_d \mid z_s)` ``(S, q, n, D)``, as
@@ -85,7 +116,7 @@ def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_c
         xt = run_chains(runner, x, mask, init, num_iterations, C)
         xt = xt.reshape(C * q, n, D)
         enc = runner.encode(xt, S_g // C)  # draw s = p * C + c uses chain c
-        values = enc.values
+        values = enc.values if guide_grad else _detached(enc.values)
         if S_p:
             prior = runner.sample_prior(S_p * q)
             values = {
@@ -94,14 +125,19 @@ def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_c
             }
         if C == 1 and not S_p:
             log_r = enc.log_q.reshape(S, q, n)
+            log_r = log_r if guide_grad else log_r.detach()
         else:
             scores = runner.guide_log_prob(xt, values, S)  # (S, C, q, n)
+            if not guide_grad:
+                scores = through_draws(scores, runner.guide_log_prob(xt, _detached(values), S)) if S_p else scores.detach()
             log_r = torch.logsumexp(scores, 1) - math.log(C)
     else:
         S_p = 0
         enc = runner.encode_original(S)
         log_r = enc.log_q.expand(S, q, n)
         values = {k: v.repeat_interleave(q, 0) if q > 1 else v for k, v in enc.values.items()}
+        if not guide_grad:
+            log_r, values = log_r.detach(), _detached(values)
     dec = runner.decode(values, S * q)
     log_p = dec.log_prior().reshape(S, q, n)
     if S_p:

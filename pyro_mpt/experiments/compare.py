@@ -191,6 +191,8 @@ def make_loss(spec, *, mpt_encoder="elbo", engine_options=None):
             options.setdefault("encoder_grad", mpt_encoder == "mpt")
             engine = EncodeDecodeConditionals(**options)
         elif cond in ENGINES:
+            if cond == "importance":
+                options.setdefault("guide_grad", mpt_encoder == "mpt")
             engine = ENGINES[cond](**options)
         else:
             raise ValueError(f"Loss spec {spec!r}: unknown conditionals {cond!r}; use one of {', '.join(ENGINES)}.")
