@@ -165,10 +165,11 @@ def spy(monkeypatch, cls):
     return calls
 
 
+@pytest.mark.parametrize("keep", [0, 300, 2**20])  # every chunk recomputed; the costliest kept; every chunk kept
 @pytest.mark.parametrize("missing", [False, True])
 @pytest.mark.parametrize("loc_rows", [1, 5])
 @pytest.mark.parametrize("max_elements", [1, 40, 2**20])  # one pair a chunk (on both routes), several, all
-def test_routed_sums_match_a_loop(monkeypatch, max_elements, loc_rows, missing):
+def test_routed_sums_match_a_loop(monkeypatch, max_elements, loc_rows, missing, keep):
     """A single Gaussian's summed conditionals with masks per datapoint, each pair on its
     route (fewer targets than context tokens: the precision's; else the context's): values
     and gradients (of S through its factor, loc and x; random weights per pair) against the
@@ -186,7 +187,7 @@ def test_routed_sums_match_a_loop(monkeypatch, max_elements, loc_rows, missing):
     mask[1, 3] = torch.arange(D) < 3  # as many targets as context tokens: the context's route
     observed = torch.rand(n, D, generator=g) < 0.7 if missing else None
     prec_calls, ctx_calls = spy(monkeypatch, gdp.PrecisionTargetSums), spy(monkeypatch, gdi.DenseIndependentSums)
-    got = gdp.routed_dense_sums(_State(S[0], loc), x, mask, max_elements, observed)
+    got = gdp.routed_dense_sums(_State(S[0], loc), x, mask, max_elements, observed, None, keep)
     n_prec = int((2 * mask.sum(-1) < D).sum())
     assert prec_calls == [n_prec] and ctx_calls == [q * n - n_prec]
     log_c = loop_reference(S, x, loc[None], ~mask)[0][:, 0]  # (q, n, D), 0 at the context
@@ -316,3 +317,32 @@ def test_training_loss_over_several_blocks_takes_both_routes_and_one_precision(m
     assert_close_to_rounding(value, -estimate, torch.float64)
     for a, b in zip(got, torch.autograd.grad(-estimate, params)):
         assert_close_to_rounding(a, b, torch.float64)
+
+
+def test_routed_sums_keep_their_first_blocks_tables_within_the_budget():
+    """``keep_elements`` bounds the floating-point tables the two routes keep for the backward
+    pass together, and only the first block of masks of a state (``kept``) keeps any: a second
+    block saves no more than with nothing kept; kept and recomputed chunks give equal
+    gradients."""
+    q, n, D = 2, 40, 8
+    g = torch.Generator().manual_seed(36)
+    S = spd(1, D, g)[0][0].detach().requires_grad_()
+    loc = torch.zeros(1, D, dtype=torch.float64)
+    x = torch.randn(n, D, generator=g, dtype=torch.float64)
+    mask = torch.rand(q, n, D, generator=g) < torch.rand(q, n, 1, generator=g)
+    state = _State(S, loc)
+    # inputs, bits, and the precision, y and their graph (once per state): what is saved whatever is kept
+    base = 4 * S.numel() + 3 * x.numel() + q * n * D
+    indices = q * n * 2 * D  # the kept chunks' token indices (R and M, or M), beyond the floating-point tables
+    grads = []
+    for keep in (0, 500, 10**7):
+        kept = {}
+        saved, out = saved_numel(lambda: gdp.routed_dense_sums(state, x, mask, 2**10, None, kept, keep))
+        assert saved <= base + (keep and min(keep, 10**6) + indices), (keep, saved)
+        if keep == 10**7:
+            assert saved > base + 500  # the check can fail: everything kept
+        again, out2 = saved_numel(lambda: gdp.routed_dense_sums(state, x, mask, 2**10, None, kept, keep))
+        assert again <= base, again  # a later block of the same state: inputs (shared) and bits, nothing kept
+        grads.append(torch.autograd.grad(out.sum() + out2.sum(), S)[0])
+    for a in grads[1:]:
+        assert_close_to_rounding(a, grads[0], torch.float64)

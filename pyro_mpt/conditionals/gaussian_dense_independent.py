@@ -40,8 +40,9 @@ that is about a seventh of the flops of embedding every context in a ``D x D`` m
 (identity at the targets), what this module did before: at D = 50 (a full-covariance
 Gaussian mixture, four components, N = 1000, one thread) a step went from 350 to 220 ms.
 The backward pass recomputes each chunk's factor, so that nothing of the size of the
-pairs' tables outlives the forward pass, except where a mixture's
-:class:`DenseContextConditionals` keeps its chunks' pieces within ``keep_elements``.
+pairs' tables outlives the forward pass, except the chunks' pieces kept within
+``keep_elements`` (a mixture's :class:`DenseContextConditionals`; the Gaussian engine's
+first block of masks in :class:`DenseIndependentSums`, the largest contexts first).
 """
 
 import bisect
@@ -305,6 +306,8 @@ class DenseIndependentSums(torch.autograd.Function):
         sums 0 here).
     :param bits: ``pack_bits(mask)`` where the caller has it (shared with another route's
         Function, so that a block of masks keeps its bits once), or None.
+    :param int keep_elements: elements of the chunks' tables kept for the backward pass,
+        the largest contexts first (the rest is recomputed there); 0: none.
     :returns: ``(q, n)``.
 
     Example::
@@ -314,7 +317,7 @@ class DenseIndependentSums(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, S, x, loc, mask, max_elements, site, observed=None, min_targets=0, bits=None):
+    def forward(ctx, S, x, loc, mask, max_elements, site, observed=None, min_targets=0, bits=None, keep_elements=0):
         """``(q, n)``."""
         q, n, D = mask.shape
         r = x - loc
@@ -322,14 +325,18 @@ class DenseIndependentSums(torch.autograd.Function):
         out = S.new_zeros(q * n)
         rows = torch.arange(q * n, device=r.device) % n
         Sp, rp = padded_tokens(S[None], r[None])
+        keep = _Keeper(keep_elements if any(ctx.needs_input_grad[:3]) else 0)
         for sl, s, m in _chunks_from(flat, min_targets, S.element_size(), max_elements, S.device):
-            logc = _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, site).log_conditionals(D)[0]
+            pc = _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, site)
+            logc = pc.log_conditionals(D)[0]
             out[sl] = (logc if observed is None else logc * observed[rows[sl]]).sum(-1)
+            keep.offer(pc, 1, len(sl), s, m)
         ctx.observed = observed
         # x and loc rather than r: they are shared by every block of masks, r would be one more
         # (n, D) table kept per block (the engine's blocks are not checkpointed: each keeps only
-        # this, and its chunks are recomputed)
-        ctx.save_for_backward(S, x, loc, pack_bits(mask) if bits is None else bits)
+        # this and what keep_elements allows, and its other chunks are recomputed)
+        ctx.save_for_backward(S, x, loc, pack_bits(mask) if bits is None else bits, *keep.tensors)
+        ctx.kept = keep.flags
         ctx.max_elements, ctx.site, ctx.num_tokens, ctx.min_targets = max_elements, site, D, min_targets
         return out.view(q, n)
 
@@ -337,7 +344,8 @@ class DenseIndependentSums(torch.autograd.Function):
     @first_order_backward
     def backward(ctx, g):
         """The gradients of ``S``, ``x`` and ``loc``."""
-        S, x, loc, bits = ctx.saved_tensors
+        S, x, loc, bits = ctx.saved_tensors[:4]
+        kept = _Keeper.restore(ctx.saved_tensors[4:], ctx.kept, ctx.num_tokens)
         mask = unpack_bits(bits, ctx.num_tokens)
         q, n, D = mask.shape
         r = x - loc
@@ -347,23 +355,24 @@ class DenseIndependentSums(torch.autograd.Function):
         Sp, rp = padded_tokens(S[None], r[None])
         G = torch.zeros_like(Sp).view(1, -1)  # S's gradient before symmetrization, padded
         for sl, s, m in _chunks_from(flat, ctx.min_targets, S.element_size(), ctx.max_elements, S.device):
-            pc = _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, ctx.site)
+            pc = next(kept) or _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, ctx.site)
             gc = gflat[sl].expand(-1, D) if ctx.observed is None else gflat[sl] * ctx.observed[rows[sl]]
             gr.index_add_(0, rows[sl], pc.backward(torch.nn.functional.pad(gc, (0, 2 * D))[None], None, G)[0])
         G = G.view(3 * D, 3 * D)[:D, :D]
         gS = 0.5 * (G + G.T)
         gloc = (-gr).sum_to_size(loc.shape) if ctx.needs_input_grad[2] else None
-        return gS, gr if ctx.needs_input_grad[1] else None, gloc, None, None, None, None, None, None
+        return gS, gr if ctx.needs_input_grad[1] else None, gloc, None, None, None, None, None, None, None
 
 
 def _chunks_from(flat, min_targets, itemsize, max_elements, device):
     """:func:`_sorted_chunks` of the pairs of ``flat`` ``(P, D)`` (True at a target) with at
-    least ``min_targets`` targets, their indices into ``flat``."""
+    least ``min_targets`` targets, their indices into ``flat``, the largest contexts first:
+    a budget of kept chunks (:class:`_Keeper`) keeps the costliest to factor again."""
     if min_targets <= 0:
-        yield from _sorted_chunks(~flat, itemsize, max_elements, device)
+        yield from reversed(list(_sorted_chunks(~flat, itemsize, max_elements, device)))
         return
     sel = (flat.sum(-1) >= min_targets).nonzero().squeeze(-1)
-    for pairs, s, m in _sorted_chunks(~flat[sel], itemsize, max_elements, device):
+    for pairs, s, m in reversed(list(_sorted_chunks(~flat[sel], itemsize, max_elements, device))):
         yield sel[pairs], s, m
 
 

@@ -216,6 +216,8 @@ class PrecisionTargetSums(torch.autograd.Function):
     :param int max_targets: the pairs with more targets are left to another route.
     :param bits: ``pack_bits(mask)`` where the caller has it (shared with another route's
         Function), or None.
+    :param int keep_elements: elements of the chunks' tables kept for the backward pass,
+        the largest target sets first (the rest is recomputed there); 0: none.
     :returns: ``(q, n)``.
 
     Example::
@@ -225,26 +227,34 @@ class PrecisionTargetSums(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, Lam, y, mask, max_elements, observed=None, max_targets=None, bits=None):
+    def forward(ctx, Lam, y, mask, max_elements, observed=None, max_targets=None, bits=None, keep_elements=0):
         """``(q, n)``."""
         q, n, D = mask.shape
         flat = mask.reshape(q * n, D)
         rows = torch.arange(q * n, device=y.device) % n
         Lp, yp = padded_tokens(Lam[None], y[None])
         out = y.new_zeros(q * n)
+        kept, flags = [], []
+        budget = keep_elements if any(ctx.needs_input_grad[:2]) else 0
         for sl, m in _few_target_chunks(flat, max_targets, y.element_size(), max_elements, y.device):
             pc = _TargetPieces(Lp, yp[:, rows[sl]], flat[sl], m)
             out[sl] = (pc.log_terms()[0] * _target_weights(pc, observed, rows[sl], D)).sum(-1)
+            size = len(sl) * (m * m + 2 * m)
+            flags.append(size <= budget)
+            if flags[-1]:
+                budget -= size
+                kept.extend(getattr(pc, k) for k in _TargetPieces.KEPT)
         ctx.observed = observed
-        ctx.save_for_backward(Lam, y, pack_bits(mask) if bits is None else bits)
-        ctx.max_elements, ctx.max_targets = max_elements, max_targets
+        ctx.save_for_backward(Lam, y, pack_bits(mask) if bits is None else bits, *kept)
+        ctx.flags, ctx.max_elements, ctx.max_targets = flags, max_elements, max_targets
         return out.view(q, n)
 
     @staticmethod
     @first_order_backward
     def backward(ctx, g):
         """The gradients of ``Lam`` and ``y``."""
-        Lam, y, bits = ctx.saved_tensors
+        Lam, y, bits = ctx.saved_tensors[:3]
+        kept = iter(ctx.saved_tensors[3:])
         D = Lam.shape[-1]
         mask = unpack_bits(bits, D)
         q, n, _ = mask.shape
@@ -253,22 +263,29 @@ class PrecisionTargetSums(torch.autograd.Function):
         Lp, yp = padded_tokens(Lam[None], y[None])
         G = torch.zeros_like(Lp).view(1, -1)
         gy = torch.zeros_like(y)
-        for sl, m in _few_target_chunks(flat, ctx.max_targets, y.element_size(), ctx.max_elements, y.device):
-            pc = _TargetPieces(Lp, yp[:, rows[sl]], flat[sl], m)
+        chunks = _few_target_chunks(flat, ctx.max_targets, y.element_size(), ctx.max_elements, y.device)
+        for (sl, m), take in zip(chunks, ctx.flags):
+            if take:
+                pc = _TargetPieces.__new__(_TargetPieces)
+                for k in _TargetPieces.KEPT:
+                    setattr(pc, k, next(kept))
+            else:
+                pc = _TargetPieces(Lp, yp[:, rows[sl]], flat[sl], m)
             gc = g[sl].unsqueeze(-1) * _target_weights(pc, ctx.observed, rows[sl], D)
             gy.index_add_(0, rows[sl], pc.backward(gc[None], None, G, D)[0])
         G = G.view(3 * D, 3 * D)[:D, :D]
-        return 0.5 * (G + G.T), gy, None, None, None, None, None
+        return 0.5 * (G + G.T), gy, None, None, None, None, None, None
 
 
 def _few_target_chunks(flat, max_targets, itemsize, max_elements, device):
     """:func:`_target_chunks` of the pairs of ``flat`` ``(P, D)`` with at most
-    ``max_targets`` targets (all where None), their indices into ``flat``."""
+    ``max_targets`` targets (all where None), their indices into ``flat``, the largest
+    target sets first: a budget of kept chunks keeps the costliest to factor again."""
     if max_targets is None:
-        yield from _target_chunks(flat, itemsize, max_elements, device)
+        yield from reversed(list(_target_chunks(flat, itemsize, max_elements, device)))
         return
     sel = (flat.sum(-1) <= max_targets).nonzero().squeeze(-1)
-    for pairs, m in _target_chunks(flat[sel], itemsize, max_elements, device):
+    for pairs, m in reversed(list(_target_chunks(flat[sel], itemsize, max_elements, device))):
         yield sel[pairs], m
 
 
@@ -349,7 +366,7 @@ def dense_context_conditionals(S, x, loc, context, max_elements, site, keep_elem
     return log_c.view(K, q, n, D).transpose(0, 1), log_r.view(K, q, n).transpose(0, 1)
 
 
-def routed_dense_sums(m, x, mask, max_elements, observed=None, kept=None):
+def routed_dense_sums(m, x, mask, max_elements, observed=None, kept=None, keep_elements=0):
     r"""What :func:`~pyro_mpt.conditionals.gaussian_dense_independent.dense_independent_sums`
     returns, :math:`\sum_{j\in\mathcal M}\log p(x_j\mid x_{\mathcal R})` for dense masks
     drawn per datapoint, with each (mask, datapoint) pair on its cheaper route: the pairs
@@ -371,6 +388,9 @@ def routed_dense_sums(m, x, mask, max_elements, observed=None, kept=None):
         live across the blocks of masks of one state and data (computed by the first
         block, with their autograd graph: the blocks' gradients meet there and reach
         :math:`\Sigma` once), or None (computed here).
+    :param int keep_elements: elements of the chunks' tables that the first block of
+        masks of ``kept`` keeps for the backward pass, shared by the two routes (the rest,
+        and every later block's, recomputed there).
     :returns: ``(q, n)``.
 
     Example::
@@ -383,9 +403,14 @@ def routed_dense_sums(m, x, mask, max_elements, observed=None, kept=None):
     # the switch m < s measured (one thread, loss + gradient): m < c s for c from 0.75 to 1.5 within
     # 5 % of it at D = 50 and D = 200, c = 0.5 or 2 slower by 10-20 % at D = 200
     few = (D - 1) // 2  # 2 m < D
-    if not bool((mask.sum(-1) <= few).any()):
-        return DenseIndependentSums.apply(S, x, loc, mask, max_elements, m.site, o)
     kept = {} if kept is None else kept
+    # the first block of masks of a state keeps up to keep_elements of its chunks' tables for
+    # the backward pass (the costliest first), later ones none: what is kept does not grow
+    # with the number of blocks, and the default schedule's one block recomputes little
+    keep = 0 if kept.get("kept_chunks") else keep_elements
+    kept["kept_chunks"] = True
+    if not bool((mask.sum(-1) <= few).any()):
+        return DenseIndependentSums.apply(S, x, loc, mask, max_elements, m.site, o, 0, None, keep)
     key = ("precision", torch.is_grad_enabled())
     if key not in kept:
         kept[key] = None
@@ -393,10 +418,11 @@ def routed_dense_sums(m, x, mask, max_elements, observed=None, kept=None):
             Lam = torch.cholesky_inverse(torch.linalg.cholesky(S))
             kept[key] = (Lam, (x - loc) @ Lam)
     if kept[key] is None:
-        return DenseIndependentSums.apply(S, x, loc, mask, max_elements, m.site, o)
+        return DenseIndependentSums.apply(S, x, loc, mask, max_elements, m.site, o, 0, None, keep)
     Lam, y = kept[key]
     bits = pack_bits(mask)  # kept once by the two routes' Functions
-    out = PrecisionTargetSums.apply(Lam, y, mask, max_elements, o, few, bits)
+    out = PrecisionTargetSums.apply(Lam, y, mask, max_elements, o, few, bits, keep // 2)
     if bool((mask.sum(-1) > few).any()):
-        out = out + DenseIndependentSums.apply(S, x, loc, mask, max_elements, m.site, o, few + 1, bits)
+        out = out + DenseIndependentSums.apply(
+            S, x, loc, mask, max_elements, m.site, o, few + 1, bits, keep - keep // 2)
     return out
