@@ -18,8 +18,6 @@ from contextlib import contextmanager
 
 import torch
 
-from .loading import optional_import
-
 __all__ = ["group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator", "place_model", "eval_mode"]
 
 
@@ -69,7 +67,16 @@ def resolve_accelerator(accelerator):
     if accelerator is None or accelerator is False:
         return None
     if accelerator is True:
-        return optional_import("accelerate", "accelerator=True").Accelerator()
+        try:
+            from accelerate import Accelerator
+        except ImportError as err:
+            # the message of loading.optional_import, which this module cannot import (loading's
+            # ViT-MAE load imports this module)
+            raise ImportError(
+                f"accelerator=True needs the 'accelerate' package, which could not be imported ({err}). Install "
+                f"pyro_mpt's HuggingFace extras: pip install 'pyro-mpt[hf]' (or pip install accelerate)."
+            ) from err
+        return Accelerator()
     return accelerator
 
 

@@ -130,6 +130,18 @@ def _():
         mp.undo()
 
 
+@trigger("accelerate-missing")
+def _():
+    from pyro_mpt.adapters.batching import resolve_accelerator
+
+    mp = pytest.MonkeyPatch()
+    mp.setitem(sys.modules, "accelerate", None)  # what an environment without it imports
+    try:
+        resolve_accelerator(True)
+    finally:
+        mp.undo()
+
+
 @trigger("load-one-text-source")
 def _():
     _loading().load_texts()
