@@ -136,6 +136,7 @@ from .quadrature_nodes import (
     NodeRunner,
     NotQuadratureError,
     latent_dtype,
+    prior_start,
     quadrature_layout,
 )
 from .quadrature_rules import (
@@ -342,7 +343,7 @@ class QuadratureConditionals(ConditionalEngine):
                     c0 = torch.zeros(1, K, dtype=dtype, device=device)
                     S0 = torch.eye(K, dtype=dtype, device=device)[None]
                 else:
-                    start = torch.zeros(n, K, dtype=dtype, device=device)
+                    start = prior_start(tokens, layout, n, K, dtype, device)
                     c0, S0, _ = search.laplace(runner, start, include_lik=False)
                 if self.adaptive:
                     start = self._warm_centre(tokens)

@@ -26,8 +26,8 @@ from .base import EngineNotApplicable, SlowEngineWarning
 from .distributions import token_log_prob, unwrap
 from .plate_runs import CoordinateLatents, RunMemory, latent_layout, reaches_points, run_in_plate, run_with_fallback
 
-__all__ = ["NotQuadratureError", "quadrature_layout", "NodeRunner", "latent_dtype", "NODE_PLATE", "ALTERNATIVES",
-           "RUN_MODES", "MAX_NODE_RUNS"]
+__all__ = ["NotQuadratureError", "quadrature_layout", "prior_start", "NodeRunner", "latent_dtype", "NODE_PLATE",
+           "ALTERNATIVES", "RUN_MODES", "MAX_NODE_RUNS", "PRIOR_START_DRAWS"]
 
 #: the plate the nodes run in
 NODE_PLATE = "_mpt_nodes"
@@ -44,6 +44,52 @@ RUN_MODES = ("compact", "full", "per_node")
 #: prior) with room for the adaptive search; beyond it :class:`NodeRunner` refuses the model
 #: before running it (``max_node_runs=`` of the engine)
 MAX_NODE_RUNS = 8192
+
+
+#: prior draws per transformed latent whose median starts the search for the prior's mode
+PRIOR_START_DRAWS = 64
+
+
+def prior_start(tokens, layout, n, K, dtype, device, draws=PRIOR_START_DRAWS):
+    r"""Where the search for the prior's mode in the node coordinates starts, ``(n, K)``.
+
+    Normal latents' coordinates are standardized (their prior mode is 0); a
+    transformed latent's, :math:`u = T^{-1}(z)`, start at the median of
+    :math:`T^{-1}` over ``draws`` draws of its traced prior (one value per
+    site). From 0, a prior whose unconstrained mode is far away, with a curvature
+    that grows exponentially towards it, sent Newton's method off the float
+    range: an ``InverseGamma(3, 2e-4)`` variance (data in units of 0.01) has its
+    mode at :math:`\log(b/a) = -9.6` and curvature :math:`2\cdot10^{-4}` at
+    0, and the search ended at :math:`u = -388`, where the log-density is not
+    finite, and the model was refused.
+
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
+    :param dict layout: ``{name: LatentSlice}`` (:func:`quadrature_layout`).
+    :param int n: datapoints.
+    :param int K: coordinates.
+    :param int draws: prior draws per transformed latent.
+    :returns: ``(n, K)``.
+
+    Example::
+
+        >>> layout, K = quadrature_layout(tokens)
+        >>> start = prior_start(tokens, layout, tokens.num_data, K, torch.float64, None)
+    """
+    u = torch.zeros(n, K, dtype=dtype, device=device)
+    for sl in layout.values():
+        if sl.kind != "transform":
+            continue
+        fn = tokens.model_trace.nodes[sl.name]["fn"]
+        try:
+            # the caller's random stream is left as it was (the masks drawn after it)
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if torch.device(device or "cpu").type == "cuda" else []):
+                v = biject_to(fn.support).inv(fn.sample((draws,)))
+        except NotImplementedError:  # no sampler or no bijection: start at 0 as before
+            continue
+        v = v[torch.isfinite(v)]
+        if v.numel():
+            u[:, sl.offset : sl.offset + sl.numel] = v.to(dtype).median()
+    return u
 
 
 class NotQuadratureError(EngineNotApplicable):
