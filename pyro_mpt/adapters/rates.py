@@ -306,7 +306,7 @@ def table2_area(curve, num_tokens=512, step=0.01, strict=True):
     times the rate step and BERT's maximum sequence length 512, whatever the
     actual sentence lengths. It is a scaled mean curve height, comparable with
     the published numbers (e.g. random-init BERT: about
-    :math:`-\log 30522 \times 0.99 \times 512 \approx -5238`), but not a
+    :math:`-\log 30522 \times 0.99 \times 512 \approx -5234`), but not a
     per-sentence LML estimate: GLUE sentences have far fewer than 512 tokens.
     Use :meth:`RateCurve.per_item_area` or
     :meth:`~pyro_mpt.adapters.MaskedLMScorer.score` for those.
