@@ -184,3 +184,16 @@ def test_numpy_integer_num_masks_is_taken():
     b = scorer.curves(x, rates=[0.25, 0.75], num_masks=2)["mse"]
     assert a.per_item.shape == (2, 2) and (a.count == 4).all()
     np.testing.assert_array_equal(a.per_item, b.per_item)  # the same computation, same shapes
+
+
+def test_image_size_given_as_a_pair():
+    """ViTMAEConfig(image_size=(16, 16)) builds and runs in transformers; MAEScorer raised a
+    TypeError computing its patch count. Its curve equals the model's own masked-patch MSE."""
+    model = tiny_vit_mae(image_size=(16, 16), patch_size=4, hidden_size=32)
+    scorer = MAEScorer(model)
+    assert scorer.num_patches == 16
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(9))
+    ranks = nested_ranks(torch.Generator().manual_seed(10), 2, 16)
+    rec = scorer.reconstruction(x, 7, ranks)
+    got = (rec["patch_error"] * rec["mask"]).sum(-1) / 7
+    torch.testing.assert_close(got.double(), _hand_mse(model, x, 7, ranks, torch.float32), rtol=1e-5, atol=0)

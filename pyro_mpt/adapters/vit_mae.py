@@ -142,7 +142,8 @@ class MAEScorer:
         self.seed = seed
         self.progress = progress
         cfg = model.config
-        self.num_patches = (cfg.image_size // cfg.patch_size) ** 2
+        # the patch embedding knows its grid; config.image_size may be an (h, w) pair
+        self.num_patches = int(model.vit.embeddings.patch_embeddings.num_patches)
         if not model.vit.embeddings.position_embeddings.detach().any():
             warnings.warn(
                 "This ViT-MAE has all-zero position embeddings (transformers 5 leaves them so when a model is "
