@@ -197,3 +197,24 @@ def test_image_size_given_as_a_pair():
     rec = scorer.reconstruction(x, 7, ranks)
     got = (rec["patch_error"] * rec["mask"]).sum(-1) / 7
     torch.testing.assert_close(got.double(), _hand_mse(model, x, 7, ranks, torch.float32), rtol=1e-5, atol=0)
+
+
+def test_loader_fallback_processor_fits_pairs_and_grayscale(tmp_path):
+    """A model directory without a processor gets a ViTImageProcessor at the model's size and
+    channels: image_size=(16, 16) gave size {'height': (16, 16), ...} (unusable), and a 1-channel
+    model ImageNet's 3 means ('mean must have 1 elements'). Grayscale images then score."""
+    from PIL import Image
+
+    from pyro_mpt.adapters.loading import load_vit_mae
+
+    for size, C in (((16, 16), 3), (16, 1)):
+        d = tmp_path / f"mae{C}"
+        tiny_vit_mae(image_size=size, patch_size=4, hidden_size=32, num_channels=C).save_pretrained(d)
+        with pytest.warns(UserWarning, match="No image processor found"):
+            model, proc = load_vit_mae(str(d))
+        assert (proc.size["height"], proc.size["width"]) == (16, 16) and len(proc.image_mean) == C
+        images = [Image.fromarray(np.random.default_rng(i).integers(0, 255, (20, 20), dtype=np.uint8)) for i in range(2)]
+        pixels = MAEScorer(model, proc).pixel_values(images, [0, 1])
+        assert pixels.shape == (2, C, 16, 16)
+        # the processor's normalization: (x / 255 - mean) / std, resized
+        assert abs(float(pixels.mean()) - (127.5 / 255 - proc.image_mean[0]) / proc.image_std[0]) < 0.3

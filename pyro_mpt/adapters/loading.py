@@ -270,13 +270,16 @@ def load_vit_mae(name, processor=None, random_init=False, seed=0, quiet=False):
         proc = AutoImageProcessor.from_pretrained(processor or name, **kw)
     except (OSError, ValueError):
         s = model.config.image_size
+        h, w = (s, s) if isinstance(s, int) else tuple(s)  # ViTMAEConfig takes an int or an (h, w) pair
+        C = model.config.num_channels
+        # ImageNet's statistics for RGB models; 0.5 / 0.5 per channel for others (e.g. grayscale)
+        mean, std = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]) if C == 3 else ([0.5] * C, [0.5] * C)
         warnings.warn(
-            f"No image processor found for {processor or name!r}; using ViTImageProcessor with size {s} "
-            f"and ImageNet mean/std (as facebook/vit-mae-base). Pass --processor / processor= to choose."
+            f"No image processor found for {processor or name!r}; using ViTImageProcessor with size {h}x{w} "
+            f"and mean {mean}, std {std} (ImageNet's for RGB, as facebook/vit-mae-base). Pass --processor / "
+            f"processor= to choose."
         )
-        proc = ViTImageProcessor(
-            size={"height": s, "width": s}, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]
-        )
+        proc = ViTImageProcessor(size={"height": h, "width": w}, image_mean=mean, image_std=std)
     return model.eval(), proc
 
 
