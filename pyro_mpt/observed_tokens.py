@@ -321,13 +321,16 @@ def _observed_mask(site):
             # poutine.mask multiplies the log-density, whose shape is the batch shape: a mask
             # over the event's elements would be read as a batch of masks (Pyro's ELBOs fail on
             # it with a broadcasting error)
+            # the value's event dims: a DiscreteHMM without duration declares event shape (1,)
+            # whatever its number of steps
+            event = tuple(site["value"].shape[site["value"].dim() - len(fn.event_shape):])
             raise ValueError(
                 f"Observed site {site['name']!r} has a poutine.mask mask of shape {tuple(m.shape)}, which "
                 f"does not broadcast to the site's batch shape {tuple(fn.batch_shape)} (the shape of its "
-                f"log_prob; its event shape {tuple(fn.event_shape)} holds the tokens). Mask whole "
+                f"log_prob; its event shape {event} holds the tokens). Mask whole "
                 f"datapoints with a mask of the batch shape, or single tokens inside the event with "
                 f"dist.Normal(...).mask(m).to_event(1) or a token plate (a GaussianHMM's elements "
-                f"cannot be masked one by one)."
+                f"and a DiscreteHMM's steps cannot be masked one by one)."
             )
         masks.append(m.reshape(m.shape + (1,) * len(fn.event_shape)))
     remaining = len(fn.event_shape)  # event dims to the right of the current level's batch

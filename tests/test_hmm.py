@@ -431,3 +431,20 @@ def test_chunks_of_masks_are_recomputed_and_their_tables_not_kept(float64):
                 keep[t] = True
                 num = brute_force_log_marginal(log_init, log_trans, E[i], keep[:, None])
                 assert abs(float(chunked[q, i, t]) - (num - den)) < 1e-10
+
+
+def test_a_mask_over_steps_is_refused_naming_the_steps():
+    """poutine.mask over a DiscreteHMM's steps (one mask entry per step) cannot mask
+    them (its log_prob has the batch shape): the refusal names the value's event
+    shape (T,) = (5,); it said (1,), the event shape a DiscreteHMM without duration
+    declares whatever its steps."""
+    init, trans = torch.zeros(2), torch.zeros(2, 2)
+    x = torch.ones(3, 5)
+
+    def model(x, m):
+        with pyro.plate("seq", x.shape[0]), pyro.poutine.mask(mask=m):
+            pyro.sample("x", dist.DiscreteHMM(init, trans, dist.Poisson(torch.tensor([1.0, 4.0]))), obs=x)
+
+    m = torch.ones(3, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"mask of shape \(3, 5\).*batch shape \(3,\).*its event shape \(5,\) holds"):
+        Evidence(model)(x, m)
