@@ -562,3 +562,15 @@ def test_models_without_a_masked_lm_head_are_refused(tmp_path_factory):
             MaskedLMScorer(cls(transformers.BertConfig(**config)), tok)
     with pytest.raises(ValueError, match="configured as a decoder"):
         MaskedLMScorer(transformers.BertLMHeadModel(transformers.BertConfig(is_decoder=True, **config)), tok)
+
+
+def test_progress_bar_counts_to_the_number_of_masked_copies(tmp_path_factory, capsys):
+    """The curve's and PLL's bars know their totals (an ETA on long corpora); they ran without one."""
+    model, tok = tiny_bert(tmp_path_factory.mktemp("bar_vocab"))
+    scorer = MaskedLMScorer(model, tok, progress=True)
+    texts = ["a b c d e f g h", "a b"]
+    scorer.curve(texts, rates=[0.1, 0.2, 0.5, 0.9], num_masks=3)
+    # mask sizes max(1, round(r L)): L = 8 -> 1, 2, 4, 7 (4 sizes); L = 2 -> 1, 1, 1, 2 (2 sizes)
+    assert "18/18" in capsys.readouterr().err  # 3 masks x (4 + 2) sizes
+    scorer.pll(texts)
+    assert "10/10" in capsys.readouterr().err  # one copy per token

@@ -181,12 +181,13 @@ class MaskedLMScorer:
             max_length=self.max_length, text_column=text_column or self.text_column,
         )
 
-    def _run(self, enc, items, make_jobs, desc):
-        """:func:`~pyro_mpt.adapters.mlm_jobs.run_jobs` with this scorer's model, budget and progress bar."""
+    def _run(self, enc, items, make_jobs, desc, total=None):
+        """:func:`~pyro_mpt.adapters.mlm_jobs.run_jobs` with this scorer's model, budget and
+        progress bar (of ``total`` masked copies when known, so that it shows an ETA)."""
         from tqdm.auto import tqdm
 
         main = self.accelerator is None or self.accelerator.is_local_main_process
-        bar = tqdm(desc=desc, unit="copy", disable=not (self.progress and main))
+        bar = tqdm(desc=desc, unit="copy", total=total, disable=not (self.progress and main))
         try:
             with eval_mode(self.model):
                 return run_jobs(enc, items, make_jobs, self.forward, self.mask_token_id, self.max_tokens, bar)
@@ -255,7 +256,9 @@ class MaskedLMScorer:
             return mask, weight
 
         items = shard(len(enc), self.accelerator)
-        res = self._run(enc, items, make_jobs, "MPT curve")
+        # K masks at each distinct mask size of a sequence (rates sharing a size share a copy)
+        total = sum(K * len(torch.unique(counts[i])) for i in items)
+        res = self._run(enc, items, make_jobs, "MPT curve", total)
         rows = torch.stack(
             [res[i].view(K, -1)[:, plan[i]].T for i in items]
         ) if items else torch.zeros((0, len(rates), K), dtype=torch.float64, device="cpu")
@@ -331,7 +334,7 @@ class MaskedLMScorer:
             return pll_jobs(int(lengths[i]), enc.word_ids[i] if word_l2r else None)
 
         items = shard(len(enc), self.accelerator)
-        res = self._run(enc, items, make_jobs, "PLL")
+        res = self._run(enc, items, make_jobs, "PLL", int(sum(lengths[i] for i in items)))
         width = int(lengths.max())
         rows = torch.full((len(items), width), float("nan"), dtype=torch.float64, device="cpu")
         for r, i in enumerate(items):
