@@ -14,6 +14,13 @@ reading each distinct entry once.
 its second step on) when every distribution of its trace is one of these, checks them
 here, and traces again with validation when a check fails, so that the error is Pyro's
 own, as before.
+
+What the trace does not record is not checked: a distribution the model builds without
+sampling from it (``dist.Normal(0, s).icdf(u)`` as another site's argument) or samples
+inside ``poutine.block`` raises Pyro's error for a bad argument at the first step only;
+from the second step on the loss computes with it (with ``s < 0``, a finite number)
+unless the model's engine builds every distribution again under validation
+(:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.validates_model`).
 """
 
 import pyro.distributions as dist

@@ -74,7 +74,9 @@ class LossMemory:
         distributions at their arguments' own shapes (a latent mean's
         ``MultivariateNormal`` checked its ``scale_tril`` expanded to ``(N, D, D)``, half of
         its step at D = 200). Should anything fail there, the step traces again with
-        validation (Pyro's own error) and the model leaves this set.
+        validation (Pyro's own error) and the model leaves this set: the model and guide
+        then run twice in that step (their side effects too), the second time from the
+        torch, numpy and ``random`` states of the first (a CUDA generator's draws differ).
     """
 
     auto_engines: dict = field(default_factory=dict)
