@@ -51,7 +51,7 @@ import torch
 
 from ..mask_bits import pack_bits, unpack_bits
 from .gaussian_linalg import LOG_2PI, cholesky, tril_inverse
-from .written_backward import first_order_backward
+from .written_backward import KeptChunks, first_order_backward
 
 __all__ = ["DenseContextConditionals", "DenseIndependentSums", "dense_independent_sums", "padded_tokens", "sorted_spans"]
 
@@ -267,28 +267,9 @@ class _Pieces:
         return self._scatter(self.M, gd, D) + self._scatter(self.R, gRr, D)
 
 
-class _Keeper:
-    """The chunks' pieces kept by the forward pass for the backward pass, as many as fit in
-    ``budget`` elements: the backward pass takes them instead of factoring their chunks
-    again (a fifth of a step), and recomputes the rest, so that what is kept stays bounded."""
-
-    def __init__(self, budget):
-        self.budget, self.tensors, self.flags = budget, [], []
-
-    def offer(self, pc, K, P, s, m):
-        size = _Pieces.numel(K, P, s, m)
-        take = size <= self.budget
-        if take:
-            self.budget -= size
-            self.tensors.extend(pc.kept())
-        self.flags.append(take)
-
-    @staticmethod
-    def restore(tensors, flags, D):
-        """An iterator over the chunks: their restored pieces, or None (recompute)."""
-        it, n = iter(tensors), len(_Pieces.KEPT)
-        for take in flags:
-            yield _Pieces.restored([next(it) for _ in range(n)], D) if take else None
+def _restored(tensors, flags, D):
+    """The chunks' :class:`_Pieces` the forward pass kept, or None (recompute), in order."""
+    return KeptChunks.restore(tensors, flags, len(_Pieces.KEPT), lambda kept: _Pieces.restored(kept, D))
 
 
 class DenseIndependentSums(torch.autograd.Function):
@@ -325,12 +306,12 @@ class DenseIndependentSums(torch.autograd.Function):
         out = S.new_zeros(q * n)
         rows = torch.arange(q * n, device=r.device) % n
         Sp, rp = padded_tokens(S[None], r[None])
-        keep = _Keeper(keep_elements if any(ctx.needs_input_grad[:3]) else 0)
+        keep = KeptChunks(keep_elements if any(ctx.needs_input_grad[:3]) else 0)
         for sl, s, m in _chunks_from(flat, min_targets, S.element_size(), max_elements, S.device):
             pc = _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, site)
             logc = pc.log_conditionals(D)[0]
             out[sl] = (logc if observed is None else logc * observed[rows[sl]]).sum(-1)
-            keep.offer(pc, 1, len(sl), s, m)
+            keep.offer(pc.kept(), _Pieces.numel(1, len(sl), s, m))
         ctx.observed = observed
         # x and loc rather than r: they are shared by every block of masks, r would be one more
         # (n, D) table kept per block (the engine's blocks are not checkpointed: each keeps only
@@ -345,7 +326,7 @@ class DenseIndependentSums(torch.autograd.Function):
     def backward(ctx, g):
         """The gradients of ``S``, ``x`` and ``loc``."""
         S, x, loc, bits = ctx.saved_tensors[:4]
-        kept = _Keeper.restore(ctx.saved_tensors[4:], ctx.kept, ctx.num_tokens)
+        kept = _restored(ctx.saved_tensors[4:], ctx.kept, ctx.num_tokens)
         mask = unpack_bits(bits, ctx.num_tokens)
         q, n, D = mask.shape
         r = x - loc
@@ -367,7 +348,8 @@ class DenseIndependentSums(torch.autograd.Function):
 def _chunks_from(flat, min_targets, itemsize, max_elements, device):
     """:func:`_sorted_chunks` of the pairs of ``flat`` ``(P, D)`` (True at a target) with at
     least ``min_targets`` targets, their indices into ``flat``, the largest contexts first:
-    a budget of kept chunks (:class:`_Keeper`) keeps the costliest to factor again."""
+    a budget of kept chunks (:class:`~pyro_mpt.conditionals.written_backward.KeptChunks`)
+    keeps the costliest to factor again."""
     if min_targets <= 0:
         yield from reversed(list(_sorted_chunks(~flat, itemsize, max_elements, device)))
         return
@@ -410,11 +392,11 @@ class DenseContextConditionals(torch.autograd.Function):
         rows = torch.arange(q * n, device=x.device) % n
         log_c, log_ctx = S.new_empty(K, q * n, D), S.new_empty(K, q * n)
         Sp, rp = padded_tokens(S, x - loc)  # (K, n, 3 D)
-        keep = _Keeper(keep_elements if any(ctx.needs_input_grad[:3]) else 0)
+        keep = KeptChunks(keep_elements if any(ctx.needs_input_grad[:3]) else 0)
         for sl, s, m in _sorted_chunks(~flat, K * S.element_size(), max_elements // K, S.device):
             pc = _Pieces(Sp, rp[:, rows[sl]], ~flat[sl], s, m, site, check_pivots=False)
             log_c[:, sl], log_ctx[:, sl] = pc.log_conditionals(D), pc.log_context()
-            keep.offer(pc, K, len(sl), s, m)
+            keep.offer(pc.kept(), _Pieces.numel(K, len(sl), s, m))
         ctx.save_for_backward(S, x, loc, pack_bits(context), *keep.tensors)
         ctx.kept = keep.flags
         ctx.max_elements, ctx.site, ctx.num_tokens = max_elements, site, D
@@ -425,7 +407,7 @@ class DenseContextConditionals(torch.autograd.Function):
     def backward(ctx, gc, gR):
         """The gradients of ``S``, ``x`` and ``loc``."""
         S, x, loc, bits = ctx.saved_tensors[:4]
-        kept = _Keeper.restore(ctx.saved_tensors[4:], ctx.kept, ctx.num_tokens)
+        kept = _restored(ctx.saved_tensors[4:], ctx.kept, ctx.num_tokens)
         context = unpack_bits(bits, ctx.num_tokens)
         q, n, D = context.shape
         flat = ~context.reshape(q * n, D)

@@ -42,7 +42,7 @@ import torch
 from ..mask_bits import pack_bits, unpack_bits
 from .gaussian_dense_independent import DenseContextConditionals, DenseIndependentSums, padded_tokens, sorted_spans
 from .gaussian_linalg import LOG_2PI, tril_inverse
-from .written_backward import first_order_backward
+from .written_backward import KeptChunks, first_order_backward
 
 __all__ = [
     "MAX_CONDITION", "PrecisionTargetConditionals", "PrecisionTargetSums", "dense_context_conditionals",
@@ -74,6 +74,7 @@ class _TargetPieces:
     ``W`` rather than ``P``: the variances are ``W``'s column norms, so a forward pass
     whose chunks the backward pass recomputes never forms ``P`` (an ``m^3`` product)."""
 
+    #: what the backward pass reads; a chunk kept by the forward pass keeps these
     KEPT = ("M", "W", "d", "v")
 
     def __init__(self, Lp, yp, target, m):
@@ -91,6 +92,23 @@ class _TargetPieces:
         self.d = torch.cholesky_solve(yM.unsqueeze(-1), L).squeeze(-1)
         logdet = 2 * torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)  # of Lambda_MM; the padding adds 0
         self.log_targets = -0.5 * (nM.squeeze(-1).to(A.dtype) * LOG_2PI - logdet + (yM * self.d).sum(-1))
+
+    def kept(self):
+        """The tensors of :attr:`KEPT`, for :meth:`restored`."""
+        return tuple(getattr(self, k) for k in self.KEPT)
+
+    @classmethod
+    def restored(cls, tensors):
+        """The pieces of a chunk from its :meth:`kept` tensors, for the backward pass."""
+        pc = cls.__new__(cls)
+        for k, t in zip(cls.KEPT, tensors):
+            setattr(pc, k, t)
+        return pc
+
+    @staticmethod
+    def numel(K, P, m):
+        """Elements of a chunk's kept floating-point tables."""
+        return K * P * (m * m + 2 * m)
 
     def _iMM(self, E):
         return (self.M.unsqueeze(-1) * E + self.M.unsqueeze(-2)).view(-1)
@@ -159,18 +177,13 @@ class PrecisionTargetConditionals(torch.autograd.Function):
         (K, _, D), P = y.shape, target.shape[0]
         Lp, yp = padded_tokens(Lam, y)
         log_c, log_t = y.new_empty(K, P, D), y.new_empty(K, P)
-        kept, flags = [], []
-        budget = keep_elements if any(ctx.needs_input_grad[:2]) else 0
+        keep = KeptChunks(keep_elements if any(ctx.needs_input_grad[:2]) else 0)
         for sl, m in _target_chunks(target, K * y.element_size(), max_elements // K, y.device):
             pc = _TargetPieces(Lp, yp[:, rows[sl]], target[sl], m)
             log_c[:, sl], log_t[:, sl] = pc.log_conditionals(D), pc.log_targets
-            size = K * len(sl) * (m * m + 2 * m)
-            flags.append(size <= budget)
-            if flags[-1]:
-                budget -= size
-                kept.extend(getattr(pc, k) for k in _TargetPieces.KEPT)
-        ctx.save_for_backward(Lam, y, rows, pack_bits(target), *kept)
-        ctx.flags, ctx.max_elements, ctx.num_tokens = flags, max_elements, D
+            keep.offer(pc.kept(), _TargetPieces.numel(K, len(sl), m))
+        ctx.save_for_backward(Lam, y, rows, pack_bits(target), *keep.tensors)
+        ctx.flags, ctx.max_elements, ctx.num_tokens = keep.flags, max_elements, D
         return log_c, log_t
 
     @staticmethod
@@ -178,7 +191,7 @@ class PrecisionTargetConditionals(torch.autograd.Function):
     def backward(ctx, gc, gt):
         """The gradients of ``Lam`` and ``y``."""
         Lam, y, rows, bits = ctx.saved_tensors[:4]
-        kept = iter(ctx.saved_tensors[4:])
+        kept = _restored(ctx.saved_tensors[4:], ctx.flags)
         D = ctx.num_tokens
         target = unpack_bits(bits, D)
         K = y.shape[0]
@@ -187,13 +200,8 @@ class PrecisionTargetConditionals(torch.autograd.Function):
         gy = torch.zeros_like(y)
         gc = torch.nn.functional.pad(gc, (0, 2 * D))
         chunks = _target_chunks(target, K * y.element_size(), ctx.max_elements // K, y.device)
-        for (sl, m), take in zip(chunks, ctx.flags):
-            if take:
-                pc = _TargetPieces.__new__(_TargetPieces)
-                for k in _TargetPieces.KEPT:
-                    setattr(pc, k, next(kept))
-            else:
-                pc = _TargetPieces(Lp, yp[:, rows[sl]], target[sl], m)
+        for sl, m in chunks:
+            pc = next(kept) or _TargetPieces(Lp, yp[:, rows[sl]], target[sl], m)
             gy.index_add_(1, rows[sl], pc.backward(pc.at_targets(gc[:, sl]), gt[:, sl], G, D))
         G = G.view(K, 3 * D, 3 * D)[:, :D, :D]
         return 0.5 * (G + G.transpose(-1, -2)), gy, None, None, None, None
@@ -234,19 +242,14 @@ class PrecisionTargetSums(torch.autograd.Function):
         rows = torch.arange(q * n, device=y.device) % n
         Lp, yp = padded_tokens(Lam[None], y[None])
         out = y.new_zeros(q * n)
-        kept, flags = [], []
-        budget = keep_elements if any(ctx.needs_input_grad[:2]) else 0
+        keep = KeptChunks(keep_elements if any(ctx.needs_input_grad[:2]) else 0)
         for sl, m in _few_target_chunks(flat, max_targets, y.element_size(), max_elements, y.device):
             pc = _TargetPieces(Lp, yp[:, rows[sl]], flat[sl], m)
             out[sl] = (pc.log_terms()[0] * _target_weights(pc, observed, rows[sl], D)).sum(-1)
-            size = len(sl) * (m * m + 2 * m)
-            flags.append(size <= budget)
-            if flags[-1]:
-                budget -= size
-                kept.extend(getattr(pc, k) for k in _TargetPieces.KEPT)
+            keep.offer(pc.kept(), _TargetPieces.numel(1, len(sl), m))
         ctx.observed = observed
-        ctx.save_for_backward(Lam, y, pack_bits(mask) if bits is None else bits, *kept)
-        ctx.flags, ctx.max_elements, ctx.max_targets = flags, max_elements, max_targets
+        ctx.save_for_backward(Lam, y, pack_bits(mask) if bits is None else bits, *keep.tensors)
+        ctx.flags, ctx.max_elements, ctx.max_targets = keep.flags, max_elements, max_targets
         return out.view(q, n)
 
     @staticmethod
@@ -254,7 +257,7 @@ class PrecisionTargetSums(torch.autograd.Function):
     def backward(ctx, g):
         """The gradients of ``Lam`` and ``y``."""
         Lam, y, bits = ctx.saved_tensors[:3]
-        kept = iter(ctx.saved_tensors[3:])
+        kept = _restored(ctx.saved_tensors[3:], ctx.flags)
         D = Lam.shape[-1]
         mask = unpack_bits(bits, D)
         q, n, _ = mask.shape
@@ -264,17 +267,17 @@ class PrecisionTargetSums(torch.autograd.Function):
         G = torch.zeros_like(Lp).view(1, -1)
         gy = torch.zeros_like(y)
         chunks = _few_target_chunks(flat, ctx.max_targets, y.element_size(), ctx.max_elements, y.device)
-        for (sl, m), take in zip(chunks, ctx.flags):
-            if take:
-                pc = _TargetPieces.__new__(_TargetPieces)
-                for k in _TargetPieces.KEPT:
-                    setattr(pc, k, next(kept))
-            else:
-                pc = _TargetPieces(Lp, yp[:, rows[sl]], flat[sl], m)
+        for sl, m in chunks:
+            pc = next(kept) or _TargetPieces(Lp, yp[:, rows[sl]], flat[sl], m)
             gc = g[sl].unsqueeze(-1) * _target_weights(pc, ctx.observed, rows[sl], D)
             gy.index_add_(0, rows[sl], pc.backward(gc[None], None, G, D)[0])
         G = G.view(3 * D, 3 * D)[:D, :D]
         return 0.5 * (G + G.T), gy, None, None, None, None, None, None
+
+
+def _restored(tensors, flags):
+    """The chunks' :class:`_TargetPieces` the forward pass kept, or None (recompute), in order."""
+    return KeptChunks.restore(tensors, flags, len(_TargetPieces.KEPT), _TargetPieces.restored)
 
 
 def _few_target_chunks(flat, max_targets, itemsize, max_elements, device):

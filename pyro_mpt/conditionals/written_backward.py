@@ -6,13 +6,15 @@ the mixture chunks' partial sums, the self-normalized importance weights) are
 tensors saved by the forward pass, computed without a graph, so a graph built
 over it (``create_graph=True``) would treat them as constants and give wrong
 second derivatives without an error. :func:`first_order_backward` refuses that.
+Such a backward pass either computes its chunks' tables again or reads them from the
+forward pass; :class:`KeptChunks` keeps those that fit in a budget of elements.
 """
 
 import functools
 
 import torch
 
-__all__ = ["first_order_backward"]
+__all__ = ["KeptChunks", "first_order_backward"]
 
 
 def first_order_backward(backward):
@@ -50,3 +52,48 @@ def first_order_backward(backward):
         return once(ctx, *grads)
 
     return guarded
+
+
+class KeptChunks:
+    """The chunks' tables that a forward pass keeps for its written-out backward pass, as
+    many as fit in a budget of elements, offered chunk by chunk: the backward pass reads
+    them instead of computing their chunks again and recomputes the rest, so that what is
+    kept stays bounded whatever the number of chunks.
+
+    :param int budget: elements that may be kept (0: none).
+
+    Example::
+
+        >>> keep = KeptChunks(2**22)
+        >>> for chunk in chunks:                       # forward pass
+        ...     L, d = tables(chunk)
+        ...     keep.offer((L, d), L.numel() + d.numel())
+        >>> ctx.save_for_backward(*inputs, *keep.tensors)
+        >>> ctx.kept = keep.flags
+        >>> restored = KeptChunks.restore(ctx.saved_tensors[len(inputs):], ctx.kept, 2)
+        >>> for chunk in chunks:                       # backward pass, the same order
+        ...     L, d = next(restored) or tables(chunk)
+    """
+
+    def __init__(self, budget):
+        self.budget, self.tensors, self.flags = budget, [], []
+
+    def offer(self, tensors, size):
+        """Keeps a chunk's ``tensors`` (``size`` elements in all) where they fit in what is
+        left of the budget; records in :attr:`flags` whether they were kept."""
+        take = size <= self.budget
+        if take:
+            self.budget -= size
+            self.tensors.extend(tensors)
+        self.flags.append(take)
+
+    @staticmethod
+    def restore(tensors, flags, per_chunk, rebuild=tuple):
+        """An iterator over the chunks, in the order offered: ``rebuild`` of a kept chunk's
+        ``per_chunk`` tensors (their tuple by default), None for a chunk to compute again.
+
+        :param tensors: the saved :attr:`tensors`. :param flags: the saved :attr:`flags`.
+        """
+        it = iter(tensors)
+        for take in flags:
+            yield rebuild(tuple(next(it) for _ in range(per_chunk))) if take else None
