@@ -202,7 +202,7 @@ class LowRankForm(torch.autograd.Function):
         pk = ctx.pk
         G = _symh(gA)
         Gdd = G[D:, D:]
-        outer, inner, _ = ctx.chunks
+        outer = ctx.chunks[0]  # the inner chunks: the forward pass's plans, kept
         gF = torch.zeros_like(F)
         # X_m = Fp^T diag(t_m) (Fp = F / psi) enters the form only in u_m = X_m e + delta, and the
         # caller's delta = zhat - Fp^T e carries Fp without gradient: X_m and delta's Fp together

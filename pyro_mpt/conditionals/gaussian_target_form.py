@@ -323,9 +323,8 @@ def _context_inverse_factors(F, psi, idxs, site):
     one batch: the :math:`R\times R` factors do not depend on the group's size, and a call a
     group cost its own factorization, inverse and check (PPCA D = 200, K = 50, six groups of
     83 to 104 targets, float32, one thread: 1.0 -> 0.5 ms)."""
-    D, R = F.shape
+    D = F.shape[0]
     with torch.no_grad():
-        F, psi = F.detach(), psi.detach()
         context = torch.ones(sum(idx.shape[0] for idx in idxs), D + 1, dtype=F.dtype, device=F.device)
         start = 0
         for idx in idxs:

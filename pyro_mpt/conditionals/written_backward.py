@@ -61,6 +61,8 @@ class KeptChunks:
     kept stays bounded whatever the number of chunks.
 
     :param int budget: elements that may be kept (0: none).
+    :ivar list tensors: the kept chunks' tensors, in the order offered (to save for backward).
+    :ivar list flags: one bool a chunk offered: whether it was kept.
 
     Example::
 
@@ -80,7 +82,7 @@ class KeptChunks:
 
     def offer(self, tensors, size):
         """Keeps a chunk's ``tensors`` (``size`` elements in all) where they fit in what is
-        left of the budget; records in :attr:`flags` whether they were kept."""
+        left of the budget; records in ``flags`` whether they were kept."""
         take = size <= self.budget
         if take:
             self.budget -= size
@@ -92,7 +94,10 @@ class KeptChunks:
         """An iterator over the chunks, in the order offered: ``rebuild`` of a kept chunk's
         ``per_chunk`` tensors (their tuple by default), None for a chunk to compute again.
 
-        :param tensors: the saved :attr:`tensors`. :param flags: the saved :attr:`flags`.
+        :param tensors: the saved ``tensors``.
+        :param flags: the saved ``flags``.
+        :param int per_chunk: tensors a kept chunk offered.
+        :param callable rebuild: what a kept chunk's tuple of tensors becomes.
         """
         it = iter(tensors)
         for take in flags:
