@@ -11,8 +11,9 @@ expanded along a batch dim (stride 0) one slice along it decides the same:
 reading each distinct entry once.
 
 :class:`~pyro_mpt.MaskedPretrainingLoss` traces a model without Pyro's validation (from
-its second step on) when every distribution of its trace is one of these, checks them
-here, and traces again with validation when a check fails, so that the error is Pyro's
+its second step on), and :class:`~pyro_mpt.evidence.Evidence` (``method="exact"``, from
+its second call on), when every distribution of the trace is one of these, check them
+here, and trace again with validation when a check fails, so that the error is Pyro's
 own, as before.
 
 What the trace does not record is not checked: a distribution the model builds without
@@ -29,7 +30,7 @@ from pyro.poutine.util import site_is_subsample
 from torch.distributions import constraints
 from torch.distributions.utils import lazy_property
 
-__all__ = ["CHECKED", "WRAPPERS", "args_valid", "checkable"]
+__all__ = ["CHECKED", "WRAPPERS", "Revalidate", "args_valid", "checkable"]
 
 #: the distribution classes whose check when built is exactly torch's loop over their
 #: ``arg_constraints`` in ``Distribution.__init__`` (no check of their own in ``__init__``:
@@ -42,6 +43,11 @@ CHECKED = (
 
 #: wrappers with no argument of their own to check: their base distribution is checked
 WRAPPERS = (dist.Independent, MaskedDistribution, ExpandedDistribution)
+
+
+class Revalidate(Exception):
+    """A trace made without Pyro's validation does not serve: make it again with validation
+    (raised by the callers that trace without it, caught by themselves)."""
 
 
 def _distributions(trace):

@@ -25,7 +25,7 @@ from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
 from pyro.util import get_rng_state, set_rng_state, warn_if_nan
 
-from .arg_checks import args_valid, checkable
+from .arg_checks import Revalidate, args_valid, checkable
 from .conditionals import auto_engine, make_engine
 from .conditionals.base import EngineNotApplicable, callable_key
 from .curve import CurveAccumulator
@@ -43,11 +43,6 @@ _ELBO_OPTIONS = frozenset(
     {"num_particles", "vectorize_particles", "retain_graph", "strict_enumeration_warning",
      "ignore_jit_warnings", "jit_options", "tail_adaptive_beta"}
 )
-
-
-class _Revalidate(Exception):
-    """The model's trace without Pyro's argument validation does not serve this step: trace
-    it again with validation."""
 
 
 @dataclass
@@ -244,14 +239,14 @@ class MaskedPretrainingLoss(ELBO):
         it may, if ``remember``) or without it, where the remembered
         engine builds every distribution again under validation
         (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.validates_model`) or
-        :func:`~pyro_mpt.arg_checks.args_valid` checks them (else :class:`_Revalidate`)."""
+        :func:`~pyro_mpt.arg_checks.args_valid` checks them (else :class:`Revalidate`)."""
         tokens, model, guide, points = trace_with_point_globals(
             lambda model, guide: self._trace_tokens(model, guide, args, kwargs, check=False, validate_model=validate_model),
             model, guide,
         )
         key = (user_model, tokens.name)
         if not validate_model and points:
-            raise _Revalidate  # the point masses' log-prior checks their support while validating
+            raise Revalidate  # the point masses' log-prior checks their support while validating
         prior = log_prior(points)
         check_guide_sites(tokens)
         check_latent_scales(tokens)
@@ -260,7 +255,7 @@ class MaskedPretrainingLoss(ELBO):
             if engine is not None and engine.validates_model(tokens):
                 return tokens, engine, engine.prepare(tokens, model, guide, args, kwargs), prior
             if not args_valid(tokens.model_trace):
-                raise _Revalidate
+                raise Revalidate
         tokens, engine, state = self._prepare_engine(tokens, key, model, guide, args, kwargs)
         if validate_model and remember:
             if not points and (engine.validates_model(tokens) or checkable(tokens.model_trace)):

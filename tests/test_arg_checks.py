@@ -183,3 +183,37 @@ def test_dependent_and_lazy_arguments_are_skipped_as_torch_skips_them():
     assert "covariance_matrix" not in fn.__dict__
     assert args_valid(trace_of(build))
     assert constraints.is_dependent(dist.Binomial.arg_constraints["total_count"]) is False
+
+
+def test_exact_evidence_of_a_latent_mean_traces_without_validation_after_the_first_call():
+    """``Evidence(method="exact")`` from its second call on: the model traced without Pyro's
+    validation, its arguments checked at their own shapes; the values and their gradient
+    equal a fresh estimator's; a bad ``scale_tril`` raises the fresh estimator's exact error,
+    and the next good call is validated again."""
+    from pyro_mpt import Evidence
+
+    model, x, L0, runs = latent_mean_model()
+    L = L0.clone().requires_grad_()
+    evidence = Evidence(model)
+    evidence(x, L)
+    assert runs[0] is True
+    runs.clear()
+    quiet = evidence(x, L)
+    assert runs[0] is False and dist.is_validation_enabled()
+    fresh = Evidence(model)(x, L)
+    torch.testing.assert_close(quiet, fresh, rtol=1e-12, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(quiet.sum(), L)[0], torch.autograd.grad(fresh.sum(), L)[0],
+                               rtol=1e-12, atol=0)
+    broken = L0.clone()
+    broken[1, 1] = -1.0
+    with pytest.raises(Exception) as want:
+        Evidence(model)(x, broken)
+    assert isinstance(want.value, ValueError) and "scale_tril" in str(want.value)
+    runs.clear()
+    with pytest.raises(Exception) as got:
+        evidence(x, broken)
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+    assert runs[0] is False and runs[-1] is True
+    runs.clear()
+    evidence(x, L0)
+    assert runs[0] is True

@@ -30,6 +30,10 @@ returns one log-evidence per datapoint, with the observed site's batch shape:
 diagnostics) and calling the object returns the values.
 """
 
+import pyro.distributions as dist
+from pyro.util import get_rng_state, set_rng_state
+
+from ..arg_checks import Revalidate, args_valid, checkable
 from ..guide_checks import check_guide_sites
 from ..observed_tokens import trace_tokens
 from ..point_latents import trace_with_point_globals
@@ -107,6 +111,8 @@ class Evidence:
         self.engines = {}
         #: guide sites already named by a once-per-estimator warning
         self.warned_sites = set()
+        #: whether the next call traces the model without Pyro's validation (see :meth:`estimate`)
+        self._quiet_trace = False
 
     def estimate(self, *args, **kwargs):
         r"""Run the estimator and return the full :class:`EvidenceResult`.
@@ -114,20 +120,40 @@ class Evidence:
         Global latents at a point mass of the guide (``AutoDelta``, fitted by MAP) are
         held at the guide's values: the values are then :math:`\log p(x_i \mid \hat\theta)`
         (see :mod:`~pyro_mpt.point_latents`).
+
+        From the second call on, ``method="exact"`` traces a model whose distributions
+        :mod:`~pyro_mpt.arg_checks` checks without Pyro's validation and checks them there
+        (a latent mean's ``MultivariateNormal(z, scale_tril=L)`` holds ``L`` expanded to
+        ``(N, D, D)``); should anything fail, it traces again with validation, so a bad
+        argument raises Pyro's own error.
         """
+        if self._quiet_trace and dist.is_validation_enabled():
+            rng = get_rng_state()
+            try:
+                return self._estimate(args, kwargs, validate_model=False)
+            except Exception:
+                set_rng_state(rng)  # the validated trace fails as it always did, or serves
+                self._quiet_trace = False
+        return self._estimate(args, kwargs, validate_model=True)
+
+    def _estimate(self, args, kwargs, validate_model):
         tokens, model, guide, points = trace_with_point_globals(
-            lambda model, guide: self._trace(model, guide, args, kwargs), self.model, self.guide
+            lambda model, guide: self._trace(model, guide, args, kwargs, validate_model), self.model, self.guide
         )
+        if not validate_model and (points or not args_valid(tokens.model_trace)):
+            raise Revalidate
         check_guide_sites(tokens)
         result = METHODS[self.method](_Fixed(self, model, guide) if points else self, tokens, args, kwargs)
+        if validate_model:
+            self._quiet_trace = self.method == "exact" and not points and checkable(tokens.model_trace)
         result.log_evidence = tokens.unflatten(result.log_evidence)
         result.stderr = tokens.unflatten(result.stderr)
         return result
 
-    def _trace(self, model, guide, args, kwargs):
+    def _trace(self, model, guide, args, kwargs, validate_model=True):
         return trace_tokens(
             model, guide, args, kwargs, self.obs_site, self.max_plate_nesting, self.token_plates,
-            extra_sites=self.extra_sites,
+            extra_sites=self.extra_sites, validate_model=validate_model,
         )
 
     def __call__(self, *args, **kwargs):
