@@ -218,3 +218,20 @@ def test_loader_fallback_processor_fits_pairs_and_grayscale(tmp_path):
         assert pixels.shape == (2, C, 16, 16)
         # the processor's normalization: (x / 255 - mean) / std, resized
         assert abs(float(pixels.mean()) - (127.5 / 255 - proc.image_mean[0]) / proc.image_std[0]) < 0.3
+
+
+def test_colour_images_for_a_grayscale_model_are_converted_to_luminance():
+    """A 1-channel ViT-MAE fed RGB PIL images failed in the model ('Expected 1 but got 3'); they
+    are converted to 'L' as grayscale images are converted to RGB for 3-channel models."""
+    from PIL import Image
+
+    model = tiny_vit_mae(image_size=16, patch_size=4, hidden_size=32, num_channels=1)
+    proc = transformers.ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.5], image_std=[0.5])
+    rng = np.random.default_rng(0)
+    rgb = [Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)) for _ in range(2)]
+    scorer = MAEScorer(model, proc)
+    got = scorer.pixel_values(rgb, [0, 1])
+    expected = proc(images=[im.convert("L") for im in rgb], return_tensors="pt")["pixel_values"]
+    assert got.shape == (2, 1, 16, 16)
+    torch.testing.assert_close(got, expected.float(), rtol=0, atol=0)
+    assert np.isfinite(scorer.curves(rgb, rates=[0.5])["mse"].score).all()

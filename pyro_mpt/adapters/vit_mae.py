@@ -168,7 +168,9 @@ class MAEScorer:
         :param inputs: a tensor ``(n, C, H, W)`` (used as is), a
             ``datasets.Dataset`` with ``image_column``, a torchvision-style
             dataset of ``(image, label)`` pairs, or a list of images (PIL,
-            arrays or ``(C, H, W)`` tensors).
+            arrays or ``(C, H, W)`` tensors). PIL images are converted to the
+            model's channels: grayscale to RGB for 3-channel models, colour to
+            luminance (``"L"``) for 1-channel ones.
         """
         indices = [int(i) for i in indices]
         if isinstance(inputs, torch.Tensor):
@@ -193,6 +195,9 @@ class MAEScorer:
         if self.model.config.num_channels == 3:
             # Fashion-MNIST and other grayscale sets: the processor expects RGB
             images = [im.convert("RGB") if hasattr(im, "convert") and getattr(im, "mode", "RGB") != "RGB" else im for im in images]
+        elif self.model.config.num_channels == 1:
+            # a grayscale model (e.g. trained on MNIST) fed colour or RGBA PIL images: their luminance
+            images = [im.convert("L") if hasattr(im, "convert") and getattr(im, "mode", "L") != "L" else im for im in images]
         return self.image_processor(images=images, return_tensors="pt")["pixel_values"].float()
 
     # ------------------------------------------------------------- forward
