@@ -95,3 +95,37 @@ def test_quadrature_page_snippet_runs_and_its_evidence_matches_a_grid_integral()
     a = loglik + log_prior
     reference = a.max(1) + np.log(np.exp(a - a.max(1, keepdims=True)).sum(1) * cell)
     np.testing.assert_allclose(estimate.log_evidence.detach().double().numpy(), reference, rtol=0, atol=1e-4)
+
+
+def test_theory_page_fixed_rate_bias_snippet_equals_brute_force():
+    """docs/theory.rst's bias of a fixed rate, run on a PPCA of 8 tokens, against numpy: every
+    mask of the fixed size enumerated, Gaussian conditionals by solving the covariance."""
+    from itertools import combinations
+
+    from scipy.stats import norm
+
+    (code,) = [b for b in python_blocks("docs/theory.rst") if "FixedRate" in b]
+    g = torch.Generator().manual_seed(0)
+    N, D, K, sigma = 50, 8, 2, 0.5
+    W = torch.randn(D, K, generator=g, dtype=torch.float64)
+    x = torch.randn(N, K, generator=g, dtype=torch.float64) @ W.T + sigma * torch.randn(N, D, generator=g, dtype=torch.float64)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", pyro.distributions.Normal(torch.zeros(K, dtype=torch.float64), 1.0).to_event(1))
+            pyro.sample("x", pyro.distributions.Normal(z @ W.T, sigma).to_event(1), obs=x)
+
+    ns = _run(code, {"model": model, "x": x, "MaskedPretrainingLoss": __import__("pyro_mpt").MaskedPretrainingLoss})
+    C = (W @ W.T).numpy() + sigma**2 * np.eye(D)
+    X = x.numpy()
+    M = ns["M"]
+    assert M == 2  # round(0.2 * 8)
+    total, count = 0.0, 0
+    for masked in combinations(range(D), M):
+        rest = [j for j in range(D) if j not in masked]
+        for j in masked:
+            coef = np.linalg.solve(C[np.ix_(rest, rest)], C[rest, j])
+            total += norm.logpdf(X[:, j], X[:, rest] @ coef, np.sqrt(C[j, j] - C[j, rest] @ coef)).mean()
+        count += 1
+    lml = multivariate_normal(np.zeros(D), C).logpdf(X).mean()
+    assert abs(ns["bias"] - (D * total / count / M - lml)) < 1e-8
