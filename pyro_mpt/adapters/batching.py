@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .optional_packages import missing_package_message
+
 __all__ = ["group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator", "place_model", "eval_mode"]
 
 
@@ -70,12 +72,8 @@ def resolve_accelerator(accelerator):
         try:
             from accelerate import Accelerator
         except ImportError as err:
-            # the message of loading.optional_import, which this module cannot import (loading's
-            # ViT-MAE load imports this module)
-            raise ImportError(
-                f"accelerator=True needs the 'accelerate' package, which could not be imported ({err}). Install "
-                f"pyro_mpt's HuggingFace extras: pip install 'pyro-mpt[hf]' (or pip install accelerate)."
-            ) from err
+            # not loading.optional_import: loading's ViT-MAE load imports this module
+            raise ImportError(missing_package_message("accelerate", "accelerator=True", err)) from err
         return Accelerator()
     return accelerator
 

@@ -19,6 +19,8 @@ import threading
 import warnings
 from urllib.parse import urlparse
 
+from .optional_packages import missing_package_message
+
 __all__ = [
     "ResourceUnavailable",
     "antiberty_paths",
@@ -53,11 +55,7 @@ def optional_import(module, purpose, instead=""):
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        package = module.split(".")[0]
-        raise ResourceUnavailable(
-            f"{purpose} needs the '{package}' package, which could not be imported ({err}). Install "
-            f"pyro_mpt's HuggingFace extras: pip install 'pyro-mpt[hf]' (or pip install {package}).{instead}"
-        ) from err
+        raise ResourceUnavailable(missing_package_message(module.split(".")[0], purpose, err) + instead) from err
 
 
 def _truthy(name):
