@@ -1,7 +1,10 @@
 r"""Dense log-conditionals for masks drawn per datapoint, with the backward pass written out:
-their sums (:class:`DenseIndependentSums`, the Gaussian engine) and, per token and
-component, with the contexts' densities (:class:`DenseContextConditionals`, Gaussian
-mixtures).
+their sums (:class:`DenseIndependentSums`: the Gaussian engine's route for the pairs of no
+fewer targets than context tokens, or for every pair where the covariance is
+ill-conditioned, beside
+:func:`~pyro_mpt.conditionals.gaussian_dense_precision.routed_dense_sums`' precision route)
+and, per token and component, with the contexts' densities
+(:class:`DenseContextConditionals`, Gaussian mixtures).
 
 For a full covariance :math:`\Sigma` shared by the batch and a mask per
 (query, datapoint) pair with targets :math:`\mathcal M` and context
@@ -53,26 +56,7 @@ from ..mask_bits import pack_bits, unpack_bits
 from .gaussian_linalg import LOG_2PI, cholesky, tril_inverse
 from .written_backward import KeptChunks, first_order_backward
 
-__all__ = ["DenseContextConditionals", "DenseIndependentSums", "dense_independent_sums", "padded_tokens", "sorted_spans"]
-
-
-def dense_independent_sums(m, x, mask, max_elements, observed=None):
-    r""":math:`\sum_{j\in\mathcal M}\log p(x_j\mid x_{\mathcal R})` for dense masks drawn
-    per datapoint, ``(q, n)``.
-
-    :param m: the dense state, its covariance shared by the batch (``(1, D, D)``).
-    :param torch.Tensor x: ``(n, D)``, in the state's dtype.
-    :param torch.Tensor mask: bool ``(q, n, D)``, True at a target token.
-    :param int max_elements: elements of a chunk's ``(pairs, s, s + m)`` tables.
-    :param torch.Tensor observed: bool ``(n, D)``, True at an observed token (the targets
-        of ``mask`` outside it are hidden but not summed: missing tokens), or None.
-
-    Example::
-
-        >>> dense_independent_sums(state, x, mask, 2**24)   # (q, n)
-    """
-    o = None if observed is None else observed.to(x.dtype)
-    return DenseIndependentSums.apply(m.covariance[0], x, m.loc, mask, max_elements, m.site, o)
+__all__ = ["DenseContextConditionals", "DenseIndependentSums", "padded_tokens", "sorted_spans"]
 
 
 #: bytes of a chunk's ``(pairs, s, s + m)`` tables on the CPU: the dozen passes over a

@@ -370,10 +370,9 @@ def dense_context_conditionals(S, x, loc, context, max_elements, site, keep_elem
 
 
 def routed_dense_sums(m, x, mask, max_elements, observed=None, kept=None, keep_elements=0):
-    r"""What :func:`~pyro_mpt.conditionals.gaussian_dense_independent.dense_independent_sums`
-    returns, :math:`\sum_{j\in\mathcal M}\log p(x_j\mid x_{\mathcal R})` for dense masks
-    drawn per datapoint, with each (mask, datapoint) pair on its cheaper route: the pairs
-    of fewer targets than context tokens through the precision
+    r""":math:`\sum_{j\in\mathcal M}\log p(x_j\mid x_{\mathcal R})` for dense masks drawn per
+    datapoint, ``(q, n)``, the Gaussian engine's, with each (mask, datapoint) pair on its
+    cheaper route: the pairs of fewer targets than context tokens through the precision
     :math:`\Lambda = \Sigma^{-1}` (:class:`PrecisionTargetSums`, an ``m x m``
     factorization a pair), the others through their context blocks
     (:class:`~pyro_mpt.conditionals.gaussian_dense_independent.DenseIndependentSums`,
