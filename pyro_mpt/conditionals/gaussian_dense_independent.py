@@ -56,7 +56,7 @@ from ..mask_bits import pack_bits, unpack_bits
 from .gaussian_linalg import LOG_2PI, cholesky, tril_inverse
 from .written_backward import KeptChunks, first_order_backward
 
-__all__ = ["DenseContextConditionals", "DenseIndependentSums", "padded_tokens", "sorted_spans"]
+__all__ = ["DenseContextConditionals", "DenseIndependentSums", "costliest_first", "padded_tokens", "sorted_spans"]
 
 
 #: bytes of a chunk's ``(pairs, s, s + m)`` tables on the CPU: the dozen passes over a
@@ -331,15 +331,33 @@ class DenseIndependentSums(torch.autograd.Function):
 
 def _chunks_from(flat, min_targets, itemsize, max_elements, device):
     """:func:`_sorted_chunks` of the pairs of ``flat`` ``(P, D)`` (True at a target) with at
-    least ``min_targets`` targets, their indices into ``flat``, the largest contexts first:
-    a budget of kept chunks (:class:`~pyro_mpt.conditionals.written_backward.KeptChunks`)
-    keeps the costliest to factor again."""
-    if min_targets <= 0:
-        yield from reversed(list(_sorted_chunks(~flat, itemsize, max_elements, device)))
-        return
-    sel = (flat.sum(-1) >= min_targets).nonzero().squeeze(-1)
-    for pairs, s, m in reversed(list(_sorted_chunks(~flat[sel], itemsize, max_elements, device))):
-        yield sel[pairs], s, m
+    least ``min_targets`` targets, their indices into ``flat``, the largest contexts first
+    (:func:`costliest_first`)."""
+    selected = flat.sum(-1) >= min_targets if min_targets > 0 else None
+    return costliest_first(lambda pairs: _sorted_chunks(~pairs, itemsize, max_elements, device), flat, selected)
+
+
+def costliest_first(chunks, flat, selected=None):
+    """The chunks ``chunks(pairs)`` of the pairs ``flat`` ``(P, ...)``, or of those where
+    ``selected``, with their indices into ``flat``, in reverse order: a chunker that sorts the
+    pairs by cost (:func:`sorted_spans`) so gives the costliest first, which a budget of
+    kept chunks (:class:`~pyro_mpt.conditionals.written_backward.KeptChunks`) keeps, as
+    those the backward pass would take longest to compute again.
+
+    :param callable chunks: ``chunks(pairs)`` -> ``(indices, *sizes)`` per chunk, indices
+        into ``pairs``.
+    :param torch.Tensor flat: the pairs.
+    :param torch.Tensor selected: bool ``(P,)``, or None (every pair).
+    :returns: an iterator of ``(indices into flat, *sizes)``.
+
+    Example::
+
+        >>> for pairs, s, m in costliest_first(chunker, flat, flat.sum(-1) >= 3):
+        ...     ...   # the pairs of 3 targets or more, the most costly chunk first
+    """
+    sel = None if selected is None else selected.nonzero().squeeze(-1)
+    for pairs, *sizes in reversed(list(chunks(flat if sel is None else flat[sel]))):
+        yield (pairs if sel is None else sel[pairs], *sizes)
 
 
 class DenseContextConditionals(torch.autograd.Function):

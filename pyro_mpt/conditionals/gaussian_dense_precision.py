@@ -40,7 +40,9 @@ is within :data:`MAX_CONDITION` of the dtype's precision.
 import torch
 
 from ..mask_bits import pack_bits, unpack_bits
-from .gaussian_dense_independent import DenseContextConditionals, DenseIndependentSums, padded_tokens, sorted_spans
+from .gaussian_dense_independent import (
+    DenseContextConditionals, DenseIndependentSums, costliest_first, padded_tokens, sorted_spans,
+)
 from .gaussian_linalg import LOG_2PI, tril_inverse
 from .written_backward import KeptChunks, first_order_backward
 
@@ -283,13 +285,9 @@ def _restored(tensors, flags):
 def _few_target_chunks(flat, max_targets, itemsize, max_elements, device):
     """:func:`_target_chunks` of the pairs of ``flat`` ``(P, D)`` with at most
     ``max_targets`` targets (all where None), their indices into ``flat``, the largest
-    target sets first: a budget of kept chunks keeps the costliest to factor again."""
-    if max_targets is None:
-        yield from reversed(list(_target_chunks(flat, itemsize, max_elements, device)))
-        return
-    sel = (flat.sum(-1) <= max_targets).nonzero().squeeze(-1)
-    for pairs, m in reversed(list(_target_chunks(flat[sel], itemsize, max_elements, device))):
-        yield sel[pairs], m
+    target sets first (:func:`~pyro_mpt.conditionals.gaussian_dense_independent.costliest_first`)."""
+    selected = None if max_targets is None else flat.sum(-1) <= max_targets
+    return costliest_first(lambda pairs: _target_chunks(pairs, itemsize, max_elements, device), flat, selected)
 
 
 def _target_weights(pc, observed, rows, D):
