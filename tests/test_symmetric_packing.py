@@ -34,3 +34,23 @@ def test_features_of_a_large_loading_equal_numpy():
             F = torch.randn(D, R, generator=g, dtype=dtype)
             want = F.numpy()[:, iu[0]] * F.numpy()[:, iu[1]]
             np.testing.assert_array_equal(SymmetricPacking(R, dtype).features(F).numpy(), want)
+
+
+def test_lowrank_form_packing_feature_major_against_numpy():
+    """LowRankForm's packing holds the features feature-major (the rows' outer products'
+    upper entries, exactly numpy's), and rows_times_f gives M_j F_j for the symmetric M_j
+    packed in the columns of its argument, against numpy's unpacked products (1e-13)."""
+    from pyro_mpt.conditionals.gaussian_lowrank_form import _Packing
+
+    g = torch.Generator().manual_seed(2)
+    for D, R, dtype, tol in ((7, 4, torch.float64, 1e-13), (30, 9, torch.float32, 1e-5)):
+        F = torch.randn(D, R, generator=g, dtype=dtype)
+        pk = _Packing(F.T.contiguous().T)  # a column-major loading, as PPCA's W^T^T
+        iu = np.triu_indices(R)
+        np.testing.assert_array_equal(pk.FFT.T.numpy(), F.numpy()[:, iu[0]] * F.numpy()[:, iu[1]])
+        X = torch.randn(D, R, R, generator=g, dtype=torch.float64)
+        M = (X + X.transpose(-1, -2)).to(dtype)
+        want = np.einsum("jab,jb->ja", M.double().numpy(), F.double().numpy())
+        got = pk.rows_times_f(pk.pack(M).T.contiguous())
+        assert got.shape == (D, R)
+        np.testing.assert_allclose(got.double().numpy(), want, rtol=tol, atol=tol * np.abs(want).max())

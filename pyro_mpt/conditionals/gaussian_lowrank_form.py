@@ -53,13 +53,18 @@ def lowrank_form_chunks(D, R, dtype, max_elements):
 
 class _Packing(SymmetricPacking):
     r"""The packing of :math:`R\times R` matrices with :math:`F`'s rows' outer
-    products :math:`F_jF_j^\top` (``FF``, ``(D, R(R+1)/2)``)."""
+    products :math:`F_jF_j^\top`, held feature-major (``FFT``, ``(R(R+1)/2, D)``)."""
 
     def __init__(self, F):
         super().__init__(F.shape[1], F.dtype, F.device)
-        self.FF = self.features(F)
+        # feature-major: the products of whole rows of F^T, selected along their first dim (the
+        # row-major features select single entries along the last dim: D = 200, R = 50, one
+        # thread, 0.59 -> 0.40 ms float64, 0.26 -> 0.17 ms float32); the products below take
+        # the transposed operands as they come
+        self.Ft = F.T.contiguous()
+        self.FFT = self.Ft.index_select(0, self.a) * self.Ft.index_select(0, self.b)
         # the off-diagonal weights folded into the rows once, not into every packed table
-        self.FFo = self.FF * self.off
+        self.FFoT = self.FFT * self.off.unsqueeze(-1)
         self.lower = self.b * self.R + self.a
 
     def pack_sym(self, M):
@@ -71,11 +76,22 @@ class _Packing(SymmetricPacking):
 
     def inner(self, M):
         r"""``(P, R, R)`` -> ``(P, D)``: :math:`F_j^\top M_m F_j` (``M`` symmetric)."""
-        return self.pack(M) @ self.FFo.T
+        return self.pack(M) @ self.FFoT
 
     def outer(self, c):
         r"""``(P, D)`` -> ``(P, R, R)``: :math:`\sum_j c_{mj}F_jF_j^\top`."""
-        return self.unpack(c @ self.FF)
+        return self.unpack(c @ self.FFT.T)
+
+    def rows_times_f(self, rowsT):
+        r"""``(R(R+1)/2, D)`` -> ``(D, R)``: :math:`M_jF_j` for the symmetric :math:`M_j` packed
+        in column :math:`j` of ``rowsT`` (which it overwrites), without unpacking them: each
+        entry :math:`a \le b` adds to row :math:`a` times :math:`F_{jb}` and, off the diagonal, to
+        row :math:`b` times :math:`F_{ja}` (the unpacked ``(D, R, R)`` tables' 8-byte gather:
+        D = 200, R = 50, one thread, 0.78 -> 0.61 ms float64, 0.34 -> 0.27 ms float32)."""
+        out = rowsT.new_zeros(self.R, rowsT.shape[1])
+        out.index_add_(0, self.a, rowsT * self.Ft.index_select(0, self.b))
+        rowsT.mul_(self.Ft.index_select(0, self.a)).mul_((self.off - 1).unsqueeze(-1))
+        return out.index_add_(0, self.b, rowsT).T
 
 
 def _symh(X):
@@ -232,7 +248,7 @@ class LowRankForm(torch.autograd.Function):
             gMw = Lio @ gQ @ Lio
             # Mw = sum_j w_j F_j F_j^T, u = 2 w, w = a t / v, logdet = sum a t log v
             pMw = pk.pack_sym(gMw)
-            gw = (pMw @ pk.FFo.T).add_(gwsum).add_(gu, alpha=2)
+            gw = (pMw @ pk.FFoT).add_(gwsum).add_(gu, alpha=2)
             gv = w * (glog - gw / vo)
             # Li's gradient: sym(gLi) + sym(gQ) Li Mw + Mw Li sym(gQ) (through Q) + sum_j gv_j F_j F_j^T
             # (v = psi + F_j^T Li F_j); minus Lambda's gradient (Li = Lambda^-1, Lambda = I +
@@ -245,11 +261,12 @@ class LowRankForm(torch.autograd.Function):
             # through Lambda, sum_m (c_mj / psi_j^2) F_j^T mgLam_m F_j, is its row j against
             # F_j F_j^T (no (P, D) product of every mask's mgLam); the first chunk's term starts
             # the rows (a fresh table filled with zeros costs its page faults once more)
-            Crows = torch.mm(cpsi.T, pk.pack_sym(mgLam))
-            gpsi += torch.linalg.vecdot(Crows, pk.FFo) / psi + gv.sum(0)  # a batched bmm: 6x slower
+            # (feature-major, R(R+1)/2 x D, as the packing's features)
+            Crows = torch.mm(pk.pack_sym(mgLam).T, cpsi)
+            gpsi += torch.linalg.vecdot(Crows, pk.FFoT, dim=0) / psi + gv.sum(0)  # a batched bmm: 6x slower
             rows = Crows.neg_() if rows is None else rows.sub_(Crows)
-            rows.addmm_(w.T, pMw).addmm_(gv.T, pk.pack(Lio))
-        gF += 2 * (pk.unpack(rows) @ F.unsqueeze(-1)).squeeze(-1)
+            rows.addmm_(pMw.T, w).addmm_(pk.pack(Lio).T, gv)
+        gF += 2 * pk.rows_times_f(rows)
         gFp = -gXc.T
         gF += gFp / psi.unsqueeze(-1)
         gpsi -= (gFp * F).sum(1) / psi**2
