@@ -11,7 +11,7 @@ import pyro
 import pyro.distributions as dist
 
 from pyro_mpt import GaussianConditionals, MaskedPretrainingLoss
-from pyro_mpt.conditionals.gaussian_aggregated import aggregated_cheaper
+from pyro_mpt.conditionals.gaussian_aggregated import GRAM_BLOCKED_WIDTH, _weighted_gram, aggregated_cheaper
 from pyro_mpt.conditionals.gaussian_jitter import factor_whole
 from pyro_mpt.conditionals.gaussian_marginal import GaussianMarginal
 from pyro_mpt.mask_blocks import MaskBlock
@@ -833,3 +833,15 @@ def test_cholesky_in_place_equals_numpy_and_keeps_the_pivot_check(dtype):
     bad[2] = np.outer(bad[2][0], bad[2][0]) / bad[2][0, 0]  # rank one
     with pytest.raises(NotPositiveDefinite, match="context covariance"):
         cholesky(torch.tensor(bad, dtype=dtype), "context covariance", overwrite=True)
+
+
+@pytest.mark.parametrize("d", [5, GRAM_BLOCKED_WIDTH + 21])
+def test_quadratic_rows_weighted_gram_equals_numpy(d):
+    """QuadraticRows' gradient of A, y^T diag(g) y, made from the column blocks on and above
+    the diagonal at widths from GRAM_BLOCKED_WIDTH on (the rest mirrored), against numpy (1e-12)."""
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(37, d, generator=g, dtype=torch.float64)
+    w = torch.randn(37, generator=g, dtype=torch.float64)
+    want = y.numpy().T @ np.diag(w.numpy()) @ y.numpy()
+    got = _weighted_gram(y, w)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12 * np.abs(want).max())

@@ -220,8 +220,32 @@ class QuadraticRows(torch.autograd.Function):
         """The gradients of ``y`` and ``A``."""
         y, yA = ctx.saved_tensors
         gy = (2 * g).unsqueeze(-1) * yA if ctx.needs_input_grad[0] else None
-        gA = y.T @ (g.unsqueeze(-1) * y) if ctx.needs_input_grad[1] else None
+        gA = _weighted_gram(y, g) if ctx.needs_input_grad[1] else None
         return gy, gA
+
+
+#: the width from which :func:`_weighted_gram` makes only the blocks on and above the diagonal
+#: (below it the four smaller products cost more than they save: measured d = 100 float32 0.17 -> 0.20 ms)
+GRAM_BLOCKED_WIDTH = 150
+#: the blocks it cuts the columns into (measured best at 4 of 2-4: n = 1000, one thread, d = 250
+#: float64 1.66 -> 1.19 ms, float32 0.81 -> 0.59 ms; d = 562 float64 13.8 -> 10.8 ms)
+GRAM_BLOCKS = 4
+
+
+def _weighted_gram(y, g):
+    r""":math:`y^\top\operatorname{diag}(g)y`, ``(d, d)``, for ``y`` ``(n, d)``: symmetric, so at
+    ``d >= GRAM_BLOCKED_WIDTH`` the products of the column blocks on and above the diagonal
+    (:math:`(b + 1)/2b` of the full product's operations with ``b = GRAM_BLOCKS``), the rest copied."""
+    gy = g.unsqueeze(-1) * y
+    d = y.shape[-1]
+    if d < GRAM_BLOCKED_WIDTH:
+        return y.T @ gy
+    out = y.new_empty(d, d)
+    cuts = [round(i * d / GRAM_BLOCKS) for i in range(GRAM_BLOCKS + 1)]
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        torch.mm(y[:, lo:hi].T, gy[:, lo:], out=out[lo:hi, lo:])
+        out[hi:, lo:hi] = out[lo:hi, hi:].T
+    return out
 
 
 def lowrank_aggregate_data(data):
