@@ -121,7 +121,7 @@ def test_cli_compare_refuses_bad_outputs_and_widths_before_training(tmp_path):
     script = str(script) if script.exists() else shutil.which("pyro-mpt")
     if script is None:
         pytest.skip("the pyro-mpt console script is not installed (pip install -e .)")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MPLBACKEND="Agg")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])), MPLBACKEND="Agg")
 
     def pyro_mpt(*argv):
         return subprocess.run([script, "compare", *map(str, argv)], cwd=tmp_path, env=env,

@@ -32,5 +32,6 @@ class EvidenceResult:
     diagnostics: dict = field(default_factory=dict)
 
     def total(self):
-        """:math:`\\sum_i \\log p(x_i)` as a float."""
-        return float(self.log_evidence.sum())
+        """:math:`\\sum_i \\log p(x_i)` as a float (without its graph: torch 2.11 warns on a
+        float of a tensor that requires grad)."""
+        return float(self.log_evidence.detach().sum())
