@@ -27,10 +27,11 @@ unless the model's engine builds every distribution again under validation
 import pyro.distributions as dist
 from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 from pyro.poutine.util import site_is_subsample
+from pyro.util import get_rng_state, set_rng_state
 from torch.distributions import constraints
 from torch.distributions.utils import lazy_property
 
-__all__ = ["CHECKED", "WRAPPERS", "Revalidate", "args_valid", "checkable"]
+__all__ = ["CHECKED", "WRAPPERS", "Revalidate", "args_valid", "checkable", "quiet_or_validated"]
 
 #: the distribution classes whose check when built is exactly torch's loop over their
 #: ``arg_constraints`` in ``Distribution.__init__`` (no check of their own in ``__init__``:
@@ -48,6 +49,31 @@ WRAPPERS = (dist.Independent, MaskedDistribution, ExpandedDistribution)
 class Revalidate(Exception):
     """A trace made without Pyro's validation does not serve: make it again with validation
     (raised by the callers that trace without it, caught by themselves)."""
+
+
+def quiet_or_validated(quiet, run, validated):
+    """``run()`` (the model traced without Pyro's validation) where ``quiet`` and Pyro's
+    validation is on; should it raise anything (:class:`Revalidate` or an error of its
+    own), ``validated()`` from the random state ``run`` started from (torch, numpy and
+    ``random``; not CUDA's), so that a bad argument raises Pyro's own error as a validated
+    trace does; ``validated()`` also where not ``quiet`` or with validation off.
+
+    :param bool quiet: whether the caller's memory lets this call trace quietly.
+    :param callable run: the quiet call.
+    :param callable validated: the validated call.
+
+    Example::
+
+        >>> quiet_or_validated(False, lambda: "quiet", lambda: "validated")
+        'validated'
+    """
+    if quiet and dist.is_validation_enabled():
+        rng = get_rng_state()
+        try:
+            return run()
+        except Exception:
+            set_rng_state(rng)
+    return validated()
 
 
 def _distributions(trace):

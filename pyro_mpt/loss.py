@@ -23,9 +23,9 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
-from pyro.util import get_rng_state, set_rng_state, warn_if_nan
+from pyro.util import warn_if_nan
 
-from .arg_checks import Revalidate, args_valid, checkable
+from .arg_checks import Revalidate, args_valid, checkable, quiet_or_validated
 from .conditionals import auto_engine, make_engine
 from .conditionals.base import EngineNotApplicable, callable_key
 from .curve import CurveAccumulator
@@ -221,17 +221,18 @@ class MaskedPretrainingLoss(ELBO):
         global latents at the guide's point masses (0. without; see :mod:`~pyro_mpt.point_latents`),
         which the engines then see as fixed."""
         user_model = callable_key(model)  # the memory's key (see LossMemory), not the fixed twin's
-        if user_model in self.memory.quiet_traces and dist.is_validation_enabled():
-            rng = get_rng_state()
-            try:
-                return self._prepare_traced(model, guide, args, kwargs, user_model, validate_model=False)
-            except Exception:
-                # whatever failed, the validated path fails as it always did: Pyro's own error
-                # for a bad argument, raised by the model's first trace; and it stays validated
-                set_rng_state(rng)
+        quiet = user_model in self.memory.quiet_traces and dist.is_validation_enabled()
+
+        def validated():
+            if quiet:
+                # the quiet trace failed: the validated one fails as it always did (Pyro's own
+                # error for a bad argument), and this model stays validated at this step
                 self.memory.quiet_traces.discard(user_model)
-                return self._prepare_traced(model, guide, args, kwargs, user_model, True, remember=False)
-        return self._prepare_traced(model, guide, args, kwargs, user_model, validate_model=True)
+            return self._prepare_traced(model, guide, args, kwargs, user_model, True, remember=not quiet)
+
+        return quiet_or_validated(
+            quiet, lambda: self._prepare_traced(model, guide, args, kwargs, user_model, validate_model=False), validated
+        )
 
     def _prepare_traced(self, model, guide, args, kwargs, user_model, validate_model, remember=True):
         """:meth:`_prepare_with_prior` with the model traced with Pyro's argument validation

@@ -31,9 +31,8 @@ diagnostics) and calling the object returns the values.
 """
 
 import pyro.distributions as dist
-from pyro.util import get_rng_state, set_rng_state
 
-from ..arg_checks import Revalidate, args_valid, checkable
+from ..arg_checks import Revalidate, args_valid, checkable, quiet_or_validated
 from ..guide_checks import check_guide_sites
 from ..observed_tokens import trace_tokens
 from ..point_latents import trace_with_point_globals
@@ -127,14 +126,14 @@ class Evidence:
         ``(N, D, D)``); should anything fail, it traces again with validation, so a bad
         argument raises Pyro's own error.
         """
-        if self._quiet_trace and dist.is_validation_enabled():
-            rng = get_rng_state()
-            try:
-                return self._estimate(args, kwargs, validate_model=False)
-            except Exception:
-                set_rng_state(rng)  # the validated trace fails as it always did, or serves
-                self._quiet_trace = False
-        return self._estimate(args, kwargs, validate_model=True)
+        quiet = self._quiet_trace and dist.is_validation_enabled()
+
+        def validated():
+            if quiet:
+                self._quiet_trace = False  # the validated trace fails as it always did, or serves
+            return self._estimate(args, kwargs, validate_model=True)
+
+        return quiet_or_validated(quiet, lambda: self._estimate(args, kwargs, validate_model=False), validated)
 
     def _estimate(self, args, kwargs, validate_model):
         tokens, model, guide, points = trace_with_point_globals(
