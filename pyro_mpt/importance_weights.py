@@ -6,7 +6,8 @@ Every importance-sampling estimate in pyro_mpt (``Evidence(method="importance")`
 
 * the effective sample size :math:`\mathrm{ESS} = (\sum_s w_s)^2 / \sum_s w_s^2`;
 * the Pareto shape :math:`\hat k` fitted to the largest weights by
-  ``arviz.psislw`` (Vehtari et al. 2024). :math:`\hat k > 0.7` means the
+  Pareto smoothed importance sampling (PSIS, Vehtari et al. 2024; the fit of
+  ``arviz.psislw``, written here without importing arviz). :math:`\hat k > 0.7` means the
   weights' variance is effectively infinite: the estimate and its standard
   error are unreliable.
 
@@ -14,7 +15,7 @@ Every importance-sampling estimate in pyro_mpt (``Evidence(method="importance")`
 tail: it uses the :math:`M + 1` largest weights,
 :math:`M = \lceil \min(S/5,\, 3\sqrt S)\rceil`. Weights of a *discrete*
 latent drawn from its prior take one value per latent value, so the tail is
-a few tied values -- ``arviz`` then reports :math:`\hat k = \infty`, a false
+a few tied values -- a Pareto fit then reports :math:`\hat k = \infty`, a false
 alarm: tied weights are bounded, their variance is finite and the delta-method
 standard error is valid. :func:`psis_khat` reports :math:`\hat k` as NaN
 (undefined) when fewer than half of those :math:`M + 1` weights, or fewer
@@ -33,7 +34,6 @@ proposal such as the exact posterior) have no tail and get
 import math
 import warnings
 
-import numpy as np
 import torch
 
 __all__ = [
@@ -66,12 +66,77 @@ def effective_sample_size(log_weights, dim=0):
 
 
 def _tail_size(S):
-    # arviz.psislw's tail length with reff = 1
+    # PSIS's tail length (arviz.psislw with reff = 1)
     return int(math.ceil(min(S / 5.0, 3 * math.sqrt(S))))
 
 
+#: Zhang & Stephens' (2009) empirical-Bayes fit of the generalized Pareto shape: prior
+#: scale of the grid of b values, and Vehtari et al.'s (2024) weakly informative prior on
+#: k (PRIOR_K pseudo-observations at 0.5), as ``arviz.psislw`` fits them
+GRID_PRIOR_SCALE = 3.0
+PRIOR_K = 10.0
+
+
+def _gpd_fit(tail):
+    r"""Generalized Pareto ``(k, sigma)`` per row of exceedances ``tail`` ``(c, m)`` (ascending,
+    positive, float64): Zhang & Stephens' (2009) posterior mean of :math:`b = -k/\sigma` over a
+    grid of :math:`30 + \lfloor\sqrt m\rfloor` values, each weighted by its profile
+    likelihood, then :math:`k` shrunk towards 0.5 by ``PRIOR_K`` pseudo-observations."""
+    c, m = tail.shape
+    grid = 30 + int(math.sqrt(m))
+    j = torch.arange(1, grid + 1, dtype=tail.dtype, device=tail.device)
+    quartile = tail[:, int(m / 4 + 0.5) - 1 : int(m / 4 + 0.5)]
+    b = (1 - torch.sqrt(grid / (j - 0.5))) / (GRID_PRIOR_SCALE * quartile) + 1 / tail[:, -1:]  # (c, grid)
+    k = torch.log1p(-b[:, :, None] * tail[:, None, :]).mean(-1)
+    profile = m * (torch.log(-b / k) - k - 1)
+    weights = 1 / torch.exp(profile[:, None, :] - profile[:, :, None]).sum(-1)
+    weights = torch.where(weights >= 10 * torch.finfo(tail.dtype).eps, weights, torch.zeros_like(weights))
+    b_post = (b * weights).sum(-1, keepdim=True) / weights.sum(-1, keepdim=True)
+    k_post = torch.log1p(-b_post * tail).mean(-1)
+    sigma = -k_post / b_post[:, 0]
+    return (m * k_post + PRIOR_K * 0.5) / (m + PRIOR_K), sigma
+
+
+def _pareto_smoothed(rel, M):
+    r"""PSIS of each column of ``rel`` ``(S, c)`` (float64, column maxima 0): the weights
+    above the :math:`(M+1)`-th largest are replaced by the quantiles
+    :math:`(i - \tfrac12)/m` of the generalized Pareto fitted to their exceedances and
+    capped at the largest raw weight. Returns ``(k (c,), smoothed (S, c))``; :math:`k = \infty`
+    where 4 or fewer weights exceed the cutoff, and the raw weights where the fit fails.
+
+    Written here (the tail length, the fit and the quantiles as ``arviz.psislw``, Vehtari et
+    al. 2024, computes them) because importing arviz takes 1.3 s of CPU, which the first step
+    of every importance-sampling loss paid."""
+    S, c = rel.shape
+    order = rel.argsort(0)  # ascending
+    cutoff = rel.gather(0, order[S - M - 1 : S - M]).clamp_min(math.log(torch.finfo(torch.float64).tiny))  # (1, c)
+    above = rel > cutoff
+    count = above.sum(0)
+    khat = torch.full((c,), math.inf, dtype=rel.dtype, device=rel.device)
+    smoothed = rel.clone()
+    for m in count.unique().tolist():  # one length in all but tied tails
+        if m <= 4:
+            continue
+        cols = (count == m).nonzero().flatten()
+        idx = order[S - m :, cols].T  # (c', m), ascending: ties at the cutoff sort below it
+        floor = cutoff[0, cols, None].exp()
+        tail = rel[:, cols].T.gather(1, idx).exp() - floor
+        k, sigma = _gpd_fit(tail)
+        p = (torch.arange(m, dtype=rel.dtype, device=rel.device) + 0.5) / m
+        small = k.abs() < torch.finfo(rel.dtype).eps
+        kk = torch.where(small, torch.ones_like(k), k)[:, None]
+        q = torch.where(small[:, None], -torch.log1p(-p), torch.expm1(-kk * torch.log1p(-p)) / kk) * sigma[:, None]
+        new = torch.log(q + floor).clamp_max(0)
+        ok = torch.isfinite(k) & (sigma > 0) & torch.isfinite(new).all(-1)
+        khat[cols] = k
+        rows = smoothed[:, cols].T.scatter(1, idx, new)
+        smoothed[:, cols] = torch.where(ok[:, None], rows, smoothed[:, cols].T).T
+    return khat, smoothed
+
+
 def psis_khat(log_weights, fit=True):
-    """Pareto :math:`\\hat k` per column from ``arviz.psislw``, NaN where it is undefined.
+    """Pareto :math:`\\hat k` per column and the Pareto-smoothed log-weights (PSIS, as
+    ``arviz.psislw`` computes them), NaN where :math:`\\hat k` is undefined.
 
     Columns whose weights are all equal get :math:`-\\infty`; columns whose
     tail has too few distinct weights (tied weights of a discrete latent, or
@@ -90,7 +155,7 @@ def psis_khat(log_weights, fit=True):
     S, n = lw.shape
     top = lw.amax(0)
     finite_top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    rel = (lw - finite_top).double()  # arviz overflows on large log-weights
+    rel = (lw - finite_top).double()  # the weights' exceedances are exponentiated
     # ties to a few ulps: identical latent values can round differently in different SIMD lanes
     tol = 16 * torch.finfo(lw.dtype).eps * finite_top.abs().clamp_min(1.0).double()
     flat = rel.amin(0) > -tol
@@ -98,18 +163,14 @@ def psis_khat(log_weights, fit=True):
     tail = rel.topk(m, 0).values  # (m, n), descending
     distinct = 1 + ((tail[:-1] - tail[1:]) > tol).sum(0)
     defined = ~flat & (distinct >= max(6, (m + 1) // 2)) & fit
-    khat = torch.full((n,), math.nan, dtype=torch.float64, device="cpu")  # arviz's side
+    khat = torch.full((n,), math.nan, dtype=torch.float64, device=rel.device)
     smoothed = rel.clone()
     cols = defined.nonzero().flatten()
     if len(cols):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import arviz as az
-
-            sm, k = az.psislw(rel[:, cols].T.cpu().numpy(), normalize=False)  # samples last
-        smoothed[:, cols] = torch.as_tensor(np.asarray(sm), device="cpu").T.to(smoothed)
-        khat[cols.cpu()] = torch.as_tensor(np.asarray(k), dtype=torch.float64, device="cpu").reshape(-1)
-    khat = khat.to(device=lw.device, dtype=lw.dtype)
+        k, sm = _pareto_smoothed(rel[:, cols], _tail_size(S))
+        smoothed[:, cols] = sm
+        khat[cols] = k
+    khat = khat.to(dtype=lw.dtype)
     khat = torch.where(flat, torch.full_like(khat, -math.inf), khat)
     return khat, (smoothed + finite_top.double()).to(lw)
 

@@ -176,7 +176,7 @@ class ImportanceConditionals(ConditionalEngine):
     :param float min_ess: where :math:`\hat k` is undefined (tied weights of
         a discrete latent, :math:`S < 25`) or not fitted, warn when the ESS is
         below it.
-    :param bool psis: fit :math:`\hat k` (``arviz.psislw``); False judges the
+    :param bool psis: fit :math:`\hat k` (PSIS, as ``arviz.psislw``); False judges the
         weights by their ESS alone.
     :param int max_elements: bound on ``S * q * n * D`` per chunk of queries
         (guide) and on intermediates of the ordering path (prior).

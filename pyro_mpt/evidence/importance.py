@@ -29,7 +29,7 @@ Diagnostics per datapoint (:class:`~pyro_mpt.evidence.EvidenceResult`):
   weight, which is the standard error of its log);
 * ``ess`` -- :math:`1/\sum_s \omega_s^2`;
 * ``khat`` -- the Pareto shape :math:`\hat k` of the largest weights, from
-  ``arviz.psislw`` (Vehtari et al. 2024). :math:`\hat k > 0.7` means the weights'
+  PSIS as ``arviz.psislw`` fits it (Vehtari et al. 2024; written in torch). :math:`\hat k > 0.7` means the weights'
   variance is effectively infinite: the estimate and its standard error are
   unreliable. :math:`\hat k` is NaN (undefined) where the largest weights are
   tied -- a discrete latent drawn from its prior -- or :math:`S < 25`; those
