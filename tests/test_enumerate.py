@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -251,6 +252,81 @@ def test_too_large_support_is_refused_and_auto_samples(float64):
         engine.prepare(tokens, model, None, (x,), {})
     engine, _ = auto_engine(tokens, model, None, (x,), {}, max_support=2)
     assert isinstance(engine, ImportanceConditionals)
+
+
+def _gmm_with_an_enumeration_shape_bug(K=3, D=3, N=5, seed=1):
+    # ``assignment.reshape(-1, n)``: right for sampled values (n,) and (S, n), wrong
+    # for the enumerated ones (K, 1), a bug a user meets only under enumeration
+    g = torch.Generator().manual_seed(seed)
+    locs0 = 3 * torch.randn(K, D, generator=g, dtype=torch.float64)
+    x = locs0[torch.randint(K, (N,), generator=g)] + torch.randn(N, D, generator=g, dtype=torch.float64)
+
+    def gmm(x):
+        n = x.shape[0]
+        locs = pyro.param("locs", locs0.clone())
+        with pyro.plate("data", n):
+            assignment = pyro.sample("assignment", dist.Categorical(torch.ones(K, dtype=x.dtype) / K))
+            loc = locs[assignment.reshape(-1, n)].reshape(assignment.shape + (D,))
+            pyro.sample("obs", dist.Normal(loc, 1.0).to_event(1), obs=x)
+
+    return gmm, x
+
+
+def test_auto_warns_when_it_passes_over_enumeration_because_the_model_failed_there(float64):
+    from pyro_mpt.conditionals import EngineFallbackWarning
+
+    pyro.clear_param_store()
+    model, x = _gmm_with_an_enumeration_shape_bug()
+    torch.manual_seed(0)
+    with pytest.warns(EngineFallbackWarning) as record:
+        auto = MaskedPretrainingLoss(masks="order", num_samples=64).loss(model, None, x)
+    (w,) = [r.message for r in record if isinstance(r.message, EngineFallbackWarning)]
+    assert w.engine == "importance" and list(w.failed) == ["enumerate"]
+    # the message names both engines and the model's own error, and says what to do
+    text = str(w)
+    for part in ("chose 'importance'", "observed site 'obs'", "'enumerate'", "RuntimeError", "shape '[-1, 5]'",
+                 "conditionals='importance' by name"):
+        assert part in text, part
+    # the number is what the engine chosen by name gives (same draws), without a warning
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        named = MaskedPretrainingLoss(masks="order", conditionals="importance", num_samples=64).loss(model, None, x)
+    assert named == auto
+
+
+def test_auto_does_not_warn_when_engines_decline_the_models_form(float64):
+    # a well-formed GMM: the Gaussian engines decline its discrete latent (their checks), enumerate serves it
+    pyro.clear_param_store()
+    model, x = make_gmm(K=3, D=3, N=5)
+    tokens = trace_tokens(model, None, (x,), {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine, _ = auto_engine(tokens, model, None, (x,), {})
+        # too large a support (a check) sends it on to importance, silently as before
+        sampled, _ = auto_engine(tokens, model, None, (x,), {}, max_support=2)
+    assert isinstance(engine, EnumerateConditionals) and isinstance(sampled, ImportanceConditionals)
+
+
+def test_model_failed_tells_a_models_own_error_from_an_engines_refusal():
+    from pyro_mpt.conditionals.base import model_failed
+
+    def users_model():
+        return torch.ones(3).reshape(2, -1)  # a torch error in the user's own line
+
+    def engine_refusal(cause=None):
+        try:
+            raise EngineNotApplicable("the engine's own check") from cause
+        except EngineNotApplicable as e:
+            return e
+
+    try:
+        users_model()
+    except RuntimeError as e:
+        assert model_failed(engine_refusal(e))
+    assert not model_failed(engine_refusal())
+    # chained from one of pyro_mpt's own refusals: still the engine's check
+    assert not model_failed(engine_refusal(engine_refusal()))
 
 
 def test_continuous_latent_is_not_enumerated(float64):

@@ -47,7 +47,12 @@ no guide. It logs its choice and the reasons the earlier engines declined
 (:class:`~pyro_mpt.conditionals.base.SlowEngineWarning`) when it picks a
 quadrature grid of more than :data:`~pyro_mpt.conditionals.AUTO_GRID_WARNING` nodes although a guide
 is given: such a grid costs more per step than the sampling engines that
-would use the guide.
+would use the guide. It also warns
+(:class:`~pyro_mpt.conditionals.base.EngineFallbackWarning`) when it passes over an
+engine because the model failed when that engine ran it (not because of the
+engine's checks of the model's form), e.g. a shape bug that only enumerated values
+expose, which would otherwise send a mixture to approximate importance sampling
+unnoticed.
 """
 
 import functools
@@ -55,7 +60,14 @@ import inspect
 import logging
 import warnings
 
-from .base import ConditionalEngine, EngineNotApplicable, NumericalWarning, SlowEngineWarning
+from .base import (
+    ConditionalEngine,
+    EngineFallbackWarning,
+    EngineNotApplicable,
+    NumericalWarning,
+    SlowEngineWarning,
+    model_failed,
+)
 from .gaussian import GaussianConditionals
 from .gaussian_hmm import AUTO_MIN_TOKENS, GaussianHMMConditionals, GaussianHMMState
 from .hierarchical import HierarchicalGaussianConditionals, HierarchicalGaussianState
@@ -76,6 +88,7 @@ __all__ = [
     "EngineNotApplicable",
     "NumericalWarning",
     "SlowEngineWarning",
+    "EngineFallbackWarning",
     "GaussianHMMConditionals",
     "GaussianHMMState",
     "GaussianConditionals",
@@ -206,7 +219,7 @@ def auto_engine(tokens, model, guide, args, kwargs, **options):
             f"conditionals='auto': no engine takes the option(s) {sorted(unused)}; "
             f"check their spelling, or choose the engine by name."
         )
-    reasons = {}
+    reasons, failed = {}, {}
     for name, cls in ENGINES.items():
         # each engine takes the options it knows; e.g. num_samples is only for sampling engines
         engine = cls(**{**AUTO_OPTIONS.get(name, {}), **{k: v for k, v in options.items() if k in accepted[name]}})
@@ -214,8 +227,12 @@ def auto_engine(tokens, model, guide, args, kwargs, **options):
             state = engine.prepare(tokens, model, guide, args, kwargs)
         except EngineNotApplicable as e:
             reasons[name] = str(e)
+            if model_failed(e):
+                failed[name] = str(e)
             continue
         _report_choice(tokens, name, state, reasons)
+        if failed:
+            _warn_fallback(tokens, name, failed)
         return engine, state
     lines = "\n".join(
         f"  - {name!r}: needs {REQUIREMENTS[name]}.\n    Here: {reasons.get(name, 'n/a')}"
@@ -224,6 +241,23 @@ def auto_engine(tokens, model, guide, args, kwargs, **options):
     raise ValueError(
         f"conditionals='auto' found no engine for the model of observed site "
         f"{tokens.name!r}. Engines and what they need:\n{lines}"
+    )
+
+
+def _warn_fallback(tokens, name, failed):
+    """Warn that ``"auto"`` passed over engines made for the model because the model failed under them."""
+    listed = "\n".join(f"  - {k!r}: {v}" for k, v in failed.items())
+    warnings.warn(
+        EngineFallbackWarning(
+            f"conditionals='auto' chose {name!r} for observed site {tokens.name!r} after "
+            f"passing over {', '.join(map(repr, failed))}, made for models of this form, "
+            f"because the model failed when run there:\n{listed}\nFix the model as that says "
+            f"(the earlier engine is exact or cheaper), or choose conditionals={name!r} by name "
+            f"to keep it and silence this warning.",
+            engine=name,
+            failed=failed,
+        ),
+        stacklevel=4,
     )
 
 

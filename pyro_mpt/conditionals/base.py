@@ -15,11 +15,20 @@ evaluation and shared by every block of queries:
    state, vectorized over queries and datapoints.
 """
 
+import os
+import traceback
 from abc import ABC, abstractmethod
 
 import torch
 
-__all__ = ["ConditionalEngine", "EngineNotApplicable", "NumericalWarning", "SlowEngineWarning"]
+__all__ = [
+    "ConditionalEngine",
+    "EngineFallbackWarning",
+    "EngineNotApplicable",
+    "NumericalWarning",
+    "SlowEngineWarning",
+    "model_failed",
+]
 
 
 class EngineNotApplicable(ValueError):
@@ -58,6 +67,53 @@ class SlowEngineWarning(UserWarning):
         super().__init__(message)
         self.engine = engine
         self.size = size
+
+
+_PACKAGE = __name__.split(".")[0]
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+class EngineFallbackWarning(UserWarning):
+    """``conditionals="auto"`` passed over an engine made for the model's form
+    because running the model (or guide) under it raised an error, and chose a
+    later engine instead, e.g. prior importance sampling (approximate) after
+    exact enumeration failed on a shape bug in the model. The message names the
+    engines and the error. Fix the model as the error says, or choose the engine
+    by name to silence it.
+
+    :param str message: the warning text.
+    :param str engine: the engine chosen.
+    :param dict failed: ``{engine: reason}`` of the engines passed over because the
+        model failed under them.
+    """
+
+    def __init__(self, message, *, engine=None, failed=None):
+        super().__init__(message)
+        self.engine = engine
+        self.failed = dict(failed or {})
+
+
+def model_failed(error):
+    """Whether an :class:`EngineNotApplicable` comes from the model or guide failing
+    when an engine ran it, rather than from the engine's checks of the model's form:
+    the first exception of its chain (``raise ... from``) was raised outside pyro_mpt's
+    own code (a torch shape error or a Pyro error in the model's own lines, the user's
+    own exception), not one of pyro_mpt's exception types nor in one of its lines.
+
+    Example::
+
+        >>> try:
+        ...     engine.prepare(tokens, model, None, args, kwargs)
+        ... except EngineNotApplicable as e:
+        ...     model_failed(e)   # True for a shape bug in the model
+    """
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    if root is error or type(root).__module__.startswith(_PACKAGE):
+        return False
+    frames = traceback.extract_tb(root.__traceback__)
+    return not frames or not os.path.abspath(frames[-1].filename).startswith(_PACKAGE_DIR)
 
 
 def callable_key(fn):

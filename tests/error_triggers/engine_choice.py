@@ -51,3 +51,21 @@ def _():
     vae = DeepVAE(6, latent_dim=4, hidden=(8,))
     x = torch.bernoulli(torch.full((3, 6), 0.5))
     MaskedPretrainingLoss().loss(vae.model, vae.guide, x)
+
+
+@trigger("engine-auto-fallback")
+def _():
+    import pyro
+    import pyro.distributions as dist
+
+    locs = torch.tensor([[-3.0, 0.0], [3.0, 1.0]])
+    x = torch.tensor([[-3.1, 0.2], [2.9, 1.1], [3.2, 0.8]])
+
+    def gmm(x):
+        n = x.shape[0]
+        with pyro.plate("data", n):
+            assignment = pyro.sample("assignment", dist.Categorical(torch.ones(2) / 2))
+            loc = locs[assignment.reshape(-1, n)].reshape(assignment.shape + (2,))
+            pyro.sample("obs", dist.Normal(loc, 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(num_samples=8).loss(gmm, None, x)
