@@ -981,3 +981,59 @@ def test_affine_transformed_normal_observation_is_gaussian(float64):
     for masks in ["exhaustive", "order"]:
         score = MaskedPretrainingLoss(masks=masks).score(model, None, x)  # "auto": the Gaussian engine
         assert np.abs(score.detach().numpy() - ref).max() < 1e-8
+
+
+@pytest.mark.parametrize("stream, missing", [(32, False), (96, False), (32, True)])
+def test_streamed_independent_sums_equal_a_dense_loop(monkeypatch, stream, missing):
+    """The streamed path of the masks-per-datapoint sums (each row's small pieces solved
+    for the whole block and kept, the elementwise passes in slices of STREAM_ELEMENTS
+    tokens: here slices of 4 of a query's 6 datapoints (32 tokens) or of two whole
+    queries (96)), with rows whose precision is summed over the targets and rows summed
+    over the context, and missing tokens: values against numpy's dense conditionals per
+    (mask, datapoint) to 1e-10, float64, and the loading and noise gradients of a
+    weighted sum against autograd of a torch loop over the same conditionals."""
+    monkeypatch.setattr(gaussian_independent, "KEPT_PIECES_BITS_RATIO", 10**6)
+    monkeypatch.setattr(gaussian_independent, "STREAM_ELEMENTS", stream)
+    D, K, n, q = 8, 2, 6, 5
+    g = torch.Generator().manual_seed(11)
+    F0 = torch.randn(D, K, generator=g, dtype=torch.float64)
+    psi0 = torch.rand(D, generator=g, dtype=torch.float64) + 0.3
+    x = torch.randn(n, D, generator=g, dtype=torch.float64) * 1.5
+    sizes = torch.randint(1, D + 1, (q, n, 1), generator=g)
+    targets = torch.rand(q, n, D, generator=g).argsort(-1) < sizes
+    observed = torch.rand(n, D, generator=g) < 0.75 if missing else torch.ones(n, D, dtype=torch.bool)
+    hidden = targets | ~observed  # the tokens outside each mask's context
+    summed = targets & observed
+    weight = torch.rand(q, n, generator=g, dtype=torch.float64)
+    # both sides of the precision's sum occur: the targets hold more, and less, than half the signal
+    snr = (F0 * F0).sum(-1) / psi0
+    flipped = (hidden.double() @ snr) > 0.5 * snr.sum()
+    assert 0 < int(flipped.sum()) < q * n
+
+    F, psi = F0.clone().requires_grad_(), psi0.clone().requires_grad_()
+    import types
+
+    state = types.SimpleNamespace(cov_factor=F[None], cov_diag=psi[None], factor=None, loc=torch.zeros(D, dtype=torch.float64), site="x")
+    got = gaussian_independent.lowrank_independent_sums(state, x, hidden, lowrank_shared_data(state, x), observed if missing else None)
+    got_grad = torch.autograd.grad((weight * got).sum(), (F, psi))
+
+    def loop(F, psi, lib, xs):
+        cov = F @ F.T + lib.diag(psi)
+        out = []
+        for k in range(q):
+            for i in range(n):
+                c = np.nonzero(~hidden[k, i].numpy())[0]
+                t = np.nonzero(summed[k, i].numpy())[0]
+                B = lib.linalg.solve(cov[c][:, c], cov[c][:, t]) if len(c) else cov[:0][:, t]
+                mean = xs[i, c] @ B
+                var = lib.diag(cov[t][:, t]) - (cov[c][:, t] * B).sum(0)
+                out.append((-0.5 * (math.log(2 * math.pi) + lib.log(var) + (xs[i, t] - mean) ** 2 / var)).sum())
+        return out
+
+    want = np.array(loop(F0.numpy(), psi0.numpy(), np, x.numpy()), dtype=float).reshape(q, n)
+    assert np.abs(got.detach().numpy() - want).max() <= 1e-10 * max(1.0, np.abs(want).max())
+    F64, psi64 = F0.clone().requires_grad_(), psi0.clone().requires_grad_()
+    ref = torch.stack(loop(F64, psi64, torch, x)).reshape(q, n)
+    want_grad = torch.autograd.grad((weight * ref).sum(), (F64, psi64))
+    for a, b in zip(got_grad, want_grad):
+        assert float((a - b).abs().max()) <= 1e-10 * float(b.abs().max())

@@ -29,7 +29,12 @@ mask-free inputs, the masks as bits and, where they take at most twice the
 bytes of a row's bits (small K, :data:`KEPT_PIECES_BITS_RATIO`), each row's
 small pieces (:math:`\Lambda^{-1}`, :math:`w`, :math:`u`: :math:`(K + 1)^2 + K`
 numbers a row), nothing of size ``(q, n, D)`` in the working dtype (so
-:func:`~pyro_mpt.estimate.mpt_estimate` need not checkpoint the block).
+:func:`~pyro_mpt.estimate.mpt_estimate` need not checkpoint the block). Where
+those pieces are kept, they are solved once for the whole block, and both
+passes stream the block's tables through slices of :data:`STREAM_ELEMENTS`
+tokens, small enough for the core's L2 cache (one thread, PPCA D = 512, K = 2,
+N = 1000, float32, masks per datapoint ``"all"``: the engine's loss and gradient
+3.3-3.4 s in chunks that each solve their rows, 2.6-2.7 s streamed).
 """
 
 import torch
@@ -43,6 +48,13 @@ from .written_backward import first_order_backward
 #: of its few dozen kernels stays small against their work, small enough that
 #: its four tables stay in cache
 CHUNK_ELEMENTS = 2**19
+
+#: tokens of one slice of the elementwise passes where a block's small pieces are
+#: solved for all its rows at once (small K, where they are kept): a slice's few tables then
+#: stay in the core's L2 cache (2 MB here), where a pass runs two to three times
+#: faster than from L3, and a slice costs a dozen kernels, not the sixty of a chunk
+#: that also solves its rows' precisions
+STREAM_ELEMENTS = 2**17
 
 #: the backward pass reads each row's small pieces kept by the forward pass (instead
 #: of summing and inverting its precision again) when they take at most this many
@@ -85,9 +97,10 @@ def lowrank_independent_sums(m, x, mask, data, observed=None):
     return -0.5 * sums
 
 
-def _chunks(q, n, D):
-    """Slices ``(qs, ns)`` of the ``(q, n)`` rows, about ``CHUNK_ELEMENTS`` tokens each."""
-    rows = max(1, CHUNK_ELEMENTS // D)
+def _chunks(q, n, D, elements=None):
+    """Slices ``(qs, ns)`` of the ``(q, n)`` rows, about ``elements`` (default
+    :data:`CHUNK_ELEMENTS`) tokens each."""
+    rows = max(1, (CHUNK_ELEMENTS if elements is None else elements) // D)
     if rows >= n:
         q_step = max(1, rows // n)
         for i in range(0, q, q_step):
@@ -112,9 +125,12 @@ class IndependentLowRankSums(torch.autograd.Function):
     of the chunk's tables with the per-token features. The chunk's tables live
     in the buffers of one :class:`~pyro_mpt.conditionals.workspace.Workspace`,
     reused by every chunk (four forward, five backward); the backward pass
-    recomputes them from the masks, kept as bits, and reads each row's ``B``,
-    ``u`` and ``w`` kept by the forward pass where they are as small
-    (``_KeptRows``), else recomputes them too.
+    recomputes them from the masks, kept as bits. Where each row's ``B``, ``u``
+    and ``w`` are as small as its bits (``_pieces_kept``), they are solved for
+    the whole block at once from sums made in slices of :data:`STREAM_ELEMENTS`
+    tokens (``_BlockPieces``) and kept for the backward pass, and both passes
+    stream the block's tables in such slices; else each chunk solves its own
+    rows, in the forward pass and again in the backward pass.
 
     Inputs: ``mask`` bool ``(q, n, D)``; ``e``, ``ep`` (:math:`e/\psi`) ``(n, D)``;
     ``delta`` ``(n, K)``; ``F`` ``(D, K)``; ``psi`` ``(D,)``; ``phi``
@@ -128,19 +144,25 @@ class IndependentLowRankSums(torch.autograd.Function):
     def forward(ctx, mask, e, ep, delta, F, psi, phi, phi_p, lam0, site, observed=None):
         """The sums ``(q, n)``."""
         q, n, D = mask.shape
-        out = e.new_empty(q, n)
         factors = _Factors(F, psi, phi, phi_p)
+        ctx.site, ctx.D = site, D
+        ctx.observed = observed
+        if _pieces_kept(F.shape[-1], D, e.dtype):
+            # each row's small pieces, solved for the whole block, kept for the backward pass
+            out, pieces = _streamed_sums(mask, e, ep, delta, factors, lam0, site, observed)
+            ctx.flips = pieces.flips
+            # the masks as bits, an eighth of the bool table, for the backward pass
+            bits = pack_bits(mask)
+            ctx.save_for_backward(bits, e, ep, delta, F, psi, phi, phi_p, lam0, *pieces.tensors())
+            return out
+        out = e.new_empty(q, n)
+        # the masks as bits, packed a chunk at a time, while the chunk's masks are in cache
+        bits = torch.empty((q, n, -(-D // 8)), dtype=torch.uint8, device=mask.device)
         # buffers: 0 the targets, 1 and 2 the chunk's scratch, then v and d; 3 the terms
         bufs = Workspace(e.dtype, e.device)
-        kept = _KeptRows(q, n, F.shape[-1], e) if _KeptRows.worth(F.shape[-1], D, e.dtype) else None
-        # the masks as bits, an eighth of the bool table, for the backward pass: packed a
-        # chunk at a time, while the chunk's masks are in cache
-        bits = torch.empty((q, n, -(-D // 8)), dtype=torch.uint8, device=mask.device)
         for qs, ns in _chunks(q, n, D):
             bits[qs, ns] = pack_bits(mask[qs, ns])
             c = _Chunk(bufs, mask[qs, ns], ep[ns], delta[ns], factors, lam0, site)
-            if kept is not None:
-                kept.keep(qs, ns, c)
             shape = c.t.shape
             v, d = c.residuals(bufs.take(1, shape), bufs.take(2, shape), e[ns], factors)
             terms = torch.log(v, out=bufs.take(3, shape))
@@ -151,12 +173,8 @@ class IndependentLowRankSums(torch.autograd.Function):
                 count = (c.t * observed[ns]).sum(-1)
             # the constant log(2 pi) per target from the counts the chunk has made
             torch.add(terms.sum(-1), count, alpha=LOG_2PI, out=out[qs, ns])
-        ctx.site, ctx.D = site, D
-        ctx.observed = observed
-        ctx.flips = None if kept is None else kept.flips
-        # and each row's small pieces where they are as small
-        pieces = () if kept is None else kept.tensors()
-        ctx.save_for_backward(bits, e, ep, delta, F, psi, phi, phi_p, lam0, *pieces)
+        ctx.flips = None
+        ctx.save_for_backward(bits, e, ep, delta, F, psi, phi, phi_p, lam0)
         return out
 
     @staticmethod
@@ -164,70 +182,219 @@ class IndependentLowRankSums(torch.autograd.Function):
     def backward(ctx, g):
         """The gradients of every input but the mask and the site."""
         bits, e, ep, delta, F, psi, phi, phi_p, lam0, *kept = ctx.saved_tensors
-        q, n, D = bits.shape[0], bits.shape[1], ctx.D
-        K = F.shape[-1]
+        D = ctx.D
         factors = _Factors(F, psi, phi, phi_p)
         de, dep, ddelta = torch.zeros_like(e), torch.zeros_like(ep), torch.zeros_like(delta)
         # the products with a table's transpose come out as (k, D): accumulated so
-        dFT, dpsi_phi = torch.zeros_like(factors.FT), torch.zeros_like(factors.phi_psi)
-        dphi_pT, dlam0 = torch.zeros_like(factors.phi_pT), torch.zeros_like(lam0)
-        # buffers: 0 the targets, 1 the precision's table (while it differs from
-        # them), 2 the weighted residuals t e / psi, 3 v, 4 d
-        bufs = Workspace(e.dtype, e.device)
-        for k, (qs, ns) in enumerate(_chunks(q, n, D)):
-            mask = unpack_bits(bits[qs, ns], D)
-            if kept:
-                c = _Chunk.kept(bufs, mask, ep[ns], kept, qs, ns, ctx.flips[k])
-            else:
-                c = _Chunk(bufs, mask, ep[ns], delta[ns], factors, lam0, ctx.site)
-            shape = c.t.shape
-            rows = shape[0] * shape[1]
-            v, d = c.residuals(bufs.take(3, shape), bufs.take(4, shape), e[ns], factors)
-            # dL/dv = g t (1/v - a^2) and dL/dd = 2 g t a (a = d / v), in place; the
-            # row weights g go into the small factors of the products instead
-            gr = g[qs, ns]
-            g2 = gr.reshape(rows, 1)
-            tv = torch.div(c.t, v, out=v)  # t / v
-            if ctx.observed is not None:
-                tv.mul_(ctx.observed[ns])  # the targets: t o / v ((t o)^2 = t o below)
-            ga = d.mul_(tv)  # t a, half of dL/dd over g
-            dv = tv.addcmul_(ga, ga, value=-1.0)  # t (1/v - a^2) (t^2 = t), dL/dv over g
-            dv2, ga2 = dv.view(rows, D), ga.view(rows, D)
-            # psi and phi together: v = [Bp, 1] [phi^T; psi]
-            dpsi_phi += _t_times(dv2, g2 * c.Bp1)
-            if shape[0] == 1:
-                de[ns].addcmul_(ga[0], gr[0].unsqueeze(-1), value=2.0)
-            else:
-                de[ns].add_((ga * gr.unsqueeze(-1)).sum(0), alpha=2.0)
-            u2 = c.u.view(rows, K)
-            dFT += _t_times(ga2, (2.0 * g2) * u2)
-            du = (2.0 * g2 * _times(ga2, factors.FT)).view(c.u.shape)
-            dB = factors.unpacked(g2 * _times(dv2, factors.phiT), c.u.shape[:-1])  # (.., K, K)
-            dB.add_(du.unsqueeze(-1) * c.w.unsqueeze(-2))
-            dw = (c.B @ du.unsqueeze(-1)).squeeze(-1)
-            dlam = c.B @ dB @ c.B
-            dlam = (dlam + dlam.transpose(-1, -2)).mul_(-0.5)  # symmetric: -B dB B
-            # Lambda = I + S(context) on flipped rows, lam0 - S(targets) on the others
-            dS = factors.packed(dlam)
-            if c.flips == 0:
-                dS.neg_()
-                dlam0 += dlam.sum((0, 1))
-            elif c.flips < rows:
-                dS.mul_(torch.where(c.flip, 1.0, -1.0).to(dlam.dtype).view(rows, 1))
-                dlam0 += (dlam * (~c.flip).to(dlam.dtype)[..., None, None]).sum((0, 1))
-            dphi_pT += _t_times(c.tl.view(rows, D), dS)
-            ddelta[ns].add_(dw.sum(0))
-            # w = delta + z F, z = t e / psi (still in buffer 2)
-            dw2 = dw.view(rows, K)
-            dFT += _t_times(c.z.view(rows, D), dw2)
-            dz = torch.mm(dw2, factors.FT, out=bufs.take(3, (rows, D))).view(shape)
-            if shape[0] == 1:
-                dep[ns].addcmul_(dz[0], c.t[0])
-            else:
-                dep[ns].add_(dz.mul_(c.t).sum(0))
+        grads = _Grads(de, dep, ddelta, torch.zeros_like(factors.FT), torch.zeros_like(factors.phi_psi),
+                       torch.zeros_like(factors.phi_pT), torch.zeros_like(lam0))
+        if kept:
+            _streamed_backward(g, bits, D, e, ep, factors, kept, ctx.flips, ctx.observed, grads)
+        else:
+            _chunked_backward(g, bits, D, e, ep, delta, factors, lam0, ctx.site, ctx.observed, grads)
         P = phi.shape[-1]
-        dF, dphi, dpsi, dphi_p = dFT.T, dpsi_phi[:P].T, dpsi_phi[P], dphi_pT.T
-        return (None, de, dep, ddelta, dF, dpsi, dphi, dphi_p, dlam0, None, None)
+        dF, dphi, dpsi, dphi_p = grads.FT.T, grads.phi_psi[:P].T, grads.phi_psi[P], grads.phi_pT.T
+        return (None, de, dep, ddelta, dF, dpsi, dphi, dphi_p, grads.lam0, None, None)
+
+
+class _Grads:
+    """The backward pass's accumulators: ``de``, ``dep`` ``(n, D)``, ``ddelta`` ``(n, K)``
+    and the transposed ``FT`` ``(K, D)``, ``phi_psi`` ``(P + 1, D)``, ``phi_pT`` ``(P, D)``,
+    ``lam0`` ``(K, K)``."""
+
+    def __init__(self, de, dep, ddelta, FT, phi_psi, phi_pT, lam0):
+        self.de, self.dep, self.ddelta = de, dep, ddelta
+        self.FT, self.phi_psi, self.phi_pT, self.lam0 = FT, phi_psi, phi_pT, lam0
+
+    def add_targets(self, gr, ga, ns):
+        """``de += 2 g t a`` for a slice's rows (``gr`` ``(qc, nc)``, ``ga`` ``(qc, nc, D)``)."""
+        if ga.shape[0] == 1:
+            self.de[ns].addcmul_(ga[0], gr[0].unsqueeze(-1), value=2.0)
+        else:
+            self.de[ns].add_((ga * gr.unsqueeze(-1)).sum(0), alpha=2.0)
+
+    def add_weighted(self, t, ep, dw2, bufs, ns, factors, z=None):
+        """Through ``w = delta + z F``, ``z = t e / psi`` (made in buffer 2 unless given):
+        ``dF += z^T dw`` and ``dep += t (dw F^T)`` for a slice's rows, ``dw2`` ``(rows, K)``."""
+        shape = t.shape
+        rows, D = shape[0] * shape[1], shape[2]
+        if z is None:
+            z = torch.mul(t, ep, out=bufs.take(2, shape))
+        self.FT += _t_times(z.view(rows, D), dw2)
+        dz = torch.mm(dw2, factors.FT, out=bufs.take(3, (rows, D))).view(shape)
+        if shape[0] == 1:
+            self.dep[ns].addcmul_(dz[0], t[0])
+        else:
+            self.dep[ns].add_(dz.mul_(t).sum(0))
+
+
+def _chunk_gradients(ga, dv, tv_shape, gr, factors, grads, ns, Bp1, u):
+    """The gradients from a slice's ``a`` and ``1/v - a^2`` tables (``t a``, ``t (1/v - a^2)``):
+    into ``psi``, ``phi``, ``e`` and ``F`` directly, and the products with ``F`` and
+    ``phi`` that the rows' small pieces take, ``(rows, K)`` and ``(rows, P)``, returned
+    without the row weights."""
+    qc, nc, D = tv_shape
+    rows = qc * nc
+    g2 = gr.reshape(rows, 1)
+    dv2, ga2 = dv.view(rows, D), ga.view(rows, D)
+    # psi and phi together: v = [Bp, 1] [phi^T; psi]
+    grads.phi_psi += _t_times(dv2, g2 * Bp1)
+    grads.add_targets(gr, ga, ns)
+    grads.FT += _t_times(ga2, (2.0 * g2) * u.reshape(rows, -1))
+    return _times(ga2, factors.FT), _times(dv2, factors.phiT)
+
+
+def _target_tables(t, v, d, observed):
+    """``t a`` (in ``d``) and ``t (1/v - a^2)`` (in ``v``), ``a = d / v``: dL/dd and dL/dv
+    over the row weight ``g`` (half of dL/dd), in place."""
+    tv = torch.div(t, v, out=v)  # t / v
+    if observed is not None:
+        tv.mul_(observed)  # the targets: t o / v ((t o)^2 = t o below)
+    ga = d.mul_(tv)  # t a
+    return ga, tv.addcmul_(ga, ga, value=-1.0)  # t (1/v - a^2) (t^2 = t)
+
+
+def _pieces_gradients(B, w, flip, du, dvphi, factors, grads):
+    """From the rows' ``dL/du`` and ``dL/dB`` parts (``du`` ``(..., K)``, ``dvphi`` the packed
+    ``dL/dB`` ``(..., P)``, weighted), ``dw = B du`` and the packed ``dS`` ``(rows, P)``
+    of each row's summed table (``+`` on flipped rows, ``-`` on the others); adds
+    ``dlam0``."""
+    lead = du.shape[:-1]
+    dB = factors.unpacked(dvphi.reshape(-1, dvphi.shape[-1]), lead)  # (.., K, K)
+    dB.add_(du.unsqueeze(-1) * w.unsqueeze(-2))
+    dw = (B @ du.unsqueeze(-1)).squeeze(-1)
+    dlam = B @ dB @ B
+    dlam = (dlam + dlam.transpose(-1, -2)).mul_(-0.5)  # symmetric: -B dB B
+    # Lambda = I + S(context) on flipped rows, lam0 - S(targets) on the others
+    dS = factors.packed(dlam)
+    rows = dS.shape[0]
+    flips = int(flip.sum())
+    if flips == 0:
+        dS.neg_()
+        grads.lam0 += dlam.sum(tuple(range(len(lead))))
+    elif flips < rows:
+        dS.mul_(torch.where(flip, 1.0, -1.0).to(dlam.dtype).view(rows, 1))
+        grads.lam0 += (dlam * (~flip).to(dlam.dtype)[..., None, None]).sum(tuple(range(len(lead))))
+    return dw, dS
+
+
+def _chunked_backward(g, bits, D, e, ep, delta, factors, lam0, site, observed, grads):
+    """The backward pass that remakes each chunk's small pieces (large K: not kept)."""
+    q, n = g.shape
+    K = factors.FT.shape[0]
+    # buffers: 0 the targets, 1 the precision's table (while it differs from
+    # them), 2 the weighted residuals t e / psi, 3 v, 4 d
+    bufs = Workspace(e.dtype, e.device)
+    for qs, ns in _chunks(q, n, D):
+        mask = unpack_bits(bits[qs, ns], D)
+        c = _Chunk(bufs, mask, ep[ns], delta[ns], factors, lam0, site)
+        shape = c.t.shape
+        rows = shape[0] * shape[1]
+        v, d = c.residuals(bufs.take(3, shape), bufs.take(4, shape), e[ns], factors)
+        gr = g[qs, ns]
+        ga, dv = _target_tables(c.t, v, d, None if observed is None else observed[ns])
+        du, dvphi = _chunk_gradients(ga, dv, shape, gr, factors, grads, ns, c.Bp1, c.u)
+        g2 = gr.reshape(rows, 1)
+        dw, dS = _pieces_gradients(c.B, c.w, c.flip, (2.0 * g2 * du).view(c.u.shape), (g2 * dvphi).view(shape[:2] + (-1,)),
+                                   factors, grads)
+        grads.phi_pT += _t_times(c.tl.view(rows, D), dS)
+        grads.ddelta[ns].add_(dw.sum(0))
+        grads.add_weighted(c.t, ep[ns], dw.view(rows, K), bufs, ns, factors, z=c.z)
+
+
+class _Slices:
+    """The slices of a block's ``(q, n)`` rows that stream its elementwise passes, about
+    :data:`STREAM_ELEMENTS` tokens each, as ranges ``r`` of the flattened ``q n`` rows
+    (each slice is one: a single query's datapoints, or whole queries) with the
+    datapoints ``ns`` they cover and their shape ``(qc, nc, D)``; and the workspace's
+    buffers viewed at each slice shape, made once per shape (a slice costs a dozen
+    kernels, and remaking the views cost a third of that)."""
+
+    def __init__(self, q, n, D, bufs, names):
+        self.items = []
+        for qs, ns in _chunks(q, n, D, STREAM_ELEMENTS):
+            qc, nc = qs.stop - qs.start, ns.stop - ns.start
+            r = slice(qs.start * n + ns.start, qs.start * n + ns.start + qc * nc)
+            self.items.append((r, ns, (qc, nc, D)))
+        self.bufs, self.names, self._views = bufs, names, {}
+
+    def views(self, shape):
+        """The buffers ``names`` as ``shape`` tables (the first slice is the largest, so
+        that no buffer grows after its views are made)."""
+        views = self._views.get(shape)
+        if views is None:
+            views = self._views[shape] = [self.bufs.take(name, shape) for name in self.names]
+        return views
+
+
+def _streamed_sums(mask, e, ep, delta, factors, lam0, site, observed):
+    """The forward pass for kept pieces: the rows' sums over their targets in slices of
+    :data:`STREAM_ELEMENTS` tokens, every row's small pieces solved at once
+    (:class:`_BlockPieces`), then the terms in slices again. Returns the sums ``(q, n)``
+    and the pieces."""
+    q, n, D = mask.shape
+    bufs = Workspace(e.dtype, e.device)
+    # buffers: 0 the targets, 1 the precision's table (then v), 2 z (then d), 3 the terms
+    slices = _Slices(q, n, D, bufs, (0, 1, 2, 3))
+    masks = mask.reshape(q * n, D)
+    pieces = _BlockPieces(slices, masks, ep, delta, factors, lam0, site)
+    out = e.new_empty(q * n)
+    count = pieces.count if observed is None else e.new_empty(q * n)
+    Bp1, u = pieces.Bp1.view(q * n, -1), pieces.u.view(q * n, -1)
+    for r, ns, shape in slices.items:
+        t, v, d, terms = slices.views(shape)
+        t.view(-1, D).copy_(masks[r].view(torch.uint8))
+        _residuals(v, d, Bp1[r], u[r], e[ns], factors)
+        torch.log(v, out=terms)
+        terms.addcdiv_(d.square_(), v).mul_(t)
+        if observed is not None:
+            terms.mul_(observed[ns])
+            torch.sum(t.mul_(observed[ns]).view(-1, D), -1, out=count[r])
+        torch.sum(terms.view(-1, D), -1, out=out[r])
+    # the constant log(2 pi) per target from the counts
+    return out.add_(count, alpha=LOG_2PI).view(q, n), pieces
+
+
+def _streamed_backward(g, bits, D, e, ep, factors, kept, flips, observed, grads):
+    """The backward pass with the rows' small pieces kept: the targets' tables in slices,
+    the small pieces' gradients for every row at once, then the products with the
+    targets and the summed tables in slices again."""
+    B, u, w, Bp1, flip = kept
+    q, n = g.shape
+    K, P = factors.FT.shape[0], factors.phiT.shape[0]
+    # the row weights in the small factors of the products
+    gB = (Bp1 * g.unsqueeze(-1)).view(q * n, P + 1)
+    g2u = (u * (2.0 * g).unsqueeze(-1)).view(q * n, K)
+    du, dvphi = e.new_empty(q * n, K), e.new_empty(q * n, P)
+    # the block's masks, as its forward pass held them (a byte a token), read twice
+    masks = unpack_bits(bits, D).view(q * n, D)
+    bufs = Workspace(e.dtype, e.device)
+    # buffers: 0 the targets, 3 v (then dz), 4 d; 1 the summed table, 2 z
+    slices = _Slices(q, n, D, bufs, (0, 3, 4))
+    Bp1, uf, gf = Bp1.view(q * n, -1), u.view(q * n, -1), g.view(q * n)
+    for r, ns, shape in slices.items:
+        t, v, d = slices.views(shape)
+        t.view(-1, D).copy_(masks[r].view(torch.uint8))
+        _residuals(v, d, Bp1[r], uf[r], e[ns], factors)
+        ga, dv = _target_tables(t, v, d, None if observed is None else observed[ns])
+        ga2, dv2 = ga.view(-1, D), dv.view(-1, D)
+        grads.phi_psi += _t_times(dv2, gB[r])
+        grads.add_targets(gf[r].view(shape[:2]), ga, ns)
+        grads.FT += _t_times(ga2, g2u[r])
+        du[r] = _times(ga2, factors.FT)
+        dvphi[r] = _times(dv2, factors.phiT)
+    du.mul_((2.0 * gf).unsqueeze(-1))
+    dvphi.mul_(gf.unsqueeze(-1))
+    dw, dS = _pieces_gradients(B, w, flip, du.view(q, n, K), dvphi.view(q, n, P), factors, grads)
+    grads.ddelta.add_(dw.sum(0))
+    dw = dw.view(q * n, K)
+    flip = flip.view(q * n)
+    for k, (r, ns, shape) in enumerate(slices.items):
+        t = slices.views(shape)[0]
+        t.view(-1, D).copy_(masks[r].view(torch.uint8))
+        tl = _flipped(bufs, t, flip[r].view(shape[:2]), flips[k])
+        grads.phi_pT += _t_times(tl.view(-1, D), dS[r])
+        grads.add_weighted(t, ep[ns], dw[r], bufs, ns, factors)
 
 
 def _times(table, right_t):
@@ -276,33 +443,65 @@ class _Factors:
         return self.packing.pack(sym.reshape(-1, K, K)).mul_(self.packing.off)
 
 
-class _KeptRows:
-    """Every row's small pieces from the forward pass, ``(q, n, ...)``: the
-    backward pass reads them instead of summing and inverting the precisions again
-    (``(K + 1)^2 + K`` numbers a row, against ``D`` tokens)."""
+def _pieces_kept(K, D, dtype):
+    """Whether a row's small pieces (``(K + 1)^2 + K`` numbers and a flag) take at most
+    :data:`KEPT_PIECES_BITS_RATIO` times the bytes of its mask's bits, so that the
+    forward pass keeps them for the backward pass (what the graph keeps then stays a
+    small multiple of the bits)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return ((K + 1) ** 2 + K) * itemsize + 1 <= KEPT_PIECES_BITS_RATIO * -(-D // 8)
 
-    def __init__(self, q, n, K, like):
-        P = K * (K + 1) // 2
-        self.B, self.u, self.w = like.new_empty(q, n, K, K), like.new_empty(q, n, K), like.new_empty(q, n, K)
-        self.Bp1 = like.new_empty(q, n, P + 1)
-        self.flip = torch.empty(q, n, dtype=torch.bool, device=like.device)
+
+class _BlockPieces:
+    """Every row's small pieces of a block of masks (``masks`` ``(q n, D)``), from sums made
+    in its ``slices`` (:class:`_Slices`) and solved for all rows at once: ``count`` ``(q n,)``
+    the targets, ``flip`` ``(q, n)`` the rows whose precision is summed over the context,
+    ``B`` ``(q, n, K, K)``, ``w``, ``u = B w`` ``(q, n, K)``, ``Bp1`` ``(q, n, P + 1)``
+    (``B`` packed with doubled off-diagonal entries, and a 1 for psi), and ``flips``, the
+    flipped rows per slice."""
+
+    def __init__(self, slices, masks, ep, delta, factors, lam0, site):
+        D = masks.shape[-1]
+        q, n = masks.shape[0] // ep.shape[0], ep.shape[0]
+        K, P = factors.FT.shape[0], factors.phi_pT.shape[0]
+        # per row: S(targets) (or S(context) on flipped rows), the target count, the targets' signal
+        St = ep.new_empty(q * n, P + 2)
+        zF = ep.new_empty(q * n, K)
+        half = 0.5 * factors.snr_total
         self.flips = []
-
-    @staticmethod
-    def worth(K, D, dtype):
-        """Whether a row's pieces take at most :data:`KEPT_PIECES_BITS_RATIO` times the
-        bytes of its mask's bits (so that what the graph keeps stays a small multiple
-        of the bits)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return ((K + 1) ** 2 + K) * itemsize + 1 <= KEPT_PIECES_BITS_RATIO * -(-D // 8)
-
-    def keep(self, qs, ns, c):
-        self.B[qs, ns], self.u[qs, ns], self.w[qs, ns] = c.B, c.u, c.w
-        self.Bp1[qs, ns] = c.Bp1.view(self.Bp1[qs, ns].shape)
-        self.flip[qs, ns] = c.flip
-        self.flips.append(c.flips)
+        for r, ns, shape in slices.items:
+            t, _, z, _ = slices.views(shape)
+            t2 = t.view(-1, D)
+            # bool -> float through uint8: a plain copy, a third of the cost of .to()
+            t2.copy_(masks[r].view(torch.uint8))
+            st = St[r]
+            st.copy_(_times(t2, factors.phi_p1T))
+            # the side each row's precision is summed from, as _Chunk decides it
+            flip = st[:, P + 1] > half
+            flips = int(flip.sum())
+            self.flips.append(flips)
+            if flips:
+                tl = _flipped(slices.bufs, t, flip.view(shape[:2]), flips)
+                st[:, :P] = _times(tl.view(-1, D), factors.phi_pT)
+            torch.mul(t, ep[ns], out=z)
+            zF[r] = _times(z.view(-1, D), factors.FT)
+        self.count = St[:, P]
+        self.flip = (St[:, P + 1] > half).view(q, n)
+        S = factors.unpacked(St[:, :P], (q, n))
+        total = sum(self.flips)
+        if total == q * n:
+            lam = S.add_(factors.eye)
+        elif total:
+            lam = torch.where(self.flip[..., None, None], S + factors.eye, lam0 - S)
+        else:
+            lam = torch.sub(lam0, S)
+        self.w = zF.view(q, n, K).add_(delta)
+        self.B = _spd_inverse(lam, site)
+        self.u = (self.B @ self.w.unsqueeze(-1)).squeeze(-1)
+        self.Bp1 = torch.cat([factors.packed(self.B), lam0.new_ones(q * n, 1)], 1).view(q, n, P + 1)
 
     def tensors(self):
+        """``B, u, w, Bp1, flip``, as the backward pass reads them."""
         return self.B, self.u, self.w, self.Bp1, self.flip
 
 
@@ -313,20 +512,6 @@ class _Chunk:
     (buffer 2), and its small pieces: the precision's inverse ``B`` (packed with
     doubled off-diagonal entries, and a 1 for psi, as ``Bp1``), ``w`` and
     ``u = B w``; made from the sums, or (:meth:`kept`) read from the forward pass."""
-
-    @classmethod
-    def kept(cls, bufs, mask, ep, kept, qs, ns, flips):
-        """The chunk with its small pieces read from ``kept`` (:class:`_KeptRows`
-        tensors ``B, u, w, Bp1, flip``) and ``flips`` flipped rows."""
-        c = cls.__new__(cls)
-        B, u, w, Bp1, flip = kept
-        c.t = t = bufs.take(0, mask.shape).copy_(mask.view(torch.uint8))
-        c.flip, c.flips = flip[qs, ns], flips
-        c.tl = _flipped(bufs, t, c.flip, flips)
-        c.z = torch.mul(t, ep, out=bufs.take(2, mask.shape))
-        c.B, c.u, c.w = B[qs, ns], u[qs, ns], w[qs, ns]
-        c.Bp1 = Bp1[qs, ns].reshape(t.shape[0] * t.shape[1], -1)
-        return c
 
     def __init__(self, bufs, mask, ep, delta, factors, lam0, site):
         qc, nc, D = mask.shape
@@ -363,14 +548,21 @@ class _Chunk:
 
     def residuals(self, v, d, e, factors):
         """The variances and masked residuals, written into ``v`` and ``d`` ``(qc, nc, D)``."""
-        qc, nc, D = self.t.shape
-        rows = qc * nc
-        torch.mm(self.Bp1, factors.phi_psi, out=v.view(rows, D))
-        if qc == 1:
-            torch.addmm(e, self.u.view(nc, -1), factors.FT, out=d.view(nc, D))
-        else:
-            torch.baddbmm(e, self.u, factors.FT.expand(qc, -1, -1), out=d)
-        return v, d
+        return _residuals(v, d, self.Bp1, self.u, e, factors)
+
+
+def _residuals(v, d, Bp1, u, e, factors):
+    """The variances ``v = [Bp, 1] phi_psi`` and masked residuals ``d = e + u F^T`` of
+    rows with pieces ``Bp1`` ``(.., P + 1)`` and ``u`` ``(qc, nc, K)``, written into ``v``
+    and ``d`` ``(qc, nc, D)``."""
+    qc, nc, D = v.shape
+    rows = qc * nc
+    torch.mm(Bp1.reshape(rows, -1), factors.phi_psi, out=v.view(rows, D))
+    if qc == 1:
+        torch.addmm(e, u.reshape(nc, -1), factors.FT, out=d.view(nc, D))
+    else:
+        torch.baddbmm(e, u.reshape(qc, nc, -1), factors.FT.expand(qc, -1, -1), out=d)
+    return v, d
 
 
 def _flipped(bufs, t, flip, flips):
