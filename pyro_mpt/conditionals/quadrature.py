@@ -121,12 +121,14 @@ from .mixture import chain_terms, normalize_empty
 from .mixture_chunks import MixtureChunk, stable_logsumexp
 from .plate_runs import RunMemory
 from .quadrature_contexts import (
+    KEEP_RULE_NODES,
     context_frames,
     context_models,
     context_partials,
     full_frames,
     full_grid_resolves,
     gaussian_corrections,
+    resolved_tol,
     token_quadratics,
     unresolved_targets,
 )
@@ -529,7 +531,7 @@ class QuadratureConditionals(ConditionalEngine):
             with torch.no_grad():
                 dnum, dden = gaussian_corrections(quad, full, target, e, log_w, self.max_elements)
             num, den = self._reduce(state, MixtureChunk.mask_partials, ctx[kept])
-            parts.append((kept, num + dnum[kept].to(num.dtype), den + dden[kept].to(den.dtype)))
+            parts.append((kept, num + dnum[kept].to(num.dtype), den + dden[kept].to(den.dtype), dnum[kept]))
         if rows.numel() > 0:
             with torch.no_grad():
                 frames = context_frames(quad, h[rows], P[rows], c, S)
@@ -539,31 +541,35 @@ class QuadratureConditionals(ConditionalEngine):
                 # one cache for both tables: what the full one keeps, the context ones cannot
                 keep_elements=self.cache_elements - len(state.chunks or ()) * state.node_chunk * n * D,
             )
-            parts.append((rows, num + dnum.to(num.dtype), den + dden.to(den.dtype)))
+            parts.append((rows, num + dnum.to(num.dtype), den + dden.to(den.dtype), dnum))
         if len(parts) == 1:
-            _, num, den = parts[0]
+            _, num, den, dnum = parts[0]
         else:
             order = torch.argsort(torch.cat([kept, rows]))
-            num = torch.cat([parts[0][1], parts[1][1]])[order]
-            den = torch.cat([parts[0][2], parts[1][2]])[order]
-        num = self._target_grids(state, quad, h, P, own, target, ctx, num)
+            num, den, dnum = (torch.cat([parts[0][k], parts[1][k]])[order] for k in (1, 2, 3))
+        num = self._target_grids(state, quad, h, P, own, target, ctx, num, dnum)
         # the prior integrates to one: an empty context has normalizer exactly 1
         return num - normalize_empty(den, ~target).unsqueeze(-1)
 
-    def _target_grids(self, state, quad, h, P, own, target, ctx, num):
+    def _target_grids(self, state, quad, h, P, own, target, ctx, num, dnum):
         """Numerators that the grid of their context does not resolve, each on a grid
-        of its own (:func:`~pyro_mpt.conditionals.quadrature_contexts.unresolved_targets`)."""
+        of its own (:func:`~pyro_mpt.conditionals.quadrature_contexts.unresolved_targets`);
+        ``dnum`` are the numerators' corrections on their queries' grids."""
         c, S, e, log_w = state.frame
         n, D = state.num_data, state.num_tokens
         with torch.no_grad():
-            frames = full_frames(quad, h, P)
-            if bool(own.any()):
-                fitted = context_frames(quad, h[own], P[own], c, S)
-                for name in ("shift", "root"):
-                    value = getattr(frames, name).clone()
-                    value[own] = getattr(fitted, name)
-                    setattr(frames, name, value)
-            bad = unresolved_targets(quad, frames, target, state.nodes_per_dim, self.max_elements)  # (q, n, D)
+            if state.nodes_per_dim <= KEEP_RULE_NODES:
+                # the test's rule is the grid's own: its corrections are at hand
+                bad = target & (dnum.abs() > resolved_tol(dnum.dtype))
+            else:
+                frames = full_frames(quad, h, P)
+                if bool(own.any()):
+                    fitted = context_frames(quad, h[own], P[own], c, S)
+                    for name in ("shift", "root"):
+                        value = getattr(frames, name).clone()
+                        value[own] = getattr(fitted, name)
+                        setattr(frames, name, value)
+                bad = unresolved_targets(quad, frames, target, state.nodes_per_dim, self.max_elements)
             a, j = bad.any(1).nonzero(as_tuple=True)
         if a.numel() == 0:
             return num
