@@ -382,6 +382,52 @@ def test_mixture_table_reductions_against_numpy(per_datapoint):
     assert np.abs(chains.sum(-1).numpy() - big.log_evidence().numpy()[None]).max() < 1e-10
 
 
+def test_mixture_table_gradients_and_saved_bytes_do_not_grow_with_the_points():
+    """The mask reduction's gradients (weights and table, float64, an impossible token at
+    one point: a -inf entry) equal autograd through torch.logsumexp to 1e-12, and the bytes it
+    saves for the backward pass grow by each point's table and a few rows of sums per query
+    (autograd through the numerators' log-sum-exp kept two floats per query, point,
+    datapoint and token)."""
+
+    def saved_bytes(fn):
+        kept = []
+
+        def pack(t):
+            kept.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}.values()), out
+
+    g = torch.Generator().manual_seed(12)
+    n, D, q = 5, 6, 7
+    context = torch.rand(q, n, D, generator=g) < 0.5
+    context[0] = False
+    weight = torch.randn(q, n, D, generator=g, dtype=torch.float64)
+    saved = {}
+    for K in (2, 40):
+        logw, T = _table(K=K, n=n, D=D, seed=13, per_datapoint=True)
+        T[1, 2, 3] = -math.inf
+        logw, T = logw.requires_grad_(), T.requires_grad_()
+        saved[K], out = saved_bytes(lambda: MixtureTable(logw, T).log_conditionals(context))
+        got = torch.autograd.grad((weight * out).nan_to_num(posinf=0.0).sum(), [logw, T])
+
+        lin = torch.where(context[:, None], T[None], torch.zeros((), dtype=T.dtype)).sum(-1)
+        base = logw[None] + lin  # (q, K, n)
+        den = torch.where(context.any(-1), torch.logsumexp(base, 1), torch.zeros((), dtype=T.dtype))
+        ref = torch.logsumexp(base[..., None] + T[None], 1) - den[..., None]
+        assert torch.allclose(out, ref, rtol=0, atol=1e-12)
+        want = torch.autograd.grad((weight * ref).nan_to_num(posinf=0.0).sum(), [logw, T])
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    # per point: its table and three (q, n) rows (the context sums and the normalizer's
+    # log-sum-exp; one more to spare), float64; not the q * D terms per point and datapoint
+    # of the numerators (159 kB here before)
+    per_point = (n * D + 4 * q * n) * 8
+    assert saved[40] <= saved[2] + (40 - 2) * per_point
+
+
 def test_mixture_table_far_apart_points_in_float32():
     """Points hundreds of nats apart (a well-separated mixture: most of its log-sum-exp
     terms lie below float32's exp underflow, where torch's exp is 40-100x slower, so the

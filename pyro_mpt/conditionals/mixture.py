@@ -38,13 +38,55 @@ empty context has normalizer one) and :func:`chain_terms`.
 
 import torch
 
-from .mixture_chunks import stable_logsumexp
+from .mixture_chunks import exp_floor, stable_logsumexp
 
 __all__ = ["MixtureTable", "combine_partials", "normalize_empty", "chain_terms"]
 
 
 def _slices(total, step):
     return [slice(s, min(total, s + step)) for s in range(0, total, step)]
+
+
+class _Numerators(torch.autograd.Function):
+    r""":math:`\nu_{qij} = \operatorname{logsumexp}_k(b_{qki} + T_{kij})`, ``(q, n, D)``, from ``base``
+    ``(q, K, n)`` and ``T`` ``(K, n, D)``, keeping only its inputs and output for the backward pass:
+
+    .. math::
+
+        \frac{\partial L}{\partial b_{qki}} = \sum_j G_{qij}\, e^{b_{qki} + T_{kij} - \nu_{qij}}, \qquad
+        \frac{\partial L}{\partial T_{kij}} = \sum_q G_{qij}\, e^{b_{qki} + T_{kij} - \nu_{qij}}.
+
+    Its ``(q, K, n, D)`` terms are the largest tensors of a mask reduction; recorded by
+    autograd, two copies of them (the clamp's input and the exponential) were kept for the
+    backward pass, ``K`` times the ``chunk_size`` elements of a block (a Bernoulli mixture,
+    K = 100, D = 50, 500 datapoints, masks="all": 0.85 GB saved at ``chunk_size=2**20``).
+    The backward pass is written with differentiable operations, so second derivatives
+    still flow through it. Terms clamped in the forward pass (see
+    :func:`~pyro_mpt.conditionals.mixture_chunks.exp_floor`) are treated as unclamped (their
+    share of a sum is below its rounding); ``-inf`` terms get no gradient.
+    """
+
+    @staticmethod
+    def forward(fctx, base, T):
+        out = stable_logsumexp(base[..., None] + T[None], 1)
+        fctx.save_for_backward(base, T, out)
+        return out
+
+    @staticmethod
+    def backward(fctx, G):
+        base, T, out = fctx.saved_tensors
+        floor = exp_floor(base.dtype)
+        if torch.is_grad_enabled():  # a graph for second derivatives: out of place
+            share = torch.exp((base[..., None] + T[None] - out[:, None]).clamp_min(floor))
+        else:
+            share = (base[..., None] + T[None]).sub_(out[:, None]).clamp_min_(floor).exp_()  # (q, K, n, D)
+        if not (bool(torch.isfinite(T).all()) and bool(torch.isfinite(base).all())):
+            zero = torch.zeros((), dtype=share.dtype, device=share.device)
+            share = torch.where(torch.isneginf(base[..., None] + T[None]) | torch.isneginf(out)[:, None], zero, share)
+        share = share * G[:, None] if torch.is_grad_enabled() else share.mul_(G[:, None])
+        grad_base = share.sum(-1) if fctx.needs_input_grad[0] else None
+        grad_T = share.sum(0) if fctx.needs_input_grad[1] else None
+        return grad_base, grad_T
 
 
 class MixtureTable:
@@ -167,7 +209,7 @@ class MixtureTable:
                 lin = torch.where(ctx[:, None], T[None], zero).sum(-1)  # (qc, K, nc)
                 base = self._weights(nsl)[None] + lin
                 row_den.append(stable_logsumexp(base, 1))
-                row_num.append(stable_logsumexp(base[..., None] + T[None], 1))  # (qc, nc, D)
+                row_num.append(_Numerators.apply(base, T))  # (qc, nc, D)
             nums.append(torch.cat(row_num, 1))
             dens.append(torch.cat(row_den, 1))
         return torch.cat(nums, 0), torch.cat(dens, 0)
