@@ -59,10 +59,11 @@ def random_masks(sizes, shape, device, observed=None):
 
     ``sizes`` (long, broadcastable to ``(q, rows)``) gives each mask's size M;
     the mask holds the first M tokens of a fresh uniformly random ordering
-    (one sort of i.i.d. uniforms and one scatter, an exact size M). Sizes shared
-    by the rows count integer keys instead (:func:`smallest_keys`), on the CPU
-    where that beats the sort: at least 16 rows a size, or a block of at least
-    2**14 elements of rows of at least 64 tokens. With ``observed`` (bool
+    (one sort of i.i.d. uniforms and one scatter, an exact size M). On the CPU
+    the masks count integer keys instead (:func:`smallest_keys`) where that beats
+    the sort: at least 16 rows, or a block of at least 2**14 elements of rows of
+    at least 64 tokens (a size per row too: 1000 rows of 1000 tokens, one
+    thread, 61 ms sorted, 4.4 ms counted). With ``observed`` (bool
     ``(rows, D)``) the masks are drawn among each row's observed tokens (the
     orderings list the missing ones first; the keys give them a key above every
     drawn one), a row's size capped at its number of observed tokens.
@@ -71,8 +72,8 @@ def random_masks(sizes, shape, device, observed=None):
 
         >>> random_masks(torch.arange(1, 6)[:, None], (5, 1, 5), None).sum(-1)   # sizes 1..5
     """
-    if sizes.shape[-1] == 1 and _counting_pays(shape) and torch.device(device or "cpu").type == "cpu":
-        return _selected_masks(sizes[..., 0], shape, device, observed)
+    if _counting_pays(shape) and torch.device(device or "cpu").type == "cpu":
+        return _selected_masks(sizes, shape, device, observed)
     order = random_order(shape, device, observed)
     pos = torch.arange(shape[-1], device=device)
     first = sizes[..., None]
@@ -116,7 +117,7 @@ _SELECT_TOKENS = 2**19
 
 
 def _selected_masks(sizes, shape, device, observed=None):
-    """:func:`random_masks` for sizes ``(q,)`` shared by the rows: the tokens of the M
+    """:func:`random_masks` for sizes broadcastable to ``(q, rows)``: the tokens of the M
     smallest of i.i.d. uniform keys per row (:func:`smallest_keys`).
 
     Exact: a row's keys (coarse, with fine keys breaking the ties at its
@@ -128,7 +129,7 @@ def _selected_masks(sizes, shape, device, observed=None):
     """
     q, rows, D = shape
     keys = random_keys((q, rows, D), device)
-    want = sizes.to(device=keys.device)[:, None].expand(q, rows)
+    want = sizes.to(device=keys.device).expand(q, rows)
     if observed is not None:
         keys.masked_fill_(~observed, 1 << _key_bits(D))
         count = observed.sum(-1)

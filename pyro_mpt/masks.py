@@ -255,11 +255,12 @@ class UniformSizes(MaskSchedule):
         self.check(D)
         tokens = self.maskable_tokens(n, D, device, observed)
         sizes = self._sizes(tokens.rows, tokens.count, device)
-        ranks = tokens.ranks(self.num_masks)
         w = tokens.per_token(self.num_masks)
         for start, stop in tokens.spans(self.num_masks, max_elements):
             m = sizes[start:stop]
-            yield tokens.block(ranks[start:stop] < m[..., None], m, w.expand(stop - start, -1))
+            # each mask a uniform M-subset by counting keys, not a sort per row (the sort
+            # was most of a default step at D = 1000: 61 of 115 ms, factor analysis, N = 1000)
+            yield tokens.block(tokens.masks(m, stop - start), m, w.expand(stop - start, -1))
 
     def __repr__(self):
         return f"UniformSizes(num_masks={self.num_masks}, stratified={self.stratified})"

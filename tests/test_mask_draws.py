@@ -218,3 +218,44 @@ def test_many_sizes_of_one_row_are_counted_and_uniform(monkeypatch):
     counts = cells[torch.triu_indices(D, D, 1).unbind()]
     assert int(counts.sum()) == q
     assert chisquare(counts.numpy()).pvalue > P_MIN
+
+
+def test_masks_with_a_size_per_row_are_uniform_subsets_of_that_size():
+    """Sizes per row (the "uniform" schedule's masks per datapoint) on the counting path:
+    each row gets exactly its size, and the rows of each size are uniform over its C(D, M)
+    subsets (chi-square per size), with missing tokens never drawn."""
+    torch.manual_seed(3)
+    D, n = 5, 12000
+    sizes = torch.randint(1, D + 1, (2, n))
+    masks = random_masks(sizes, (2, n, D), None)
+    assert torch.equal(masks.sum(-1), sizes)
+    for M in range(1, D + 1):
+        rows = masks[sizes == M]
+        subsets = [c for c in range(2**D) if bin(c).count("1") == M]
+        counts = _subset_counts(rows, D)[subsets]
+        assert int(counts.sum()) == rows.shape[0]
+        if len(subsets) > 1:
+            assert chisquare(counts.numpy()).pvalue > P_MIN
+    observed = torch.rand(n, D) < 0.7
+    capped = torch.minimum(sizes, observed.sum(-1).clamp_min(1))
+    masks = random_masks(capped, (2, n, D), None, observed)
+    assert not bool((masks & ~observed).any())
+    assert torch.equal(masks.sum(-1), torch.minimum(capped, observed.sum(-1)))
+
+
+def test_uniform_schedule_draws_its_masks_per_datapoint_without_sorting(monkeypatch):
+    """masks="uniform" (the loss's default) with masks per datapoint draws each mask by
+    counting keys: a sort of D uniforms per datapoint was most of a default step at D = 1000
+    (61 of 115 ms, factor analysis, N = 1000, one thread; counted: 4.4 ms)."""
+    from pyro_mpt.masks import make_schedule
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("the uniform masks sorted their keys")
+
+    monkeypatch.setattr(mask_draws, "random_order", no_sort)
+    torch.manual_seed(4)
+    for stratified in (False, True):
+        schedule = make_schedule("stratified" if stratified else "uniform", 3, False)
+        block = next(schedule.blocks(100, 80))
+        mask = block.masks()
+        assert mask.shape == (3, 100, 80) and torch.equal(mask.sum(-1), block.size.expand(3, 100))
