@@ -167,7 +167,7 @@ def smallest_keys(keys, sizes):
     r"""Each row's M smallest keys, ``M = sizes``, ties broken uniformly at random: bool ``(rows, D)``.
 
     A counting pass instead of a selection per row: the per-row histogram of
-    the keys (one ``bincount`` over row-offset int32 bin indices) locates the
+    the keys (``bincount`` over row-offset int16 bin indices) locates the
     value :math:`b` of each row's M-th smallest key; the mask holds the keys
     :math:`k < b` and, of the ``count`` keys equal to :math:`b`, the ``need``
     with the smallest fine keys, uniform 31-bit keys drawn for those tokens
@@ -201,17 +201,25 @@ def smallest_keys(keys, sizes):
     # whole 64-bit words for their listing
     width = -(-D // 8) * 8
     tie = torch.zeros((step, width), dtype=torch.bool, device=device)
-    listed_rows, listed_cols = [], []
-    index = torch.empty((step, D), dtype=torch.int32, device=device)
+    tied = []
+    # the histograms over int16 row-offset bins, in sub-parts whose offsets fit (at
+    # most 129 bins: 254 rows or more): half the copy of int32 bins, and a faster
+    # bincount (one thread, 1000 x 512 keys: 0.70 -> 0.50 ms)
+    sub = min(step, 32767 // bins)
+    index = torch.empty((sub, D), dtype=torch.int16, device=device)
+    offsets = (torch.arange(sub, dtype=index.dtype, device=device) * bins)[:, None]
+    hist = torch.empty((step, bins), dtype=torch.int64, device=device)
     threshold = torch.empty((step, D), dtype=torch.uint8, device=device)
-    offsets = (torch.arange(step, dtype=torch.int32, device=device) * bins)[:, None]
     for start in range(0, rows, step):
         part = slice(start, min(rows, start + step))
         k, r = keys[part], part.stop - part.start
-        # per-row histograms as one bincount over row-offset int32 bins (the uint8
-        # -> int32 copy and the in-place offset are vectorized; a promoting add is not)
-        idx = index[:r].copy_(k).add_(offsets[:r])
-        below = torch.bincount(idx.view(-1), minlength=r * bins).view(r, bins).cumsum_(-1)
+        # per-row histograms as one bincount a sub-part over row-offset bins (the uint8
+        # -> int copy and the in-place offset are vectorized; a promoting add is not)
+        for s0 in range(0, r, sub):
+            s1 = min(r, s0 + sub)
+            idx = index[: s1 - s0].copy_(k[s0:s1]).add_(offsets[: s1 - s0])
+            hist[s0:s1].view(-1).copy_(torch.bincount(idx.view(-1), minlength=(s1 - s0) * bins))
+        below = hist[:r].cumsum_(-1)
         b = torch.searchsorted(below, sizes[part, None])  # (r, 1): the value of the M-th smallest
         before = below.gather(1, (b - 1).clamp_min(0)).masked_fill_(b == 0, 0)[:, 0]
         count[part] = below.gather(1, b)[:, 0] - before  # keys equal to b, >= need
@@ -225,17 +233,18 @@ def smallest_keys(keys, sizes):
         torch.lt(k, thr, out=mask[part])
         thr.copy_(torch.where(partial, b[:, 0], 255).to(torch.uint8)[:, None].expand(r, D))  # 255: no key (<= 2**7)
         # the tied keys listed in row-major order: a nonzero over 64-bit words of the
-        # bool table (an eighth of its length), then over the few words hit
+        # bool table (an eighth of its length), then over the bytes of the words hit,
+        # as flat positions in the padded table
         torch.eq(k, thr, out=tie[:r, :D])
-        words = tie[:r].view(torch.int64)
-        wr, wc = words.nonzero(as_tuple=True)
-        j, k = words[wr, wc].view(torch.bool).view(-1, 8).nonzero(as_tuple=True)
-        listed_rows.append(wr[j] + start)
-        listed_cols.append(wc[j] * 8 + k)
+        words = tie[:r].view(-1).view(torch.int64)
+        hit = torch.nonzero(words, as_tuple=True)[0]
+        j, bit = torch.nonzero(words.index_select(0, hit).view(torch.bool).view(-1, 8), as_tuple=True)
+        tied.append(hit[j] * 8 + bit + start * width)
     partial = need < count
     if not bool(partial.any()):
         return mask
-    rows_in, cols_in = torch.cat(listed_rows), torch.cat(listed_cols)
+    flat = torch.cat(tied)
+    rows_in, cols_in = flat // width, flat % width
     listed = torch.where(partial, count, 0)
     first = (torch.cumsum(listed, 0) - listed + need - 1)[partial]  # each partial row's need-th listed token
     while True:
@@ -247,5 +256,5 @@ def smallest_keys(keys, sizes):
             break
     cut = torch.zeros(rows, dtype=fine.dtype, device=device).index_copy_(0, partial.nonzero()[:, 0], t)
     take = fine <= cut[rows_in]
-    mask[rows_in[take], cols_in[take]] = True
+    mask.view(-1)[(rows_in * D + cols_in)[take]] = True
     return mask
