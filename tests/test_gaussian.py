@@ -1037,3 +1037,46 @@ def test_streamed_independent_sums_equal_a_dense_loop(monkeypatch, stream, missi
     want_grad = torch.autograd.grad((weight * ref).sum(), (F64, psi64))
     for a, b in zip(got_grad, want_grad):
         assert float((a - b).abs().max()) <= 1e-10 * float(b.abs().max())
+
+
+def test_a_model_that_does_not_broadcast_warns_once_and_keeps_its_exact_value():
+    """A random-intercept model indexing its group latents as a[grp] cannot run at the K + 4
+    noise points in one plate: the engine runs it once per point (K + 4 model runs a step)
+    and says so once (SlowEngineWarning), then stays quiet; its value equals the same model
+    written a[..., grp] (vectorized, no warning) and the exact density (numpy, 1e-10)."""
+    import warnings
+
+    from pyro_mpt.conditionals import SlowEngineWarning
+
+    G, N = 40, 120
+    g = torch.Generator().manual_seed(5)
+    grp = torch.arange(N) % G
+    y = torch.randn(N, generator=g, dtype=torch.float64)
+
+    def make(index):
+        def model(grp, y):
+            with pyro.plate("groups", G):
+                a = pyro.sample("a", dist.Normal(torch.tensor(0.3, dtype=torch.float64), 1.5))
+            with pyro.plate("data", N):
+                pyro.sample("y", dist.Normal(index(a, grp), 0.5), obs=y)
+
+        return model
+
+    values = {}
+    for name, index in (("a[grp]", lambda a, i: a[i]), ("a[..., grp]", lambda a, i: a[..., i])):
+        loss = MaskedPretrainingLoss(token_plates=("data",), masks="order")
+        model = make(index)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            values[name] = [float(loss.loss(model, None, grp, y)) for _ in range(3)]
+        slow = [w for w in caught if issubclass(w.category, SlowEngineWarning)]
+        assert len(slow) == (1 if name == "a[grp]" else 0), [str(w.message) for w in slow]
+        if slow:
+            assert "44 model runs a step" in str(slow[0].message) and "a[..., idx]" in str(slow[0].message)
+    Z = (grp.numpy()[:, None] == np.arange(G)).astype(float)
+    cov = 1.5**2 * Z @ Z.T + 0.25 * np.eye(N)
+    r = y.numpy() - 0.3
+    _, logdet = np.linalg.slogdet(cov)
+    exact = -0.5 * (r @ np.linalg.solve(cov, r) + logdet + N * np.log(2 * np.pi))
+    for vals in values.values():
+        assert max(abs(v + exact) for v in vals) < 1e-10 * abs(exact)

@@ -137,3 +137,18 @@ def _():
 
     MaskedPretrainingLoss(conditionals=GaussianConditionals(method="dense")).loss(
         model, None, torch.randn(2, 40, 1, dtype=torch.float64))
+
+
+@trigger("gaussian-per-point-fallback")
+def _():
+    G = 40
+    grp = torch.arange(120) % G
+    y = torch.randn(120)
+
+    def model(grp, y):
+        with pyro.plate("groups", G):
+            a = pyro.sample("a", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 120):
+            pyro.sample("y", dist.Normal(a[grp], 0.5), obs=y)  # a[grp] indexes the points' dim
+
+    MaskedPretrainingLoss(token_plates=("data",), conditionals="gaussian").loss(model, None, grp, y)
