@@ -319,11 +319,12 @@ class _Slices:
         self.bufs, self.names, self._views = bufs, names, {}
 
     def views(self, shape):
-        """The buffers ``names`` as ``shape`` tables (the first slice is the largest, so
-        that no buffer grows after its views are made)."""
+        """The buffers ``names`` as ``shape`` tables and as their ``(rows, D)`` views (the
+        first slice is the largest, so that no buffer grows after its views are made)."""
         views = self._views.get(shape)
         if views is None:
-            views = self._views[shape] = [self.bufs.take(name, shape) for name in self.names]
+            tables = [self.bufs.take(name, shape) for name in self.names]
+            views = self._views[shape] = tables + [x.view(-1, shape[-1]) for x in tables]
         return views
 
 
@@ -341,16 +342,17 @@ def _streamed_sums(mask, e, ep, delta, factors, lam0, site, observed):
     out = e.new_empty(q * n)
     count = pieces.count if observed is None else e.new_empty(q * n)
     Bp1, u = pieces.Bp1.view(q * n, -1), pieces.u.view(q * n, -1)
+    bytes_ = masks.view(torch.uint8)
     for r, ns, shape in slices.items:
-        t, v, d, terms = slices.views(shape)
-        t.view(-1, D).copy_(masks[r].view(torch.uint8))
-        _residuals(v, d, Bp1[r], u[r], e[ns], factors)
+        t, v, d, terms, t2, v2, d2, terms2 = slices.views(shape)
+        t2.copy_(bytes_[r])
+        _residuals2(v2, d2, Bp1[r], u[r], e[ns], factors, shape)
         torch.log(v, out=terms)
         terms.addcdiv_(d.square_(), v).mul_(t)
         if observed is not None:
             terms.mul_(observed[ns])
             torch.sum(t.mul_(observed[ns]).view(-1, D), -1, out=count[r])
-        torch.sum(terms.view(-1, D), -1, out=out[r])
+        torch.sum(terms2, -1, out=out[r])
     # the constant log(2 pi) per target from the counts
     return out.add_(count, alpha=LOG_2PI).view(q, n), pieces
 
@@ -365,36 +367,63 @@ def _streamed_backward(g, bits, D, e, ep, factors, kept, flips, observed, grads)
     # the row weights in the small factors of the products
     gB = (Bp1 * g.unsqueeze(-1)).view(q * n, P + 1)
     g2u = (u * (2.0 * g).unsqueeze(-1)).view(q * n, K)
-    du, dvphi = e.new_empty(q * n, K), e.new_empty(q * n, P)
+    # row-major by feature, so that each slice's product writes its columns (see _times)
+    duT, dvphiT = e.new_empty(K, q * n), e.new_empty(P, q * n)
     # the block's masks, as its forward pass held them (a byte a token), read twice
     masks = unpack_bits(bits, D).view(q * n, D)
     bufs = Workspace(e.dtype, e.device)
-    # buffers: 0 the targets, 3 v (then dz), 4 d; 1 the summed table, 2 z
+    # buffers: 0 the targets, 3 v, 4 d
     slices = _Slices(q, n, D, bufs, (0, 3, 4))
     Bp1, uf, gf = Bp1.view(q * n, -1), u.view(q * n, -1), g.view(q * n)
+    gcol = g.view(q * n, 1)
+    bytes_ = masks.view(torch.uint8)
     for r, ns, shape in slices.items:
-        t, v, d = slices.views(shape)
-        t.view(-1, D).copy_(masks[r].view(torch.uint8))
-        _residuals(v, d, Bp1[r], uf[r], e[ns], factors)
+        t, v, d, t2, v2, d2 = slices.views(shape)
+        t2.copy_(bytes_[r])
+        _residuals2(v2, d2, Bp1[r], uf[r], e[ns], factors, shape)
         ga, dv = _target_tables(t, v, d, None if observed is None else observed[ns])
-        ga2, dv2 = ga.view(-1, D), dv.view(-1, D)
-        grads.phi_psi += _t_times(dv2, gB[r])
-        grads.add_targets(gf[r].view(shape[:2]), ga, ns)
-        grads.FT += _t_times(ga2, g2u[r])
-        du[r] = _times(ga2, factors.FT)
-        dvphi[r] = _times(dv2, factors.phiT)
-    du.mul_((2.0 * gf).unsqueeze(-1))
-    dvphi.mul_(gf.unsqueeze(-1))
-    dw, dS = _pieces_gradients(B, w, flip, du.view(q, n, K), dvphi.view(q, n, P), factors, grads)
+        # the row weights are in gB and g2u here, and applied to du and dvphi below
+        grads.phi_psi.addmm_(gB[r].T, v2)
+        if shape[0] == 1:
+            grads.de[ns].addcmul_(d2, gcol[r], value=2.0)
+        else:
+            grads.add_targets(gf[r].view(shape[:2]), ga, ns)
+        grads.FT.addmm_(g2u[r].T, d2)
+        torch.mm(factors.FT, d2.T, out=duT[:, r])
+        torch.mm(factors.phiT, v2.T, out=dvphiT[:, r])
+    du = duT.mul_(2.0 * gf).T.reshape(q, n, K)
+    dvphi = dvphiT.mul_(gf).T.reshape(q, n, P)
+    dw, dS = _pieces_gradients(B, w, flip, du, dvphi, factors, grads)
     grads.ddelta.add_(dw.sum(0))
     dw = dw.view(q * n, K)
     flip = flip.view(q * n)
+    # buffers: 1 the summed table, 2 z, 3 dz
+    zs = _Slices(q, n, D, bufs, (2, 3))
     for k, (r, ns, shape) in enumerate(slices.items):
-        t = slices.views(shape)[0]
-        t.view(-1, D).copy_(masks[r].view(torch.uint8))
-        tl = _flipped(bufs, t, flip[r].view(shape[:2]), flips[k])
-        grads.phi_pT += _t_times(tl.view(-1, D), dS[r])
-        grads.add_weighted(t, ep[ns], dw[r], bufs, ns, factors)
+        views = slices.views(shape)
+        t, t2 = views[0], views[3]
+        t2.copy_(bytes_[r])
+        tl = t2 if not flips[k] else _flipped(bufs, t, flip[r].view(shape[:2]), flips[k]).view(-1, D)
+        grads.phi_pT.addmm_(dS[r].T, tl)
+        z, dz, z2, dz2 = zs.views(shape)
+        torch.mul(t, ep[ns], out=z)
+        dwr = dw[r]
+        grads.FT.addmm_(dwr.T, z2)
+        torch.mm(dwr, factors.FT, out=dz2)
+        if shape[0] == 1:
+            grads.dep[ns].addcmul_(dz2, t2)
+        else:
+            grads.dep[ns].add_(dz.mul_(t).sum(0))
+
+
+def _residuals2(v2, d2, Bp1, u, e, factors, shape):
+    """:func:`_residuals` into the ``(rows, D)`` views ``v2``, ``d2`` of a ``shape`` slice,
+    with the slice's pieces ``Bp1`` ``(rows, P + 1)`` and ``u`` ``(rows, K)``."""
+    torch.mm(Bp1, factors.phi_psi, out=v2)
+    if shape[0] == 1:
+        torch.addmm(e, u, factors.FT, out=d2)
+    else:
+        torch.baddbmm(e, u.view(shape[0], shape[1], -1), factors.FT.expand(shape[0], -1, -1), out=d2.view(shape))
 
 
 def _times(table, right_t):
@@ -464,30 +493,31 @@ class _BlockPieces:
         D = masks.shape[-1]
         q, n = masks.shape[0] // ep.shape[0], ep.shape[0]
         K, P = factors.FT.shape[0], factors.phi_pT.shape[0]
-        # per row: S(targets) (or S(context) on flipped rows), the target count, the targets' signal
-        St = ep.new_empty(q * n, P + 2)
-        zF = ep.new_empty(q * n, K)
+        # per row: S(targets) (or S(context) on flipped rows), the target count, the targets'
+        # signal; row-major by feature, so that each slice's product writes its columns
+        # (the thin factor on the left, see _times)
+        StT = ep.new_empty(P + 2, q * n)
+        zFT = ep.new_empty(K, q * n)
         half = 0.5 * factors.snr_total
         self.flips = []
+        bytes_ = masks.view(torch.uint8)
         for r, ns, shape in slices.items:
-            t, _, z, _ = slices.views(shape)
-            t2 = t.view(-1, D)
+            t, _, z, _, t2, _, z2, _ = slices.views(shape)
             # bool -> float through uint8: a plain copy, a third of the cost of .to()
-            t2.copy_(masks[r].view(torch.uint8))
-            st = St[r]
-            st.copy_(_times(t2, factors.phi_p1T))
+            t2.copy_(bytes_[r])
+            torch.mm(factors.phi_p1T, t2.T, out=StT[:, r])
             # the side each row's precision is summed from, as _Chunk decides it
-            flip = st[:, P + 1] > half
+            flip = StT[P + 1, r] > half
             flips = int(flip.sum())
             self.flips.append(flips)
             if flips:
                 tl = _flipped(slices.bufs, t, flip.view(shape[:2]), flips)
-                st[:, :P] = _times(tl.view(-1, D), factors.phi_pT)
+                torch.mm(factors.phi_pT, tl.view(-1, D).T, out=StT[:P, r])
             torch.mul(t, ep[ns], out=z)
-            zF[r] = _times(z.view(-1, D), factors.FT)
-        self.count = St[:, P]
-        self.flip = (St[:, P + 1] > half).view(q, n)
-        S = factors.unpacked(St[:, :P], (q, n))
+            torch.mm(factors.FT, z2.T, out=zFT[:, r])
+        self.count = StT[P]
+        self.flip = (StT[P + 1] > half).view(q, n)
+        S = factors.unpacked(StT[:P].T, (q, n))
         total = sum(self.flips)
         if total == q * n:
             lam = S.add_(factors.eye)
@@ -495,7 +525,7 @@ class _BlockPieces:
             lam = torch.where(self.flip[..., None, None], S + factors.eye, lam0 - S)
         else:
             lam = torch.sub(lam0, S)
-        self.w = zF.view(q, n, K).add_(delta)
+        self.w = zFT.T.reshape(q, n, K).add_(delta)
         self.B = _spd_inverse(lam, site)
         self.u = (self.B @ self.w.unsqueeze(-1)).squeeze(-1)
         self.Bp1 = torch.cat([factors.packed(self.B), lam0.new_ones(q * n, 1)], 1).view(q, n, P + 1)
