@@ -191,17 +191,18 @@ def test_evidence_error_estimate_covers_the_true_error(float64):
 
 def test_first_evaluation_warns_when_the_conditionals_are_estimated_off(float64):
     """check_tol: on its first evaluation the engine compares its conditionals with
-    the 2m/3-node rule's and warns above 0.1 nats, once per engine: a 2-D
-    Poisson model with an outlying count, leave-one-out masks, 4 nodes per dim
-    (estimate 2.7 nats) warns once; the default 8 x 8 grid (estimate 0.06,
-    true error 8.8e-3 against a dense grid in
-    tests/test_quadrature.py::test_conditional_error_estimate_covers_leave_one_out_errors) is quiet."""
+    the 2m/3- and (m-1)-node rules' and warns above 1e-2 nats (0.1 before: an
+    error of 1e-2 never warned), once per engine: a 2-D Poisson model with an
+    outlying count, leave-one-out masks, 4 nodes per dim (estimate 2.7 nats)
+    and the default 8 x 8 grid (estimate 2.8e-2; true error 4.6e-3 against a
+    dense grid in tests/test_quadrature.py::test_conditional_error_estimate_covers_leave_one_out_errors:
+    the estimate is conservative) warn once; 12 x 12 nodes (estimate 4.3e-3) are quiet."""
     import warnings
 
     model, x, _ = outlying_poisson_counts()
     n, D = x.shape
     mask = torch.eye(D, dtype=torch.bool)[:, None, :].expand(D, n, D)
-    for m, expected in ((4, 1), (None, 0)):
+    for m, expected in ((4, 1), (None, 1), (12, 0)):
         engine = QuadratureConditionals(m)
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")

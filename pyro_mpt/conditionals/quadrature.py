@@ -151,10 +151,16 @@ from .quadrature_rules import (
     gaussian_grid,
 )
 
-__all__ = ["QuadratureConditionals", "QuadratureMemory", "CHECK_TOL"]
+__all__ = ["QuadratureConditionals", "QuadratureMemory", "CHECK_TOL", "CHECK_EVIDENCE_TOL"]
 
-#: the default ``check_tol`` of :class:`QuadratureConditionals` (nats per conditional)
-CHECK_TOL = 0.1
+#: the default ``check_tol`` of :class:`QuadratureConditionals` (nats per conditional):
+#: the accuracy the docs state for the default grids' conditionals, else a warning (it was
+#: 0.1, and errors of 1e-2 -- HalfCauchy scales, the default Dirichlet grid -- never warned)
+CHECK_TOL = 1e-2
+#: the default ``check_evidence_tol`` (nats per datapoint): the chain-rule sums along
+#: orderings are the full grid's :math:`\log p(x)`, checked like ``Evidence(method="quadrature")``
+#: (whose ``warn_tol`` is the same 1e-3)
+CHECK_EVIDENCE_TOL = 1e-3
 
 
 @dataclass
@@ -171,7 +177,9 @@ class QuadratureMemory:
     :param tuple warm_key: the data and minibatch indices (cloned) of the last
         adaptive search.
     :param bool checked: whether the first evaluation's conditionals were
-        checked against a coarser rule (``check_tol`` of the engine).
+        checked against coarser rules (``check_tol`` of the engine).
+    :param bool evidence_checked: whether the first chain-rule evaluation's
+        log p(x) was (``check_evidence_tol``).
     :param torch.Tensor warm_centres: the converged posterior centres of that
         search, ``(n, K)`` (detached); with ``warm_start=True`` the next search
         on the same data and minibatch starts there. The search runs to
@@ -183,6 +191,7 @@ class QuadratureMemory:
     warm_key: Optional[tuple] = None
     warm_centres: Optional[torch.Tensor] = None
     checked: bool = False
+    evidence_checked: bool = False
 
 
 # ---------------------------------------------------------------------- engine
@@ -235,9 +244,16 @@ class QuadratureConditionals(ConditionalEngine):
         the full grid either way.
     :param float check_tol: with context grids, on the engine's first :meth:`mask_log_prob`, estimate
         the conditionals' error (:meth:`mask_log_prob_error`, one more evaluation
-        with 2m/3 nodes per dim, once) and warn, naming the site, the largest
-        estimate and ``num_nodes``, when it exceeds this many nats (the estimate
-        is conservative: 1.4 to 7 times the true error where measured); None: no check.
+        with the 2m/3- and (m-1)-node rules, once) and warn, naming the site, the largest
+        estimate and ``num_nodes``, when it exceeds this many nats (default
+        :data:`CHECK_TOL`, 1e-2; the estimate is conservative: 1.4 to 7 times the true
+        error where measured); None: no check.
+    :param float check_evidence_tol: with an adaptive grid, on the engine's first
+        :meth:`chain_sums` or :meth:`chain_log_prob` (``masks="order"``, curves along
+        orderings), estimate the error of the full grid's :math:`\log p(x_i)`, which
+        they telescope to (:meth:`log_evidence_error`), and warn above this many nats
+        (default :data:`CHECK_EVIDENCE_TOL`, 1e-3, as ``Evidence(method="quadrature")``);
+        None: no check.
     :param int max_latent_dim: refuse models with more latent dims than this.
     :param int cache_elements: keep the ``n x Q x D`` table, chunk by chunk from the
         first, up to this many entries (all of it when it has at most this many);
@@ -271,6 +287,7 @@ class QuadratureConditionals(ConditionalEngine):
         ess_warning=RESOLVED_AXIS_ESS,
         context_grids=True,
         check_tol=CHECK_TOL,
+        check_evidence_tol=CHECK_EVIDENCE_TOL,
         max_latent_dim=MAX_LATENT_DIM,
         cache_elements=2**27,
         max_elements=2**24,
@@ -298,6 +315,7 @@ class QuadratureConditionals(ConditionalEngine):
         self.ess_warning = ess_warning
         self.context_grids = bool(context_grids)
         self.check_tol = check_tol
+        self.check_evidence_tol = check_evidence_tol
         self.max_latent_dim = int(max_latent_dim)
         self.cache_elements = int(cache_elements)
         self.max_node_runs = int(max_node_runs)
@@ -503,7 +521,8 @@ class QuadratureConditionals(ConditionalEngine):
                 f"QuadratureConditionals: the masked conditionals of site {state.runner.tokens.name!r} "
                 f"are estimated to be off by up to {worst:.3g} nats ({bad} of {int(mask.expand_as(err).sum())} "
                 f"conditionals of the first evaluation above check_tol={self.check_tol:g}; the difference "
-                f"to the rule with {max(1, (2 * m) // 3)} nodes per dim) with {m} nodes per latent dim. "
+                f"to the rules with {' and '.join(str(r) for r in self._error_rules(state))} nodes per dim) "
+                f"with {m} nodes per latent dim. "
                 f"Use more nodes (num_nodes=...); check_tol=None skips this check.",
                 RuntimeWarning,
                 stacklevel=3,
@@ -634,6 +653,7 @@ class QuadratureConditionals(ConditionalEngine):
             ess_warning=None,
             context_grids=self.context_grids,
             check_tol=None,
+            check_evidence_tol=None,
             max_latent_dim=self.max_latent_dim,
             cache_elements=self.cache_elements,
             max_elements=self.max_elements,
@@ -651,18 +671,19 @@ class QuadratureConditionals(ConditionalEngine):
 
         .. math::
 
-            \hat\epsilon_{j} = \big|\log \hat p_m(x_j \mid x_{\mathcal R})
+            \hat\epsilon_{j} = \max_{m'} \big|\log \hat p_m(x_j \mid x_{\mathcal R})
               - \log \hat p_{m'}(x_j \mid x_{\mathcal R})\big|,
 
-        the difference to the same rule with ``error_nodes`` :math:`= m'`
-        nodes per dim (default ``max(1, 2 m // 3)``) on the same centres, as
-        ``Evidence(method="quadrature")`` does for :math:`\log p(x)`. An
+        the largest difference to the same rule with :math:`m'` nodes per dim
+        on the same centres: ``error_nodes``, or by default ``max(1, 2 m // 3)``
+        and, for adaptive grids, :math:`m - 1`, as ``Evidence(method="quadrature")``
+        does for :math:`\log p(x)`. An
         adaptive grid is centred on each posterior given *all* tokens, so the
         conditionals given few or unusual contexts converge more slowly in
         :math:`m` than :math:`\log p(x)`; this estimates their error (it
         assumes the finer rule is the more accurate; it is not a bound).
-        Entries that are not targets are 0. It costs a second table with
-        :math:`m'^K` nodes.
+        Entries that are not targets are 0. It costs a table with
+        :math:`m'^K` nodes per rule.
 
         :param state: from :meth:`prepare`.
         :param torch.Tensor x: the tokens of the state.
@@ -674,12 +695,9 @@ class QuadratureConditionals(ConditionalEngine):
             >>> lp = engine.mask_log_prob(state, x, mask)
             >>> err = engine.mask_log_prob_error(state, x, mask)  # same shape
         """
-        m = state.nodes_per_dim
-        rules = [max(1, (2 * m) // 3)] if error_nodes is None else [int(error_nodes)]
-        if error_nodes is None and self.adaptive and m - 1 > rules[0]:
-            # two rules can agree by chance (a leave-one-out error 11 times the 2m/3
-            # difference, 6e-6 against 5e-7); two pairs rarely do, as in Evidence
-            rules.append(m - 1)
+        # two rules can agree by chance (a leave-one-out error 11 times the 2m/3
+        # difference, 6e-6 against 5e-7); two pairs rarely do, as in Evidence
+        rules = self._error_rules(state) if error_nodes is None else [int(error_nodes)]
         with torch.no_grad():
             fine = self.mask_log_prob(state, x, mask)
             err = torch.zeros_like(fine)
@@ -690,6 +708,7 @@ class QuadratureConditionals(ConditionalEngine):
 
     def chain_log_prob(self, state, x, order):
         self._check_x(state, x)
+        self._check_evidence(state, x)
         (L,) = self._reduce(state, lambda c, o: (c.chain_partials(o, self.max_elements),), order)
         # the prior integrates to one: the empty context (last entry) has normalizer 1
         return chain_terms(L)
@@ -705,7 +724,71 @@ class QuadratureConditionals(ConditionalEngine):
         table, so the value is already :math:`\log p(x_{O_i})`.
         """
         self._check_x(state, x)
+        self._check_evidence(state, x)
         return self.log_evidence(state, x).expand(order.shape[0], -1)
+
+    def _error_rules(self, state):
+        """Nodes per dim of the coarser rules the error estimates compare with: 2m/3, and
+        m - 1 for adaptive grids (two rules can agree by chance; two pairs rarely do)."""
+        m = state.nodes_per_dim
+        rules = [max(1, (2 * m) // 3)]
+        if self.adaptive and m - 1 > rules[0]:
+            rules.append(m - 1)
+        return rules
+
+    def log_evidence_error(self, state, x):
+        r"""Error estimate of :meth:`log_evidence`, per datapoint, ``(n,)``.
+
+        .. math::
+
+            \hat\epsilon = \max_{m'} \big|\log\hat p_m(x) - \log\hat p_{m'}(x)\big|
+              + 8\varepsilon(|\log\hat p_m(x)| + 1),
+
+        over the rules with :math:`m' = 2m/3` and (adaptive grids) :math:`m - 1` nodes per
+        dim on the same centres, :math:`\varepsilon` the dtype's epsilon: the estimate of
+        ``Evidence(method="quadrature")`` for adaptive grids. It assumes the finer rule is
+        the more accurate; it is not a bound.
+
+        :param state: from :meth:`prepare`.
+        :param torch.Tensor x: the tokens of the state.
+        :returns: ``(n,)``.
+
+        Example::
+
+            >>> err = engine.log_evidence_error(state, x)   # (n,)
+        """
+        with torch.no_grad():
+            value = self.log_evidence(state, x)
+            err = torch.zeros_like(value)
+            for nodes in self._error_rules(state):
+                engine, other = self.companion(state, nodes)
+                err = torch.maximum(err, (value - engine.log_evidence(other, x)).abs())
+            return err + 8 * torch.finfo(value.dtype).eps * (value.abs() + 1)
+
+    def _check_evidence(self, state, x):
+        """Warn once per engine when the first chain-rule evaluation's log p(x) is
+        estimated to be off by more than ``check_evidence_tol``."""
+        tol = self.check_evidence_tol
+        if tol is None or self.memory.evidence_checked or not self.adaptive or state.latent_dim == 0:
+            return
+        self.memory.evidence_checked = True
+        try:
+            err = self.log_evidence_error(state, x)
+        except NotQuadratureError:  # a model run one node at a time past max_node_runs: no check
+            return
+        worst = float(err.max())
+        if worst > tol:
+            rules = " and ".join(str(r) for r in self._error_rules(state))
+            warnings.warn(
+                f"QuadratureConditionals: log p(x) of site {state.runner.tokens.name!r}, which the "
+                f"chain rule along orderings sums to, is estimated to be off by up to {worst:.3g} nats "
+                f"({int((err > tol).sum())} of {err.numel()} datapoints of the first evaluation above "
+                f"check_evidence_tol={tol:g}; the difference to the rules with {rules} nodes per dim) "
+                f"with {state.nodes_per_dim} nodes per latent dim. Use more nodes (num_nodes=...); "
+                f"check_evidence_tol=None skips this check.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def log_evidence(self, state, x):
         r""":math:`\log \sum_q \omega_q \prod_d p(x_d \mid z_q)` per datapoint, ``(n,)``."""
