@@ -42,6 +42,11 @@ class QuadratureState:
         std_nodes (Q, K), std_log_weights (Q,))``: the nodes are
         ``centre + sqrt_cov @ std_nodes`` (:func:`~pyro_mpt.conditionals.quadrature_rules.affine_grid`);
         None for a prior-centred grid.
+    :param tuple prior_frame: for an adaptive grid over latents that are not all
+        whitened normals, ``(centre (r, K), sqrt_cov (r, K, K))`` of the Laplace
+        approximation of the prior in the node coordinates; the context grids model
+        the prior by it (:func:`~pyro_mpt.conditionals.quadrature_contexts.prior_quadratic`).
+        None otherwise.
     :param quadratics: the table's projection onto quadratics
         (:func:`~pyro_mpt.conditionals.quadrature_contexts.token_quadratics`),
         computed by the first query that needs it.
@@ -58,6 +63,7 @@ class QuadratureState:
     axis_ess: Optional[torch.Tensor] = None
     ess_pending: bool = False
     frame: Optional[tuple] = field(default=None, repr=False)
+    prior_frame: Optional[tuple] = field(default=None, repr=False)
     quadratics: object = field(default=None, repr=False)
 
     @property
