@@ -349,7 +349,7 @@ def _streamed_sums(mask, e, ep, delta, factors, lam0, site, observed, bufs):
     for r, ns, shape in slices.items:
         t, v, d, terms, t2, v2, d2, terms2 = slices.views(shape)
         t2.copy_(bytes_[r])
-        _residuals2(v2, d2, Bp1[r], u[r], e[ns], factors, shape)
+        _residuals(v2, d2, Bp1[r], u[r], e[ns], factors, shape)
         torch.log(v, out=terms)
         terms.addcdiv_(d.square_(), v).mul_(t)
         if observed is not None:
@@ -382,7 +382,7 @@ def _streamed_backward(g, bits, D, e, ep, factors, kept, flips, observed, grads,
     for r, ns, shape in slices.items:
         t, v, d, t2, v2, d2 = slices.views(shape)
         t2.copy_(bytes_[r])
-        _residuals2(v2, d2, Bp1[r], uf[r], e[ns], factors, shape)
+        _residuals(v2, d2, Bp1[r], uf[r], e[ns], factors, shape)
         ga, dv = _target_tables(t, v, d, None if observed is None else observed[ns])
         # the row weights are in gB and g2u here, and applied to du and dvphi below
         grads.phi_psi.addmm_(gB[r].T, v2)
@@ -418,9 +418,10 @@ def _streamed_backward(g, bits, D, e, ep, factors, kept, flips, observed, grads,
             grads.dep[ns].add_(dz.mul_(t).sum(0))
 
 
-def _residuals2(v2, d2, Bp1, u, e, factors, shape):
-    """:func:`_residuals` into the ``(rows, D)`` views ``v2``, ``d2`` of a ``shape`` slice,
-    with the slice's pieces ``Bp1`` ``(rows, P + 1)`` and ``u`` ``(rows, K)``."""
+def _residuals(v2, d2, Bp1, u, e, factors, shape):
+    """The variances ``v = [Bp, 1] phi_psi`` and masked residuals ``d = e + u F^T`` of a
+    ``shape`` ``(qc, nc, D)`` slice's rows with pieces ``Bp1`` ``(rows, P + 1)`` and ``u``
+    ``(rows, K)``, written into the ``(rows, D)`` views ``v2``, ``d2`` of its tables."""
     torch.mm(Bp1, factors.phi_psi, out=v2)
     if shape[0] == 1:
         torch.addmm(e, u, factors.FT, out=d2)
@@ -580,21 +581,10 @@ class _Chunk:
 
     def residuals(self, v, d, e, factors):
         """The variances and masked residuals, written into ``v`` and ``d`` ``(qc, nc, D)``."""
-        return _residuals(v, d, self.Bp1, self.u, e, factors)
-
-
-def _residuals(v, d, Bp1, u, e, factors):
-    """The variances ``v = [Bp, 1] phi_psi`` and masked residuals ``d = e + u F^T`` of
-    rows with pieces ``Bp1`` ``(.., P + 1)`` and ``u`` ``(qc, nc, K)``, written into ``v``
-    and ``d`` ``(qc, nc, D)``."""
-    qc, nc, D = v.shape
-    rows = qc * nc
-    torch.mm(Bp1.reshape(rows, -1), factors.phi_psi, out=v.view(rows, D))
-    if qc == 1:
-        torch.addmm(e, u.reshape(nc, -1), factors.FT, out=d.view(nc, D))
-    else:
-        torch.baddbmm(e, u.reshape(qc, nc, -1), factors.FT.expand(qc, -1, -1), out=d)
-    return v, d
+        qc, nc, D = v.shape
+        rows = qc * nc
+        _residuals(v.view(rows, D), d.view(rows, D), self.Bp1, self.u.view(rows, -1), e, factors, v.shape)
+        return v, d
 
 
 def _flipped(bufs, t, flip, flips):
