@@ -218,13 +218,12 @@ class _Grads:
         else:
             self.de[ns].add_((ga * gr.unsqueeze(-1)).sum(0), alpha=2.0)
 
-    def add_weighted(self, t, ep, dw2, bufs, ns, factors, z=None):
-        """Through ``w = delta + z F``, ``z = t e / psi`` (made in buffer 2 unless given):
-        ``dF += z^T dw`` and ``dep += t (dw F^T)`` for a slice's rows, ``dw2`` ``(rows, K)``."""
+    def add_weighted(self, t, z, dw2, bufs, ns, factors):
+        """Through ``w = delta + z F``, ``z = t e / psi`` ``(qc, nc, D)``: ``dF += z^T dw``
+        and ``dep += t (dw F^T)`` for a chunk's rows, ``dw2`` ``(rows, K)`` (``dw F^T`` in
+        buffer 3)."""
         shape = t.shape
         rows, D = shape[0] * shape[1], shape[2]
-        if z is None:
-            z = torch.mul(t, ep, out=bufs.take(2, shape))
         self.FT += _t_times(z.view(rows, D), dw2)
         dz = torch.mm(dw2, factors.FT, out=bufs.take(3, (rows, D))).view(shape)
         if shape[0] == 1:
@@ -303,7 +302,7 @@ def _chunked_backward(g, bits, D, e, ep, delta, factors, lam0, site, observed, g
                                    factors, grads)
         grads.phi_pT += _t_times(c.tl.view(rows, D), dS)
         grads.ddelta[ns].add_(dw.sum(0))
-        grads.add_weighted(c.t, ep[ns], dw.view(rows, K), bufs, ns, factors, z=c.z)
+        grads.add_weighted(c.t, c.z, dw.view(rows, K), bufs, ns, factors)
 
 
 class _Slices:
