@@ -142,7 +142,9 @@ class IndependentLowRankSums(torch.autograd.Function):
     (:math:`f_{ja}f_{jb}`, ``a <= b``) and ``phi_p`` (:math:`\phi/\psi`) ``(D, P)``;
     ``lam0`` ``(K, K)``; ``site`` (for errors); ``observed`` 0/1 ``(n, D)`` in the
     working dtype or None, the tokens of the mask that are summed (the others are
-    only left out of the context).
+    only left out of the context); ``bufs`` the
+    :class:`~pyro_mpt.conditionals.workspace.Workspace` both passes' tables are made in
+    (kept for the backward pass; None: a fresh one).
     """
 
     @staticmethod
@@ -543,7 +545,8 @@ class _Chunk:
     smaller share of the signal; buffer 1 when it differs), ``z = t e / psi``
     (buffer 2), and its small pieces: the precision's inverse ``B`` (packed with
     doubled off-diagonal entries, and a 1 for psi, as ``Bp1``), ``w`` and
-    ``u = B w``; made from the sums, or (:meth:`kept`) read from the forward pass."""
+    ``u = B w``, made from its sums: the path where the rows' pieces are not kept (large K),
+    in the forward pass and again in the backward pass."""
 
     def __init__(self, bufs, mask, ep, delta, factors, lam0, site):
         qc, nc, D = mask.shape
