@@ -71,16 +71,27 @@ hits both alike. The ratio is measured in this run.
    gradient: the forward messages of many masks run step by step (S^2 work a step, not the
    blocks' S^3), and the steps are unbound once instead of indexed (each index's backward
    made a zero gradient of the whole table): 4.2 -> 1.0 s, 220x -> 55x (about 1.1x a mask).
+10. ``bernoulli`` -- a mixture of K = 10 Bernoulli products over D = 784 binary pixels (the
+    assignment enumerated), as a user fits binarized digits: the default loss, ``masks="pll"``
+    and ``masks="all"`` with masks per datapoint (D = 50: D queries a datapoint) against a
+    ``TraceEnum_ELBO`` step, and the
+    peak RSS of the ``"all"`` loss over its first step and after three more (fresh process
+    state: :func:`harness.max_rss_mb`). Before: ``"pll"`` took one pass over the whole
+    ``(K, n, D)`` table per block of ``chunk_size / (n D)`` queries (147 passes a step at
+    D = 784, killed at 15 GB); every block recomputed in the backward pass leaked its saved
+    tensors (a reference cycle through the recomputed graph: the peak grew with every step);
+    the numerators' log-sum-exps kept two floats per query, point, datapoint and token.
 
 Usage::
 
-    python benchmarks/user_models_speed.py            # all nine (a few minutes)
+    python benchmarks/user_models_speed.py            # all ten (a few minutes)
     python benchmarks/user_models_speed.py --quick    # smaller sizes (< 1 min)
     python benchmarks/user_models_speed.py pll
 """
 
 import argparse
 import os
+import subprocess
 import sys
 import warnings
 
@@ -309,6 +320,22 @@ def discrete_hmm(N, T, S=4, seed=0):
     return model, (x,), parts
 
 
+def bernoulli_mixture(N, D, K=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p0 = 0.1 + 0.8 * torch.rand(K, D, generator=g)
+    x = torch.bernoulli(p0[torch.randint(0, K, (N,), generator=g)], generator=g)
+
+    @pyro.infer.config_enumerate
+    def model(x):
+        weights = pyro.param("weights", torch.full((K,), 1.0 / K), constraint=dist.constraints.simplex)
+        probs = pyro.param("probs", p0.clone(), constraint=dist.constraints.unit_interval)
+        with pyro.plate("data", x.shape[0]):
+            a = pyro.sample("a", dist.Categorical(weights))
+            pyro.sample("x", dist.Bernoulli(probs[a]).to_event(1), obs=x)
+
+    return model, (x,), {}
+
+
 def timed_pair(a, b, repeats):
     """Median seconds of ``a`` and ``b`` (no arguments), interleaved."""
     (ta, _), (tb, _) = run_interleaved(lambda seed: torch.manual_seed(seed), [lambda _: a(), lambda _: b()], repeats)[0]
@@ -435,6 +462,42 @@ def hmm_rows(quick, repeats):
     print(f"| sequences | {N}, {T} | {ta.cell()} | {to.cell()} | {fmt_ratio(ta.median / to.median)} |", flush=True)
 
 
+def bernoulli_rows(quick, repeats):
+    K = 10
+    print("\n| Bernoulli mixture, K = 10 | N, D | loss + grad | TraceEnum_ELBO + grad | ratio |")
+    print("|---|---|---|---|---|")
+    elbo = pyro.infer.TraceEnum_ELBO(max_plate_nesting=1)
+    # masks='all' asks D queries of every datapoint (D times the default's work): a smaller D
+    cases = [
+        ("default (one uniform mask per datapoint)", {}, (300, 196) if quick else (1000, 784)),
+        ("`pll`", dict(masks="pll"), (300, 196) if quick else (1000, 784)),
+        ("`all`, masks per datapoint", dict(masks="all"), (300, 20) if quick else (2000, 50)),
+    ]
+    for name, options, (N, D) in cases:
+        pyro.clear_param_store()
+        model, args, _ = bernoulli_mixture(N, D, K)
+        loss = MaskedPretrainingLoss(**options)
+
+        def enum_step():
+            grad_step(elbo.differentiable_loss(model, lambda x: None, *args))
+
+        tm, te = timed_pair(lambda: step(loss, model, args), enum_step, repeats)
+        print(f"| {name} | {N}, {D} | {tm.cell()} | {te.cell()} | {fmt_ratio(tm.median / te.median)} |", flush=True)
+    # peak RSS of the 'all' loss in a fresh interpreter: after one step and after four
+    N, D = (300, 20) if quick else (2000, 50)
+    code = (
+        "import sys, torch, pyro; sys.path.insert(0, 'benchmarks'); torch.set_num_threads(1)\n"
+        "from user_models_speed import bernoulli_mixture, step\nfrom harness import max_rss_mb\n"
+        "from pyro_mpt import MaskedPretrainingLoss\n"
+        f"model, args, _ = bernoulli_mixture({N}, {D}, {K})\nloss = MaskedPretrainingLoss(masks='all')\n"
+        "peaks = []\nfor _ in range(4):\n    step(loss, model, args)\n    peaks.append(max_rss_mb())\n"
+        "print(f'{peaks[0]:.0f} MB after one step, {peaks[-1]:.0f} MB after four')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    print(f"\n`all` with masks per datapoint (N = {N}, D = {D}), peak RSS of the whole process: "
+          f"{out.stdout.strip() or out.stderr[-300:]}", flush=True)
+
+
 def memory_rows(quick):
     N = 400 if quick else 1000
     pyro.clear_param_store()
@@ -454,7 +517,8 @@ def memory_rows(quick):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "parts", nargs="*", default=["pll", "missing", "memory", "order", "recompute", "gaussian_hmm", "mixture", "dense", "hmm"]
+        "parts", nargs="*",
+        default=["pll", "missing", "memory", "order", "recompute", "gaussian_hmm", "mixture", "dense", "hmm", "bernoulli"],
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
@@ -481,6 +545,8 @@ def main():
         dense_rows(a.quick, a.repeats)
     if "hmm" in a.parts:
         hmm_rows(a.quick, a.repeats)
+    if "bernoulli" in a.parts:
+        bernoulli_rows(a.quick, a.repeats)
 
 
 if __name__ == "__main__":
