@@ -65,7 +65,7 @@ from .quadrature_rules import affine_grid, gaussian_grid
 
 __all__ = [
     "KEEP_RULE_NODES", "resolved_tol", "full_grid_resolves", "unresolved_targets", "prior_quadratic", "TokenQuadratics", "ContextFrames", "token_quadratics", "context_models",
-    "full_frames", "context_frames", "gaussian_corrections", "context_partials",
+    "full_frames", "context_frames", "PRIOR_REACH", "gaussian_corrections", "context_partials",
 ]
 
 
@@ -370,6 +370,34 @@ def full_frames(quad, h, P):
     return ContextFrames(None, None, torch.zeros_like(h), eye.expand(q, n, K, K), h, P, fitted)
 
 
+#: How far a context's centre may lie beyond the full posterior's distance from the prior's
+#: mode, in prior standard deviations (:func:`context_frames`).
+PRIOR_REACH = 6.0
+
+
+def _within_prior_reach(quad, shift):
+    """Shrink context centres ``(q, n, K)`` towards the prior's mode to within
+    :data:`PRIOR_REACH` prior standard deviations beyond the full posterior's distance.
+
+    A context lies between the prior and the full posterior; a quadratic fitted near
+    the full posterior and extrapolated to a context of one or two tokens of a
+    location-scale model (m ~ N(0, 2), s ~ HalfCauchy, the one-token posterior a ridge
+    s -> 0 at m = x) put the centre thousands of prior standard deviations away, where
+    the model's log-likelihoods were 1e24 and exhaustive MPT 6e22 nats off."""
+    lam_pi = -quad.prior_hess  # (n, K, K), the prior's precision in e
+    try:
+        e0 = torch.linalg.solve(lam_pi, quad.prior_grad.unsqueeze(-1)).squeeze(-1)  # its mode
+    except RuntimeError:  # a singular prior quadratic: no reach to bound
+        return shift
+    if not bool(torch.isfinite(e0).all()):
+        return shift
+    d = shift - e0
+    dist = (d.unsqueeze(-2) @ lam_pi @ d.unsqueeze(-1)).squeeze(-1).squeeze(-1).clamp_min(0).sqrt()  # (q, n)
+    reach = (e0.unsqueeze(-2) @ lam_pi @ e0.unsqueeze(-1)).squeeze(-1).squeeze(-1).clamp_min(0).sqrt() + PRIOR_REACH
+    factor = torch.where(dist > reach, reach / dist.clamp_min(torch.finfo(d.dtype).tiny), torch.ones_like(dist))
+    return e0 + d * factor.unsqueeze(-1)
+
+
 def context_frames(quad, h, P, centre, sqrt_cov):
     r"""Centre and scale of each context's Gaussian.
 
@@ -396,6 +424,7 @@ def context_frames(quad, h, P, centre, sqrt_cov):
     floor = (0.25 * prior_lam).clamp_min(torch.finfo(dtype).eps ** 0.5)
     lam = torch.maximum(lam, floor)
     shift = (V @ ((V.transpose(-1, -2) @ h.unsqueeze(-1)) / lam.unsqueeze(-1))).squeeze(-1)  # (q, n, K)
+    shift = _within_prior_reach(quad, shift)
     root = V * lam.rsqrt().unsqueeze(-2)  # P^{-1/2} up to rotation
     c = centre.to(dtype)
     S = sqrt_cov.to(dtype)
