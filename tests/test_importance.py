@@ -390,6 +390,45 @@ def test_pareto_smoothing_matches_arviz_psislw():
         assert torch.allclose(smoothed, torch.as_tensor(ref_smoothed).T + top, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_pareto_smoothing_of_zero_weights_float32_and_fits_in_groups_matches_arviz(monkeypatch):
+    """psis_khat against arviz.psislw (normalize=False) where some draws have weight zero
+    (-inf log-weights: 30 % of a column, or all but 10 draws, then k-hat is NaN and nothing
+    is smoothed), for float32 log-weights (to float32's rounding), and with the tail fits
+    made in groups of 7 columns (FIT_ELEMENTS) instead of all at once: float64 to 1e-12."""
+    import warnings
+
+    import arviz as az
+    from pyro_mpt import importance_weights
+    from pyro_mpt.importance_weights import psis_khat
+
+    g = torch.Generator().manual_seed(3)
+    zero = 2 * torch.randn(1000, 3, generator=g, dtype=torch.float64)
+    zero[:300, 0] = -math.inf
+    zero[:990, 1] = -math.inf
+    many = torch.randn(400, 50, generator=g, dtype=torch.float64) * torch.linspace(0.5, 4.0, 50, dtype=torch.float64)
+    light = (2 * torch.randn(1000, 3, generator=g)).float()
+    for lw, grouped in ((zero, False), (light, False), (many, False), (many, True)):
+        if grouped:  # a tail of 60 draws and a grid of 37 values: 7 columns a group
+            monkeypatch.setattr(importance_weights, "FIT_ELEMENTS", 7 * 37 * 60)
+        khat, smoothed = psis_khat(lw)
+        ref = lw.double()
+        top = ref.amax(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref_smoothed, ref_k = az.psislw((ref - top).T.numpy(), normalize=False)
+        ref_k = torch.as_tensor(ref_k, dtype=torch.float64).reshape(-1)
+        ref_smoothed = torch.as_tensor(ref_smoothed).T + top
+        tol = 1e-12 if lw.dtype == torch.float64 else 1e-5
+        if lw is zero:  # too few distinct weights in column 1's tail: undefined, the raw weights kept
+            assert bool(khat[1].isnan()) and torch.allclose(smoothed[:, 1], lw[:, 1], rtol=0, atol=1e-14)
+            khat, smoothed, ref_k, ref_smoothed = khat[0::2], smoothed[:, 0::2], ref_k[0::2], ref_smoothed[:, 0::2]
+            assert torch.equal(smoothed.isinf(), ref_smoothed.isinf())
+            smoothed, ref_smoothed = smoothed.nan_to_num(neginf=0.0), ref_smoothed.nan_to_num(neginf=0.0)
+        assert torch.allclose(khat.double(), ref_k, rtol=tol, atol=tol), (khat, ref_k)
+        assert torch.allclose(smoothed.double(), ref_smoothed, rtol=tol, atol=tol)
+
+
 def test_importance_sampling_imports_no_arviz():
     """The k-hat of an importance-sampling loss and of Evidence(method='importance') is fitted
     without arviz, whose import took 1.3 s of CPU on the first call; a fresh interpreter."""
