@@ -521,7 +521,7 @@ class EnumerateConditionals(ConditionalEngine):
         masks ``(q, D)`` shared by the batch, ``(n,)``: from the leave-one-out table when
         every mask hides one token, else the default per-mask sums."""
         targets = leave_one_out_targets(mask)
-        table = None if targets is None else self._leave_one_out(state)
+        table = None if targets is None else state.mixture.leave_one_out()
         if table is None:
             return super().weighted_mask_sum(state, x, mask, coef)
         self._check_x(state, x)
@@ -530,15 +530,10 @@ class EnumerateConditionals(ConditionalEngine):
 
     @staticmethod
     def _serves_leave_one_out(state):
-        """Whether :meth:`_leave_one_out` gives a table, without computing it: a table with
-        an impossible token (a ``-inf`` entry) has none."""
+        """Whether the mixture's ``leave_one_out`` gives a table, without computing it: a
+        table with an impossible token (a ``-inf`` entry) has none."""
         mixture = state.mixture
         return not isinstance(mixture, MixtureTable) or bool(torch.isfinite(mixture.table).all())
-
-    @staticmethod
-    def _leave_one_out(state):
-        r"""The mixture's :math:`\log p(x_j \mid x_{-j})` table ``(n, D)``, or None."""
-        return state.mixture.leave_one_out()
 
     def chain_log_prob(self, state, x, order):
         self._check_x(state, x)
