@@ -86,7 +86,7 @@ def random_masks(sizes, shape, device, observed=None):
     return torch.zeros(shape, dtype=torch.bool, device=device).scatter_(-1, order, take.expand(shape))
 
 
-#: rows per size from which selecting (one pass over the block) beats one sort per row
+#: rows from which selecting (one pass over the block) beats one sort per row
 _SELECT_ROWS = 16
 
 #: a block's elements (queries x rows x tokens) from which counting beats sorting even
@@ -99,20 +99,20 @@ _SELECT_TOKENS_MIN = 64
 
 
 def _counting_pays(shape):
-    """Whether :func:`random_masks` counts keys (:func:`smallest_keys`) for sizes shared by the rows."""
+    """Whether :func:`random_masks` counts keys (:func:`smallest_keys`) instead of sorting, on the CPU."""
     q, rows, D = shape
     return rows >= _SELECT_ROWS or (q * rows * D >= _SELECT_ELEMENTS and D >= _SELECT_TOKENS_MIN)
 
 
-#: bits of the coarse integer keys of :func:`random_masks` when the sizes are shared
-#: by the rows (fewer for short rows, about one key per bin): eight keys come from
+#: bits of the coarse integer keys of :func:`random_masks` where it counts keys
+#: (fewer for short rows, about one key per bin): eight keys come from
 #: one 64-bit draw (at most 7 bits, so that ``b + 1`` fits the uint8
 #: thresholds of :func:`smallest_keys`); ties between them are broken by fine keys drawn only for the
 #: tokens that tie at a row's boundary (:func:`smallest_keys`)
 KEY_BITS = 7
 
 #: rows per call of :func:`smallest_keys` inside :func:`random_masks`: its
-#: tables (int32 bin indices, the histograms) then stay in the core's cache
+#: tables (int16 bin indices, the histograms) then stay in the core's cache
 _SELECT_TOKENS = 2**19
 
 
