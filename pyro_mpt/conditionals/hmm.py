@@ -47,6 +47,7 @@ import pyro.distributions as dist
 
 from ..recompute import recomputed
 from .base import ConditionalEngine, EngineNotApplicable
+from .gaussian_leave_one_out import leave_one_out_targets
 from .distributions import base_distribution, check_one_sequence, check_sequence_alone
 
 __all__ = ["DiscreteHMMConditionals", "DiscreteHMMState"]
@@ -235,6 +236,34 @@ class DiscreteHMMConditionals(ConditionalEngine):
             context = ~mask[start : start + per]
             out.append(recomputed(chunk, context) if recompute else chunk(context))
         return torch.cat(out, 0)
+
+    def weighted_sum_elements(self, state, x, mask=None):
+        """A row of ``n`` sums per query when every shared mask hides one token (the
+        ``"pll"`` schedule): one forward--backward pass serves all of them
+        (:meth:`weighted_mask_sum`), so they go in one group, not in blocks of
+        ``chunk_size / (n T)`` queries that each ran the pass again (200 sequences of
+        1000 steps, S = 4: 50 passes, 56.5 s a step against 0.16 s for the HMM's
+        ``log_prob``)."""
+        if mask is not None and leave_one_out_targets(mask) is not None and self._serves_leave_one_out(state):
+            return x.shape[0]
+        return super().weighted_sum_elements(state, x, mask)
+
+    def weighted_mask_sum(self, state, x, mask, coef):
+        r""":math:`\sum_q c_q \sum_{j \in \mathcal M_q} \log p(x_j \mid x_{-\mathcal M_q})` for
+        masks ``(q, D)`` shared by the batch, ``(n,)``: from the leave-one-out table when
+        every mask hides one token, else the default per-mask sums."""
+        targets = leave_one_out_targets(mask)
+        if targets is None or not self._serves_leave_one_out(state):
+            return super().weighted_mask_sum(state, x, mask, coef)
+        self._check_x(state, x)
+        table = self._leave_one_out(state)
+        weight = torch.zeros(mask.shape[-1], dtype=table.dtype, device=table.device)
+        return table @ weight.index_add(0, targets, coef.to(table.dtype))
+
+    @staticmethod
+    def _serves_leave_one_out(state):
+        """The leave-one-out table needs finite emissions (see :meth:`_leave_one_out`)."""
+        return bool(torch.isfinite(state.emission).all())
 
     def _leave_one_out(self, state):
         r""":math:`\log p(x_j \mid x_{-j})` for every token ``j``, ``(n, D)``, from one
