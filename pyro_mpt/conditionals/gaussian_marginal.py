@@ -465,16 +465,6 @@ def _graph_leaves(fn):
     return leaves
 
 
-
-
-
-
-
-
-
-
-
-
 def _check_scale_rows(name, scale):
     if scale.dim() > 0 and not rows_equal(scale):
         raise NotLinearGaussianError(
