@@ -983,7 +983,7 @@ def test_affine_transformed_normal_observation_is_gaussian(float64):
         assert np.abs(score.detach().numpy() - ref).max() < 1e-8
 
 
-@pytest.mark.parametrize("stream, missing", [(32, False), (96, False), (32, True)])
+@pytest.mark.parametrize("stream, missing", [(32, False), (96, False), (32, True), (96, True)])
 def test_streamed_independent_sums_equal_a_dense_loop(monkeypatch, stream, missing):
     """The streamed path of the masks-per-datapoint sums (each row's small pieces solved
     for the whole block and kept, the elementwise passes in slices of STREAM_ELEMENTS
