@@ -460,8 +460,8 @@ def test_pll_takes_one_forward_backward_pass_per_step(float64, monkeypatch):
     hmm, log_init, log_trans, emissions = make_hmm(seed=8)
     x = torch.randn(n, T, generator=torch.Generator().manual_seed(9))
     passes = []
-    original = DiscreteHMMConditionals._leave_one_out
-    monkeypatch.setattr(DiscreteHMMConditionals, "_leave_one_out",
+    original = DiscreteHMMConditionals.leave_one_out_table
+    monkeypatch.setattr(DiscreteHMMConditionals, "leave_one_out_table",
                         lambda self, state: passes.append(1) or original(self, state))
     score = MaskedPretrainingLoss(masks="pll", chunk_size=2 * n * T).score(hmm, None, x)
     assert len(passes) == 1

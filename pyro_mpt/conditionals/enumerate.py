@@ -69,9 +69,9 @@ from ..observed_tokens import check_local_latent
 from ..token_site import vectorized_frames
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_factorized, compact, unwrap
-from .gaussian_leave_one_out import leave_one_out_targets
 from .gaussian_marginal import gaussian_marginal
 from .gaussian_mixture import GaussianMixtureTable
+from .leave_one_out_queries import LeaveOneOutQueries
 from .mixture import MixtureTable
 
 __all__ = ["EnumerateConditionals", "EnumerateState"]
@@ -234,7 +234,7 @@ def _gaussian_observation(tokens):
     return fn if tokens.site_batch_shape == tokens.batch_shape else None
 
 
-class EnumerateConditionals(ConditionalEngine):
+class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
     r"""Exact masked conditionals by summing over the discrete latents' joint support.
 
     Serves models whose latents are all discrete with finite support
@@ -505,35 +505,16 @@ class EnumerateConditionals(ConditionalEngine):
                 return torch.where(mask, loo, torch.zeros((), dtype=loo.dtype, device=loo.device))
         return mixture.log_conditionals(~mask)
 
-    def weighted_sum_elements(self, state, x, mask=None):
-        """A row of ``n`` sums per query when every shared mask hides one token (the
-        ``"pll"`` schedule): one pass over the table serves all of them
-        (:meth:`weighted_mask_sum`), so they go in one group, not in blocks of
-        ``chunk_size / (n D)`` queries that each took that pass again (a Bernoulli mixture,
-        K = 10, D = 784, N = 1000: 147 passes a step, and the allocator's heap grew by each
-        block's tables until the process was killed at 15 GB)."""
-        if mask is not None and leave_one_out_targets(mask) is not None and self._serves_leave_one_out(state):
-            return x.shape[0]
-        return super().weighted_sum_elements(state, x, mask)
-
-    def weighted_mask_sum(self, state, x, mask, coef):
-        r""":math:`\sum_q c_q \sum_{j \in \mathcal M_q} \log p(x_j \mid x_{-\mathcal M_q})` for
-        masks ``(q, D)`` shared by the batch, ``(n,)``: from the leave-one-out table when
-        every mask hides one token, else the default per-mask sums."""
-        targets = leave_one_out_targets(mask)
-        table = None if targets is None else state.mixture.leave_one_out()
-        if table is None:
-            return super().weighted_mask_sum(state, x, mask, coef)
-        self._check_x(state, x)
-        weight = torch.zeros(mask.shape[-1], dtype=table.dtype, device=table.device)
-        return table @ weight.index_add(0, targets, coef.to(table.dtype))
-
-    @staticmethod
-    def _serves_leave_one_out(state):
+    def serves_leave_one_out(self, state):
         """Whether the mixture's ``leave_one_out`` gives a table, without computing it: a
         table with an impossible token (a ``-inf`` entry) has none."""
         mixture = state.mixture
         return not isinstance(mixture, MixtureTable) or bool(torch.isfinite(mixture.table).all())
+
+    def leave_one_out_table(self, state):
+        r"""The mixture's :math:`\log p(x_j \mid x_{-j})` table ``(n, D)`` (one pass over its
+        table, or one factorization of each Gaussian component)."""
+        return state.mixture.leave_one_out()
 
     def chain_log_prob(self, state, x, order):
         self._check_x(state, x)

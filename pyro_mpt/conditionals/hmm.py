@@ -47,8 +47,8 @@ import pyro.distributions as dist
 
 from ..recompute import recomputed
 from .base import ConditionalEngine, EngineNotApplicable
-from .gaussian_leave_one_out import leave_one_out_targets
 from .distributions import base_distribution, check_one_sequence, check_sequence_alone
+from .leave_one_out_queries import LeaveOneOutQueries
 
 __all__ = ["DiscreteHMMConditionals", "DiscreteHMMState"]
 
@@ -141,7 +141,7 @@ def _rows(t, batch_shape, tail):
     return t.expand(tuple(batch_shape) + tuple(t.shape[len(lead):])).reshape((-1,) + tuple(t.shape[len(lead):]))
 
 
-class DiscreteHMMConditionals(ConditionalEngine):
+class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
     r"""Exact masked conditionals of an observed ``dist.DiscreteHMM`` (forward--backward).
 
     Serves a model whose observed site is a ``pyro.distributions.DiscreteHMM``
@@ -218,7 +218,7 @@ class DiscreteHMMConditionals(ConditionalEngine):
         n, T, S, E = state.emission.shape
         q = mask.shape[0]
         if q > 1 and bool((mask.sum(-1) == 1).all()) and bool(torch.isfinite(state.emission).all()):
-            return torch.where(mask, self._leave_one_out(state), torch.zeros((), dtype=state.emission.dtype))
+            return torch.where(mask, self.leave_one_out_table(state), torch.zeros((), dtype=state.emission.dtype))
         per = max(1, self.max_elements // max(1, n * T * S**3))
 
         def chunk(context):
@@ -237,35 +237,11 @@ class DiscreteHMMConditionals(ConditionalEngine):
             out.append(recomputed(chunk, context) if recompute else chunk(context))
         return torch.cat(out, 0)
 
-    def weighted_sum_elements(self, state, x, mask=None):
-        """A row of ``n`` sums per query when every shared mask hides one token (the
-        ``"pll"`` schedule): one forward--backward pass serves all of them
-        (:meth:`weighted_mask_sum`), so they go in one group, not in blocks of
-        ``chunk_size / (n T)`` queries that each ran the pass again (200 sequences of
-        1000 steps, S = 4: 50 passes, 56.5 s a step against 0.16 s for the HMM's
-        ``log_prob``)."""
-        if mask is not None and leave_one_out_targets(mask) is not None and self._serves_leave_one_out(state):
-            return x.shape[0]
-        return super().weighted_sum_elements(state, x, mask)
-
-    def weighted_mask_sum(self, state, x, mask, coef):
-        r""":math:`\sum_q c_q \sum_{j \in \mathcal M_q} \log p(x_j \mid x_{-\mathcal M_q})` for
-        masks ``(q, D)`` shared by the batch, ``(n,)``: from the leave-one-out table when
-        every mask hides one token, else the default per-mask sums."""
-        targets = leave_one_out_targets(mask)
-        if targets is None or not self._serves_leave_one_out(state):
-            return super().weighted_mask_sum(state, x, mask, coef)
-        self._check_x(state, x)
-        table = self._leave_one_out(state)
-        weight = torch.zeros(mask.shape[-1], dtype=table.dtype, device=table.device)
-        return table @ weight.index_add(0, targets, coef.to(table.dtype))
-
-    @staticmethod
-    def _serves_leave_one_out(state):
-        """The leave-one-out table needs finite emissions (see :meth:`_leave_one_out`)."""
+    def serves_leave_one_out(self, state):
+        """The leave-one-out table needs finite emissions (see :meth:`leave_one_out_table`)."""
         return bool(torch.isfinite(state.emission).all())
 
-    def _leave_one_out(self, state):
+    def leave_one_out_table(self, state):
         r""":math:`\log p(x_j \mid x_{-j})` for every token ``j``, ``(n, D)``, from one
         forward--backward pass over the whole sequence (queries that each hide one token,
         e.g. the ``"pll"`` schedule, need no pass of their own): with the predictive
