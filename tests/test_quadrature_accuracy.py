@@ -16,14 +16,20 @@ from scipy import integrate, stats
 from scipy.special import gammaln
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
+from pyro_mpt.conditionals import QuadratureAccuracyWarning
 
 
 def _run(fn):
-    """``fn()`` and the messages of the quadrature accuracy warnings it raised."""
+    """``fn()`` and the messages of the quadrature accuracy warnings it raised (each a
+    ``UserWarning`` naming the site, the estimated error and ``num_nodes``)."""
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         out = fn()
-    return out, [str(w.message) for w in rec if "estimated to be off" in str(w.message)]
+    found = [w for w in rec if "estimated to be off" in str(w.message)]
+    for w in found:
+        assert issubclass(w.category, QuadratureAccuracyWarning) and issubclass(w.category, UserWarning)
+        assert w.message.site == "x" and w.message.error > 0 and "num_nodes" in str(w.message)
+    return out, [str(w.message) for w in found]
 
 
 PRIORS = {

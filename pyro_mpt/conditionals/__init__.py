@@ -65,6 +65,7 @@ from .base import (
     EngineFallbackWarning,
     EngineNotApplicable,
     NumericalWarning,
+    QuadratureAccuracyWarning,
     SlowEngineWarning,
     model_failed,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "ConditionalEngine",
     "EngineNotApplicable",
     "NumericalWarning",
+    "QuadratureAccuracyWarning",
     "SlowEngineWarning",
     "EngineFallbackWarning",
     "GaussianHMMConditionals",

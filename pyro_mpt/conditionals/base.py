@@ -52,6 +52,24 @@ class NumericalWarning(UserWarning):
         self.jitter = jitter
 
 
+class QuadratureAccuracyWarning(UserWarning, RuntimeWarning):
+    """A quadrature rule is estimated to be less accurate than the docs state
+    (``docs/numerics.md``): the masked conditionals, or :math:`\log p(x)`, move
+    by more than the tolerance between the rule and coarser ones. The message
+    names the site, the largest estimate and ``num_nodes``, the knob to raise.
+    A ``UserWarning`` (and, as before, a ``RuntimeWarning``).
+
+    :param str message: the warning text.
+    :param str site: the observed site concerned.
+    :param float error: the largest estimated error (nats).
+    """
+
+    def __init__(self, message, *, site=None, error=None):
+        super().__init__(message)
+        self.site = site
+        self.error = error
+
+
 class SlowEngineWarning(UserWarning):
     """``conditionals="auto"`` chose an engine much slower than an alternative
     the model also allows, e.g. a quadrature grid of hundreds of nodes when an

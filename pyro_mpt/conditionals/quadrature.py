@@ -114,7 +114,7 @@ from typing import Optional
 
 import torch
 
-from .base import ConditionalEngine
+from .base import ConditionalEngine, QuadratureAccuracyWarning
 from .distributions import check_factorized
 from .laplace import LaplaceSearch
 from .mixture import chain_terms, normalize_empty
@@ -521,14 +521,14 @@ class QuadratureConditionals(ConditionalEngine):
         if worst > self.check_tol:
             m = state.nodes_per_dim
             bad = int((err > self.check_tol).sum())
-            warnings.warn(
+            warnings.warn(QuadratureAccuracyWarning(
                 f"QuadratureConditionals: the masked conditionals of site {state.runner.tokens.name!r} "
                 f"are estimated to be off by up to {worst:.3g} nats ({bad} of {int(mask.expand_as(err).sum())} "
                 f"conditionals of the first evaluation above check_tol={self.check_tol:g}; the difference "
                 f"to the rules with {' and '.join(str(r) for r in self._error_rules(state))} nodes per dim) "
                 f"with {m} nodes per latent dim. "
                 f"Use more nodes (num_nodes=...); check_tol=None skips this check.",
-                RuntimeWarning,
+                site=state.runner.tokens.name, error=worst),
                 stacklevel=3,
             )
 
@@ -793,14 +793,14 @@ class QuadratureConditionals(ConditionalEngine):
         worst = float(err.max())
         if worst > tol:
             rules = " and ".join(str(r) for r in self._error_rules(state))
-            warnings.warn(
+            warnings.warn(QuadratureAccuracyWarning(
                 f"QuadratureConditionals: log p(x) of site {state.runner.tokens.name!r}, which the "
                 f"chain rule along orderings sums to, is estimated to be off by up to {worst:.3g} nats "
                 f"({int((err > tol).sum())} of {err.numel()} datapoints of the first evaluation above "
                 f"check_evidence_tol={tol:g}; the difference to the rules with {rules} nodes per dim) "
                 f"with {state.nodes_per_dim} nodes per latent dim. Use more nodes (num_nodes=...); "
                 f"check_evidence_tol=None skips this check.",
-                RuntimeWarning,
+                site=state.runner.tokens.name, error=worst),
                 stacklevel=3,
             )
 

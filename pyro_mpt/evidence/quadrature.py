@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from ..conditionals.base import EngineNotApplicable
+from ..conditionals.base import EngineNotApplicable, QuadratureAccuracyWarning
 from ..conditionals.quadrature import QuadratureConditionals
 from ..conditionals.quadrature_rules import default_num_nodes
 from .result import EvidenceResult
@@ -32,7 +32,7 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
       difference gives the error estimate (default ``max(1, 2 m // 3)`` for
       ``m`` nodes per dim; the rule with ``m - 1`` nodes per dim is compared too);
     * ``tol`` -- raise when the estimated error of some datapoint exceeds it;
-    * ``warn_tol`` -- without ``tol``, warn (``RuntimeWarning``, naming the
+    * ``warn_tol`` -- without ``tol``, warn (:class:`~pyro_mpt.conditionals.base.QuadratureAccuracyWarning`, naming the
       site, the largest estimate and ``num_nodes``) when the estimated error of
       some datapoint exceeds it (default :data:`WARN_TOL`; None: never).
 
@@ -169,14 +169,14 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
         )
     if tol is None and warn_tol is not None and bool((error > warn_tol).any()):
         worst = int(error.argmax())
-        warnings.warn(
+        warnings.warn(QuadratureAccuracyWarning(
             f"Evidence(method='quadrature'): log p(x) of site {tokens.name!r} is estimated to be "
             f"off by up to {float(error[worst]):.3g} nats (datapoint {worst}; "
             f"{int((error > warn_tol).sum())} of {error.numel()} above warn_tol={warn_tol:g}) with "
             f"{m} nodes per latent dim{' (adaptive)' if engine.adaptive else ' (prior-centred)'}. "
             f"Use more nodes (num_nodes=...){'' if engine.adaptive else ' or adaptive=True'}; "
             f"the per-datapoint estimates are the result's stderr; warn_tol=None silences this.",
-            RuntimeWarning,
+            site=tokens.name, error=float(error[worst])),
             stacklevel=3,
         )
     # per-datapoint diagnostics in the site's batch shape, like the value they describe
