@@ -26,6 +26,7 @@ __all__ = [
     "EngineFallbackWarning",
     "EngineNotApplicable",
     "NumericalWarning",
+    "QuadratureAccuracyWarning",
     "SlowEngineWarning",
     "model_failed",
 ]
