@@ -79,14 +79,21 @@ def _mask_scores(block, engine, state, x):
     return shat, block.size.expand(q, n), block.weight.to(sums.dtype).expand(q, n)
 
 
+def _summed_orders(block, engine, state, x):
+    # the orderings for chain_sums: a stand-in of their shape where the engine reads only that
+    if engine.chain_sums_reads_order(state):
+        return block.orders()
+    return torch.zeros((), dtype=torch.long, device=x.device).expand(block.orders_shape())
+
+
 def _chain_scores(block, engine, state, x, per_size):
     n, D = x.shape
-    p = block.order.shape[0]
+    p = block.orders_shape()[0]
     if not per_size:
-        sums = engine.chain_sums(state, x, block.order)  # (p, n)
+        sums = engine.chain_sums(state, x, _summed_orders(block, engine, state, x))  # (p, n)
         size = torch.full((p, n), D, device=x.device)
         return sums, size, block.weight.to(sums.dtype).expand(p, n)
-    logc = engine.chain_log_prob(state, x, block.order)  # (p, n, D) by position
+    logc = engine.chain_log_prob(state, x, block.orders())  # (p, n, D) by position
     shat = logc.permute(0, 2, 1).reshape(p * D, n)
     size = torch.arange(1, D + 1, device=x.device).repeat(p)[:, None].expand(p * D, n)
     weight = block.weight.to(logc.dtype).expand(p, n).repeat_interleave(D, dim=0)
@@ -99,16 +106,16 @@ def _chain_scores_missing(block, engine, state, x, per_size):
     # size t + 1 - m; the dropped positions stand for sizes D_i + 1..D, where
     # S(x_i; M) = 0
     n, D = x.shape
-    p = block.order.shape[0]
+    p = block.orders_shape()[0]
     m = (~block.observed).sum(-1, keepdim=True).to(x.device)  # (n, 1) missing tokens
     if not per_size:
         # the sum over the observed targets is log p(x_O) for exact engines,
         # which chain_sums may compute without the per-position terms
-        sums = engine.chain_sums(state, x, block.order, observed=block.observed)  # (p, n)
+        sums = engine.chain_sums(state, x, _summed_orders(block, engine, state, x), observed=block.observed)  # (p, n)
         return sums, (D - m[:, 0]).expand(p, n), block.weight.to(sums.dtype).expand(p, n)
     pos = torch.arange(D, device=x.device)
     valid = pos >= m  # (n, D)
-    logc = engine.chain_log_prob(state, x, block.order)  # (p, n, D)
+    logc = engine.chain_log_prob(state, x, block.orders())  # (p, n, D)
     logc = torch.where(valid, logc, torch.zeros((), dtype=logc.dtype, device=logc.device))
     weight = block.weight.to(logc.dtype).expand(p, n)
     shat = logc.permute(0, 2, 1).reshape(p * D, n)

@@ -71,8 +71,33 @@ class ChainBlock:
     :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens; the
         orderings list each datapoint's missing tokens first. None when none is
         missing.
+    :param callable draw: when given (``order`` is then None), a function of no
+        arguments that draws the block's orderings from the global random state,
+        called the first time :meth:`orders` is read: an engine whose chain sums do
+        not depend on the orderings
+        (:meth:`~pyro_mpt.conditionals.ConditionalEngine.chain_sums_reads_order`)
+        never pays for them.
+    :param tuple shape: ``(p, n, D)``, the orderings' shape, with ``draw``.
+
+    Example::
+
+        >>> block = next(RandomOrders(2).blocks(n, D))
+        >>> block.orders().shape         # (2, n, D), drawn now
     """
 
-    order: torch.Tensor
+    order: Optional[torch.Tensor]
     weight: torch.Tensor
     observed: Optional[torch.Tensor] = None
+    draw: Optional[Callable[[], torch.Tensor]] = None
+    shape: Optional[tuple] = None
+
+    def orders(self):
+        """The block's orderings, long ``(p, n, D)`` or ``(p, 1, D)``: ``order``, or ``draw()``
+        the first time (kept for later reads)."""
+        if self.order is None:
+            self.order = self.draw()
+        return self.order
+
+    def orders_shape(self):
+        """``(p, n|1, D)`` without drawing the orderings."""
+        return tuple(self.order.shape) if self.order is not None else tuple(self.shape)

@@ -294,8 +294,14 @@ class RandomOrders(MaskSchedule):
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
         tokens = self.maskable_tokens(n, D, device, observed)
-        order = tokens.order(self.num_masks)  # missing tokens first
         w = torch.full((1, 1), 1.0 / self.num_masks, dtype=torch.float64, device=device)
+        if tokens.rows > 1:
+            # orderings per datapoint (a sort of n D keys each) are drawn only if the
+            # engine reads them: exact engines' chain sums are log p(x) whatever they are
+            for start, stop in tokens.spans(self.num_masks, max_elements):
+                yield tokens.chain(None, w.expand(stop - start, 1), num=stop - start)
+            return
+        order = tokens.order(self.num_masks)  # missing tokens first
         for start, stop in tokens.spans(self.num_masks, max_elements):
             yield tokens.chain(order[start:stop], w.expand(stop - start, 1))
 

@@ -113,6 +113,9 @@ class MaskableTokens:
             gain = (self.count > 0)[None].expand(size.shape[0], self.n)
         return MaskBlock(mask, size, weight, self.observed[None], gain, draw=draw)
 
-    def chain(self, order, weight):
-        """A :class:`~pyro_mpt.mask_blocks.ChainBlock` of orderings from :meth:`order`."""
-        return ChainBlock(order, weight, self.observed)
+    def chain(self, order, weight, *, num=None):
+        """A :class:`~pyro_mpt.mask_blocks.ChainBlock` of orderings from :meth:`order`; with
+        ``order`` None, ``num`` orderings drawn when the block's engine first reads them."""
+        if order is not None:
+            return ChainBlock(order, weight, self.observed)
+        return ChainBlock(None, weight, self.observed, draw=lambda: self.order(num), shape=(num, self.rows, self.D))

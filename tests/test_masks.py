@@ -118,7 +118,7 @@ def test_block_structure_and_budget():
         assert abs(float(weights[sizes == M].sum()) - 1.0) < 1e-12
     (chain,) = list(RandomOrders(3).blocks(n, D))
     assert isinstance(chain, ChainBlock)
-    assert torch.equal(chain.order.sort(-1).values, torch.arange(D).expand(3, n, D))
+    assert torch.equal(chain.orders().sort(-1).values, torch.arange(D).expand(3, n, D))
     (fixed,) = list(FixedRate(0.4, 2).blocks(n, D))
     assert isinstance(fixed, MaskBlock) and (fixed.mask.sum(-1) == 2).all()
 
@@ -136,9 +136,9 @@ def test_random_ranks_put_missing_tokens_last_and_orders_put_them_first():
     assert bool(((ranks < counts[:, None]) == observed).all())  # observed tokens take the first ranks
     (block,) = RandomOrders(200).blocks(6, 9, observed=observed)
     first = torch.arange(9) < (9 - counts)[:, None]  # the first m_i positions
-    assert bool((observed.expand(200, 6, 9).gather(-1, block.order) != first).all())
+    assert bool((observed.expand(200, 6, 9).gather(-1, block.orders()) != first).all())
     # each token of a complete datapoint leads some ordering (a miss has probability 5e-10)
-    lead = block.order[:, 1, 0]
+    lead = block.orders()[:, 1, 0]
     assert set(lead.tolist()) == set(range(9))
 
 
@@ -342,3 +342,66 @@ def test_fixed_rate_at_least_one_clamps_the_rounded_count():
     assert block.size.tolist() == [[1], [1]] and block.masks().sum(-1).eq(1).all()  # (masks, 1) shared size
     with pytest.raises(ValueError, match="round"):
         list(FixedRate(0.15).blocks(2, 3))
+
+
+def test_orderings_per_datapoint_are_drawn_only_for_engines_that_read_them(monkeypatch):
+    # an exact engine's chain sums are log p(x) whatever the orderings: none is drawn for it
+    # (n permutations of D tokens, a sort of n D keys); a sampling engine reads and gets them
+    import numpy as np
+    from scipy.stats import multivariate_normal
+
+    import pyro_mpt.missing_tokens as missing_tokens
+    from models import exact_posterior_guide
+
+    pyro.clear_param_store()
+    model, x, _ = make_ppca(D=6, K=2, N=40)
+    drawn = []
+    real = missing_tokens.random_order
+
+    def spy(shape, device, observed=None):
+        drawn.append(tuple(shape))
+        return real(shape, device, observed)
+
+    monkeypatch.setattr(missing_tokens, "random_order", spy)
+    torch.manual_seed(0)
+    score = MaskedPretrainingLoss(masks="order", num_masks=3).score(model, None, x)
+    assert drawn == []
+    W, mu, s = (pyro.param(k).detach().numpy() for k in ("W", "mu", "s"))
+    ref = multivariate_normal(mu, W @ W.T + s**2 * np.eye(6)).logpdf(x.numpy())
+    assert np.abs(score.detach().numpy() - ref).max() < 1e-10
+    # missing tokens: the observed sub-vector's density, again without orderings
+    observed = torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) > 0.3
+    observed[:, 0] = True
+
+    def masked(x):
+        W, mu, s = pyro.param("W"), pyro.param("mu"), pyro.param("s")
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T + mu, s).mask(observed).to_event(1), obs=x)
+
+    part = MaskedPretrainingLoss(masks="order", num_masks=2).score(masked, None, x)
+    assert drawn == []
+    for i in (0, 7):
+        o = observed[i].numpy()
+        cov = (W @ W.T + s**2 * np.eye(6))[np.ix_(o, o)]
+        assert abs(part[i].item() - multivariate_normal(mu[o], cov).logpdf(x[i].numpy()[o])) < 1e-10
+    # a sampling engine reads each ordering: 3 per datapoint, drawn when its block is evaluated
+    torch.manual_seed(0)
+    MaskedPretrainingLoss(masks="order", num_masks=3, conditionals="importance", num_samples=16).score(
+        model, exact_posterior_guide, x
+    )
+    assert drawn == [(3, 40, 6)]
+
+
+def test_chain_block_draws_its_orderings_once():
+    calls = []
+
+    def draw():
+        calls.append(1)
+        return torch.stack([torch.randperm(5) for _ in range(2)])[:, None]
+
+    block = ChainBlock(None, torch.ones(2, 1), draw=draw, shape=(2, 1, 5))
+    assert block.orders_shape() == (2, 1, 5) and calls == []
+    first = block.orders()
+    assert block.orders() is first and calls == [1]
+    assert torch.equal(first.sort(-1).values, torch.arange(5).expand(2, 1, 5))

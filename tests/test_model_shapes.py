@@ -486,8 +486,8 @@ def test_order_with_missing_tokens_uses_one_exact_evaluation(method):
     tokens = trace_tokens(model, None, (x,), {})
     state = engine.prepare(tokens, model, None, (x,), {})
     (block,) = RandomOrders(3).blocks(N, D, observed=observed)
-    fast = engine.chain_sums(state, tokens.value, block.order, observed=observed)
-    generic = ConditionalEngine.chain_sums(engine, state, tokens.value, block.order, observed=observed)
+    fast = engine.chain_sums(state, tokens.value, block.orders(), observed=observed)
+    generic = ConditionalEngine.chain_sums(engine, state, tokens.value, block.orders(), observed=observed)
     assert fast.shape == generic.shape == (3, N)
     assert float((fast - generic).abs().max()) < 1e-10
     truth = _exact(W, b, x, observed)

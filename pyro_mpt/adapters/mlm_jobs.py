@@ -68,7 +68,7 @@ def schedule_jobs(schedule, seed, item, L):
             masks.append(m)
             weights.append(m.double() * w[:, None])
         elif isinstance(b, ChainBlock):
-            order = b.order[:, 0, :]  # (p, L)
+            order = b.orders()[:, 0, :]  # (p, L)
             rank = order.argsort(-1)  # position of each token in its ordering
             t = torch.arange(L, device="cpu")
             m = rank[:, None, :] <= t[None, :, None]  # (p, t, L): tokens pi_0..pi_t masked

@@ -285,6 +285,26 @@ class ConditionalEngine(ABC):
         """
         return False
 
+    def chain_sums_reads_order(self, state):
+        """Whether :meth:`chain_sums` reads the orderings' values, not only how many there are.
+
+        Engines whose conditionals come from one joint distribution return
+        False: every ordering telescopes to :math:`\log p(x)`, so their
+        :meth:`chain_sums` is one evaluation of it, repeated. The estimator then
+        draws no orderings for them (``n`` random permutations of ``D`` tokens,
+        a sort of :math:`nD` keys, could cost several times that evaluation) and
+        passes a stand-in of the orderings' shape ``(p, n, D)`` whose values are
+        not orderings. The default, True, is always safe.
+
+        :returns: bool.
+
+        Example::
+
+            >>> GaussianConditionals().chain_sums_reads_order(state)
+            False
+        """
+        return True
+
     def recomputes_mask_sums(self, state, x, mask, context=None):
         """Whether :meth:`mask_sums` for these masks (:meth:`mask_sums_within` with
         ``context``) keeps nothing of the size of its

@@ -520,6 +520,10 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
         self._check_x(state, x)
         return state.mixture.chain_log_prob(order)
 
+    def chain_sums_reads_order(self, state):
+        r"""False: :meth:`chain_sums` is :math:`\log p(x)` whatever the orderings."""
+        return False
+
     def chain_sums(self, state, x, order, observed=None):
         r"""Chain-rule sums along orderings, ``(p, n)``: each equals :meth:`log_evidence`
         (the conditionals come from one joint)."""

@@ -603,6 +603,10 @@ class GaussianConditionals(ConditionalEngine):
             return self._run_chunked(lowrank_chain, state, x, order, D * R * (R + 2))
         return self._run_chunked(dense_chain, state, x, order, D * D)
 
+    def chain_sums_reads_order(self, state):
+        r"""False: :meth:`chain_sums` is :math:`\log p(x)` whatever the orderings."""
+        return False
+
     def chain_sums(self, state, x, order, observed=None):
         r"""Every complete ordering of one Gaussian joint telescopes to
         :math:`\log\mathcal N(x; \mu, \Sigma)` (the chain rule), so the sums are

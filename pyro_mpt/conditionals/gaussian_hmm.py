@@ -1059,6 +1059,10 @@ class GaussianHMMConditionals(ConditionalEngine):
         _check_finite(state, value)
         return value.to(state.dtype)
 
+    def chain_sums_reads_order(self, state):
+        r"""False: :meth:`chain_sums` is :math:`\log p(x)` whatever the orderings."""
+        return False
+
     def chain_sums(self, state, x, order, observed=None):
         r"""Chain-rule sums along orderings, ``(p, n)``: each equals :meth:`log_evidence`."""
         return self.log_evidence(state, x, observed).expand(order.shape[0], -1)

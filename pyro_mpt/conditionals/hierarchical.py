@@ -466,6 +466,10 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         x = _to_work(state, x)
         return _to_data(state, torch.cat([chain_terms(state, x, order[s : s + per]) for s in range(0, order.shape[0], per)], 0))
 
+    def chain_sums_reads_order(self, state):
+        r"""False: :meth:`chain_sums` is :math:`\log p(x)` whatever the orderings."""
+        return False
+
     def chain_sums(self, state, x, order, observed=None):
         r"""Every complete ordering of the hierarchy's one Gaussian joint telescopes to
         :math:`\log p(x)` (the chain rule), so the sums are :meth:`log_evidence`, one

@@ -268,6 +268,10 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
         context = torch.ones_like(x, dtype=torch.bool) if observed is None else observed
         return self._messages(state, context[None])[2][0]
 
+    def chain_sums_reads_order(self, state):
+        r"""False: :meth:`chain_sums` is :math:`\log p(x)` whatever the orderings."""
+        return False
+
     def chain_sums(self, state, x, order, observed=None):
         r"""Chain-rule sums along orderings, ``(p, n)``: each equals :meth:`log_evidence`."""
         return self.log_evidence(state, x, observed).expand(order.shape[0], -1)

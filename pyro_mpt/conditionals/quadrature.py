@@ -727,6 +727,10 @@ class QuadratureConditionals(ConditionalEngine):
         # the prior integrates to one: the empty context (last entry) has normalizer 1
         return chain_terms(L)
 
+    def chain_sums_reads_order(self, state):
+        r"""False: :meth:`chain_sums` is :math:`\log p(x)` whatever the orderings."""
+        return False
+
     def chain_sums(self, state, x, order, observed=None):
         r"""Chain-rule sums along orderings, ``(p, n)``: all equal to :meth:`log_evidence`.
 
