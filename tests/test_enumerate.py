@@ -328,6 +328,24 @@ def test_model_failed_tells_a_models_own_error_from_an_engines_refusal():
     # chained from one of pyro_mpt's own refusals: still the engine's check
     assert not model_failed(engine_refusal(engine_refusal()))
 
+    # an error raised inside torch's Python code is blamed on whoever called torch: a line
+    # of the user's (here) or one of pyro_mpt's (a function compiled as if in its package)
+    def users_distribution():
+        return dist.Normal(torch.zeros(2), torch.ones(3))  # raises in torch.distributions
+
+    import pyro_mpt.conditionals.base as base
+
+    namespace = {"dist": dist, "torch": torch}
+    exec(compile("def engines_distribution():\n    return dist.Normal(torch.zeros(2), torch.ones(3))\n",
+                 base.__file__, "exec"), namespace)
+    for call, blamed in ((users_distribution, True), (namespace["engines_distribution"], False)):
+        try:
+            call()
+        except RuntimeError as e:  # torch.broadcast_shapes's, in torch/functional.py
+            assert model_failed(engine_refusal(e)) is blamed, call.__name__
+        else:
+            raise AssertionError("torch.distributions accepted shapes (2,) and (3,)")
+
 
 def test_continuous_latent_is_not_enumerated(float64):
     def model(x):

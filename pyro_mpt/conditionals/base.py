@@ -19,6 +19,7 @@ import os
 import traceback
 from abc import ABC, abstractmethod
 
+import pyro
 import torch
 
 __all__ = [
@@ -90,6 +91,10 @@ class SlowEngineWarning(UserWarning):
 
 _PACKAGE = __name__.split(".")[0]
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# code that both a model and an engine call: its frames say neither who failed
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, pyro, os)
+)
 
 
 class EngineFallbackWarning(UserWarning):
@@ -115,9 +120,12 @@ class EngineFallbackWarning(UserWarning):
 def model_failed(error):
     """Whether an :class:`EngineNotApplicable` comes from the model or guide failing
     when an engine ran it, rather than from the engine's checks of the model's form:
-    the first exception of its chain (``raise ... from``) was raised outside pyro_mpt's
-    own code (a torch shape error or a Pyro error in the model's own lines, the user's
-    own exception), not one of pyro_mpt's exception types nor in one of its lines.
+    the first exception of its chain (``raise ... from``) is not one of pyro_mpt's
+    exception types, and the innermost frame of its traceback outside torch, Pyro
+    and the standard library (which models and engines both call) is not pyro_mpt's
+    own: a torch shape error or a Pyro error in the model's own lines, the user's own
+    exception. A model whose every line is library code (``pyro.contrib``) is not
+    blamed.
 
     Example::
 
@@ -131,8 +139,11 @@ def model_failed(error):
         root = root.__cause__
     if root is error or type(root).__module__.startswith(_PACKAGE):
         return False
-    frames = traceback.extract_tb(root.__traceback__)
-    return not frames or not os.path.abspath(frames[-1].filename).startswith(_PACKAGE_DIR)
+    for frame in reversed(traceback.extract_tb(root.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_LIBRARY_DIRS):
+            return not path.startswith(_PACKAGE_DIR)
+    return False
 
 
 def callable_key(fn):
