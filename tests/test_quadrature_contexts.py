@@ -59,6 +59,84 @@ def test_projection_recovers_quadratic_log_likelihoods(float64):
     assert bool(quad.finite.all())
 
 
+def test_non_quadratic_part_of_each_token_matches_a_least_squares_fit(float64):
+    """TokenQuadratics.nonquadratic: the root mean square (under the rule's weights) of a
+    token's log-likelihood minus its weighted least-squares quadratic, as numpy fits it;
+    zero for quadratics (a datapoint of them is ``gaussian()``), not for a cubic term."""
+    K, n, D = 2, 3, 4
+    e, log_w = gaussian_grid(6, K)
+    g = torch.Generator().manual_seed(1)
+    b = torch.randn(n, D, K, generator=g, dtype=torch.float64)
+    M = torch.randn(n, D, K, K, generator=g, dtype=torch.float64)
+    T = 5.0 + torch.einsum("ndk,qk->nqd", b, e) + 0.5 * torch.einsum("qk,ndkl,ql->nqd", e, M + M.transpose(-1, -2), e)
+    T[1, :, 2] += 0.05 * e[:, 0] ** 3 - 0.02 * e[:, 1] ** 4  # one token of datapoint 1 is not quadratic
+    log_pi = (-0.5 * e.pow(2).sum(-1) + 1.0)[None]
+    parts = [(sl, log_pi[:, sl], T[:, sl]) for sl in (slice(0, 10), slice(10, 36))]
+    quad = token_quadratics(e, log_w, parts)
+    w = log_w.exp().numpy()
+    E = e.numpy()
+    X = np.column_stack([np.ones(len(E)), E, E[:, 0] ** 2, E[:, 1] ** 2, E[:, 0] * E[:, 1]])
+    for i in range(n):
+        for d in range(D):
+            f = T[i, :, d].numpy()
+            coef = np.linalg.lstsq(X * np.sqrt(w)[:, None], f * np.sqrt(w), rcond=None)[0]
+            rms = np.sqrt(np.sum(w * (f - X @ coef) ** 2))
+            assert abs(quad.nonquadratic[i, d].item() - rms) < 1e-6, (i, d)  # sqrt(eps) of the values: a difference of squares
+    assert quad.nonquadratic[1, 2].item() > 1e-2
+    assert quad.gaussian().tolist() == [True, False, True]
+
+
+def test_target_grids_leave_gaussian_models_alone_and_serve_the_others(float64, monkeypatch):
+    """A grid of its own per unresolved target is a model run: PPCA's Gaussian corrections
+    are exact already (its conditionals match numpy's with no such run), Poisson tokens
+    with an outlying count still get theirs."""
+    import pyro_mpt.conditionals.quadrature as quadrature
+
+    runs = []
+    real = quadrature.context_partials
+
+    def spy(*args, **kwargs):
+        runs.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quadrature, "context_partials", spy)
+
+    def model_runs(model, x, mask, with_target_grids):
+        # context_partials calls of one evaluation, with or without the target grids
+        engine = QuadratureConditionals(8)
+        if not with_target_grids:
+            engine._target_grids = lambda state, quad, h, P, own, target, ctx, num, dnum: num
+        state = _prepared(engine, model, x)
+        runs.clear()
+        out = engine.mask_log_prob(state, x, mask)
+        return out, len(runs)
+
+    pyro.clear_param_store()
+    g = torch.Generator().manual_seed(3)
+    D, n = 10, 6
+    W = torch.randn(D, 1, generator=g, dtype=torch.float64) * 2.0  # sharp tokens: prior-sized grids miss them
+    x = torch.randn(n, 1, generator=g, dtype=torch.float64) @ W.T + 0.3 * torch.randn(n, D, generator=g, dtype=torch.float64)
+
+    def ppca(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.3).to_event(1), obs=x)
+
+    mask = _masks(0.9, 40, n, D, seed=5)
+    got, calls = model_runs(ppca, x, mask, True)
+    _, calls_without = model_runs(ppca, x, mask, False)
+    assert calls == calls_without
+    cov = (W @ W.T + 0.09 * torch.eye(D, dtype=torch.float64)).numpy()
+    ref = numpy_conditionals(np.zeros(D), cov, x.numpy(), mask.numpy())
+    assert np.abs(got.numpy() - ref)[mask.numpy()].max() < 1e-8
+    # Poisson tokens (not quadratic in the latent) with an outlying count: target grids run
+    model, xp, _ = outlying_poisson_counts(D=8, n=3)
+    mask = _masks(0.9, 20, 3, 8, seed=6)
+    _, calls = model_runs(model, xp, mask, True)
+    _, calls_without = model_runs(model, xp, mask, False)
+    assert calls > calls_without
+
+
 @pytest.mark.parametrize("K", [1, 2, 3])
 def test_gaussian_model_conditionals_are_exact_at_every_masking_rate(float64, K):
     """PPCA written for quadrature (a Normal likelihood): with the default grid

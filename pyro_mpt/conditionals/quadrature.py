@@ -593,6 +593,9 @@ class QuadratureConditionals(ConditionalEngine):
                         value[own] = getattr(fitted, name)
                         setattr(frames, name, value)
                 bad = unresolved_targets(quad, frames, target, state.nodes_per_dim, self.max_elements)
+            # where the prior and every token are quadratic (e.g. PPCA) the corrections on the
+            # query's grid are exact: a grid of its own, a model run per target, adds nothing
+            bad &= ~quad.gaussian()[None, :, None]
             a, j = bad.any(1).nonzero(as_tuple=True)
         if a.numel() == 0:
             return num

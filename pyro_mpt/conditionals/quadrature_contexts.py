@@ -56,6 +56,8 @@ entries under activation checkpointing, reduced by
 (query, datapoint) pairs as its rows.
 """
 
+import math
+
 import torch
 
 from ..recompute import recomputed
@@ -67,6 +69,12 @@ __all__ = [
     "KEEP_RULE_NODES", "resolved_tol", "full_grid_resolves", "unresolved_targets", "prior_quadratic", "TokenQuadratics", "ContextFrames", "token_quadratics", "context_models",
     "full_frames", "context_frames", "PRIOR_REACH", "gaussian_corrections", "context_partials",
 ]
+
+
+#: the largest root-mean-square non-quadratic part (nats, over the full grid) of a token's
+#: or the prior's log-density for which :meth:`TokenQuadratics.gaussian` treats it as
+#: quadratic (a multiple of the values' scale where that is larger: :meth:`TokenQuadratics.gaussian`)
+GAUSSIAN_TOL = 1e-9
 
 
 def resolved_tol(dtype):
@@ -208,6 +216,25 @@ class TokenQuadratics:
         self.grad = grad
         self.hess = hess
         self.finite = finite
+        # set by token_quadratics: what the projections leave out, and the values' scale
+        self.nonquadratic = self.prior_nonquadratic = self.scale = None
+
+    def gaussian(self):
+        r"""``(n,)`` bool: datapoints whose prior and every token's log-likelihood are
+        quadratic in :math:`e` over the grid (to rounding: :data:`GAUSSIAN_TOL`, or the
+        larger of 30 square roots of float64's eps and 1000 eps of the table's dtype, times
+        the values' scale), e.g. PPCA. Their Gaussian corrections are then exact for
+        every query and target (:func:`gaussian_corrections`); None-safe: False when
+        unknown.
+        """
+        if self.nonquadratic is None:
+            return torch.zeros(self.grad.shape[0], dtype=torch.bool, device=self.grad.device)
+        # the energy is a difference of float64 sums of squares: its root is good to about
+        # sqrt(eps) of the values' scale; a float32 table's own rounding is 1000 eps of it
+        rel = max(30 * math.sqrt(torch.finfo(torch.float64).eps), 1000 * torch.finfo(self.grad.dtype).eps)
+        tol = torch.clamp_min(rel * self.scale, GAUSSIAN_TOL)
+        worst = self.nonquadratic.amax(-1).maximum(self.prior_nonquadratic)
+        return self.finite & (worst <= tol)
 
 
 def _project(T, basis):
@@ -279,6 +306,11 @@ def token_quadratics(std_nodes, std_log_weights, parts):
     acc = None
     shift_T = shift_pi = None
     finite = None
+    # the mean and mean square of each token's (and the prior's) values over the grid: with
+    # the projections they give the energy of what is not quadratic (TokenQuadratics.gaussian)
+    moments = None
+    w_all = std_log_weights.double().exp()
+    w_all = w_all / w_all.sum()
     for sl, log_pi, T in parts:
         dtype = T.dtype
         e = std_nodes[sl].to(dtype)
@@ -295,6 +327,18 @@ def token_quadratics(std_nodes, std_log_weights, parts):
         Tc, lc = T - shift_T, log_pi - shift_pi
         tok = _project(Tc, basis)
         pri = lc @ basis  # (r, K + K^2)
+        # in float64, with the weights normalized there: the non-quadratic energy is a
+        # difference of sums of squares (float32 weights sum to 1 - 6e-8, which alone
+        # leaves 3e-3 nats of a value scale of 14)
+        Tf = torch.nan_to_num(Tc, nan=0.0, posinf=0.0, neginf=0.0).double()
+        lf = torch.nan_to_num(lc, nan=0.0, posinf=0.0, neginf=0.0).double()
+        e64, w64 = std_nodes[sl].double(), w_all[sl]
+        eye64 = torch.eye(K, dtype=torch.float64, device=e.device)
+        basis64 = w64[:, None] * torch.cat(
+            [torch.ones_like(e64[:, :1]), e64, (e64[:, :, None] * e64[:, None, :] - eye64).reshape(-1, K * K)], -1
+        )
+        step = (_project(Tf, basis64), _project(Tf * Tf, w64[:, None])[..., 0], lf @ basis64, (lf * lf) @ w64)
+        moments = step if moments is None else tuple(a + b for a, b in zip(moments, step))
         # a non-finite entry leaves its token's projections non-finite (the weights are
         # positive): found on the small results, not the table
         ok = torch.isfinite(tok).all(-1).all(-1) & torch.isfinite(pri).all(-1)
@@ -312,9 +356,31 @@ def token_quadratics(std_nodes, std_log_weights, parts):
     prior_grad, prior_hess, grad, hess = acc
     n = grad.shape[0]
     sym = lambda A: 0.5 * (A + A.transpose(-1, -2))  # noqa: E731
-    return TokenQuadratics(
+    quad = TokenQuadratics(
         prior_grad.expand(n, K), sym(prior_hess).expand(n, K, K), grad, sym(hess), finite.expand(n)
     )
+    t_proj, t_sq, p_proj, p_sq = moments
+    quad.nonquadratic = _nonquadratic(t_proj, t_sq, K)  # (n, D)
+    quad.prior_nonquadratic = _nonquadratic(p_proj, p_sq, K).expand(n)
+    quad.scale = t_sq.clamp_min(0).sqrt().amax(-1).maximum(p_sq.clamp_min(0).sqrt().expand(n))  # (n,)
+    return quad
+
+
+def _nonquadratic(proj, mean_sq, K):
+    r"""Root mean square over the grid of what a function is beyond its quadratic projection.
+
+    The Hermite functions :math:`1, e_i, e_i^2 - 1, e_i e_j\ (i < j)` are orthogonal under
+    the standard Gauss--Hermite weights (exactly, with at least 3 nodes per dim), with
+    squared norms 1, 1, 2, 1; so the energy left outside the quadratic is
+    :math:`E[f^2] - a^2 - |b|^2 - \sum_i A_{ii}^2/2 - \sum_{i<j} A_{ij}^2`.
+    """
+    mean, grad = proj[..., 0], proj[..., 1 : K + 1]
+    hess = proj[..., K + 1 :].reshape(*proj.shape[:-1], K, K)
+    hess = 0.5 * (hess + hess.transpose(-1, -2))
+    diag = torch.diagonal(hess, dim1=-2, dim2=-1)
+    off = (hess.square().sum((-1, -2)) - diag.square().sum(-1)) / 2
+    left = mean_sq - mean.square() - grad.square().sum(-1) - diag.square().sum(-1) / 2 - off
+    return left.clamp_min(0).sqrt()
 
 
 class ContextFrames:
