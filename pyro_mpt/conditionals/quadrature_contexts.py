@@ -66,7 +66,7 @@ from .mixture_chunks import MixtureChunk
 from .quadrature_rules import affine_grid, gaussian_grid
 
 __all__ = [
-    "KEEP_RULE_NODES", "resolved_tol", "full_grid_resolves", "unresolved_targets", "prior_quadratic", "TokenQuadratics", "ContextFrames", "token_quadratics", "context_models",
+    "KEEP_RULE_NODES", "GAUSSIAN_TOL", "resolved_tol", "full_grid_resolves", "unresolved_targets", "prior_quadratic", "TokenQuadratics", "ContextFrames", "token_quadratics", "context_models",
     "full_frames", "context_frames", "PRIOR_REACH", "gaussian_corrections", "context_partials",
 ]
 
