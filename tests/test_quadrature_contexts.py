@@ -16,7 +16,7 @@ from scipy.special import logsumexp
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.conditionals.quadrature import QuadratureConditionals
-from pyro_mpt.conditionals.quadrature_contexts import token_quadratics
+from pyro_mpt.conditionals.quadrature_contexts import gaussian_datapoints, nonquadratic_rms, token_quadratics
 from pyro_mpt.conditionals.quadrature_rules import gaussian_grid
 from pyro_mpt.observed_tokens import trace_tokens
 
@@ -60,9 +60,9 @@ def test_projection_recovers_quadratic_log_likelihoods(float64):
 
 
 def test_non_quadratic_part_of_each_token_matches_a_least_squares_fit(float64):
-    """TokenQuadratics.nonquadratic: the root mean square (under the rule's weights) of a
+    """nonquadratic_rms: the root mean square (under the rule's weights) of a
     token's log-likelihood minus its weighted least-squares quadratic, as numpy fits it;
-    zero for quadratics (a datapoint of them is ``gaussian()``), not for a cubic term."""
+    zero for quadratics (a datapoint of them is gaussian_datapoints'), not for a cubic term."""
     K, n, D = 2, 3, 4
     e, log_w = gaussian_grid(6, K)
     g = torch.Generator().manual_seed(1)
@@ -73,6 +73,7 @@ def test_non_quadratic_part_of_each_token_matches_a_least_squares_fit(float64):
     log_pi = (-0.5 * e.pow(2).sum(-1) + 1.0)[None]
     parts = [(sl, log_pi[:, sl], T[:, sl]) for sl in (slice(0, 10), slice(10, 36))]
     quad = token_quadratics(e, log_w, parts)
+    nonquadratic = nonquadratic_rms(e, log_w, parts)[0]
     w = log_w.exp().numpy()
     E = e.numpy()
     X = np.column_stack([np.ones(len(E)), E, E[:, 0] ** 2, E[:, 1] ** 2, E[:, 0] * E[:, 1]])
@@ -81,9 +82,9 @@ def test_non_quadratic_part_of_each_token_matches_a_least_squares_fit(float64):
             f = T[i, :, d].numpy()
             coef = np.linalg.lstsq(X * np.sqrt(w)[:, None], f * np.sqrt(w), rcond=None)[0]
             rms = np.sqrt(np.sum(w * (f - X @ coef) ** 2))
-            assert abs(quad.nonquadratic[i, d].item() - rms) < 1e-6, (i, d)  # sqrt(eps) of the values: a difference of squares
-    assert quad.nonquadratic[1, 2].item() > 1e-2
-    assert quad.gaussian().tolist() == [True, False, True]
+            assert abs(nonquadratic[i, d].item() - rms) < 1e-6, (i, d)  # sqrt(eps) of the values: a difference of squares
+    assert nonquadratic[1, 2].item() > 1e-2
+    assert gaussian_datapoints(quad, e, log_w, parts).tolist() == [True, False, True]
 
 
 def test_target_grids_leave_gaussian_models_alone_and_serve_the_others(float64, monkeypatch):

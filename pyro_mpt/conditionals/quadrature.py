@@ -128,6 +128,7 @@ from .quadrature_contexts import (
     full_frames,
     full_grid_resolves,
     gaussian_corrections,
+    gaussian_datapoints,
     prior_quadratic,
     resolved_tol,
     token_quadratics,
@@ -593,9 +594,13 @@ class QuadratureConditionals(ConditionalEngine):
                         value[own] = getattr(fitted, name)
                         setattr(frames, name, value)
                 bad = unresolved_targets(quad, frames, target, state.nodes_per_dim, self.max_elements)
-            # where the prior and every token are quadratic (e.g. PPCA) the corrections on the
-            # query's grid are exact: a grid of its own, a model run per target, adds nothing
-            bad &= ~quad.gaussian()[None, :, None]
+            if bool(bad.any()):
+                # where the prior and every token are quadratic (e.g. PPCA) the corrections on
+                # the query's grid are exact: a grid of its own, a model run per target, adds
+                # nothing; asked only now, since it is a second pass over the table, and once
+                if quad.gaussian_rows is None:
+                    quad.gaussian_rows = gaussian_datapoints(quad, e, log_w, state.detached_parts())
+                bad &= ~quad.gaussian_rows[None, :, None]
             a, j = bad.any(1).nonzero(as_tuple=True)
         if a.numel() == 0:
             return num

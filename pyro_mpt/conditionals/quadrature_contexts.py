@@ -66,14 +66,14 @@ from .mixture_chunks import MixtureChunk
 from .quadrature_rules import affine_grid, gaussian_grid
 
 __all__ = [
-    "KEEP_RULE_NODES", "GAUSSIAN_TOL", "resolved_tol", "full_grid_resolves", "unresolved_targets", "prior_quadratic", "TokenQuadratics", "ContextFrames", "token_quadratics", "context_models",
+    "KEEP_RULE_NODES", "GAUSSIAN_TOL", "nonquadratic_rms", "gaussian_datapoints", "resolved_tol", "full_grid_resolves", "unresolved_targets", "prior_quadratic", "TokenQuadratics", "ContextFrames", "token_quadratics", "context_models",
     "full_frames", "context_frames", "PRIOR_REACH", "gaussian_corrections", "context_partials",
 ]
 
 
 #: the largest root-mean-square non-quadratic part (nats, over the full grid) of a token's
-#: or the prior's log-density for which :meth:`TokenQuadratics.gaussian` treats it as
-#: quadratic (a multiple of the values' scale where that is larger: :meth:`TokenQuadratics.gaussian`)
+#: or the prior's log-density for which :func:`gaussian_datapoints` treats it as
+#: quadratic (a multiple of the values' scale where that is larger)
 GAUSSIAN_TOL = 1e-9
 
 
@@ -216,25 +216,8 @@ class TokenQuadratics:
         self.grad = grad
         self.hess = hess
         self.finite = finite
-        # set by token_quadratics: what the projections leave out, and the values' scale
-        self.nonquadratic = self.prior_nonquadratic = self.scale = None
-
-    def gaussian(self):
-        r"""``(n,)`` bool: datapoints whose prior and every token's log-likelihood are
-        quadratic in :math:`e` over the grid (to rounding: :data:`GAUSSIAN_TOL`, or the
-        larger of 30 square roots of float64's eps and 1000 eps of the table's dtype, times
-        the values' scale), e.g. PPCA. Their Gaussian corrections are then exact for
-        every query and target (:func:`gaussian_corrections`); None-safe: False when
-        unknown.
-        """
-        if self.nonquadratic is None:
-            return torch.zeros(self.grad.shape[0], dtype=torch.bool, device=self.grad.device)
-        # the energy is a difference of float64 sums of squares: its root is good to about
-        # sqrt(eps) of the values' scale; a float32 table's own rounding is 1000 eps of it
-        rel = max(30 * math.sqrt(torch.finfo(torch.float64).eps), 1000 * torch.finfo(self.grad.dtype).eps)
-        tol = torch.clamp_min(rel * self.scale, GAUSSIAN_TOL)
-        worst = self.nonquadratic.amax(-1).maximum(self.prior_nonquadratic)
-        return self.finite & (worst <= tol)
+        # gaussian_datapoints of the same table, once asked (a second pass over it)
+        self.gaussian_rows = None
 
 
 def _project(T, basis):
@@ -306,11 +289,6 @@ def token_quadratics(std_nodes, std_log_weights, parts):
     acc = None
     shift_T = shift_pi = None
     finite = None
-    # the mean and mean square of each token's (and the prior's) values over the grid: with
-    # the projections they give the energy of what is not quadratic (TokenQuadratics.gaussian)
-    moments = None
-    w_all = std_log_weights.double().exp()
-    w_all = w_all / w_all.sum()
     for sl, log_pi, T in parts:
         dtype = T.dtype
         e = std_nodes[sl].to(dtype)
@@ -327,18 +305,6 @@ def token_quadratics(std_nodes, std_log_weights, parts):
         Tc, lc = T - shift_T, log_pi - shift_pi
         tok = _project(Tc, basis)
         pri = lc @ basis  # (r, K + K^2)
-        # in float64, with the weights normalized there: the non-quadratic energy is a
-        # difference of sums of squares (float32 weights sum to 1 - 6e-8, which alone
-        # leaves 3e-3 nats of a value scale of 14)
-        Tf = torch.nan_to_num(Tc, nan=0.0, posinf=0.0, neginf=0.0).double()
-        lf = torch.nan_to_num(lc, nan=0.0, posinf=0.0, neginf=0.0).double()
-        e64, w64 = std_nodes[sl].double(), w_all[sl]
-        eye64 = torch.eye(K, dtype=torch.float64, device=e.device)
-        basis64 = w64[:, None] * torch.cat(
-            [torch.ones_like(e64[:, :1]), e64, (e64[:, :, None] * e64[:, None, :] - eye64).reshape(-1, K * K)], -1
-        )
-        step = (_project(Tf, basis64), _project(Tf * Tf, w64[:, None])[..., 0], lf @ basis64, (lf * lf) @ w64)
-        moments = step if moments is None else tuple(a + b for a, b in zip(moments, step))
         # a non-finite entry leaves its token's projections non-finite (the weights are
         # positive): found on the small results, not the table
         ok = torch.isfinite(tok).all(-1).all(-1) & torch.isfinite(pri).all(-1)
@@ -356,24 +322,81 @@ def token_quadratics(std_nodes, std_log_weights, parts):
     prior_grad, prior_hess, grad, hess = acc
     n = grad.shape[0]
     sym = lambda A: 0.5 * (A + A.transpose(-1, -2))  # noqa: E731
-    quad = TokenQuadratics(
+    return TokenQuadratics(
         prior_grad.expand(n, K), sym(prior_hess).expand(n, K, K), grad, sym(hess), finite.expand(n)
     )
-    t_proj, t_sq, p_proj, p_sq = moments
-    quad.nonquadratic = _nonquadratic(t_proj, t_sq, K)  # (n, D)
-    quad.prior_nonquadratic = _nonquadratic(p_proj, p_sq, K).expand(n)
-    quad.scale = t_sq.clamp_min(0).sqrt().amax(-1).maximum(p_sq.clamp_min(0).sqrt().expand(n))  # (n,)
-    return quad
 
 
-def _nonquadratic(proj, mean_sq, K):
-    r"""Root mean square over the grid of what a function is beyond its quadratic projection.
+def nonquadratic_rms(std_nodes, std_log_weights, parts):
+    r"""Root mean square over the grid of what each token's log-likelihood, and the prior's
+    log-density, is beyond its quadratic projection (:func:`token_quadratics`).
 
     The Hermite functions :math:`1, e_i, e_i^2 - 1, e_i e_j\ (i < j)` are orthogonal under
     the standard Gauss--Hermite weights (exactly, with at least 3 nodes per dim), with
     squared norms 1, 1, 2, 1; so the energy left outside the quadratic is
-    :math:`E[f^2] - a^2 - |b|^2 - \sum_i A_{ii}^2/2 - \sum_{i<j} A_{ij}^2`.
+    :math:`E[f^2] - a^2 - |b|^2 - \sum_i A_{ii}^2/2 - \sum_{i<j} A_{ij}^2`. One pass over
+    the table in float64, with the weights normalized there: the energy is a difference
+    of sums of squares (float32 weights sum to :math:`1 - 6\cdot 10^{-8}`, which alone
+    leaves 3e-3 nats of a value scale of 14).
+
+    :param parts: the table's parts, as :func:`token_quadratics` takes them.
+    :returns: ``(tokens (n, D), prior (r,), scale (n,))``, float64; ``scale`` is the
+        largest root mean square of a datapoint's values (shifted by their first node's).
+
+    Example::
+
+        >>> tokens, prior, scale = nonquadratic_rms(e, log_w, [(slice(0, Q), log_pi, T)])
     """
+    K = std_nodes.shape[-1]
+    w_all = std_log_weights.double().exp()
+    w_all = w_all / w_all.sum()
+    eye = torch.eye(K, dtype=torch.float64, device=std_nodes.device)
+    moments = shift_T = shift_pi = None
+    for sl, log_pi, T in parts:
+        Tf = torch.nan_to_num(T.double(), nan=0.0, posinf=0.0, neginf=0.0)
+        lf = torch.nan_to_num(log_pi.double(), nan=0.0, posinf=0.0, neginf=0.0)
+        if shift_T is None:
+            # the energy does not depend on a constant per token: one keeps the squares small
+            shift_T, shift_pi = Tf[:, :1], lf[:, :1]
+        Tf, lf = Tf - shift_T, lf - shift_pi
+        e, w = std_nodes[sl].double(), w_all[sl]
+        basis = w[:, None] * torch.cat(
+            [torch.ones_like(e[:, :1]), e, (e[:, :, None] * e[:, None, :] - eye).reshape(-1, K * K)], -1
+        )
+        step = (_project(Tf, basis), _project(Tf * Tf, w[:, None])[..., 0], lf @ basis, (lf * lf) @ w)
+        moments = step if moments is None else tuple(a + b for a, b in zip(moments, step))
+    t_proj, t_sq, p_proj, p_sq = moments
+    scale = t_sq.clamp_min(0).sqrt().amax(-1).maximum(p_sq.clamp_min(0).sqrt())
+    return _nonquadratic(t_proj, t_sq, K), _nonquadratic(p_proj, p_sq, K), scale
+
+
+def gaussian_datapoints(quad, std_nodes, std_log_weights, parts):
+    r"""``(n,)`` bool: datapoints whose prior and every token's log-likelihood are quadratic
+    in :math:`e` over the grid, to rounding, e.g. PPCA: their Gaussian corrections
+    (:func:`gaussian_corrections`) are then exact for every query and target.
+
+    A second pass over the table (:func:`nonquadratic_rms`), so it is asked only where it
+    can spare work: before grids of their own for unresolved targets, a model run each.
+    The bound is :data:`GAUSSIAN_TOL`, or the larger of 30 square roots of float64's eps
+    (the energy's rounding) and 1000 eps of the table's dtype, times the values' scale.
+
+    :param TokenQuadratics quad: from :func:`token_quadratics` (its ``finite``; its dtype
+        is the table's).
+    :param parts: the table's parts, as :func:`token_quadratics` takes them.
+
+    Example::
+
+        >>> gaussian_datapoints(quad, e, log_w, state.detached_parts())   # all True for PPCA
+    """
+    tokens, prior, scale = nonquadratic_rms(std_nodes, std_log_weights, parts)
+    worst = tokens.amax(-1).maximum(prior)
+    rel = max(30 * math.sqrt(torch.finfo(torch.float64).eps), 1000 * torch.finfo(quad.grad.dtype).eps)
+    return quad.finite & (worst <= torch.clamp_min(rel * scale, GAUSSIAN_TOL))
+
+
+def _nonquadratic(proj, mean_sq, K):
+    """The root of the energy outside the quadratic (:func:`nonquadratic_rms`), from the
+    projections ``proj`` (constant, K first, K^2 second Hermite functions) and ``E[f^2]``."""
     mean, grad = proj[..., 0], proj[..., 1 : K + 1]
     hess = proj[..., K + 1 :].reshape(*proj.shape[:-1], K, K)
     hess = 0.5 * (hess + hess.transpose(-1, -2))
