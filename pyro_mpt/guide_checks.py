@@ -33,6 +33,7 @@ import math
 import warnings
 
 import torch
+from .code_origin import user_stacklevel
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import site_is_subsample
 
@@ -86,7 +87,7 @@ def check_guide_sites(tokens):
             f"guide's sites after the model's latents (as pyro.infer.autoguide does), mark "
             f"helper sites infer={{'is_auxiliary': True}}, or pass no guide.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
     return extra, missing
 
@@ -190,5 +191,5 @@ def warn_not_reparameterized(tokens, who, warned):
             f"out in the model (TraceEnum_ELBO), or train the guide by Trace_ELBO "
             f"(pyro_mpt.guide_elbo.WithGuideELBO).",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )

@@ -35,6 +35,7 @@ import math
 import warnings
 
 import torch
+from .code_origin import user_stacklevel
 
 __all__ = [
     "ImportanceSamplingWarning",
@@ -200,7 +201,7 @@ def poor_weights(khat, ess, khat_threshold=0.7, min_ess=10.0):
     return few | (khat > khat_threshold)
 
 
-def warn_poor_weights(who, what, khat, ess, advice, khat_threshold=0.7, min_ess=10.0, stacklevel=3):
+def warn_poor_weights(who, what, khat, ess, advice, khat_threshold=0.7, min_ess=10.0):
     """Issue one :class:`ImportanceSamplingWarning` when some weights are poor (see :func:`poor_weights`).
 
     :param str who: the estimator, named first in the message.
@@ -226,6 +227,6 @@ def warn_poor_weights(who, what, khat, ess, advice, khat_threshold=0.7, min_ess=
                 khat=khat,
                 ess=ess,
             ),
-            stacklevel=stacklevel,
+            stacklevel=user_stacklevel(),
         )
     return bad

@@ -290,3 +290,14 @@ def test_no_docstring_holds_a_control_character():
         if (names := _docstrings_with_escapes(path.read_text()))
     }
     assert not bad, f"docstrings with a backslash escape turned control character (write them raw, r'''...'''): {bad}"
+
+
+def test_every_module_compiles_without_warnings():
+    """No invalid escape sequences (a DeprecationWarning today, a SyntaxWarning in Python 3.12 and
+    an error later): docstrings with ``:math:`` backslashes are raw strings."""
+    import warnings
+
+    for path in sorted(PACKAGE.rglob("*.py")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile(path.read_text(encoding="utf-8"), str(path), "exec")

@@ -347,15 +347,17 @@ def test_model_failed_tells_a_models_own_error_from_an_engines_refusal():
             raise AssertionError("torch.distributions accepted shapes (2,) and (3,)")
     # pyro_mpt installed inside the standard library's folder (site-packages, no virtual
     # environment): its lines are still its own, not a library's
-    original = base._LIBRARY_DIRS
-    base._LIBRARY_DIRS = original + (base._PACKAGE_DIR,)
+    import pyro_mpt.code_origin as origin
+
+    original = origin._LIBRARY_DIRS
+    origin._LIBRARY_DIRS = original + (origin._OWN_DIR,)
     try:
         try:
             namespace["engines_distribution"]()
         except RuntimeError as e:
             assert model_failed(engine_refusal(e)) is False
     finally:
-        base._LIBRARY_DIRS = original
+        origin._LIBRARY_DIRS = original
 
 
 def test_continuous_latent_is_not_enumerated(float64):

@@ -92,7 +92,12 @@ def _outcome(row_id):
                 text = err.args[0] if err.args and isinstance(err.args[0], str) else str(err)
                 raised = (type(err).__name__, text)
         _OUTCOMES[row_id] = (raised, [(w.category.__name__, str(w.message)) for w in rec])
+        _WARNED_AT[row_id] = [w.filename for w in rec]
     return _OUTCOMES[row_id]
+
+
+_WARNED_AT = {}  # row id -> the file each of its trigger's warnings points at
+TESTS = Path(__file__).resolve().parent
 
 
 @pytest.mark.parametrize("row_id,kind,message", ROWS, ids=[r[0] for r in ROWS])
@@ -109,6 +114,20 @@ def test_error_row(row_id, kind, message):
     name, text = raised
     assert name == kind, (row_id, name, text)
     assert re.search(pattern, text, re.S), (row_id, text)
+
+
+@pytest.mark.parametrize("row_id,kind,message", [r for r in ROWS if r[1].endswith("Warning")],
+                         ids=[r[0] for r in ROWS if r[1].endswith("Warning")])
+def test_warning_points_at_the_callers_line(row_id, kind, message):
+    """A row's warning names the line of the code that called pyro_mpt (the trigger, under
+    tests/), not a line inside pyro_mpt, Pyro or torch, whatever the entry point's depth."""
+    raised, warned = _outcome(row_id)
+    pattern = _fragments_pattern(message)
+    at = [f for (k, m), f in zip(warned, _WARNED_AT[row_id]) if k == kind and re.search(pattern, m, re.S)]
+    if not at:
+        pytest.skip(f"{row_id}: the warning comes from a subprocess")
+    for filename in at:
+        assert Path(filename).resolve().is_relative_to(TESTS), (row_id, filename)
 
 
 # ---------------------------------------------------------------------- the code

@@ -20,6 +20,7 @@ import warnings
 from urllib.parse import urlparse
 
 from .optional_packages import missing_package_message
+from ..code_origin import user_stacklevel
 
 __all__ = [
     "ResourceUnavailable",
@@ -275,7 +276,8 @@ def load_vit_mae(name, processor=None, random_init=False, seed=0, quiet=False):
         warnings.warn(
             f"No image processor found for {processor or name!r}; using ViTImageProcessor with size {h}x{w} "
             f"and mean {mean}, std {std} (ImageNet's for RGB, as facebook/vit-mae-base). Pass --processor / "
-            f"processor= to choose."
+            f"processor= to choose.",
+            stacklevel=user_stacklevel(),
         )
         proc = ViTImageProcessor(size={"height": h, "width": w}, image_mean=mean, image_std=std)
     return model.eval(), proc

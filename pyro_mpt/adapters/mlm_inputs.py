@@ -15,6 +15,8 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from ..code_origin import user_stacklevel
+
 __all__ = ["Encoded", "encode_inputs", "check_tokenizer", "model_vocab_size", "position_limit"]
 
 # these model types reserve two positions (padding offset) of max_position_embeddings
@@ -210,7 +212,8 @@ class _Source:
                 if cut:
                     warnings.warn(
                         f"{cut} sequence(s) were longer than max_length={max_len} tokens and were truncated "
-                        f"to it; the scores are those of the truncated sequences."
+                        f"to it; the scores are those of the truncated sequences.",
+                        stacklevel=user_stacklevel(),
                     )
         data = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
         if "token_type_ids" in enc:

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from .batching import eval_mode, gather_rows, place_model, shard
+from ..code_origin import user_stacklevel
 from .rates import PAPER_MAE_RATES, check_rates, item_generator, mask_counts, nested_ranks, rate_curve
 
 __all__ = ["MAEScorer", "init_position_embeddings"]
@@ -147,7 +148,8 @@ class MAEScorer:
         if not model.vit.embeddings.position_embeddings.detach().any():
             warnings.warn(
                 "This ViT-MAE has all-zero position embeddings (transformers 5 leaves them so when a model is "
-                "built from a config); call pyro_mpt.adapters.vit_mae.init_position_embeddings(model) first."
+                "built from a config); call pyro_mpt.adapters.vit_mae.init_position_embeddings(model) first.",
+                stacklevel=user_stacklevel(),
             )
         self.patch_dim = cfg.patch_size**2 * cfg.num_channels
 

@@ -83,6 +83,7 @@ from .hmm import DiscreteHMMConditionals, DiscreteHMMState
 from .gaussian_mixture import GaussianMixtureTable
 from .mixture import MixtureTable
 from .data_args import guide_latents
+from ..code_origin import user_stacklevel
 
 __all__ = [
     "ConditionalEngine",
@@ -259,7 +260,7 @@ def _warn_fallback(tokens, name, failed):
             engine=name,
             failed=failed,
         ),
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -288,4 +289,4 @@ def _report_choice(tokens, name, state, reasons):
             engine="quadrature",
             size=nodes,
         )
-        warnings.warn(warning, stacklevel=4)
+        warnings.warn(warning, stacklevel=user_stacklevel())

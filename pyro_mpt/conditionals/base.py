@@ -15,12 +15,13 @@ evaluation and shared by every block of queries:
    state, vectorized over queries and datapoints.
 """
 
-import os
 import traceback
 from abc import ABC, abstractmethod
 
 import pyro
 import torch
+
+from ..code_origin import PACKAGE, is_library, is_own
 
 __all__ = [
     "ConditionalEngine",
@@ -55,7 +56,7 @@ class NumericalWarning(UserWarning):
 
 
 class QuadratureAccuracyWarning(UserWarning, RuntimeWarning):
-    """A quadrature rule is estimated to be less accurate than the docs state
+    r"""A quadrature rule is estimated to be less accurate than the docs state
     (``docs/numerics.md``): the masked conditionals, or :math:`\log p(x)`, move
     by more than the tolerance between the rule and coarser ones. The message
     names the site, the largest estimate and ``num_nodes``, the knob to raise.
@@ -87,14 +88,6 @@ class SlowEngineWarning(UserWarning):
         super().__init__(message)
         self.engine = engine
         self.size = size
-
-
-_PACKAGE = __name__.split(".")[0]
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-# code that both a model and an engine call: its frames say neither who failed
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, pyro, os)
-)
 
 
 class EngineFallbackWarning(UserWarning):
@@ -137,15 +130,12 @@ def model_failed(error):
     root = error
     while root.__cause__ is not None:
         root = root.__cause__
-    if root is error or type(root).__module__.startswith(_PACKAGE):
+    if root is error or type(root).__module__.startswith(PACKAGE):
         return False
     for frame in reversed(traceback.extract_tb(root.__traceback__)):
-        path = os.path.abspath(frame.filename)
-        # pyro_mpt's own lines first: installed without a virtual environment, its folder
-        # lies inside the standard library's (site-packages), which the libraries' test skips
-        if path.startswith(_PACKAGE_DIR):
+        if is_own(frame.filename):
             return False
-        if not path.startswith(_LIBRARY_DIRS):
+        if not is_library(frame.filename):
             return True
     return False
 
@@ -301,7 +291,7 @@ class ConditionalEngine(ABC):
         return False
 
     def chain_sums_reads_order(self, state):
-        """Whether :meth:`chain_sums` reads the orderings' values, not only how many there are.
+        r"""Whether :meth:`chain_sums` reads the orderings' values, not only how many there are.
 
         Engines whose conditionals come from one joint distribution return
         False: every ordering telescopes to :math:`\log p(x)`, so their

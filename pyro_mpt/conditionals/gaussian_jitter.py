@@ -19,6 +19,7 @@ import torch
 
 from .base import NumericalWarning
 from .gaussian_linalg import NotPositiveDefinite, cholesky, first_jitter, lowrank_dtype, posterior_precision_factor
+from ..code_origin import user_stacklevel
 
 __all__ = ["factor_whole", "add_jitter", "resume_jitter", "mean_diagonal", "set_jitter", "log_det_change"]
 
@@ -156,7 +157,7 @@ def add_jitter(state, error, max_jitter, reached):
         jitter=tau,
     )
     warning.log_prob_change = change
-    warnings.warn(warning, stacklevel=4)
+    warnings.warn(warning, stacklevel=user_stacklevel())
 
 
 def log_det_change(state):

@@ -42,6 +42,7 @@ from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
 from .marginal_rows import basis_rows, common_rows, rows_equal, shared_loading
 from .plate_runs import (CoordinateLatents, alternating_signs, fixed_probes, latent_layout, reaches_points,
                          run_in_plate, run_with_fallback)
+from ..code_origin import user_stacklevel
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
 
@@ -366,7 +367,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
                 f"so that it broadcasts over extra batch dims on the left ('...' indexing such as "
                 f"a[..., idx] instead of a[idx], torch.matmul, .expand) to run it vectorized.",
                 SlowEngineWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
 
     mode, (mu, W, noise) = run_with_fallback(

@@ -465,7 +465,7 @@ class ImportanceConditionals(ConditionalEngine):
                  "Use proposal='guide' with a guide close to the posterior, more samples "
                  "(num_samples=...), or an exact engine (conditionals='gaussian' or 'quadrature') "
                  "where the model allows."),
-                self.khat_threshold, self.min_ess, stacklevel=5,
+                self.khat_threshold, self.min_ess,
             )
             state.warned = bool(bad.any())
         return khat

@@ -48,6 +48,7 @@ from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable, SlowEngineWarning
 from .decoded import Decoded, Encoded, StackedDecoded, pad_batch, site_log_prob
 from .plate_runs import MeanLatents, RunMemory, run_in_plate, run_with_fallback
+from ..code_origin import user_stacklevel
 
 __all__ = [
     "PARTICLE_PLATE",
@@ -227,7 +228,7 @@ class LatentRunner:
                     f"that it broadcasts over extra batch dims on the left (torch.matmul instead of "
                     f"nn.Linear / F.linear on sampled weights) to run it vectorized.",
                     SlowEngineWarning,
-                    stacklevel=6,
+                    stacklevel=user_stacklevel(),
                 )
 
         # the per-point runs raise EngineNotApplicable themselves when the model fails at a point
@@ -383,7 +384,7 @@ class LatentRunner:
                 f"take its plate size from the data (pyro.plate('data', x.shape[0])) "
                 f"and no other per-datapoint argument to stack the copies.",
                 RuntimeWarning,
-                stacklevel=5,
+                stacklevel=user_stacklevel(),
             )
 
         modes = ("stacked", "per_copy") if B > 1 and self.data.rows else ("per_copy",)

@@ -152,6 +152,7 @@ from .quadrature_rules import (
     effective_nodes,
     gaussian_grid,
 )
+from ..code_origin import user_stacklevel
 
 __all__ = ["QuadratureConditionals", "QuadratureMemory", "CHECK_TOL", "CHECK_EVIDENCE_TOL"]
 
@@ -385,7 +386,7 @@ class QuadratureConditionals(ConditionalEngine):
                             f"start from the previous call gives another number); raise "
                             f"newton_steps.",
                             RuntimeWarning,
-                            stacklevel=2,
+                            stacklevel=user_stacklevel(),
                         )
                     self._remember_centre(tokens, c)
                 else:
@@ -494,7 +495,7 @@ class QuadratureConditionals(ConditionalEngine):
                     f"{float(per_axis[worst]):.3g}), so log p(x) and the conditionals "
                     f"can be off by nats; {hint}.",
                     RuntimeWarning,
-                    stacklevel=4,
+                    stacklevel=user_stacklevel(),
                 )
 
     # ------------------------------------------------------------------ queries
@@ -530,7 +531,7 @@ class QuadratureConditionals(ConditionalEngine):
                 f"with {m} nodes per latent dim. "
                 f"Use more nodes (num_nodes=...); check_tol=None skips this check.",
                 site=state.runner.tokens.name, error=worst),
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
     def _context_log_prob(self, state, mask):
@@ -813,7 +814,7 @@ class QuadratureConditionals(ConditionalEngine):
                 f"with {state.nodes_per_dim} nodes per latent dim. Use more nodes (num_nodes=...); "
                 f"check_evidence_tol=None skips this check.",
                 site=state.runner.tokens.name, error=worst),
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
     def log_evidence(self, state, x):

@@ -25,6 +25,7 @@ from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable, SlowEngineWarning
 from .distributions import token_log_prob, unwrap
 from .plate_runs import CoordinateLatents, RunMemory, latent_layout, reaches_points, run_in_plate, run_with_fallback
+from ..code_origin import user_stacklevel
 
 __all__ = ["NotQuadratureError", "quadrature_layout", "prior_start", "NodeRunner", "latent_dtype", "NODE_PLATE",
            "ALTERNATIVES", "RUN_MODES", "MAX_NODE_RUNS", "PRIOR_START_DRAWS"]
@@ -250,7 +251,7 @@ class NodeRunner:
                 f"over extra batch dims on the left ('...' indexing, torch.matmul, .expand) to run "
                 f"it vectorized.",
                 SlowEngineWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
 
     def run(self, u):

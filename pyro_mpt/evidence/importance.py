@@ -187,7 +187,7 @@ def importance_evidence(evidence, tokens, args, kwargs):
         warn_poor_weights(
             "Evidence(method='importance')", "datapoint(s)", check, ess,
             "Use a guide closer to the posterior as the proposal, or (much) more samples.",
-            threshold, min_ess, stacklevel=4,
+            threshold, min_ess,
         )
     unflat = tokens.unflatten
     diagnostics = {

@@ -14,6 +14,7 @@ from ..conditionals.base import EngineNotApplicable, QuadratureAccuracyWarning
 from ..conditionals.quadrature import QuadratureConditionals
 from ..conditionals.quadrature_rules import default_num_nodes
 from .result import EvidenceResult
+from ..code_origin import user_stacklevel
 
 __all__ = ["quadrature_evidence", "WARN_TOL"]
 
@@ -177,7 +178,7 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
             f"Use more nodes (num_nodes=...){'' if engine.adaptive else ' or adaptive=True'}; "
             f"the per-datapoint estimates are the result's stderr; warn_tol=None silences this.",
             site=tokens.name, error=float(error[worst])),
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     # per-datapoint diagnostics in the site's batch shape, like the value they describe
     # (flat, a (n, 1) batch minus its (n,) coarse estimate broadcast to (n, n))
