@@ -17,6 +17,7 @@ in a subsampled ``pyro.plate`` of size ``N`` and batch ``B``, times any
 full-data loss whenever the schedule is unbiased.
 """
 
+import difflib
 from dataclasses import dataclass, field
 
 import pyro.distributions as dist
@@ -26,7 +27,7 @@ from pyro.infer.util import torch_item
 from pyro.util import warn_if_nan
 
 from .arg_checks import Revalidate, args_valid, checkable, quiet_or_validated
-from .conditionals import auto_engine, make_engine
+from .conditionals import ENGINES, auto_engine, make_engine, option_names
 from .conditionals.base import EngineNotApplicable, callable_key
 from .curve import CurveAccumulator
 from .estimate import mpt_estimate
@@ -76,6 +77,25 @@ class LossMemory:
 
     auto_engines: dict = field(default_factory=dict)
     quiet_traces: set = field(default_factory=set)
+
+
+#: the loss's own keywords: an unknown keyword goes to the engine, so a misspelled one
+#: (``mask="all"``) would otherwise be blamed on the engine
+_OWN_KEYWORDS = ("conditionals", "masks", "num_masks", "obs_site", "extra_sites", "token_plates",
+                 "max_plate_nesting", "share_masks", "chunk_size", "progress")
+
+
+def _check_misspelled_keywords(engine_options):
+    """Refuse an engine option that no engine takes and that is spelled like one of the loss's own."""
+    engine_names = set().union(*(option_names(cls) for cls in ENGINES.values()))
+    for name in engine_options:
+        close = difflib.get_close_matches(name, _OWN_KEYWORDS, n=1, cutoff=0.75)
+        if name not in engine_names and close:
+            raise ValueError(
+                f"MaskedPretrainingLoss got {name}={engine_options[name]!r}, which is not one of its "
+                f"keywords, so it would go to the conditional engine, and no engine takes it: did "
+                f"you mean {close[0]}={engine_options[name]!r}?"
+            )
 
 
 class MaskedPretrainingLoss(ELBO):
@@ -185,6 +205,7 @@ class MaskedPretrainingLoss(ELBO):
                 f"conditional engine instead. For more masks per datapoint and step pass num_masks=<n>; "
                 f"for more importance samples per conditional, conditionals='importance' with num_samples=<n>."
             )
+        _check_misspelled_keywords(engine_options)
         super().__init__(num_particles=1, max_plate_nesting=max_plate_nesting)
         self.schedule = make_schedule(masks, num_masks, bool(share_masks))
         # curves share one mask set unless asked otherwise (by share_masks=False,

@@ -55,6 +55,7 @@ expose, which would otherwise send a mixture to approximate importance sampling
 unnoticed.
 """
 
+import difflib
 import functools
 import inspect
 import logging
@@ -119,6 +120,8 @@ __all__ = [
     "AUTO_OPTIONS",
     "make_engine",
     "auto_engine",
+    "option_names",
+    "unknown_options_message",
 ]
 
 #: engines by name, tried in this order by ``conditionals="auto"``
@@ -177,6 +180,9 @@ def make_engine(spec, **options):
     :param spec: ``"auto"``, an engine name (see :data:`ENGINES`) or a
         :class:`ConditionalEngine`.
     :param options: passed to the engine's constructor.
+    :raises ValueError: for an option that the named engine (with ``"auto"``: every engine)
+        does not take, naming the options it takes; and for any option beside an engine
+        instance, which would not reach it.
 
     Example::
 
@@ -186,14 +192,69 @@ def make_engine(spec, **options):
         True
     """
     if isinstance(spec, ConditionalEngine):
+        if options:
+            # an instance is built already: the options would be dropped without a word
+            # (MaskedPretrainingLoss(conditionals=QuadratureConditionals(), num_nodes=3) kept
+            # the default grid)
+            listed = ", ".join(f"{k}={v!r}" for k, v in options.items())
+            raise ValueError(
+                f"conditionals={spec!r} is an engine instance, so the option(s) {listed} would "
+                f"not reach it: pass them to its constructor, {type(spec).__name__}({listed}), "
+                f"or name the engine, conditionals=<name>, with the options beside it."
+            )
         return spec
     if spec == "auto":
+        check_auto_options(options)
         return None
     if isinstance(spec, str) and spec in ENGINES:
-        return ENGINES[spec](**options)
+        cls = ENGINES[spec]
+        unknown = sorted(set(options) - option_names(cls))
+        if unknown:
+            elsewhere = {k: [f"conditionals={n!r}" for n, c in ENGINES.items() if k in option_names(c)] for k in unknown}
+            raise ValueError(unknown_options_message(f"conditionals={spec!r}", unknown, option_names(cls), elsewhere))
+        return cls(**options)
     names = ", ".join(repr(k) for k in ["auto", *ENGINES])
     raise ValueError(
         f"Unknown conditionals={spec!r}; use one of {names} or a ConditionalEngine instance."
+    )
+
+
+def option_names(cls):
+    """The keyword options of an engine class's constructor (all of them are keywords).
+
+    :param type cls: a :class:`ConditionalEngine` subclass.
+    :returns: frozenset of names.
+
+    Example::
+
+        >>> sorted(option_names(EnumerateConditionals))
+        ['max_elements', 'max_support']
+    """
+    return _accepted_options(cls)
+
+
+def unknown_options_message(who, unknown, accepted, elsewhere=None):
+    """The message for options that ``who`` does not take: what it takes, close spellings.
+
+    :param str who: the callee as the user wrote it, e.g. ``"conditionals='gaussian'"``.
+    :param list unknown: the option names it does not take.
+    :param accepted: the names it takes.
+    :param dict elsewhere: ``{option: [where it belongs, ...]}`` for options that another
+        estimator or method takes (e.g. ``num_samples`` of ``method='importance'``).
+    :returns: str.
+    """
+    hints = []
+    for name in unknown:
+        if elsewhere and elsewhere.get(name):
+            hints.append(f"{name!r} is an option of {' and '.join(elsewhere[name])}")
+            continue
+        close = difflib.get_close_matches(name, sorted(accepted), n=1, cutoff=0.75)
+        if close:
+            hints.append(f"did you mean {close[0]}= for {name}=?")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    return (
+        f"{who} takes no option(s) {', '.join(map(repr, unknown))}{hint}. Its options: "
+        f"{', '.join(sorted(accepted)) or 'none'}; check the spelling, or leave them out."
     )
 
 
@@ -201,7 +262,23 @@ def make_engine(spec, **options):
 def _accepted_options(cls):
     # read once a class: inspect.signature of the eight engines took 0.36 ms, a tenth of a whole
     # D = 10 PPCA step, at every call of a fresh loss ("auto" chooses again)
-    return frozenset(inspect.signature(cls.__init__).parameters)
+    return frozenset(
+        name for name, p in inspect.signature(cls.__init__).parameters.items()
+        if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    )
+
+
+def check_auto_options(options):
+    """Refuse options that no engine takes (``"auto"`` gives each engine the ones it knows).
+
+    :raises ValueError: naming them.
+    """
+    unused = set(options).difference(*(_accepted_options(cls) for cls in ENGINES.values()))
+    if unused:
+        raise ValueError(
+            f"conditionals='auto': no engine takes the option(s) {sorted(unused)}; "
+            f"check their spelling, or choose the engine by name."
+        )
 
 
 def auto_engine(tokens, model, guide, args, kwargs, **options):
@@ -215,13 +292,8 @@ def auto_engine(tokens, model, guide, args, kwargs, **options):
         >>> tokens = trace_tokens(ppca, None, (x,), {})
         >>> engine, state = auto_engine(tokens, ppca, None, (x,), {})  # GaussianConditionals for PPCA
     """
+    check_auto_options(options)
     accepted = {name: _accepted_options(cls) for name, cls in ENGINES.items()}
-    unused = set(options).difference(*accepted.values())
-    if unused:
-        raise ValueError(
-            f"conditionals='auto': no engine takes the option(s) {sorted(unused)}; "
-            f"check their spelling, or choose the engine by name."
-        )
     reasons, failed = {}, {}
     for name, cls in ENGINES.items():
         # each engine takes the options it knows; e.g. num_samples is only for sampling engines

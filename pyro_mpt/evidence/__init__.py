@@ -33,18 +33,23 @@ diagnostics) and calling the object returns the values.
 import pyro.distributions as dist
 
 from ..arg_checks import Revalidate, args_valid, checkable, quiet_or_validated
+from ..conditionals import unknown_options_message
 from ..guide_checks import check_guide_sites
 from ..observed_tokens import trace_tokens
 from ..point_latents import trace_with_point_globals
-from .exact import exact_evidence
-from .importance import importance_evidence
-from .quadrature import quadrature_evidence
+from .exact import EXACT_OPTIONS, exact_evidence
+from .importance import IMPORTANCE_OPTIONS, importance_evidence
+from .quadrature import QUADRATURE_OPTIONS, quadrature_evidence
 from .result import EvidenceResult
 
-__all__ = ["Evidence", "EvidenceResult", "METHODS"]
+__all__ = ["Evidence", "EvidenceResult", "METHODS", "METHOD_OPTIONS"]
 
 #: evidence methods by name, each ``(evidence, tokens, args, kwargs) -> EvidenceResult``
 METHODS = {"exact": exact_evidence, "quadrature": quadrature_evidence, "importance": importance_evidence}
+
+#: the options each method takes, checked when an ``Evidence`` is built (a method added to
+#: :data:`METHODS` without an entry here checks its own)
+METHOD_OPTIONS = {"exact": EXACT_OPTIONS, "quadrature": QUADRATURE_OPTIONS, "importance": IMPORTANCE_OPTIONS}
 
 
 class Evidence:
@@ -99,6 +104,13 @@ class Evidence:
         if method not in METHODS:
             names = ", ".join(repr(k) for k in METHODS)
             raise ValueError(f"Unknown evidence method={method!r}; use one of {names}.")
+        accepted = METHOD_OPTIONS.get(method)
+        unknown = sorted(set(options) - accepted) if accepted is not None else []
+        if unknown:
+            # Evidence(model, num_samples=500) without method="importance" ended in a TypeError
+            # of GaussianConditionals.__init__, an engine the caller never named
+            elsewhere = {k: [f"method={m!r}" for m, names in METHOD_OPTIONS.items() if k in names] for k in unknown}
+            raise ValueError(unknown_options_message(f"Evidence(method={method!r})", unknown, accepted, elsewhere))
         self.model = model
         self.guide = guide
         self.method = method

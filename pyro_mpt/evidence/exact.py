@@ -20,6 +20,7 @@ sub-vector.
 import torch
 
 from ..conditionals import (
+    option_names,
     AUTO_MIN_TOKENS,
     DiscreteHMMConditionals,
     EnumerateConditionals,
@@ -31,7 +32,11 @@ from ..conditionals import (
 from ..conditionals.base import EngineNotApplicable
 from .result import EvidenceResult
 
-__all__ = ["exact_evidence"]
+__all__ = ["exact_evidence", "EXACT_OPTIONS"]
+
+#: the options of ``Evidence(method="exact")``: those of
+#: :class:`~pyro_mpt.conditionals.GaussianConditionals`, its ``method`` spelled ``path``
+EXACT_OPTIONS = (option_names(GaussianConditionals) - {"method"}) | {"path"}
 
 
 def exact_evidence(evidence, tokens, args, kwargs):

@@ -58,7 +58,12 @@ from ..importance_weights import effective_sample_size, psis_khat, warn_poor_wei
 from ..recompute import recomputed
 from .result import EvidenceResult
 
-__all__ = ["importance_log_weights", "importance_evidence"]
+__all__ = ["importance_log_weights", "importance_evidence", "IMPORTANCE_OPTIONS"]
+
+#: the options of ``Evidence(method="importance")``
+IMPORTANCE_OPTIONS = frozenset(
+    {"num_samples", "chunk_size", "max_elements", "proposal", "khat_threshold", "min_ess", "psis"}
+)
 
 
 def importance_log_weights(
@@ -144,12 +149,7 @@ def importance_evidence(evidence, tokens, args, kwargs):
     proposal = options.pop("proposal", "auto")
     threshold = options.pop("khat_threshold", 0.7)
     min_ess = options.pop("min_ess", 10.0)
-    psis = options.pop("psis", True)
-    if options:
-        raise ValueError(
-            f"Evidence(method='importance') got unknown option(s) {', '.join(map(repr, options))}; "
-            f"use num_samples, chunk_size, max_elements, proposal, khat_threshold, min_ess, psis."
-        )
+    psis = options.pop("psis", True)  # any other option was refused by Evidence (IMPORTANCE_OPTIONS)
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"Evidence(method='importance', num_samples={num_samples!r}): give a positive integer.")
     if proposal not in ("auto", "guide", "prior"):

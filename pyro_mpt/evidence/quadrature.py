@@ -11,12 +11,16 @@ import warnings
 import torch
 
 from ..conditionals.base import EngineNotApplicable, QuadratureAccuracyWarning
+from ..conditionals import option_names
 from ..conditionals.quadrature import QuadratureConditionals
 from ..conditionals.quadrature_rules import default_num_nodes
 from .result import EvidenceResult
 from ..code_origin import user_stacklevel
 
-__all__ = ["quadrature_evidence", "WARN_TOL"]
+__all__ = ["quadrature_evidence", "WARN_TOL", "QUADRATURE_OPTIONS"]
+
+#: the options of ``Evidence(method="quadrature")``: the engine's and the error estimate's
+QUADRATURE_OPTIONS = option_names(QuadratureConditionals) | {"tol", "warn_tol", "error_nodes"}
 
 #: ``Evidence(method="quadrature")`` warns when the error estimate of some
 #: datapoint's :math:`\log p(x_i)` exceeds this many nats (option ``warn_tol``)

@@ -20,6 +20,21 @@ def _():
     MaskedPretrainingLoss(num_sample=8).loss(model, None, x)
 
 
+@trigger("engine-unknown-option")
+def _():
+    MaskedPretrainingLoss(conditionals="quadrature", num_samples=64)
+
+
+@trigger("engine-instance-options")
+def _():
+    MaskedPretrainingLoss(conditionals=QuadratureConditionals(), num_nodes=3)
+
+
+@trigger("loss-misspelled-keyword")
+def _():
+    MaskedPretrainingLoss(mask="all")
+
+
 @trigger("loss-elbo-option")
 def _():
     MaskedPretrainingLoss(num_particles=10)

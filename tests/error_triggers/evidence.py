@@ -22,10 +22,10 @@ def _():
     Evidence(_bernoulli_model(), method="exact")(torch.ones(4, 3))
 
 
-@trigger("evidence-importance-unknown-option")
+@trigger("evidence-unknown-option")
 def _():
     model, x = _ppca()
-    Evidence(model, method="importance", samples=10)(x)
+    Evidence(model, num_samples=500)(x)
 
 
 @trigger("evidence-importance-num-samples")
