@@ -49,6 +49,7 @@ from .gaussian_aggregated import (
     lowrank_weighted_sum,
 )
 from .gaussian_blocks import BlockGaussianState, block_marginal
+from .gaussian_groups import grouped_marginal, grouped_state
 from .gaussian_dense import dense_chain, dense_log_prob, dense_masks
 from .gaussian_dense_precision import routed_dense_sums
 from .gaussian_independent import lowrank_independent_sums
@@ -104,10 +105,15 @@ class GaussianMemory:
     :param dict jitter: the relative jitter the Cholesky rescue reached, per
         ``(observed site, dtype)``; later calls start from it and warn only
         when it grows.
+    :param dict groups: whether a sparse loading's dropped zeros carry no
+        gradient, per site and pattern of independent groups
+        (:func:`~pyro_mpt.conditionals.gaussian_groups.grouped_marginal`): checked
+        once, not at every step.
     """
 
     run_mode: RunMemory = field(default_factory=RunMemory)
     jitter: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict)
 
 
 class GaussianConditionals(ConditionalEngine):
@@ -176,6 +182,12 @@ class GaussianConditionals(ConditionalEngine):
             marginal, num_blocks = blocks
             return BlockGaussianState(self._prepare_marginal(marginal, tokens.name), num_blocks, tokens.num_data)
         marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize, memory=self.memory.run_mode)
+        groups = None if self.method == "dense" else grouped_marginal(marginal, tokens.num_data, self.memory.groups)
+        if groups is not None:
+            # a sparse loading (random intercepts of many groups, one datapoint): its
+            # independent groups as rows, O(C N r^2) a step instead of O(D R^2)
+            inner, index = groups
+            return grouped_state(self._prepare_marginal(inner, tokens.name), tokens.num_data, index)
         return self._prepare_marginal(marginal, tokens.name)
 
     def _prepare_marginal(self, marginal, site):
@@ -269,7 +281,7 @@ class GaussianConditionals(ConditionalEngine):
             :math:`\log\mathcal N(x_{O_i}; \mu_{O_i}, \Sigma_{O_i O_i})`.
         """
         if isinstance(state, BlockGaussianState):
-            blocks = None if observed is None else state.rows(observed)
+            blocks = state.observed_rows(observed)
             return state.per_datapoint(self.log_evidence(state.inner, state.rows(x), blocks))
         x = _to_work(state, x)
         log_prob = lowrank_log_prob if state.is_low_rank else dense_log_prob

@@ -220,6 +220,10 @@ class BlockGaussianState:
         """Inverse of :meth:`rows` for ``(*lead, n B, N)``: ``(*lead, n, D)``."""
         return t.reshape(t.shape[:-2] + (self.num_data, self.num_tokens))
 
+    def observed_rows(self, observed):
+        """The blocks' observed tokens ``(n B, N)`` for the density, or None (all observed)."""
+        return None if observed is None else self.rows(observed)
+
     def per_datapoint(self, t):
         """Sum per-block results ``(*lead, n B)`` over the blocks: ``(*lead, n)``."""
         return t.reshape(t.shape[:-1] + (self.num_data, self.num_blocks)).sum(-1)

@@ -44,7 +44,7 @@ from .plate_runs import (CoordinateLatents, alternating_signs, fixed_probes, lat
                          run_in_plate, run_with_fallback)
 from ..code_origin import user_stacklevel
 
-__all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
+__all__ = ["GaussianMarginal", "gaussian_marginal", "graph_leaves", "NotLinearGaussianError", "RUN_MODES"]
 
 #: the ways :func:`gaussian_marginal` runs the model on the noise points, in the
 #: order it tries them: one vectorized run with the shared latent parameters
@@ -442,7 +442,7 @@ def _diagonal_variances(cov):
     if bool(off.detach().ne(0).any()):
         return None
     if off.requires_grad:
-        leaves = _graph_leaves(off.grad_fn)
+        leaves = graph_leaves(off.grad_fn)
         gen = torch.Generator(device="cpu").manual_seed(20231208)
         probe = torch.randn(off.shape, generator=gen, dtype=off.dtype).to(off.device)
         grads = torch.autograd.grad(off, leaves, probe, retain_graph=True, allow_unused=True)
@@ -451,8 +451,14 @@ def _diagonal_variances(cov):
     return torch.diagonal(cov, dim1=-2, dim2=-1)
 
 
-def _graph_leaves(fn):
-    """The leaf tensors an autograd graph reaches from node ``fn``."""
+def graph_leaves(fn):
+    """The leaf tensors an autograd graph reaches from node ``fn``.
+
+    Example::
+
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> graph_leaves((2 * w).grad_fn) == [w]   # [True]
+    """
     leaves, seen, stack = [], set(), [fn]
     while stack:
         node = stack.pop()

@@ -1,0 +1,264 @@
+r"""A low-rank Gaussian marginal whose loading is sparse: independent groups of tokens.
+
+A random-intercept model, :math:`u_g \sim \mathcal N(0, \sigma_u^2)` for
+:math:`G` groups and :math:`y_j \sim \mathcal N(\beta x_j + u_{g(j)}, \sigma^2)`
+for :math:`D` observations scored as one datapoint (``token_plates=("data",)``),
+has the marginal :math:`\mathcal N(\mu, F F^\top + \operatorname{diag}(\psi))`
+with a :math:`D \times G` loading :math:`F` that has one nonzero a row. Held
+dense, every Woodbury step costs :math:`O(D G^2)` (10000 observations in 1000
+groups: seconds a step).
+
+The nonzeros of :math:`F` join tokens and latents into the connected components
+of a bipartite graph (token :math:`j` -- latent :math:`k` where
+:math:`F_{jk} \ne 0`). With :math:`c(j)` a token's component and
+:math:`\mathcal K_c` the latents of component :math:`c`,
+:math:`F F^\top` is block-diagonal over the components, so
+
+.. math::
+
+    \log p(x) = \sum_c \log \mathcal N\big(x_c;\; \mu_c,\;
+        F_{c\mathcal K_c} F_{c\mathcal K_c}^\top + \operatorname{diag}(\psi_c)\big), \qquad
+    p(x_j \mid x_{\mathcal R}) = p_{c(j)}(x_j \mid x_{\mathcal R \cap c(j)}).
+
+:func:`grouped_marginal` finds the components and stores them as :math:`C`
+rows of :math:`N = \max_c |c|` tokens and :math:`r = \max_c |\mathcal K_c|`
+latents (``(C, N, r)``), the shorter ones padded with tokens of zero loading,
+unit noise and zero residual (independent of every other token, so a padded
+token in a context changes no conditional; it is never a target, and the
+density leaves it out as a missing token). A step then costs
+:math:`O(C N r^2)` instead of :math:`O(D G^2)`: random intercepts
+(:math:`r = 1`) and nested groups (a top-level group and its subgroups are one
+component) scale linearly in the number of groups. Crossed effects and global
+latents (a mean shared by every group) join every token into one component;
+such loadings keep the dense path, exactly as before.
+
+A zero of :math:`F` that is zero only in value (a loading parameter that starts
+at zero) still carries a gradient: the components are taken only when one
+product of the dropped entries' Jacobian with a random vector is zero.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .gaussian_blocks import BlockGaussianState
+from .gaussian_marginal import GaussianMarginal, graph_leaves
+
+__all__ = ["GroupedGaussianState", "grouped_marginal", "grouped_state", "loading_components", "GROUPED_MIN_GAIN"]
+
+#: the factor by which the padded groups' cost (C N r^2) must undercut the dense
+#: loading's (D R^2) before the groups are taken
+GROUPED_MIN_GAIN = 4
+
+
+def loading_components(F):
+    """Connected components of the tokens and latents joined by the nonzeros of a loading.
+
+    :param torch.Tensor F: ``(r, D, R)``, the loading (rows per datapoint or one shared).
+    :returns: ``(token_comp, latent_comp)``, int64 numpy arrays ``(D,)`` and ``(R,)``:
+        component labels ``0..C-1`` of the tokens (in order of each component's first
+        token) and the latents' labels in the same numbering, ``-1`` for a latent no
+        token loads on.
+
+    Example::
+
+        >>> F = torch.tensor([[[1.0, 0.0], [0.0, 2.0], [3.0, 0.0]]])  # tokens 0, 2 on latent 0
+        >>> loading_components(F)
+        (array([0, 1, 0]), array([0, 1]))
+    """
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    D, R = F.shape[-2:]
+    rows, cols = (F.detach() != 0).any(0).nonzero(as_tuple=True)
+    rows, cols = rows.cpu().numpy(), cols.cpu().numpy()
+    graph = coo_matrix((np.ones(rows.size, dtype=np.int8), (rows, D + cols)), shape=(D + R, D + R))
+    _, labels = connected_components(graph, directed=False)
+    token, latent = labels[:D], labels[D:]
+    # renumber by first token: components without tokens (latents no token loads on) go
+    _, first, inverse = np.unique(token, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    token_comp = rank[inverse]
+    relabel = np.full(labels.max() + 1, -1, dtype=np.int64)
+    relabel[token[first[order]]] = np.arange(order.size)
+    return token_comp.astype(np.int64), relabel[latent]
+
+
+def _padded_layout(comp, C):
+    """``(index, width)``: ``index`` ``(C, width)`` numpy, the members of each component
+    in their order, ``-1`` where a component has fewer than ``width``."""
+    if comp.size == 0:
+        return np.full((C, 1), -1, dtype=np.int64), 1
+    sizes = np.bincount(comp, minlength=C)
+    width = max(1, int(sizes.max()))
+    members = np.argsort(comp, kind="stable")
+    start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    slot = np.arange(comp.size) - np.repeat(start, sizes)
+    index = np.full((C, width), -1, dtype=np.int64)
+    index[comp[members], slot] = members
+    return index, width
+
+
+def _dropped_zeros_constant(F, keep):
+    r"""Whether the entries of ``F`` outside ``keep`` (all zero in value) are zero in their
+    derivatives too (a loading parameter that starts at zero has zero entries that carry
+    its gradient): the product of their Jacobian with a random vector is within
+    :math:`\sqrt{\epsilon}` of the same product over the kept entries. Not exactly zero:
+    a loading written as a difference of model runs, ``loc(e_k) - loc(0)``, rounds the
+    derivative of a zero entry (``d(b u_j - b u_j)/db``) to a few ulps of its sums."""
+    if not F.requires_grad:
+        return True
+    leaves = graph_leaves(F.grad_fn)
+    if not leaves:
+        return True
+    gen = torch.Generator(device="cpu").manual_seed(20240611)
+    probe = torch.randn(F.shape[-2:], generator=gen, dtype=F.dtype).to(F.device)
+    dropped = torch.autograd.grad((F * probe.masked_fill(keep, 0.0)).sum(), leaves, retain_graph=True, allow_unused=True)
+    kept = torch.autograd.grad((F * probe.masked_fill(~keep, 0.0)).sum(), leaves, retain_graph=True, allow_unused=True)
+    size = max([float(g.abs().max()) for g in kept if g is not None and g.numel()] + [0.0])
+    worst = max([float(g.abs().max()) for g in dropped if g is not None and g.numel()] + [0.0])
+    return worst <= torch.finfo(F.dtype).eps ** 0.5 * size
+
+
+def grouped_marginal(marginal, num_data, verdicts=None):
+    r"""The marginal split into the independent groups of its loading, or None.
+
+    Taken for one datapoint (the whole dataset scored as one, where a loading with
+    many latents meets many tokens) with a low-rank marginal whose components (see
+    :func:`loading_components`) cut the cost :math:`D R^2` of the dense loading by
+    :data:`GROUPED_MIN_GAIN` or more as padded groups, :math:`C N r^2`.
+
+    :param ~pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal marginal: ``loc``
+        ``(1, D)``, ``cov_factor`` ``(1, D, R)``, ``cov_diag`` ``(1, D)``.
+    :param int num_data: :math:`n`; groups are taken only for 1.
+    :param dict verdicts: kept across calls (by
+        :class:`~pyro_mpt.conditionals.GaussianConditionals`): whether the dropped zeros
+        of a loading with these components carry no gradient, checked once per
+        site and pattern of components (the check costs a backward pass through the
+        model's runs, a step's time: every step of training would pay it).
+    :returns: ``(inner, index)``: ``inner`` the marginal of ``C`` rows of ``N`` tokens and
+        ``r`` latents (padded tokens: zero loading and mean, unit noise), ``index``
+        ``(C, N)`` long, each row's tokens, ``-1`` at padding; None where the groups do
+        not pay, or where a dropped zero of the loading carries a gradient.
+
+    Example::
+
+        >>> inner, index = grouped_marginal(gaussian_marginal(tokens, model, args, {}), 1)
+        >>> inner.cov_factor.shape   # (C, N, r): 1000 groups, at most N tokens each, r = 1
+    """
+    F, psi, loc = marginal.cov_factor, marginal.cov_diag, marginal.loc
+    if num_data != 1 or not marginal.is_low_rank or F is None or F.shape[0] != 1:
+        return None
+    D, R = F.shape[-2:]
+    if R < 2 or loc.shape[0] != 1 or psi.shape[0] != 1:
+        return None
+    token_comp, latent_comp = loading_components(F)
+    C = int(token_comp.max()) + 1 if D else 0
+    if C < 2:
+        return None
+    index, N = _padded_layout(token_comp, C)
+    kept = latent_comp >= 0
+    lat_index, r = _padded_layout(latent_comp[kept], C)
+    lat_index = np.where(lat_index >= 0, np.flatnonzero(kept)[np.maximum(lat_index, 0)], -1)
+    if GROUPED_MIN_GAIN * C * N * max(1, min(r, N)) ** 2 > D * max(1, min(R, D)) ** 2:
+        return None
+    device = F.device
+    tok = torch.as_tensor(index, device=device)
+    lat = torch.as_tensor(lat_index, device=device)
+    keep = torch.zeros(D, R, dtype=torch.bool, device=device)
+    rows = tok[:, :, None].expand(C, N, r)
+    cols = lat[:, None, :].expand(C, N, r)
+    valid = (rows >= 0) & (cols >= 0)
+    keep[rows[valid], cols[valid]] = True
+    key = (marginal.site, D, R, hash(token_comp.tobytes()), hash(latent_comp.tobytes()))
+    if verdicts is None or key not in verdicts:
+        verdict = _dropped_zeros_constant(F, keep)
+        if verdicts is None or not F.requires_grad:
+            # a loading without gradient says nothing of the next call's
+            if not verdict:
+                return None
+        else:
+            verdicts[key] = verdict
+    if verdicts is not None and not verdicts.get(key, True):
+        return None
+    t_pad, l_pad = tok < 0, lat < 0
+    t_safe, l_safe = tok.clamp(min=0), lat.clamp(min=0)
+    zero = torch.zeros((), dtype=F.dtype, device=device)
+    Fg = F[0][t_safe[:, :, None], l_safe[:, None, :]]  # (C, N, r)
+    Fg = torch.where(t_pad[:, :, None] | l_pad[:, None, :], zero, Fg)
+    psig = torch.where(t_pad, torch.ones((), dtype=psi.dtype, device=device), psi[0][t_safe])
+    locg = torch.where(t_pad, torch.zeros((), dtype=loc.dtype, device=device), loc[0][t_safe])
+    inner = GaussianMarginal(locg, cov_factor=Fg, cov_diag=psig, site=marginal.site)
+    return inner, tok
+
+
+@dataclass
+class GroupedGaussianState(BlockGaussianState):
+    """The Gaussian engine's state for the independent groups of a sparse loading
+    (:func:`grouped_marginal`): :class:`~pyro_mpt.conditionals.gaussian_blocks.BlockGaussianState`
+    whose blocks are the groups' tokens gathered by ``index`` and padded.
+
+    :param inner: the engine's state over the ``n C`` rows of ``N`` tokens.
+    :param int num_blocks: :math:`C`, the groups.
+    :param int num_data: :math:`n`.
+    :param torch.Tensor index: ``(C, N)`` long, each group's tokens, ``-1`` at padding.
+    """
+
+    index: torch.Tensor = None
+
+    def __post_init__(self):
+        D = int((self.index >= 0).sum())
+        flat = self.index.reshape(-1)
+        # a padded slot reads the extra column D of the padded token tensor
+        self._gather = torch.where(flat >= 0, flat, D)
+        self._positions = flat.argsort()[flat.numel() - D :]  # slot of each token 0..D-1
+        self._num_tokens = D
+
+    @property
+    def num_tokens(self):
+        return self._num_tokens
+
+    @property
+    def pads(self):
+        """Whether the groups are padded (some have fewer than ``N`` tokens)."""
+        return self._num_tokens < self.index.numel()
+
+    def rows(self, t, fill=0):
+        """Token tensor ``(*lead, n|1, D)`` -> ``(*lead, n C, N)``, ``fill`` at padding."""
+        C, N = self.index.shape
+        if t.shape[-2] == 1 and self.num_data > 1:
+            t = t.expand(t.shape[:-2] + (self.num_data, self._num_tokens))
+        pad = torch.full(t.shape[:-1] + (1,), fill, dtype=t.dtype, device=t.device)
+        t = torch.cat([t, pad], -1)[..., self._gather]
+        return t.reshape(t.shape[:-2] + (t.shape[-2] * C, N))
+
+    def tokens(self, t):
+        """Inverse of :meth:`rows` for ``(*lead, n C, N)``: ``(*lead, n, D)``, padding dropped."""
+        t = t.reshape(t.shape[:-2] + (self.num_data, self.index.numel()))
+        return t[..., self._positions]
+
+    def observed_rows(self, observed):
+        """The groups' observed tokens ``(n C, N)`` for the density: padding unobserved."""
+        if observed is None:
+            if not self.pads:
+                return None
+            observed = torch.ones(self.num_data, self._num_tokens, dtype=torch.bool, device=self.index.device)
+        return self.rows(observed, fill=False)
+
+    def orders(self, order):
+        """Each group's tokens in the order of the complete orderings ``(p, n|1, D)``:
+        ``(p, n C|C, N)``, positions within the group, padding first (context to every
+        token, on which it has no bearing)."""
+        ranks = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+        )
+        return self.rows(ranks, fill=-1).argsort(-1)
+
+
+def grouped_state(inner_state, num_data, index):
+    """The :class:`GroupedGaussianState` of a prepared inner state."""
+    return GroupedGaussianState(inner_state, index.shape[0], num_data, index=index)
+
