@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import pyro.distributions as dist
 import torch
+from pyro.infer.autoguide.initialization import init_to_mean
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
 from pyro.util import warn_if_nan
@@ -73,10 +74,15 @@ class LossMemory:
         validation (Pyro's own error) and the model leaves this set: the model and guide
         then run twice in that step (their side effects too), the second time from the
         torch, numpy and ``random`` states of the first (a CUDA generator's draws differ).
+    :param set mean_traces: the models among ``quiet_traces`` whose engine reads no latent
+        draw of the trace (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.reads_latent_draws`):
+        their quiet trace puts each latent at its prior mean (``init_to_mean``) instead of
+        drawing it.
     """
 
     auto_engines: dict = field(default_factory=dict)
     quiet_traces: set = field(default_factory=set)
+    mean_traces: set = field(default_factory=set)
 
 
 #: the loss's own keywords: an unknown keyword goes to the engine, so a misspelled one
@@ -223,11 +229,11 @@ class MaskedPretrainingLoss(ELBO):
         self.progress = progress
 
     # ------------------------------------------------------------------ internals
-    def _trace_tokens(self, model, guide, args, kwargs, check=True, validate_model=True):
+    def _trace_tokens(self, model, guide, args, kwargs, check=True, validate_model=True, latent_init=None):
         mpn = None if self.max_plate_nesting == float("inf") else self.max_plate_nesting
         tokens = trace_tokens(
             model, guide, args, kwargs, self.obs_site, mpn, self.token_plates, extra_sites=self.extra_sites,
-            validate_model=validate_model,
+            validate_model=validate_model, latent_init=latent_init,
         )
         if check:
             check_guide_sites(tokens)
@@ -251,11 +257,15 @@ class MaskedPretrainingLoss(ELBO):
                 self.memory.quiet_traces.discard(user_model)
             return self._prepare_traced(model, guide, args, kwargs, user_model, True, remember=not quiet)
 
+        # the latents at their prior means, not drawn, where the remembered engine reads no draw
+        init = init_to_mean if user_model in self.memory.mean_traces else None
         return quiet_or_validated(
-            quiet, lambda: self._prepare_traced(model, guide, args, kwargs, user_model, validate_model=False), validated
+            quiet,
+            lambda: self._prepare_traced(model, guide, args, kwargs, user_model, validate_model=False, latent_init=init),
+            validated,
         )
 
-    def _prepare_traced(self, model, guide, args, kwargs, user_model, validate_model, remember=True):
+    def _prepare_traced(self, model, guide, args, kwargs, user_model, validate_model, remember=True, latent_init=None):
         """:meth:`_prepare_with_prior` with the model traced with Pyro's argument validation
         (``validate_model``; then ``user_model`` joins :attr:`LossMemory.quiet_traces` where
         it may, if ``remember``) or without it, where the remembered
@@ -263,7 +273,9 @@ class MaskedPretrainingLoss(ELBO):
         (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.validates_model`) or
         :func:`~pyro_mpt.arg_checks.args_valid` checks them (else :class:`Revalidate`)."""
         tokens, model, guide, points = trace_with_point_globals(
-            lambda model, guide: self._trace_tokens(model, guide, args, kwargs, check=False, validate_model=validate_model),
+            lambda model, guide: self._trace_tokens(
+                model, guide, args, kwargs, check=False, validate_model=validate_model, latent_init=latent_init
+            ),
             model, guide,
         )
         key = (user_model, tokens.name)
@@ -274,16 +286,24 @@ class MaskedPretrainingLoss(ELBO):
         check_latent_scales(tokens)
         if not validate_model:
             engine = self.engine if self.engine is not None else self.memory.auto_engines.get(key)
+            if latent_init is not None and (engine is None or engine.reads_latent_draws()):
+                raise Revalidate  # a trace without draws serves only the engine remembered for it
             if engine is not None and engine.validates_model(tokens):
                 return tokens, engine, engine.prepare(tokens, model, guide, args, kwargs), prior
             if not args_valid(tokens.model_trace):
                 raise Revalidate
         tokens, engine, state = self._prepare_engine(tokens, key, model, guide, args, kwargs)
+        if latent_init is not None and engine.reads_latent_draws():
+            raise Revalidate  # "auto" chose again, an engine that reads the draws
         if validate_model and remember:
             if not points and (engine.validates_model(tokens) or checkable(tokens.model_trace)):
                 self.memory.quiet_traces.add(user_model)
             else:
                 self.memory.quiet_traces.discard(user_model)
+            if not points and not engine.reads_latent_draws():
+                self.memory.mean_traces.add(user_model)
+            else:
+                self.memory.mean_traces.discard(user_model)
         return tokens, engine, state, prior
 
     def _prepare_engine(self, tokens, key, model, guide, args, kwargs):

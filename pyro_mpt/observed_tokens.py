@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 import pyro.distributions as dist
 from pyro import poutine
+from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.indep_messenger import IndepMessenger
 from pyro.poutine.trace_struct import Trace
@@ -384,17 +385,23 @@ def _empty_plate(error):
     return name
 
 
-def _run_traces(model, guide, args, kwargs, validate_model=True):
+def _run_traces(model, guide, args, kwargs, validate_model=True, latent_init=None):
     """The guide trace (empty without a guide) and the model trace replayed on it; the
-    model run without Pyro's distribution-argument validation unless ``validate_model``."""
+    model run without Pyro's distribution-argument validation unless ``validate_model``,
+    its latents that the guide leaves unset at ``latent_init``'s values where given."""
     checks = contextlib.nullcontext() if validate_model else dist.validation_enabled(False)
+
+    def initialized(fn):
+        # outside the replay: the guide's values come first, the strategy fills the rest
+        return fn if latent_init is None else InitMessenger(latent_init)(fn)
+
     try:
         if guide is None:
             with checks:
-                return Trace(), poutine.trace(model).get_trace(*args, **kwargs)
+                return Trace(), poutine.trace(initialized(model)).get_trace(*args, **kwargs)
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
         with checks:
-            model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
+            model_trace = poutine.trace(initialized(poutine.replay(model, trace=guide_trace))).get_trace(*args, **kwargs)
         return guide_trace, model_trace
     except ZeroDivisionError as e:
         plate = _empty_plate(e)
@@ -448,7 +455,7 @@ def _datapoint_scale(layout, site, token_plates, dtype, validate):
 
 def trace_tokens(
     model, guide, args, kwargs, obs_site=None, max_plate_nesting=None, token_plates=None, extra_sites="error",
-    validate_model=True,
+    validate_model=True, latent_init=None,
 ):
     r"""Run ``guide`` then ``model`` (replayed on the guide) and locate the tokens.
 
@@ -473,6 +480,11 @@ def trace_tokens(
         validation off (the checks of the tokens' values still run while it is on): for a
         caller whose engine constructs every distribution again under it
         (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.validates_model`).
+    :param callable latent_init: a Pyro init strategy (e.g.
+        ``pyro.infer.autoguide.init_to_mean``) that gives the latents the guide does not
+        sample their values in place of a prior draw: for a caller whose engine reads no latent draw
+        (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.reads_latent_draws`).
+        None (default) draws them.
     :returns: the observed tokens and the traces.
     :rtype: ObservedTokens
 
@@ -481,7 +493,7 @@ def trace_tokens(
         >>> tokens = trace_tokens(model, None, (x,), {}, token_plates=("tokens",))
         >>> tokens.value.shape          # (n, D)
     """
-    guide_trace, model_trace = _run_traces(model, guide, args, kwargs, validate_model)
+    guide_trace, model_trace = _run_traces(model, guide, args, kwargs, validate_model, latent_init)
     used = guess_max_plate_nesting(model_trace, guide_trace)
     if max_plate_nesting is None or max_plate_nesting == float("inf") or max_plate_nesting < used:
         # the engines put their plate of points at dim -(max_plate_nesting + 1): a value

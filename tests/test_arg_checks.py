@@ -126,19 +126,18 @@ def test_latent_mean_trace_runs_without_validation_after_the_first_step():
     """A latent mean with a full ``scale_tril`` (held expanded to ``(N, D, D)``, its check half
     of a step at D = 200): from the second step on the loss traces it without validation and
     checks the arguments at their own shapes; the loss and its gradient equal a fresh,
-    fully validated loss's under the same seed."""
+    fully validated loss's (every mask: the quiet trace draws no latent, so a random
+    schedule would see other masks than the fresh loss under the same seed)."""
     model, x, L0, runs = latent_mean_model()
     L = L0.clone().requires_grad_()
     pyro.clear_param_store()
-    loss = MaskedPretrainingLoss(masks="uniform", num_masks=3)
+    loss = MaskedPretrainingLoss(masks="exhaustive")
     loss.differentiable_loss(model, None, x, L)
     assert runs[0] is True
     runs.clear()
-    pyro.set_rng_seed(4)
     quiet = loss.differentiable_loss(model, None, x, L)
     assert runs[0] is False and dist.is_validation_enabled()
-    pyro.set_rng_seed(4)
-    fresh = MaskedPretrainingLoss(masks="uniform", num_masks=3).differentiable_loss(model, None, x, L)
+    fresh = MaskedPretrainingLoss(masks="exhaustive").differentiable_loss(model, None, x, L)
     torch.testing.assert_close(quiet, fresh, rtol=1e-12, atol=0)
     torch.testing.assert_close(torch.autograd.grad(quiet, L)[0], torch.autograd.grad(fresh, L)[0], rtol=1e-12, atol=0)
 
@@ -217,3 +216,61 @@ def test_exact_evidence_of_a_latent_mean_traces_without_validation_after_the_fir
     runs.clear()
     evidence(x, L0)
     assert runs[0] is True
+
+
+def _recording_ppca(seen, N=40, D=5, K=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(D, K, generator=g, dtype=torch.float64)
+    x = torch.randn(N, K, generator=g, dtype=torch.float64) @ W.T + 0.5 * torch.randn(N, D, generator=g, dtype=torch.float64)
+    m = torch.full((K,), 0.7, dtype=torch.float64)  # a nonzero prior mean, told apart from a zero fill
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(m, 1.0).to_event(1))
+            if z.shape == (x.shape[0], K):  # the loss's own trace, not an engine's run at its points
+                seen.append(z.detach().clone())
+            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
+
+    return model, x, m
+
+
+@pytest.mark.filterwarnings("ignore::pyro_mpt.ImportanceSamplingWarning")
+def test_gaussian_engine_steps_trace_the_latents_at_their_prior_mean_not_a_draw():
+    """After the first (validated) step, the Gaussian engine's steps trace the model with
+    each latent at its prior mean (it reads no draw): the model sees ``m`` at every
+    datapoint, the values equal a fresh loss's, and no normal is drawn. An engine that reads
+    the draws (prior importance sampling) still sees draws at every step."""
+    seen = []
+    model, x, m = _recording_ppca(seen)
+    loss = MaskedPretrainingLoss(masks="exhaustive", conditionals="gaussian")
+    first = loss.differentiable_loss(model, None, x)
+    assert not torch.equal(seen[-1], m.expand_as(seen[-1]))  # the first step drew them
+    state = torch.get_rng_state()
+    later = loss.differentiable_loss(model, None, x)
+    assert torch.equal(seen[-1], m.expand_as(seen[-1]))
+    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn: exhaustive masks, no latent
+    torch.testing.assert_close(later, first, rtol=1e-12, atol=0)
+
+    seen.clear()
+    sampled = MaskedPretrainingLoss(masks="uniform", conditionals="importance", num_samples=8)
+    for _ in range(2):
+        sampled.differentiable_loss(model, None, x)
+    assert len(seen) >= 2 and not any(torch.equal(z, m.expand_as(z)) for z in seen)
+
+
+def test_a_guides_latents_are_replayed_under_the_mean_trace():
+    """The mean fills only the latents a guide leaves unset: a guide that samples ``z``
+    gives the model its values at every step."""
+    seen = []
+    model, x, m = _recording_ppca(seen)
+    guide_values = []
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+        guide_values.append(z.detach().clone())
+
+    loss = MaskedPretrainingLoss(masks="exhaustive", conditionals="gaussian")
+    for _ in range(3):
+        loss.differentiable_loss(model, guide, x)
+        torch.testing.assert_close(seen[-1], guide_values[-1], rtol=0, atol=0)

