@@ -589,8 +589,14 @@ def test_mixture_with_non_gaussian_component_is_refused(float64):
             pyro.sample("x", dist.Normal((z * r).unsqueeze(-1) * torch.ones(3), 1.0).to_event(1), obs=x)
 
     x = torch.randn(4, 3)
-    with pytest.raises(EngineNotApplicable, match=r"with continuous latents \('r'\) needs each component to be linear-Gaussian\. .*latent site 'r' is Gamma"):
+    with pytest.raises(EngineNotApplicable, match=r"with continuous latents \('r'\) needs each component to be linear-Gaussian\. .*latent site 'r' is Gamma") as refusal:
         MaskedPretrainingLoss(conditionals="enumerate").score(model, None, x)
+    # it points to the engines that serve the model, not to quadrature, which refuses the discrete
+    # latent (and whose refusal pointed back here)
+    assert "Use conditionals='quadrature'" not in str(refusal.value)
+    assert "use conditionals='importance'" in str(refusal.value)
+    with pytest.raises(EngineNotApplicable, match="'z' is discrete .*conditionals='enumerate' sums"):
+        MaskedPretrainingLoss(conditionals="quadrature").score(model, None, x)
     assert isinstance(auto_engine(trace_tokens(model, None, (x,), {}), model, None, (x,), {})[0], ImportanceConditionals)
 
 

@@ -472,9 +472,15 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             try:
                 marginal = gaussian_marginal(continuous_tokens, component, args, kwargs)
             except EngineNotApplicable as e:
+                # the Gaussian engine's own advice (quadrature) does not hold here: quadrature
+                # refuses the discrete latents, and its refusal pointed back at this engine
+                reason = str(e).split(" Use conditionals=")[0]
                 raise EngineNotApplicable(
                     f"{_WHO} with continuous latents ({', '.join(map(repr, continuous))}) needs each "
-                    f"component to be linear-Gaussian. {e}"
+                    f"component to be linear-Gaussian. {reason} No exact engine serves discrete "
+                    f"latents beside other continuous ones (conditionals='quadrature' integrates "
+                    f"continuous latents only): use conditionals='importance' (the prior or a guide "
+                    f"as proposal) or 'encode_decode' (an encoder guide)."
                 ) from e
             locs.append(marginal.loc)
             covs.append(marginal)

@@ -119,8 +119,9 @@ def _latent_kind(tokens, site):
     if discrete or getattr(base, "has_enumerate_support", False):
         raise NotQuadratureError(
             f"conditionals='quadrature' integrates continuous latents; latent site "
-            f"{name!r} is discrete ({kind_name}). Sum it out in the model, or use "
-            f"{ALTERNATIVES}."
+            f"{name!r} is discrete ({kind_name}). conditionals='enumerate' sums discrete latents "
+            f"exactly (beside Normal latents too, when the observation is Normal and affine in "
+            f"them); otherwise use {ALTERNATIVES}."
         )
     check_local_latent(tokens, site, NotQuadratureError)
     if isinstance(base, dist.Normal):
