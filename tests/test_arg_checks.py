@@ -274,3 +274,21 @@ def test_a_guides_latents_are_replayed_under_the_mean_trace():
     for _ in range(3):
         loss.differentiable_loss(model, guide, x)
         torch.testing.assert_close(seen[-1], guide_values[-1], rtol=0, atol=0)
+
+
+def test_exact_evidence_traces_the_latents_at_their_prior_mean_from_its_second_call():
+    """``Evidence(method="exact")`` served by the Gaussian marginal: from its second call the
+    model sees the prior mean, draws nothing, and the values equal the first call's."""
+    from pyro_mpt import Evidence
+    from pyro_mpt.conditionals import GaussianConditionals
+
+    seen = []
+    model, x, m = _recording_ppca(seen)
+    evidence = Evidence(model)
+    first = evidence.estimate(x)
+    assert isinstance(first.diagnostics["engine"], GaussianConditionals)
+    assert not torch.equal(seen[-1], m.expand_as(seen[-1]))
+    state = torch.get_rng_state()
+    later = evidence(x)
+    assert torch.equal(seen[-1], m.expand_as(seen[-1])) and torch.equal(torch.get_rng_state(), state)
+    torch.testing.assert_close(later, first.log_evidence, rtol=1e-12, atol=0)

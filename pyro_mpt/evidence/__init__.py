@@ -31,6 +31,7 @@ diagnostics) and calling the object returns the values.
 """
 
 import pyro.distributions as dist
+from pyro.infer.autoguide.initialization import init_to_mean
 
 from ..arg_checks import Revalidate, args_valid, checkable, quiet_or_validated
 from ..conditionals import unknown_options_message
@@ -124,6 +125,8 @@ class Evidence:
         self.warned_sites = set()
         #: whether the next call traces the model without Pyro's validation (see :meth:`estimate`)
         self._quiet_trace = False
+        #: whether that trace puts the latents at their prior means: the engine reads no draw
+        self._mean_trace = False
 
     def estimate(self, *args, **kwargs):
         r"""Run the estimator and return the full :class:`EvidenceResult`.
@@ -136,7 +139,10 @@ class Evidence:
         :mod:`~pyro_mpt.arg_checks` checks without Pyro's validation and checks them there
         (a latent mean's ``MultivariateNormal(z, scale_tril=L)`` holds ``L`` expanded to
         ``(N, D, D)``); should anything fail, it traces again with validation, so a bad
-        argument raises Pyro's own error.
+        argument raises Pyro's own error. Where the engine that served reads no latent
+        draw (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.reads_latent_draws`, the
+        Gaussian marginal), that trace puts the latents at their prior means (Pyro's
+        ``init_to_mean``) instead of drawing them.
         """
         quiet = self._quiet_trace and dist.is_validation_enabled()
 
@@ -145,26 +151,34 @@ class Evidence:
                 self._quiet_trace = False  # the validated trace fails as it always did, or serves
             return self._estimate(args, kwargs, validate_model=True)
 
-        return quiet_or_validated(quiet, lambda: self._estimate(args, kwargs, validate_model=False), validated)
+        init = init_to_mean if self._mean_trace else None
+        return quiet_or_validated(
+            quiet, lambda: self._estimate(args, kwargs, validate_model=False, latent_init=init), validated
+        )
 
-    def _estimate(self, args, kwargs, validate_model):
+    def _estimate(self, args, kwargs, validate_model, latent_init=None):
         tokens, model, guide, points = trace_with_point_globals(
-            lambda model, guide: self._trace(model, guide, args, kwargs, validate_model), self.model, self.guide
+            lambda model, guide: self._trace(model, guide, args, kwargs, validate_model, latent_init),
+            self.model, self.guide,
         )
         if not validate_model and (points or not args_valid(tokens.model_trace)):
             raise Revalidate
         check_guide_sites(tokens)
         result = METHODS[self.method](_Fixed(self, model, guide) if points else self, tokens, args, kwargs)
+        engine = result.diagnostics.get("engine")
+        if latent_init is not None and (engine is None or engine.reads_latent_draws()):
+            raise Revalidate  # another route than the remembered one, which reads the draws
         if validate_model:
             self._quiet_trace = self.method == "exact" and not points and checkable(tokens.model_trace)
+            self._mean_trace = self._quiet_trace and not engine.reads_latent_draws()
         result.log_evidence = tokens.unflatten(result.log_evidence)
         result.stderr = tokens.unflatten(result.stderr)
         return result
 
-    def _trace(self, model, guide, args, kwargs, validate_model=True):
+    def _trace(self, model, guide, args, kwargs, validate_model=True, latent_init=None):
         return trace_tokens(
             model, guide, args, kwargs, self.obs_site, self.max_plate_nesting, self.token_plates,
-            extra_sites=self.extra_sites, validate_model=validate_model,
+            extra_sites=self.extra_sites, validate_model=validate_model, latent_init=latent_init,
         )
 
     def __call__(self, *args, **kwargs):

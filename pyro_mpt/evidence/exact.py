@@ -50,7 +50,8 @@ def exact_evidence(evidence, tokens, args, kwargs):
     :param ~pyro_mpt.evidence.Evidence evidence: the estimator (model, guide, options).
     :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
     :returns: :class:`~pyro_mpt.evidence.EvidenceResult` with values of
-        shape ``(n,)``.
+        shape ``(n,)`` and ``diagnostics["engine"]``, the
+        :class:`~pyro_mpt.conditionals.ConditionalEngine` that computed them.
     :raises EngineNotApplicable: when the model has no Gaussian marginal, has
         a continuous latent outside a Gaussian marginal and no ``DiscreteHMM``.
 
@@ -96,7 +97,7 @@ def exact_evidence(evidence, tokens, args, kwargs):
         value = engine.log_evidence(state, tokens.value)
     else:
         value = engine.log_evidence(state, tokens.value, tokens.observed)
-    return EvidenceResult(value, torch.zeros_like(value.detach()))
+    return EvidenceResult(value, torch.zeros_like(value.detach()), {"engine": engine})
 
 
 def _long_gaussian_hmm(evidence, tokens, args, kwargs):
