@@ -19,6 +19,7 @@ full-data loss whenever the schedule is unbiased.
 
 import difflib
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import pyro.distributions as dist
 import torch
@@ -212,6 +213,12 @@ class MaskedPretrainingLoss(ELBO):
                 f"for more importance samples per conditional, conditionals='importance' with num_samples=<n>."
             )
         _check_misspelled_keywords(engine_options)
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, Integral) or chunk_size < 1:
+            # int() let 2.5 through as 2, and 0 or -5 silently ran one query per block
+            raise ValueError(
+                f"MaskedPretrainingLoss(chunk_size={chunk_size!r}): give a positive integer, the bound on "
+                f"queries * datapoints * D per block of queries (default 2**22); lower it to save memory."
+            )
         super().__init__(num_particles=1, max_plate_nesting=max_plate_nesting)
         self.schedule = make_schedule(masks, num_masks, bool(share_masks))
         # curves share one mask set unless asked otherwise (by share_masks=False,

@@ -36,7 +36,7 @@ which says how once for all (see :mod:`pyro_mpt.missing_tokens`).
 
 import functools
 import math
-from numbers import Real
+from numbers import Integral, Real
 
 import torch
 
@@ -87,11 +87,12 @@ class MaskSchedule:
     covers_all_sizes = False
 
     def __init__(self, num_masks=1, *, share_masks=False):
-        if isinstance(num_masks, bool) or not isinstance(num_masks, int) or num_masks < 1:
+        # numpy integers too (np.arange / grids of settings), as the adapters take them
+        if isinstance(num_masks, bool) or not isinstance(num_masks, Integral) or num_masks < 1:
             raise ValueError(
                 f"num_masks must be a positive integer (masks per datapoint), got {num_masks!r}."
             )
-        self.num_masks = num_masks
+        self.num_masks = int(num_masks)
         self.share_masks = share_masks
 
     def check(self, D):

@@ -74,6 +74,7 @@ sampling with the guide instead.
 
 import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 import torch
 
@@ -113,7 +114,7 @@ def initial_tokens(runner, init, who):
         if init == "data_mean":
             return x.detach().mean(0, keepdim=True)
         raise ValueError(f"{who}: init={init!r}; use 'prior_mean', 'data_mean' or a number.")
-    if isinstance(init, bool) or not isinstance(init, (int, float)):
+    if isinstance(init, bool) or not isinstance(init, Real):
         raise ValueError(f"{who}: init={init!r}; use 'prior_mean', 'data_mean' or a number.")
     return torch.full((1, x.shape[1]), float(init), dtype=x.dtype, device=x.device)
 
@@ -201,7 +202,7 @@ class EncodeDecodeConditionals(ConditionalEngine):
     ):
         super().__init__(max_elements=max_elements)
         for label, value in (("num_samples", num_samples), ("num_iterations", num_iterations)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (label == "num_samples"):
+            if isinstance(value, bool) or not isinstance(value, Integral) or value < (label == "num_samples"):
                 raise ValueError(
                     f"EncodeDecodeConditionals({label}={value!r}): give an integer "
                     f"{'>= 1' if label == 'num_samples' else '>= 0'}."
@@ -209,8 +210,8 @@ class EncodeDecodeConditionals(ConditionalEngine):
         for label, value in (("encode", encode), ("decode", decode)):
             if value not in ("sample", "mean"):
                 raise ValueError(f"EncodeDecodeConditionals({label}={value!r}): use 'sample' or 'mean'.")
-        self.num_samples = num_samples
-        self.num_iterations = num_iterations
+        self.num_samples = int(num_samples)
+        self.num_iterations = int(num_iterations)
         self.encode = encode
         self.decode = decode
         self.init = init

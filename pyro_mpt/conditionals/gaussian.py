@@ -35,6 +35,7 @@ path reads every conditional off one Cholesky factor of the permuted covariance.
 """
 
 from dataclasses import dataclass, field
+from numbers import Real
 
 import torch
 
@@ -164,7 +165,7 @@ class GaussianConditionals(ConditionalEngine):
                 f"GaussianConditionals(method={method!r}): use 'auto', 'lowrank' or 'dense'."
             )
         for label, value in (("jitter", jitter), ("max_jitter", max_jitter)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            if isinstance(value, bool) or not isinstance(value, Real) or not value >= 0:
                 raise ValueError(
                     f"GaussianConditionals({label}={value!r}): give a number >= 0 "
                     f"({'added to the covariance diagonal' if label == 'jitter' else 'relative to the mean diagonal; 0 disables the rescue'})."

@@ -110,6 +110,7 @@ With the defaults (``max_elements = 2**24``) N=2000, D=784, K=2 runs in about
 
 import warnings
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Optional
 
 import torch
@@ -298,7 +299,7 @@ class QuadratureConditionals(ConditionalEngine):
     ):
         super().__init__(max_elements=max_elements)
         for label, value in (("num_nodes", num_nodes), ("init_nodes", init_nodes)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 1):
                 raise ValueError(
                     f"QuadratureConditionals({label}={value!r}): give a positive "
                     f"integer (nodes per latent dimension) or None for the default."
@@ -308,10 +309,11 @@ class QuadratureConditionals(ConditionalEngine):
                 f"QuadratureConditionals(max_latent_dim={max_latent_dim}): tensor grids "
                 f"support at most {MAX_LATENT_DIM} latent dims."
             )
-        self.num_nodes = num_nodes
+        # numpy integers too (a grid of settings), kept as Python ints
+        self.num_nodes = None if num_nodes is None else int(num_nodes)
         self.adaptive = bool(adaptive)
         self.newton_steps = int(newton_steps)
-        self.init_nodes = init_nodes
+        self.init_nodes = None if init_nodes is None else int(init_nodes)
         self.warm_start = bool(warm_start)
         self.memory = QuadratureMemory()
         self.min_ess = min_ess

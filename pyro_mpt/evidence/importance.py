@@ -46,6 +46,7 @@ The proposal must have a density over the model's latents: a point mass (an
 """
 
 import math
+from numbers import Integral
 
 import torch
 
@@ -150,8 +151,9 @@ def importance_evidence(evidence, tokens, args, kwargs):
     threshold = options.pop("khat_threshold", 0.7)
     min_ess = options.pop("min_ess", 10.0)
     psis = options.pop("psis", True)  # any other option was refused by Evidence (IMPORTANCE_OPTIONS)
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+    if isinstance(num_samples, bool) or not isinstance(num_samples, Integral) or num_samples < 1:
         raise ValueError(f"Evidence(method='importance', num_samples={num_samples!r}): give a positive integer.")
+    num_samples = int(num_samples)  # numpy integers too (a grid of settings)
     if proposal not in ("auto", "guide", "prior"):
         raise ValueError(f"Evidence(method='importance', proposal={proposal!r}): use 'auto', 'guide' or 'prior'.")
     if proposal == "guide" and evidence.guide is None:

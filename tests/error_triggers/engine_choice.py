@@ -35,6 +35,11 @@ def _():
     MaskedPretrainingLoss(mask="all")
 
 
+@trigger("loss-chunk-size")
+def _():
+    MaskedPretrainingLoss(chunk_size=0)
+
+
 @trigger("loss-elbo-option")
 def _():
     MaskedPretrainingLoss(num_particles=10)
