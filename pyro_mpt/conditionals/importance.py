@@ -354,7 +354,9 @@ class ImportanceConditionals(ConditionalEngine):
                 n = ess.shape[1]
                 worst = ess.argmin(0)  # each datapoint's query with the fewest effective samples
                 ctx_w = ctx.expand(ess.shape + ctx.shape[-1:])[worst, torch.arange(n, device=worst.device)]
-                khat = self._check_weights(state, torch.einsum("nsd,nd->sn", T, ctx_w), ess.amin(0))
+                # the draws' own log-weights too: an autoguide's table weighs them by p(z) / r(z)
+                # (constant for the prior); without them its k-hat was that of the likelihood alone
+                khat = self._check_weights(state, torch.einsum("nsd,nd->sn", T, ctx_w) + lw.T, ess.amin(0))
                 diagnostics = {
                     "ess": ess,
                     "stderr": err,
@@ -419,7 +421,7 @@ class ImportanceConditionals(ConditionalEngine):
                 L1 = MixtureChunk(lw, T).chain_partials(order, self.max_elements)
                 # weights of position t use the context after it: entry t + 1
                 ess = torch.exp(2 * L1[..., 1:] - L2[..., 1:])
-                khat = self._check_chain(state, T, order, ess)
+                khat = self._check_chain(state, lw, T, order, ess)
                 diagnostics = {
                     "ess": ess, "khat": khat, "num_samples": self.num_samples, "proposal": state.proposal
                 }
@@ -471,13 +473,14 @@ class ImportanceConditionals(ConditionalEngine):
             state.warned = bool(bad.any())
         return khat
 
-    def _check_chain(self, state, T, order, ess):
+    def _check_chain(self, state, log_weights, T, order, ess):
         """:meth:`_check_weights` for orderings: each datapoint's position with the fewest
-        effective samples, ``ess`` ``(p, n, D)``."""
+        effective samples, ``ess`` ``(p, n, D)``; ``log_weights`` ``(1|n, S)`` those of the draws."""
         p, n, D = ess.shape
         k = ess.permute(1, 0, 2).reshape(n, p * D).argmin(1)
         i, t = k // D, k % D
         ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(D, device=order.device).expand_as(order))
         ranks = ranks.expand(p, n, D)[i, torch.arange(n, device=order.device)]  # (n, D)
         ctx = (ranks > t[:, None]).to(T.dtype)  # the context after position t
-        return self._check_weights(state, torch.einsum("nsd,nd->sn", T, ctx), ess.permute(1, 0, 2).reshape(n, -1).amin(1))
+        lw = torch.einsum("nsd,nd->sn", T, ctx) + log_weights.T
+        return self._check_weights(state, lw, ess.permute(1, 0, 2).reshape(n, -1).amin(1))
