@@ -104,6 +104,29 @@ def test_cli_compare_prints_a_table_and_writes_json(tmp_path, capsys):
         cli_main([])  # a subcommand is required
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--n-test", "5000"], "n_test=5000 leaves no training data out of 1797 images; pass n_test < 1797."),
+    (["--dataset", "mnist"], "load_dataset('mnist') needs torchvision: pip install pyro-mpt[vision]"),
+    (["--lr", "0"], "argument --lr: must be a positive number, got '0'"),
+    (["--lr", "nan"], "argument --lr: must be a positive number, got 'nan'"),
+    (["--losses", "elbo", "iwae:0"], "Loss spec 'iwae:0': K=0 particles; give a positive integer, e.g. 'iwae:8'."),
+    (["--losses", "renyi:-2:0.5"], "Loss spec 'renyi:-2:0.5': K=-2 particles; give a positive integer"),
+])
+def test_cli_compare_refuses_data_rates_and_particles_before_training(argv, message, capsys, monkeypatch):
+    """Usage errors (status 2, one line on stderr, nothing trained or printed): an --n-test the
+    data cannot spare and mnist without torchvision were tracebacks (status 1); --lr 0 / nan,
+    iwae:0 and renyi:-2 trained, and every such loss failed ("Invalid learning rate", "range()
+    arg 3 must not be zero"), status 1 after the other losses' training."""
+    monkeypatch.setitem(__import__("sys").modules, "torchvision", None)  # import torchvision fails
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["compare", "--epochs", "1", *argv])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    lines = err.strip().splitlines()  # argparse's usage lines, then one error line
+    assert sum("error:" in line for line in lines) == 1 and message in lines[-1]
+
+
 def test_cli_compare_refuses_bad_outputs_and_widths_before_training(tmp_path):
     """Through the console script: a --json that cannot be written (its folder is a file) and
     a zero hidden width are usage errors (status 2, one line) before any training; a missing

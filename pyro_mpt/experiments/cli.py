@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from .curve_cli import check_output_path, positive_int
+from .curve_cli import check_output_path, positive_float, positive_int
 
 __all__ = ["main", "run", "build_parser", "SUBCOMMANDS"]
 
@@ -36,7 +36,7 @@ def _add_compare_arguments(p):
     )
     p.add_argument("--epochs", type=positive_int, default=20)
     p.add_argument("--batch-size", type=positive_int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="Adam learning rate (default 0.003)")
     p.add_argument("--eval-every", type=positive_int, default=None, help="evaluate held-out evidence every this many epochs")
     p.add_argument("--eval-samples", type=positive_int, default=200, help="importance samples per held-out datapoint during training")
     p.add_argument("--final-samples", type=positive_int, default=1000, help="importance samples for the final numbers")
@@ -61,18 +61,19 @@ def _run_compare(args):
     from .datasets import load_dataset
     from .vae import DeepVAE
 
-    try:  # a misspelt loss or an unwritable --json is a usage error, found before any model is trained
+    try:  # a misspelt loss, an unwritable --json or data that cannot be had is a usage error, found before any model is trained
         for spec in args.losses:
             make_loss(spec, mpt_encoder=args.mpt_encoder)
         if args.json:
             check_output_path("--json", args.json, "compare.json")
-    except (TypeError, ValueError) as err:
+        # an --n-test the data cannot spare, or mnist without torchvision: before, a traceback (status 1)
+        train, test = load_dataset(
+            args.dataset, binarize=args.likelihood == "bernoulli", n_train=args.n_train, n_test=args.n_test, seed=args.seed
+        )
+    except (TypeError, ValueError, ImportError) as err:
         _fail(err)
     if args.threads:
         torch.set_num_threads(args.threads)
-    train, test = load_dataset(
-        args.dataset, binarize=args.likelihood == "bernoulli", n_train=args.n_train, n_test=args.n_test, seed=args.seed
-    )
     D = train.shape[1]
 
     def make_model():

@@ -153,6 +153,14 @@ def _number(text, kind, spec):
         raise ValueError(f"Loss spec {spec!r}: {text!r} is not a valid {kind.__name__}.") from None
 
 
+def _particles(text, spec):
+    # 'iwae:0' trained and failed on 'range() arg 3 must not be zero' after the other losses ran
+    K = _number(text, int, spec)
+    if K < 1:
+        raise ValueError(f"Loss spec {spec!r}: K={K} particles; give a positive integer, e.g. '{spec.split(':')[0]}:8'.")
+    return K
+
+
 def make_loss(spec, *, mpt_encoder="elbo", engine_options=None):
     """Build a loss from a specification string (see the module docstring).
 
@@ -174,9 +182,9 @@ def make_loss(spec, *, mpt_encoder="elbo", engine_options=None):
     if kind == "elbo" and not parts:
         return Trace_ELBO()
     if kind == "iwae" and len(parts) <= 1:
-        return ImportanceWeightedELBO(_number(parts[0], int, spec) if parts else 8)
+        return ImportanceWeightedELBO(_particles(parts[0], spec) if parts else 8)
     if kind == "renyi" and len(parts) <= 2:
-        K = _number(parts[0], int, spec) if parts else 8
+        K = _particles(parts[0], spec) if parts else 8
         alpha = _number(parts[1], float, spec) if len(parts) > 1 else 0.0
         return RenyiELBO(alpha=alpha, num_particles=K)
     if kind == "mpt" and len(parts) <= 2:

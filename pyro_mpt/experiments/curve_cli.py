@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["register", "SUBCOMMANDS", "positive_int", "check_device", "prepare_outputs", "check_output_path"]
+__all__ = ["register", "SUBCOMMANDS", "positive_int", "positive_float", "check_device", "prepare_outputs", "check_output_path"]
 
 _MLM_EPILOG = """\
 examples:
@@ -59,6 +59,18 @@ def positive_int(text):
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text):
+    """``argparse`` type of rates such as a learning rate: refuses 0, negatives, NaN and
+    infinities at parse time (exit status 2), before any model is trained."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
     return value
 
 

@@ -256,6 +256,11 @@ def _():
     _cli(["mlm-curve", "model", "--text-file", "t.txt", "--num-masks", "0"])
 
 
+@trigger("cli-positive-float")
+def _():
+    _cli(["compare", "--lr", "0"])
+
+
 @trigger("cli-compare-failed")
 def _():
     from pyro_mpt.experiments.cli import main

@@ -28,6 +28,11 @@ def _():
     pyro_mpt.experiments.compare.make_loss("iwae:eight")
 
 
+@trigger("compare-spec-particles")
+def _():
+    pyro_mpt.experiments.compare.make_loss("iwae:0")
+
+
 @trigger("compare-spec-type")
 def _():
     pyro_mpt.experiments.compare.make_loss(3)
