@@ -511,6 +511,34 @@ def test_bad_options():
     assert isinstance(make_engine("quadrature"), QuadratureConditionals)
 
 
+@pytest.mark.parametrize("option", [dict(tol=-1.0), dict(tol=0), dict(warn_tol=float("nan")), dict(error_nodes=0)])
+def test_evidence_tolerances_and_error_nodes_are_checked(float64, option):
+    """tol=-1 was read as an accuracy no rule reaches: "8 nodes per latent dim are too few for
+    tol=-1", asking for more nodes. Now a message that names the option; a valid tol passes,
+    and the value equals scipy's integral."""
+    from scipy import integrate, stats
+
+    (name, value), = option.items()
+    model, x = _scalar_latent_poisson()
+    with pytest.raises(ValueError, match=rf"Evidence\(method='quadrature', {name}=.*give a positive"):
+        Evidence(model, method="quadrature", **option)(x)
+    got = Evidence(model, method="quadrature", tol=1e-3, error_nodes=5)(x)
+    for xi, g in zip(x.numpy(), got.detach().numpy()):
+        f = lambda z: np.exp(stats.poisson(np.exp(0.2 + 0.7 * z)).logpmf(xi).sum() + stats.norm.logpdf(z))
+        assert abs(g - np.log(integrate.quad(f, -12, 12, epsabs=0, epsrel=1e-12, limit=200)[0])) < 1e-8
+
+
+def _scalar_latent_poisson():
+    x = torch.tensor([[0.0, 3.0, 1.0], [2.0, 2.0, 5.0]])
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Poisson((0.2 + 0.7 * z).exp().unsqueeze(-1) * torch.ones(3)).to_event(1), obs=x)
+
+    return model, x
+
+
 def test_evidence_is_differentiable(float64):
     model, x = make_bernoulli(D=6, K=2, N=4)
     ev = Evidence(model, method="quadrature").estimate(x)

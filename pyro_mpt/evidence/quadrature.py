@@ -6,7 +6,9 @@ of any factorized-likelihood model, computed by
 estimate compares the rule with a second, coarser one on the same centres.
 """
 
+import math
 import warnings
+from numbers import Integral, Real
 
 import torch
 
@@ -92,6 +94,18 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     tol = options.pop("tol", None)
     warn_tol = options.pop("warn_tol", WARN_TOL)
     error_nodes = options.pop("error_nodes", None)
+    # tol=-1 was read as an accuracy no rule reaches ("8 nodes per latent dim are too few for tol=-1")
+    for label, value in (("tol", tol), ("warn_tol", warn_tol)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, Real) or not value > 0 or math.isnan(value)):
+            raise ValueError(
+                f"Evidence(method='quadrature', {label}={value!r}): give a positive number of nats "
+                f"(the largest error estimate of log p(x_i) accepted), or None."
+            )
+    if error_nodes is not None and (isinstance(error_nodes, bool) or not isinstance(error_nodes, Integral) or error_nodes < 1):
+        raise ValueError(
+            f"Evidence(method='quadrature', error_nodes={error_nodes!r}): give a positive integer "
+            f"(nodes per latent dim of the coarser rule), or None for the default."
+        )
     options.setdefault("min_ess", 0.0)  # report the effective nodes, never raise
     # one engine per option set, kept in Evidence.engines: repeated calls on
     # the same data (e.g. every few epochs of training) warm-start the adaptive

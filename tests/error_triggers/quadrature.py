@@ -125,6 +125,18 @@ def _():
     MaskedPretrainingLoss(conditionals=engine).loss(model, None, x)
 
 
+@trigger("evidence-quadrature-tolerance-value")
+def _():
+    model, x, _ = make_ppca(4, 1, 3)
+    Evidence(model, method="quadrature", tol=-1)(x)
+
+
+@trigger("evidence-quadrature-error-nodes")
+def _():
+    model, x, _ = make_ppca(4, 1, 3)
+    Evidence(model, method="quadrature", error_nodes=0)(x)
+
+
 @trigger("evidence-quadrature-tol")
 def _():
     model, x, _ = make_ppca(12, 2, 4, sigma=0.05)
