@@ -93,6 +93,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import torch
@@ -134,6 +135,25 @@ def radon(N, G=85, seed=0):
         mu_a = pyro.sample("mu_a", dist.Normal(0.0, 10.0))
         with pyro.plate("county", G):
             a = pyro.sample("a", dist.Normal(mu_a, sa))
+        with pyro.plate("data", N):
+            pyro.sample("y", dist.Normal(a[..., grp] + b * u, sy), obs=y)
+
+    return model, (grp, u, y), dict(token_plates=("data",))
+
+
+def random_intercepts(N, G, seed=0):
+    """Random intercepts of G groups (ragged sizes, N / G on average), the N observations
+    one datapoint: no global latent, so the loading's nonzeros split into G groups."""
+    g = torch.Generator().manual_seed(seed)
+    grp, u = torch.randint(0, G, (N,), generator=g), torch.randn(N, generator=g)
+    y = torch.randn(G, generator=g)[grp] + 0.5 * u + 0.7 * torch.randn(N, generator=g)
+
+    def model(grp, u, y):
+        b = pyro.param("b", torch.tensor(0.0))
+        sa = pyro.param("sa", torch.tensor(1.0), constraint=dist.constraints.positive)
+        sy = pyro.param("sy", torch.tensor(1.0), constraint=dist.constraints.positive)
+        with pyro.plate("groups", G):
+            a = pyro.sample("a", dist.Normal(0.0, sa))
         with pyro.plate("data", N):
             pyro.sample("y", dist.Normal(a[..., grp] + b * u, sy), obs=y)
 
@@ -405,6 +425,36 @@ def recompute_rows(quick, repeats):
     print(f"| 10 features | {N} | {tb.cell()} | {tk.cell()} | {fmt_ratio(tb.median / tk.median)} |", flush=True)
 
 
+def groups_rows(quick, repeats):
+    """Random intercepts scored as one datapoint: the Gaussian engine's groups
+    (``gaussian_groups``) against the dense loading (``groups=False``), interleaved, after
+    one untimed step of each (the first call of the groups finds them from the whole
+    loading and checks its dropped zeros: its own column); the dense loading only up to
+    1000 groups (at 4000 its 40000 x 4000 table and O(D G^2) steps take minutes)."""
+    from pyro_mpt.conditionals import GaussianConditionals
+
+    print("\n| random intercepts, 10 observations a group | groups | loss | groups s | first call s | dense loading s "
+          "| dense / groups |")
+    print("|---|---|---|---|---|---|---|")
+    for G in [100, 250] if quick else [250, 1000, 4000]:
+        pyro.clear_param_store()
+        model, args, options = random_intercepts(10 * G, G)
+        for masks in ["order", "pll", "uniform"]:
+            grouped = MaskedPretrainingLoss(masks=masks, conditionals=GaussianConditionals(), **options)
+            start = time.perf_counter()
+            step(grouped, model, args)
+            first = time.perf_counter() - start
+            if G > 1000:
+                tg, _ = timed_pair(lambda: step(grouped, model, args), lambda: 0.0, repeats)
+                print(f"| | {G} | `{masks}` | {tg.cell()} | {first:.3g} | -- | -- |", flush=True)
+                continue
+            dense = MaskedPretrainingLoss(masks=masks, conditionals=GaussianConditionals(groups=False), **options)
+            step(dense, model, args)
+            tg, td = timed_pair(lambda: step(grouped, model, args), lambda: step(dense, model, args), repeats)
+            print(f"| | {G} | `{masks}` | {tg.cell()} | {first:.3g} | {td.cell()} | {fmt_ratio(td.median / tg.median)} |",
+                  flush=True)
+
+
 def gaussian_hmm_rows(quick, repeats):
     N, T = (2, 256) if quick else (4, 256)
     print("\n| GaussianHMM, H = 2, masks per datapoint | T | `all`, auto | `all`, gaussian (dense) | auto / dense |")
@@ -518,7 +568,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "parts", nargs="*",
-        default=["pll", "missing", "memory", "order", "recompute", "gaussian_hmm", "mixture", "dense", "hmm", "bernoulli"],
+        default=["pll", "missing", "memory", "order", "recompute", "groups", "gaussian_hmm", "mixture", "dense", "hmm",
+                 "bernoulli"],
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
@@ -537,6 +588,8 @@ def main():
         order_rows(a.quick, a.repeats)
     if "recompute" in a.parts:
         recompute_rows(a.quick, a.repeats)
+    if "groups" in a.parts:
+        groups_rows(a.quick, a.repeats)
     if "gaussian_hmm" in a.parts:
         gaussian_hmm_rows(a.quick, a.repeats)
     if "mixture" in a.parts:

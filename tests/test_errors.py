@@ -146,6 +146,7 @@ INTERNAL = {
     "conditionals/latent_runs.py::LatentRunner._guide_values": "caught by encode, which falls back",
     "conditionals/latent_runs.py::LatentRunner.encode": "engines encode only after locate_data_arg",
     "conditionals/quadrature_nodes.py::NodeRunner._run": "models that do not broadcast fail earlier",
+    "conditionals/gaussian_groups.py::LoadingColors.basis": "caught by colored_marginal, which derives the loading whole",
 }
 
 

@@ -177,8 +177,9 @@ def test_a_zero_that_carries_a_gradient_keeps_the_dense_loading():
     """Per-observation loading weights ``w`` that start at zero for a third of the
     observations: their loading entries are zero in value, so the pattern splits them off
     their groups, but d(log p)/dw there is not zero. The engine keeps the dense loading,
-    and the gradient into w equals torch's dense MultivariateNormal's (1e-8); a grouped
-    state would give those observations zero gradient."""
+    and the gradient into w equals torch's dense MultivariateNormal's (1e-8), also after a
+    call without gradients (whose groups are not reused under autograd); a grouped state
+    would give those observations zero gradient."""
     pyro.clear_param_store()
     N, G = 45, 6
     g = torch.Generator().manual_seed(7)
@@ -197,7 +198,10 @@ def test_a_zero_that_carries_a_gradient_keeps_the_dense_loading():
     tokens = trace_tokens(model, None, (y,), {}, token_plates=("data",))
     state = GaussianConditionals().prepare(tokens, model, None, (y,), {})
     assert not isinstance(state, GroupedGaussianState)
-    got = Evidence(model, token_plates=("data",))(y).sum()
+    evidence = Evidence(model, token_plates=("data",))
+    with torch.no_grad():
+        evidence(y)  # without gradients the zeros are dropped; the groups found serve no gradient
+    got = evidence(y).sum()
     w, sy = pyro.param("w"), pyro.param("sy")
     (gw,) = torch.autograd.grad(got, [w])
     A = torch.nn.functional.one_hot(grp, G).to(F64) * w[:, None]
@@ -216,3 +220,62 @@ def test_loading_components_labels_tokens_and_latents():
     tokens, latents = loading_components(F)
     assert tokens.tolist() == [0, 1, 0, 2]
     assert latents.tolist() == [0, 1, -1, 1]
+
+
+def test_later_calls_run_the_model_once_a_colour_and_notice_new_groups(monkeypatch):
+    """The engine keeps the groups it found: the next call derives the loading from the
+    model run at r + 4 points (random intercepts: 5, not G + 4 = 18) and gives scipy's
+    per-group density and torch's dense gradient (1e-8). Called on other data of the same
+    size (observations moved to other groups), the colouring's loading is off the model's
+    at the probes: the engine derives it whole again, and the numbers follow the new
+    groups (1e-8)."""
+    import pyro_mpt.conditionals.gaussian_groups as groups_module
+
+    colored = []  # what each run at the colours' points did
+    real = groups_module.gaussian_marginal
+
+    def spy(*args, **kwargs):
+        try:
+            out = real(*args, **kwargs)
+        except Exception:
+            colored.append("refused")
+            raise
+        colored.append("served")
+        return out
+
+    monkeypatch.setattr(groups_module, "gaussian_marginal", spy)
+    pyro.clear_param_store()
+    N, G = 70, 14
+    g = torch.Generator().manual_seed(9)
+    u = torch.randn(N, generator=g, dtype=F64)
+    y = torch.randn(N, generator=g, dtype=F64)
+    groupings = [torch.randint(0, G, (N,), generator=g) for _ in range(2)]
+
+    def model(grp, y):
+        b = pyro.param("b", torch.tensor(0.3, dtype=F64))
+        sa = pyro.param("sa", torch.tensor(0.8, dtype=F64), constraint=dist.constraints.positive)
+        sy = pyro.param("sy", torch.tensor(0.6, dtype=F64), constraint=dist.constraints.positive)
+        with pyro.plate("groups", G):
+            a = pyro.sample("a", dist.Normal(torch.tensor(0.0, dtype=F64), sa))
+        with pyro.plate("data", N):
+            pyro.sample("y", dist.Normal(a[..., grp] + b * u, sy), obs=y)
+
+    evidence = Evidence(model, token_plates=("data",))
+    evidence(groupings[0], y)  # the first call finds the groups (the loading derived whole)
+    assert colored == []
+    leaves = [pyro.param(k).unconstrained() for k in ("b", "sa", "sy")]
+    for grp, runs in ((groupings[0], ["served"]), (groupings[1], ["refused"]), (groupings[1], ["served"])):
+        colored.clear()
+        got = evidence(grp, y).sum()
+        assert colored == runs
+        b, sa, sy = (pyro.param(k) for k in ("b", "sa", "sy"))
+        A = torch.nn.functional.one_hot(grp, G).to(F64)
+        ref = torch.distributions.MultivariateNormal(b * u, sa**2 * A @ A.T + sy**2 * torch.eye(N, dtype=F64))
+        want = sum(
+            multivariate_normal.logpdf(y[grp == k].numpy(), (b * u)[grp == k].detach().numpy(),
+                                       ref.covariance_matrix[grp == k][:, grp == k].detach().numpy())
+            for k in range(G) if bool((grp == k).any())
+        )
+        assert abs(float(got) - want) < 1e-8
+        for got_grad, want_grad in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(ref.log_prob(y), leaves)):
+            assert abs(float(got_grad) - float(want_grad)) < 1e-8

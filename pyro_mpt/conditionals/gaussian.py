@@ -39,7 +39,7 @@ from numbers import Real
 
 import torch
 
-from .base import ConditionalEngine
+from .base import ConditionalEngine, callable_key
 from .distributions import take_rows
 from .gaussian_aggregated import (
     aggregated_cheaper,
@@ -50,7 +50,7 @@ from .gaussian_aggregated import (
     lowrank_weighted_sum,
 )
 from .gaussian_blocks import BlockGaussianState, block_marginal
-from .gaussian_groups import grouped_marginal, grouped_state
+from .gaussian_groups import colored_marginal, grouped_marginal, grouped_state
 from .gaussian_dense import dense_chain, dense_log_prob, dense_masks
 from .gaussian_dense_precision import routed_dense_sums
 from .gaussian_independent import lowrank_independent_sums
@@ -110,11 +110,15 @@ class GaussianMemory:
         gradient, per site and pattern of independent groups
         (:func:`~pyro_mpt.conditionals.gaussian_groups.grouped_marginal`): checked
         once, not at every step.
+    :param dict colors: the groups of a sparse loading per ``(model, observed site)``
+        (:class:`~pyro_mpt.conditionals.gaussian_groups.LoadingColors`): later calls
+        derive the loading from one model run a colour, checked by the probes.
     """
 
     run_mode: RunMemory = field(default_factory=RunMemory)
     jitter: dict = field(default_factory=dict)
     groups: dict = field(default_factory=dict)
+    colors: dict = field(default_factory=dict)
 
 
 class GaussianConditionals(ConditionalEngine):
@@ -151,6 +155,9 @@ class GaussianConditionals(ConditionalEngine):
         it reached per observed site and dtype (:class:`GaussianMemory`): later
         calls (the next training steps) start from it and warn only when it grows.
     :param bool vectorize: derive the marginal with one vectorized model run.
+    :param bool groups: split a sparse loading of one datapoint into its independent
+        groups (:mod:`~pyro_mpt.conditionals.gaussian_groups`; exact, the same numbers);
+        False keeps the dense loading (to measure what the groups save).
     :param int max_elements: bound on the elements of intermediate tensors.
 
     Example::
@@ -158,7 +165,7 @@ class GaussianConditionals(ConditionalEngine):
         >>> loss = MaskedPretrainingLoss(conditionals=GaussianConditionals(method="dense"))
     """
 
-    def __init__(self, method="auto", *, jitter=0.0, max_jitter=1e-4, vectorize=True, max_elements=2**24):
+    def __init__(self, method="auto", *, jitter=0.0, max_jitter=1e-4, vectorize=True, groups=True, max_elements=2**24):
         super().__init__(max_elements=max_elements)
         if method not in ("auto", "lowrank", "dense"):
             raise ValueError(
@@ -174,6 +181,7 @@ class GaussianConditionals(ConditionalEngine):
         self.jitter = float(jitter)
         self.max_jitter = float(max_jitter)
         self.vectorize = vectorize
+        self.groups = groups and method != "dense"
         self.memory = GaussianMemory()
 
     def reads_latent_draws(self):
@@ -186,12 +194,21 @@ class GaussianConditionals(ConditionalEngine):
             # independent blocks of tokens (a multi-output GP): served as n * B datapoints
             marginal, num_blocks = blocks
             return BlockGaussianState(self._prepare_marginal(marginal, tokens.name), num_blocks, tokens.num_data)
+        key = (callable_key(model), tokens.name)
+        colors = self.memory.colors.get(key)
+        if colors is not None and self.groups and (colors.gradient_checked or not torch.is_grad_enabled()):
+            # the groups found at an earlier call: the loading from r + 4 model runs, not R + 4
+            # (random intercepts of 1000 groups: 5 runs, no 10000 x 1000 table)
+            inner = colored_marginal(colors, tokens, model, args, kwargs, self.vectorize, self.memory.run_mode)
+            if inner is not None:
+                return grouped_state(self._prepare_marginal(inner, tokens.name), tokens.num_data, colors.tokens)
+            del self.memory.colors[key]
         marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize, memory=self.memory.run_mode)
-        groups = None if self.method == "dense" else grouped_marginal(marginal, tokens.num_data, self.memory.groups)
+        groups = grouped_marginal(marginal, tokens.num_data, self.memory.groups) if self.groups else None
         if groups is not None:
             # a sparse loading (random intercepts of many groups, one datapoint): its
             # independent groups as rows, O(C N r^2) a step instead of O(D R^2)
-            inner, index = groups
+            inner, index, self.memory.colors[key] = groups
             return grouped_state(self._prepare_marginal(inner, tokens.name), tokens.num_data, index)
         return self._prepare_marginal(marginal, tokens.name)
 

@@ -43,9 +43,10 @@ import numpy as np
 import torch
 
 from .gaussian_blocks import BlockGaussianState
-from .gaussian_marginal import GaussianMarginal, graph_leaves
+from .gaussian_marginal import GaussianMarginal, NotLinearGaussianError, gaussian_marginal
+from .structural_zeros import zeros_are_structural
 
-__all__ = ["GroupedGaussianState", "grouped_marginal", "grouped_state", "loading_components", "GROUPED_MIN_GAIN"]
+__all__ = ["GroupedGaussianState", "LoadingColors", "colored_marginal", "grouped_marginal", "grouped_state", "loading_components", "GROUPED_MIN_GAIN"]
 
 #: the factor by which the padded groups' cost (C N r^2) must undercut the dense
 #: loading's (D R^2) before the groups are taken
@@ -102,25 +103,89 @@ def _padded_layout(comp, C):
     return index, width
 
 
-def _dropped_zeros_constant(F, keep):
-    r"""Whether the entries of ``F`` outside ``keep`` (all zero in value) are zero in their
-    derivatives too (a loading parameter that starts at zero has zero entries that carry
-    its gradient): the product of their Jacobian with a random vector is within
-    :math:`\sqrt{\epsilon}` of the same product over the kept entries. Not exactly zero:
-    a loading written as a difference of model runs, ``loc(e_k) - loc(0)``, rounds the
-    derivative of a zero entry (``d(b u_j - b u_j)/db``) to a few ulps of its sums."""
-    if not F.requires_grad:
-        return True
-    leaves = graph_leaves(F.grad_fn)
-    if not leaves:
-        return True
-    gen = torch.Generator(device="cpu").manual_seed(20240611)
-    probe = torch.randn(F.shape[-2:], generator=gen, dtype=F.dtype).to(F.device)
-    dropped = torch.autograd.grad((F * probe.masked_fill(keep, 0.0)).sum(), leaves, retain_graph=True, allow_unused=True)
-    kept = torch.autograd.grad((F * probe.masked_fill(~keep, 0.0)).sum(), leaves, retain_graph=True, allow_unused=True)
-    size = max([float(g.abs().max()) for g in kept if g is not None and g.numel()] + [0.0])
-    worst = max([float(g.abs().max()) for g in dropped if g is not None and g.numel()] + [0.0])
-    return worst <= torch.finfo(F.dtype).eps ** 0.5 * size
+@dataclass
+class LoadingColors:
+    r"""The independent groups of a sparse loading, and a colouring of its latents.
+
+    Latent :math:`k` in slot :math:`l` of its group's latents gets colour :math:`l`:
+    no token loads on two latents of one colour (a token loads only on its own group's
+    latents), so the model run at the sum of the unit noises of colour :math:`l`
+    gives every token's loading on its group's :math:`l`-th latent at once:
+    :func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal` derives the
+    loading from :math:`r + 4` model runs (random intercepts: 5) instead of
+    :math:`R + 4`, and the groups' rows of it without a :math:`D \times R` table.
+
+    :param torch.Tensor tokens: ``(C, N)`` long, each group's tokens, ``-1`` at padding.
+    :param torch.Tensor latents: ``(C, r)`` long, each group's latents (columns of the
+        loading), ``-1`` at padding.
+    :param torch.Tensor token_group: ``(D,)`` long, each token's group.
+    :param int num_latents: :math:`R`, the loading's columns.
+    :param bool gradient_checked: whether the loading was found with autograd on, so that
+        the check that its dropped zeros carry no gradient was made (or had nothing to
+        check); a colouring found without it serves only calls without gradients.
+
+    Example::
+
+        >>> colors = grouped_marginal(marginal, 1)[2]
+        >>> colors.basis(R, x).shape    # (r, R): the points the model is run at
+    """
+
+    tokens: torch.Tensor
+    latents: torch.Tensor
+    token_group: torch.Tensor
+    num_latents: int
+    gradient_checked: bool = True
+
+    @property
+    def num_colors(self):
+        return self.latents.shape[1]
+
+    def basis(self, K, value):
+        """The ``(r, K)`` points: row :math:`l` is 1 at the latents of colour :math:`l`.
+        Refuses (``NotLinearGaussianError``) a model with another number of latent dims."""
+        if K != self.num_latents or value.shape[-1] != self.token_group.numel():
+            raise NotLinearGaussianError(
+                f"{K} latent dims and {value.shape[-1]} tokens; the colouring was made for "
+                f"{self.num_latents} and {self.token_group.numel()}"
+            )
+        out = torch.zeros(self.num_colors, K, dtype=value.dtype, device=value.device)
+        valid = self.latents >= 0
+        slots = torch.arange(self.num_colors, device=value.device).expand_as(self.latents)
+        out[slots[valid], self.latents[valid]] = 1.0
+        return out
+
+    def predict(self, mu, W, probes):
+        """The location the colouring implies at the ``probes`` ``(P, R)``, ``(P, 1, D)``, from
+        the colours' loading ``W`` ``(r, 1, D)``, and the largest sum of the probes'
+        magnitudes on one token's latents (the scale of the affinity check's rounding)."""
+        lat = self.latents[self.token_group]  # (D, r)
+        E = probes[:, lat.clamp(min=0)] * (lat >= 0)  # (P, D, r)
+        pred = mu + (E * W[:, 0].T).sum(-1)  # (P, D)
+        return pred[:, None], E.abs().sum(-1).amax()
+
+    def rows_of_loading(self, F):
+        """The groups' rows ``(C, N, r)`` of a whole loading ``(D, R)``."""
+        t, lat = self.tokens.clamp(min=0), self.latents.clamp(min=0)
+        return self._padded(F[t[:, :, None], lat[:, None, :]])
+
+    def rows_of_colors(self, W):
+        """The groups' rows ``(C, N, r)`` of the colours' loading ``(D, r)`` (column
+        :math:`l` of token :math:`j`: its loading on its group's :math:`l`-th latent)."""
+        return self._padded(W[self.tokens.clamp(min=0)])
+
+    def _padded(self, Fg):
+        pad = (self.tokens < 0)[:, :, None] | (self.latents < 0)[:, None, :]
+        return torch.where(pad, torch.zeros((), dtype=Fg.dtype, device=Fg.device), Fg)
+
+    def inner(self, marginal, Fg):
+        """The groups' marginal: ``C`` rows of ``N`` tokens, loading ``Fg``; padded tokens
+        with zero mean, unit noise."""
+        pad = self.tokens < 0
+        t = self.tokens.clamp(min=0)
+        psi, loc = marginal.cov_diag[0], marginal.loc[0]
+        psig = torch.where(pad, torch.ones((), dtype=psi.dtype, device=psi.device), psi[t])
+        locg = torch.where(pad, torch.zeros((), dtype=loc.dtype, device=loc.device), loc[t])
+        return GaussianMarginal(locg, cov_factor=Fg, cov_diag=psig, site=marginal.site)
 
 
 def grouped_marginal(marginal, num_data, verdicts=None):
@@ -138,15 +203,17 @@ def grouped_marginal(marginal, num_data, verdicts=None):
         :class:`~pyro_mpt.conditionals.GaussianConditionals`): whether the dropped zeros
         of a loading with these components carry no gradient, checked once per
         site and pattern of components (the check costs a backward pass through the
-        model's runs, a step's time: every step of training would pay it).
-    :returns: ``(inner, index)``: ``inner`` the marginal of ``C`` rows of ``N`` tokens and
-        ``r`` latents (padded tokens: zero loading and mean, unit noise), ``index``
-        ``(C, N)`` long, each row's tokens, ``-1`` at padding; None where the groups do
-        not pay, or where a dropped zero of the loading carries a gradient.
+        model's runs).
+    :returns: ``(inner, index, colors)``: ``inner`` the marginal of ``C`` rows of ``N``
+        tokens and ``r`` latents (padded tokens: zero loading and mean, unit noise),
+        ``index`` ``(C, N)`` long, each row's tokens, ``-1`` at padding, ``colors`` the
+        :class:`LoadingColors` that derive the next call's loading from :math:`r + 4`
+        model runs; None where the groups do not pay, or where a dropped zero of the
+        loading carries a gradient.
 
     Example::
 
-        >>> inner, index = grouped_marginal(gaussian_marginal(tokens, model, args, {}), 1)
+        >>> inner, index, colors = grouped_marginal(gaussian_marginal(tokens, model, args, {}), 1)
         >>> inner.cov_factor.shape   # (C, N, r): 1000 groups, at most N tokens each, r = 1
     """
     F, psi, loc = marginal.cov_factor, marginal.cov_diag, marginal.loc
@@ -166,33 +233,54 @@ def grouped_marginal(marginal, num_data, verdicts=None):
     if GROUPED_MIN_GAIN * C * N * max(1, min(r, N)) ** 2 > D * max(1, min(R, D)) ** 2:
         return None
     device = F.device
-    tok = torch.as_tensor(index, device=device)
-    lat = torch.as_tensor(lat_index, device=device)
-    keep = torch.zeros(D, R, dtype=torch.bool, device=device)
-    rows = tok[:, :, None].expand(C, N, r)
-    cols = lat[:, None, :].expand(C, N, r)
-    valid = (rows >= 0) & (cols >= 0)
-    keep[rows[valid], cols[valid]] = True
+    colors = LoadingColors(torch.as_tensor(index, device=device), torch.as_tensor(lat_index, device=device),
+                           torch.as_tensor(token_comp, device=device), R,
+                           gradient_checked=F.requires_grad or torch.is_grad_enabled())
     key = (marginal.site, D, R, hash(token_comp.tobytes()), hash(latent_comp.tobytes()))
     if verdicts is None or key not in verdicts:
-        verdict = _dropped_zeros_constant(F, keep)
-        if verdicts is None or not F.requires_grad:
+        keep = torch.zeros(D, R, dtype=torch.bool, device=device)
+        rows = colors.tokens[:, :, None].expand(C, N, r)
+        cols = colors.latents[:, None, :].expand(C, N, r)
+        valid = (rows >= 0) & (cols >= 0)
+        keep[rows[valid], cols[valid]] = True
+        verdict = zeros_are_structural(F[0], ~keep)
+        if verdicts is not None and F.requires_grad:
             # a loading without gradient says nothing of the next call's
-            if not verdict:
-                return None
-        else:
             verdicts[key] = verdict
-    if verdicts is not None and not verdicts.get(key, True):
+        if not verdict:
+            return None
+    elif not verdicts[key]:
         return None
-    t_pad, l_pad = tok < 0, lat < 0
-    t_safe, l_safe = tok.clamp(min=0), lat.clamp(min=0)
-    zero = torch.zeros((), dtype=F.dtype, device=device)
-    Fg = F[0][t_safe[:, :, None], l_safe[:, None, :]]  # (C, N, r)
-    Fg = torch.where(t_pad[:, :, None] | l_pad[:, None, :], zero, Fg)
-    psig = torch.where(t_pad, torch.ones((), dtype=psi.dtype, device=device), psi[0][t_safe])
-    locg = torch.where(t_pad, torch.zeros((), dtype=loc.dtype, device=device), loc[0][t_safe])
-    inner = GaussianMarginal(locg, cov_factor=Fg, cov_diag=psig, site=marginal.site)
-    return inner, tok
+    return colors.inner(marginal, colors.rows_of_loading(F[0])), colors.tokens, colors
+
+
+def colored_marginal(colors, tokens, model, args, kwargs, vectorize=True, memory=None):
+    """The groups' marginal (as :func:`grouped_marginal`'s ``inner``) from the model run at
+    the points of ``colors``, or None where the loading left the colouring's groups (the
+    probes found it off the loading the colouring implies, e.g. new data with other
+    groups) or has columns of its own (a low-rank observation noise).
+
+    :param LoadingColors colors: from an earlier call's :func:`grouped_marginal`.
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
+    :param callable model: the Pyro model; ``args``, ``kwargs`` its arguments.
+    :param bool vectorize: as :func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal`'s.
+    :param memory: the run modes' memory, as there.
+    :rtype: ~pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal
+
+    Example::
+
+        >>> inner = colored_marginal(colors, tokens, model, args, {})   # 5 model runs for random intercepts
+    """
+    if tokens.num_data != 1:
+        return None
+    try:
+        marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=vectorize, memory=memory, colors=colors)
+    except NotLinearGaussianError:
+        return None
+    F = marginal.cov_factor
+    if not marginal.is_low_rank or F is None or F.shape[0] != 1 or F.shape[-1] != colors.num_colors:
+        return None
+    return colors.inner(marginal, colors.rows_of_colors(F[0]))
 
 
 @dataclass

@@ -40,11 +40,12 @@ from .base import EngineNotApplicable, SlowEngineWarning
 from .distributions import affine_normal, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
 from .marginal_rows import basis_rows, common_rows, rows_equal, shared_loading
+from .structural_zeros import diagonal_variances
 from .plate_runs import (CoordinateLatents, alternating_signs, fixed_probes, latent_layout, reaches_points,
                          run_in_plate, run_with_fallback)
 from ..code_origin import user_stacklevel
 
-__all__ = ["GaussianMarginal", "gaussian_marginal", "graph_leaves", "NotLinearGaussianError", "RUN_MODES"]
+__all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
 
 #: the ways :func:`gaussian_marginal` runs the model on the noise points, in the
 #: order it tries them: one vectorized run with the shared latent parameters
@@ -203,7 +204,7 @@ def _observation_parts(fn, tokens):
     )
 
 
-def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
+def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, colors=None):
     """Derive the Gaussian marginal of the observed tokens from a Pyro model.
 
     :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: from :func:`~pyro_mpt.observed_tokens.trace_tokens`.
@@ -219,6 +220,13 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
         time (:func:`~pyro_mpt.conditionals.plate_runs.run_with_fallback`), so
         that a model that does not broadcast is not run in the failing modes at
         every step.
+    :param colors: None, or the colouring of a known sparse loading
+        (:class:`~pyro_mpt.conditionals.gaussian_groups.LoadingColors`): the model is
+        run at :math:`L + 4` points instead of :math:`K + 4`, point :math:`l` the sum
+        of the unit noises of colour :math:`l` (no token loads on two latents of one
+        colour), and the returned ``cov_factor`` ``(1, D, L)`` holds in column
+        :math:`l` each token's loading on its latent of colour :math:`l`; the
+        probes check the loading the colouring implies.
     :returns: the marginal, with leading dim ``n``, or 1 when shared by the batch.
     :rtype: GaussianMarginal
     :raises NotLinearGaussianError: naming the site, when the model is not
@@ -239,14 +247,11 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
     value = tokens.value
     # a fixed generator: the affinity check must not consume the user's random stream
     probes, gen = fixed_probes(K, value.dtype, value.device)
-    basis = torch.cat(
-        [
-            torch.zeros(1, K, dtype=value.dtype, device=value.device),
-            torch.eye(K, dtype=value.dtype, device=value.device),
-            probes,
-        ],
-        0,
-    )
+    # one point a latent, or one a colour of a sparse loading (random intercepts: one for
+    # every group, 5 model runs a step instead of G + 4)
+    head = torch.eye(K, dtype=value.dtype, device=value.device) if colors is None else colors.basis(K, value)
+    L = head.shape[0]
+    basis = torch.cat([torch.zeros(1, K, dtype=value.dtype, device=value.device), head, probes], 0)
     P = basis.shape[0]
     replay = tokens.subsample_trace()
     mpn = tokens.max_plate_nesting
@@ -311,8 +316,8 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
     def at_points(loc_noise):
         loc, noise = loc_noise
         mu = loc[0]
-        W = shared_loading(loc[1 : K + 1], mu)  # (K, n|1, D)
-        _check_affine(loc[K + 1 :], mu, W, probes, tokens.name)
+        W = shared_loading(loc[1 : L + 1], mu)  # (L, n|1, D)
+        _check_affine(loc[L + 1 :], mu, W, probes, tokens.name, colors)
         return mu, W, noise
 
     def per_point(points):
@@ -347,7 +352,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None):
     # are tried once "compact" found a location that varies by datapoint, or
     # "per_point" a model that does not broadcast, with a shared loading
     modes = RUN_MODES if vectorize else ("per_point",)
-    known = None if memory is None else memory.recall(model)
+    known = None if memory is None or colors is not None else memory.recall(model)
     if known == "rows" and vectorize:
         modes = ("rows",) + modes
     elif known == "rows_per_point":
@@ -413,7 +418,7 @@ def _assemble(mu, noise, kind, W, data_dtype):
     if kind == "tril":
         parts = ("tril", cov)
         cov = cov @ cov.transpose(-1, -2)
-    var = _diagonal_variances(cov)
+    var = diagonal_variances(cov)
     if var is not None:
         if W is None:
             return GaussianMarginal(mu, cov_diag=var)
@@ -425,53 +430,6 @@ def _assemble(mu, noise, kind, W, data_dtype):
     return GaussianMarginal(mu, covariance=cov, parts=parts + (None,) if kind == "tril" else None)
 
 
-def _diagonal_variances(cov):
-    r"""The diagonal of a covariance written densely that is diagonal, or None.
-
-    ``MultivariateNormal(loc, scale_tril=s * torch.eye(D))`` is the noise of
-    ``Normal(loc, s).to_event(1)``; kept dense, every mask costs
-    :math:`O(D^3)` instead of :math:`O(D K^2)` (20-70 times PPCA's time at
-    D=100..200). The diagonal alone carries the whole gradient only when the
-    off-diagonal entries, zero in value, are also zero in their derivatives
-    with respect to whatever they are computed from (a ``scale_tril``
-    parameter that happens to be diagonal is not): checked by one product of
-    their Jacobian with a random vector.
-    """
-    eye = torch.eye(cov.shape[-1], dtype=torch.bool, device=cov.device)
-    off = cov.masked_fill(eye, 0.0)
-    if bool(off.detach().ne(0).any()):
-        return None
-    if off.requires_grad:
-        leaves = graph_leaves(off.grad_fn)
-        gen = torch.Generator(device="cpu").manual_seed(20231208)
-        probe = torch.randn(off.shape, generator=gen, dtype=off.dtype).to(off.device)
-        grads = torch.autograd.grad(off, leaves, probe, retain_graph=True, allow_unused=True)
-        if any(g is not None and bool(g.ne(0).any()) for g in grads):
-            return None
-    return torch.diagonal(cov, dim1=-2, dim2=-1)
-
-
-def graph_leaves(fn):
-    """The leaf tensors an autograd graph reaches from node ``fn``.
-
-    Example::
-
-        >>> w = torch.ones(2, requires_grad=True)
-        >>> graph_leaves((2 * w).grad_fn) == [w]   # [True]
-    """
-    leaves, seen, stack = [], set(), [fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if hasattr(node, "variable"):
-            leaves.append(node.variable)
-        else:
-            stack.extend(child for child, _ in node.next_functions)
-    return leaves
-
-
 def _check_scale_rows(name, scale):
     if scale.dim() > 0 and not rows_equal(scale):
         raise NotLinearGaussianError(
@@ -481,12 +439,16 @@ def _check_scale_rows(name, scale):
         )
 
 
-def _check_affine(loc_p, mu, W, probes, name):
+def _check_affine(loc_p, mu, W, probes, name, colors=None):
     # outside autograd, and one host sync for the error and its scale
     with torch.no_grad():
-        pred = mu + (probes.to(W.dtype) @ W.reshape(W.shape[0], -1)).view((-1,) + W.shape[1:])
+        if colors is None:
+            pred = mu + (probes.to(W.dtype) @ W.reshape(W.shape[0], -1)).view((-1,) + W.shape[1:])
+            eps_sum = probes.abs().sum(-1).amax()
+        else:
+            pred, eps_sum = colors.predict(mu, W, probes.to(W.dtype))
         mu_max, W_max, eps_sum, err = torch.stack(
-            [mu.abs().amax(), W.abs().amax(), probes.abs().sum(-1).amax(), (loc_p - pred).abs().amax()]
+            [mu.abs().amax(), W.abs().amax(), eps_sum, (loc_p - pred).abs().amax()]
         ).tolist()
     tol = torch.finfo(mu.dtype).eps ** 0.5 * (mu_max + W_max * eps_sum + 1.0)
     if not err <= tol:
