@@ -332,7 +332,7 @@ def test_evidence_by_pairwise_products_equals_pyro_log_prob(T, float64, monkeypa
     GaussianHMM.log_prob (1e-9 relative)."""
     import pyro_mpt.conditionals.gaussian_hmm as module
 
-    monkeypatch.setattr(module, "_messages", lambda *a: pytest.fail("forward messages formed"))
+    monkeypatch.setattr(module, "forward_messages", lambda *a: pytest.fail("forward messages formed"))
     H, O, n = 3, 2, 2
     g = torch.Generator().manual_seed(14)
     A = (0.5 * torch.randn(T, H, H, generator=g, dtype=torch.float64) / H**0.5).requires_grad_()

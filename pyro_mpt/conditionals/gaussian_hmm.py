@@ -29,14 +29,14 @@ mean :math:`\hat m_t\tilde C_{t,o} + d_{t,o} + g_o(x_{t,c} - d_{t,c})` and varia
 :math:`\tilde C_{t,o}^\top\hat P_t\tilde C_{t,o} + R_{t,oo} - g_oR_{t,co}` (with a
 diagonal :math:`R_t`, :math:`g_o = 0`). ``log_evidence`` and every chain-rule sum are
 :math:`\log p(x)`, the normalizer of the product of all the steps' factors (multiplied in
-pairs, ``_total``).
+pairs, ``total_factor``).
 
 Each mask costs :math:`O(T(H^3 + O^3))`, against :math:`O(T^3O^3)` for the dense
 covariance of the whole sequence
 (:func:`~pyro_mpt.conditionals.linear_dynamical.gaussian_hmm_moments`, which the
 Gaussian engine uses for a ``GaussianHMM`` with latents or inside other
 structure). The messages run in blocks of about :math:`\sqrt T` steps
-(``_messages``), vectorized over masks, datapoints and blocks, in float64 (the
+(``forward_messages``), vectorized over masks, datapoints and blocks, in float64 (the
 covariances of a long chain lose digits in float32); the result is in the dtype of
 the model's parameters and data. Masks shared by the batch go to the dense
 covariance (the ``"gaussian"`` engine), whose aggregated forms factorize each mask
@@ -46,26 +46,31 @@ Explosive dynamics (a transition matrix of spectral radius :math:`\rho > 1`) gro
 state's variance as :math:`\rho^{2k}` over :math:`k` steps without context, which the
 information form's prediction loses to cancellation and the dense covariance to its
 span of :math:`\rho^{2T}`. For them the later context's information comes from a
-product form (``_backward_information``), the earlier's from the information form at
+product form (``backward_information``), the earlier's from the information form at
 the steps where the smoothed precision keeps its digits and from a square-root
-information filter elsewhere (``_root_filter``, a step at a time), and the evidence
+information filter elsewhere (``root_filter``, a step at a time), and the evidence
 from the square-root filter; see docs/numerics.md for the measured accuracy and the
 refusals (``gaussian-hmm-ill-conditioned``, ``gaussian-hmm-not-finite``).
 """
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 import pyro.distributions as dist
 
 from ..recompute import recomputed
 from .base import ConditionalEngine, EngineNotApplicable
+from .chain_messages import (
+    Factor, Message, backward_information, chain_steps, context_block, context_precision, forward_messages,
+    information_moments, log_normalizer, message_through, prior_message, root_filter, root_smoothed, step_factors,
+    time_first, total_factor,
+)
 from .distributions import base_distribution, check_one_sequence, check_sequence_alone
 from .gaussian import GaussianConditionals
-from .gaussian_linalg import LOG_2PI, tril_inverse
+from .gaussian_linalg import LOG_2PI
 from .linear_dynamical import LinearDynamicalParts, gaussian_hmm_parts
+from .small_matrices import small_cholesky_solve, small_mm, small_mv
 
 __all__ = ["GaussianHMMConditionals", "GaussianHMMState", "AUTO_MIN_TOKENS", "WIDE_HIDDEN"]
 
@@ -90,13 +95,6 @@ WIDE_HIDDEN = 12
 #: the span :math:`\rho^{2T}` of a sequence's variances from which this engine serves it
 #: however short (the dense covariance's factorization keeps about 16 - log10 of it digits)
 EXPLOSIVE_SPAN = 1e6
-
-
-#: matrices up to this size are multiplied, factorized and solved with elementwise operations
-#: over the batch: the batched GEMM and LAPACK routines loop over the matrices at about a
-#: microsecond each (1.4 ms a Cholesky solve of 1780 2 x 2 matrices, 60 us a product, against
-#: 3 us a vectorized multiply), and the filter runs several a step
-SMALL = 6
 
 
 @dataclass
@@ -131,7 +129,7 @@ class GaussianHMMState:
     @property
     def explosive(self):
         """Whether a transition matrix has a spectral radius above 1: the smoother then checks
-        the information form's digits and takes the square-root filter (``_root_filter``)
+        the information form's digits and takes the square-root filter (``root_filter``)
         where they are lost, and never sends masks to the dense covariance."""
         return self.radius > 1.0
 
@@ -144,467 +142,6 @@ def _rows(t, batch_shape, event_ndim):
     if all(s == 1 for s in lead):
         return t.reshape((1,) + tail)
     return t.expand(tuple(batch_shape) + tail).reshape((-1,) + tail)
-
-
-def _mm(a, b):
-    """Batched products of small matrices, as a broadcast multiply and sum (see ``SMALL``)."""
-    if a.shape[-1] > SMALL or b.shape[-1] > SMALL:
-        return a @ b
-    return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
-
-
-def _mv(v, M):
-    """Row vectors ``v`` ``(..., a)`` times ``M`` ``(..., a, b)``."""
-    return (v.unsqueeze(-1) * M).sum(-2)
-
-
-
-def _entries(A):
-    """The entries of ``(..., n, m)`` matrices as a list of rows of ``(...)`` tensors (by
-    ``unbind``: the backward pass of an indexed entry allocates a zero tensor of the whole
-    input, and a loop over the entries would allocate one per entry)."""
-    return [row.unbind(-1) for row in A.unbind(-2)]
-
-
-def _cholesky(A):
-    """Lower Cholesky factor ``(..., n, n)``."""
-    n = A.shape[-1]
-    if n > SMALL:
-        return torch.linalg.cholesky(A)
-    a = _entries(A)
-    L = [[None] * n for _ in range(n)]
-    for j in range(n):
-        s = a[j][j]
-        for k in range(j):
-            s = s - L[j][k] * L[j][k]
-        L[j][j] = s.sqrt()
-        for i in range(j + 1, n):
-            s = a[i][j]
-            for k in range(j):
-                s = s - L[i][k] * L[j][k]
-            L[i][j] = s / L[j][j]
-    zero = torch.zeros_like(L[0][0])
-    return torch.stack([torch.stack([L[i][j] if j <= i else zero for j in range(n)], -1) for i in range(n)], -2)
-
-
-def _solve_lower(L, B):
-    """``L^{-1} B`` for lower-triangular ``L`` ``(..., n, n)`` and ``B`` ``(..., n, m)``."""
-    n = L.shape[-1]
-    if n > SMALL:
-        return torch.linalg.solve_triangular(L, B, upper=False)
-    return torch.stack(_forward_rows(_entries(L), B.unbind(-2)), -2)
-
-
-def _forward_rows(l, b):
-    """Forward substitution with the entries ``l`` of a lower-triangular matrix, over the rows ``b``."""
-    y = []
-    for i in range(len(b)):
-        s = b[i]
-        for k in range(i):
-            s = s - l[i][k].unsqueeze(-1) * y[k]
-        y.append(s / l[i][i].unsqueeze(-1))
-    return y
-
-
-def _cholesky_solve(B, L):
-    """``A^{-1} B`` from the Cholesky factor ``L`` of ``A``."""
-    n = L.shape[-1]
-    if n > SMALL:
-        return torch.cholesky_solve(B, L)
-    l = _entries(L)
-    y = _forward_rows(l, B.unbind(-2))
-    x = [None] * n
-    for i in range(n - 1, -1, -1):
-        s = y[i]
-        for k in range(i + 1, n):
-            s = s - l[k][i].unsqueeze(-1) * x[k]
-        x[i] = s / l[i][i].unsqueeze(-1)
-    return torch.stack(x, -2)
-
-
-class _Factor(NamedTuple):
-    r"""Gaussian factors over pairs :math:`(a, b)` of states, in information form:
-    :math:`\exp(-\tfrac12[a;b]^\top J[a;b] + h_a^\top a + h_b^\top b + c)`,
-    leading dim the step."""
-
-    Jaa: torch.Tensor
-    Jab: torch.Tensor
-    Jbb: torch.Tensor
-    ha: torch.Tensor
-    hb: torch.Tensor
-    c: torch.Tensor
-
-
-class _Message(NamedTuple):
-    r"""Gaussian factors over one state, :math:`\exp(-\tfrac12 z^\top Jz + h^\top z + c)`."""
-
-    J: torch.Tensor
-    h: torch.Tensor
-    c: torch.Tensor
-
-
-def _time_first(part):
-    """A part ``(n|1, T|1, ...)`` as ``(T|1, 1, n|1, ...)``: time, then masks, then datapoints."""
-    return part.transpose(0, 1).unsqueeze(1)
-
-
-def _logdet(L):
-    r""":math:`\log|LL^\top|` from a Cholesky factor."""
-    return 2 * L.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-
-
-def _context_block(R, c):
-    r"""The Cholesky factor of :math:`R`'s context block, embedded (the identity at the other
-    elements: one factorization for every mask), and the context pairs ``c c^T``, for noise
-    covariances ``R`` ``(..., O, O)`` and context indicators ``c`` ``(..., O)`` (float)."""
-    cc = c.unsqueeze(-1) * c.unsqueeze(-2)
-    return _cholesky(R * cc + torch.diag_embed(1 - c)), cc
-
-
-def _context_precision(R, c):
-    r"""The inverse of :math:`R`'s context block, embedded with zeros, ``(..., O, O)``, and the
-    block's Cholesky factor (see :func:`_context_block`)."""
-    L, cc = _context_block(R, c)
-    eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
-    return _cholesky_solve(eye.expand_as(L), L) * cc, L
-
-
-def _log_normalizer(J, h, c):
-    r""":math:`\log\int\exp(-\tfrac12 z^\top Jz + h^\top z + c)\,dz`."""
-    L = _cholesky(J)
-    y = _cholesky_solve(h.unsqueeze(-1), L).squeeze(-1)
-    return c + 0.5 * (h * y).sum(-1) - 0.5 * _logdet(L) + 0.5 * J.shape[-1] * LOG_2PI
-
-
-def _prior_message(parts, J_batch, h_batch):
-    """The initial state's density as a message, its precision broadcast to ``J_batch``, its
-    information vector and normalizer to ``h_batch``."""
-    m0, S0 = parts.init_loc, parts.init_cov  # (n|1, H), (n|1, H, H)
-    H = m0.shape[-1]
-    L = _cholesky(S0)
-    J = _cholesky_solve(torch.eye(H, dtype=S0.dtype, device=S0.device).expand_as(S0), L)
-    h = _mv(m0, J)
-    c = -0.5 * (m0 * h).sum(-1) - 0.5 * _logdet(L) - 0.5 * H * LOG_2PI
-    return _Message(J.expand(J_batch + (H, H)), h.expand(h_batch + (H,)), c.expand(h_batch))
-
-
-def _step_factors(parts, x, context):
-    r"""Each step's factor over :math:`(z_{t-1}, z_t)`: the transition density times the
-    likelihood of the step's context elements, from tokens ``x`` ``(T, n, O)`` and contexts
-    ``(T, q, n|1, O)``: precisions ``(T, q, n|1, H, H)`` (one row for masks shared by the
-    batch and shared parameters), information vectors and normalizers ``(T, q, n, ...)``."""
-    _, _, A, b, Q, C, d, R = (_time_first(t) for t in parts)
-    H = A.shape[-1]
-    eye = torch.eye(H, dtype=A.dtype, device=A.device)
-    # transition: -(z_t - z_{t-1} A - b) Q^-1 (...)^T / 2 (row vectors, as Pyro writes it)
-    LQ = _cholesky(Q)
-    Qi = _cholesky_solve(eye.expand_as(Q), LQ)
-    AQi = _mm(A, Qi)
-    Qib = _mv(b, Qi)
-    c_trans = -0.5 * (b * Qib).sum(-1) - 0.5 * _logdet(LQ) - 0.5 * H * LOG_2PI
-    # the context elements' likelihood: R's context block inverted, embedded with zeros
-    c = context
-    W, LR = _context_precision(R, c)
-    e = x.unsqueeze(1) - d
-    We = _mv(e, W)
-    CW = _mm(C, W)
-    factor = _Factor(
-        _mm(AQi, A.transpose(-1, -2)),
-        -AQi,
-        Qi + _mm(CW, C.transpose(-1, -2)),
-        -_mv(Qib, A.transpose(-1, -2)),
-        Qib + _mv(We, C.transpose(-1, -2)),
-        c_trans - 0.5 * (e * We).sum(-1) - 0.5 * _logdet(LR) - 0.5 * LOG_2PI * c.sum(-1),
-    )
-    # two batch shapes: the precisions depend on the masks and the parameters only, so masks
-    # shared by the batch factorize once for every datapoint (the information vectors and
-    # normalizers carry the data); the scan concatenates steps, so each part is expanded to its own
-    J_shape = torch.broadcast_shapes(*(t.shape[:-2] for t in factor[:3]))
-    h_shape = torch.broadcast_shapes(J_shape, factor.c.shape, *(t.shape[:-1] for t in factor[3:5]))
-    shapes = (J_shape,) * 3 + (h_shape,) * 3
-    return _Factor(*(t.expand(b + t.shape[t.dim() - k :]) for t, b, k in zip(factor, shapes, (2, 2, 2, 1, 1, 0))))
-
-
-def _combine(f, g):
-    """The factor over ``(a, c)`` of ``f`` over ``(a, b)`` times ``g`` over ``(b, c)``, ``b``
-    integrated out."""
-    L = _cholesky(f.Jbb + g.Jaa)
-    H = L.shape[-1]
-    Y = _cholesky_solve(torch.cat([f.Jab.transpose(-1, -2), g.Jab], -1), L)
-    Ya, Yc = Y[..., :H], Y[..., H:]
-    y = _cholesky_solve((f.hb + g.ha).unsqueeze(-1), L).squeeze(-1)
-    return _Factor(
-        f.Jaa - _mm(f.Jab, Ya),
-        -_mm(f.Jab, Yc),
-        g.Jbb - _mm(g.Jab.transpose(-1, -2), Yc),
-        f.ha - _mv(y, f.Jab.transpose(-1, -2)),
-        g.hb - _mv(y, g.Jab),
-        f.c + g.c + 0.5 * ((f.hb + g.ha) * y).sum(-1) - 0.5 * _logdet(L) + 0.5 * H * LOG_2PI,
-    )
-
-
-def _through(m, f):
-    """The message over ``b`` of message ``m`` over ``a`` times ``f`` over ``(a, b)``, ``a``
-    integrated out."""
-    L = _cholesky(m.J + f.Jaa)
-    H = L.shape[-1]
-    k = m.h + f.ha
-    Yb = _cholesky_solve(f.Jab, L)
-    y = _cholesky_solve(k.unsqueeze(-1), L).squeeze(-1)
-    return _Message(
-        f.Jbb - _mm(f.Jab.transpose(-1, -2), Yb),
-        f.hb - _mv(y, f.Jab),
-        m.c + f.c + 0.5 * (k * y).sum(-1) - 0.5 * _logdet(L) + 0.5 * H * LOG_2PI,
-    )
-
-
-def _messages(start, f):
-    r"""The messages :math:`\alpha_t = \int \alpha_{-1}f_0\cdots f_t` over :math:`z_t`,
-    ``(T, ...)``, of ``start`` over :math:`z_{-1}` through the factors ``f`` ``(T, ...)``,
-    in blocks of :math:`b = \lceil\sqrt T\,\rceil` steps: each block's factor
-    (:math:`b` steps over all blocks at once), the messages entering the blocks (one step
-    a block), then the messages inside them (:math:`b` steps over all blocks at once):
-    about :math:`3\sqrt T` batched steps, where the step-by-step recursion takes
-    :math:`T`, each a few dozen small operations (measured, loss and gradient with the
-    default masks at T = 300: 0.47 s step by step, 0.10 s in blocks)."""
-    T = f.c.shape[0]
-    b = math.isqrt(T - 1) + 1 if T > 1 else 1
-    B = -(-T // b)
-    if B * b > T:
-        # steps past the end (their messages are dropped): z_t ~ N(z_{t-1}, I)
-        H = f.Jaa.shape[-1]
-        eye = torch.eye(H, dtype=f.Jaa.dtype, device=f.Jaa.device).expand((B * b - T,) + f.Jaa.shape[1:])
-        zero_h = f.ha.new_zeros((B * b - T,) + f.ha.shape[1:])
-        pad = _Factor(eye, -eye, eye, zero_h, zero_h, f.c.new_full((B * b - T,) + f.c.shape[1:], -0.5 * H * LOG_2PI))
-        f = _Factor(*(torch.cat([t, p], 0) for t, p in zip(f, pad)))
-    # the steps by unbind (indexing each would allocate a zero gradient of the whole table)
-    steps = [_Factor(*t) for t in zip(*(t.reshape((B, b) + t.shape[1:]).unbind(1) for t in f))]
-    block = steps[0]
-    for step in steps[1:]:
-        block = _combine(block, step)
-    entering, m = [], start
-    for step in zip(*(t.unbind(0) for t in block)):
-        entering.append(m)
-        m = _through(m, _Factor(*step))
-    m = _Message(*(torch.stack(t, 0) for t in zip(*entering)))  # (B, ...)
-    inside = []
-    for step in steps:
-        m = _through(m, step)
-        inside.append(m)
-    return _Message(*(torch.stack(t, 1).reshape((B * b,) + t[0].shape[1:])[:T] for t in zip(*inside)))
-
-
-def _total(f):
-    r"""The factor over :math:`(z_{-1}, z_{T-1})` of the product of the steps' factors ``f``
-    ``(T, ...)``, the states between them integrated out, by combining neighbours in pairs:
-    :math:`\lceil\log_2 T\rceil` batched levels, where the messages take about
-    :math:`3\sqrt T` (the evidence needs no message but the last)."""
-    while f.c.shape[0] > 1:
-        T = f.c.shape[0]
-        k = T // 2
-        # pairs by reshape and unbind (indexing each would allocate a zero gradient of the whole table)
-        pairs = [t[: 2 * k].reshape((k, 2) + t.shape[1:]).unbind(1) for t in f]
-        merged = _combine(_Factor(*(p[0] for p in pairs)), _Factor(*(p[1] for p in pairs)))
-        if T % 2:
-            merged = _Factor(*(torch.cat([m, t[2 * k :]], 0) for m, t in zip(merged, f)))
-        f = merged
-    return _Factor(*(t[0] for t in f))
-
-
-def _per_step(t, T):
-    """The ``T`` steps of a part ``(T|1, ...)`` as a list (by ``unbind``; a homogeneous part repeated)."""
-    return list(t.unbind(0)) if t.shape[0] == T else [t[0]] * T
-
-
-class _Steps(NamedTuple):
-    """Per-step lists (``T`` entries) of a sequence's parts and its context's terms, for the
-    filters that go a step at a time."""
-
-    A: list
-    b: list
-    C: list
-    UQ: list  # Q = UQ^T UQ
-    B: list  # W = B B^T, B = diag(c) L_R^{-T}: the context block's inverse, embedded with zeros
-    LR: list
-    CW: list
-    hl: list  # e W C^T
-    e: list  # x - d
-    c: list
-
-
-def _steps(parts, x, context):
-    """The :class:`_Steps` of ``parts`` with tokens ``x`` ``(T, n, O)`` and contexts ``(T, q, n|1, O)``."""
-    _, _, A, b, Q, C, d, R = (_time_first(t) for t in parts)
-    T = x.shape[0]
-    W, LR = _context_precision(R, context)
-    B = context.unsqueeze(-1) * tril_inverse(LR).transpose(-1, -2)
-    CW = _mm(C, W)
-    e = x.unsqueeze(1) - d
-    UQ = torch.linalg.cholesky(Q).transpose(-1, -2)
-    return _Steps(*(_per_step(t, T) for t in (A, b, C, UQ, B, LR, CW, _mv(e, CW.transpose(-1, -2)), e, context)))
-
-
-def _root_filter(parts, steps):
-    r"""The forward filter for explosive dynamics, a step at a time over :class:`_Steps`: the
-    filtered precisions' triangular roots :math:`R_t` (:math:`J_t = R_t^\top R_t`), information
-    vectors, means and covariance roots :math:`S_t = R_t^{-\top}` (:math:`P_t = S_t^\top S_t`),
-    each ``(T, q, n|1 or n, ...)``, and :math:`\log p(x_{\mathcal R})` ``(q, n)``.
-
-    The states' variance grows as :math:`\rho^{2k}` over :math:`k` steps without context,
-    which the information form's prediction :math:`Q^{-1} - Q^{-1}A^\top(J +
-    AQ^{-1}A^\top)^{-1}AQ^{-1}` loses (two numbers of the noise's scale subtracted to give one
-    :math:`\rho^{2k}` times smaller). This filter predicts :math:`\hat P_t = A_t^\top
-    P_{t-1}A_t + Q_t` as the triangular factor of the QR decomposition of :math:`[S_{t-1}A_t;\,
-    U_{Q_t}]` and updates the precision :math:`J_t = \hat P_t^{-1} + C_tW_tC_t^\top` as that of
-    :math:`[\hat S_t^{-\top};\, (C_tB_t)^\top]`, sums where the moment form's update
-    subtracts, and carries the mean whitened, :math:`m_t = w_tS_t`, through the orthogonal
-    factors (a square-root information filter). Its roots keep condition numbers up to about
-    :math:`10^{32}` of the covariances, but only to float64's eps times the square root of
-    that relative to the largest (see :func:`_reliable`). The evidence sums the steps'
-    predictive densities, each quadratic form the least-squares residual :math:`|\hat w_t|^2 +
-    |e_tB_t|^2 - |w_t|^2`.
-    """
-    T = len(steps.A)
-    H = steps.A[0].shape[-1]
-    eye = torch.eye(H, dtype=steps.A[0].dtype, device=steps.A[0].device)
-    tri = torch.linalg.solve_triangular
-    S = torch.linalg.cholesky(parts.init_cov).transpose(-1, -2)  # P = S^T S
-    w = _mv(parts.init_loc, tri(S, eye.expand_as(S), upper=True))  # the mean whitened, m = w S
-    Rf, hf, mf, Sf = [], [], [], []
-    log_p = 0.0
-    for t in range(T):
-        Qo, Sh = _stacked_qr(_mm(S, steps.A[t]), steps.UQ[t])  # predicted covariance Sh^T Sh
-        Shi = tri(Sh, eye.expand_as(Sh), upper=True)
-        wh = _mv(w, Qo[..., :H, :]) + _mv(steps.b[t], Shi)
-        # a step without context keeps the prediction: the QR of an ill-conditioned Sh^-T alone
-        # would give back its smallest root to eps times the largest (0.07 nats of a target's
-        # log-density at condition 1e29); the identity stands in for it, whose unused gradient
-        # stays finite where that of a root of 1e-70 would overflow
-        none = steps.c[t].sum(-1) == 0
-        Vt = torch.where(none[..., None, None], eye, Shi.transpose(-1, -2))
-        Qo, Rt = _stacked_qr(Vt, _mm(steps.C[t], steps.B[t]).transpose(-1, -2))
-        eB = _mv(steps.e[t], steps.B[t])
-        w = _mv(wh, Qo[..., :H, :]) + _mv(eB, Qo[..., H:, :])
-        S = tri(Rt, eye.expand_as(Rt), upper=True).transpose(-1, -2)
-        quad = wh.pow(2).sum(-1) + eB.pow(2).sum(-1) - w.pow(2).sum(-1)
-        logdets = _abs_logdet(Sh) + _abs_logdet(Rt) + _logdet(steps.LR[t])
-        S = torch.where(none[..., None, None], Sh, S)
-        w = torch.where(none[..., None], wh, w)
-        Rt = torch.where(none[..., None, None], Shi.transpose(-1, -2), Rt)
-        quad = torch.where(none, 0.0, quad)
-        logdets = torch.where(none, 0.0, logdets)
-        log_p = log_p - 0.5 * (quad + logdets + LOG_2PI * steps.c[t].sum(-1))
-        Rf.append(Rt)
-        hf.append(_mv(w, Rt))
-        mf.append(_mv(w, S))
-        Sf.append(S)
-    return (_stacked(Rf), _stacked(hf), _stacked(mf), _stacked(Sf)), log_p
-
-
-def _backward_information(steps):
-    r"""The information :math:`(J_t, h_t)` of the later context on each state, ``(T, ...)``,
-    a step at a time over :class:`_Steps`: that on :math:`z_{t-1}` is :math:`A_t(Q_t +
-    G_t^{-1})^{-1}A_t^\top` with :math:`G_t` that on :math:`z_t` (its own context's
-    included), written as the product :math:`Q_t^{-1}(Q_t^{-1} + G_t)^{-1}G_t`: no
-    subtraction, exactly zero without later context (where the information form's
-    :math:`G - G(Q^{-1} + G)^{-1}G` leaves rounding errors of the noise's scale, which
-    explosive dynamics make larger than the state's own precision).
-
-    A direction of the state that the later context does not inform (or hardly) has zero
-    information, but the expanding dynamics multiply the rounding errors along it by
-    :math:`\rho^2` a step; negative eigenvalues are therefore set to zero at every step
-    (:func:`_psd`), where they would grow until the factorization fails."""
-    T = len(steps.A)
-    J = [None] * T
-    h = [None] * T
-    Jb, hb = 0.0, 0.0
-    for t in range(T - 1, 0, -1):
-        G = Jb + _mm(steps.CW[t], steps.C[t].transpose(-1, -2))
-        g = hb + steps.hl[t]
-        Qi = torch.cholesky_inverse(steps.UQ[t], upper=True)
-        L = torch.linalg.cholesky(Qi + G)
-        N = _mm(Qi, torch.cholesky_solve(G, L))
-        N = 0.5 * (N + N.transpose(-1, -2))
-        k = _mv(torch.cholesky_solve(g.unsqueeze(-1), L).squeeze(-1), Qi)
-        At = steps.A[t].transpose(-1, -2)
-        Jb, hb = _psd(_mm(_mm(steps.A[t], N), At)), _mv(k - _mv(steps.b[t], N), At)
-        J[t - 1], h[t - 1] = Jb, hb
-    J[T - 1] = torch.zeros_like(J[T - 2]) if T > 1 else torch.zeros_like(_mm(steps.CW[0], steps.C[0].transpose(-1, -2)))
-    h[T - 1] = torch.zeros_like(h[T - 2]) if T > 1 else torch.zeros_like(steps.hl[0])
-    return _stacked(J), _stacked(h)
-
-
-def _psd(J):
-    """Symmetric matrices ``J`` with their negative eigenvalues set to zero (those without
-    one unchanged, and out of the eigendecomposition, whose gradient is not finite at
-    repeated eigenvalues, e.g. of a zero matrix)."""
-    with torch.no_grad():
-        finite = torch.isfinite(J).all(-1).all(-1)
-        eye = torch.eye(J.shape[-1], dtype=J.dtype, device=J.device)
-        negative = finite & (torch.linalg.eigvalsh(torch.where(finite[..., None, None], J, eye))[..., 0] < 0)
-    if not bool(negative.any()):
-        return J
-    H = J.shape[-1]
-    safe = torch.diag(torch.arange(1, H + 1, dtype=J.dtype, device=J.device))
-    lam, V = torch.linalg.eigh(torch.where(negative[..., None, None], J, safe))
-    projected = _mm(V * lam.clamp_min(0).unsqueeze(-2), V.transpose(-1, -2))
-    return torch.where(negative[..., None, None], projected, J)
-
-
-def _root_smoothed(forward, Jb, hb):
-    r"""The smoothed means and covariance roots ``(T, ...)`` from :func:`_root_filter`'s
-    ``forward`` and :func:`_backward_information`'s ``(Jb, hb)``: :math:`J = R^\top R + J_b`,
-    except where there is no later context (:math:`J_b = 0`), where the smoothed state is the
-    filtered one and keeps its root (its covariance may be too ill-conditioned to factorize
-    from the precision)."""
-    Rf, hf, mf, Sf = forward
-    H = Rf.shape[-1]
-    eye = torch.eye(H, dtype=Rf.dtype, device=Rf.device)
-    Jb, hb = torch.broadcast_tensors(Jb, Rf)[0], torch.broadcast_tensors(hb, hf)[0]
-    last = (Jb == 0).all(-1).all(-1)
-    J = torch.where(last[..., None, None], eye, _mm(Rf.transpose(-1, -2), Rf) + Jb)
-    # a direction that expands and that the context hardly informs on either side (e.g. C =
-    # (1, 1) with A near a multiple of the identity leaves (1, -1) so) leaves the smoothed
-    # precision too ill-conditioned for float64: the caller refuses such steps
-    with torch.no_grad():
-        # past float64's range (not finite) the caller's finiteness check refuses instead
-        finite = torch.isfinite(J).all(-1).all(-1)
-        lam = torch.linalg.eigvalsh(torch.where(finite[..., None, None], J, eye))
-        bad = finite & ~(lam[..., 0] > CONDITION_RTOL * lam[..., -1])
-    J = torch.where(bad[..., None, None], eye, J)
-    m, S = _moments(J, hf + hb)
-    return torch.where(last[..., None], mf, m), torch.where(last[..., None, None], Sf, S), bad
-
-
-#: the smallest ratio of a smoothed precision's eigenvalues that the square-root smoother
-#: accepts: below, the matrix is singular to float64's rounding
-CONDITION_RTOL = 1e-14
-
-
-def _stacked_qr(a, b):
-    r"""The reduced QR decomposition :math:`[a; b] = QR` of the rows of ``a`` over those of
-    ``b`` (batch dims broadcast): :math:`R^\top R = a^\top a + b^\top b`."""
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    return torch.linalg.qr(torch.cat([a.expand(batch + a.shape[-2:]), b.expand(batch + b.shape[-2:])], -2))
-
-
-def _abs_logdet(R):
-    r""":math:`\log|R^\top R|` of triangular ``R`` (a QR factor, its diagonal of either sign)."""
-    return 2 * R.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
-
-
-def _stacked(ts):
-    """The tensors ``ts`` (of broadcastable shapes) stacked on a new leading dim."""
-    shape = torch.broadcast_shapes(*(t.shape for t in ts))
-    return torch.stack([t.expand(shape) for t in ts], 0)
-
-
-def _moments(J, h):
-    r"""Means of Gaussians in information form ``(J, h)`` and square roots :math:`S` of their
-    covariances, :math:`J^{-1} = S^\top S` (:math:`S = L^{-1}`, :math:`J = LL^\top`)."""
-    L = _cholesky(J)
-    m = _cholesky_solve(h.unsqueeze(-1), L).squeeze(-1)
-    return m, _solve_lower(L, torch.eye(J.shape[-1], dtype=J.dtype, device=J.device).expand_as(J))
 
 
 def _spectral_radius(A):
@@ -641,7 +178,7 @@ def _reliable(J, state):
 
 
 def _refuse_ill_conditioned(state):
-    """Raise for smoothed states too ill-conditioned for float64 (see :func:`_root_smoothed`)."""
+    """Raise for smoothed states too ill-conditioned for float64 (see :func:`root_smoothed`)."""
     raise ValueError(
         f"{_WHO}: the conditionals of site {state.site!r} cannot be computed to float64's "
         f"precision. The transition matrices' spectral radius is {state.radius:.3g} > 1, and a "
@@ -778,21 +315,21 @@ class GaussianHMMConditionals(ConditionalEngine):
         ``(T, n, O)``: the smoothed means ``(T, q, n, H)`` and covariances ``(T, q, n, H, H)``
         of the states."""
         if not state.explosive:
-            return _moments(*self._smoothed_information(state.parts, x, context))
+            return information_moments(*self._smoothed_information(state.parts, x, context))
         # explosive dynamics: the later context's information by products (exact zero where
         # there is none), the earlier's in information form at the steps where the smoothed
         # precision keeps its digits (blocked, faster), by the square-root filter at the others;
         # each on its own (mask, datapoint) pairs, as a pair's non-finite intermediates would
         # make every gradient NaN
         q, n, T = context.shape[1], x.shape[1], x.shape[0]
-        Jb, hb = _backward_information(_steps(state.parts, x, context))
+        Jb, hb = backward_information(chain_steps(state.parts, x, context))
         with torch.no_grad():
             alpha = self._forward_information(state.parts, x, context)
             finite, ok = _reliable(alpha.J + Jb, state)
         finite, ok = finite.expand(T, q, n), ok.expand(T, q, n)
         if bool(ok.all()):
             alpha = self._forward_information(state.parts, x, context)
-            return _moments(alpha.J + Jb, alpha.h + hb)
+            return information_moments(alpha.J + Jb, alpha.h + hb)
         H = state.parts.transition.shape[-1]
         ms = x.new_zeros((q * n, T, H))  # pairs first, for index_put
         Ss = x.new_zeros((q * n, T, H, H))
@@ -807,9 +344,9 @@ class GaussianHMMConditionals(ConditionalEngine):
             keep = ok[:, qi, ni].unsqueeze(1)  # (T, 1, pairs): the information form's steps
             if information:
                 alpha = self._forward_information(parts, x[:, ni], ctx)
-                m, S = _moments(torch.where(keep[..., None, None], alpha.J + Jb_, eye), alpha.h + hb_)
+                m, S = information_moments(torch.where(keep[..., None, None], alpha.J + Jb_, eye), alpha.h + hb_)
             else:
-                m, S, bad = _root_smoothed(_root_filter(parts, _steps(parts, x[:, ni], ctx))[0], Jb_, hb_)
+                m, S, bad = root_smoothed(root_filter(parts, chain_steps(parts, x[:, ni], ctx))[0], Jb_, hb_)
                 if bool((bad & ~keep).any()) and bool(torch.isfinite(m).all()):
                     _refuse_ill_conditioned(state)
             m, S = m[:, 0].movedim(0, 1), S[:, 0].movedim(0, 1)  # (pairs, T, ...)
@@ -823,45 +360,45 @@ class GaussianHMMConditionals(ConditionalEngine):
 
     @staticmethod
     def _forward_information(parts, x, context):
-        """The forward messages :math:`\\alpha_t` in information form (blocked, ``_messages``)."""
-        f = _step_factors(parts, x, context)
-        return _messages(_prior_message(parts, f.Jaa.shape[1:-2], f.c.shape[1:]), f)
+        """The forward messages :math:`\\alpha_t` in information form (blocked, ``forward_messages``)."""
+        f = step_factors(parts, x, context)
+        return forward_messages(prior_message(parts, f.Jaa.shape[1:-2], f.c.shape[1:]), f)
 
     @staticmethod
     def _smoothed_information(parts, x, context):
         """The smoothed states in information form, ``(T, q, n|1, H, H)`` and ``(T, q, n, H)``:
-        the forward and backward messages, each in blocks (``_messages``)."""
-        f = _step_factors(parts, x, context)
+        the forward and backward messages, each in blocks (``forward_messages``)."""
+        f = step_factors(parts, x, context)
         H = f.Jaa.shape[-1]
         T = x.shape[0]
         J_batch, h_batch = f.Jaa.shape[1:-2], f.c.shape[1:]
-        alpha = _messages(_prior_message(parts, J_batch, h_batch), f)
-        zero = _Message(f.Jaa.new_zeros(J_batch + (H, H)), f.ha.new_zeros(h_batch + (H,)), f.c.new_zeros(h_batch))
+        alpha = forward_messages(prior_message(parts, J_batch, h_batch), f)
+        zero = Message(f.Jaa.new_zeros(J_batch + (H, H)), f.ha.new_zeros(h_batch + (H,)), f.c.new_zeros(h_batch))
         # beta_t: the reversed chain's messages, beta_{T-2} .. beta_{-1}; beta_{T-1} is flat
-        back = _messages(zero, _Factor(f.Jbb.flip(0), f.Jab.transpose(-1, -2).flip(0), f.Jaa.flip(0),
+        back = forward_messages(zero, Factor(f.Jbb.flip(0), f.Jab.transpose(-1, -2).flip(0), f.Jaa.flip(0),
                                        f.hb.flip(0), f.ha.flip(0), f.c.flip(0)))
-        beta = _Message(*(torch.cat([t[: T - 1].flip(0), z.unsqueeze(0)], 0) for t, z in zip(back, zero)))
+        beta = Message(*(torch.cat([t[: T - 1].flip(0), z.unsqueeze(0)], 0) for t, z in zip(back, zero)))
         return alpha.J + beta.J, alpha.h + beta.h
 
     def _conditionals(self, state, x, context):
         """Means and variances ``(T, q, n, O)`` of every token given the context."""
         ms, Ss = self._smoothed(state, x, context)
-        C, d, R = (_time_first(t) for t in state.parts[5:])  # (T|1, 1, n|1, ...)
+        C, d, R = (time_first(t) for t in state.parts[5:])  # (T|1, 1, n|1, ...)
         var_noise = R.diagonal(dim1=-2, dim2=-1)
         offset = d
         if not state.diagonal_noise:
             # g = R_oc R_cc^-1 for every element o (zero columns outside the context)
             c = context
             Rc = R * c.unsqueeze(-2)
-            L, _ = _context_block(R, c)
+            L, _ = context_block(R, c)
             # rows of the context elements zeroed: their own values are no context of theirs (the
             # variance would be 0, its log-density and gradient not finite where no target is)
-            g = _cholesky_solve(Rc.transpose(-1, -2), L).transpose(-1, -2) * (1 - c).unsqueeze(-1)
-            C = C - _mm(C, g.transpose(-1, -2))
-            offset = d + _mv(x.unsqueeze(1) - d, g.transpose(-1, -2))
+            g = small_cholesky_solve(Rc.transpose(-1, -2), L).transpose(-1, -2) * (1 - c).unsqueeze(-1)
+            C = C - small_mm(C, g.transpose(-1, -2))
+            offset = d + small_mv(x.unsqueeze(1) - d, g.transpose(-1, -2))
             var_noise = var_noise - (g * R).sum(-1)
-        mean = _mv(ms, C) + offset
-        var = _mm(Ss, C).pow(2).sum(-2) + var_noise
+        mean = small_mv(ms, C) + offset
+        var = small_mm(Ss, C).pow(2).sum(-2) + var_noise
         return mean, var
 
     def _dense(self, state):
@@ -965,11 +502,11 @@ class GaussianHMMConditionals(ConditionalEngine):
         else:
             context = observed.to(torch.float64).reshape(n, T, -1).transpose(0, 1).unsqueeze(1)
         ms, Ss = self._smoothed(state, xs, context)  # (T, 1, n, H), (T, 1, n, H, H)
-        C, d, R = (_time_first(t) for t in state.parts[5:])
-        W, _ = _context_precision(R, context)
-        u = _mv(xs.unsqueeze(1) - d - _mv(ms, C), W)
-        CW = _mm(C, W)
-        K = W.diagonal(dim1=-2, dim2=-1) - _mm(Ss, CW).pow(2).sum(-2)
+        C, d, R = (time_first(t) for t in state.parts[5:])
+        W, _ = context_precision(R, context)
+        u = small_mv(xs.unsqueeze(1) - d - small_mv(ms, C), W)
+        CW = small_mm(C, W)
+        K = W.diagonal(dim1=-2, dim2=-1) - small_mm(Ss, CW).pow(2).sum(-2)
         # a missing token's K is 0: a placeholder keeps its (unused) term and gradient finite
         kept = context.expand(K.shape) > 0
         K = torch.where(kept, K, torch.ones((), dtype=K.dtype, device=K.device))
@@ -1048,14 +585,14 @@ class GaussianHMMConditionals(ConditionalEngine):
         xs = x.to(torch.float64).reshape(n, T, -1).transpose(0, 1)
         context = torch.ones_like(xs) if observed is None else observed.to(torch.float64).reshape(n, T, -1).transpose(0, 1)
         if state.explosive:
-            _, value = _root_filter(state.parts, _steps(state.parts, xs, context.unsqueeze(1)))
+            _, value = root_filter(state.parts, chain_steps(state.parts, xs, context.unsqueeze(1)))
             _check_finite(state, value[0])
             return value[0].to(state.dtype)
         # the product of all the steps' factors, then the initial state's density: no message
         # but the last is needed (nor the smoother's backward pass)
-        f = _step_factors(state.parts, xs, context.unsqueeze(1))
-        last = _through(_prior_message(state.parts, f.Jaa.shape[1:-2], f.c.shape[1:]), _total(f))
-        value = _log_normalizer(*last)[0]
+        f = step_factors(state.parts, xs, context.unsqueeze(1))
+        last = message_through(prior_message(state.parts, f.Jaa.shape[1:-2], f.c.shape[1:]), total_factor(f))
+        value = log_normalizer(*last)[0]
         _check_finite(state, value)
         return value.to(state.dtype)
 
