@@ -223,6 +223,41 @@ def test_exhaustive_score_matches_enumeration_and_schedules_agree(tmp_path_facto
     assert abs(scorer.score([text], masks=0.5, num_masks=400).item() - L * s2) < 0.15
 
 
+def test_all_score_draws_an_independent_mask_per_size_and_nested_one_permutation(tmp_path_factory):
+    """The docs said score(masks="all") used nested masks; it draws, like the loss's "all", an
+    independent mask of each size ("nested" nests them). Both equal a loop of plain forward
+    passes over the masks they draw, read back from the copies the scorer runs (1e-5)."""
+    model, tok = _tiny("bert", tmp_path_factory)
+    text = "a b c d e"
+    ids = torch.tensor(tok(text)["input_ids"])
+    L = ids.numel() - 2
+    scorer = MaskedLMScorer(model, tok)
+    seen = []
+    forward = scorer.forward.__class__.__call__
+
+    def spy(self, input_ids, *args, **kwargs):
+        seen.append(input_ids.detach().cpu().clone())
+        return forward(self, input_ids, *args, **kwargs)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(scorer.forward.__class__, "__call__", spy)
+    try:
+        got = {m: [scorer.score([text], masks=m, num_masks=1, seed=s).item() for s in range(3)] for m in ("all", "nested")}
+    finally:
+        mp.undo()
+    masks = torch.cat([b.reshape(-1, b.shape[-1]) for b in seen]) == tok.mask_token_id  # (2 schedules x 3 seeds x L, L + 2)
+    masks = masks.view(2, 3, L, L + 2)
+    nested = lambda m: bool((m[:-1] <= m[1:]).all())  # noqa: E731  each copy holds the one before
+    for k, name in enumerate(("all", "nested")):
+        for s in range(3):
+            m = masks[k, s]
+            m = m[m.sum(-1).argsort()]  # by size 1..L
+            assert m.sum(-1).tolist() == list(range(1, L + 1))
+            want = sum(_log_probs(model, tok, ids, row)[row].mean().item() for row in m)
+            assert abs(got[name][s] - want) < 1e-5
+        assert all(nested(masks[k, s][masks[k, s].sum(-1).argsort()]) for s in range(3)) == (name == "nested")
+
+
 def test_inputs_dataset_pairs_and_validation(tmp_path_factory):
     datasets = pytest.importorskip("datasets")
     model, tok = _tiny("bert", tmp_path_factory)

@@ -273,13 +273,15 @@ class MaskedLMScorer:
 
         * ``"uniform"``: :math:`\frac1P\sum_p L\,\hat S_p(x; M_p)`,
           :math:`M_p \sim \mathcal U\{1..L\}` (``P = num_masks`` forward passes);
-        * ``"all"``: :math:`\frac1P\sum_p\sum_{M=1}^L \hat S_p(x; M)` with nested
-          masks (``P L`` passes);
+        * ``"all"``: :math:`\frac1P\sum_p\sum_{M=1}^L \hat S_p(x; M)`, an
+          independent random mask of each size (``P L`` passes), as the loss's
+          ``"all"``; ``"nested"`` draws the :math:`L` masks of a repetition nested in
+          one permutation instead (more variance);
         * ``"order"``: the chain rule along ``P`` random orderings,
           :math:`\frac1P\sum_p\sum_t \log p(x_{\pi_p(t)}\mid x_{\pi_p(t+1:L)})`
           (``P L`` passes, one scored token each).
 
-        Also accepts ``"stratified"``, ``"exhaustive"`` (:math:`L \le 16`), a
+        Also accepts ``"nested"``, ``"stratified"``, ``"exhaustive"`` (:math:`L \le 16`), a
         fixed rate :math:`r` (biased: :math:`L\,\hat S(x; M)` with
         :math:`M = \max(1, \operatorname{round}(rL))`, the rule of :meth:`curve`,
         so short sequences are scored too), or a :class:`~pyro_mpt.masks.MaskSchedule`. All
