@@ -530,7 +530,8 @@ def make_schedule(masks, num_masks=1, share_masks=False):
     :param masks: ``"all"``, ``"uniform"``, ``"stratified"``, ``"order"``,
         ``"exhaustive"``, ``"nested"``, ``"pll"``, a float rate in (0, 1), or a
         :class:`MaskSchedule`.
-    :param int num_masks: masks (or orderings) per datapoint.
+    :param int num_masks: masks (or orderings) per datapoint; with a
+        :class:`MaskSchedule`, 1 or the schedule's own count (it keeps it).
     :param bool share_masks: one mask set for the whole batch.
     :rtype: MaskSchedule
 
@@ -540,6 +541,14 @@ def make_schedule(masks, num_masks=1, share_masks=False):
         UniformSizes(num_masks=4, stratified=False)
     """
     if isinstance(masks, MaskSchedule):
+        # the instance carries its own count: num_masks=8 beside UniformSizes(2) ran 2 masks
+        # without a word (1, the default, cannot be told from no count at all)
+        if num_masks != 1 and num_masks != masks.num_masks:
+            raise ValueError(
+                f"num_masks={num_masks!r} beside the schedule {masks!r}, which draws its own "
+                f"{masks.num_masks}; give the count to the schedule ({type(masks).__name__}(num_masks="
+                f"{num_masks!r}, ...)) and leave num_masks out."
+            )
         return masks
     if isinstance(masks, str):
         if masks not in _NAMED:

@@ -299,6 +299,20 @@ def test_num_masks_must_be_positive_integer(num_masks):
         MaskedPretrainingLoss(masks="uniform", num_masks=num_masks)
 
 
+def test_num_masks_beside_a_schedule_instance_is_its_count_or_refused():
+    """MaskedPretrainingLoss(masks=UniformSizes(2), num_masks=8) ran 2 masks a datapoint
+    without a word; now refused, naming both counts. The schedule's own count (or the
+    default 1) is taken: 2 masks of each of 3 datapoints, counted in the block."""
+    with pytest.raises(ValueError, match=r"num_masks=8 beside the schedule UniformSizes\(num_masks=2.*UniformSizes\(num_masks=8"):
+        MaskedPretrainingLoss(masks=UniformSizes(2), num_masks=8)
+    with pytest.raises(ValueError, match="num_masks=3 beside the schedule RandomOrders"):
+        make_schedule(RandomOrders(1), num_masks=3)
+    for num_masks in (1, 2):
+        schedule = MaskedPretrainingLoss(masks=UniformSizes(2), num_masks=num_masks).schedule
+        assert schedule.num_masks == 2
+        assert next(schedule.blocks(3, 5)).mask.shape == (2, 3, 5)
+
+
 def test_exhaustive_refuses_large_D():
     model, x, _ = make_ppca(17, 2, N=2)
     with pytest.raises(ValueError, match=r"D <= 16.*got D=17.*masks=\"order\""):

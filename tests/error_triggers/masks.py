@@ -21,6 +21,11 @@ def _():
     MaskedPretrainingLoss(num_masks=0)
 
 
+@trigger("masks-num-masks-beside-instance")
+def _():
+    MaskedPretrainingLoss(masks=pyro_mpt.masks.UniformSizes(2), num_masks=8)
+
+
 @trigger("masks-no-tokens")
 def _():
     def model(x):
