@@ -50,6 +50,13 @@ support point), and reduces the Gaussian mixture with
 latents must be sampled before the Normal ones (so that their prior cannot
 depend on them).
 
+**A discrete latent per token** (a zero-inflation switch :math:`s_d` in the token
+plate, ``token_plates=("tokens",)``, possibly depending on the datapoint's latents
+:math:`c`) is summed in its token's entry of the table,
+:math:`T_{cd} = \log \sum_{s_d} p(s_d \mid c)\, p(x_d \mid s_d, c)`, so the
+mixture runs over :math:`c` alone. The observation then has no event dims beside
+the token plates, and the other latents are discrete.
+
 Models written with ``pyro.markov`` (HMMs with one observed site per step)
 reuse enumeration dims and are refused: write the chain as one
 ``dist.DiscreteHMM`` observation, served exactly by
@@ -162,6 +169,19 @@ def _extra_plates(tokens, site):
     return {f.dim: f.size for f in vectorized_frames(site, 2) if f.name not in data}
 
 
+def _per_token(tokens, site):
+    """Whether latent ``site`` holds one finite value per token: it sits in every token plate of
+    the observed site, whose event has no dims (so a token plate element is one token), has no
+    event dims or plates of its own to enumerate jointly, and enumerates its support."""
+    token_names = set(tokens.token_plates)
+    own = {f.name for f in vectorized_frames(site, 2)}
+    return (
+        bool(token_names) and token_names <= own and not tokens.event_shape
+        and site["fn"].has_enumerate_support and not site["fn"].event_shape
+        and not _extra_plates(tokens, site)
+    )
+
+
 def _joint_support_size(fn, plates):
     """Values of a latent's joint support: ``m ** E`` over its ``E`` elements (the plates'
     elements times the event's, or its native values per plate element)."""
@@ -265,16 +285,23 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
     def _check(self, tokens):
         latents = tokens.latent_sites()
         if not latents and _mixture_observation(tokens) is not None:
-            return None, None
+            return None, None, None
         if not latents:
             raise EngineNotApplicable(
                 f"{_WHO} sums over discrete latents, but the model of observed site "
                 f"{tokens.name!r} has no latent site."
             )
-        sizes, continuous = {}, []
+        sizes, continuous, per_token = {}, [], []
         discrete = any(_enumerable(site["fn"]) for site in latents)
         for site in latents:
             fn = site["fn"]
+            if _per_token(tokens, site):
+                # one value per token (a zero-inflation switch): summed inside its token's
+                # entry of the table, so it does not count in the joint support
+                check_local_latent(tokens, site, EngineNotApplicable, allow_token_plates=True,
+                                   consequence=f"{_WHO} cannot sum it per datapoint")
+                per_token.append(site["name"])
+                continue
             if not _enumerable(fn) and discrete:
                 # a mixture of linear-Gaussian components (e.g. a mixture of PPCA): each
                 # component's Gaussian marginal is derived, or refused, by gaussian_marginal
@@ -303,6 +330,12 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                     f"model is not a mixture of Gaussians. Sample the discrete latents first, or use "
                     f"conditionals='importance'."
                 )
+        if per_token and continuous:
+            raise EngineNotApplicable(
+                f"{_WHO}: latent(s) {', '.join(map(repr, per_token))} sit one per token and "
+                f"{', '.join(map(repr, continuous))} are continuous; summing per-token latents in "
+                f"the table needs the other latents discrete. Use conditionals='importance'."
+            )
         K = math.prod(sizes.values())
         if K > self.max_support:
             parts = " x ".join(f"{k!r} ({v})" for k, v in sizes.items())
@@ -317,7 +350,7 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 tokens.site["fn"], tokens.name, _WHO,
                 instead="a dist.DiscreteHMM observation is served by conditionals='hmm'",
             )
-        return sizes, continuous
+        return sizes, continuous, per_token
 
     def validates_model(self, tokens):
         """True where :meth:`prepare` enumerates: its run of the model, replayed on the
@@ -327,11 +360,11 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
         return bool(tokens.latent_sites())
 
     def prepare(self, tokens, model, guide, args, kwargs):
-        sizes, continuous = self._check(tokens)
+        sizes, continuous, per_token = self._check(tokens)
         if sizes is None:
             return self._mixture_same_family(tokens)
         mpn = tokens.max_plate_nesting
-        names = set(sizes)
+        names = set(sizes) | set(per_token)
         replayed = poutine.replay(model, trace=tokens.subsample_trace())
         if continuous:
             # only the discrete sites' log p(z) is read from this run: hold the others fixed
@@ -359,7 +392,7 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 f"conditionals='importance'."
             ) from e
         dims = {}
-        for name in sizes:
+        for name in [*sizes, *per_token]:
             site = trace.nodes[name]
             dim = site["infer"].get("_enumerate_dim")
             if dim is None or dim in dims.values():
@@ -371,7 +404,8 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 )
             dims[name] = dim
         L = len(dims)
-        by_dim = {d: sizes[name] for name, d in dims.items()}
+        # a per-token latent's dim is summed inside the table: size one in the mixture's shape
+        by_dim = {d: sizes.get(name, 1) for name, d in dims.items()}
         enum_shape = torch.Size(by_dim[d] for d in range(-(mpn + L), -mpn))
         K = math.prod(enum_shape)
         n, D = tokens.num_data, tokens.num_tokens
@@ -383,9 +417,11 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
 
         batch = (1,) * (mpn - len(tokens.batch_shape)) + tuple(tokens.batch_shape)
         log_w = 0
-        for name in dims:
+        for name in sizes:
             site = trace.nodes[name]
             log_w = log_w + full(site["fn"].log_prob(site["value"]), ())
+        if not sizes:  # per-token latents only: one mixture component, the tokens independent
+            log_w = tokens.value.new_zeros(())
         log_w = log_w.expand(enum_shape + batch).reshape(K, n)
         if continuous:
             mixture = self._gaussian_components(tokens, model, args, kwargs, trace, dims, enum_shape, continuous, log_w)
@@ -415,6 +451,13 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
         # the tokens with missing values filled, so the table is finite everywhere
         value = tokens.site_value
         lp = base_distribution(obs["fn"]).log_prob(value)
+        if per_token:
+            # log sum_{z_d} p(z_d | ...) p(x_d | z_d, ...) per token (no event dims: checked)
+            lp = lp.reshape((1,) * (L + mpn - lp.dim()) + lp.shape)
+            for name in per_token:
+                site = trace.nodes[name]
+                lp = lp + site["fn"].log_prob(site["value"])
+            lp = lp.logsumexp([L + mpn + dims[name] for name in per_token], keepdim=True)
         lp = full(lp, tokens.event_shape)
         pad = (1,) * (mpn - len(tokens.site_batch_shape))
         lp = lp.expand(enum_shape + pad + tokens.site_shape)

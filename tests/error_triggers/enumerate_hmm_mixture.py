@@ -117,6 +117,18 @@ def _():
     MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, _x())
 
 
+@trigger("enumerate-per-token-with-continuous")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0], dim=-2):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            with pyro.plate("tokens", x.shape[-1], dim=-1):
+                on = pyro.sample("on", dist.Bernoulli(0.5))
+                pyro.sample("x", dist.Normal(on * z, 1.0), obs=x)
+
+    MaskedPretrainingLoss(conditionals="enumerate", token_plates=("tokens",)).loss(model, None, _x())
+
+
 @trigger("enumerate-discrete-after-continuous")
 def _():
     def model(x):
