@@ -227,8 +227,8 @@ def test_later_calls_run_the_model_once_a_colour_and_notice_new_groups(monkeypat
     model run at r + 4 points (random intercepts: 5, not G + 4 = 18) and gives scipy's
     per-group density and torch's dense gradient (1e-8). Called on other data of the same
     size (observations moved to other groups), the colouring's loading is off the model's
-    at the probes: the engine derives it whole again, and the numbers follow the new
-    groups (1e-8)."""
+    at the probes: the engine derives it whole again (and checks the new groups' dropped
+    zeros), and the numbers follow the new groups (1e-8)."""
     import pyro_mpt.conditionals.gaussian_groups as groups_module
 
     colored = []  # what each run at the colours' points did
@@ -261,10 +261,13 @@ def test_later_calls_run_the_model_once_a_colour_and_notice_new_groups(monkeypat
             pyro.sample("y", dist.Normal(a[..., grp] + b * u, sy), obs=y)
 
     evidence = Evidence(model, token_plates=("data",))
-    evidence(groupings[0], y)  # the first call finds the groups (the loading derived whole)
-    assert colored == []
+    # the first call finds the groups from the loading derived whole, checks its dropped
+    # zeros at the colours' points, plain and weighted, and takes the groups' loading from them
+    evidence(groupings[0], y)
+    assert colored == ["served"] * 3
     leaves = [pyro.param(k).unconstrained() for k in ("b", "sa", "sy")]
-    for grp, runs in ((groupings[0], ["served"]), (groupings[1], ["refused"]), (groupings[1], ["served"])):
+    new_groups = ["refused"] + ["served"] * 3  # derived whole again, the new groups checked
+    for grp, runs in ((groupings[0], ["served"]), (groupings[1], new_groups), (groupings[1], ["served"])):
         colored.clear()
         got = evidence(grp, y).sum()
         assert colored == runs
@@ -279,3 +282,36 @@ def test_later_calls_run_the_model_once_a_colour_and_notice_new_groups(monkeypat
         assert abs(float(got) - want) < 1e-8
         for got_grad, want_grad in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(ref.log_prob(y), leaves)):
             assert abs(float(got_grad) - float(want_grad)) < 1e-8
+
+
+def test_float32_random_intercepts_are_grouped_and_match_float64_scipy():
+    """float32 data and params (torch's default): the dropped zeros' check passes on
+    rounding alone (the loading is a difference of float32 model runs), the groups serve
+    this call and the next one (from the colours' points), and Evidence is within float32
+    rounding of scipy's float64 density (1e-5 relative)."""
+    pyro.clear_param_store()
+    N, G = 120, 25
+    g = torch.Generator().manual_seed(13)
+    grp, u = torch.randint(0, G, (N,), generator=g), torch.randn(N, generator=g)
+    y = torch.randn(N, generator=g)
+
+    def model(y):
+        b = pyro.param("b", torch.tensor(0.3))
+        sa = pyro.param("sa", torch.tensor(0.8), constraint=dist.constraints.positive)
+        sy = pyro.param("sy", torch.tensor(0.6), constraint=dist.constraints.positive)
+        with pyro.plate("groups", G):
+            a = pyro.sample("a", dist.Normal(0.0, sa))
+        with pyro.plate("data", N):
+            pyro.sample("y", dist.Normal(a[..., grp] + b * u, sy), obs=y)
+
+    engine = GaussianConditionals()
+    tokens = trace_tokens(model, None, (y,), {}, token_plates=("data",))
+    b, sa, sy = (float(pyro.param(k)) for k in ("b", "sa", "sy"))
+    A = np.eye(G)[grp.numpy()]
+    want = multivariate_normal.logpdf(y.double().numpy(), b * u.double().numpy(), sa**2 * A @ A.T + sy**2 * np.eye(N))
+    for _ in range(2):
+        state = engine.prepare(tokens, model, None, (y,), {})
+        assert isinstance(state, GroupedGaussianState)
+        got = float(engine.log_evidence(state, tokens.value).sum())
+        assert abs(got - want) < 1e-5 * abs(want)
+    assert engine.memory.colors  # the second call ran at the colours' points

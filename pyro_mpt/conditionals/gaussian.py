@@ -50,7 +50,7 @@ from .gaussian_aggregated import (
     lowrank_weighted_sum,
 )
 from .gaussian_blocks import BlockGaussianState, block_marginal
-from .gaussian_groups import colored_marginal, grouped_marginal, grouped_state
+from .gaussian_groups import colored_marginal, dropped_zeros_structural, grouped_marginal, grouped_state
 from .gaussian_dense import dense_chain, dense_log_prob, dense_masks
 from .gaussian_dense_precision import routed_dense_sums
 from .gaussian_independent import lowrank_independent_sums
@@ -204,11 +204,16 @@ class GaussianConditionals(ConditionalEngine):
                 return grouped_state(self._prepare_marginal(inner, tokens.name), tokens.num_data, colors.tokens)
             del self.memory.colors[key]
         marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize, memory=self.memory.run_mode)
-        groups = grouped_marginal(marginal, tokens.num_data, self.memory.groups) if self.groups else None
-        if groups is not None:
+        groups = grouped_marginal(marginal, tokens.num_data) if self.groups else None
+        if groups is not None and dropped_zeros_structural(groups[2], self.memory.groups, tokens, model, args, kwargs,
+                                                           self.vectorize, self.memory.run_mode):
             # a sparse loading (random intercepts of many groups, one datapoint): its
-            # independent groups as rows, O(C N r^2) a step instead of O(D R^2)
-            inner, index, self.memory.colors[key] = groups
+            # independent groups as rows, O(C N r^2) a step instead of O(D R^2); their loading
+            # from the colours' points already, so that the backward pass skips the whole
+            # table's model runs (20000 observations in 2000 groups: 8 s of a 14 s first call)
+            inner, index, colors = groups
+            self.memory.colors[key] = colors
+            inner = colored_marginal(colors, tokens, model, args, kwargs, self.vectorize, self.memory.run_mode) or inner
             return grouped_state(self._prepare_marginal(inner, tokens.name), tokens.num_data, index)
         return self._prepare_marginal(marginal, tokens.name)
 

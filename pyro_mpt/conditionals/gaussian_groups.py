@@ -37,16 +37,17 @@ at zero) still carries a gradient: the components are taken only when one
 product of the dropped entries' Jacobian with a random vector is zero.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy as np
 import torch
 
 from .gaussian_blocks import BlockGaussianState
 from .gaussian_marginal import GaussianMarginal, NotLinearGaussianError, gaussian_marginal
-from .structural_zeros import zeros_are_structural
+from .structural_zeros import derivatives_negligible
 
-__all__ = ["GroupedGaussianState", "LoadingColors", "colored_marginal", "grouped_marginal", "grouped_state", "loading_components", "GROUPED_MIN_GAIN"]
+__all__ = ["GroupedGaussianState", "LoadingColors", "colored_marginal", "dropped_zeros_structural", "grouped_marginal", "grouped_state", "loading_components", "GROUPED_MIN_GAIN"]
 
 #: the factor by which the padded groups' cost (C N r^2) must undercut the dense
 #: loading's (D R^2) before the groups are taken
@@ -120,9 +121,12 @@ class LoadingColors:
         loading), ``-1`` at padding.
     :param torch.Tensor token_group: ``(D,)`` long, each token's group.
     :param int num_latents: :math:`R`, the loading's columns.
+    :param int pattern: a hash of the components, the key of the check of the dropped zeros.
     :param bool gradient_checked: whether the loading was found with autograd on, so that
         the check that its dropped zeros carry no gradient was made (or had nothing to
         check); a colouring found without it serves only calls without gradients.
+    :param torch.Tensor weights: ``(R,)`` or None: the points weigh latent :math:`k` by
+        ``weights[k]`` (:func:`dropped_zeros_structural` runs the model at such points).
 
     Example::
 
@@ -134,7 +138,9 @@ class LoadingColors:
     latents: torch.Tensor
     token_group: torch.Tensor
     num_latents: int
+    pattern: int = 0
     gradient_checked: bool = True
+    weights: Optional[torch.Tensor] = None
 
     @property
     def num_colors(self):
@@ -151,17 +157,28 @@ class LoadingColors:
         out = torch.zeros(self.num_colors, K, dtype=value.dtype, device=value.device)
         valid = self.latents >= 0
         slots = torch.arange(self.num_colors, device=value.device).expand_as(self.latents)
-        out[slots[valid], self.latents[valid]] = 1.0
+        out[slots[valid], self.latents[valid]] = 1.0 if self.weights is None else self.weights.to(out.dtype)[self.latents[valid]]
         return out
 
     def predict(self, mu, W, probes):
         """The location the colouring implies at the ``probes`` ``(P, R)``, ``(P, 1, D)``, from
         the colours' loading ``W`` ``(r, 1, D)``, and the largest sum of the probes'
         magnitudes on one token's latents (the scale of the affinity check's rounding)."""
-        lat = self.latents[self.token_group]  # (D, r)
-        E = probes[:, lat.clamp(min=0)] * (lat >= 0)  # (P, D, r)
+        E = probes[:, self.token_latents().clamp(min=0)] * self.token_scale(probes.dtype)  # (P, D, r)
         pred = mu + (E * W[:, 0].T).sum(-1)  # (P, D)
         return pred[:, None], E.abs().sum(-1).amax()
+
+    def token_latents(self):
+        """``(D, r)`` long: each token's latent of each colour, ``-1`` where its group has none."""
+        return self.latents[self.token_group]
+
+    def token_scale(self, dtype):
+        """``(D, r)``: what turns the colours' loading into each token's loading on its
+        latents, ``1 / weights`` there (1 without weights), 0 where its group has none."""
+        lat = self.token_latents()
+        if self.weights is None:
+            return (lat >= 0).to(dtype)
+        return torch.where(lat >= 0, 1.0 / self.weights.to(dtype)[lat.clamp(min=0)], 0.0)
 
     def rows_of_loading(self, F):
         """The groups' rows ``(C, N, r)`` of a whole loading ``(D, R)``."""
@@ -188,7 +205,7 @@ class LoadingColors:
         return GaussianMarginal(locg, cov_factor=Fg, cov_diag=psig, site=marginal.site)
 
 
-def grouped_marginal(marginal, num_data, verdicts=None):
+def grouped_marginal(marginal, num_data):
     r"""The marginal split into the independent groups of its loading, or None.
 
     Taken for one datapoint (the whole dataset scored as one, where a loading with
@@ -199,17 +216,12 @@ def grouped_marginal(marginal, num_data, verdicts=None):
     :param ~pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal marginal: ``loc``
         ``(1, D)``, ``cov_factor`` ``(1, D, R)``, ``cov_diag`` ``(1, D)``.
     :param int num_data: :math:`n`; groups are taken only for 1.
-    :param dict verdicts: kept across calls (by
-        :class:`~pyro_mpt.conditionals.GaussianConditionals`): whether the dropped zeros
-        of a loading with these components carry no gradient, checked once per
-        site and pattern of components (the check costs a backward pass through the
-        model's runs).
     :returns: ``(inner, index, colors)``: ``inner`` the marginal of ``C`` rows of ``N``
         tokens and ``r`` latents (padded tokens: zero loading and mean, unit noise),
         ``index`` ``(C, N)`` long, each row's tokens, ``-1`` at padding, ``colors`` the
         :class:`LoadingColors` that derive the next call's loading from :math:`r + 4`
-        model runs; None where the groups do not pay, or where a dropped zero of the
-        loading carries a gradient.
+        model runs; None where the groups do not pay. Whether a dropped zero of the
+        loading carries a gradient is :func:`dropped_zeros_structural`'s to say.
 
     Example::
 
@@ -233,25 +245,24 @@ def grouped_marginal(marginal, num_data, verdicts=None):
     if GROUPED_MIN_GAIN * C * N * max(1, min(r, N)) ** 2 > D * max(1, min(R, D)) ** 2:
         return None
     device = F.device
+    pattern = hash((marginal.site, D, R, token_comp.tobytes(), latent_comp.tobytes()))
     colors = LoadingColors(torch.as_tensor(index, device=device), torch.as_tensor(lat_index, device=device),
-                           torch.as_tensor(token_comp, device=device), R,
-                           gradient_checked=F.requires_grad or torch.is_grad_enabled())
-    key = (marginal.site, D, R, hash(token_comp.tobytes()), hash(latent_comp.tobytes()))
-    if verdicts is None or key not in verdicts:
-        keep = torch.zeros(D, R, dtype=torch.bool, device=device)
-        rows = colors.tokens[:, :, None].expand(C, N, r)
-        cols = colors.latents[:, None, :].expand(C, N, r)
-        valid = (rows >= 0) & (cols >= 0)
-        keep[rows[valid], cols[valid]] = True
-        verdict = zeros_are_structural(F[0], ~keep)
-        if verdicts is not None and F.requires_grad:
-            # a loading without gradient says nothing of the next call's
-            verdicts[key] = verdict
-        if not verdict:
-            return None
-    elif not verdicts[key]:
-        return None
+                           torch.as_tensor(token_comp, device=device), R, pattern=pattern)
     return colors.inner(marginal, colors.rows_of_loading(F[0])), colors.tokens, colors
+
+
+def _colored_run(colors, tokens, model, args, kwargs, vectorize, memory):
+    """The marginal with the colours' loading ``(1, D, r)``, or None (see :func:`colored_marginal`)."""
+    if tokens.num_data != 1:
+        return None
+    try:
+        marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=vectorize, memory=memory, colors=colors)
+    except NotLinearGaussianError:
+        return None
+    F = marginal.cov_factor
+    if not marginal.is_low_rank or F is None or F.shape[0] != 1 or F.shape[-1] != colors.num_colors:
+        return None
+    return marginal
 
 
 def colored_marginal(colors, tokens, model, args, kwargs, vectorize=True, memory=None):
@@ -271,16 +282,58 @@ def colored_marginal(colors, tokens, model, args, kwargs, vectorize=True, memory
 
         >>> inner = colored_marginal(colors, tokens, model, args, {})   # 5 model runs for random intercepts
     """
-    if tokens.num_data != 1:
+    marginal = _colored_run(colors, tokens, model, args, kwargs, vectorize, memory)
+    if marginal is None:
         return None
-    try:
-        marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=vectorize, memory=memory, colors=colors)
-    except NotLinearGaussianError:
-        return None
-    F = marginal.cov_factor
-    if not marginal.is_low_rank or F is None or F.shape[0] != 1 or F.shape[-1] != colors.num_colors:
-        return None
-    return colors.inner(marginal, colors.rows_of_colors(F[0]))
+    return colors.inner(marginal, colors.rows_of_colors(marginal.cov_factor[0]))
+
+
+def dropped_zeros_structural(colors, verdicts, tokens, model, args, kwargs, vectorize=True, memory=None):
+    r"""Whether the loading's entries that the groups drop (zero in value: a token's
+    loading on another group's latent) are zero in their derivatives too.
+
+    A loading parameter at zero (a per-observation weight that starts at 0) makes an
+    entry zero in value only; the groups would lose its gradient. The model is run at
+    the colours' points twice, once with each latent weighted by a random
+    :math:`c_k \in [\tfrac12, \tfrac32]`: token :math:`j`'s column :math:`l` is
+    :math:`\sum_{k \in l} c_k F_{jk}`, so the weighted run divided by its own latent's
+    weight, less the plain run, is :math:`\sum_{k \in l,\, k \text{ dropped}}
+    (c_k / c_{k_l(j)} - 1) F_{jk}`: zero in value, and in its derivatives exactly
+    when the dropped entries are (with probability one), which
+    :func:`~pyro_mpt.conditionals.structural_zeros.derivatives_negligible` checks by
+    one product of each Jacobian with a random vector: :math:`2(r + 4)` model runs and
+    two backward passes over them, not a backward pass over the :math:`D \times R` table.
+
+    :param LoadingColors colors: the groups, from :func:`grouped_marginal`.
+    :param dict verdicts: kept across calls (by
+        :class:`~pyro_mpt.conditionals.GaussianConditionals`): the verdict per pattern of
+        groups (``colors.pattern``), checked once.
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens; ``model``,
+        ``args``, ``kwargs``, ``vectorize``, ``memory`` as :func:`colored_marginal`'s.
+    :rtype: bool
+
+    Example::
+
+        >>> dropped_zeros_structural(colors, {}, tokens, model, args, {})   # False: w starts at 0
+    """
+    if not torch.is_grad_enabled():
+        colors.gradient_checked = False
+        return True  # nothing to check; such colours serve no gradient
+    if colors.pattern in verdicts:
+        return verdicts[colors.pattern]
+    gen = torch.Generator(device="cpu").manual_seed(20240612)
+    weights = 0.5 + torch.rand(colors.num_latents, generator=gen, dtype=torch.float64)
+    plain = _colored_run(colors, tokens, model, args, kwargs, vectorize, memory)
+    weighed = replace(colors, weights=weights.to(tokens.value.device))
+    weighted = _colored_run(weighed, tokens, model, args, kwargs, vectorize, memory)
+    if plain is None or weighted is None:
+        verdict = False
+    else:
+        W, Ww = plain.cov_factor[0], weighted.cov_factor[0]  # (D, r)
+        kept = colors.token_scale(W.dtype)
+        verdict = derivatives_negligible(Ww * weighed.token_scale(W.dtype) - W, W * kept)
+    verdicts[colors.pattern] = verdict
+    return verdict
 
 
 @dataclass

@@ -10,7 +10,7 @@ the two kinds apart.
 
 import torch
 
-__all__ = ["diagonal_variances", "graph_leaves", "zeros_are_structural"]
+__all__ = ["derivatives_negligible", "diagonal_variances", "graph_leaves"]
 
 
 def diagonal_variances(cov):
@@ -64,32 +64,32 @@ def graph_leaves(fn):
     return leaves
 
 
-def zeros_are_structural(t, zero):
-    r"""Whether the entries of ``t`` at ``zero`` (all zero in value) are zero in their
-    derivatives too: the product of their Jacobian with a random vector is within
-    :math:`\sqrt{\epsilon}` of the same product over the other entries. Not exactly zero:
-    a loading written as a difference of model runs, ``loc(e_k) - loc(0)``, rounds the
-    derivative of a zero entry (``d(b u_j - b u_j)/db``) to a few ulps of its sums.
+def derivatives_negligible(t, reference):
+    r"""Whether the derivatives of ``t`` (zero in value) are negligible against those of
+    ``reference``: the product of each Jacobian with one random vector, that of ``t``
+    within :math:`\sqrt{\epsilon}` of that of ``reference`` in every leaf. Not exactly
+    zero: a loading written as a difference of model runs, ``loc(e_k) - loc(0)``, rounds
+    the derivative of a zero entry (``d(b u_j - b u_j)/db``) to a few ulps of its sums.
 
-    :param torch.Tensor t: a tensor, possibly computed from parameters.
-    :param torch.Tensor zero: bool, broadcastable to ``t``: the entries asked about.
+    :param torch.Tensor t: zero in value, possibly computed from parameters.
+    :param torch.Tensor reference: of ``t``'s shape, the derivatives' scale.
     :rtype: bool
 
     Example::
 
         >>> w = torch.tensor([0.0, 2.0], requires_grad=True)
-        >>> zeros_are_structural(w * torch.tensor([0.0, 1.0]), torch.tensor([True, False]))  # True
-        >>> zeros_are_structural(w * 1.0, torch.tensor([True, False]))   # False: w[0] is 0 only in value
+        >>> derivatives_negligible(w[0] * 0.0, w[1] * 1.0)   # True
+        >>> derivatives_negligible(w[0] * 1.0, w[1] * 1.0)   # False: w[0] is 0 only in value
     """
     if not t.requires_grad:
         return True
     leaves = graph_leaves(t.grad_fn)
-    if not leaves:
-        return True
     gen = torch.Generator(device="cpu").manual_seed(20240611)
     probe = torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
-    at_zero = torch.autograd.grad((t * probe.masked_fill(~zero, 0.0)).sum(), leaves, retain_graph=True, allow_unused=True)
-    others = torch.autograd.grad((t * probe.masked_fill(zero, 0.0)).sum(), leaves, retain_graph=True, allow_unused=True)
-    size = max([float(g.abs().max()) for g in others if g is not None and g.numel()] + [0.0])
-    worst = max([float(g.abs().max()) for g in at_zero if g is not None and g.numel()] + [0.0])
+    at_t = torch.autograd.grad((t * probe).sum(), leaves, retain_graph=True, allow_unused=True)
+    scale = [None] * len(leaves)
+    if reference.requires_grad:
+        scale = torch.autograd.grad((reference * probe).sum(), leaves, retain_graph=True, allow_unused=True)
+    size = max([float(g.abs().max()) for g in scale if g is not None and g.numel()] + [0.0])
+    worst = max([float(g.abs().max()) for g in at_t if g is not None and g.numel()] + [0.0])
     return worst <= torch.finfo(t.dtype).eps ** 0.5 * size
