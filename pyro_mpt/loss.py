@@ -23,7 +23,6 @@ from numbers import Integral
 
 import pyro.distributions as dist
 import torch
-from pyro.infer.autoguide.initialization import init_to_mean
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
 from pyro.util import warn_if_nan
@@ -35,7 +34,7 @@ from .curve import CurveAccumulator
 from .estimate import mpt_estimate
 from .guide_checks import check_guide_sites
 from .masks import MaskSchedule, make_schedule
-from .observed_tokens import check_latent_scales, trace_tokens
+from .observed_tokens import LATENT_MEANS, check_latent_scales, trace_tokens
 from .point_latents import log_prior, trace_with_point_globals
 
 __all__ = ["MaskedPretrainingLoss", "LossMemory"]
@@ -265,7 +264,7 @@ class MaskedPretrainingLoss(ELBO):
             return self._prepare_traced(model, guide, args, kwargs, user_model, True, remember=not quiet)
 
         # the latents at their prior means, not drawn, where the remembered engine reads no draw
-        init = init_to_mean if user_model in self.memory.mean_traces else None
+        init = LATENT_MEANS if user_model in self.memory.mean_traces else None
         return quiet_or_validated(
             quiet,
             lambda: self._prepare_traced(model, guide, args, kwargs, user_model, validate_model=False, latent_init=init),

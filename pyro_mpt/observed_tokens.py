@@ -47,7 +47,7 @@ from typing import Optional
 import torch
 import pyro.distributions as dist
 from pyro import poutine
-from pyro.infer.autoguide.initialization import InitMessenger
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_mean, init_to_sample
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.indep_messenger import IndepMessenger
 from pyro.poutine.trace_struct import Trace
@@ -57,7 +57,7 @@ from .site_checks import check_dtype, check_extra_sites, check_integer_data, che
 from .token_layout import TokenLayout
 from .token_site import locate_site, sample_sites, site_layout, vectorized_frames
 
-__all__ = ["ObservedTokens", "trace_tokens", "guess_max_plate_nesting", "check_local_latent", "user_scale",
+__all__ = ["ObservedTokens", "trace_tokens", "LATENT_MEANS", "guess_max_plate_nesting", "check_local_latent", "user_scale",
            "check_latent_scales"]
 
 
@@ -385,6 +385,12 @@ def _empty_plate(error):
     return name
 
 
+#: the init strategy of traces whose engine reads no latent draw: each latent at its prior mean,
+#: else (no finite mean) one draw, as without it; Pyro's own fallback, the median, would draw
+#: 15 samples of the latent's whole shape
+LATENT_MEANS = init_to_mean(fallback=init_to_sample)
+
+
 def _run_traces(model, guide, args, kwargs, validate_model=True, latent_init=None):
     """The guide trace (empty without a guide) and the model trace replayed on it; the
     model run without Pyro's distribution-argument validation unless ``validate_model``,
@@ -480,8 +486,7 @@ def trace_tokens(
         validation off (the checks of the tokens' values still run while it is on): for a
         caller whose engine constructs every distribution again under it
         (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.validates_model`).
-    :param callable latent_init: a Pyro init strategy (e.g.
-        ``pyro.infer.autoguide.init_to_mean``) that gives the latents the guide does not
+    :param callable latent_init: a Pyro init strategy (e.g. :data:`LATENT_MEANS`) that gives the latents the guide does not
         sample their values in place of a prior draw: for a caller whose engine reads no latent draw
         (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.reads_latent_draws`).
         None (default) draws them.

@@ -292,3 +292,4 @@ def test_exact_evidence_traces_the_latents_at_their_prior_mean_from_its_second_c
     later = evidence(x)
     assert torch.equal(seen[-1], m.expand_as(seen[-1])) and torch.equal(torch.get_rng_state(), state)
     torch.testing.assert_close(later, first.log_evidence, rtol=1e-12, atol=0)
+

@@ -31,12 +31,11 @@ diagnostics) and calling the object returns the values.
 """
 
 import pyro.distributions as dist
-from pyro.infer.autoguide.initialization import init_to_mean
 
 from ..arg_checks import Revalidate, args_valid, checkable, quiet_or_validated
 from ..conditionals import unknown_options_message
 from ..guide_checks import check_guide_sites
-from ..observed_tokens import trace_tokens
+from ..observed_tokens import LATENT_MEANS, trace_tokens
 from ..point_latents import trace_with_point_globals
 from .exact import EXACT_OPTIONS, exact_evidence
 from .importance import IMPORTANCE_OPTIONS, importance_evidence
@@ -151,7 +150,7 @@ class Evidence:
                 self._quiet_trace = False  # the validated trace fails as it always did, or serves
             return self._estimate(args, kwargs, validate_model=True)
 
-        init = init_to_mean if self._mean_trace else None
+        init = LATENT_MEANS if self._mean_trace else None
         return quiet_or_validated(
             quiet, lambda: self._estimate(args, kwargs, validate_model=False, latent_init=init), validated
         )
