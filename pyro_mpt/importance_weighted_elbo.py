@@ -5,6 +5,8 @@ those of ``Evidence(method="importance")`` with the guide as proposal and
 :math:`K` particles (:func:`~pyro_mpt.evidence.importance.importance_log_weights`).
 """
 
+from numbers import Integral
+
 import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
@@ -49,10 +51,18 @@ class ImportanceWeightedELBO(ELBO):
     def __init__(
         self, num_particles=8, *, obs_site=None, token_plates=None, max_plate_nesting=float("inf"), chunk_size=None
     ):
-        super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting)
+        # num_particles=0 ended in "range() arg 3 must not be zero", chunk_size=-1 in torch.cat's error
+        for label, value, none_ok in (("num_particles", num_particles, False), ("chunk_size", chunk_size, True)):
+            if (value is None and none_ok) or (isinstance(value, Integral) and not isinstance(value, bool) and value >= 1):
+                continue
+            raise ValueError(
+                f"ImportanceWeightedELBO({label}={value!r}): give a positive integer"
+                f"{' (particles per vectorized run), or None for all at once' if none_ok else ' (particles per datapoint)'}."
+            )
+        super().__init__(num_particles=int(num_particles), max_plate_nesting=max_plate_nesting)
         self.obs_site = obs_site
         self.token_plates = token_plates
-        self.chunk_size = chunk_size
+        self.chunk_size = None if chunk_size is None else int(chunk_size)
         self._warned = set()  # guide sites already named by the not-reparameterized warning
 
     def _tokens(self, model, guide, args, kwargs):

@@ -3,6 +3,7 @@
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import pyro
@@ -107,6 +108,25 @@ def test_iwae_bound_is_below_the_lml_and_tightens_with_particles():
         vals = [-ImportanceWeightedELBO(num_particles=K).loss(model, rough_guide, x) for _ in range(5)]
         bounds.append(sum(vals) / len(vals))
     assert bounds[0] < bounds[1] < ref + 1.0
+
+
+@pytest.mark.parametrize("bad", [dict(num_particles=0), dict(num_particles=2.5), dict(chunk_size=-1), dict(chunk_size=0)])
+def test_iwae_and_importance_evidence_counts_are_checked(bad):
+    """num_particles=0 / chunk_size=0 ended in "range() arg 3 must not be zero", chunk_size=-1
+    in torch.cat's error, num_particles=2.5 in a TypeError; now messages that name the option.
+    Valid counts, numpy ones too, give the exact LML with the exact posterior as proposal
+    (vs torch's dense MultivariateNormal, 1e-8)."""
+    (name, value), = bad.items()
+    with pytest.raises(ValueError, match=rf"ImportanceWeightedELBO\({name}={value}\): give a positive integer"):
+        ImportanceWeightedELBO(**bad)
+    model, x, exact = make_ppca(4, 2, N=6)
+    if name == "chunk_size":
+        with pytest.raises(ValueError, match=rf"Evidence\(method='importance', chunk_size={value}\): give a positive integer"):
+            Evidence(model, exact_posterior_guide, method="importance", num_samples=5, chunk_size=value)(x)
+    iwae = ImportanceWeightedELBO(num_particles=np.int64(5), chunk_size=np.int64(2))
+    assert abs(iwae.loss(model, exact_posterior_guide, x) + float(exact(x).sum())) < 1e-8
+    got = Evidence(model, exact_posterior_guide, method="importance", num_samples=5, chunk_size=np.int64(2))(x)
+    assert float((got - exact(x)).abs().max()) < 1e-8
 
 
 # ---------------------------------------------------------------------- conditionals

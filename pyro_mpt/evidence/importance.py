@@ -154,6 +154,12 @@ def importance_evidence(evidence, tokens, args, kwargs):
     if isinstance(num_samples, bool) or not isinstance(num_samples, Integral) or num_samples < 1:
         raise ValueError(f"Evidence(method='importance', num_samples={num_samples!r}): give a positive integer.")
     num_samples = int(num_samples)  # numpy integers too (a grid of settings)
+    # chunk_size=0 ended in "range() arg 3 must not be zero", a negative one in torch.cat's error
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, Integral) or chunk_size < 1):
+        raise ValueError(
+            f"Evidence(method='importance', chunk_size={chunk_size!r}): give a positive integer (draws per "
+            f"vectorized run), or None to size the runs by max_elements."
+        )
     if proposal not in ("auto", "guide", "prior"):
         raise ValueError(f"Evidence(method='importance', proposal={proposal!r}): use 'auto', 'guide' or 'prior'.")
     if proposal == "guide" and evidence.guide is None:

@@ -4,7 +4,7 @@ import torch
 import pyro
 import pyro.distributions as dist
 
-from pyro_mpt import Evidence
+from pyro_mpt import Evidence, ImportanceWeightedELBO
 
 from models import make_ppca
 
@@ -26,6 +26,17 @@ def _():
 def _():
     model, x = _ppca()
     Evidence(model, num_samples=500)(x)
+
+
+@trigger("evidence-importance-chunk-size")
+def _():
+    model, x = _ppca()
+    Evidence(model, method="importance", num_samples=10, chunk_size=0)(x)
+
+
+@trigger("iwelbo-counts")
+def _():
+    ImportanceWeightedELBO(num_particles=0)
 
 
 @trigger("evidence-importance-num-samples")
