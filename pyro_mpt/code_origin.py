@@ -1,6 +1,6 @@
 r"""Whose code a frame is: pyro_mpt's own, a library's (torch, Pyro, the standard library), or the user's.
 
-Two uses. Warnings point at the user's line: :func:`warnings.warn` names the frame
+Two uses. Warnings point at the user's line: ``warnings.warn`` names the frame
 ``stacklevel`` levels up, and the number of pyro_mpt, Pyro and torch frames
 between a warning and the user's code depends on the entry point (``svi.step``,
 ``loss(model, guide)(x)``, :class:`~pyro_mpt.Evidence`, a Lightning training
@@ -44,7 +44,7 @@ def is_library(path):
 
 
 def user_stacklevel():
-    """The ``stacklevel`` for a :func:`warnings.warn` written in the calling frame that
+    """The ``stacklevel`` for a ``warnings.warn`` written in the calling frame that
     names the innermost frame outside pyro_mpt, torch, Pyro and the standard library:
     the user's line that called into them (or, when every frame is theirs, the
     innermost frame outside pyro_mpt)."""

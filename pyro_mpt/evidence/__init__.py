@@ -35,6 +35,7 @@ import pyro.distributions as dist
 from ..arg_checks import Revalidate, args_valid, checkable, quiet_or_validated
 from ..conditionals import unknown_options_message
 from ..guide_checks import check_guide_sites
+from ..hidden_randomness import check_no_hidden_randomness
 from ..observed_tokens import LATENT_MEANS, trace_tokens
 from ..point_latents import trace_with_point_globals
 from .exact import EXACT_OPTIONS, exact_evidence
@@ -126,6 +127,8 @@ class Evidence:
         self._quiet_trace = False
         #: whether that trace puts the latents at their prior means: the engine reads no draw
         self._mean_trace = False
+        #: whether a first call checked the model for draws its trace does not see
+        self._randomness_checked = False
 
     def estimate(self, *args, **kwargs):
         r"""Run the estimator and return the full :class:`EvidenceResult`.
@@ -163,6 +166,14 @@ class Evidence:
         if not validate_model and (points or not args_valid(tokens.model_trace)):
             raise Revalidate
         check_guide_sites(tokens)
+        if validate_model and not self._randomness_checked and self.method != "importance":
+            # the integrating methods: a hidden draw would make every call's value another number
+            # (importance sampling averages over it like over the latents it draws)
+            check_no_hidden_randomness(
+                tokens, model, args, kwargs, f"Evidence(method={self.method!r})",
+                advice="; or use method='importance', which averages over it",
+            )
+            self._randomness_checked = True
         result = METHODS[self.method](_Fixed(self, model, guide) if points else self, tokens, args, kwargs)
         engine = result.diagnostics.get("engine")
         if latent_init is not None and (engine is None or engine.reads_latent_draws()):

@@ -3,6 +3,7 @@
 import torch
 import pyro
 import pyro.distributions as dist
+from pyro import poutine
 
 from pyro_mpt import Evidence, ImportanceWeightedELBO
 
@@ -37,6 +38,17 @@ def _():
 @trigger("iwelbo-counts")
 def _():
     ImportanceWeightedELBO(num_particles=0)
+
+
+@trigger("evidence-hidden-randomness")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            w = pyro.sample("w", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal((z + w)[:, None], 1.0).expand([x.shape[0], 3]).to_event(1), obs=x)
+
+    Evidence(poutine.block(model, hide=["w"]), method="exact")(torch.randn(6, 3))
 
 
 @trigger("evidence-importance-num-samples")
