@@ -32,9 +32,13 @@ component) scale linearly in the number of groups. Crossed effects and global
 latents (a mean shared by every group) join every token into one component;
 such loadings keep the dense path, exactly as before.
 
-A zero of :math:`F` that is zero only in value (a loading parameter that starts
-at zero) still carries a gradient: the components are taken only when one
-product of the dropped entries' Jacobian with a random vector is zero.
+The first call finds the components from the whole loading (the model run at
+:math:`R + 4` points); :class:`LoadingColors` then lets every later call derive
+the groups' loading from :math:`r + 4` points (5 for random intercepts), checked
+at random probes, with no :math:`D \times R` table. A zero of :math:`F` that is
+zero only in value (a loading parameter that starts at zero) still carries a
+gradient: the components are taken only when :func:`dropped_zeros_structural`
+finds the dropped entries' derivatives negligible.
 """
 
 from dataclasses import dataclass, replace
@@ -47,7 +51,16 @@ from .gaussian_blocks import BlockGaussianState
 from .gaussian_marginal import GaussianMarginal, NotLinearGaussianError, gaussian_marginal
 from .structural_zeros import derivatives_negligible
 
-__all__ = ["GroupedGaussianState", "LoadingColors", "colored_marginal", "dropped_zeros_structural", "grouped_marginal", "grouped_state", "loading_components", "GROUPED_MIN_GAIN"]
+__all__ = [
+    "GroupedGaussianState",
+    "LoadingColors",
+    "colored_marginal",
+    "dropped_zeros_structural",
+    "grouped_marginal",
+    "grouped_state",
+    "loading_components",
+    "GROUPED_MIN_GAIN",
+]
 
 #: the factor by which the padded groups' cost (C N r^2) must undercut the dense
 #: loading's (D R^2) before the groups are taken
@@ -400,6 +413,12 @@ class GroupedGaussianState(BlockGaussianState):
 
 
 def grouped_state(inner_state, num_data, index):
-    """The :class:`GroupedGaussianState` of a prepared inner state."""
+    """The :class:`GroupedGaussianState` of a prepared inner state.
+
+    Example::
+
+        >>> state = grouped_state(engine._prepare_marginal(inner, "y"), 1, index)
+        >>> state.num_tokens   # D, the padding left out
+    """
     return GroupedGaussianState(inner_state, index.shape[0], num_data, index=index)
 
