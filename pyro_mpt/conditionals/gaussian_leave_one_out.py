@@ -59,7 +59,10 @@ def leave_one_out_targets(mask):
     # 60 ms at 4000 x 4000, against 4 ms), then each row's first target must be one
     if mask.shape[0] < 2 or int(torch.count_nonzero(mask)) != mask.shape[0]:
         return None
-    targets = mask.view(torch.uint8).argmax(-1)
+    # max's indices, not argmax: 2.5 times faster over uint8 rows (8000 x 8000, one thread:
+    # 45 against 114 ms; "pll" on one datapoint of 40000 tokens called it on 40000 x 40000);
+    # which maximum it picks does not matter, the gather below checks it
+    targets = mask.view(torch.uint8).max(-1).indices
     if not bool(mask.gather(-1, targets.unsqueeze(-1)).all()):
         return None  # a query without a target, so another with several
     return targets
