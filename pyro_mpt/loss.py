@@ -161,7 +161,8 @@ class MaskedPretrainingLoss(ELBO):
         per datapoint for the loss and :meth:`score`, and one set for the
         batch in :meth:`curve` (see there). Sharing has the same expectation
         and is cheaper, but the mask noise then does not average out over the
-        batch.
+        batch. A :class:`~pyro_mpt.masks.MaskSchedule` instance carries its own
+        choice, for the loss and the curve alike (given here, it must equal it).
     :param int chunk_size: bound on ``queries * datapoints * D`` per block of
         queries; lower it to save memory. Peak memory is bounded by one
         block's working set *with gradients too*: every block after the first
@@ -219,11 +220,13 @@ class MaskedPretrainingLoss(ELBO):
                 f"queries * datapoints * D per block of queries (default 2**22); lower it to save memory."
             )
         super().__init__(num_particles=1, max_plate_nesting=max_plate_nesting)
-        self.schedule = make_schedule(masks, num_masks, bool(share_masks))
+        self.schedule = make_schedule(masks, num_masks, share_masks)
         # curves share one mask set unless asked otherwise (by share_masks=False,
         # or by a schedule instance, which carries its own choice)
         self._curve_share = share_masks
-        if share_masks is None and not isinstance(masks, MaskSchedule):
+        if isinstance(masks, MaskSchedule):
+            self._curve_share = None
+        elif share_masks is None:
             self._curve_share = True
         self.engine_options = engine_options
         self.engine = make_engine(conditionals, **engine_options)

@@ -524,7 +524,7 @@ _NAMED = {
 }
 
 
-def make_schedule(masks, num_masks=1, share_masks=False):
+def make_schedule(masks, num_masks=1, share_masks=None):
     """Build a schedule from a name, a rate or a :class:`MaskSchedule`.
 
     :param masks: ``"all"``, ``"uniform"``, ``"stratified"``, ``"order"``,
@@ -532,7 +532,9 @@ def make_schedule(masks, num_masks=1, share_masks=False):
         :class:`MaskSchedule`.
     :param int num_masks: masks (or orderings) per datapoint; with a
         :class:`MaskSchedule`, 1 or the schedule's own count (it keeps it).
-    :param bool share_masks: one mask set for the whole batch.
+    :param bool share_masks: one mask set for the whole batch; None (default): masks per
+        datapoint for a name or a rate, and a :class:`MaskSchedule`'s own choice (given,
+        it must equal that choice).
     :rtype: MaskSchedule
 
     Example::
@@ -549,6 +551,15 @@ def make_schedule(masks, num_masks=1, share_masks=False):
                 f"{masks.num_masks}; give the count to the schedule ({type(masks).__name__}(num_masks="
                 f"{num_masks!r}, ...)) and leave num_masks out."
             )
+        # and its own choice of shared masks: share_masks=True beside UniformSizes(2) trained on
+        # masks per datapoint while curve() shared them
+        if share_masks is not None and bool(share_masks) != bool(masks.share_masks):
+            raise ValueError(
+                f"share_masks={share_masks!r} beside the schedule {masks!r}, which "
+                f"{'shares one mask set across the batch' if masks.share_masks else 'draws masks per datapoint'}; "
+                f"give the choice to the schedule ({type(masks).__name__}(..., share_masks={bool(share_masks)!r})) "
+                f"where it takes one, and leave share_masks out."
+            )
         return masks
     if isinstance(masks, str):
         if masks not in _NAMED:
@@ -557,9 +568,9 @@ def make_schedule(masks, num_masks=1, share_masks=False):
                 f"Unknown mask schedule masks={masks!r}; use one of {names}, a rate "
                 f"in (0, 1), or a MaskSchedule instance."
             )
-        return _NAMED[masks](num_masks=num_masks, share_masks=share_masks)
+        return _NAMED[masks](num_masks=num_masks, share_masks=bool(share_masks))
     if isinstance(masks, Real) and not isinstance(masks, bool):
-        return FixedRate(masks, num_masks, share_masks=share_masks)
+        return FixedRate(masks, num_masks, share_masks=bool(share_masks))
     raise TypeError(
         f"masks must be a schedule name, a rate in (0, 1) or a MaskSchedule, got {masks!r}."
     )

@@ -313,6 +313,26 @@ def test_num_masks_beside_a_schedule_instance_is_its_count_or_refused():
         assert next(schedule.blocks(3, 5)).mask.shape == (2, 3, 5)
 
 
+def test_share_masks_beside_a_schedule_instance_is_its_choice_or_refused():
+    """masks=UniformSizes(2), share_masks=True trained on masks per datapoint (the instance's
+    choice) while curve() shared them: now refused. Equal choices are taken, and curve() keeps
+    the instance's: per-datapoint masks of 3 datapoints, (q, 3, D); shared, (q, 1, D)."""
+    with pytest.raises(ValueError, match=r"share_masks=True beside the schedule UniformSizes.*draws masks per datapoint"):
+        MaskedPretrainingLoss(masks=UniformSizes(2), share_masks=True)
+    with pytest.raises(ValueError, match="share_masks=False beside the schedule Exhaustive.*shares one mask set"):
+        make_schedule(Exhaustive(), share_masks=False)
+    for share in (False, True):
+        for given in (None, share):
+            loss = MaskedPretrainingLoss(masks=UniformSizes(2, share_masks=share), share_masks=given)
+            assert next(loss.schedule.blocks(3, 5)).mask.shape[1] == (1 if share else 3)
+            curve_schedule = loss.schedule.for_curve(loss._curve_share)
+            assert next(curve_schedule.blocks(3, 5)).masks().shape[1] == (1 if share else 3)
+    # names and rates: share_masks=None is per datapoint for training, shared for curves
+    loss = MaskedPretrainingLoss(masks="uniform")
+    assert next(loss.schedule.blocks(3, 5)).mask.shape[1] == 3
+    assert next(loss.schedule.for_curve(loss._curve_share).blocks(3, 5)).masks().shape[1] == 1
+
+
 def test_exhaustive_refuses_large_D():
     model, x, _ = make_ppca(17, 2, N=2)
     with pytest.raises(ValueError, match=r"D <= 16.*got D=17.*masks=\"order\""):

@@ -26,6 +26,11 @@ def _():
     MaskedPretrainingLoss(masks=pyro_mpt.masks.UniformSizes(2), num_masks=8)
 
 
+@trigger("masks-share-masks-beside-instance")
+def _():
+    MaskedPretrainingLoss(masks=pyro_mpt.masks.UniformSizes(2), share_masks=True)
+
+
 @trigger("masks-no-tokens")
 def _():
     def model(x):
