@@ -171,7 +171,7 @@ class Evidence:
             # (importance sampling averages over it like over the latents it draws)
             check_no_hidden_randomness(
                 tokens, model, args, kwargs, f"Evidence(method={self.method!r})",
-                advice="; or use method='importance', which averages over it",
+                advice="; or use method='importance', which averages over it", key=self.model,
             )
             self._randomness_checked = True
         result = METHODS[self.method](_Fixed(self, model, guide) if points else self, tokens, args, kwargs)
