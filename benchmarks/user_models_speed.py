@@ -123,7 +123,10 @@ def evidence_step(evidence, args):
     return grad_step(evidence(*args).sum())
 
 
-def radon(N, G=85, seed=0):
+def random_intercepts(N, G, seed=0, global_mean=False):
+    """Random intercepts of G groups (ragged sizes, N / G on average), the N observations
+    one datapoint. Without ``global_mean`` the loading's nonzeros split into G groups; with
+    it (a mean shared by the groups, as Pyro's radon model) they form one."""
     g = torch.Generator().manual_seed(seed)
     grp, u = torch.randint(0, G, (N,), generator=g), torch.randn(N, generator=g)
     y = torch.randn(G, generator=g)[grp] + 0.5 * u + 0.7 * torch.randn(N, generator=g)
@@ -132,8 +135,8 @@ def radon(N, G=85, seed=0):
         b = pyro.param("b", torch.tensor(0.0))
         sa = pyro.param("sa", torch.tensor(1.0), constraint=dist.constraints.positive)
         sy = pyro.param("sy", torch.tensor(1.0), constraint=dist.constraints.positive)
-        mu_a = pyro.sample("mu_a", dist.Normal(0.0, 10.0))
-        with pyro.plate("county", G):
+        mu_a = pyro.sample("mu_a", dist.Normal(0.0, 10.0)) if global_mean else 0.0
+        with pyro.plate("groups", G):
             a = pyro.sample("a", dist.Normal(mu_a, sa))
         with pyro.plate("data", N):
             pyro.sample("y", dist.Normal(a[..., grp] + b * u, sy), obs=y)
@@ -141,23 +144,9 @@ def radon(N, G=85, seed=0):
     return model, (grp, u, y), dict(token_plates=("data",))
 
 
-def random_intercepts(N, G, seed=0):
-    """Random intercepts of G groups (ragged sizes, N / G on average), the N observations
-    one datapoint: no global latent, so the loading's nonzeros split into G groups."""
-    g = torch.Generator().manual_seed(seed)
-    grp, u = torch.randint(0, G, (N,), generator=g), torch.randn(N, generator=g)
-    y = torch.randn(G, generator=g)[grp] + 0.5 * u + 0.7 * torch.randn(N, generator=g)
-
-    def model(grp, u, y):
-        b = pyro.param("b", torch.tensor(0.0))
-        sa = pyro.param("sa", torch.tensor(1.0), constraint=dist.constraints.positive)
-        sy = pyro.param("sy", torch.tensor(1.0), constraint=dist.constraints.positive)
-        with pyro.plate("groups", G):
-            a = pyro.sample("a", dist.Normal(0.0, sa))
-        with pyro.plate("data", N):
-            pyro.sample("y", dist.Normal(a[..., grp] + b * u, sy), obs=y)
-
-    return model, (grp, u, y), dict(token_plates=("data",))
+def radon(N, G=85, seed=0):
+    """Pyro's radon regression: county intercepts around a global mean."""
+    return random_intercepts(N, G, seed, global_mean=True)
 
 
 def regression(N, P=10, seed=0):
