@@ -3,18 +3,40 @@
 Public API::
 
     from pyro_mpt import MaskedPretrainingLoss, Evidence, MPTCurve
+
+The names below are imported from their modules on first use (PEP 562), so
+``import pyro_mpt`` and the ``pyro-mpt`` command's argument parsing load
+neither torch nor Pyro: ``pyro-mpt --help`` and a usage error answer at once
+instead of after the 3-4 s those imports take.
 """
 
-from .conditionals import ConditionalEngine, GaussianConditionals, QuadratureConditionals
-from .conditionals import EncodeDecodeConditionals, ImportanceConditionals, NumericalWarning
-from .curve import MPTCurve
-from .evidence import Evidence, EvidenceResult
-from .importance_weighted_elbo import ImportanceWeightedELBO
-from .importance_weights import ImportanceSamplingWarning
-from .loss import MaskedPretrainingLoss
-from .masks import AllSizes, Exhaustive, FixedRate, MaskSchedule, PseudoLikelihood, RandomOrders, UniformSizes
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+#: each public name -> the module (relative to this package) that defines it
+_SOURCES = {
+    "MaskedPretrainingLoss": ".loss",
+    "Evidence": ".evidence",
+    "EvidenceResult": ".evidence",
+    "MPTCurve": ".curve",
+    "ConditionalEngine": ".conditionals",
+    "GaussianConditionals": ".conditionals",
+    "QuadratureConditionals": ".conditionals",
+    "EncodeDecodeConditionals": ".conditionals",
+    "ImportanceConditionals": ".conditionals",
+    "ImportanceWeightedELBO": ".importance_weighted_elbo",
+    "ImportanceSamplingWarning": ".importance_weights",
+    "NumericalWarning": ".conditionals",
+    "MaskSchedule": ".masks",
+    "AllSizes": ".masks",
+    "UniformSizes": ".masks",
+    "RandomOrders": ".masks",
+    "Exhaustive": ".masks",
+    "FixedRate": ".masks",
+    "PseudoLikelihood": ".masks",
+}
 
 __all__ = [
     "MaskedPretrainingLoss",
@@ -37,3 +59,27 @@ __all__ = [
     "FixedRate",
     "PseudoLikelihood",
 ]
+
+if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
+    from .conditionals import ConditionalEngine, GaussianConditionals, QuadratureConditionals
+    from .conditionals import EncodeDecodeConditionals, ImportanceConditionals, NumericalWarning
+    from .curve import MPTCurve
+    from .evidence import Evidence, EvidenceResult
+    from .importance_weighted_elbo import ImportanceWeightedELBO
+    from .importance_weights import ImportanceSamplingWarning
+    from .loss import MaskedPretrainingLoss
+    from .masks import AllSizes, Exhaustive, FixedRate, MaskSchedule, PseudoLikelihood
+    from .masks import RandomOrders, UniformSizes
+
+
+def __getattr__(name):
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module 'pyro_mpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(source, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -44,9 +44,10 @@ def test_svi_uniform_masks_reach_the_maximum_likelihood_lml():
             pyro.sample("x", dist.Normal(z @ W.T + mu, s).to_event(1), obs=x)
 
     loss = MaskedPretrainingLoss(masks="uniform", num_masks=1)
-    svi = SVI(ppca, lambda x: None, Adam({"lr": 2e-2}), loss=loss)
+    svi = SVI(ppca, lambda x: None, Adam({"lr": 5e-2}), loss=loss)
     start = float(Evidence(ppca)(x).mean())
-    for _ in range(1000):
+    # gap to the maximum after 300 steps at lr 0.05: 0.012 nats (1000 at lr 0.02: also 0.012)
+    for _ in range(300):
         value = svi.step(x)
     assert math.isfinite(value)
     final = float(Evidence(ppca)(x).mean())
@@ -128,7 +129,7 @@ def test_subsampled_plate_scales_each_datapoint(float64):
     assert abs(got + N / 3 * float(exact(x)[idx].sum())) < 1e-9
     # averaging over random minibatches gives the full-data loss: the minibatch loss is unbiased
     full = -float(exact(x).sum())
-    draws = torch.tensor([loss.loss(model, None, x, None, 3) for _ in range(3000)])
+    draws = torch.tensor([loss.loss(model, None, x, None, 3) for _ in range(500)])
     se = float(draws.std()) / math.sqrt(len(draws))
     assert abs(float(draws.mean()) - full) < 4 * se
     assert float(draws.std()) > 0.1

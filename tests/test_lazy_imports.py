@@ -1,0 +1,50 @@
+"""``import pyro_mpt`` and the command's argument parsing load neither torch nor Pyro
+(the public names come from their modules on first use); the names are the modules' own."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import pyro_mpt
+
+from models import ROOT
+
+
+def _fresh_python(code):
+    """Run ``code`` in a new interpreter importing this checkout; returns its stdout."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_import_and_usage_errors_load_no_torch():
+    code = (
+        "import sys, pyro_mpt\n"
+        "from pyro_mpt.experiments.cli import main\n"
+        "try:\n"
+        "    main(['mlm-curve', 'no-such-org/no-such-model', '--text-file', 'x.txt', '--num-masks', '0'])\n"
+        "except SystemExit as e:\n"
+        "    print('exit', e.code)\n"
+        "print(sorted(m for m in ('torch', 'pyro', 'transformers') if m in sys.modules))\n"
+        "pyro_mpt.Evidence\n"
+        "print('torch' in sys.modules)\n"
+    )
+    assert _fresh_python(code).split("\n")[:3] == ["exit 2", "[]", "True"]
+
+
+@pytest.mark.parametrize("name", pyro_mpt.__all__)
+def test_every_public_name_is_its_module_s_object(name):
+    value = getattr(pyro_mpt, name)
+    assert getattr(importlib.import_module(value.__module__), name) is value
+    assert name in dir(pyro_mpt)
+
+
+def test_unknown_names_raise_attribute_error():
+    with pytest.raises(AttributeError, match="module 'pyro_mpt' has no attribute 'MaskedPretrainingLos'"):
+        pyro_mpt.MaskedPretrainingLos
+    namespace = {}
+    exec("from pyro_mpt import *", namespace)  # every name of __all__ resolves
+    assert set(pyro_mpt.__all__) <= set(namespace)
