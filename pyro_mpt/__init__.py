@@ -4,14 +4,14 @@ Public API::
 
     from pyro_mpt import MaskedPretrainingLoss, Evidence, MPTCurve
 
-The names below are imported from their modules on first use (PEP 562), so
-``import pyro_mpt`` and the ``pyro-mpt`` command's argument parsing load
-neither torch nor Pyro: ``pyro-mpt --help`` and a usage error answer at once
-instead of after the 3-4 s those imports take.
+The names below are imported from their modules on first use
+(:mod:`~pyro_mpt.lazy_exports`): ``import pyro_mpt`` and the ``pyro-mpt``
+command's argument parsing load neither torch nor Pyro.
 """
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -72,14 +72,4 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
     from .masks import RandomOrders, UniformSizes
 
 
-def __getattr__(name):
-    source = _SOURCES.get(name)
-    if source is None:
-        raise AttributeError(f"module 'pyro_mpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(source, __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _SOURCES)

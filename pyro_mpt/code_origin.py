@@ -17,9 +17,7 @@ Example::
 
 import os
 import sys
-
-import pyro
-import torch
+from importlib.util import find_spec
 
 __all__ = ["PACKAGE", "is_own", "is_library", "user_stacklevel"]
 
@@ -27,7 +25,10 @@ __all__ = ["PACKAGE", "is_own", "is_library", "user_stacklevel"]
 PACKAGE = __name__.split(".")[0]
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # code that both a model and an engine call: its frames say neither whose code failed
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, pyro, os))
+# (found without importing them: the command line's usage errors import neither torch nor Pyro)
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep for path in (find_spec("torch").origin, find_spec("pyro").origin, os.__file__)
+)
 
 
 def is_own(path):

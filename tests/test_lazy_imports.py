@@ -21,18 +21,23 @@ def _fresh_python(code):
 
 
 def test_import_and_usage_errors_load_no_torch():
+    """A parse-time error, and the curve commands' checks of --sigma2 and of an output path
+    that is a folder (made before the checks that need torch)."""
     code = (
         "import sys, pyro_mpt\n"
         "from pyro_mpt.experiments.cli import main\n"
-        "try:\n"
-        "    main(['mlm-curve', 'no-such-org/no-such-model', '--text-file', 'x.txt', '--num-masks', '0'])\n"
-        "except SystemExit as e:\n"
-        "    print('exit', e.code)\n"
+        "for argv in (['mlm-curve', 'no-such-org/m', '--text-file', 'x.txt', '--num-masks', '0'],\n"
+        "             ['mae-curve', 'no-such-org/m', '--image-folder', '.', '--sigma2', '-1'],\n"
+        "             ['mlm-curve', 'no-such-org/m', '--text-file', 'x.txt', '--json', '.']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        print('exit', e.code)\n"
         "print(sorted(m for m in ('torch', 'pyro', 'transformers') if m in sys.modules))\n"
         "pyro_mpt.Evidence\n"
         "print('torch' in sys.modules)\n"
     )
-    assert _fresh_python(code).split("\n")[:3] == ["exit 2", "[]", "True"]
+    assert _fresh_python(code).split("\n")[:5] == ["exit 2"] * 3 + ["[]", "True"]
 
 
 @pytest.mark.parametrize("name", pyro_mpt.__all__)

@@ -8,14 +8,34 @@
 * :class:`RateCurve`, :func:`table2_area` -- curves indexed by masking rate and
   the paper's Table 2 area convention.
 
-``transformers`` is imported lazily: importing this package needs only torch.
+``transformers`` is imported lazily, and the names below on first use
+(:mod:`~pyro_mpt.lazy_exports`): importing this package, or its torch-free
+:mod:`~pyro_mpt.adapters.loading`, loads no torch.
 """
 
-from .masked_lm import MaskedLMScorer
-from .mlm_forward import masked_lm_head
-from .mlm_inputs import Encoded
-from .rates import PAPER_MAE_RATES, PAPER_MLM_RATES, RateCurve, parse_rates, rate_grid, table2_area
-from .vit_mae import MAEScorer
+from typing import TYPE_CHECKING
+
+from ..lazy_exports import lazy_exports
+
+_SOURCES = {
+    "MaskedLMScorer": ".masked_lm",
+    "MAEScorer": ".vit_mae",
+    "Encoded": ".mlm_inputs",
+    "masked_lm_head": ".mlm_forward",
+    "RateCurve": ".rates",
+    "table2_area": ".rates",
+    "rate_grid": ".rates",
+    "parse_rates": ".rates",
+    "PAPER_MLM_RATES": ".rates",
+    "PAPER_MAE_RATES": ".rates",
+}
+
+if TYPE_CHECKING:
+    from .masked_lm import MaskedLMScorer
+    from .mlm_forward import masked_lm_head
+    from .mlm_inputs import Encoded
+    from .rates import PAPER_MAE_RATES, PAPER_MLM_RATES, RateCurve, parse_rates, rate_grid, table2_area
+    from .vit_mae import MAEScorer
 
 __all__ = [
     "MaskedLMScorer",
@@ -29,3 +49,5 @@ __all__ = [
     "PAPER_MLM_RATES",
     "PAPER_MAE_RATES",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _SOURCES)

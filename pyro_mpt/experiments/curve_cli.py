@@ -265,15 +265,17 @@ def _write(args, command, payload, draw, acc):
 
 def _run_mlm(args):
     from ..adapters.loading import ResourceUnavailable, load_masked_lm, load_texts
-    from ..adapters.rates import PAPER_MLM_RATES, parse_rates, table2_area
 
     t0 = time.perf_counter()
-    # arguments and data first: a usage error must not wait for (or hide behind) the model
+    # arguments and data first: a usage error must not wait for (or hide behind) the model;
+    # the checks that need no torch before those that import it
     try:
+        prepare_outputs(args, "mlm-curve")
+        from ..adapters.rates import PAPER_MLM_RATES, parse_rates, table2_area
+
         rates = parse_rates(args.rates)
         if args.device is not None:
             check_device(args.device)
-        prepare_outputs(args, "mlm-curve")
         texts = load_texts(args.text_file, args.dataset, args.dataset_config, args.split, args.column, args.limit)
     except (ResourceUnavailable, ValueError) as err:
         _fail(err)
@@ -334,12 +336,10 @@ def _run_mlm(args):
 
 def _run_mae(args):
     from ..adapters.loading import ResourceUnavailable, load_images, load_vit_mae
-    from ..adapters.rates import parse_rates
 
     t0 = time.perf_counter()
     sigma2 = args.sigma2
-    try:
-        rates = parse_rates(args.rates)
+    try:  # the checks that need no torch first, as in _run_mlm
         if sigma2 != "mle":
             try:
                 sigma2 = float(sigma2)
@@ -347,9 +347,12 @@ def _run_mae(args):
                 sigma2 = float("nan")
             if not (math.isfinite(sigma2) and sigma2 > 0):
                 raise ValueError(f"--sigma2 must be a positive number or 'mle', got {args.sigma2!r}.")
+        prepare_outputs(args, "mae-curve")
+        from ..adapters.rates import parse_rates
+
+        rates = parse_rates(args.rates)
         if args.device is not None:
             check_device(args.device)
-        prepare_outputs(args, "mae-curve")
         images = load_images(args.image_folder, args.dataset, args.dataset_config, args.split, args.column, args.limit)
         model, proc = load_vit_mae(args.model, args.processor, args.random_init, args.seed, quiet=not args.progress)
     except (ResourceUnavailable, ValueError) as err:
