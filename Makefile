@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# test processes (pytest-xdist; each file's tests stay in one process, each process uses one
+# torch thread): 2 fills the 2-core machine the suite is sized for; 0 runs it in this process
+TEST_WORKERS ?= 2
 
 .PHONY: demo test bench docs clean
 
@@ -16,7 +19,7 @@ demo: $(STAMP)
 	$(PY) examples/ppca_mpt_vs_elbo.py
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg $(PY) -m pytest -q tests
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/ppca_speed.py
