@@ -2,6 +2,7 @@
 (the public names come from their modules on first use); the names are the modules' own."""
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -14,8 +15,11 @@ from models import ROOT
 
 def _fresh_python(code):
     """Run ``code`` in a new interpreter importing this checkout; returns its stdout."""
+    # the caller's PYTHONPATH kept after the checkout: packages may be installed there (on the
+    # GPU machine Pyro was, and this test failed with PYTHONPATH set to the checkout alone)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": ""})
+                         env=dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1"))
     assert out.returncode == 0, out.stderr
     return out.stdout
 
