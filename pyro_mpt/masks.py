@@ -93,7 +93,7 @@ class MaskSchedule:
                 f"num_masks must be a positive integer (masks per datapoint), got {num_masks!r}."
             )
         self.num_masks = int(num_masks)
-        self.share_masks = share_masks
+        self.share_masks = _checked_share_masks(share_masks)
 
     def check(self, D):
         """Raise ``ValueError`` when the schedule cannot serve ``D`` tokens."""
@@ -524,6 +524,20 @@ _NAMED = {
 }
 
 
+def _checked_share_masks(value):
+    """``value`` as a bool: True, False or a numpy/torch boolean scalar; anything else is
+    refused (``share_masks="no"`` was taken as True: a non-empty string)."""
+    if isinstance(value, bool):
+        return value
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and getattr(value, "shape", None) == () and str(dtype) in ("bool", "torch.bool"):
+        return bool(value)
+    raise TypeError(
+        f"share_masks must be True (one mask set for the whole batch) or False (masks per "
+        f"datapoint), got {value!r}."
+    )
+
+
 def make_schedule(masks, num_masks=1, share_masks=None):
     """Build a schedule from a name, a rate or a :class:`MaskSchedule`.
 
@@ -542,6 +556,8 @@ def make_schedule(masks, num_masks=1, share_masks=None):
         >>> make_schedule("uniform", num_masks=4)
         UniformSizes(num_masks=4, stratified=False)
     """
+    if share_masks is not None:
+        share_masks = _checked_share_masks(share_masks)
     if isinstance(masks, MaskSchedule):
         # the instance carries its own count: num_masks=8 beside UniformSizes(2) ran 2 masks
         # without a word (1, the default, cannot be told from no count at all)
@@ -553,11 +569,11 @@ def make_schedule(masks, num_masks=1, share_masks=None):
             )
         # and its own choice of shared masks: share_masks=True beside UniformSizes(2) trained on
         # masks per datapoint while curve() shared them
-        if share_masks is not None and bool(share_masks) != bool(masks.share_masks):
+        if share_masks is not None and share_masks != masks.share_masks:
             raise ValueError(
                 f"share_masks={share_masks!r} beside the schedule {masks!r}, which "
                 f"{'shares one mask set across the batch' if masks.share_masks else 'draws masks per datapoint'}; "
-                f"give the choice to the schedule ({type(masks).__name__}(..., share_masks={bool(share_masks)!r})) "
+                f"give the choice to the schedule ({type(masks).__name__}(..., share_masks={share_masks!r})) "
                 f"where it takes one, and leave share_masks out."
             )
         return masks

@@ -314,3 +314,28 @@ def test_one_sequence_reports_its_error_over_masks_or_none(bert_dir, tmp_path, c
     per_mask = scorer.curve(["a b c d e"], rates=[0.2, 0.6], num_masks=4).per_mask  # (rates, masks)
     areas = 5 * (rate_weights([0.2, 0.6]) @ per_mask)
     assert data["area_stderr"] == pytest.approx(areas.std(ddof=1) / 2, rel=1e-6)
+
+
+def test_dataset_options_need_a_dataset_and_default_with_one(bert_dir, tmp_path, capsys):
+    """--split / --dataset-config / --column beside --text-file (or --image-folder) were ignored:
+    the file was scored as if they were not there. Now a usage error before the model loads;
+    with --dataset the split still defaults to validation (a csv's only split is read)."""
+    d, texts = bert_dir
+    for extra, names in ((["--split", "test"], "--split chooses"),
+                         (["--column", "a", "b", "--dataset-config", "c"], "--dataset-config and --column choose")):
+        with pytest.raises(SystemExit) as err:
+            main(["mlm-curve", "no-such-org/no-such-model", "--text-file", str(texts), *extra])
+        assert err.value.code == 2
+        msg = capsys.readouterr().err
+        assert f"{names} what to read from --dataset; with --text-file" in msg and "no-such-model" not in msg
+    with pytest.raises(SystemExit) as err:
+        main(["mae-curve", "no-such-org/no-such-model", "--image-folder", str(tmp_path), "--split", "train"])
+    assert err.value.code == 2 and "with --image-folder it would be ignored" in capsys.readouterr().err
+    pytest.importorskip("datasets")
+    csv = tmp_path / "d.csv"
+    csv.write_text("text\na b c\nd e\n")
+    js = tmp_path / "r.json"
+    assert main(["mlm-curve", str(d), "--dataset", str(csv), "--rates", "0.5", "--scores", "--no-plot",
+                 "--json", str(js)]) == 0
+    data = json.loads(js.read_text())
+    assert data["num_sequences"] == 2 and data["data"]["split"] == "validation"

@@ -609,3 +609,13 @@ def test_progress_bar_counts_to_the_number_of_masked_copies(tmp_path_factory, ca
     assert "18/18" in capsys.readouterr().err  # 3 masks x (4 + 2) sizes
     scorer.pll(texts)
     assert "10/10" in capsys.readouterr().err  # one copy per token
+
+
+def test_budgets_are_positive_integers(tmp_path):
+    """max_tokens=2.5 ran as 2 (int() of it); numpy integers are budgets too."""
+    model, tok = tiny_bert(tmp_path)
+    for kw in ({"max_tokens": 2.5}, {"max_tokens": 0}, {"max_logits": 1e6}, {"max_tokens": False}):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=rf"MaskedLMScorer\({name}=\.\.\.\), .* must be a positive integer"):
+            MaskedLMScorer(model, tok, **kw)
+    assert MaskedLMScorer(model, tok, max_tokens=np.int64(64)).max_tokens == 64

@@ -235,3 +235,14 @@ def test_colour_images_for_a_grayscale_model_are_converted_to_luminance():
     assert got.shape == (2, 1, 16, 16)
     torch.testing.assert_close(got, expected.float(), rtol=0, atol=0)
     assert np.isfinite(scorer.curves(rgb, rates=[0.5])["mse"].score).all()
+
+
+def test_batch_sizes_are_positive_integers():
+    """batch_size=2.5 ran as 2 (int() of it); numpy integers are counts too."""
+    mae = tiny_mae()
+    for kw in ({"batch_size": 2.5}, {"batch_size": 0}, {"chunk_images": 1.5}, {"batch_size": True}):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=rf"MAEScorer\({name}=\.\.\.\), .* must be a positive integer"):
+            MAEScorer(mae, **kw)
+    scorer = MAEScorer(mae, batch_size=np.int64(3), chunk_images=np.int32(2))
+    assert (scorer.batch_size, scorer.chunk_images) == (3, 2) and type(scorer.batch_size) is int

@@ -439,3 +439,19 @@ def test_chain_block_draws_its_orderings_once():
     first = block.orders()
     assert block.orders() is first and calls == [1]
     assert torch.equal(first.sort(-1).values, torch.arange(5).expand(2, 1, 5))
+
+
+def test_share_masks_must_be_a_bool():
+    """share_masks="no" was taken as True (a non-empty string); numpy and torch boolean
+    scalars are bools, anything else is refused by name."""
+    import numpy as np
+
+    for bad in ["no", "yes", 1, 0.0, torch.tensor([True])]:
+        with pytest.raises(TypeError, match="share_masks must be True .* or False"):
+            MaskedPretrainingLoss(masks="all", share_masks=bad)
+        with pytest.raises(TypeError, match="share_masks must be True"):
+            UniformSizes(2, share_masks=bad)
+    for flag in [np.bool_(True), torch.tensor(True)]:
+        assert MaskedPretrainingLoss(masks="all", share_masks=flag).schedule.share_masks is True
+        assert UniformSizes(2, share_masks=flag).share_masks is True
+    assert MaskedPretrainingLoss(masks="uniform", share_masks=np.bool_(False)).schedule.share_masks is False

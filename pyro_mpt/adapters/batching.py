@@ -16,11 +16,26 @@ import math
 from collections import defaultdict
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from .optional_packages import missing_package_message
 
-__all__ = ["group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator", "place_model", "eval_mode"]
+__all__ = ["positive_count", "group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator", "place_model", "eval_mode"]
+
+
+def positive_count(value, name):
+    """``value`` as an int, where it is a positive integer (numpy integers too, as from
+    ``np.arange``); else a ``ValueError`` naming ``name`` (``batch_size=2.5`` ran as 2).
+
+    Example::
+
+        >>> positive_count(np.int64(4), "num_masks")
+        4
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return int(value)
 
 
 def group_by_length(indices, lengths):

@@ -40,11 +40,10 @@ pass and the head at the scored positions).
 
 from numbers import Real
 
-import numpy as np
 import torch
 
 from ..masks import FixedRate, make_schedule
-from .batching import eval_mode, gather_rows, place_model, shard
+from .batching import eval_mode, gather_rows, place_model, positive_count, shard
 from .mlm_forward import MaskedForward
 from .mlm_inputs import check_tokenizer, encode_inputs, position_limit
 from .mlm_jobs import pll_jobs, rate_jobs, run_jobs, schedule_jobs
@@ -125,13 +124,11 @@ class MaskedLMScorer:
     ):
         if head not in ("auto", "masked", "full"):
             raise ValueError(f'head must be "auto", "masked" or "full", got {head!r}.')
-        if int(max_tokens) < 1 or int(max_logits) < 1:
-            raise ValueError(
-                f"max_tokens and max_logits must be positive budgets, got {max_tokens} and {max_logits}."
-            )
+        max_tokens = positive_count(max_tokens, "MaskedLMScorer(max_tokens=...), the token budget of a forward pass,")
+        max_logits = positive_count(max_logits, "MaskedLMScorer(max_logits=...), the logits budget of a forward pass,")
         self.model, self.device, self.accelerator = place_model(model, device, accelerator)
         self.tokenizer = tokenizer
-        self.max_tokens = int(max_tokens)
+        self.max_tokens = max_tokens
         self.text_column = text_column
         self.seed = seed
         self.progress = progress
@@ -244,7 +241,7 @@ class MaskedLMScorer:
         """
         enc = self.encode(inputs, text_column)
         rates = check_rates(rates)
-        K = _positive_int(num_masks, "num_masks")
+        K = positive_count(num_masks, "num_masks")
         seed = self._seed(seed)
         lengths = enc.lengths
         counts = mask_counts(rates, lengths)
@@ -346,9 +343,3 @@ class MaskedLMScorer:
         if per_token:
             return totals, [tokens[i, : lengths[i]].clone() for i in range(len(enc))]
         return totals
-
-
-def _positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return int(value)

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .batching import eval_mode, gather_rows, place_model, shard
+from .batching import eval_mode, gather_rows, place_model, positive_count, shard
 from ..code_origin import user_stacklevel
 from .rates import PAPER_MAE_RATES, check_rates, item_generator, mask_counts, nested_ranks, rate_curve
 
@@ -120,11 +120,8 @@ class MAEScorer:
     ):
         if not (sigma2 == "mle" or (isinstance(sigma2, (int, float)) and math.isfinite(sigma2) and sigma2 > 0)):
             raise ValueError(f'sigma2 must be a positive finite float or "mle", got {sigma2!r}.')
-        if int(batch_size) < 1 or int(chunk_images) < 1:
-            raise ValueError(
-                f"MAEScorer(batch_size={batch_size}, chunk_images={chunk_images}): both must be "
-                f"positive (masked copies per forward pass, images preprocessed at once)."
-            )
+        batch_size = positive_count(batch_size, "MAEScorer(batch_size=...), masked copies per forward pass,")
+        chunk_images = positive_count(chunk_images, "MAEScorer(chunk_images=...), images preprocessed at once,")
         for attr in ("vit", "decoder", "patchify"):
             if not hasattr(model, attr):
                 raise TypeError(
@@ -274,10 +271,7 @@ class MAEScorer:
         from tqdm.auto import tqdm
 
         rates = check_rates(rates)
-        # numpy integers too (np.arange / grids of settings), as MaskedLMScorer takes them
-        if isinstance(num_masks, bool) or not isinstance(num_masks, (int, np.integer)) or num_masks < 1:
-            raise ValueError(f"num_masks must be a positive integer, got {num_masks!r}.")
-        K = int(num_masks)
+        K = positive_count(num_masks, "num_masks")
         seed = self.seed if seed is None else seed
         n = self._len(inputs)
         N = self.num_patches

@@ -18,7 +18,6 @@ evaluation and shared by every block of queries:
 import traceback
 from abc import ABC, abstractmethod
 
-import pyro
 import torch
 
 from ..code_origin import PACKAGE, is_library, is_own

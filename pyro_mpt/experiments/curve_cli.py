@@ -21,7 +21,8 @@ import sys
 import tempfile
 import time
 
-__all__ = ["register", "SUBCOMMANDS", "positive_int", "positive_float", "check_device", "prepare_outputs", "check_output_path"]
+__all__ = ["register", "SUBCOMMANDS", "positive_int", "positive_float", "check_device", "prepare_outputs", "check_output_path",
+           "dataset_options"]
 
 _MLM_EPILOG = """\
 examples:
@@ -110,7 +111,7 @@ def _add_mlm_arguments(p):
     d.add_argument("--dataset", default=None, metavar="NAME",
                    help="datasets hub name, a save_to_disk directory, or a csv/json/parquet file")
     d.add_argument("--dataset-config", default=None, metavar="CFG", help="dataset configuration (e.g. cola)")
-    d.add_argument("--split", default="validation", help="dataset split (default validation)")
+    d.add_argument("--split", default=None, help="dataset split (default validation)")
     d.add_argument("--column", nargs="+", default=None, metavar="COL",
                    help="text column, or two columns for sentence pairs (default: text/sentence)")
     d.add_argument("--limit", type=positive_int, default=None, metavar="N", help="score the first N sequences")
@@ -133,8 +134,8 @@ def _add_mae_arguments(p):
     d.add_argument("--image-folder", default=None, metavar="DIR", help="folder of png/jpg images (recursive)")
     d.add_argument("--dataset", default=None, metavar="NAME", help="datasets hub name, save_to_disk directory or data file")
     d.add_argument("--dataset-config", default=None, metavar="CFG")
-    d.add_argument("--split", default="test", help="dataset split (default test)")
-    d.add_argument("--column", default="image", metavar="COL", help="image column (default image)")
+    d.add_argument("--split", default=None, help="dataset split (default test)")
+    d.add_argument("--column", default=None, metavar="COL", help="image column (default image)")
     d.add_argument("--limit", type=positive_int, default=None, metavar="N", help="score the first N images")
     g = _common(p, "0.05:0.95:0.05")
     g.add_argument("--sigma2", default="1.0", metavar="S2",
@@ -181,6 +182,39 @@ def check_device(text):
             f"or leave --device out (cuda when available, else cpu)."
         ) from None
     return text
+
+
+def dataset_options(args, source_flag, source, split, column=None):
+    """Check that the dataset's options come with ``--dataset``, and fill their defaults.
+
+    :param argparse.Namespace args: the parsed ``dataset``, ``dataset_config``, ``split``
+        and ``column`` (changed in place: ``split`` and ``column`` get their defaults).
+    :param str source_flag: the other data source (``"--text-file"``), for the message.
+    :param source: its value (None: not given).
+    :param str split: the default split. :param column: the default column.
+    :raises ValueError: an option of the dataset beside the other source, where it was
+        ignored before (``--text-file t.txt --split test`` scored the file).
+
+    Example::
+
+        >>> a = argparse.Namespace(dataset="glue", dataset_config="cola", split=None, column=None)
+        >>> dataset_options(a, "--text-file", None, "validation"); a.split
+        'validation'
+    """
+    if args.dataset is None:
+        if source is None:
+            return  # no source at all: load_texts / load_images say so
+        given = [flag for flag, value in (("--dataset-config", args.dataset_config), ("--split", args.split),
+                                          ("--column", args.column)) if value is not None]
+        if given:
+            one = len(given) == 1
+            names = given[0] if one else ", ".join(given[:-1]) + " and " + given[-1]
+            raise ValueError(f"{names} {'chooses' if one else 'choose'} what to read from --dataset; with "
+                             f"{source_flag} {'it' if one else 'they'} would be ignored: leave "
+                             f"{'it' if one else 'them'} out, or pass --dataset.")
+        return
+    args.split = split if args.split is None else args.split
+    args.column = column if args.column is None else args.column
 
 
 def prepare_outputs(args, command):
@@ -270,6 +304,7 @@ def _run_mlm(args):
     # arguments and data first: a usage error must not wait for (or hide behind) the model;
     # the checks that need no torch before those that import it
     try:
+        dataset_options(args, "--text-file", args.text_file, "validation")
         prepare_outputs(args, "mlm-curve")
         from ..adapters.rates import PAPER_MLM_RATES, parse_rates, table2_area
 
@@ -347,6 +382,7 @@ def _run_mae(args):
                 sigma2 = float("nan")
             if not (math.isfinite(sigma2) and sigma2 > 0):
                 raise ValueError(f"--sigma2 must be a positive number or 'mle', got {args.sigma2!r}.")
+        dataset_options(args, "--image-folder", args.image_folder, "test", "image")
         prepare_outputs(args, "mae-curve")
         from ..adapters.rates import parse_rates
 
@@ -362,7 +398,7 @@ def _run_mae(args):
 
     label = args.label or (os.path.basename(os.path.normpath(args.model)) + (" (random init)" if args.random_init else ""))
     scorer = MAEScorer(model, proc, batch_size=args.batch_size, sigma2=sigma2, device=None if acc else device,
-                       bf16=args.bf16, image_column=args.column, seed=args.seed, progress=args.progress, accelerator=acc)
+                       bf16=args.bf16, image_column=args.column or "image", seed=args.seed, progress=args.progress, accelerator=acc)
     curves = scorer.curves(images, rates=rates, num_masks=args.num_masks, label=label)
     mse, logd = curves["mse"].to_dict(), curves["log_density"].to_dict()
     out = {

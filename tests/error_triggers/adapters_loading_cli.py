@@ -279,3 +279,8 @@ def _():
         mp.undo()
 
 
+
+
+@trigger("cli-dataset-option-without-dataset")
+def _():
+    _cli(["mlm-curve", "no-such-org/no-such-model", "--text-file", "t.txt", "--split", "test"])

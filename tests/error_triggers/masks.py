@@ -31,6 +31,11 @@ def _():
     MaskedPretrainingLoss(masks=pyro_mpt.masks.UniformSizes(2), share_masks=True)
 
 
+@trigger("masks-share-masks-not-bool")
+def _():
+    MaskedPretrainingLoss(masks="all", share_masks="no")
+
+
 @trigger("masks-no-tokens")
 def _():
     def model(x):
