@@ -713,10 +713,6 @@ def test_masks_split_between_target_blocks_and_the_context_side_match_the_loop(m
             return fn(*args)
         return run
 
-    # the cost rule's unit is per torch thread: the same split on machines with more threads
-    import pyro_mpt.conditionals.gaussian_target_form as target_form
-
-    monkeypatch.setattr(target_form, "TARGET_UNIT", 3.0 / torch.get_num_threads())
     monkeypatch.setattr(aggregated.TargetBlockForm, "apply", spy("blocks", blocks))
     monkeypatch.setattr(aggregated.LowRankForm, "apply", spy("context", context))
     D, K, N, P = 80, 60, 200, 40

@@ -40,8 +40,7 @@ __all__ = [
 
 #: measured costs, in the units in which the context side costs ``R D (D + 3R)`` a mask (its
 #: matrix products run near the machine's rate): a target block of ``M`` tokens about
-#: ``TARGET_UNIT * M**3 + TARGET_OVERHEAD`` with one thread (``TARGET_UNIT`` is per thread of
-#: torch's: batched ``M x M`` factorizations and per-group steps run slower and on about one),
+#: ``TARGET_UNIT * M**3 + TARGET_OVERHEAD``, with one thread or two,
 #: and a call that takes any about ``TARGET_CALL`` more (the precision, the groups); measured at
 #: D = 50, K = 20, ``"all"``: 7.6 ms without the blocks, 10 ms with 14 masks there, where the
 #: masks save less than that
@@ -73,11 +72,13 @@ def target_form_possible(P, D, R):
 
 
 def _saving(M, D, R):
-    # a mask's context-side cost less its target block's: the context side's matrix products
-    # run on every thread torch has, the batched factorizations of small blocks on about one
-    # (measured best at TARGET_UNIT 3 with one thread, 6-12 with two: PPCA D = 200 and 512, K = 50)
-    unit = TARGET_UNIT * max(1, torch.get_num_threads())
-    return R * D * (D + 3 * R) - unit * M**3 - TARGET_OVERHEAD
+    # a mask's context-side cost less its target block's. The unit is not scaled by torch's
+    # threads: it was (the blocks' factorizations run on about one thread), but with two threads
+    # a unit of 3 beat 6 on this project's current machine (PPCA, "all" shared, loss + gradient,
+    # interleaved medians: D = 200, K = 50 float32 107 -> 96 ms, 104 masks on the blocks instead
+    # of 82; D = 512 float32 684 -> 635 ms; float64 and D = 100 within the noise), and 3 stays
+    # the one-thread choice
+    return R * D * (D + 3 * R) - TARGET_UNIT * M**3 - TARGET_OVERHEAD
 
 
 def target_form_cheaper(M, D, R):
