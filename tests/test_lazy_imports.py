@@ -25,14 +25,15 @@ def _fresh_python(code):
 
 
 def test_import_and_usage_errors_load_no_torch():
-    """A parse-time error, and the curve commands' checks of --sigma2 and of an output path
-    that is a folder (made before the checks that need torch)."""
+    """A parse-time error, the curve commands' checks of --sigma2 and of an output path
+    that is a folder, and compare's --json in a file (made before the checks that need torch)."""
     code = (
         "import sys, pyro_mpt\n"
         "from pyro_mpt.experiments.cli import main\n"
         "for argv in (['mlm-curve', 'no-such-org/m', '--text-file', 'x.txt', '--num-masks', '0'],\n"
         "             ['mae-curve', 'no-such-org/m', '--image-folder', '.', '--sigma2', '-1'],\n"
-        "             ['mlm-curve', 'no-such-org/m', '--text-file', 'x.txt', '--json', '.']):\n"
+        "             ['mlm-curve', 'no-such-org/m', '--text-file', 'x.txt', '--json', '.'],\n"
+        "             ['compare', '--json', 'README.md/c.json']):\n"
         "    try:\n"
         "        main(argv)\n"
         "    except SystemExit as e:\n"
@@ -41,7 +42,7 @@ def test_import_and_usage_errors_load_no_torch():
         "pyro_mpt.Evidence\n"
         "print('torch' in sys.modules)\n"
     )
-    assert _fresh_python(code).split("\n")[:5] == ["exit 2"] * 3 + ["[]", "True"]
+    assert _fresh_python(code).split("\n")[:6] == ["exit 2"] * 4 + ["[]", "True"]
 
 
 @pytest.mark.parametrize("name", pyro_mpt.__all__)

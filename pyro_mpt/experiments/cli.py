@@ -55,17 +55,20 @@ def _fail(err, status=2):
 
 
 def _run_compare(args):
+    try:  # an unwritable --json is a usage error found before anything is imported
+        if args.json:
+            check_output_path("--json", args.json, "compare.json")
+    except ValueError as err:
+        _fail(err)
     import torch
 
     from .compare import compare, make_loss
     from .datasets import load_dataset
     from .vae import DeepVAE
 
-    try:  # a misspelt loss, an unwritable --json or data that cannot be had is a usage error, found before any model is trained
+    try:  # a misspelt loss or data that cannot be had is a usage error, found before any model is trained
         for spec in args.losses:
             make_loss(spec, mpt_encoder=args.mpt_encoder)
-        if args.json:
-            check_output_path("--json", args.json, "compare.json")
         # an --n-test the data cannot spare, or mnist without torchvision: before, a traceback (status 1)
         train, test = load_dataset(
             args.dataset, binarize=args.likelihood == "bernoulli", n_train=args.n_train, n_test=args.n_test, seed=args.seed
