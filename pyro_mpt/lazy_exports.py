@@ -10,6 +10,7 @@ Example::
 """
 
 import importlib
+import importlib.util
 
 __all__ = ["lazy_exports"]
 
@@ -20,15 +21,21 @@ def lazy_exports(package, sources):
     :param str package: the package's ``__name__``.
     :param dict sources: each public name -> the module that defines it, relative to
         ``package`` (``".loss"``).
-    :returns: ``(__getattr__, __dir__)``, to be assigned at the package's top level.
+    :returns: ``(__getattr__, __dir__)``, to be assigned at the package's top level;
+        ``__getattr__`` also imports the package's submodules by name.
     """
     namespace = importlib.import_module(package).__dict__
 
     def __getattr__(name):
         source = sources.get(name)
-        if source is None:
+        if source is not None:
+            value = getattr(importlib.import_module(source, package), name)
+        elif not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            # a submodule as an attribute (``pyro_mpt.masks.AllSizes`` after ``import pyro_mpt``),
+            # as when the package imported its modules eagerly
+            value = importlib.import_module(f"{package}.{name}")
+        else:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(source, package), name)
         namespace[name] = value  # later lookups find it without this function
         return value
 

@@ -58,3 +58,22 @@ def test_unknown_names_raise_attribute_error():
     namespace = {}
     exec("from pyro_mpt import *", namespace)  # every name of __all__ resolves
     assert set(pyro_mpt.__all__) <= set(namespace)
+
+
+def test_submodules_are_attributes_after_import_alone():
+    """``import pyro_mpt`` then ``pyro_mpt.masks.AllSizes``: the eager package made its
+    modules attributes, and scripts use them so (an AttributeError with the lazy package
+    until this was added)."""
+    code = (
+        "import pyro_mpt, pyro_mpt.adapters as ad\n"
+        "print(pyro_mpt.masks.AllSizes.__name__, pyro_mpt.conditionals.GaussianConditionals.__name__,\n"
+        "      ad.rates.table2_area.__name__, pyro_mpt.experiments.__name__)\n"
+        "try:\n"
+        "    pyro_mpt.no_such_module\n"
+        "except AttributeError as e:\n"
+        "    print(e)\n"
+    )
+    assert _fresh_python(code).split("\n")[:2] == [
+        "AllSizes GaussianConditionals table2_area pyro_mpt.experiments",
+        "module 'pyro_mpt' has no attribute 'no_such_module'",
+    ]
