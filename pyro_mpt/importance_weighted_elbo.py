@@ -5,7 +5,6 @@ those of ``Evidence(method="importance")`` with the guide as proposal and
 :math:`K` particles (:func:`~pyro_mpt.evidence.importance.importance_log_weights`).
 """
 
-from numbers import Integral
 
 import torch
 from pyro.infer.elbo import ELBO
@@ -16,6 +15,7 @@ from .conditionals.latent_runs import logmeanexp
 from .evidence.importance import importance_log_weights
 from .guide_checks import check_guide_sites, warn_not_reparameterized
 from .observed_tokens import check_latent_scales, trace_tokens
+from .counts import is_count
 
 __all__ = ["ImportanceWeightedELBO"]
 
@@ -53,7 +53,7 @@ class ImportanceWeightedELBO(ELBO):
     ):
         # num_particles=0 ended in "range() arg 3 must not be zero", chunk_size=-1 in torch.cat's error
         for label, value, none_ok in (("num_particles", num_particles, False), ("chunk_size", chunk_size, True)):
-            if (value is None and none_ok) or (isinstance(value, Integral) and not isinstance(value, bool) and value >= 1):
+            if (value is None and none_ok) or is_count(value):
                 continue
             raise ValueError(
                 f"ImportanceWeightedELBO({label}={value!r}): give a positive integer"

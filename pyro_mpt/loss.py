@@ -19,7 +19,6 @@ full-data loss whenever the schedule is unbiased.
 
 import difflib
 from dataclasses import dataclass, field
-from numbers import Integral
 
 import pyro.distributions as dist
 import torch
@@ -36,6 +35,7 @@ from .guide_checks import check_guide_sites
 from .masks import MaskSchedule, make_schedule
 from .observed_tokens import LATENT_MEANS, check_latent_scales, trace_tokens
 from .point_latents import log_prior, trace_with_point_globals
+from .counts import is_count
 
 __all__ = ["MaskedPretrainingLoss", "LossMemory"]
 
@@ -213,7 +213,7 @@ class MaskedPretrainingLoss(ELBO):
                 f"for more importance samples per conditional, conditionals='importance' with num_samples=<n>."
             )
         _check_misspelled_keywords(engine_options)
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, Integral) or chunk_size < 1:
+        if not is_count(chunk_size):
             # int() let 2.5 through as 2, and 0 or -5 silently ran one query per block
             raise ValueError(
                 f"MaskedPretrainingLoss(chunk_size={chunk_size!r}): give a positive integer, the bound on "

@@ -36,11 +36,12 @@ which says how once for all (see :mod:`pyro_mpt.missing_tokens`).
 
 import functools
 import math
-from numbers import Integral, Real
+from numbers import Real
 
 import torch
 
 from .missing_tokens import MaskableTokens
+from .counts import is_count
 
 __all__ = [
     "MaskSchedule",
@@ -88,7 +89,7 @@ class MaskSchedule:
 
     def __init__(self, num_masks=1, *, share_masks=False):
         # numpy integers too (np.arange / grids of settings), as the adapters take them
-        if isinstance(num_masks, bool) or not isinstance(num_masks, Integral) or num_masks < 1:
+        if not is_count(num_masks):
             raise ValueError(
                 f"num_masks must be a positive integer (masks per datapoint), got {num_masks!r}."
             )

@@ -16,10 +16,10 @@ import math
 from collections import defaultdict
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 
 from .optional_packages import missing_package_message
+from ..counts import is_count
 
 __all__ = ["positive_count", "group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator", "place_model", "eval_mode"]
 
@@ -33,7 +33,7 @@ def positive_count(value, name):
         >>> positive_count(np.int64(4), "num_masks")
         4
     """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not is_count(value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     return int(value)
 

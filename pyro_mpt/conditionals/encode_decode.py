@@ -74,7 +74,7 @@ sampling with the guide instead.
 
 import math
 from dataclasses import dataclass, field
-from numbers import Integral, Real
+from numbers import Real
 
 import torch
 
@@ -83,6 +83,7 @@ from .distributions import check_factorized
 from .data_args import guide_latents, locate_data_arg, refuse_missing
 from .guide_proposals import per_datapoint_autoguide
 from .latent_runs import GuideMemory, LatentRunner, logmeanexp
+from ..counts import is_count
 
 __all__ = ["EncodeDecodeConditionals", "EncodeDecodeState", "initial_tokens", "run_chains"]
 
@@ -202,7 +203,7 @@ class EncodeDecodeConditionals(ConditionalEngine):
     ):
         super().__init__(max_elements=max_elements)
         for label, value in (("num_samples", num_samples), ("num_iterations", num_iterations)):
-            if isinstance(value, bool) or not isinstance(value, Integral) or value < (label == "num_samples"):
+            if not is_count(value, minimum=int(label == "num_samples")):
                 raise ValueError(
                     f"EncodeDecodeConditionals({label}={value!r}): give an integer "
                     f"{'>= 1' if label == 'num_samples' else '>= 0'}."

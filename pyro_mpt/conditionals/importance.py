@@ -88,11 +88,11 @@ log-conditional,
 import functools
 import math
 from dataclasses import dataclass, field
-from numbers import Integral
 from typing import Optional
 
 import torch
 
+from ..counts import is_count
 from ..guide_checks import check_proposal_density
 from .guide_proposals import is_autoguide
 from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
@@ -210,17 +210,17 @@ class ImportanceConditionals(ConditionalEngine):
         max_elements=2**24,
     ):
         super().__init__(max_elements=max_elements)
-        if isinstance(num_samples, bool) or not isinstance(num_samples, Integral) or num_samples < 1:
+        if not is_count(num_samples):
             raise ValueError(f"ImportanceConditionals(num_samples={num_samples!r}): give a positive integer.")
         if proposal not in ("auto", "prior", "guide"):
             raise ValueError(f"ImportanceConditionals(proposal={proposal!r}): use 'auto', 'prior' or 'guide'.")
-        if isinstance(num_iterations, bool) or not isinstance(num_iterations, Integral) or num_iterations < 0:
+        if not is_count(num_iterations, minimum=0):
             raise ValueError(f"ImportanceConditionals(num_iterations={num_iterations!r}): give an integer >= 0.")
         if not 0.0 <= float(prior_weight) < 1.0:
             raise ValueError(
                 f"ImportanceConditionals(prior_weight={prior_weight!r}): give a fraction in [0, 1)."
             )
-        if isinstance(num_chains, bool) or not isinstance(num_chains, Integral) or num_chains < 1:
+        if not is_count(num_chains):
             raise ValueError(f"ImportanceConditionals(num_chains={num_chains!r}): give a positive integer.")
         self.prior_weight = float(prior_weight)
         self.num_chains = int(num_chains)

@@ -110,7 +110,6 @@ With the defaults (``max_elements = 2**24``) N=2000, D=784, K=2 runs in about
 
 import warnings
 from dataclasses import dataclass, field
-from numbers import Integral
 from typing import Optional
 
 import torch
@@ -154,6 +153,7 @@ from .quadrature_rules import (
     gaussian_grid,
 )
 from ..code_origin import user_stacklevel
+from ..counts import is_count
 
 __all__ = ["QuadratureConditionals", "QuadratureMemory", "CHECK_TOL", "CHECK_EVIDENCE_TOL"]
 
@@ -299,7 +299,7 @@ class QuadratureConditionals(ConditionalEngine):
     ):
         super().__init__(max_elements=max_elements)
         for label, value in (("num_nodes", num_nodes), ("init_nodes", init_nodes)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 1):
+            if value is not None and not is_count(value):
                 raise ValueError(
                     f"QuadratureConditionals({label}={value!r}): give a positive "
                     f"integer (nodes per latent dimension) or None for the default."

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from scipy.special import roots_hermitenorm
 
+from ..counts import is_count
+
 __all__ = [
     "MAX_LATENT_DIM",
     "DEFAULT_NUM_NODES",
@@ -82,7 +84,7 @@ def hermite_rule(num_nodes):
         :math:`\sum_i w_i f(e_i) = \mathbb E_{\mathcal N(0,1)}[f]` for polynomials
         of degree :math:`\le 2m-1`. Weights that underflow are dropped.
     """
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, (int, np.integer)) or num_nodes < 1:
+    if not is_count(num_nodes):
         raise ValueError(f"num_nodes must be a positive integer (nodes per dimension), got {num_nodes!r}.")
     if num_nodes == 1:
         return np.zeros(1), np.zeros(1)

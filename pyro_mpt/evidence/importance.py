@@ -46,7 +46,6 @@ The proposal must have a density over the model's latents: a point mass (an
 """
 
 import math
-from numbers import Integral
 
 import torch
 
@@ -58,6 +57,7 @@ from ..conditionals.guide_proposals import AutoguideProposal, is_autoguide
 from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
 from ..recompute import recomputed
 from .result import EvidenceResult
+from ..counts import is_count
 
 __all__ = ["importance_log_weights", "importance_evidence", "IMPORTANCE_OPTIONS"]
 
@@ -151,11 +151,11 @@ def importance_evidence(evidence, tokens, args, kwargs):
     threshold = options.pop("khat_threshold", 0.7)
     min_ess = options.pop("min_ess", 10.0)
     psis = options.pop("psis", True)  # any other option was refused by Evidence (IMPORTANCE_OPTIONS)
-    if isinstance(num_samples, bool) or not isinstance(num_samples, Integral) or num_samples < 1:
+    if not is_count(num_samples):
         raise ValueError(f"Evidence(method='importance', num_samples={num_samples!r}): give a positive integer.")
     num_samples = int(num_samples)  # numpy integers too (a grid of settings)
     # chunk_size=0 ended in "range() arg 3 must not be zero", a negative one in torch.cat's error
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, Integral) or chunk_size < 1):
+    if chunk_size is not None and not is_count(chunk_size):
         raise ValueError(
             f"Evidence(method='importance', chunk_size={chunk_size!r}): give a positive integer (draws per "
             f"vectorized run), or None to size the runs by max_elements."

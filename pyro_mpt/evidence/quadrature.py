@@ -8,7 +8,7 @@ estimate compares the rule with a second, coarser one on the same centres.
 
 import math
 import warnings
-from numbers import Integral, Real
+from numbers import Real
 
 import torch
 
@@ -18,6 +18,7 @@ from ..conditionals.quadrature import QuadratureConditionals
 from ..conditionals.quadrature_rules import default_num_nodes
 from .result import EvidenceResult
 from ..code_origin import user_stacklevel
+from ..counts import is_count
 
 __all__ = ["quadrature_evidence", "WARN_TOL", "QUADRATURE_OPTIONS"]
 
@@ -101,7 +102,7 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
                 f"Evidence(method='quadrature', {label}={value!r}): give a positive number of nats "
                 f"(the largest error estimate of log p(x_i) accepted), or None."
             )
-    if error_nodes is not None and (isinstance(error_nodes, bool) or not isinstance(error_nodes, Integral) or error_nodes < 1):
+    if error_nodes is not None and not is_count(error_nodes):
         raise ValueError(
             f"Evidence(method='quadrature', error_nodes={error_nodes!r}): give a positive integer "
             f"(nodes per latent dim of the coarser rule), or None for the default."
