@@ -237,6 +237,22 @@ def heteroscedastic_fa(N, D=50, K=5, seed=0):
     return model, (x,), {}
 
 
+def wide_ppca(D, N=4, K=5, seed=0):
+    """PPCA on a few datapoints of many tokens (``"pll"``: D queries of one target each)."""
+    g = torch.Generator().manual_seed(seed)
+    W0 = torch.randn(D, K, generator=g) * 0.3
+    x = torch.randn(N, K, generator=g) @ W0.T + 0.5 * torch.randn(N, D, generator=g)
+
+    def model(x):
+        W = pyro.param("W", W0.clone())
+        s = pyro.param("s", torch.tensor(0.5), constraint=dist.constraints.positive)
+        with pyro.plate("data", N):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, s).to_event(1), obs=x)
+
+    return model, (x,), {}
+
+
 def ppca_missing(N, D, K, missing, seed=0):
     g = torch.Generator().manual_seed(seed)
     W0 = torch.randn(D, K, generator=g) * 0.3
@@ -360,6 +376,7 @@ def pll_rows(quick, repeats):
         ("linear-Gaussian hierarchy, 4 tokens a unit", hierarchy, 100 if quick else 250),
         ("factor analysis, a noise scale per datapoint (N = size, D = 50)", heteroscedastic_fa, 200 if quick else 1000),
         ("PPCA with a global latent mean, 20 tokens a unit", global_mean_ppca, 50 if quick else 200),
+        ("PPCA, 4 datapoints of many tokens (K = 5)", wide_ppca, 10000 if quick else 40000),
     ]
     print("\n| model | tokens | `pll` loss + grad | Evidence + grad | pll / Evidence |")
     print("|---|---|---|---|---|")
@@ -368,7 +385,7 @@ def pll_rows(quick, repeats):
         model, args, options = build(size)
         loss = MaskedPretrainingLoss(masks="pll", **options)
         evidence = Evidence(model, **{k: v for k, v in options.items() if k == "token_plates"})
-        tokens = size * {multi_output_gp: 3, hierarchy: 4, heteroscedastic_fa: 50, global_mean_ppca: 20}.get(build, 1)
+        tokens = size * {multi_output_gp: 3, hierarchy: 4, heteroscedastic_fa: 50, global_mean_ppca: 20, wide_ppca: 4}.get(build, 1)
         tp, te = timed_pair(lambda: step(loss, model, args), lambda: evidence_step(evidence, args), repeats)
         print(f"| {name} | {tokens} | {tp.cell()} | {te.cell()} | {fmt_ratio(tp.median / te.median)} |", flush=True)
 

@@ -32,6 +32,11 @@ class MaskBlock:
         evaluation: a block recomputed in the backward pass redraws the same
         masks from the same random state instead of keeping them alive (one
         byte per query and token). Read the masks with :meth:`masks`.
+    :param torch.Tensor targets: long ``(q,)``, when every query hides one token and is
+        shared by the batch (``mask[k, 0]`` is True at ``targets[k]`` alone): the tokens.
+        An engine with a leave-one-out pass
+        (:meth:`~pyro_mpt.conditionals.ConditionalEngine.leave_one_out_log_prob`) then
+        serves the block from it without its masks, which may be left to ``draw``.
 
     Example::
 
@@ -45,6 +50,7 @@ class MaskBlock:
     context: Optional[torch.Tensor] = None
     gain: Optional[torch.Tensor] = None
     draw: Optional[Callable[[], torch.Tensor]] = None
+    targets: Optional[torch.Tensor] = None
 
     def masks(self):
         """The block's masks, bool ``(q, n, D)`` or ``(q, 1, D)``: ``mask``, or a fresh ``draw()``.

@@ -34,12 +34,14 @@ builds its blocks through :class:`~pyro_mpt.missing_tokens.MaskableTokens`,
 which says how once for all (see :mod:`pyro_mpt.missing_tokens`).
 """
 
+import dataclasses
 import functools
 import math
 from numbers import Real
 
 import torch
 
+from .mask_blocks import MaskBlock
 from .missing_tokens import MaskableTokens
 from .counts import is_count
 
@@ -364,6 +366,16 @@ class Exhaustive(MaskSchedule):
         return "Exhaustive()"
 
 
+def _one_target_masks(start, stop, D, device):
+    """Masks ``(stop - start, 1, D)`` whose query ``k`` hides token ``start + k`` alone, made
+    per span (rows of one D x D identity were D^2 bytes for any span: 400 MB for one
+    datapoint of 20000 tokens)."""
+    q = stop - start
+    mask = torch.zeros((q, 1, D), dtype=torch.bool, device=device)
+    mask.view(q, D).diagonal(start).fill_(True)
+    return mask
+
+
 class PseudoLikelihood(MaskSchedule):
     r"""The pseudo-log-likelihood of Besag (1975): every leave-one-out query.
 
@@ -403,17 +415,21 @@ class PseudoLikelihood(MaskSchedule):
             # target counts D / D_i in the curve's values and weighs D_i / D in the PLL
             share = tokens.count.to(torch.float64) / D
             w = share[None]
+        every = torch.arange(D, device=device)
         for start, stop in tokens.spans(D, max_elements):
             q = stop - start
-            # (q, 1, D): token j alone is the target; made per span (rows of one D x D identity
-            # were D^2 bytes for any span: 400 MB for one datapoint of 20000 tokens)
-            mask = torch.zeros((q, 1, D), dtype=torch.bool, device=device)
-            mask.view(q, D).diagonal(start).fill_(True)
-            gain = None
-            if observed is not None:
-                # a missing token is no target (gain 0) and no one's context
-                gain = torch.where(tokens.within(mask), 1.0 / share.clamp_min(1.0 / D)[None], 0.0)
-            yield tokens.block(mask, one.expand(q, 1), w.expand(q, -1), gain)
+            targets = every[start:stop]
+            draw = functools.partial(_one_target_masks, start, stop, D, device)
+            if observed is None:
+                # the masks are made only for an engine without a leave-one-out pass
+                # (MaskBlock.targets): D^2 bits, 3 s a step at D = 40000
+                yield MaskBlock(None, one.expand(q, 1), w.expand(q, -1), draw=draw, targets=targets)
+                continue
+            mask = draw()
+            # a missing token is no target (gain 0) and no one's context
+            gain = torch.where(tokens.within(mask), 1.0 / share.clamp_min(1.0 / D)[None], 0.0)
+            block = tokens.block(mask, one.expand(q, 1), w.expand(q, -1), gain)
+            yield dataclasses.replace(block, targets=targets)
 
     def __repr__(self):
         return "PseudoLikelihood()"

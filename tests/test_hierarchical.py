@@ -595,15 +595,15 @@ def test_order_sums_are_the_evidence_without_the_chain_terms(monkeypatch):
 
 def test_pll_of_a_hierarchy_in_many_blocks_takes_one_group(monkeypatch):
     """With the schedule's blocks far smaller than the pll's queries (chunk_size=36: two of
-    the 18 queries a block), the hierarchy's leave-one-out queries are one group (weighted_sum_elements
-    declares n a query): one full-data posterior, not one per block recomputed in the
+    the 18 queries a block), the hierarchy's leave-one-out queries take one pass
+    (leave_one_out_log_prob, asked once for every block's targets): one full-data posterior, not one per block recomputed in the
     backward pass (PPCA with a global latent mean, 200 units of 20 tokens, one thread,
     loss + gradient: 287 -> 46 ms with the counting of the targets, Evidence 11 ms; the first
     call no longer imports torch._dynamo for the checkpoints, 3.8 -> 0.5 s). Loss vs numpy's
     inverse of the dense covariance (1e-8)."""
     calls = []
-    original = HierarchicalGaussianConditionals.mask_sums
-    monkeypatch.setattr(HierarchicalGaussianConditionals, "mask_sums",
+    original = HierarchicalGaussianConditionals.leave_one_out_log_prob
+    monkeypatch.setattr(HierarchicalGaussianConditionals, "leave_one_out_log_prob",
                         lambda self, *a: calls.append(1) or original(self, *a))
     W, A, c, X = _params(3, 2, 2, seed=12)
     model, dense = _hierarchy(W, A, c)

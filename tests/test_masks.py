@@ -2,19 +2,22 @@
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 import pyro
 import pyro.distributions as dist
 
 from pyro_mpt import MaskedPretrainingLoss
+from pyro_mpt.conditionals import GaussianConditionals
 from pyro_mpt.mask_blocks import ChainBlock, MaskBlock
 from pyro_mpt.masks import (
-    AllSizes, Exhaustive, FixedRate, PseudoLikelihood, RandomOrders, UniformSizes, make_schedule,
+    AllSizes, Exhaustive, FixedRate, MaskSchedule, PseudoLikelihood, RandomOrders, UniformSizes, make_schedule,
 )
 from pyro_mpt.mask_draws import random_ranks
 
-from models import make_ppca
+from models import make_ppca, numpy_leave_one_out
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -202,13 +205,78 @@ def test_pll_schedule_is_every_leave_one_out_query():
     D_i / D (each PLL term counts once, the curve's point is the mean over the D_i observed
     tokens); make_schedule names it."""
     blocks = list(make_schedule("pll").blocks(3, 5, max_elements=3 * 5 * 2))
-    assert [b.mask.shape for b in blocks] == [(2, 1, 5), (2, 1, 5), (1, 1, 5)]
-    assert torch.equal(torch.cat([b.mask[:, 0] for b in blocks]), torch.eye(5, dtype=torch.bool))
+    assert [b.masks().shape for b in blocks] == [(2, 1, 5), (2, 1, 5), (1, 1, 5)]
+    assert torch.equal(torch.cat([b.masks()[:, 0] for b in blocks]), torch.eye(5, dtype=torch.bool))
+    # the targets name each query's one token (engines with a leave-one-out pass read them
+    # instead of the masks, which are then never made)
+    assert all(b.mask is None for b in blocks)
+    assert torch.equal(torch.cat([b.targets for b in blocks]), torch.arange(5))
     assert all(bool((b.weight == 1).all()) and bool((b.size == 1).all()) for b in blocks)
     observed = torch.tensor([[True, False, True, True, True]] * 3)
     (ob,) = list(PseudoLikelihood().blocks(3, 5, observed=observed))
     assert torch.equal(ob.gain, observed.T * (5 / 4))
+    assert torch.equal(ob.mask[:, 0], torch.eye(5, dtype=torch.bool)) and torch.equal(ob.targets, torch.arange(5))
     assert torch.allclose(ob.weight, torch.full((5, 3), 4 / 5, dtype=torch.float64))
+
+
+class _NoLeaveOneOutPass(GaussianConditionals):
+    """The Gaussian engine without its leave-one-out table: the pll's queries take the mask paths."""
+
+    def leave_one_out_log_prob(self, state, x):
+        return None
+
+
+def test_pll_masks_are_made_only_for_an_engine_without_a_leave_one_out_pass(float64, monkeypatch):
+    """"pll" on PPCA (D = 30, chunk_size small enough for 15 blocks): with the Gaussian engine's
+    one-pass table no block's masks are made (D^2 bits: 3 s a step at D = 40000, against 25 ms
+    for the table) and the loss is numpy's leave-one-out sum (Rasmussen & Williams 5.10-5.12)
+    to 1e-10; an engine without the table makes them, block by block, and gives the same loss
+    and gradient to 1e-10; the curve's one point (the accumulator's path) too."""
+    D, N = 30, 6
+    model, x, _ = make_ppca(D, 3, N=N, seed=7)
+    made = []
+    original = MaskBlock.masks
+    monkeypatch.setattr(MaskBlock, "masks", lambda self: made.append(1) or original(self))
+    W, mu, s2 = (pyro.param(k).detach().numpy() for k in ("W", "mu", "s"))
+    want = numpy_leave_one_out(W @ W.T + s2**2 * np.eye(D), x.numpy() - mu).sum()
+
+    def run(engine):
+        pyro.get_param_store()["W"].grad = None
+        loss = MaskedPretrainingLoss(masks="pll", chunk_size=N * D * 2, conditionals=engine)
+        value = loss.differentiable_loss(model, None, x)
+        (grad,) = torch.autograd.grad(value, [pyro.param("W").unconstrained()])
+        return value.item(), grad, loss.curve(model, None, x).score[0]
+
+    served, grad, point = run(GaussianConditionals())
+    assert made == [] and abs(served + want) < 1e-10 * abs(want)
+    fallback, grad_b, point_b = run(_NoLeaveOneOutPass())
+    assert len(made) >= 2 * 15  # the loss's blocks and the curve's
+    assert abs(fallback - served) < 1e-10 * abs(want)
+    assert torch.allclose(grad_b, grad, rtol=1e-10, atol=1e-10)
+    assert abs(point - point_b) < 1e-10 * abs(point) and abs(point - want / (N * D)) < 1e-10 * abs(point)
+
+
+def test_leave_one_out_blocks_beside_other_blocks_in_one_schedule(float64):
+    """A schedule that yields one-target blocks (with targets) between blocks of other masks:
+    the loss is the sum of the two schedules' losses to 1e-10, whichever engine serves the
+    one-target blocks (the table or the masks)."""
+    D, N = 9, 5
+    model, x, _ = make_ppca(D, 2, N=N, seed=3)
+
+    class Mixed(MaskSchedule):
+        covers_all_sizes = False
+
+        def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
+            pll = list(PseudoLikelihood().blocks(n, D, max_elements=n * D * 4, device=device))
+            exact = list(Exhaustive().blocks(n, D, device=device))
+            yield pll[0]
+            yield from exact
+            yield from pll[1:]
+
+    for engine in (GaussianConditionals(), _NoLeaveOneOutPass()):
+        mixed = MaskedPretrainingLoss(masks=Mixed(share_masks=True), conditionals=engine).loss(model, None, x)
+        apart = sum(MaskedPretrainingLoss(masks=m, conditionals=engine).loss(model, None, x) for m in ("pll", "exhaustive"))
+        assert abs(mixed - apart) < 1e-10 * abs(apart)
 
 
 def test_pll_is_D_times_the_exact_M1_term(float64):

@@ -377,6 +377,29 @@ class ConditionalEngine(ABC):
         sums = self.mask_sums(state, x, mask.unsqueeze(1))  # (q, n)
         return (coef.to(sums.dtype).unsqueeze(-1) * sums).sum(0)
 
+    def leave_one_out_log_prob(self, state, x):
+        r"""Every token's conditional given all the others, from one pass, shape ``(n, D)``:
+
+        .. math:: \ell_{ij} = \log p(x_{ij} \mid x_{i,-j}),
+
+        or None where the engine has no such pass for ``state`` (the default).
+        :func:`~pyro_mpt.estimate.mpt_estimate` asks it for the queries that each hide
+        one token, shared by the batch (a :class:`~pyro_mpt.mask_blocks.MaskBlock`
+        with ``targets``, the ``"pll"`` schedule): :math:`D` queries then cost one pass
+        and their masks (:math:`D^2` bits) are never made. Where it returns None they
+        take :meth:`weighted_mask_sum` (or :meth:`mask_sums` for curves) like any
+        other masks.
+
+        :param state: the object returned by :meth:`prepare`.
+        :param torch.Tensor x: tokens, shape ``(n, D)``.
+        :returns: shape ``(n, D)`` in the dtype of the engine's results, or None.
+
+        Example::
+
+            >>> GaussianConditionals().leave_one_out_log_prob(state, x).sum(-1)   # (n,) the PLL
+        """
+        return None
+
     def weighted_sum_elements(self, state, x, mask=None):
         """Elements of :meth:`~pyro_mpt.conditionals.ConditionalEngine.weighted_mask_sum`'s
         working set per query, for tokens ``x``.

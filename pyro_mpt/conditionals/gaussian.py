@@ -529,6 +529,12 @@ class GaussianConditionals(ConditionalEngine):
             self._kept(inner, x_data)["leave_one_out"] = table
         return self._kept(inner, x_data)["leave_one_out"]
 
+    def leave_one_out_log_prob(self, state, x):
+        """Every leave-one-out conditional from one factorization of the state's covariance
+        (:mod:`~pyro_mpt.conditionals.gaussian_leave_one_out`), kept for later calls with the
+        same data; None for a low-rank state whose pieces lose their digits even in float64."""
+        return self._leave_one_out(state, x)
+
     def _leave_one_out_table(self, state, x_data):
         if state.is_low_rank:
             def compute():

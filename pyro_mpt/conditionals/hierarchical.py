@@ -417,11 +417,15 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
             return super().mask_sums(state, x, mask)
         # queries that each hide one token (the "pll" schedule): all from the full-data
         # posterior, one query's work instead of one per token
+        return self.leave_one_out_log_prob(state, x).T[targets]
+
+    def leave_one_out_log_prob(self, state, x):
+        """Every leave-one-out conditional from the full-data posterior, ``(n, D)``."""
         self._check_x(state, x)
         nothing = torch.zeros((1, x.shape[0], x.shape[1]), dtype=torch.bool, device=x.device)
         x = _to_work(state, x)
         mean, spread = self._moments(state, x, nothing)
-        return _to_data(state, leave_one_out_from_full(x - mean[0], state.psi, spread[0]).T[targets])
+        return _to_data(state, leave_one_out_from_full(x - mean[0], state.psi, spread[0]))
 
     def weighted_sum_elements(self, state, x, mask=None):
         """Elements of the working set per query: ``n`` for masks ``(q, D)`` that each hide

@@ -61,14 +61,20 @@ class LeaveOneOutQueries:
             return x.shape[0]
         return super().weighted_sum_elements(state, x, mask)
 
+    def leave_one_out_log_prob(self, state, x):
+        """:meth:`leave_one_out_table` where :meth:`serves_leave_one_out`, else None."""
+        if not self.serves_leave_one_out(state):
+            return None
+        self._check_x(state, x)
+        return self.leave_one_out_table(state)
+
     def weighted_mask_sum(self, state, x, mask, coef):
         r""":math:`\sum_q c_q \sum_{j \in \mathcal M_q} \log p(x_j \mid x_{-\mathcal M_q})` for
         masks ``(q, D)`` shared by the batch, ``(n,)``: from the leave-one-out table when
         every mask hides one token, else the engine's own sums."""
         targets = leave_one_out_targets(mask)
-        if targets is None or not self.serves_leave_one_out(state):
+        table = None if targets is None else self.leave_one_out_log_prob(state, x)
+        if table is None:
             return super().weighted_mask_sum(state, x, mask, coef)
-        self._check_x(state, x)
-        table = self.leave_one_out_table(state)
         weight = torch.zeros(mask.shape[-1], dtype=table.dtype, device=table.device)
         return table @ weight.index_add(0, targets, coef.to(table.dtype))
