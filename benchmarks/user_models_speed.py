@@ -14,7 +14,9 @@ hits both alike. The ratio is measured in this run.
    scored as one datapoint (``token_plates=("data",)``), a GP written with a
    ``MultivariateNormal`` observation, ``GPRegression`` with three outputs, and a
    linear-Gaussian hierarchy (``conditionals="hierarchical"``), and factor analysis
-   with a noise scale per datapoint (a covariance per datapoint). Before the
+   with a noise scale per datapoint (a covariance per datapoint), PPCA on 4 datapoints
+   of many tokens, and a logistic factor model with one latent under
+   ``conditionals="quadrature"``. Before the
    leave-one-out paths each query factored its own context: 100--350 times the
    evidence.
 2. ``missing`` -- PPCA with 10 % of the tokens missing (``dist.Normal(...).mask(m)``),
@@ -253,6 +255,21 @@ def wide_ppca(D, N=4, K=5, seed=0):
     return model, (x,), {}
 
 
+def logistic_factor(D, N=100, seed=0):
+    """Bernoulli tokens with one Normal latent per datapoint (``conditionals="quadrature"``)."""
+    g = torch.Generator().manual_seed(seed)
+    a0, b0 = torch.randn(D, generator=g), torch.randn(D, generator=g)
+    x = torch.bernoulli(torch.sigmoid(torch.randn(N, 1, generator=g) * a0 + b0), generator=g)
+
+    def model(x):
+        a, b = pyro.param("a", a0.clone()), pyro.param("b", b0.clone())
+        with pyro.plate("data", N):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Bernoulli(logits=z * a + b).to_event(1), obs=x)
+
+    return model, (x,), dict(conditionals="quadrature")
+
+
 def ppca_missing(N, D, K, missing, seed=0):
     g = torch.Generator().manual_seed(seed)
     W0 = torch.randn(D, K, generator=g) * 0.3
@@ -377,6 +394,7 @@ def pll_rows(quick, repeats):
         ("factor analysis, a noise scale per datapoint (N = size, D = 50)", heteroscedastic_fa, 200 if quick else 1000),
         ("PPCA with a global latent mean, 20 tokens a unit", global_mean_ppca, 50 if quick else 200),
         ("PPCA, 4 datapoints of many tokens (K = 5)", wide_ppca, 10000 if quick else 40000),
+        ("logistic factor model, one latent (quadrature), N = 100", logistic_factor, 200 if quick else 800),
     ]
     print("\n| model | tokens | `pll` loss + grad | Evidence + grad | pll / Evidence |")
     print("|---|---|---|---|---|")
@@ -384,8 +402,10 @@ def pll_rows(quick, repeats):
         pyro.clear_param_store()
         model, args, options = build(size)
         loss = MaskedPretrainingLoss(masks="pll", **options)
-        evidence = Evidence(model, **{k: v for k, v in options.items() if k == "token_plates"})
-        tokens = size * {multi_output_gp: 3, hierarchy: 4, heteroscedastic_fa: 50, global_mean_ppca: 20, wide_ppca: 4}.get(build, 1)
+        method = "quadrature" if options.get("conditionals") == "quadrature" else "exact"
+        evidence = Evidence(model, method=method, **{k: v for k, v in options.items() if k == "token_plates"})
+        tokens = size * {multi_output_gp: 3, hierarchy: 4, heteroscedastic_fa: 50, global_mean_ppca: 20, wide_ppca: 4,
+                         logistic_factor: 100}.get(build, 1)
         tp, te = timed_pair(lambda: step(loss, model, args), lambda: evidence_step(evidence, args), repeats)
         print(f"| {name} | {tokens} | {tp.cell()} | {te.cell()} | {fmt_ratio(tp.median / te.median)} |", flush=True)
 

@@ -89,6 +89,19 @@ class MixtureChunk:
         """Per-point log-joints ``log w + sum_d T``, ``(n, Q_c)``."""
         return self.log_weights + self.table.sum(-1)
 
+    def leave_one_out_partials(self):
+        r"""Partial log-sums of the queries that each hide one token (every other one the context).
+
+        :returns: ``(num, den)``, shapes ``(n,)`` and ``(n, D)``, with
+            ``num[i] = logsumexp_k(logw_k + sum_d T_ikd)`` (every numerator's: target and
+            context make up all the tokens) and ``den[i, j] = logsumexp_k(logw_k + sum_d T_ikd
+            - T_ikj)``: :math:`O(nQ_cD)` where :meth:`mask_partials` of the :math:`D` contexts
+            costs :math:`O(nQ_cD^2)`. An impossible token (:math:`T = -\infty`) makes its
+            entries NaN: the caller then takes :meth:`mask_partials`.
+        """
+        joint = self.joint()  # (n, Q_c)
+        return stable_logsumexp(joint, -1), stable_logsumexp(joint.unsqueeze(-1) - self.table, 1)
+
     def mask_partials(self, ctx):
         """Partial log-sums for context masks ``ctx`` (float, 1 in the context) ``(q, r, D)``.
 

@@ -557,7 +557,9 @@ def gaussian_corrections(quad, frames, target, std_nodes, std_log_weights, max_e
     :param torch.Tensor std_nodes: the standard grid ``(Q, K)``.
     :param torch.Tensor std_log_weights: ``(Q,)``.
     :param int max_elements: entries per intermediate ``(rows, Q)``.
-    :returns: ``(num (q, n, D), den (q, n))``; 0 off the targets, where the
+    :returns: ``(num (q, n, D), den (q, n))`` (``num`` None without targets: a
+        :math:`(q, n, D)` table of zeros is :math:`D^2n` entries for the :math:`D`
+        leave-one-out queries); 0 off the targets, where the
         model's integral diverges (:math:`I - \alpha` not positive definite) and
         where the projection was not finite.
 
@@ -596,9 +598,9 @@ def gaussian_corrections(quad, frames, target, std_nodes, std_log_weights, max_e
 
     dden = correction(beta0.reshape(-1, K), alpha0.reshape(-1, K, K)).reshape(q, n)
     dden = torch.where(frames.fitted, dden, torch.zeros_like(dden))
-    dnum = torch.zeros(q, n, D, dtype=dtype, device=L.device)
     if target is None:
-        return dnum, dden
+        return None, dden
+    dnum = torch.zeros(q, n, D, dtype=dtype, device=L.device)
     # only the targets' numerators: a leave-one-out query has one per datapoint
     a, i, j = (target & frames.fitted[..., None]).nonzero(as_tuple=True)
     Lr, mr = L[a, i], m[a, i]
