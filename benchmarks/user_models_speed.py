@@ -452,8 +452,9 @@ def recompute_rows(quick, repeats):
 
 
 def groups_rows(quick, repeats):
-    """Random intercepts scored as one datapoint: the Gaussian engine's groups
-    (``gaussian_groups``) against the dense loading (``groups=False``), interleaved, after
+    """Random intercepts scored as one datapoint, without and with a global mean (Pyro's
+    radon model): the Gaussian engine's groups (``gaussian_groups``; with the mean,
+    ``gaussian_global_groups``) against the dense loading (``groups=False``), interleaved, after
     one untimed step of each (the first call of the groups finds them from the whole
     loading and checks its dropped zeros: its own column); the dense loading only up to
     1000 groups (at 4000 its 40000 x 4000 table and O(D G^2) steps take minutes)."""
@@ -462,9 +463,10 @@ def groups_rows(quick, repeats):
     print("\n| random intercepts, 10 observations a group | groups | loss | groups s | first call s | dense loading s "
           "| dense / groups |")
     print("|---|---|---|---|---|---|---|")
-    for G in [100, 250] if quick else [250, 1000, 4000]:
+    for global_mean, G in [(g, G) for g in (False, True) for G in ([100, 250] if quick else [250, 1000, 4000])]:
         pyro.clear_param_store()
-        model, args, options = random_intercepts(10 * G, G)
+        model, args, options = random_intercepts(10 * G, G, global_mean=global_mean)
+        label = "with a global mean (radon)" if global_mean else ""
         for masks in ["order", "pll", "uniform"]:
             grouped = MaskedPretrainingLoss(masks=masks, conditionals=GaussianConditionals(), **options)
             start = time.perf_counter()
@@ -472,12 +474,12 @@ def groups_rows(quick, repeats):
             first = time.perf_counter() - start
             if G > 1000:
                 tg, _ = timed_pair(lambda: step(grouped, model, args), lambda: 0.0, repeats)
-                print(f"| | {G} | `{masks}` | {tg.cell()} | {first:.3g} | -- | -- |", flush=True)
+                print(f"| {label} | {G} | `{masks}` | {tg.cell()} | {first:.3g} | -- | -- |", flush=True)
                 continue
             dense = MaskedPretrainingLoss(masks=masks, conditionals=GaussianConditionals(groups=False), **options)
             step(dense, model, args)
             tg, td = timed_pair(lambda: step(grouped, model, args), lambda: step(dense, model, args), repeats)
-            print(f"| | {G} | `{masks}` | {tg.cell()} | {first:.3g} | {td.cell()} | {fmt_ratio(td.median / tg.median)} |",
+            print(f"| {label} | {G} | `{masks}` | {tg.cell()} | {first:.3g} | {td.cell()} | {fmt_ratio(td.median / tg.median)} |",
                   flush=True)
 
 

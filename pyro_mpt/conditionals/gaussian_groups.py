@@ -28,9 +28,11 @@ token in a context changes no conditional; it is never a target, and the
 density leaves it out as a missing token). A step then costs
 :math:`O(C N r^2)` instead of :math:`O(D G^2)`: random intercepts
 (:math:`r = 1`) and nested groups (a top-level group and its subgroups are one
-component) scale linearly in the number of groups. Crossed effects and global
-latents (a mean shared by every group) join every token into one component;
-such loadings keep the dense path, exactly as before.
+component) scale linearly in the number of groups. Global latents (a mean
+shared by every group) join every token into one component: without them the
+groups are the units of an arrowhead posterior
+(:mod:`~pyro_mpt.conditionals.gaussian_global_groups`). Crossed effects keep
+the dense path, exactly as before.
 
 The first call finds the components from the whole loading (the model run at
 :math:`R + 4` points); :class:`LoadingColors` then lets every later call derive
@@ -59,6 +61,7 @@ __all__ = [
     "grouped_marginal",
     "grouped_state",
     "loading_components",
+    "padded_layout",
     "GROUPED_MIN_GAIN",
 ]
 
@@ -102,7 +105,7 @@ def loading_components(F):
     return token_comp.astype(np.int64), relabel[latent]
 
 
-def _padded_layout(comp, C):
+def padded_layout(comp, C):
     """``(index, width)``: ``index`` ``(C, width)`` numpy, the members of each component
     in their order, ``-1`` where a component has fewer than ``width``."""
     if comp.size == 0:
@@ -140,6 +143,9 @@ class LoadingColors:
         check); a colouring found without it serves only calls without gradients.
     :param torch.Tensor weights: ``(R,)`` or None: the points weigh latent :math:`k` by
         ``weights[k]`` (:func:`dropped_zeros_structural` runs the model at such points).
+    :param int num_globals: the last ``num_globals`` colours are global latents, one
+        each, in every group's row of ``latents`` (groups joined only through them,
+        :mod:`~pyro_mpt.conditionals.gaussian_global_groups`); 0 for independent groups.
 
     Example::
 
@@ -154,6 +160,7 @@ class LoadingColors:
     pattern: int = 0
     gradient_checked: bool = True
     weights: Optional[torch.Tensor] = None
+    num_globals: int = 0
 
     @property
     def num_colors(self):
@@ -251,9 +258,9 @@ def grouped_marginal(marginal, num_data):
     C = int(token_comp.max()) + 1 if D else 0
     if C < 2:
         return None
-    index, N = _padded_layout(token_comp, C)
+    index, N = padded_layout(token_comp, C)
     kept = latent_comp >= 0
-    lat_index, r = _padded_layout(latent_comp[kept], C)
+    lat_index, r = padded_layout(latent_comp[kept], C)
     lat_index = np.where(lat_index >= 0, np.flatnonzero(kept)[np.maximum(lat_index, 0)], -1)
     if GROUPED_MIN_GAIN * C * N * max(1, min(r, N)) ** 2 > D * max(1, min(R, D)) ** 2:
         return None

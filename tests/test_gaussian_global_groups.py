@@ -1,0 +1,118 @@
+"""Groups of tokens joined only by a few global latents (Pyro's radon model at scale):
+the Gaussian engine's arrowhead route (gaussian_global_groups) against the dense loading
+and scipy's multivariate normal."""
+
+import numpy as np
+import pytest
+import torch
+import pyro
+import pyro.distributions as dist
+from scipy.stats import multivariate_normal
+
+from pyro_mpt import Evidence, MaskedPretrainingLoss
+from pyro_mpt.conditionals import GaussianConditionals
+from pyro_mpt.conditionals.gaussian_global_groups import GlobalGroupsState
+from pyro_mpt.observed_tokens import trace_tokens
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+N, G = 240, 24
+B, SA, SY, MU0, SMU = 0.3, 1.2, 0.8, 0.5, 2.0
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    grp = torch.randint(0, G, (N,), generator=g)
+    u = torch.randn(N, generator=g, dtype=torch.float64)
+    y = torch.randn(G, generator=g, dtype=torch.float64)[grp] + 0.5 * u + 0.7 * torch.randn(N, generator=g, dtype=torch.float64)
+    return grp, u, y
+
+
+def radon(grp, u, y, coupling=None):
+    """County intercepts around a global mean, a global random slope on the covariate, as
+    Pyro's radon model writes them; ``coupling`` (a parameter at 0) loads each observation
+    on the next county's intercept too: zero in value, not in its derivative."""
+    b = pyro.param("b", torch.tensor(B))
+    sa = pyro.param("sa", torch.tensor(SA), constraint=dist.constraints.positive)
+    sy = pyro.param("sy", torch.tensor(SY), constraint=dist.constraints.positive)
+    mu_a = pyro.sample("mu_a", dist.Normal(MU0, SMU))
+    slope = pyro.sample("slope", dist.Normal(0.0, 1.0))
+    with pyro.plate("groups", G):
+        a = pyro.sample("a", dist.Normal(mu_a, sa))
+    loc = a[..., grp] + (b + slope) * u
+    if coupling is not None:
+        loc = loc + pyro.param("c", torch.tensor(0.0)) * a[..., (grp + 1) % G]
+    with pyro.plate("data", N):
+        pyro.sample("y", dist.Normal(loc, sy), obs=y)
+
+
+def _state(model, args, engine):
+    tokens = trace_tokens(model, None, args, {}, token_plates=("data",))
+    return engine.prepare(tokens, model, None, args, {})
+
+
+def _loss_and_grads(engine, masks, args, model=radon, names=("b", "sa", "sy"), seed=0):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    loss = MaskedPretrainingLoss(masks=masks, conditionals=engine, token_plates=("data",))
+    value = loss.differentiable_loss(model, None, *args)
+    return value.item(), torch.autograd.grad(value, [pyro.param(k).unconstrained() for k in names])
+
+
+@pytest.mark.parametrize("masks", ["uniform", "pll", "order", "all"])
+def test_global_groups_equal_the_dense_loading(masks):
+    """Loss and gradient of every schedule kind (random masks, one target each, an
+    ordering, every size) by the arrowhead over 24 counties joined by two global latents
+    equal the dense loading's (groups=False) to 1e-10, on the same masks; the state is the
+    arrowhead's, from the first call."""
+    args = _data()
+    pyro.clear_param_store()
+    assert isinstance(_state(radon, args, GaussianConditionals()), GlobalGroupsState)
+    value, grads = _loss_and_grads(GaussianConditionals(), masks, args)
+    want, grads_want = _loss_and_grads(GaussianConditionals(groups=False), masks, args)
+    assert abs(value - want) < 1e-10 * abs(want)
+    for g, gw in zip(grads, grads_want):
+        assert torch.allclose(g, gw, rtol=1e-9, atol=1e-10)
+
+
+def test_global_groups_evidence_and_curve_match_scipy_and_the_dense_loading():
+    """Evidence equals scipy's multivariate normal of the model's covariance written out
+    (global mean and slope, county intercepts, noise) to 1e-9, at the first call and at a
+    later one (the loading then from one model run a colour); the "order" curve (chain
+    terms by position) equals the dense loading's to 1e-10."""
+    grp, u, y = args = _data(1)
+    pyro.clear_param_store()
+    evidence = Evidence(radon, token_plates=("data",))
+    one_hot = np.zeros((N, G))
+    one_hot[np.arange(N), grp.numpy()] = 1
+    un = u.numpy()
+    cov = SMU**2 + SA**2 * one_hot @ one_hot.T + np.outer(un, un) + SY**2 * np.eye(N)
+    want = multivariate_normal(MU0 + B * un, cov).logpdf(y.numpy())
+    for _ in range(2):
+        assert abs(float(evidence(*args).detach()) - want) < 1e-9 * abs(want)
+    curves = []
+    for engine in (GaussianConditionals(), GaussianConditionals(groups=False)):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(3)
+        loss = MaskedPretrainingLoss(masks="order", conditionals=engine, token_plates=("data",))
+        curves.append(np.array(loss.curve(radon, None, *args).score))
+    assert np.allclose(curves[0], curves[1], rtol=1e-10, atol=1e-12)
+
+
+def test_a_loading_zero_only_in_value_keeps_the_dense_loading():
+    """A coupling parameter at 0 loads every observation on the next county's intercept:
+    the groups would drop entries whose derivative is not zero, so the engine keeps the
+    dense loading, and the coupling's gradient equals the dense loading's (1e-10)."""
+    args = _data(2)
+
+    def coupled(grp, u, y):
+        radon(grp, u, y, coupling=True)
+
+    pyro.clear_param_store()
+    assert not isinstance(_state(coupled, args, GaussianConditionals()), GlobalGroupsState)
+    names = ("b", "sa", "sy", "c")
+    value, grads = _loss_and_grads(GaussianConditionals(), "uniform", args, coupled, names)
+    want, grads_want = _loss_and_grads(GaussianConditionals(groups=False), "uniform", args, coupled, names)
+    assert abs(value - want) < 1e-10 * abs(want) and float(grads_want[-1].abs()) > 1e-3
+    for g, gw in zip(grads, grads_want):
+        assert torch.allclose(g, gw, rtol=1e-9, atol=1e-10)
