@@ -118,10 +118,10 @@ def global_groups(marginal, num_data):
     local = np.flatnonzero(~is_global)
     token_comp, latent_comp = loading_components(F[:, :, torch.as_tensor(local, device=F.device)])
     C = int(token_comp.max()) + 1
-    if C < 2:
-        return None
-    index, N = padded_layout(token_comp, C)
     kept = latent_comp >= 0
+    if C < 2 or not kept.any():
+        return None  # one group, or the global latents alone (a regression): the dense loading is small
+    index, N = padded_layout(token_comp, C)
     lat_index, r = padded_layout(latent_comp[kept], C)
     lat_index = np.where(lat_index >= 0, local[np.flatnonzero(kept)][np.maximum(lat_index, 0)], -1)
     if GROUPED_MIN_GAIN * C * N * (K_g + r) ** 2 > D * R**2:
