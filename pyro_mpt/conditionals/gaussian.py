@@ -212,7 +212,8 @@ class GaussianConditionals(ConditionalEngine):
                 return grouped_state(self._prepare_marginal(inner, tokens.name), tokens.num_data, colors.tokens)
             del self.memory.colors[key]
         marginal = gaussian_marginal(tokens, model, args, kwargs, vectorize=self.vectorize, memory=self.memory.run_mode)
-        groups = grouped_marginal(marginal, tokens.num_data) if self.groups else None
+        nonzeros = {}  # the loading's nonzeros, found once for both kinds of groups
+        groups = grouped_marginal(marginal, tokens.num_data, nonzeros) if self.groups else None
         if groups is not None and dropped_zeros_structural(groups[2], self.memory.groups, tokens, model, args, kwargs,
                                                            self.vectorize, self.memory.run_mode):
             # a sparse loading (random intercepts of many groups, one datapoint): its
@@ -223,7 +224,7 @@ class GaussianConditionals(ConditionalEngine):
             self.memory.colors[key] = colors
             inner = colored_marginal(colors, tokens, model, args, kwargs, self.vectorize, self.memory.run_mode) or inner
             return grouped_state(self._prepare_marginal(inner, tokens.name), tokens.num_data, index)
-        colors = global_groups(marginal, tokens.num_data) if self.groups and tokens.observed is None else None
+        colors = global_groups(marginal, tokens.num_data, nonzeros) if self.groups and tokens.observed is None else None
         if colors is not None and dropped_zeros_structural(colors, self.memory.groups, tokens, model, args, kwargs,
                                                            self.vectorize, self.memory.run_mode):
             # groups joined only by a few global latents (Pyro's radon model): the arrowhead

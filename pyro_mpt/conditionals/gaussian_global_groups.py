@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .gaussian_groups import GROUPED_MIN_GAIN, LoadingColors, loading_components, padded_layout
+from .gaussian_groups import GROUPED_MIN_GAIN, LoadingColors, loading_components, loading_nonzeros, padded_layout
 from .hierarchical import HierarchicalGaussianConditionals, HierarchicalGaussianState
 
 __all__ = ["GlobalGroupsState", "GlobalGroupsConditionals", "global_groups", "global_groups_state", "MAX_GLOBALS"]
@@ -76,7 +76,7 @@ class GlobalGroupsState:
         return t[..., self._positions]
 
 
-def global_groups(marginal, num_data):
+def global_groups(marginal, num_data, nonzeros=None):
     r"""The colouring of a loading whose groups are joined only by a few global latents, or None.
 
     Taken for one datapoint with a low-rank marginal shared by the batch, when at most
@@ -94,6 +94,9 @@ def global_groups(marginal, num_data):
     :param ~pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal marginal: ``loc``
         ``(1, D)``, ``cov_factor`` ``(1, D, R)``, ``cov_diag`` ``(1, D)``.
     :param int num_data: :math:`n`; taken only for 1.
+    :param dict nonzeros: the loading's nonzeros under ``"pairs"`` when
+        :func:`~pyro_mpt.conditionals.gaussian_groups.grouped_marginal` found them (kept
+        there otherwise).
     :rtype: ~pyro_mpt.conditionals.gaussian_groups.LoadingColors
 
     Example::
@@ -109,21 +112,25 @@ def global_groups(marginal, num_data):
     D, R = F.shape[-2:]
     if R < 3 or D < 4:
         return None
-    with torch.no_grad():
-        counts = (F[0] != 0).sum(0)
-    is_global = (counts * 2 >= D).cpu().numpy()
+    if nonzeros is None:
+        nonzeros = {}
+    if "pairs" not in nonzeros:
+        nonzeros["pairs"] = loading_nonzeros(F)
+    rows, cols = nonzeros["pairs"]
+    is_global = np.bincount(cols, minlength=R) * 2 >= D
     K_g = int(is_global.sum())
     if K_g == 0 or K_g > MAX_GLOBALS:
         return None
-    local = np.flatnonzero(~is_global)
-    token_comp, latent_comp = loading_components(F[:, :, torch.as_tensor(local, device=F.device)])
+    # the components of the other columns' nonzeros: a global latent is left without tokens
+    local = ~is_global[cols]
+    token_comp, latent_comp = loading_components(F, (rows[local], cols[local]))
     C = int(token_comp.max()) + 1
     kept = latent_comp >= 0
     if C < 2 or not kept.any():
         return None  # one group, or the global latents alone (a regression): the dense loading is small
     index, N = padded_layout(token_comp, C)
     lat_index, r = padded_layout(latent_comp[kept], C)
-    lat_index = np.where(lat_index >= 0, local[np.flatnonzero(kept)][np.maximum(lat_index, 0)], -1)
+    lat_index = np.where(lat_index >= 0, np.flatnonzero(kept)[np.maximum(lat_index, 0)], -1)
     if GROUPED_MIN_GAIN * C * N * (K_g + r) ** 2 > D * R**2:
         return None
     # every group's row ends with the global latents: one colour each
