@@ -333,6 +333,33 @@ class ImportanceConditionals(ConditionalEngine):
             }
         return torch.cat(outs, 0), diagnostics
 
+    def leave_one_out_log_prob(self, state, x):
+        r"""Every token's conditional given all the others from the draws' one table
+        (prior draws, or an autoguide's), ``(n, D)``:
+        :math:`\operatorname{logsumexp}_s(\log w_s + L_s) - \operatorname{logsumexp}_s(\log w_s
+        + L_s - T_{sj})` with :math:`L_s = \sum_d T_{sd}`, what the per-query path computes
+        for the :math:`D` queries at :math:`O(SnD^2)`, here :math:`O(SnD)`; the weights'
+        diagnostics (effective samples, :math:`\hat k` of each datapoint's worst query)
+        as there. None for draws per query (a guide run on each context), a token
+        impossible at a draw, or one token."""
+        self._check_x(state, x)
+        chunk = state.chunk
+        if chunk is None or state.num_tokens < 2:
+            return None
+        num, den = chunk.leave_one_out_partials()  # (n,), (n, D)
+        if not (bool(torch.isfinite(num).all()) and bool(torch.isfinite(den).all())):
+            return None
+        if self.diagnostics:
+            with torch.no_grad():
+                lw, T = chunk.log_weights.detach(), chunk.table.detach()
+                _, den2 = MixtureChunk(2 * lw, 2 * T).leave_one_out_partials()
+                ess = torch.exp(2 * den.detach() - den2)  # 1 / sum of the squared normalized weights
+                worst = ess.argmin(-1)  # each datapoint's query with the fewest effective samples
+                rows = torch.arange(T.shape[0], device=T.device)
+                log_weights = chunk.joint().detach() - T[rows, :, worst]  # (n, S)
+                self._check_weights(state, log_weights.T, ess.amin(-1))
+        return num.unsqueeze(-1) - den
+
     def _prior_mask(self, state, mask):
         chunk = state.chunk
         ctx = (~mask).to(chunk.table.dtype)
