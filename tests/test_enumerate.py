@@ -1316,3 +1316,50 @@ def test_per_token_discrete_latents_are_summed_inside_the_table(float64):
     full = sum(log_p(i, np.ones(D, bool)) for i in range(N))
     assert abs(float(mpt) + full) < 1e-10 and abs(float(ref) - float(mpt)) < 1e-10
     assert torch.allclose(g_mpt, g_ref, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype,far,s0,tol", [(torch.float32, 100.0, 0.01, 1e-6), (torch.float64, 1e7, 1e-3, 1e-13)])
+def test_pll_of_a_gmm_with_a_token_far_from_a_narrow_component(dtype, far, s0, tol):
+    """Two components, one narrow (scale s0) that every token but the first fits: the first
+    token's log-density under it is about -(far/s0)^2/2. The leave-one-out table sums the other
+    tokens themselves (others_sum), where a difference of sums lost their digits (float32,
+    far = 100: 0.12 relatively off; float64, far = 1e7: 0.74); against numpy's sums of the
+    other tokens' scipy log-densities."""
+    D = 6
+    g = torch.Generator().manual_seed(1)
+    x = s0 * torch.randn(4, D, generator=g, dtype=torch.float64)
+    x[:, 0] = far + 0.3 * torch.randn(4, generator=g, dtype=torch.float64)
+    loc1 = torch.zeros(D, dtype=torch.float64)
+    loc1[0] = far
+
+    @config_enumerate
+    def gmm(x):
+        locs = pyro.param("locs", torch.stack([torch.zeros(D, dtype=dtype), loc1.to(dtype)]))
+        sc = pyro.param("sc", torch.tensor([s0, 1.0], dtype=dtype), constraint=constraints.positive)
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Categorical(torch.tensor([0.5, 0.5], dtype=dtype)))
+            pyro.sample("x", dist.Normal(locs[c], sc[c][..., None]).to_event(1), obs=x)
+
+    pyro.clear_param_store()
+    score = MaskedPretrainingLoss(masks="pll", conditionals="enumerate").score(gmm, None, x.to(dtype)).detach().double().numpy()
+    X = x.numpy()
+    T = np.stack([norm.logpdf(X, 0, s0), norm.logpdf(X, loc1.numpy(), 1.0)])  # (2, n, D)
+    full = logsumexp(np.log(0.5) + T.sum(-1), axis=0)
+    want = [sum(full[i] - logsumexp([np.log(0.5) + np.delete(T[k, i], j).sum() for k in range(2)]) for j in range(D))
+            for i in range(X.shape[0])]
+    assert np.abs(score - np.array(want)).max() < tol * np.abs(want).max()
+
+
+def test_others_sum_is_each_entrys_complement_by_a_loop():
+    """others_sum against a Python loop over the other entries in float64, along either dim,
+    with an entry of -1e9 among ones of order 1 in float32 (t.sum() - t: 0 instead of 3)."""
+    from pyro_mpt.conditionals.mixture_chunks import others_sum
+
+    t = torch.tensor([[1.0, -1e9, 2.0, 0.5], [0.25, 1.5, -3.0, 4.0]])
+    for dim in (0, 1, -1):
+        got = others_sum(t, dim).double()
+        tt = t.double().movedim(dim, -1)
+        want = torch.stack([tt[..., [k for k in range(tt.shape[-1]) if k != j]].sum(-1) for j in range(tt.shape[-1])], -1)
+        assert torch.allclose(got, want.movedim(-1, dim), rtol=1e-7, atol=0)
+    assert float(others_sum(t, -1)[0, 1]) == 3.5
+    assert torch.equal(others_sum(t[:, :1], -1), torch.zeros(2, 1))

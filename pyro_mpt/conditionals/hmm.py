@@ -49,6 +49,7 @@ from ..recompute import recomputed
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_one_sequence, check_sequence_alone
 from .leave_one_out_queries import LeaveOneOutQueries
+from .mixture_chunks import others_sum
 
 __all__ = ["DiscreteHMMConditionals", "DiscreteHMMState"]
 
@@ -248,8 +249,8 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
         :math:`\pi_t(s) = \operatorname{logsumexp}_{s'}[\alpha_{t-1}(s') + \log A_t(s', s)]`
         and :math:`c_{te}(s) = \pi_t(s) + \beta_t(s) + \sum_{e' \ne e} \log p(x_{te'} \mid s)`,
         :math:`\log p(x_{te} \mid x_{-te}) = \operatorname{logsumexp}_s[c_{te}(s) + \log p(x_{te} \mid s)]
-        - \operatorname{logsumexp}_s c_{te}(s)`. Needs finite emissions (the other
-        elements' sum is the step's sum minus this one)."""
+        - \operatorname{logsumexp}_s c_{te}(s)`, the other elements' sums by
+        :func:`~pyro_mpt.conditionals.mixture_chunks.others_sum`. Needs finite emissions."""
         n, T, S, E = state.emission.shape
         context = torch.ones((1, 1, T * E), dtype=torch.bool, device=state.emission.device)
         alpha, beta, _ = self._messages(state, context)
@@ -257,7 +258,7 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
         start = state.initial[:, None, :].expand(alpha.shape[0], 1, S)
         previous = torch.cat([start, alpha[:, :-1, :]], -2)  # alpha_{t-1}, the initial state's before step 0
         predictive = (previous.unsqueeze(-1) + state.transition).logsumexp(-2)  # (n, T, S)
-        others = state.emission.sum(-1, keepdim=True) - state.emission  # (n, T, S, E)
+        others = others_sum(state.emission, -1)  # (n, T, S, E), no difference of sums
         c = (predictive + beta).unsqueeze(-1) + others
         out = (c + state.emission).logsumexp(-2) - c.logsumexp(-2)  # (n, T, E)
         return out.reshape(out.shape[0], T * E)

@@ -17,7 +17,7 @@ import torch
 from .distributions import take_rows
 from .written_backward import first_order_backward
 
-__all__ = ["MixtureChunk", "exp_floor", "stable_logsumexp"]
+__all__ = ["MixtureChunk", "exp_floor", "others_sum", "stable_logsumexp"]
 
 
 def exp_floor(dtype):
@@ -43,6 +43,26 @@ def stable_logsumexp(t, dim):
     out = (s.log() + m).squeeze(dim)
     allneg = torch.isneginf(top).squeeze(dim)  # every term -inf (read from the max: no pass over t)
     return torch.where(allneg, torch.full_like(out, -math.inf), out) if bool(allneg.any()) else out
+
+
+def others_sum(t, dim=-1):
+    r"""The sum of the other entries along ``dim``, :math:`\sum_{d \ne j} t_d` at each
+    :math:`j`, from a prefix and a suffix sum: no entry is added and then taken away
+    (``t.sum(dim) - t`` kept none of the other entries' digits beside one log-density of
+    :math:`-10^9` in float32: a leave-one-out conditional 1.4 nats off).
+
+    Example::
+
+        >>> others_sum(torch.tensor([1.0, -1e9, 2.0]))   # tensor([-1.0000e+09, 3.0000e+00, -1.0000e+09])
+    """
+    dim = dim % t.dim()
+    size = t.shape[dim]
+    zero = torch.zeros_like(t.narrow(dim, 0, 1))
+    if size == 1:
+        return zero
+    head = t.narrow(dim, 0, size - 1).cumsum(dim)  # entries 0..j-1, at j = 1..D-1
+    tail = t.narrow(dim, 1, size - 1).flip(dim).cumsum(dim).flip(dim)  # entries j+1..D-1, at j = 0..D-2
+    return torch.cat([zero, head], dim) + torch.cat([tail, zero], dim)
 
 
 class MixtureChunk:
@@ -94,13 +114,12 @@ class MixtureChunk:
 
         :returns: ``(num, den)``, shapes ``(n,)`` and ``(n, D)``, with
             ``num[i] = logsumexp_k(logw_k + sum_d T_ikd)`` (every numerator's: target and
-            context make up all the tokens) and ``den[i, j] = logsumexp_k(logw_k + sum_d T_ikd
-            - T_ikj)``: :math:`O(nQ_cD)` where :meth:`mask_partials` of the :math:`D` contexts
-            costs :math:`O(nQ_cD^2)`. An impossible token (:math:`T = -\infty`) makes its
-            entries NaN: the caller then takes :meth:`mask_partials`.
+            context make up all the tokens) and ``den[i, j] = logsumexp_k(logw_k + sum_{d != j}
+            T_ikd)`` (:func:`others_sum`): :math:`O(nQ_cD)` where :meth:`mask_partials` of the
+            :math:`D` contexts costs :math:`O(nQ_cD^2)`.
         """
-        joint = self.joint()  # (n, Q_c)
-        return stable_logsumexp(joint, -1), stable_logsumexp(joint.unsqueeze(-1) - self.table, 1)
+        others = self.log_weights.unsqueeze(-1) + others_sum(self.table, -1)  # (n, Q_c, D)
+        return stable_logsumexp(self.joint(), -1), stable_logsumexp(others, 1)
 
     def mask_partials(self, ctx):
         """Partial log-sums for context masks ``ctx`` (float, 1 in the context) ``(q, r, D)``.
