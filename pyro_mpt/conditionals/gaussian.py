@@ -203,9 +203,7 @@ class GaussianConditionals(ConditionalEngine):
         if colors is not None and self.groups and (colors.gradient_checked or not torch.is_grad_enabled()):
             # the groups found at an earlier call: the loading from r + 4 model runs, not R + 4
             # (random intercepts of 1000 groups: 5 runs, no 10000 x 1000 table)
-            inner = None
-            if not colors.num_globals or tokens.observed is None:
-                inner = colored_marginal(colors, tokens, model, args, kwargs, self.vectorize, self.memory.run_mode)
+            inner = colored_marginal(colors, tokens, model, args, kwargs, self.vectorize, self.memory.run_mode)
             if inner is not None and colors.num_globals:
                 return global_groups_state(inner, colors)
             if inner is not None:
@@ -224,7 +222,7 @@ class GaussianConditionals(ConditionalEngine):
             self.memory.colors[key] = colors
             inner = colored_marginal(colors, tokens, model, args, kwargs, self.vectorize, self.memory.run_mode) or inner
             return grouped_state(self._prepare_marginal(inner, tokens.name), tokens.num_data, index)
-        colors = global_groups(marginal, tokens.num_data, nonzeros) if self.groups and tokens.observed is None else None
+        colors = global_groups(marginal, tokens.num_data, nonzeros) if self.groups else None
         if colors is not None and dropped_zeros_structural(colors, self.memory.groups, tokens, model, args, kwargs,
                                                            self.vectorize, self.memory.run_mode):
             # groups joined only by a few global latents (Pyro's radon model): the arrowhead
@@ -436,7 +434,7 @@ class GaussianConditionals(ConditionalEngine):
         by the queries (the observed tokens) and a state those sums serve
         (:meth:`_independent_sums`, :meth:`_dense_independent`)."""
         return (
-            not isinstance(state, BlockGaussianState)
+            not isinstance(state, (BlockGaussianState, GlobalGroupsState))
             and context.shape[0] == 1
             and (mask.shape[1] != 1 or context.shape[1] != 1)
             and (self._independent_sums(state) or self._dense_independent(state))
