@@ -11,6 +11,7 @@ from scipy.stats import multivariate_normal
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.conditionals import GaussianConditionals
+import pyro_mpt.conditionals.gaussian as gaussian_module
 from pyro_mpt.conditionals.gaussian_global_groups import GlobalGroupsState
 from pyro_mpt.observed_tokens import trace_tokens
 
@@ -59,16 +60,38 @@ def _loss_and_grads(engine, masks, args, model=radon, names=("b", "sa", "sy"), s
     return value.item(), torch.autograd.grad(value, [pyro.param(k).unconstrained() for k in names])
 
 
+@pytest.fixture(params=[False, True], ids=["whole table", "in chunks"])
+def chunked(request, monkeypatch):
+    """The groups found from the whole loading, or from its nonzeros a chunk of latents at a
+    time (what loadings of CHUNKED_MIN_TABLE entries or more take; here every loading)."""
+    if request.param:
+        monkeypatch.setattr(gaussian_module, "CHUNKED_MIN_TABLE", 0)
+        calls = []
+        original = gaussian_module.loading_nonzeros_in_chunks
+        monkeypatch.setattr(gaussian_module, "loading_nonzeros_in_chunks",
+                            lambda *a: calls.append(1) or original(*a))
+        monkeypatch.setattr(gaussian_module, "gaussian_marginal", _no_whole_table)
+        return calls
+    return None
+
+
+def _no_whole_table(*args, **kwargs):
+    raise AssertionError("the whole loading was derived, where its chunks' nonzeros serve")
+
+
 @pytest.mark.parametrize("masks", ["uniform", "pll", "order", "all"])
-def test_global_groups_equal_the_dense_loading(masks):
+def test_global_groups_equal_the_dense_loading(masks, chunked, monkeypatch):
     """Loss and gradient of every schedule kind (random masks, one target each, an
     ordering, every size) by the arrowhead over 24 counties joined by two global latents
     equal the dense loading's (groups=False) to 1e-10, on the same masks; the state is the
-    arrowhead's, from the first call."""
+    arrowhead's, from the first call, whether the groups come from the whole loading or
+    from its nonzeros in chunks of latents (then no whole table is made)."""
     args = _data()
     pyro.clear_param_store()
     assert isinstance(_state(radon, args, GaussianConditionals()), GlobalGroupsState)
     value, grads = _loss_and_grads(GaussianConditionals(), masks, args)
+    assert chunked is None or len(chunked) == 2
+    monkeypatch.undo()  # the reference derives the whole loading
     want, grads_want = _loss_and_grads(GaussianConditionals(groups=False), masks, args)
     assert abs(value - want) < 1e-10 * abs(want)
     for g, gw in zip(grads, grads_want):
@@ -152,3 +175,37 @@ def test_missing_observations_keep_the_arrowhead():
     cov = SMU**2 + SA**2 * one_hot @ one_hot.T + SY**2 * np.eye(N)
     want = multivariate_normal((MU0 + B * u.numpy())[keep], cov[np.ix_(keep, keep)]).logpdf(y.numpy()[keep])
     assert abs(got - want) < 1e-9 * abs(want)
+
+
+def test_independent_groups_from_the_chunks_nonzeros(chunked, monkeypatch):
+    """Random intercepts without a global latent (independent groups): from the whole
+    loading or from its chunks' nonzeros, the loss and gradient equal the dense loading's
+    (1e-10); a location that is not affine in the intercepts (relu) is refused as before,
+    the chunks' pattern notwithstanding (the colours' probes catch it)."""
+    grp, u, y = args = _data(4)
+
+    def intercepts(grp, u, y, kink=False):
+        b = pyro.param("b", torch.tensor(B))
+        sa = pyro.param("sa", torch.tensor(SA), constraint=dist.constraints.positive)
+        sy = pyro.param("sy", torch.tensor(SY), constraint=dist.constraints.positive)
+        with pyro.plate("groups", G):
+            a = pyro.sample("a", dist.Normal(0.0, sa))
+        loc = a[..., grp] + b * u
+        with pyro.plate("data", N):
+            pyro.sample("y", dist.Normal(torch.relu(loc + 1.0) if kink else loc, sy), obs=y)
+
+    value, grads = _loss_and_grads(GaussianConditionals(), "uniform", args, intercepts)
+    assert chunked is None or len(chunked) == 1
+    if chunked is not None:
+        with pytest.raises(AssertionError, match="whole loading was derived"):
+            # the relu's colours fail their probes: the whole marginal is asked for (and
+            # would refuse the model, as it does below without the stand-in)
+            _loss_and_grads(GaussianConditionals(), "uniform", args, lambda *a: intercepts(*a, kink=True))
+    monkeypatch.undo()
+    want, grads_want = _loss_and_grads(GaussianConditionals(groups=False), "uniform", args, intercepts)
+    assert abs(value - want) < 1e-10 * abs(want)
+    for g, gw in zip(grads, grads_want):
+        assert torch.allclose(g, gw, rtol=1e-9, atol=1e-10)
+    from pyro_mpt.conditionals.gaussian_marginal import NotLinearGaussianError
+    with pytest.raises(NotLinearGaussianError, match="not affine"):
+        _loss_and_grads(GaussianConditionals(), "uniform", args, lambda *a: intercepts(*a, kink=True))

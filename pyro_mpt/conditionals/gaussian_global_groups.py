@@ -32,7 +32,10 @@ import torch
 from .gaussian_groups import GROUPED_MIN_GAIN, LoadingColors, loading_components, loading_nonzeros, padded_layout
 from .hierarchical import HierarchicalGaussianConditionals, HierarchicalGaussianState
 
-__all__ = ["GlobalGroupsState", "GlobalGroupsConditionals", "global_groups", "global_groups_state", "MAX_GLOBALS"]
+__all__ = [
+    "GlobalGroupsState", "GlobalGroupsConditionals", "global_group_colors", "global_groups", "global_groups_state",
+    "MAX_GLOBALS",
+]
 
 #: the most global columns (each loading on at least half of the tokens) split off
 MAX_GLOBALS = 8
@@ -116,14 +119,29 @@ def global_groups(marginal, num_data, nonzeros=None):
         nonzeros = {}
     if "pairs" not in nonzeros:
         nonzeros["pairs"] = loading_nonzeros(F)
-    rows, cols = nonzeros["pairs"]
+    return global_group_colors(nonzeros["pairs"], D, R, marginal.site, F.device)
+
+
+def global_group_colors(nonzeros, D, R, site, device=None):
+    r""":func:`global_groups` from the loading's nonzeros ``(rows, cols)`` and its shape
+    ``(D, R)`` (:func:`~pyro_mpt.conditionals.gaussian_groups.loading_nonzeros`, or
+    :func:`~pyro_mpt.conditionals.gaussian_marginal.loading_nonzeros_in_chunks` without the
+    table).
+
+    Example::
+
+        >>> colors = global_group_colors((rows, cols), D, R, "y")
+    """
+    if R < 3 or D < 4:
+        return None
+    rows, cols = nonzeros
     is_global = np.bincount(cols, minlength=R) * 2 >= D
     K_g = int(is_global.sum())
     if K_g == 0 or K_g > MAX_GLOBALS:
         return None
     # the components of the other columns' nonzeros: a global latent is left without tokens
     local = ~is_global[cols]
-    token_comp, latent_comp = loading_components(F, (rows[local], cols[local]))
+    token_comp, latent_comp = loading_components(None, (rows[local], cols[local]), (D, R))
     C = int(token_comp.max()) + 1
     kept = latent_comp >= 0
     if C < 2 or not kept.any():
@@ -135,8 +153,7 @@ def global_groups(marginal, num_data, nonzeros=None):
         return None
     # every group's row ends with the global latents: one colour each
     latents = np.concatenate([lat_index, np.repeat(np.flatnonzero(is_global)[None], C, 0)], 1)
-    device = F.device
-    pattern = hash((marginal.site, D, R, token_comp.tobytes(), latent_comp.tobytes(), is_global.tobytes()))
+    pattern = hash((site, D, R, token_comp.tobytes(), latent_comp.tobytes(), is_global.tobytes()))
     return LoadingColors(torch.as_tensor(index, device=device), torch.as_tensor(latents, device=device),
                          torch.as_tensor(token_comp, device=device), R, pattern=pattern, num_globals=K_g)
 

@@ -58,6 +58,7 @@ __all__ = [
     "LoadingColors",
     "colored_marginal",
     "dropped_zeros_structural",
+    "grouped_colors",
     "grouped_marginal",
     "grouped_state",
     "loading_components",
@@ -90,12 +91,14 @@ def loading_nonzeros(F):
     return rows.cpu().numpy(), cols.cpu().numpy()
 
 
-def loading_components(F, nonzeros=None):
+def loading_components(F, nonzeros=None, shape=None):
     """Connected components of the tokens and latents joined by the nonzeros of a loading.
 
-    :param torch.Tensor F: ``(r, D, R)``, the loading (rows per datapoint or one shared).
+    :param torch.Tensor F: ``(r, D, R)``, the loading (rows per datapoint or one shared),
+        or None with ``nonzeros`` and ``shape``.
     :param tuple nonzeros: its :func:`loading_nonzeros` (or a subset of them: the
         components of those entries alone), when already at hand.
+    :param tuple shape: ``(D, R)`` when ``F`` is None.
     :returns: ``(token_comp, latent_comp)``, int64 numpy arrays ``(D,)`` and ``(R,)``:
         component labels ``0..C-1`` of the tokens (in order of each component's first
         token) and the latents' labels in the same numbering, ``-1`` for a latent no
@@ -110,7 +113,7 @@ def loading_components(F, nonzeros=None):
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
 
-    D, R = F.shape[-2:]
+    D, R = F.shape[-2:] if shape is None else shape
     rows, cols = loading_nonzeros(F) if nonzeros is None else nonzeros
     graph = coo_matrix((np.ones(rows.size, dtype=np.int8), (rows, D + cols)), shape=(D + R, D + R))
     _, labels = connected_components(graph, directed=False)
@@ -282,8 +285,27 @@ def grouped_marginal(marginal, num_data, nonzeros=None):
         nonzeros = {}
     if "pairs" not in nonzeros:
         nonzeros["pairs"] = loading_nonzeros(F)
-    token_comp, latent_comp = loading_components(F, nonzeros["pairs"])
-    C = int(token_comp.max()) + 1 if D else 0
+    colors = grouped_colors(nonzeros["pairs"], D, R, marginal.site, F.device)
+    if colors is None:
+        return None
+    return colors.inner(marginal, colors.rows_of_loading(F[0])), colors.tokens, colors
+
+
+def grouped_colors(nonzeros, D, R, site, device=None):
+    r"""The :class:`LoadingColors` of the independent groups of a loading ``(D, R)`` from its
+    nonzeros ``(rows, cols)`` (:func:`loading_nonzeros`, or
+    :func:`~pyro_mpt.conditionals.gaussian_marginal.loading_nonzeros_in_chunks` without the
+    table), or None where there are fewer than two groups or they do not pay
+    (:data:`GROUPED_MIN_GAIN`, as :func:`grouped_marginal`).
+
+    Example::
+
+        >>> colors = grouped_colors((rows, cols), D, R, "y")   # one colour a latent of a group
+    """
+    if R < 2 or D == 0:
+        return None
+    token_comp, latent_comp = loading_components(None, nonzeros, (D, R))
+    C = int(token_comp.max()) + 1
     if C < 2:
         return None
     index, N = padded_layout(token_comp, C)
@@ -292,11 +314,9 @@ def grouped_marginal(marginal, num_data, nonzeros=None):
     lat_index = np.where(lat_index >= 0, np.flatnonzero(kept)[np.maximum(lat_index, 0)], -1)
     if GROUPED_MIN_GAIN * C * N * max(1, min(r, N)) ** 2 > D * max(1, min(R, D)) ** 2:
         return None
-    device = F.device
-    pattern = hash((marginal.site, D, R, token_comp.tobytes(), latent_comp.tobytes()))
-    colors = LoadingColors(torch.as_tensor(index, device=device), torch.as_tensor(lat_index, device=device),
-                           torch.as_tensor(token_comp, device=device), R, pattern=pattern)
-    return colors.inner(marginal, colors.rows_of_loading(F[0])), colors.tokens, colors
+    pattern = hash((site, D, R, token_comp.tobytes(), latent_comp.tobytes()))
+    return LoadingColors(torch.as_tensor(index, device=device), torch.as_tensor(lat_index, device=device),
+                         torch.as_tensor(token_comp, device=device), R, pattern=pattern)
 
 
 def _colored_run(colors, tokens, model, args, kwargs, vectorize, memory):

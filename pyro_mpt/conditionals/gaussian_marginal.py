@@ -392,6 +392,65 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
     return _assemble(mu, tuple(t[0] for t in noise[1:]), noise[0], W.permute(1, 2, 0), value.dtype)
 
 
+def loading_nonzeros_in_chunks(tokens, model, args, kwargs, max_elements, min_table=0):
+    r"""Where the loading of a one-datapoint marginal is nonzero, ``(rows, cols)`` numpy, from
+    model runs at the noise points a chunk of latents at a time, without its :math:`D \times K`
+    table; None where the model's vectorized run fails or the marginal is not of one datapoint
+    (the caller then derives the whole marginal, :func:`gaussian_marginal`, which says why).
+
+    Random intercepts of 4000 groups around a global mean (40000 observations): the whole
+    table's first call peaked at 2.2 GB; here each run holds :math:`(c + 1) D` entries,
+    :math:`c` latents a run within ``max_elements``. Nothing here checks that the location
+    is affine: the colouring found from the pattern is checked at random probes when the
+    loading is derived from it
+    (:func:`~pyro_mpt.conditionals.gaussian_groups.colored_marginal`).
+
+    :param int max_elements: entries of one run's locations.
+    :param int min_table: None where the whole table would hold fewer entries (:math:`DK`).
+    :returns: ``(rows, cols, K)``, or None.
+
+    Example::
+
+        >>> rows, cols, K = loading_nonzeros_in_chunks(tokens, radon, args, {}, 2**22)
+    """
+    try:
+        layout, K = latent_layout(tokens, lambda site: _latent_kind(tokens, site))
+    except EngineNotApplicable:
+        return None
+    value = tokens.value
+    if K == 0 or value.shape[0] != 1:
+        return None
+    D = value.shape[-1]
+    if D * K < min_table:
+        return None
+    step = max(1, max_elements // max(1, D) - 1)
+    replay = tokens.subsample_trace()
+    mpn = tokens.max_plate_nesting
+    rows, cols = [], []
+    with torch.no_grad():
+        for start in range(0, K, step):
+            stop = min(K, start + step)
+            basis = torch.zeros(1 + stop - start, K, dtype=value.dtype, device=value.device)
+            basis[1:, start:stop] = torch.eye(stop - start, dtype=value.dtype, device=value.device)
+            try:
+                handler = CoordinateLatents(layout, basis[:, None], mpn + 1, compact=True)
+                trace = run_in_plate(model, args, kwargs, name="_mpt_basis", size=basis.shape[0], dim=mpn + 1,
+                                     replay=replay, inside=handler, validation=False)
+                fn = trace.nodes[tokens.name]["fn"]
+                if not reaches_points(fn, mpn + 1):
+                    return None
+                loc, noise, batch_shape = _observation_parts(fn, tokens)
+                loc, _ = basis_rows(loc, noise, batch_shape[1:], basis.shape[0])
+            except Exception:  # any failure: the whole marginal's runs, with their fallbacks and messages
+                return None
+            if loc.shape[1] != 1:
+                return None
+            latent, token = (loc[1:, 0] != loc[0, 0]).nonzero(as_tuple=True)
+            rows.append(token)
+            cols.append(latent + start)
+    return torch.cat(rows).cpu().numpy(), torch.cat(cols).cpu().numpy(), K
+
+
 def _assemble(mu, noise, kind, W, data_dtype):
     """Marginal from location, observation noise and the latent loading ``W``, in the wider
     of their dtype and the data's ``data_dtype``."""
