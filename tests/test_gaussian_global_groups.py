@@ -13,6 +13,7 @@ from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.conditionals import GaussianConditionals
 import pyro_mpt.conditionals.gaussian as gaussian_module
 from pyro_mpt.conditionals.gaussian_global_groups import GlobalGroupsState
+from pyro_mpt.conditionals.gaussian_marginal import gaussian_marginal
 from pyro_mpt.observed_tokens import trace_tokens
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -209,3 +210,32 @@ def test_independent_groups_from_the_chunks_nonzeros(chunked, monkeypatch):
     from pyro_mpt.conditionals.gaussian_marginal import NotLinearGaussianError
     with pytest.raises(NotLinearGaussianError, match="not affine"):
         _loss_and_grads(GaussianConditionals(), "uniform", args, lambda *a: intercepts(*a, kink=True))
+
+
+@pytest.mark.parametrize("broadcasts", [True, False], ids=["broadcasts", "X @ w"])
+def test_a_loading_without_groups_is_searched_once(chunked, monkeypatch, broadcasts):
+    """A Bayesian regression scored as one datapoint (5 weights on every observation: no
+    groups; written so that it broadcasts over the noise points, or as ``X @ w``, whose
+    vectorized run fails): the chunks' search finds nothing at the first call and is not
+    made again at the next (it would add the loading's model runs to every step); the loss
+    is scipy's density."""
+    g = torch.Generator().manual_seed(6)
+    X = torch.randn(N, 5, generator=g, dtype=torch.float64)
+    y = X @ torch.randn(5, generator=g, dtype=torch.float64) + 0.3 * torch.randn(N, generator=g, dtype=torch.float64)
+
+    def regression(X, y):
+        s = pyro.param("s", torch.tensor(0.5), constraint=dist.constraints.positive)
+        w = pyro.sample("w", dist.Normal(torch.zeros(5, dtype=torch.float64), 1.0).to_event(1))
+        with pyro.plate("data", N):
+            pyro.sample("y", dist.Normal((w.unsqueeze(-2) * X).sum(-1) if broadcasts else X @ w, s), obs=y)
+
+    if chunked is not None:
+        monkeypatch.setattr(gaussian_module, "gaussian_marginal", gaussian_marginal)
+    pyro.clear_param_store()
+    loss = MaskedPretrainingLoss(masks="order", conditionals=GaussianConditionals(), token_plates=("data",))
+    values = [loss.loss(regression, None, X, y) for _ in range(2)]
+    assert chunked is None or len(chunked) == 1
+    assert abs(values[1] - values[0]) < 1e-12 * abs(values[0])
+    S = 0.25 * np.eye(N) + (X @ X.T).numpy()
+    want = -multivariate_normal(np.zeros(N), S).logpdf(y.numpy())
+    assert abs(values[0] - want) < 1e-9 * abs(want)

@@ -395,8 +395,9 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
 def loading_nonzeros_in_chunks(tokens, model, args, kwargs, max_elements, min_table=0):
     r"""Where the loading of a one-datapoint marginal is nonzero, ``(rows, cols)`` numpy, from
     model runs at the noise points a chunk of latents at a time, without its :math:`D \times K`
-    table; None where the model's vectorized run fails or the marginal is not of one datapoint
-    (the caller then derives the whole marginal, :func:`gaussian_marginal`, which says why).
+    table. The caller derives the whole marginal (:func:`gaussian_marginal`, which says why)
+    where the model's vectorized run fails (``rows`` and ``cols`` None) or where this finds
+    nothing to look at (None).
 
     Random intercepts of 4000 groups around a global mean (40000 observations): the whole
     table's first call peaked at 2.2 GB; here each run holds :math:`(c + 1) D` entries,
@@ -407,7 +408,8 @@ def loading_nonzeros_in_chunks(tokens, model, args, kwargs, max_elements, min_ta
 
     :param int max_elements: entries of one run's locations.
     :param int min_table: None where the whole table would hold fewer entries (:math:`DK`).
-    :returns: ``(rows, cols, K)``, or None.
+    :returns: ``(rows, cols, K)``; ``(None, None, K)`` where a run fails; None for no latent,
+        several datapoints or a table below ``min_table``.
 
     Example::
 
@@ -438,13 +440,13 @@ def loading_nonzeros_in_chunks(tokens, model, args, kwargs, max_elements, min_ta
                                      replay=replay, inside=handler, validation=False)
                 fn = trace.nodes[tokens.name]["fn"]
                 if not reaches_points(fn, mpn + 1):
-                    return None
+                    return None, None, K
                 loc, noise, batch_shape = _observation_parts(fn, tokens)
                 loc, _ = basis_rows(loc, noise, batch_shape[1:], basis.shape[0])
             except Exception:  # any failure: the whole marginal's runs, with their fallbacks and messages
-                return None
+                return None, None, K
             if loc.shape[1] != 1:
-                return None
+                return None, None, K
             latent, token = (loc[1:, 0] != loc[0, 0]).nonzero(as_tuple=True)
             rows.append(token)
             cols.append(latent + start)
