@@ -614,3 +614,20 @@ def test_pll_of_a_hierarchy_in_many_blocks_takes_one_group(monkeypatch):
     mean, cov = dense(X[:6])
     want = numpy_leave_one_out(cov, X[:6].reshape(-1) - mean).sum()
     assert abs(value.item() + want) < TOL * max(1.0, abs(want))
+
+
+def test_pll_without_the_leave_one_out_table_takes_the_masks():
+    """A subclass whose leave_one_out_log_prob gives None (as the engine's contract allows):
+    "pll" then takes the per-mask path (it crashed on the missing table) and equals the
+    table's score to 1e-10."""
+    W, A, c, X = _params(3, 2, 2, seed=12)
+    model, _ = _hierarchy(W, A, c)
+    x = torch.tensor(X[:4])
+
+    class PerMask(HierarchicalGaussianConditionals):
+        def leave_one_out_log_prob(self, state, x):
+            return None
+
+    scores = [MaskedPretrainingLoss(masks="pll", conditionals=engine, token_plates=("data",)).score(model, None, x)
+              for engine in (HierarchicalGaussianConditionals(), PerMask())]
+    assert torch.allclose(scores[0], scores[1], rtol=1e-10, atol=0)

@@ -424,7 +424,7 @@ class GaussianConditionals(ConditionalEngine):
             return self._global_groups.mask_sums(state, x, mask)
         if mask.shape[1] == 1:
             targets = leave_one_out_targets(mask[:, 0])
-            table = None if targets is None else self._leave_one_out(state, x)
+            table = None if targets is None else self.leave_one_out_log_prob(state, x)
             if table is not None:
                 # queries that each hide one token: one factorization for all of them
                 return table.T[targets]
@@ -686,7 +686,7 @@ class GaussianConditionals(ConditionalEngine):
         if isinstance(state, GlobalGroupsState):
             return super().weighted_mask_sum(state, x, mask, coef)
         targets = leave_one_out_targets(mask)
-        table = None if targets is None else self._leave_one_out(state, x)
+        table = None if targets is None else self.leave_one_out_log_prob(state, x)
         if table is not None:
             # queries that each hide one token: one factorization for all of them
             weight = torch.zeros(mask.shape[-1], dtype=table.dtype, device=table.device)

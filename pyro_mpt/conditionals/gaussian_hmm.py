@@ -537,10 +537,11 @@ class GaussianHMMConditionals(ConditionalEngine):
     def mask_sums(self, state, x, mask):
         self._check_x(state, x)
         targets = self._single_targets(mask)
-        if targets is not None:
+        table = None if targets is None else self.leave_one_out_log_prob(state, x)
+        if table is not None:
             # queries that each hide one token: every leave-one-out conditional from one
             # smoothing pass, where each query would take its own filter and smoother
-            return self._gathered(state, self._leave_one_out(state, x), targets)
+            return self._gathered(state, table, targets)
         if self._dense_serves(state, mask):
             engine, dense = self._dense(state)
             return engine.mask_sums(dense, x, mask)

@@ -417,7 +417,10 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
             return super().mask_sums(state, x, mask)
         # queries that each hide one token (the "pll" schedule): all from the full-data
         # posterior, one query's work instead of one per token
-        return self.leave_one_out_log_prob(state, x).T[targets]
+        table = self.leave_one_out_log_prob(state, x)
+        if table is None:  # a subclass without the table
+            return super().mask_sums(state, x, mask)
+        return table.T[targets]
 
     def leave_one_out_log_prob(self, state, x):
         """Every leave-one-out conditional from the full-data posterior, ``(n, D)``."""
