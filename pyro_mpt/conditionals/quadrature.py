@@ -416,7 +416,7 @@ class QuadratureConditionals(ConditionalEngine):
         keep = len(slices) if Q * n * D <= self.cache_elements else self.cache_elements // max(1, node_chunk * n * D)
         if keep > 0:
             state.chunks = [state.compute_chunk(sl) for sl in slices[:keep]]
-        if (self.min_ess is not None or self.ess_warning is not None) and Q > 1:
+        if Q > 1:  # the effective nodes' checks, and the NaN check that is always made
             if state.streamed_slices() == []:
                 with torch.no_grad():
                     self._check_ess(state, torch.cat([c.joint() for c in state.chunks], -1))
@@ -459,10 +459,8 @@ class QuadratureConditionals(ConditionalEngine):
     def _check_ess(self, state, lj):
         """Effective number of nodes of each posterior given all tokens, in all
         and per grid axis, from the per-node log joints ``lj`` ``(n, Q)``; raise
-        when below ``min_ess``, warn when below ``ess_warning``."""
-        with torch.no_grad():
-            ess, axis_ess = effective_nodes(lj, state.latent_dim)
-        state.ess, state.axis_ess = ess, axis_ess
+        when below ``min_ess``, warn when below ``ess_warning``; raise where a log joint
+        is NaN (every estimate would be NaN)."""
         K = state.latent_dim
         m = state.nodes_per_dim
         hint = (
@@ -472,6 +470,22 @@ class QuadratureConditionals(ConditionalEngine):
         )
         grid = f"{state.num_nodes} nodes ({m} per latent dim{', adaptive' if self.adaptive else ', prior-centred'})"
         name = state.runner.tokens.name
+        nan = torch.isnan(lj)
+        if bool(nan.any()):
+            # e.g. a Poisson rate exp(4 z + 3) at the outer nodes of a prior-centred float32 grid:
+            # inf - inf in its log-density, and NaN scores with no word why
+            raise ValueError(
+                f"QuadratureConditionals: the log-density of site {name!r} is NaN at "
+                f"{int(nan.any(0).sum())} of the grid's {state.num_nodes} nodes, for "
+                f"{int(nan.any(-1).sum())} of {state.num_data} datapoints (in {lj.dtype}): the "
+                f"observation's parameters overflow or are undefined at those latent values; "
+                f"{hint.replace('or more nodes', 'or fewer nodes')}, or compute in float64."
+            )
+        if self.min_ess is None and self.ess_warning is None:
+            return
+        with torch.no_grad():
+            ess, axis_ess = effective_nodes(lj, state.latent_dim)
+        state.ess, state.axis_ess = ess, axis_ess
         if self.min_ess is not None:
             low = ess < self.min_ess
             if bool(low.any()):

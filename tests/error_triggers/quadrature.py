@@ -125,6 +125,19 @@ def _():
     MaskedPretrainingLoss(conditionals=engine).loss(model, None, x)
 
 
+@trigger("quadrature-log-density-nan")
+def _():
+    W = torch.tensor([[4.0], [0.5], [-0.3]])
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+            pyro.sample("x", dist.Poisson((z @ W.T + 3.0).exp()).to_event(1), obs=x)
+
+    # float32: the rate overflows at the outer nodes of a 128-node prior-centred grid
+    MaskedPretrainingLoss(conditionals=QuadratureConditionals(adaptive=False)).loss(model, None, torch.ones(3, 3))
+
+
 @trigger("evidence-quadrature-tolerance-value")
 def _():
     model, x, _ = make_ppca(4, 1, 3)
