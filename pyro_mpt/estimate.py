@@ -231,8 +231,9 @@ class _LeaveOneOutQueries:
 
     def __init__(self, engine, state, x, accumulator):
         self.engine, self.state, self.x, self.accumulator = engine, state, x, accumulator
-        self.table, self.asked = None, False
+        self.table, self.asked, self.observed = None, False, None
         self.served = []  # (targets, weight, size) of each served block, summed once at the end
+        self.parts = []  # the served blocks' sums where their weights are per datapoint
 
     def others(self, blocks):
         """The blocks not served here, ``MaskBlock`` ones of one target each with their masks made."""
@@ -243,23 +244,48 @@ class _LeaveOneOutQueries:
                     block = dataclasses.replace(block, mask=block.masks(), draw=None)
                 yield block
                 continue
-            self.served.append((block.targets, block.weight[:, 0], block.size[:, 0]))
+            per_datapoint = block.gain is not None or block.weight.shape[-1] != 1
+            if not per_datapoint:
+                self.served.append((block.targets, block.weight[:, 0], block.size[:, 0]))
+                if self.accumulator is None:
+                    continue
+            rows = self.table.T[block.targets]  # (q, n): each query's one conditional
+            shat = rows / block.size.to(rows.dtype).clamp_min(1)
+            if block.gain is not None:
+                # missing tokens: a missing target's query scores 0, an observed one's is scaled
+                gain = block.gain.to(rows.dtype)
+                shat = torch.where(gain > 0, shat * gain, torch.zeros((), dtype=rows.dtype, device=rows.device))
+            if per_datapoint:
+                self.parts.append((block.weight.to(rows.dtype) * shat).sum(0))
             if self.accumulator is not None:
-                rows = self.table.T[block.targets]  # (q, n): each query's one conditional
-                n = rows.shape[1]
-                self.accumulator.add(rows / block.size.to(rows.dtype).clamp_min(1), block.size.expand(-1, n))
+                self.accumulator.add(shat, block.size.expand(shat.shape))
 
     def _serves(self, block):
-        if not isinstance(block, MaskBlock) or block.targets is None or block.context is not None or block.gain is not None:
+        if not isinstance(block, MaskBlock) or block.targets is None:
             return False
-        if block.size.shape[-1] != 1 or block.weight.shape[-1] != 1:
+        if block.size.shape[-1] != 1 or (block.context is not None and block.context.shape[0] != 1):
             return False
+        observed = None if block.context is None else block.context[0]
         if not self.asked:
-            self.table, self.asked = self.engine.leave_one_out_log_prob(self.state, self.x), True
+            self.table, self.asked, self.observed = self._table(observed), True, observed
+        elif (observed is None) != (self.observed is None) or (observed is not None and not torch.equal(observed, self.observed)):
+            return False  # another context than the table's
         return self.table is not None
+
+    def _table(self, observed):
+        if observed is None:
+            return self.engine.leave_one_out_log_prob(self.state, self.x)
+        # an engine written before observed= (a subclass overriding the method with two
+        # arguments) has no pass with missing tokens: its queries take the masks
+        params = inspect.signature(self.engine.leave_one_out_log_prob).parameters.values()
+        if not any(p.name == "observed" or p.kind is p.VAR_KEYWORD for p in params):
+            return None
+        return self.engine.leave_one_out_log_prob(self.state, self.x, observed=observed)
 
     def added_to(self, estimate):
         """``estimate`` plus the served queries' weighted sum, ``(n,)``."""
+        for part in self.parts:
+            estimate = estimate + part
         if not self.served:
             return estimate
         targets, weight, size = (torch.cat(t).to(self.x.device) for t in zip(*self.served))

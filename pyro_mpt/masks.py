@@ -34,7 +34,6 @@ builds its blocks through :class:`~pyro_mpt.missing_tokens.MaskableTokens`,
 which says how once for all (see :mod:`pyro_mpt.missing_tokens`).
 """
 
-import dataclasses
 import functools
 import math
 from numbers import Real
@@ -425,11 +424,10 @@ class PseudoLikelihood(MaskSchedule):
                 # (MaskBlock.targets): D^2 bits, 3 s a step at D = 40000
                 yield MaskBlock(None, one.expand(q, 1), w.expand(q, -1), draw=draw, targets=targets)
                 continue
-            mask = draw()
-            # a missing token is no target (gain 0) and no one's context
-            gain = torch.where(tokens.within(mask), 1.0 / share.clamp_min(1.0 / D)[None], 0.0)
-            block = tokens.block(mask, one.expand(q, 1), w.expand(q, -1), gain)
-            yield dataclasses.replace(block, targets=targets)
+            # a missing token is no target (gain 0) and no one's context; query k's target is
+            # observed where observed[:, start + k] is (no (q, n, D) pass over the masks)
+            gain = torch.where(observed.T[targets], 1.0 / share.clamp_min(1.0 / D)[None], 0.0)
+            yield MaskBlock(None, one.expand(q, 1), w.expand(q, -1), observed[None], gain, draw=draw, targets=targets)
 
     def __repr__(self):
         return "PseudoLikelihood()"

@@ -215,7 +215,8 @@ def test_pll_schedule_is_every_leave_one_out_query():
     observed = torch.tensor([[True, False, True, True, True]] * 3)
     (ob,) = list(PseudoLikelihood().blocks(3, 5, observed=observed))
     assert torch.equal(ob.gain, observed.T * (5 / 4))
-    assert torch.equal(ob.mask[:, 0], torch.eye(5, dtype=torch.bool)) and torch.equal(ob.targets, torch.arange(5))
+    assert ob.mask is None and torch.equal(ob.masks()[:, 0], torch.eye(5, dtype=torch.bool)) and torch.equal(ob.targets, torch.arange(5))
+    assert torch.equal(ob.context[0], observed)
     assert torch.allclose(ob.weight, torch.full((5, 3), 4 / 5, dtype=torch.float64))
 
 
@@ -523,3 +524,45 @@ def test_share_masks_must_be_a_bool():
         assert MaskedPretrainingLoss(masks="all", share_masks=flag).schedule.share_masks is True
         assert UniformSizes(2, share_masks=flag).share_masks is True
     assert MaskedPretrainingLoss(masks="uniform", share_masks=np.bool_(False)).schedule.share_masks is False
+
+
+def test_pll_with_missing_tokens_from_the_observed_posterior(float64, monkeypatch):
+    """PPCA with a fifth of the tokens missing (``.mask(m)``): "pll" sums log p(x_j | x_{O \\ j})
+    over each datapoint's observed tokens from one posterior a datapoint, no mask made (D = 8000,
+    n = 4: 12.4 s -> 0.07 s a step); equal to numpy's leave-one-out of each datapoint's
+    observed sub-covariance (1e-10), and to the per-mask path's loss, gradient and curve point."""
+    D, N, K = 12, 5, 2
+    model0, x, _ = make_ppca(D, K, N=N, seed=9)
+    m = torch.rand(N, D, generator=torch.Generator().manual_seed(2)) > 0.2
+    W0, mu0 = pyro.param("W").detach().clone(), pyro.param("mu").detach().clone()
+
+    def model(x):
+        W = pyro.param("W", W0.clone())
+        mu = pyro.param("mu", mu0.clone())
+        s = pyro.param("s", torch.tensor(0.5, dtype=torch.float64), constraint=dist.constraints.positive)
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros((), dtype=torch.float64), 1.0).expand([K]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T + mu, s).mask(m).to_event(1), obs=x)
+
+    made = []
+    original = MaskBlock.masks
+    monkeypatch.setattr(MaskBlock, "masks", lambda self: made.append(1) or original(self))
+
+    def run(engine):
+        pyro.clear_param_store()
+        loss = MaskedPretrainingLoss(masks="pll", conditionals=engine)
+        value = loss.differentiable_loss(model, None, x)
+        (grad,) = torch.autograd.grad(value, [pyro.param("W").unconstrained()])
+        return value.item(), grad, loss.score(model, None, x).detach(), loss.curve(model, None, x).score[0]
+
+    value, grad, score, point = run(GaussianConditionals())
+    assert made == []
+    S = (W0 @ W0.T).numpy() + 0.25 * np.eye(D)
+    for i in range(N):
+        o = m[i].numpy()
+        want = numpy_leave_one_out(S[np.ix_(o, o)], (x[i] - mu0).numpy()[o]).sum()
+        assert abs(float(score[i]) - want) < 1e-10 * abs(want)
+    value_b, grad_b, _, point_b = run(_NoLeaveOneOutPass())
+    assert made and abs(value - value_b) < 1e-10 * abs(value_b)
+    assert torch.allclose(grad, grad_b, rtol=1e-9, atol=1e-12)
+    assert abs(point - point_b) < 1e-10 * abs(point_b)

@@ -377,12 +377,15 @@ class ConditionalEngine(ABC):
         sums = self.mask_sums(state, x, mask.unsqueeze(1))  # (q, n)
         return (coef.to(sums.dtype).unsqueeze(-1) * sums).sum(0)
 
-    def leave_one_out_log_prob(self, state, x):
+    def leave_one_out_log_prob(self, state, x, observed=None):
         r"""Every token's conditional given all the others, from one pass, shape ``(n, D)``:
 
         .. math:: \ell_{ij} = \log p(x_{ij} \mid x_{i,-j}),
 
-        or None where the engine has no such pass for ``state`` (the default).
+        or None where the engine has no such pass for ``state`` (the default). With
+        ``observed`` (bool ``(n, D)``, missing tokens) the conditionals given the other
+        observed tokens, :math:`\log p(x_{ij} \mid x_{i, O_i \setminus j})`, 0 at a missing
+        token, or None where the engine has no such pass.
         :func:`~pyro_mpt.estimate.mpt_estimate` asks it for the queries that each hide
         one token, shared by the batch (a :class:`~pyro_mpt.mask_blocks.MaskBlock`
         with ``targets``, the ``"pll"`` schedule): :math:`D` queries then cost one pass
@@ -392,6 +395,7 @@ class ConditionalEngine(ABC):
 
         :param state: the object returned by :meth:`prepare`.
         :param torch.Tensor x: tokens, shape ``(n, D)``.
+        :param torch.Tensor observed: bool ``(n, D)`` or None.
         :returns: shape ``(n, D)`` in the dtype of the engine's results, or None.
 
         Example::

@@ -58,7 +58,10 @@ from .gaussian_dense import dense_chain, dense_log_prob, dense_masks
 from .gaussian_dense_precision import routed_dense_sums
 from .gaussian_independent import lowrank_independent_sums
 from .gaussian_jitter import add_jitter, factor_whole, resume_jitter
-from .gaussian_leave_one_out import dense_leave_one_out, leave_one_out_targets, lowrank_leave_one_out, lowrank_leave_one_out_rows
+from .gaussian_leave_one_out import (
+    dense_leave_one_out, leave_one_out_targets, lowrank_leave_one_out, lowrank_leave_one_out_observed,
+    lowrank_leave_one_out_rows,
+)
 from .gaussian_linalg import NotPositiveDefinite, dense_dtype, lowrank_dtype
 from .gaussian_lowrank import (
     lowrank_chain,
@@ -600,13 +603,25 @@ class GaussianConditionals(ConditionalEngine):
             self._kept(inner, x_data)["leave_one_out"] = table
         return self._kept(inner, x_data)["leave_one_out"]
 
-    def leave_one_out_log_prob(self, state, x):
+    def leave_one_out_log_prob(self, state, x, observed=None):
         """Every leave-one-out conditional from one factorization of the state's covariance
         (:mod:`~pyro_mpt.conditionals.gaussian_leave_one_out`), kept for later calls with the
-        same data; None for a low-rank state whose pieces lose their digits even in float64."""
+        same data; None for a low-rank state whose pieces lose their digits even in float64.
+        With missing tokens (``observed``) on the low-rank path, each datapoint's posterior
+        given its observed tokens (one :math:`R \\times R` factor a datapoint, 0 at a missing
+        token); None on the dense path and for blocks."""
         if isinstance(state, GlobalGroupsState):
-            return self._global_groups.leave_one_out_log_prob(state, x)
-        return self._leave_one_out(state, x)
+            return self._global_groups.leave_one_out_log_prob(state, x, observed)
+        if observed is None:
+            return self._leave_one_out(state, x)
+        if isinstance(state, BlockGaussianState) or not self._serves_leave_one_out(state) or not state.is_low_rank:
+            return None
+
+        def compute():
+            form, xf = self._form_state(state, x)
+            return lowrank_leave_one_out_observed(form, xf, observed)
+
+        return self._rescued(state, compute).to(_result_dtype(state))
 
     def _leave_one_out_table(self, state, x_data):
         if state.is_low_rank:

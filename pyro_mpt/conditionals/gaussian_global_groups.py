@@ -214,8 +214,10 @@ class GlobalGroupsConditionals:
         out = self.engine.mask_sums(state.inner, self._x(state, x), state.units(mask, fill=False))
         return out.to(state.dtype)
 
-    def leave_one_out_log_prob(self, state, x):
-        """``(1, D)``: every token given all the others."""
+    def leave_one_out_log_prob(self, state, x, observed=None):
+        """``(1, D)``: every token given all the others; None with missing tokens."""
+        if observed is not None:
+            return None
         return self._out(state, self.engine.leave_one_out_log_prob(state.inner, self._x(state, x)))
 
     def chain_log_prob(self, state, x, order):

@@ -528,11 +528,11 @@ class GaussianHMMConditionals(ConditionalEngine):
         index = targets.expand(q, n).unsqueeze(-1)
         return table.unsqueeze(0).expand(q, -1, -1).gather(-1, index).squeeze(-1).to(state.dtype)
 
-    def leave_one_out_log_prob(self, state, x):
-        """Every leave-one-out conditional from one smoothing pass with the whole sequence as
-        context, ``(n, T * O)``."""
+    def leave_one_out_log_prob(self, state, x, observed=None):
+        """Every leave-one-out conditional from one smoothing pass with the whole sequence
+        (its observed tokens) as context, ``(n, T * O)``; 0 at a missing token."""
         self._check_x(state, x)
-        return self._leave_one_out(state, x).to(state.dtype)
+        return self._leave_one_out(state, x, observed).to(state.dtype)
 
     def mask_sums(self, state, x, mask):
         self._check_x(state, x)

@@ -37,6 +37,7 @@ from .gaussian_linalg import LOG_2PI, cholesky, posterior_precision_factor, tril
 __all__ = [
     "lowrank_leave_one_out",
     "lowrank_leave_one_out_rows",
+    "lowrank_leave_one_out_observed",
     "dense_leave_one_out",
     "leave_one_out_targets",
     "leave_one_out_from_full",
@@ -137,6 +138,34 @@ def lowrank_leave_one_out_rows(m, x):
     zhat = torch.cholesky_solve(((r / psi).unsqueeze(-2) @ F).transpose(-1, -2), L0)  # (n, R, 1)
     e = r - (F @ zhat).squeeze(-1)  # the centred residuals
     return leave_one_out_from_full(e, psi, V.pow(2).sum(-2))
+
+
+def lowrank_leave_one_out_observed(m, x, observed):
+    r""":func:`lowrank_leave_one_out_rows` given each datapoint's observed tokens alone:
+    :math:`\log p(x_j \mid x_{O \setminus j})` at its observed tokens :math:`O` (0 at a
+    missing one), from the posterior precision :math:`I + F^\top\operatorname{diag}(o/\psi)F`
+    of each datapoint (a missing token carries no information: its noise precision is 0).
+
+    :param ~pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal m: low-rank state,
+        ``cov_factor`` ``(n|1, D, R)``, ``cov_diag`` ``(n|1, D)``.
+    :param torch.Tensor x: tokens ``(n, D)``, in the state's dtype.
+    :param torch.Tensor observed: bool ``(n, D)``.
+    :returns: ``(n, D)``.
+
+    Example::
+
+        >>> lowrank_leave_one_out_observed(state, x, observed).sum(-1)   # (n,) PLL of the observed tokens
+    """
+    F, psi = m.cov_factor, m.cov_diag  # (n|1, D, R), (n|1, D)
+    w = observed.to(F.dtype) / psi  # (n, D)
+    eye = torch.eye(F.shape[-1], dtype=F.dtype, device=F.device)
+    L0 = cholesky(eye + F.transpose(-1, -2) @ (F * w.unsqueeze(-1)), "posterior precision I + F^T W F", m.site)
+    V = torch.linalg.solve_triangular(L0, F.transpose(-1, -2), upper=False)  # (n, R, D)
+    r = x - m.loc
+    zhat = torch.cholesky_solve(((r * w).unsqueeze(-2) @ F).transpose(-1, -2), L0)  # (n, R, 1)
+    e = r - (F @ zhat).squeeze(-1)
+    table = leave_one_out_from_full(e, psi, V.pow(2).sum(-2))
+    return torch.where(observed, table, torch.zeros((), dtype=table.dtype, device=table.device))
 
 
 def dense_leave_one_out(m, x):

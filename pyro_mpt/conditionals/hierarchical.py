@@ -422,8 +422,11 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
             return super().mask_sums(state, x, mask)
         return table.T[targets]
 
-    def leave_one_out_log_prob(self, state, x):
-        """Every leave-one-out conditional from the full-data posterior, ``(n, D)``."""
+    def leave_one_out_log_prob(self, state, x, observed=None):
+        """Every leave-one-out conditional from the full-data posterior, ``(n, D)``; None with
+        missing tokens (``observed``): their queries take the masks."""
+        if observed is not None:
+            return None
         self._check_x(state, x)
         nothing = torch.zeros((1, x.shape[0], x.shape[1]), dtype=torch.bool, device=x.device)
         x = _to_work(state, x)

@@ -333,7 +333,7 @@ class ImportanceConditionals(ConditionalEngine):
             }
         return torch.cat(outs, 0), diagnostics
 
-    def leave_one_out_log_prob(self, state, x):
+    def leave_one_out_log_prob(self, state, x, observed=None):
         r"""Every token's conditional given all the others from the draws' one table
         (prior draws, or an autoguide's), ``(n, D)``:
         :math:`\operatorname{logsumexp}_s(\log w_s + L_s) - \operatorname{logsumexp}_s(\log w_s
@@ -344,7 +344,7 @@ class ImportanceConditionals(ConditionalEngine):
         impossible at a draw, or one token."""
         self._check_x(state, x)
         chunk = state.chunk
-        if chunk is None or state.num_tokens < 2:
+        if chunk is None or state.num_tokens < 2 or observed is not None:
             return None
         num, den = chunk.leave_one_out_partials()  # (n,), (n, D)
         if not (bool(torch.isfinite(num).all()) and bool(torch.isfinite(den).all())):

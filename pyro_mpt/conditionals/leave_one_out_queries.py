@@ -61,9 +61,10 @@ class LeaveOneOutQueries:
             return x.shape[0]
         return super().weighted_sum_elements(state, x, mask)
 
-    def leave_one_out_log_prob(self, state, x):
-        """:meth:`leave_one_out_table` where :meth:`serves_leave_one_out`, else None."""
-        if not self.serves_leave_one_out(state):
+    def leave_one_out_log_prob(self, state, x, observed=None):
+        """:meth:`leave_one_out_table` where :meth:`serves_leave_one_out`, else None (also
+        with missing tokens, ``observed``)."""
+        if observed is not None or not self.serves_leave_one_out(state):
             return None
         self._check_x(state, x)
         return self.leave_one_out_table(state)

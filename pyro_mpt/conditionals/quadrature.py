@@ -553,7 +553,7 @@ class QuadratureConditionals(ConditionalEngine):
                 stacklevel=user_stacklevel(),
             )
 
-    def leave_one_out_log_prob(self, state, x):
+    def leave_one_out_log_prob(self, state, x, observed=None):
         r"""Every token's conditional given all the others from one pass over the table,
         ``(n, D)``: with :math:`L_k = \sum_d T_{kd}`,
 
@@ -571,6 +571,8 @@ class QuadratureConditionals(ConditionalEngine):
         their own, a token is impossible at a node, or there is one token. The first
         evaluation's accuracy check (``check_tol``) compares the coarser rules' tables."""
         self._check_x(state, x)
+        if observed is not None:
+            return None  # missing tokens: the queries take the masks
         check = self.check_tol is not None and not self.memory.checked and self._uses_context_grids(state)
         # marked before: the contexts with grids of their own go through mask_log_prob
         self.memory.checked = self.memory.checked or check
