@@ -45,7 +45,7 @@ from .plate_runs import (CoordinateLatents, alternating_signs, fixed_probes, lat
                          run_in_plate, run_with_fallback)
 from ..code_origin import user_stacklevel
 
-__all__ = ["GaussianMarginal", "gaussian_marginal", "NotLinearGaussianError", "RUN_MODES"]
+__all__ = ["GaussianMarginal", "gaussian_marginal", "loading_nonzeros_in_chunks", "NotLinearGaussianError", "RUN_MODES"]
 
 #: the ways :func:`gaussian_marginal` runs the model on the noise points, in the
 #: order it tries them: one vectorized run with the shared latent parameters

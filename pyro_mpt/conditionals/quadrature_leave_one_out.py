@@ -52,11 +52,11 @@ class QuadratureLeaveOneOut:
               - \operatorname*{logsumexp}_k(\log\omega_k + L_k - T_{kj}),
 
         plus, on adaptive grids, the Gaussian corrections of the full model (every
-        numerator's) and of each context's, as :meth:`mask_log_prob` adds them query by
+        numerator's) and of each context's, as :meth:`~pyro_mpt.conditionals.QuadratureConditionals.mask_log_prob` adds them query by
         query: :math:`O(QnD)` against :math:`O(QnD^2)` for the :math:`D` queries. A
         context that the full grid does not resolve takes its grid of its own, through
-        :meth:`mask_log_prob` for its query alone. None, so that every query takes
-        :meth:`mask_log_prob`, where the numerators (the full model) would need grids of
+        :meth:`~pyro_mpt.conditionals.QuadratureConditionals.mask_log_prob` for its query alone. None, so that every query takes
+        :meth:`~pyro_mpt.conditionals.QuadratureConditionals.mask_log_prob`, where the numerators (the full model) would need grids of
         their own, a token is impossible at a node, or there is one token. The first
         evaluation's accuracy check (``check_tol``) compares the coarser rules' tables."""
         self._check_x(state, x)
@@ -98,8 +98,8 @@ class QuadratureLeaveOneOut:
         """``(dnum (n,), dden (n, D), own (D,))``: the Gaussian corrections on the full grid
         of the full model (each leave-one-out numerator's) and of each context's, and which
         contexts the full grid does not resolve (they take grids of their own, as in
-        :meth:`_context_log_prob`); None where the full model is not resolved (the test of
-        :meth:`_target_grids`)."""
+        ``_context_log_prob``); None where the full model is not resolved (the test of
+        ``_target_grids``)."""
         quad = self._quadratics(state)
         m = state.nodes_per_dim
         _, _, e, log_w = state.frame
@@ -129,7 +129,7 @@ class QuadratureLeaveOneOut:
         return dnum, dden, own
 
     def _check_leave_one_out(self, state, x, table):
-        """:meth:`_check_conditionals` for the leave-one-out table: the largest difference
+        """``_check_conditionals`` for the leave-one-out table: the largest difference
         to the coarser rules' tables (their per-query path where they have none)."""
         n, D = table.shape
         err = torch.zeros_like(table)
