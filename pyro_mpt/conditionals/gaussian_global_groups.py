@@ -227,10 +227,9 @@ class GlobalGroupsConditionals:
         return out.to(state.dtype)
 
     def leave_one_out_log_prob(self, state, x, observed=None):
-        """``(1, D)``: every token given all the others; None with missing tokens."""
-        if observed is not None:
-            return None
-        return self._out(state, self.engine.leave_one_out_log_prob(state.inner, self._x(state, x)))
+        """``(1, D)``: every token given all the other (observed) ones, 0 at a missing token."""
+        seen = None if observed is None else state.units(observed, fill=False)
+        return self._out(state, self.engine.leave_one_out_log_prob(state.inner, self._x(state, x), seen))
 
     def chain_log_prob(self, state, x, order):
         """``(p, 1, D)`` chain-rule terms by position: the padding first in every ordering

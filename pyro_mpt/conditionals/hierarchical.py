@@ -423,15 +423,17 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         return table.T[targets]
 
     def leave_one_out_log_prob(self, state, x, observed=None):
-        """Every leave-one-out conditional from the full-data posterior, ``(n, D)``; None with
-        missing tokens (``observed``): their queries take the masks."""
-        if observed is not None:
-            return None
+        """Every leave-one-out conditional from the full-data posterior, ``(n, D)``; with missing
+        tokens (``observed``) from the posterior given the observed ones, 0 at a missing token
+        (removing an observed token from that posterior is the same rank-one update)."""
         self._check_x(state, x)
-        nothing = torch.zeros((1, x.shape[0], x.shape[1]), dtype=torch.bool, device=x.device)
+        hidden = torch.zeros_like(x, dtype=torch.bool) if observed is None else ~observed
         x = _to_work(state, x)
-        mean, spread = self._moments(state, x, nothing)
-        return _to_data(state, leave_one_out_from_full(x - mean[0], state.psi, spread[0]))
+        mean, spread = self._moments(state, x, hidden[None])
+        table = leave_one_out_from_full(x - mean[0], state.psi, spread[0])
+        if observed is not None:
+            table = torch.where(observed, table, torch.zeros((), dtype=table.dtype, device=table.device))
+        return _to_data(state, table)
 
     def weighted_sum_elements(self, state, x, mask=None):
         """Elements of the working set per query: ``n`` for masks ``(q, D)`` that each hide
