@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .gaussian_groups import GROUPED_MIN_GAIN, LoadingColors, loading_components, loading_nonzeros, padded_layout
+from .gaussian_groups import GROUPED_MIN_GAIN, LoadingColors, group_layout, loading_nonzeros
 from .hierarchical import HierarchicalGaussianConditionals, HierarchicalGaussianState
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
     "MAX_GLOBALS",
 ]
 
-#: the most global columns (each loading on at least half of the tokens) split off
+#: the most global columns (the widest, see :func:`global_group_colors`) split off
 MAX_GLOBALS = 8
 
 
@@ -113,8 +113,6 @@ def global_groups(marginal, num_data, nonzeros=None):
     if loc.shape[0] != 1 or psi.shape[0] != 1:
         return None
     D, R = F.shape[-2:]
-    if R < 3 or D < 4:
-        return None
     if nonzeros is None:
         nonzeros = {}
     if "pairs" not in nonzeros:
@@ -151,16 +149,16 @@ def global_group_colors(nonzeros, D, R, site, device=None):
 def _split(rows, cols, D, R, is_global, site, device):
     """The colouring of the groups left by the ``is_global`` columns, or None where they do not pay."""
     K_g = int(is_global.sum())
-    # the components of the other columns' nonzeros: a global latent is left without tokens
+    # the groups of the other columns' nonzeros: a global latent is left without tokens
     local = ~is_global[cols]
-    token_comp, latent_comp = loading_components(None, (rows[local], cols[local]), (D, R))
-    C = int(token_comp.max()) + 1
-    kept = latent_comp >= 0
-    if C < 2 or not kept.any():
-        return None  # one group, or the global latents alone (a regression): the dense loading is small
-    index, N = padded_layout(token_comp, C)
-    lat_index, r = padded_layout(latent_comp[kept], C)
-    lat_index = np.where(lat_index >= 0, np.flatnonzero(kept)[np.maximum(lat_index, 0)], -1)
+    layout = group_layout((rows[local], cols[local]), D, R)
+    if layout is None:
+        return None  # one group
+    token_comp, latent_comp, index, lat_index = layout
+    if not (latent_comp >= 0).any():
+        return None  # the global latents alone (a regression): the dense loading is small
+    C, N = index.shape
+    r = lat_index.shape[1]
     if GROUPED_MIN_GAIN * C * N * (K_g + r) ** 2 > D * R**2:
         return None
     # every group's row ends with the global latents: one colour each

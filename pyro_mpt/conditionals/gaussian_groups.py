@@ -58,6 +58,7 @@ __all__ = [
     "LoadingColors",
     "colored_marginal",
     "dropped_zeros_structural",
+    "group_layout",
     "grouped_colors",
     "grouped_marginal",
     "grouped_state",
@@ -304,19 +305,38 @@ def grouped_colors(nonzeros, D, R, site, device=None):
     """
     if R < 2 or D == 0:
         return None
-    token_comp, latent_comp = loading_components(None, nonzeros, (D, R))
-    C = int(token_comp.max()) + 1
-    if C < 2:
+    layout = group_layout(nonzeros, D, R)
+    if layout is None:
         return None
-    index, N = padded_layout(token_comp, C)
-    kept = latent_comp >= 0
-    lat_index, r = padded_layout(latent_comp[kept], C)
-    lat_index = np.where(lat_index >= 0, np.flatnonzero(kept)[np.maximum(lat_index, 0)], -1)
+    token_comp, latent_comp, index, lat_index = layout
+    C, N = index.shape
+    r = lat_index.shape[1]
     if GROUPED_MIN_GAIN * C * N * max(1, min(r, N)) ** 2 > D * max(1, min(R, D)) ** 2:
         return None
     pattern = hash((site, D, R, token_comp.tobytes(), latent_comp.tobytes()))
     return LoadingColors(torch.as_tensor(index, device=device), torch.as_tensor(lat_index, device=device),
                          torch.as_tensor(token_comp, device=device), R, pattern=pattern)
+
+
+def group_layout(nonzeros, D, R):
+    """The groups of a loading ``(D, R)`` from its nonzeros ``(rows, cols)`` as padded rows:
+    ``(token_comp, latent_comp, index, lat_index)`` -- the components of
+    :func:`loading_components`, each group's tokens ``(C, N)`` and its latents (columns)
+    ``(C, r)``, ``-1`` at padding; None for fewer than two groups.
+
+    Example::
+
+        >>> token_comp, latent_comp, index, lat_index = group_layout((rows, cols), D, R)
+    """
+    token_comp, latent_comp = loading_components(None, nonzeros, (D, R))
+    C = int(token_comp.max()) + 1
+    if C < 2:
+        return None
+    index, _ = padded_layout(token_comp, C)
+    kept = latent_comp >= 0
+    lat_index, _ = padded_layout(latent_comp[kept], C)
+    lat_index = np.where(lat_index >= 0, np.flatnonzero(kept)[np.maximum(lat_index, 0)], -1)
+    return token_comp, latent_comp, index, lat_index
 
 
 def _colored_run(colors, tokens, model, args, kwargs, vectorize, memory):
