@@ -14,11 +14,23 @@ position; the first position the backward pass asks for runs the function again
 kept, in the same order, and every later one takes its own (let go of then). Regions may nest: an
 inner region's tensors are its own, so the outer region's positions count
 the same tensors in both runs.
+
+Both runs must save the same tensors, in the same order. What a region's first run
+leaves behind for later code (an engine's pieces kept on its state across blocks, a
+check made once per engine) is not there for its first run and is there for its
+second: it is made under :func:`not_recomputed`, whose tensors the region does not
+count, and a choice that depends on it asks :func:`recomputing` instead.
 """
+
+import contextlib
 
 import torch
 
-__all__ = ["recomputed"]
+__all__ = ["recomputed", "not_recomputed", "recomputing"]
+
+# regions entered and not left, the backward pass's second runs included; within
+# not_recomputed, 0 (autograd's backward runs each second run to its end before the next)
+_depth = 0
 
 
 class _Region:
@@ -52,7 +64,7 @@ class _Region:
                     torch.cuda.set_rng_state(self.cuda_state, self.cuda_device)
                 # run to its end: stopping it once every position is saved again would mean
                 # raising from inside the model, whose callers may catch exceptions
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self.keep, _identity):
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self.keep, _identity), _entered():
                     self.fn(*self.args)
             if len(self.saved) != self.count:
                 raise RuntimeError(
@@ -60,7 +72,9 @@ class _Region:
                     f"in its second run and {self.count} in its first: the model (or guide) must "
                     f"compute the same way twice from the same torch random state. Draw random "
                     f"numbers with torch or pyro.sample, not numpy or Python's random, and do not "
-                    f"branch on them; or raise chunk_size so that no block is recomputed."
+                    f"branch on them; or raise chunk_size so that no block is recomputed. (A conditional "
+                    f"engine that keeps a piece on its state for later blocks must make it under "
+                    f"pyro_mpt.recompute.not_recomputed.)"
                 )
         # each tensor is let go of once the backward pass has it: the allocator reuses its
         # memory for the gradients (kept to the end, the step took 20 % longer)
@@ -84,6 +98,44 @@ def _identity(tensor):
     return tensor
 
 
+@contextlib.contextmanager
+def _entered(depth=None):
+    global _depth
+    before = _depth
+    _depth = before + 1 if depth is None else depth
+    try:
+        yield
+    finally:
+        _depth = before
+
+
+@contextlib.contextmanager
+def not_recomputed():
+    """Within it, the tensors autograd saves are kept by the graph as usual, not by an
+    enclosing recomputed region: for results that outlive the region's first run
+    (pieces kept on an engine's state for later blocks, a check made once), which its
+    second run finds made and does not make again. What is made within must not draw
+    random numbers (the second run would not draw them).
+
+    Example::
+
+        >>> with not_recomputed():
+        ...     pieces["factor"] = torch.linalg.cholesky(S)   # kept for every later block
+    """
+    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity), _entered(0):
+        yield
+
+
+def recomputing():
+    """Whether the caller runs inside a recomputed region (in either of its runs): a
+    choice that would otherwise depend on what an earlier run left behind (keep this
+    block's tables for the backward pass, or not) is made the same in both runs.
+
+    :returns: bool.
+    """
+    return _depth > 0
+
+
 def recomputed(fn, *args):
     """``fn(*args)`` with its intermediate tensors recomputed in the backward pass
     instead of kept (see the module docstring); a plain call when gradients are off.
@@ -100,5 +152,5 @@ def recomputed(fn, *args):
     if not torch.is_grad_enabled():
         return fn(*args)
     region = _Region(fn, args)
-    with torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):
+    with torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack), _entered():
         return fn(*args)

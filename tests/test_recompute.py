@@ -21,13 +21,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pyro_mpt import MaskedPretrainingLoss
 from pyro_mpt.conditionals import (
     EncodeDecodeConditionals,
+    GaussianHMMConditionals,
     EnumerateConditionals,
     GaussianConditionals,
     ImportanceConditionals,
     QuadratureConditionals,
 )
 from pyro_mpt.estimate import block_scores
-from pyro_mpt.mask_blocks import ChainBlock
+from pyro_mpt.mask_blocks import ChainBlock, MaskBlock
 from pyro_mpt.masks import AllSizes, MaskSchedule, RandomOrders
 from pyro_mpt.observed_tokens import trace_tokens
 
@@ -97,20 +98,46 @@ def draw(schedule, n, D, chunk):
     return blocks
 
 
+def mixed_blocks(n, D, first=0):
+    """Blocks of every kind in one schedule, the kind ``first`` first, the others first met
+    in a recomputed block: masks shared by the batch, masks per datapoint with weights per
+    datapoint, one token a query, orderings. What an engine keeps on its state for one
+    kind of block (its data's pieces, a check made once) is then made inside a recomputed
+    region."""
+    shared = draw(AllSizes(1, share_masks=True), n, D, chunk=2 * n * D)[0]
+    per_datapoint = draw(AllSizes(1), n, D, chunk=2 * n * D)[1]
+    mask = per_datapoint.masks()
+    q = mask.shape[0]
+    weighted = MaskBlock(
+        mask, per_datapoint.size.expand(q, n),
+        torch.linspace(0.5, 1.5, q * n, dtype=torch.float64).reshape(q, n),
+    )
+    targets = torch.tensor([D - 1, 0, 1])
+    single = torch.zeros(3, 1, D, dtype=torch.bool)
+    single[torch.arange(3), 0, targets] = True
+    one_token = MaskBlock(single, torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.float64))
+    chain = draw(RandomOrders(1), n, D, chunk=n * D)[0]
+    kinds = [shared, weighted, one_token, chain]
+    return kinds[first:] + kinds[:first] + [weighted]
+
+
 @pytest.mark.filterwarnings("ignore:conditionals='importance'")
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("schedule", ["all", "all-shared", "order"])
+@pytest.mark.parametrize("schedule", ["all", "all-shared", "order", "mixed0", "mixed1", "mixed2", "mixed3"])
 def test_recomputed_gradients_equal_the_stored_ones(name, schedule):
     make_engine, kind, guide = CASES[name]
     model, x = problem(kind)
     n, D = x.shape
-    sched = {
-        "all": AllSizes(2),
-        "all-shared": AllSizes(2, share_masks=True),
-        "order": RandomOrders(3),
-    }[schedule]
-    # several blocks: of up to 3 masks, or of one ordering
-    blocks = draw(sched, n, D, chunk=(1 if schedule == "order" else 3) * n * D)
+    if schedule.startswith("mixed"):
+        blocks = mixed_blocks(n, D, int(schedule[-1]))
+    else:
+        sched = {
+            "all": AllSizes(2),
+            "all-shared": AllSizes(2, share_masks=True),
+            "order": RandomOrders(3),
+        }[schedule]
+        # several blocks: of up to 3 masks, or of one ordering
+        blocks = draw(sched, n, D, chunk=(1 if schedule == "order" else 3) * n * D)
     assert len(blocks) >= 2
 
     pyro.set_rng_seed(5)
@@ -426,6 +453,38 @@ def test_recomputed_regions_match_plain_autograd_with_random_draws_nesting_and_r
         assert torch.equal(after, grads[0][3])
 
 
+def test_pieces_kept_across_regions_are_made_outside_them():
+    """A piece the first region to need it makes and keeps for later ones (as engines keep
+    their data's pieces on their state), made under not_recomputed: each region's second
+    run, which finds it made, saves what its first did, and the gradients equal plain
+    autograd's (1e-12); recomputing() is True inside a region's runs, False within
+    not_recomputed and outside. Made inside the region, backward() raised."""
+    from pyro_mpt.recompute import not_recomputed, recomputed, recomputing
+
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    seen = []
+
+    def block(a, kept, scale):
+        seen.append(recomputing())
+        if "piece" not in kept:
+            with not_recomputed():
+                seen.append(recomputing())
+                kept["piece"] = (w.exp() * w).cumsum(0)
+        return (kept["piece"] * (a * scale).sin()).sum()
+
+    a = torch.randn(4, dtype=torch.float64)
+    kept = {}
+    value = block(a, {}, 1.0) + block(a, {}, 2.0)
+    expected = torch.autograd.grad(value, [w])[0]
+    seen.clear()
+    value = recomputed(block, a, kept, 1.0) + recomputed(block, a, kept, 2.0)
+    assert not recomputing()
+    (grad,) = torch.autograd.grad(value, [w])
+    # first runs: True, then False within not_recomputed; the second region's; their second runs
+    assert seen == [True, False, True, True, True]
+    assert torch.allclose(grad, expected, rtol=1e-12, atol=0)
+
+
 def test_the_first_recomputed_step_imports_no_compiler():
     """A loss whose blocks are recomputed in the backward pass does not import torch._dynamo
     (torch.utils.checkpoint reads a dynamo setting on each call: its first call imported the
@@ -449,3 +508,69 @@ def test_the_first_recomputed_step_imports_no_compiler():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("clean"), out.stdout
+
+
+def _auto_models():
+    """name -> (model, data, engine or None for "auto"): engines CASES leaves out, each on
+    a model with parameters."""
+    g = torch.Generator().manual_seed(7)
+    f64 = dict(dtype=torch.float64)
+
+    def hierarchy(x):  # random intercepts around a global mean, units in groups
+        mu = pyro.param("mu", torch.tensor(0.3, **f64))
+        with pyro.plate("groups", x.shape[0]):
+            a = pyro.sample("a", dist.Normal(mu, 1.0))
+            pyro.sample("x", dist.Normal(a[:, None].expand(x.shape), pyro.param("s", torch.tensor(0.6, **f64),
+                                                                                 constraint=constraints.positive)).to_event(1), obs=x)
+
+    def lds(x):  # a linear-Gaussian state space, one element a step
+        H = 2
+        eye = torch.eye(H, **f64)
+        A = pyro.param("A", 0.5 * eye)
+        C = pyro.param("C", torch.ones(H, 1, **f64))
+        hmm = dist.GaussianHMM(dist.MultivariateNormal(0 * eye[0], eye), A, dist.MultivariateNormal(0 * eye[0], 0.5 * eye),
+                               C, dist.Normal(torch.zeros(1, **f64), 0.7).to_event(1), duration=x.shape[1])
+        with pyro.plate("sequences", x.shape[0]):
+            pyro.sample("x", hmm, obs=x)
+
+    def discrete_hmm(x):
+        locs = pyro.param("locs", torch.tensor([-1.0, 0.5, 2.0], **f64))
+        trans = pyro.param("trans", torch.zeros(3, 3, **f64))
+        with pyro.plate("sequences", x.shape[0]):
+            pyro.sample("x", dist.DiscreteHMM(torch.zeros(3, **f64), trans, dist.Normal(locs, 0.8)), obs=x)
+
+    def poisson(x):  # a two-dimensional latent: quadrature
+        W = pyro.param("W", 0.3 * torch.randn(x.shape[1], 2, generator=torch.Generator().manual_seed(1), **f64))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, **f64), 1.0).to_event(1))
+            pyro.sample("x", dist.Poisson((z @ W.T).exp()).to_event(1), obs=x)
+
+    return {
+        "hierarchical": (hierarchy, torch.randn(4, 5, generator=g, **f64), None),
+        "gaussian-hmm": (lds, torch.randn(3, 6, 1, generator=g, **f64), GaussianHMMConditionals),
+        "discrete-hmm": (discrete_hmm, torch.randn(3, 6, generator=g, **f64), None),
+        "quadrature-2d": (poisson, torch.poisson(torch.full((5, 4), 2.0, **f64), generator=g), None),
+    }
+
+
+@pytest.mark.parametrize("first", range(4))
+@pytest.mark.parametrize("name", ["hierarchical", "gaussian-hmm", "discrete-hmm", "quadrature-2d"])
+def test_blocks_of_every_kind_recomputed_give_the_sum_of_their_losses(name, first):
+    """A schedule of every kind of block, each kind first met in a recomputed block: its loss
+    and gradients equal the sum of one-block losses (none recomputed, each on a state of its
+    own), on the engines CASES leaves out. A piece an engine keeps on its state, made inside
+    a region's first run, made it save fewer tensors in its second: backward() raised."""
+    model, x, engine = _auto_models()[name]
+    pyro.clear_param_store()
+    make = (lambda: "auto") if engine is None else engine
+    tokens = trace_tokens(model, None, (x,), {})
+    n, D = tokens.value.shape
+    blocks = mixed_blocks(n, D, first)
+    value = MaskedPretrainingLoss(conditionals=make(), masks=Replay(blocks)).differentiable_loss(model, None, x)
+    grads = torch.autograd.grad(value, params())
+    expected = sum(MaskedPretrainingLoss(conditionals=make(), masks=Replay([b])).differentiable_loss(model, None, x)
+                   for b in blocks)
+    expected_grads = torch.autograd.grad(expected, params())
+    assert_close_to_rounding(value.detach(), expected.detach(), torch.float64, ulps=4096)
+    for g, e in zip(grads, expected_grads):
+        assert_close_to_rounding(g, e, torch.float64, ulps=4096)

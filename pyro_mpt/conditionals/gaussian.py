@@ -39,6 +39,7 @@ from numbers import Real
 
 import torch
 
+from ..recompute import not_recomputed
 from .base import ConditionalEngine, callable_key
 from .distributions import take_rows
 from .gaussian_aggregated import (
@@ -565,7 +566,8 @@ class GaussianConditionals(ConditionalEngine):
         <pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal>`)."""
         pieces = self._kept(state, x_data)
         if "eT" not in pieces:
-            pieces.update(lowrank_shared_data(state, x))
+            with not_recomputed():  # made once, for this block and every later one
+                pieces.update(lowrank_shared_data(state, x))
         return pieces
 
     @staticmethod
@@ -596,10 +598,11 @@ class GaussianConditionals(ConditionalEngine):
         if not self._serves_leave_one_out(inner):
             return None
         if "leave_one_out" not in self._kept(inner, x_data):
-            if inner is state:
-                table = self._leave_one_out_table(state, x_data)
-            else:
-                table = state.tokens(self._leave_one_out_table(inner, state.rows(x_data)))
+            with not_recomputed():  # made once, for this block and every later one
+                if inner is state:
+                    table = self._leave_one_out_table(state, x_data)
+                else:
+                    table = state.tokens(self._leave_one_out_table(inner, state.rows(x_data)))
             self._kept(inner, x_data)["leave_one_out"] = table
         return self._kept(inner, x_data)["leave_one_out"]
 

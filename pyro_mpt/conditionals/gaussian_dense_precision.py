@@ -39,6 +39,7 @@ is within :data:`MAX_CONDITION` of the dtype's precision.
 
 import torch
 
+from ..recompute import not_recomputed, recomputing
 from ..mask_bits import pack_bits, unpack_bits
 from .gaussian_dense_independent import (
     DenseContextConditionals, DenseIndependentSums, costliest_first, padded_tokens, sorted_spans,
@@ -406,17 +407,19 @@ def routed_dense_sums(m, x, mask, max_elements, observed=None, kept=None, keep_e
     kept = {} if kept is None else kept
     # the first block of masks of a state keeps up to keep_elements of its chunks' tables for
     # the backward pass (the costliest first), later ones none: what is kept does not grow
-    # with the number of blocks, and the default schedule's one block recomputes little
-    keep = 0 if kept.get("kept_chunks") else keep_elements
+    # with the number of blocks, and the default schedule's one block recomputes little (a
+    # recomputed block keeps none: its second run must keep as its first did)
+    keep = 0 if kept.get("kept_chunks") or recomputing() else keep_elements
     kept["kept_chunks"] = True
     if not bool((mask.sum(-1) <= few).any()):
         return DenseIndependentSums.apply(S, x, loc, mask, max_elements, m.site, o, 0, None, keep)
     key = ("precision", torch.is_grad_enabled())
     if key not in kept:
         kept[key] = None
-        if precision_route_fits(S[None]):
-            Lam = torch.cholesky_inverse(torch.linalg.cholesky(S))
-            kept[key] = (Lam, (x - loc) @ Lam)
+        with not_recomputed():  # made once, for this block and every later one
+            if precision_route_fits(S[None]):
+                Lam = torch.cholesky_inverse(torch.linalg.cholesky(S))
+                kept[key] = (Lam, (x - loc) @ Lam)
     if kept[key] is None:
         return DenseIndependentSums.apply(S, x, loc, mask, max_elements, m.site, o, 0, None, keep)
     Lam, y = kept[key]

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 import torch
 import pyro.distributions as dist
 
-from ..recompute import recomputed
+from ..recompute import not_recomputed, recomputed
 from .base import ConditionalEngine, EngineNotApplicable
 from .chain_messages import (
     Factor, Message, backward_information, chain_steps, context_block, context_precision, forward_messages,
@@ -408,7 +408,8 @@ class GaussianHMMConditionals(ConditionalEngine):
         T = 300, H = 2, N = 20: 0.8 s, against 19 s of smoothing every datapoint here)."""
         if state.dense is None:
             engine = GaussianConditionals("dense", max_elements=self.max_elements)
-            state.dense = (engine, engine.prepare(*state.prepared_from))
+            with not_recomputed():  # made once, for this block and every later one
+                state.dense = (engine, engine.prepare(*state.prepared_from))
         return state.dense
 
     @staticmethod

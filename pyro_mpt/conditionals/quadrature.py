@@ -154,6 +154,7 @@ from .quadrature_rules import (
     gaussian_grid,
 )
 from ..code_origin import user_stacklevel
+from ..recompute import not_recomputed
 from ..counts import is_count
 
 __all__ = ["QuadratureConditionals", "QuadratureMemory", "CHECK_TOL", "CHECK_EVIDENCE_TOL"]
@@ -521,7 +522,8 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
         # adaptive grids only: a prior-centred grid's own check is its effective nodes
         if self.check_tol is not None and not self.memory.checked and self._uses_context_grids(state):
             self.memory.checked = True  # before the check, which calls this method again
-            self._check_conditionals(state, x, mask)
+            with not_recomputed():  # once per engine: a recomputed block's second run does not make it
+                self._check_conditionals(state, x, mask)
         ctx = (~mask).to(state.nodes.dtype)
         if self._uses_context_grids(state):
             return self._context_log_prob(state, mask)
@@ -820,7 +822,9 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
             return
         self.memory.evidence_checked = True
         try:
-            err = self.log_evidence_error(state, x)
+            # once per engine: a recomputed block's second run does not make it
+            with not_recomputed():
+                err = self.log_evidence_error(state, x)
         except NotQuadratureError:  # a model run one node at a time past max_node_runs: no check
             return
         worst = float(err.max())
