@@ -64,12 +64,14 @@ def mpt_mean(model, x, masks, num_masks, seed, share_masks=True):
 
 
 def convergence_runs(model, x, masks, p_max, seeds):
-    """Running mean over P = 1..p_max single-mask estimates, one row per seed."""
-    runs = []
+    """Running mean over P = 1..p_max single-mask estimates, one row per seed, and each
+    final mean's standard error (the estimates' sd over sqrt(p_max))."""
+    runs, stderr = [], []
     for seed in seeds:
         vals = np.array([mpt_mean(model, x, masks, 1, 1000 * seed + p) for p in range(p_max)])
         runs.append(np.cumsum(vals) / np.arange(1, p_max + 1))
-    return np.array(runs)
+        stderr.append(float(vals.std(ddof=1) / np.sqrt(p_max)))
+    return np.array(runs), stderr
 
 
 def main(argv=None):
@@ -116,10 +118,10 @@ def main(argv=None):
         model, x = fig1_model(D)
         with torch.no_grad():
             lml = float(Evidence(model)(x).mean())
-        runs = convergence_runs(model, x, masks, p_max, seeds=range(n_seeds))
+        runs, stderr = convergence_runs(model, x, masks, p_max, seeds=range(n_seeds))
         rel = (runs - lml) / abs(lml)
         panel = dict(D=D, masks=masks, lml=lml, final=runs[:, -1].tolist(), rel_final=rel[:, -1].tolist(),
-                     rel_first=rel[:, 0].tolist(), rel=rel)
+                     stderr_final=stderr, rel_first=rel[:, 0].tolist(), rel=rel)
         if D <= 16:
             pyro.clear_param_store()
             model, x = fig1_model(D)

@@ -47,12 +47,13 @@ from typing import Optional
 import torch
 import pyro.distributions as dist
 from pyro import poutine
-from pyro.infer.autoguide.initialization import InitMessenger, init_to_mean, init_to_sample
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_mean
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.indep_messenger import IndepMessenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
+from .random_streams import draw_apart
 from .site_checks import check_dtype, check_extra_sites, check_integer_data, check_shape, validate_values
 from .token_layout import TokenLayout
 from .token_site import locate_site, sample_sites, site_layout, vectorized_frames
@@ -386,20 +387,22 @@ def _empty_plate(error):
 
 
 #: the init strategy of traces whose engine reads no latent draw: each latent at its prior mean,
-#: else (no finite mean) one draw, as without it; Pyro's own fallback, the median, would draw
-#: 15 samples of the latent's whole shape
-LATENT_MEANS = init_to_mean(fallback=init_to_sample)
+#: else (no finite mean) one draw, on a stream of its own as without it; Pyro's own fallback,
+#: the median, would draw 15 samples of the latent's whole shape
+LATENT_MEANS = init_to_mean(fallback=draw_apart)
 
 
 def _run_traces(model, guide, args, kwargs, validate_model=True, latent_init=None):
     """The guide trace (empty without a guide) and the model trace replayed on it; the
     model run without Pyro's distribution-argument validation unless ``validate_model``,
-    its latents that the guide leaves unset at ``latent_init``'s values where given."""
+    its latents that the guide leaves unset at ``latent_init``'s values where given, else
+    drawn on streams of their own (:func:`~pyro_mpt.random_streams.draw_apart`: whether
+    a trace draws them or not, the global stream is left as it was)."""
     checks = contextlib.nullcontext() if validate_model else dist.validation_enabled(False)
 
     def initialized(fn):
         # outside the replay: the guide's values come first, the strategy fills the rest
-        return fn if latent_init is None else InitMessenger(latent_init)(fn)
+        return InitMessenger(draw_apart if latent_init is None else latent_init)(fn)
 
     try:
         if guide is None:

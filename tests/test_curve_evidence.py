@@ -229,13 +229,14 @@ def test_unknown_evidence_method():
 def test_area_stderr_counts_the_correlation_of_nested_masks():
     """'nested' masks are prefixes of one ordering per datapoint, so one datapoint's S(x_i; M) are
     correlated over M: the area's standard error must come from the per-datapoint areas.
-    Over 10 mask seeds the spread of (area - exact LML) matches the reported error (ratio
-    within [0.6, 1.6]; a 10-seed sd is uncertain by ~25 %), while adding the per-size errors
-    in quadrature understates it (measured ratio ~0.5)."""
+    Over 30 mask seeds the spread of (area - exact LML) is within the reported error, which
+    also counts the data's spread (ratio within [0.8, 2.2]; measured 1.2-1.9 over groups of
+    10 seeds; a 30-seed sd is uncertain by ~13 %), while adding the per-size errors in
+    quadrature understates it (measured ratio ~0.5)."""
     model, x, exact = make_ppca(20, 2, N=400)
     lml = float(exact(x).mean())
     diffs, ses, naive = [], [], []
-    for seed in range(10):
+    for seed in range(30):
         pyro.set_rng_seed(seed)
         curve = MaskedPretrainingLoss(masks="nested", share_masks=False).curve(model, None, x)
         assert curve.area() == pytest.approx(float(np.mean(curve.item_areas)), abs=1e-10)
@@ -243,7 +244,7 @@ def test_area_stderr_counts_the_correlation_of_nested_masks():
         ses.append(curve.area_stderr())
         naive.append(float(np.sqrt(np.sum(curve.stderr**2))))
     sd = float(np.std(diffs, ddof=1))
-    assert 0.6 < np.mean(ses) / sd < 1.6, (np.mean(ses), sd)
+    assert 0.8 < np.mean(ses) / sd < 2.2, (np.mean(ses), sd)
     assert np.mean(naive) < 0.75 * np.mean(ses)
 
 

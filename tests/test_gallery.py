@@ -98,8 +98,10 @@ def test_fig1_all_sizes_converge_to_lml(convergence):
     for panel in (d5, d50):
         first = sum(abs(r) for r in panel["rel_first"]) / len(panel["rel_first"])
         final = sum(abs(r) for r in panel["rel_final"]) / len(panel["rel_final"])
-        assert final < 5e-3, panel
         assert final < first, panel
+        # unbiased: each seed's running mean within 4 of its standard errors of the LML
+        for value, se in zip(panel["final"], panel["stderr_final"]):
+            assert abs(value - panel["lml"]) < 4 * se, panel
 
 
 def test_fig1_fixed_rate_converges_to_bias(convergence):
@@ -108,8 +110,10 @@ def test_fig1_fixed_rate_converges_to_bias(convergence):
     assert pn["D"] == 512 and pn["M"] == FixedRate(0.15).size(512)
     # a fixed 15 % rate is biased upwards by ~1.7 % of |LML| here
     assert pn["rel_bias"] > 0.01
-    for rel in pn["rel_final"]:
-        assert abs(rel - pn["rel_bias"]) < 0.3 * pn["rel_bias"]  # near the computed bias
+    for rel, value, se in zip(pn["rel_final"], pn["final"], pn["stderr_final"]):
+        # near the computed bias: within 4 of the running mean's standard errors (the
+        # bias's own estimate, from many masks per datapoint, is far more precise)
+        assert abs(value - pn["biased_value"]) < 4 * se, pn
         assert abs(rel) > 0.5 * pn["rel_bias"]  # not near the LML
 
 
