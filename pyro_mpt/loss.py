@@ -399,16 +399,18 @@ class MaskedPretrainingLoss(ELBO):
         instead of 20--75 s, ``benchmarks/defaults_speed.py``) and the curve's expectation is the same, but its mask noise no
         longer averages over the data: the spread of the curve and of its area
         over mask seeds shrinks as :math:`1/\sqrt P` with ``num_masks``, not as
-        :math:`1/\sqrt{NP}`, and the curve's ``stderr`` and
-        :meth:`~pyro_mpt.curve.MPTCurve.area_stderr` count the spread over the
-        data only, not the mask draw. Pass ``share_masks=False`` for curves
-        whose standard errors include the mask noise.
+        :math:`1/\sqrt{NP}`; the curve's ``stderr`` and
+        :meth:`~pyro_mpt.curve.MPTCurve.area_stderr` add the mask draw's
+        variance to the data's (:class:`~pyro_mpt.curve.CurveAccumulator`).
+        Build the loss with ``share_masks=False`` for masks per datapoint.
 
         :rtype: ~pyro_mpt.curve.MPTCurve
         """
         schedule = self.schedule.for_curve(self._curve_share)
         with torch.no_grad():
             tokens, engine, state = self._prepare(model, guide, args, kwargs)
-            acc = CurveAccumulator(tokens.num_tokens)
+            # with missing tokens every schedule draws its masks per datapoint
+            shared = schedule.curve_mask_sharing() if tokens.observed is None else False
+            acc = CurveAccumulator(tokens.num_tokens, shared=shared)
             acc.add_items(self._estimate(schedule, tokens, engine, state, acc, desc="MPT curve"))
         return acc.result(label=f"{type(schedule).__name__}")

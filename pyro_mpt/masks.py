@@ -97,6 +97,16 @@ class MaskSchedule:
         self.num_masks = int(num_masks)
         self.share_masks = _checked_share_masks(share_masks)
 
+    def curve_mask_sharing(self):
+        """How the masks this schedule draws are shared by the batch, for the curve's
+        standard errors (:class:`~pyro_mpt.curve.CurveAccumulator`'s ``shared``): False
+        (per datapoint, or not random), True (shared), ``"sizes"`` (shared, each mask
+        size's drawn independently of the others').
+
+        :returns: bool or str.
+        """
+        return self.share_masks
+
     def check(self, D):
         """Raise ``ValueError`` when the schedule cannot serve ``D`` tokens."""
         if D < 1:
@@ -186,6 +196,10 @@ class AllSizes(MaskSchedule):
         if share_masks is None or share_masks == self.share_masks:
             return self
         return AllSizes(self.num_masks, nested=self.nested, share_masks=share_masks)
+
+    def curve_mask_sharing(self):
+        # nested masks are prefixes of one ordering: their sizes' draws are not independent
+        return "sizes" if self.share_masks and not self.nested else self.share_masks
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
@@ -330,6 +344,9 @@ class Exhaustive(MaskSchedule):
     def __init__(self, num_masks=1, *, share_masks=True):
         super().__init__(num_masks, share_masks=True)
 
+    def curve_mask_sharing(self):
+        return False  # every subset: no mask is drawn
+
     def check(self, D):
         super().check(D)
         if D > MAX_EXHAUSTIVE_TOKENS:
@@ -400,6 +417,9 @@ class PseudoLikelihood(MaskSchedule):
 
     def __init__(self, num_masks=1, *, share_masks=True):
         super().__init__(num_masks, share_masks=True)
+
+    def curve_mask_sharing(self):
+        return False  # every token once: no mask is drawn
 
     def for_curve(self, share_masks=None):
         return self
