@@ -250,6 +250,29 @@ def test_unknown_residues_exit_2_with_the_reason(bert_dir, tmp_path, capsys):
     assert "Sequence 1 has no maskable token: all its 3 token(s) are the unknown token '[UNK]'" in msg
 
 
+def test_a_data_file_records_its_column_and_refuses_splits_and_columns_that_are_not_text(bert_dir, tmp_path):
+    """Through the console script, a CSV --dataset: without --column the text column is chosen
+    and recorded in the JSON (before: "column": null) with no split (before: "validation",
+    which a file has not); --split or --dataset-config, which a file cannot honour, and a
+    column of integers (before: a traceback, exit 1) are usage errors: exit 2, one line."""
+    pytest.importorskip("datasets")
+    d, _ = bert_dir
+    csv = tmp_path / "ab.csv"
+    csv.write_text('label,seq\n1,"a b c"\n0,"d e f g"\n')
+    js = tmp_path / "r.json"
+    ok = _pyro_mpt("mlm-curve", d, "--dataset", csv, "--rates", "0.5", "--no-plot", "--json", js, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    data = json.loads(js.read_text())
+    assert data["data"]["column"] == ["seq"] and data["data"]["split"] is None and data["num_sequences"] == 2
+    for extra, needle in ((["--split", "test"], "--split chooses within a hub dataset"),
+                          (["--dataset-config", "x"], "--dataset-config chooses within a hub dataset"),
+                          (["--column", "seq", "label"], "Column 'label' of")):
+        bad = _pyro_mpt("mlm-curve", d, "--dataset", csv, "--rates", "0.5", "--no-plot", *extra, cwd=tmp_path)
+        assert bad.returncode == 2, bad.stderr
+        lines = bad.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], bad.stderr
+
+
 def test_output_folders_are_created_and_unwritable_outputs_refused_before_the_run(bert_dir, tmp_path):
     """A run must not fail at its last line: --json / --plot folders are created up front, and a
     path that cannot be written is a usage error before anything is loaded (the model named in
@@ -319,7 +342,8 @@ def test_one_sequence_reports_its_error_over_masks_or_none(bert_dir, tmp_path, c
 def test_dataset_options_need_a_dataset_and_default_with_one(bert_dir, tmp_path, capsys):
     """--split / --dataset-config / --column beside --text-file (or --image-folder) were ignored:
     the file was scored as if they were not there. Now a usage error before the model loads;
-    with --dataset the split still defaults to validation (a csv's only split is read)."""
+    with a hub --dataset the split still defaults to validation; a csv has none (its one
+    table is read, and the JSON records no split)."""
     d, texts = bert_dir
     for extra, names in ((["--split", "test"], "--split chooses"),
                          (["--column", "a", "b", "--dataset-config", "c"], "--dataset-config and --column choose")):
@@ -338,4 +362,4 @@ def test_dataset_options_need_a_dataset_and_default_with_one(bert_dir, tmp_path,
     assert main(["mlm-curve", str(d), "--dataset", str(csv), "--rates", "0.5", "--scores", "--no-plot",
                  "--json", str(js)]) == 0
     data = json.loads(js.read_text())
-    assert data["num_sequences"] == 2 and data["data"]["split"] == "validation"
+    assert data["num_sequences"] == 2 and data["data"]["split"] is None and data["data"]["column"] == ["text"]

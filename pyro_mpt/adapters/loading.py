@@ -184,7 +184,10 @@ def load_tokenizer(spec, model_dir=None, lowercase=None, where="local"):
         return BertTokenizer(vocab=spec, do_lower_case=bool(lowercase))
     name = spec or model_dir
     if spec:
-        hint = _MODEL_HINT + " A BERT vocab.txt file also works: --tokenizer PATH."
+        hint = (
+            "Point --tokenizer at an existing BERT vocab.txt file or a local directory holding the tokenizer's "
+            "files (e.g. written by tokenizer.save_pretrained(DIR)), or leave --tokenizer out to use the model's."
+        )
         where = _resolve_hub(name, "tokenizer", hint, filename="tokenizer_config.json")
     kw = {"local_files_only": True} if where == "cache" else {}
     if lowercase is not None:
@@ -326,12 +329,18 @@ def load_dataset_split(name, config=None, split="validation"):
         ) from None
 
 
-def load_texts(text_file=None, dataset=None, config=None, split="validation", columns=None, limit=None):
+def load_texts(text_file=None, dataset=None, config=None, split="validation", columns=None, limit=None,
+               with_columns=False):
     """Texts (or ``(text, pair)`` tuples) from a file with one per line, or a dataset.
 
+    :param str split: the split of a hub dataset or of a ``save_to_disk`` directory (a data
+        file has one table, read whatever ``split`` says).
     :param list columns: one column, or two for sentence pairs (e.g. QNLI's
         ``question sentence``); default ``text``/``sentence``, the first string
         column otherwise.
+    :param bool with_columns: return ``(texts, columns)``, the columns read (None for a
+        text file).
+    :raises ValueError: a column that holds other values than text (numbers, empty cells).
     """
     if (text_file is None) == (dataset is None):
         raise ValueError("Give exactly one data source: --text-file FILE or --dataset NAME.")
@@ -343,7 +352,8 @@ def load_texts(text_file=None, dataset=None, config=None, split="validation", co
             )
         with open(text_file, encoding="utf-8") as f:
             texts = [line.rstrip("\n") for line in f if line.strip()]
-        return texts[:limit] if limit else texts
+        texts = texts[:limit] if limit else texts
+        return (texts, None) if with_columns else texts
     ds = load_dataset_split(dataset, config, split)
     if limit:
         ds = ds.select(range(min(limit, len(ds))))
@@ -356,9 +366,18 @@ def load_texts(text_file=None, dataset=None, config=None, split="validation", co
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         raise ValueError(f"Column(s) {missing} not in {dataset!r}; columns are {ds.column_names}. Pass --column.")
-    if len(columns) == 1:
-        return list(ds[columns[0]])
-    return list(zip(ds[columns[0]], ds[columns[1]]))
+    values = [list(ds[c]) for c in columns]
+    for c, column in zip(columns, values):
+        bad = next((i for i, v in enumerate(column) if not isinstance(v, str)), None)
+        if bad is not None:
+            v = column[bad]
+            what = "an empty cell" if v is None else f"{type(v).__name__} {v!r}"
+            raise ValueError(
+                f"Column {c!r} of {dataset!r} holds {what} at row {bad}, not text; pass --column with text "
+                f"columns (one, or two for sentence pairs), or fill the empty cells."
+            )
+    texts = values[0] if len(columns) == 1 else list(zip(*values))
+    return (texts, list(columns)) if with_columns else texts
 
 
 class _ImageFiles:

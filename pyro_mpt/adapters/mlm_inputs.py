@@ -232,6 +232,8 @@ class _Source:
         pad = self.pad_token_id() if attn is None else None
         # texts are truncated by the tokenizer; pre-tokenized ids must fit the model as given
         limit = (int(self.max_length) if self.max_length is not None else position_limit(self.config)) if pretokenized else None
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        with_unknown = []  # (sequence, unknown tokens) of the sequences that also have known ones
         for i in range(n):
             # inputs are kept on the host; each packed batch moves to the model's device
             x = torch.as_tensor(ids[i], dtype=torch.long, device="cpu").reshape(-1)
@@ -255,9 +257,8 @@ class _Source:
                     f"truncate the ids to {limit} tokens, or pass the texts, which are truncated."
                 )
             maskable = torch.nonzero(~torch.isin(x, self.special_token_ids)).reshape(-1)
+            unknown = 0 if unk is None else int((x == unk).sum())
             if maskable.numel() == 0:
-                unk = getattr(self.tokenizer, "unk_token_id", None)
-                unknown = 0 if unk is None else int((x == unk).sum())
                 if unknown:
                     raise ValueError(
                         f"Sequence {i} has no maskable token: all its {unknown} token(s) are the unknown token "
@@ -269,6 +270,8 @@ class _Source:
                 raise ValueError(
                     f"Sequence {i} has no maskable token (only special tokens or padding); remove it."
                 )
+            if unknown:
+                with_unknown.append((i, unknown))
             out_ids.append(x)
             out_mask.append(maskable)
             if types is not None:
@@ -281,4 +284,15 @@ class _Source:
                 segment = torch.cumsum(w < 0, 0)
                 key = torch.where(w >= 0, segment * (int(w.max()) + 1) + w, -1)
                 out_words.append(key[maskable])
+        if with_unknown:
+            first, count = with_unknown[0]
+            total = sum(c for _, c in with_unknown)
+            warnings.warn(
+                f"{len(with_unknown)} of {n} sequence(s) hold the unknown token {self.tokenizer.unk_token!r} "
+                f"({total} token(s); sequence {first} has {count}): symbols outside the tokenizer's vocabulary "
+                f"of {len(self.tokenizer)} tokens. An unknown token is never masked nor scored, so such a "
+                f"sequence's scores sum fewer tokens and read higher (AntiBERTy's PLL: 'E V Q L' -24.8, "
+                f"'E V X Q L' -16.6). Write those symbols as the vocabulary has them, or leave those sequences out.",
+                stacklevel=user_stacklevel(),
+            )
         return Encoded(out_ids, out_types, out_mask, out_words if words is not None else None)

@@ -213,7 +213,17 @@ def dataset_options(args, source_flag, source, split, column=None):
                              f"{source_flag} {'it' if one else 'they'} would be ignored: leave "
                              f"{'it' if one else 'them'} out, or pass --dataset.")
         return
-    args.split = split if args.split is None else args.split
+    if os.path.isfile(args.dataset):
+        # a data file (csv, json, parquet) is one table: it has no configs nor splits
+        given = [flag for flag, value in (("--dataset-config", args.dataset_config), ("--split", args.split))
+                 if value is not None]
+        if given:
+            one = len(given) == 1
+            raise ValueError(f"{' and '.join(given)} {'chooses' if one else 'choose'} within a hub dataset or a "
+                             f"save_to_disk() directory; the data file {args.dataset!r} is one table, so "
+                             f"{'it' if one else 'they'} would be ignored: leave {'it' if one else 'them'} out.")
+    else:
+        args.split = split if args.split is None else args.split
     args.column = column if args.column is None else args.column
 
 
@@ -311,11 +321,14 @@ def _run_mlm(args):
         rates = parse_rates(args.rates)
         if args.device is not None:
             check_device(args.device)
-        texts = load_texts(args.text_file, args.dataset, args.dataset_config, args.split, args.column, args.limit)
+        texts, columns = load_texts(args.text_file, args.dataset, args.dataset_config, args.split, args.column,
+                                    args.limit, with_columns=True)
+        args.column = columns  # the columns read, chosen when --column was left out
     except (ResourceUnavailable, ValueError) as err:
         _fail(err)
     if not texts:
-        source = f"--text-file {args.text_file!r}" if args.text_file else f"--dataset {args.dataset!r} (split {args.split!r})"
+        source = (f"--text-file {args.text_file!r}" if args.text_file else f"--dataset {args.dataset!r}"
+                  + (f" (split {args.split!r})" if args.split else ""))
         _fail(f"no sequences to score: {source} is empty (blank lines are skipped); give one sequence per line.")
     try:
         model, tok = load_masked_lm(args.model, args.tokenizer, args.random_init, args.lowercase, args.seed,

@@ -284,3 +284,28 @@ def _():
 @trigger("cli-dataset-option-without-dataset")
 def _():
     _cli(["mlm-curve", "no-such-org/no-such-model", "--text-file", "t.txt", "--split", "test"])
+
+
+@trigger("cli-dataset-file-split")
+def _():
+    path = Path(_tmpdir()) / "ab.csv"
+    path.write_text('seq,label\n"E V Q L",1\n')
+    _cli(["mlm-curve", "no-such-org/no-such-model", "--dataset", str(path), "--split", "test"])
+
+
+@trigger("load-texts-column-not-text")
+def _():
+    pytest.importorskip("datasets")
+    path = Path(_tmpdir()) / "ab.csv"
+    path.write_text('seq,label\n"E V Q L",1\n')
+    _loading().load_texts(dataset=str(path), columns=["seq", "label"])
+
+
+@trigger("load-tokenizer-unreachable")
+def _():
+    loading = _loading()
+    mp = _offline()
+    try:
+        loading.load_tokenizer("/nonexist/vocab.txt")
+    finally:
+        mp.undo()

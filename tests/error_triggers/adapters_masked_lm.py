@@ -109,6 +109,11 @@ def _():
     _scorer(max_length=4).encode(["a b c d e f"])
 
 
+@trigger("mlm-unknown-tokens")
+def _():
+    _scorer().encode(["a zzz b"])
+
+
 @trigger("mlm-max-length-beyond-positions")
 def _():
     _scorer(max_length=64)
