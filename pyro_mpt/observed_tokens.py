@@ -155,8 +155,12 @@ def check_local_latent(tokens, site, error=ValueError, *, allow_token_plates=Fal
     name = site["name"]
     missing = obs_frames - own
     if missing:
-        plates = ", ".join(repr(f.name) for f in missing)
-        names = tuple(f.name for f in missing)
+        plates = ", ".join(repr(f.name) for f in sorted(missing, key=lambda f: f.dim))
+        # the plates to make token plates: these and those that already are, outermost
+        # first (naming only these, the message sent the user from one plate to the other)
+        stack = tokens.model_trace.nodes[tokens.name]["cond_indep_stack"]
+        tokens_too = {f.name for f in missing} | set(tokens.token_plates)
+        names = tuple(f.name for f in sorted(stack, key=lambda f: f.dim) if f.name in tokens_too)
         raise error(
             f"Latent site {name!r} is outside the plate(s) {plates} of observed "
             f"site {tokens.name!r}: it is shared by all datapoints (a global "

@@ -141,11 +141,16 @@ def locate_site(model_trace, obs_site):
             )
         if len(observed) > 1:
             names = ", ".join(repr(s["name"]) for s in observed)
+            # the state space model's distribution for the latents the model has
+            latents = [s for s in sites if not s["is_observed"] and not holds_no_data(s)]
+            discrete = bool(latents) and all(getattr(s["fn"], "has_enumerate_support", False) for s in latents)
+            hmm = ("dist.DiscreteHMM site (discrete states)" if discrete else
+                   "dist.GaussianHMM site (linear-Gaussian states; dist.DiscreteHMM for discrete ones)")
             raise ValueError(
                 f"The model observes several sites ({names}); say which one holds "
                 f"the tokens with obs_site=<name>. (The tokens of a datapoint come from "
-                f"one site: an HMM written with one observed site per step is one "
-                f"dist.DiscreteHMM site whose event dim is time.)"
+                f"one site: a state space model written with one observed site per step "
+                f"is one {hmm} whose event dim is time.)"
             )
         site = observed[0]
     else:

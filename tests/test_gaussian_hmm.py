@@ -431,3 +431,31 @@ def test_auto_sends_masks_per_datapoint_to_the_dense_covariance_where_cheaper(fl
     assert engine.recomputes_mask_sums(state, tokens.value, mask) is False
     sums = engine.mask_sums(state, tokens.value, mask)
     assert not calls and torch.isfinite(sums).all()
+
+
+def test_a_markov_state_space_model_is_pointed_to_gaussian_hmm():
+    """A linear-Gaussian state space model in pyro.markov, one observed site per step, is
+    refused with a pointer to dist.GaussianHMM (before: to dist.DiscreteHMM, for discrete
+    states); written so, it gives the Kalman filter's log p(x), Pyro's own log_prob (1e-10)."""
+    T = 5
+    x = torch.randn(3, T, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def markov(x):
+        with pyro.plate("data", x.shape[0]):
+            z = torch.zeros(x.shape[0], dtype=torch.float64)
+            for t in pyro.markov(range(T)):
+                z = pyro.sample(f"z_{t}", dist.Normal(0.8 * z, 1.0))
+                pyro.sample(f"x_{t}", dist.Normal(z, 0.5), obs=x[:, t])
+
+    with pytest.raises(ValueError, match=r"one dist\.GaussianHMM site \(linear-Gaussian states"):
+        Evidence(markov, method="exact")(x)
+    one = torch.ones(1, 1, dtype=torch.float64)
+    hmm = dist.GaussianHMM(dist.Normal(torch.zeros(1, dtype=torch.float64), 1.0).to_event(1), 0.8 * one,
+                           dist.Normal(torch.zeros(1, dtype=torch.float64), 1.0).to_event(1), one,
+                           dist.Normal(torch.zeros(1, dtype=torch.float64), 0.5).to_event(1), duration=T)
+
+    def written(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("x", hmm, obs=x.unsqueeze(-1))
+
+    assert torch.allclose(Evidence(written, method="exact")(x), hmm.log_prob(x.unsqueeze(-1)), rtol=0, atol=1e-10)

@@ -631,3 +631,35 @@ def test_pll_without_the_leave_one_out_table_takes_the_masks():
     scores = [MaskedPretrainingLoss(masks="pll", conditionals=engine, token_plates=("data",)).score(model, None, x)
               for engine in (HierarchicalGaussianConditionals(), PerMask())]
     assert torch.allclose(scores[0], scores[1], rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("given", [None, ("groups",), ("members",)])
+def test_the_global_latent_message_names_every_plate_to_make_tokens(given):
+    """A global mean over groups of members (two nested plates): the refusal's suggested
+    token_plates, followed as written, gives the whole dataset's evidence, scipy's
+    multivariate normal of the written-out covariance (1e-8). Before, it named only the
+    plates the latent missed, sending the user from ('groups',) to ('members',) and back."""
+    import re
+
+    from scipy.stats import multivariate_normal
+
+    G, M, tau, s = 3, 4, 1.3, 0.4
+    x = torch.randn(G, M, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
+
+    def model(x):
+        m0 = pyro.sample("m0", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 2.0))
+        with pyro.plate("groups", G, dim=-2):
+            a = pyro.sample("a", dist.Normal(m0, tau))
+            with pyro.plate("members", M, dim=-1):
+                pyro.sample("x", dist.Normal(a, s), obs=x)
+
+    options = {} if given is None else {"token_plates": given}
+    with pytest.raises(ValueError, match="global latent") as err:
+        Evidence(model, method="exact", **options)(x)
+    suggested = eval(re.search(r"pass token_plates=(\(.*?\)) so that", str(err.value)).group(1))
+    assert set(suggested) == {"groups", "members"}
+    group = np.repeat(np.arange(G), M)
+    cov = 4.0 + tau**2 * (group[:, None] == group[None, :]) + s**2 * np.eye(G * M)
+    ref = multivariate_normal(np.zeros(G * M), cov).logpdf(x.numpy().reshape(-1))
+    got = Evidence(model, method="exact", token_plates=suggested)(x)
+    assert abs(float(got.sum()) - ref) < 1e-8
