@@ -107,6 +107,7 @@ def test_mae_curve_end_to_end(tmp_path):
     data = json.loads(js.read_text())
     assert data["num_images"] == 3 and data["num_patches"] == 16 and data["rates"] == [0.25, 0.5, 0.75]
     assert len(data["per_image"]["mse"]) == 3 and png.stat().st_size > 1000
+    assert len(data["per_image"]["file"]) == 3 and all(os.path.isfile(f) for f in data["per_image"]["file"])
     assert data["sigma2"] == pytest.approx(np.mean(data["per_image"]["mse"]))
 
 

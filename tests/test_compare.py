@@ -197,3 +197,14 @@ def test_khat_summary_counts_only_defined_khats():
     ev = heldout_evidence(model, None, x, num_samples=10)
     assert math.isnan(ev["khat_frac"]) and math.isnan(ev["khat_max"])
     assert np.isfinite(ev["mean"])
+
+
+def test_table_shows_a_small_share_of_large_khat_as_below_one_percent():
+    """One held-out image in 299 with k-hat > 0.7 read "0%" in the table; now "<1%", while
+    none reads 0% and a third 33%."""
+    from pyro_mpt.experiments.compare import Comparison, RunResult
+
+    rows = [RunResult(name, -20.0, 0.2, 0.003, frac, 0.5, 1.0, -20.0, [], [-20.0], None)
+            for name, frac in (("a", 1 / 299), ("b", 0.0), ("c", 1 / 3))]
+    lines = Comparison(rows, {}).table(reference=None).splitlines()[2:]
+    assert [line.split()[4] for line in lines] == ["<1%", "0%", "33%"]

@@ -131,7 +131,7 @@ class Comparison:
                 continue
             line = (
                 f"{r.name:<22} {r.heldout:>18.3f} {r.stderr:>8.3f} {r.mc_stderr:>8.3f} "
-                f"{100 * r.khat_frac:>5.0f}% {r.train_time:>9.1f}"
+                f"{_percent(r.khat_frac):>6} {r.train_time:>9.1f}"
             )
             if ref and r.name in ok and r.name != ref:
                 d, se = self.paired(r.name, ref)
@@ -267,6 +267,11 @@ def khat_summary(khat, threshold=0.7):
     return {"khat_frac": float((known > threshold).double().mean()), "khat_max": float(known.max())}
 
 
+def _percent(frac):
+    """A fraction as a whole percentage, "<1%" (not "0%") for one image in several hundred."""
+    return "<1%" if 0 < frac < 0.005 else f"{100 * frac:.0f}%"
+
+
 def compare(
     make_model,
     train,
@@ -296,7 +301,7 @@ def compare(
     :param losses: loss specs (see :func:`make_loss`), or a dict label -> spec.
     :param int epochs: passes over ``train``.
     :param int batch_size: minibatch size.
-    :param float lr: Adam learning rate.
+    :param float lr: Adam learning rate (``pyro-mpt compare``'s default is 3e-3).
     :param int eval_every: evaluate the held-out evidence every this many
         epochs (into ``history``); None: only at the end.
     :param int eval_samples: importance samples per held-out datapoint during training.

@@ -430,7 +430,9 @@ def _run_mae(args):
         "rates": mse["rates"],
         "mse": {k: mse[k] for k in ("score", "stderr", "count")},
         "log_density": {k: logd[k] for k in ("score", "stderr", "count", "area", "area_stderr")},
-        "per_image": {"mse": curves["mse"].per_item.tolist(), "log_density_area": logd["per_item_area"]},
+        "per_image": {"mse": curves["mse"].per_item.tolist(), "log_density_area": logd["per_item_area"],
+                      # which image each entry is: the folder's files in the order read
+                      "file": list(getattr(images, "paths", None) or []) or None},
         "seconds": time.perf_counter() - t0,
     }
     _say(acc, f"{len(images)} images, {len(rates)} rates: log-density area {logd['area']:.2f} +- {_se(logd['area_stderr'])} "
