@@ -343,7 +343,7 @@ def _seeded_models():
         w = pyro.param("w", torch.tensor([0.3, -0.2, 0.5, 0.1], dtype=torch.float64))
         with pyro.plate("data", x.shape[0]):
             z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
-            pyro.sample("x", dist.Poisson((z[:, None] * w).exp()).to_event(1), obs=x)
+            pyro.sample("x", dist.Poisson((z[..., None] * w).exp()).to_event(1), obs=x)
 
     return [(ppca, x, "auto"), (poisson, x.abs().round(), "auto"), (poisson, x.abs().round(), "importance")]
 
