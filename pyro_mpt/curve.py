@@ -32,8 +32,12 @@ class MPTCurve:
         :meth:`area_stderr`.
     :param numpy.ndarray mask_variance: ``(S,)``, with masks shared by the batch, the
         variance of each size's mean that the draw of the masks adds (common to every
-        datapoint, so not in the spread of ``item_areas``), counted in ``stderr`` and
-        :meth:`area_stderr`; None (no such variance, or unknown).
+        datapoint, so not in the spread of ``item_areas``), counted in ``stderr``; None
+        (no such variance, or unknown).
+    :param float area_mask_variance: the same for the area, counted in
+        :meth:`area_stderr` (the sum of ``mask_variance`` where the sizes' masks are
+        drawn independently; from the spread of the mask sets' areas where they are not,
+        nested masks or orderings); None (no such variance, or unknown).
 
     Example::
 
@@ -51,6 +55,7 @@ class MPTCurve:
     rates_override: Optional[np.ndarray] = None
     item_areas: Optional[np.ndarray] = None
     mask_variance: Optional[np.ndarray] = None
+    area_mask_variance: Optional[float] = None
 
     @property
     def rates(self):
@@ -92,9 +97,10 @@ class MPTCurve:
         with many). With masks shared by the batch (``share_masks=True``, the
         default of :meth:`~pyro_mpt.MaskedPretrainingLoss.curve`) the mask
         draw is common to all datapoints and does not show in that spread: its
-        variance (``mask_variance``, summed over the sizes, whose masks are drawn
-        independently) is added. With one datapoint it is NaN (unknown). Without
-        per-datapoint areas, the per-size errors are added as if independent.
+        variance (``area_mask_variance``) is added, where it is known (see
+        :class:`CurveAccumulator`: not for one set of nested masks or orderings, nor
+        one set of fewer than 3 sizes). With one datapoint it is NaN (unknown).
+        Without per-datapoint areas, the per-size errors are added as if independent.
         """
         if self.item_areas is not None:
             a = np.asarray(self.item_areas, dtype=np.float64)
@@ -102,8 +108,8 @@ class MPTCurve:
             if len(a) < 2:
                 return float("nan")
             var = a.var(ddof=1) / len(a)
-            if self.mask_variance is not None:
-                var += float(np.nansum(self.mask_variance))
+            if self.area_mask_variance is not None:
+                var += self.area_mask_variance
             return float(np.sqrt(var))
         return float(np.sqrt(np.nansum(np.asarray(self.stderr) ** 2)))
 
@@ -176,10 +182,15 @@ class CurveAccumulator:
     expectation is smooth in :math:`M` while the masks of two sizes are independent
     draws: the second differences :math:`d_M = \bar S(M-1) - 2\bar S(M) + \bar S(M+1)` have
     variance :math:`\approx 6\sigma_M^2`, so :math:`\hat\sigma^2_M` is the mean of
-    :math:`d^2/6` over the sizes within ``max(2, D // 10)`` of :math:`M` (the curve's
-    curvature adds to it: an estimate from above). With one set of nested masks or
-    orderings (``shared=True``) the sizes' draws are not independent, and the variance
-    is not estimated.
+    :math:`d^2/6` over the sizes within ``max(2, D // 10)`` of :math:`M`. The curve's
+    curvature adds to it (an estimate from above: a four-token mixture's bent curve read
+    7 times its mask noise), and a size borrows its neighbours' level (too small at
+    :math:`M = 1`, where the noise is largest); with fewer than 3 sizes it is not
+    estimated. The area's variance is the sum over the sizes where their draws are
+    independent (``shared="sizes"``); nested masks and orderings (``shared=True``) move
+    their sizes together, so there it is the spread of the mask sets' areas over
+    :math:`P` (:meth:`start_replicate` before each set's queries), and with one set it is
+    not estimated.
 
     :param int num_tokens: D.
     :param shared: False (masks per datapoint, or no random masks: nothing added), True
@@ -201,6 +212,19 @@ class CurveAccumulator:
         self._items = []
         # per size: the number, sum and sum of squares of the shared masks' means over the data
         self._sets = np.zeros((3, num_tokens))
+        # per mask set (start_replicate): the number and sum of its masks' means, per size
+        self._replicates = []
+        self._replicate_items = []
+
+    def start_replicate(self):
+        """The queries added from now on, and the areas of :meth:`add_items`, are one more
+        set of masks, drawn independently of the others (shared by the batch): the
+        spread of the sets' areas gives the area's mask variance (nested masks and
+        orderings, whose sizes move together)."""
+        if self._items:
+            self._replicate_items.append(self._items)
+            self._items = []
+        self._replicates.append(np.zeros((2, self.num_tokens)))
 
     def add_items(self, areas):
         r"""Record per-datapoint areas :math:`\sum_M \hat S(x_i; M)`, shape ``(n,)``,
@@ -229,6 +253,9 @@ class CurveAccumulator:
             rows = idx[:, 0].cpu().numpy()
             for k, v in enumerate((np.ones_like(means), means, means**2)):
                 np.add.at(self._sets[k], rows, v)
+            if self._replicates:
+                for k, v in enumerate((np.ones_like(means), means)):
+                    np.add.at(self._replicates[-1][k], rows, v)
         col = torch.arange(n, device=shat.device).expand_as(idx)
         self._sum.index_put_((idx, col), shat, accumulate=True)
         if self._counts is None and bool((idx == idx[:, :1]).all()):
@@ -255,9 +282,24 @@ class CurveAccumulator:
         if mask_variance is not None:
             stderr = np.sqrt(stderr**2 + mask_variance)
         sizes = np.arange(1, self.num_tokens + 1)
-        areas = torch.cat(self._items).numpy() if self._items else None
+        sets = self._replicate_items + ([self._items] if self._items else [])
+        # each datapoint's area: the mean over the mask sets of its area in each
+        areas = np.mean([torch.cat(items).numpy() for items in sets], 0) if sets else None
         return MPTCurve(sizes, self.num_tokens, mean, stderr, n.astype(int), label, item_areas=areas,
-                        mask_variance=mask_variance)
+                        mask_variance=mask_variance, area_mask_variance=self._area_mask_variance(mask_variance))
+
+    def _area_mask_variance(self, mask_variance):
+        """The variance the shared masks' draw adds to the area; None where not estimated."""
+        if not self.shared:
+            return None
+        if len(self._replicates) >= 2:
+            count, total = np.stack(self._replicates, 1)  # (P, D) each
+            with np.errstate(invalid="ignore", divide="ignore"):
+                areas = np.where(count > 0, total / count, 0.0).sum(1)
+            return float(areas.var(ddof=1) / len(areas))
+        if self.shared == "sizes" and mask_variance is not None:
+            return float(np.nansum(mask_variance))
+        return None
 
     def _mask_variance(self, mean):
         """Per size, the variance the shared masks' draw adds to its mean, ``(D,)``; None

@@ -17,6 +17,7 @@ in a subsampled ``pyro.plate`` of size ``N`` and batch ``B``, times any
 full-data loss whenever the schedule is unbiased.
 """
 
+import copy
 import difflib
 from dataclasses import dataclass, field
 
@@ -412,5 +413,14 @@ class MaskedPretrainingLoss(ELBO):
             # with missing tokens every schedule draws its masks per datapoint
             shared = schedule.curve_mask_sharing() if tokens.observed is None else False
             acc = CurveAccumulator(tokens.num_tokens, shared=shared)
-            acc.add_items(self._estimate(schedule, tokens, engine, state, acc, desc="MPT curve"))
+            if shared is True and schedule.num_masks > 1:
+                # nested masks or orderings shared by the batch move their sizes together: the
+                # area's mask noise is the spread of the P sets' areas, each set a run of its own
+                one = copy.copy(schedule)
+                one.num_masks = 1
+                for _ in range(schedule.num_masks):
+                    acc.start_replicate()
+                    acc.add_items(self._estimate(one, tokens, engine, state, acc, desc="MPT curve"))
+            else:
+                acc.add_items(self._estimate(schedule, tokens, engine, state, acc, desc="MPT curve"))
         return acc.result(label=f"{type(schedule).__name__}")
