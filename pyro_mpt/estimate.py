@@ -384,7 +384,20 @@ def _block_estimate(block, engine, state, x, recompute=True):
             # masks drawn once and kept as bits for the recomputation (an eighth of
             # the bool masks): redrawing them would cost more than the engine's work
             block = dataclasses.replace(block, draw=functools.partial(unpack_bits, pack_bits(mask), mask.shape[-1]))
+    if (recompute and torch.is_grad_enabled() and isinstance(block, ChainBlock) and block.order is None
+            and engine.chain_sums_reads_order(state)):
+        # orderings drawn here, outside the recomputed region: drawn in its first run, they
+        # were kept on the block, so its second run skipped the draw and a sampling engine's
+        # draws after them shifted (importance sampling with a guide, masks="order": the
+        # gradient 0.25 off the loss's own finite differences); kept in the narrowest integers
+        order = block.orders()
+        small = order.to(torch.int16 if order.shape[-1] <= torch.iinfo(torch.int16).max else torch.int32)
+        block = dataclasses.replace(block, order=None, draw=functools.partial(_widened, small))
     return _recomputed(recompute, _weighted_sum, block, engine, state, x)
+
+
+def _widened(order):
+    return order.long()
 
 
 def _recomputed(recompute, fn, *args):
