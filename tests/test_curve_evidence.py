@@ -387,10 +387,14 @@ def test_area_stderr_with_shared_masks_counts_the_mask_draw(num_masks):
     several from the spread of their means (numpy's variance of the sets' means over P)."""
     model, x, exact = make_ppca(10, 2, N=200, seed=4)
     lml = float(exact(x).mean())
-    areas, ses = [], []
+    areas, ses, first, first_se = [], [], [], []
     for seed in range(30):
         pyro.set_rng_seed(seed)
         curve = MaskedPretrainingLoss(masks="all", num_masks=num_masks).curve(model, None, x)
+        # M = D: one mask, the same in every draw
+        assert curve.mask_variance[-1] < 1e-20
+        first.append(curve.score[0])
+        first_se.append(curve.stderr[0])
         assert curve.mask_variance is not None and bool((curve.mask_variance >= 0).all()) and curve.mask_variance.sum() > 0
         # the sizes' masks are independent draws: the area's variance is their sum
         assert curve.area_mask_variance == pytest.approx(curve.mask_variance.sum(), rel=1e-12)
@@ -400,6 +404,9 @@ def test_area_stderr_with_shared_masks_counts_the_mask_draw(num_masks):
         ses.append(curve.area_stderr())
     spread = float(np.std(np.asarray(areas) - lml, ddof=1))
     assert 0.8 < np.mean(ses) / spread < 2.2, (np.mean(ses), spread)
+    # the per-size error where the noise is largest, M = 1 (one set: 0.5-0.7 of the spread
+    # when every size took its neighbours' level, before the (D - M) / (M (D - 1)) shape)
+    assert 0.75 < np.mean(first_se) / np.std(first, ddof=1) < 2.2, (np.mean(first_se), np.std(first, ddof=1))
     # masks per datapoint, or none drawn: nothing to add; one set of nested masks: not estimated
     for loss in (MaskedPretrainingLoss(masks="all", share_masks=False), MaskedPretrainingLoss(masks="exhaustive"),
                  MaskedPretrainingLoss(masks="nested")):
