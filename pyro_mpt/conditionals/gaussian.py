@@ -220,10 +220,8 @@ class GaussianConditionals(ConditionalEngine):
             # the groups found at an earlier call: the loading from r + 4 model runs, not R + 4
             # (random intercepts of 1000 groups: 5 runs, no 10000 x 1000 table)
             inner = colored_marginal(colors, tokens, model, args, kwargs, self.vectorize, self.memory.run_mode)
-            if inner is not None and colors.num_globals:
-                return global_groups_state(inner, colors)
             if inner is not None:
-                return grouped_state(self._prepare_marginal(inner, tokens.name), tokens.num_data, colors.tokens)
+                return self._colored_state(inner, colors, tokens)
             del self.memory.colors[key]
         if self.groups and tokens.num_data == 1 and key not in self.memory.ungrouped:
             state = self._groups_without_the_table(tokens, model, args, kwargs, key)
@@ -238,10 +236,10 @@ class GaussianConditionals(ConditionalEngine):
             # independent groups as rows, O(C N r^2) a step instead of O(D R^2); their loading
             # from the colours' points already, so that the backward pass skips the whole
             # table's model runs (20000 observations in 2000 groups: 8 s of a 14 s first call)
-            inner, index, colors = groups
+            inner, _, colors = groups
             self.memory.colors[key] = colors
             inner = colored_marginal(colors, tokens, model, args, kwargs, self.vectorize, self.memory.run_mode) or inner
-            return grouped_state(self._prepare_marginal(inner, tokens.name), tokens.num_data, index)
+            return self._colored_state(inner, colors, tokens)
         colors = global_groups(marginal, tokens.num_data, nonzeros) if self.groups else None
         if colors is not None and dropped_zeros_structural(colors, self.memory.groups, tokens, model, args, kwargs,
                                                            self.vectorize, self.memory.run_mode):
@@ -252,7 +250,7 @@ class GaussianConditionals(ConditionalEngine):
             inner = colored_marginal(colors, tokens, model, args, kwargs, self.vectorize, self.memory.run_mode)
             if inner is not None:
                 self.memory.colors[key] = colors
-                return global_groups_state(inner, colors)
+                return self._colored_state(inner, colors, tokens)
         return self._prepare_marginal(marginal, tokens.name)
 
     def _groups_without_the_table(self, tokens, model, args, kwargs, key):
@@ -279,10 +277,15 @@ class GaussianConditionals(ConditionalEngine):
                 return None
             self.memory.colors[key] = colors
             self.memory.ungrouped.discard(key)
-            if colors.num_globals:
-                return global_groups_state(inner, colors)
-            return grouped_state(self._prepare_marginal(inner, tokens.name), tokens.num_data, colors.tokens)
+            return self._colored_state(inner, colors, tokens)
         return None
+
+    def _colored_state(self, inner, colors, tokens):
+        """The state of a loading's groups (``colors``) from their marginal ``inner``: the
+        arrowhead posterior where global latents join them, else the groups as rows."""
+        if colors.num_globals:
+            return global_groups_state(inner, colors)
+        return grouped_state(self._prepare_marginal(inner, tokens.name), tokens.num_data, colors.tokens)
 
     def _prepare_marginal(self, marginal, site):
         """The state of a marginal: its path, working dtype, jitter and factor."""
