@@ -69,7 +69,7 @@ def leave_one_out_targets(mask):
     return targets
 
 
-def leave_one_out_from_full(e, psi, spread):
+def leave_one_out_from_full(e, psi, spread, observed=None):
     r""":math:`\log p(x_j \mid x_{-j})` from the full-data posterior of a linear-Gaussian
     model :math:`x_j = \mu_j + c_j^\top\varepsilon + \sqrt{\psi_j}\,\xi_j`,
     :math:`\varepsilon \sim \mathcal N(0, I)`: with the residual :math:`e_j` of the
@@ -87,6 +87,8 @@ def leave_one_out_from_full(e, psi, spread):
     :param torch.Tensor psi: the noise variances :math:`\psi_j`.
     :param torch.Tensor spread: :math:`c_j^\top P^{-1} c_j`, the latent part of the
         full-data posterior predictive variance.
+    :param torch.Tensor observed: bool, True at an observed token (the posterior is then the
+        one given the observed tokens), or None: the log-conditionals are 0 at a missing one.
     :returns: the log-conditionals, of the three's broadcast shape.
 
     Example::
@@ -94,7 +96,10 @@ def leave_one_out_from_full(e, psi, spread):
         >>> leave_one_out_from_full(x - mean, psi, var - psi)   # (n, D)
     """
     keep = 1.0 - spread / psi  # psi_j / v_j, v_j the conditional variance: in (0, 1]
-    return -0.5 * (LOG_2PI + psi.log() - keep.log() + e.pow(2) / (psi * keep))
+    table = -0.5 * (LOG_2PI + psi.log() - keep.log() + e.pow(2) / (psi * keep))
+    if observed is None:
+        return table
+    return torch.where(observed, table, torch.zeros((), dtype=table.dtype, device=table.device))
 
 
 def lowrank_leave_one_out(m, data):
@@ -164,8 +169,7 @@ def lowrank_leave_one_out_observed(m, x, observed):
     r = x - m.loc
     zhat = torch.cholesky_solve(((r * w).unsqueeze(-2) @ F).transpose(-1, -2), L0)  # (n, R, 1)
     e = r - (F @ zhat).squeeze(-1)
-    table = leave_one_out_from_full(e, psi, V.pow(2).sum(-2))
-    return torch.where(observed, table, torch.zeros((), dtype=table.dtype, device=table.device))
+    return leave_one_out_from_full(e, psi, V.pow(2).sum(-2), observed)
 
 
 def dense_leave_one_out(m, x):

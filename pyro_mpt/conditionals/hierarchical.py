@@ -430,10 +430,7 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         hidden = torch.zeros_like(x, dtype=torch.bool) if observed is None else ~observed
         x = _to_work(state, x)
         mean, spread = self._moments(state, x, hidden[None])
-        table = leave_one_out_from_full(x - mean[0], state.psi, spread[0])
-        if observed is not None:
-            table = torch.where(observed, table, torch.zeros((), dtype=table.dtype, device=table.device))
-        return _to_data(state, table)
+        return _to_data(state, leave_one_out_from_full(x - mean[0], state.psi, spread[0], observed))
 
     def weighted_sum_elements(self, state, x, mask=None):
         """Elements of the working set per query: ``n`` for masks ``(q, D)`` that each hide
