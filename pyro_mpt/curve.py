@@ -214,9 +214,8 @@ class CurveAccumulator:
         self.shared = shared
         self._sum = None
         self._items = []
-        # per size: the number, sum and sum of squares of the shared masks' means over the data
-        self._sets = np.zeros((3, num_tokens))
-        # per mask set (start_replicate): the number and sum of its masks' means, per size
+        # per mask set (start_replicate; one where it is not called) and size: the number,
+        # sum and sum of squares of the shared masks' means over the data
         self._replicates = []
         self._replicate_items = []
 
@@ -228,7 +227,7 @@ class CurveAccumulator:
         if self._items:
             self._replicate_items.append(self._items)
             self._items = []
-        self._replicates.append(np.zeros((2, self.num_tokens)))
+        self._replicates.append(np.zeros((3, self.num_tokens)))
 
     def add_items(self, areas):
         r"""Record per-datapoint areas :math:`\sum_M \hat S(x_i; M)`, shape ``(n,)``,
@@ -255,11 +254,10 @@ class CurveAccumulator:
             # each row one mask (or one position of an ordering) for the whole batch
             means = shat.mean(1).cpu().numpy()
             rows = idx[:, 0].cpu().numpy()
+            if not self._replicates:
+                self._replicates.append(np.zeros((3, self.num_tokens)))
             for k, v in enumerate((np.ones_like(means), means, means**2)):
-                np.add.at(self._sets[k], rows, v)
-            if self._replicates:
-                for k, v in enumerate((np.ones_like(means), means)):
-                    np.add.at(self._replicates[-1][k], rows, v)
+                np.add.at(self._replicates[-1][k], rows, v)
         col = torch.arange(n, device=shat.device).expand_as(idx)
         self._sum.index_put_((idx, col), shat, accumulate=True)
         if self._counts is None and bool((idx == idx[:, :1]).all()):
@@ -297,7 +295,7 @@ class CurveAccumulator:
         if not self.shared:
             return None
         if len(self._replicates) >= 2:
-            count, total = np.stack(self._replicates, 1)  # (P, D) each
+            count, total, _ = np.stack(self._replicates, 1)  # (P, D) each
             with np.errstate(invalid="ignore", divide="ignore"):
                 areas = np.where(count > 0, total / count, 0.0).sum(1)
             return float(areas.var(ddof=1) / len(areas))
@@ -310,7 +308,7 @@ class CurveAccumulator:
         where masks are not shared or it is not estimated (see the class docstring)."""
         if not self.shared:
             return None
-        count, total, squares = self._sets
+        count, total, squares = sum(self._replicates, np.zeros((3, self.num_tokens)))
         if bool((count >= 2).all()):
             with np.errstate(invalid="ignore", divide="ignore"):
                 var = (squares - total**2 / count) / (count - 1)
