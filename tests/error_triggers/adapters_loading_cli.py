@@ -19,11 +19,13 @@ from error_triggers.registry import trigger
 from error_triggers.common import _bert, _mae, _tmpdir
 
 
+@contextlib.contextmanager
 def _offline():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("HF_DATASETS_OFFLINE", "1")
-    return mp
+    """The hub and datasets offline within, as they were after."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_OFFLINE", "1")
+        yield
 
 
 def _loading():
@@ -36,11 +38,8 @@ def _loading():
 @trigger("load-unreachable")
 def _():
     loading = _loading()
-    mp = _offline()
-    try:
+    with _offline():
         loading.load_masked_lm("no-such-org/no-such-model")
-    finally:
-        mp.undo()
 
 
 @trigger("load-antiberty-not-installed")
@@ -112,11 +111,8 @@ def _():
 def _():
     pytest.importorskip("datasets")
     loading = _loading()
-    mp = _offline()
-    try:
+    with _offline():
         loading.load_texts(dataset="no-such-org/no-such-dataset")
-    finally:
-        mp.undo()
 
 
 @trigger("load-missing-package")
@@ -233,11 +229,8 @@ def _():
 def _():
     text = Path(_tmpdir()) / "t.txt"
     text.write_text("a b\n")
-    mp = _offline()
-    try:
+    with _offline():
         _cli(["mlm-curve", "no-such-org/no-such-model", "--text-file", str(text), "--no-plot"])
-    finally:
-        mp.undo()
 
 
 @trigger("cli-empty-input")
@@ -304,8 +297,5 @@ def _():
 @trigger("load-tokenizer-unreachable")
 def _():
     loading = _loading()
-    mp = _offline()
-    try:
+    with _offline():
         loading.load_tokenizer("/nonexist/vocab.txt")
-    finally:
-        mp.undo()
