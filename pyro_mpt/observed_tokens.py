@@ -169,7 +169,9 @@ def check_local_latent(tokens, site, error=ValueError, *, allow_token_plates=Fal
             f"observations are the tokens of one datapoint (exact for linear-Gaussian "
             f"hierarchies with conditionals='hierarchical' or Evidence(method='exact'); "
             f"otherwise conditionals='importance' or Evidence(method='importance') with a "
-            f"guide over all the latents). Or make it a pyro.param."
+            f"guide over all the latents). Or make it a pyro.param, or fit it by MAP: a "
+            f"guide with a point mass at it (AutoDelta over the global latents, as in Pyro's "
+            f"GMM tutorial) holds it fixed."
         )
     token_names = set(tokens.token_plates)
     inside = sorted(f.name for f in own if f.name in token_names)

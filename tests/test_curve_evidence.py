@@ -226,6 +226,34 @@ def test_unknown_evidence_method():
         Evidence(lambda: None, method="magic")
 
 
+def test_evidence_refusals_name_the_evidence_method_of_each_engine_they_point_to():
+    """An engine's refusal names engines as conditionals='...'; from Evidence the message
+    also says which method runs each (before, Evidence(method='quadrature') on a mixture
+    said "conditionals='enumerate' sums discrete latents exactly", an argument Evidence
+    does not take)."""
+    def gmm(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Categorical(torch.ones(2) / 2))
+            pyro.sample("x", dist.Normal(torch.tensor([[0.0, 0.0], [3.0, 3.0]])[z], 1.0).to_event(1), obs=x)
+
+    def bernoulli_factors(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Bernoulli(logits=z @ torch.ones(2, 3)).to_event(1), obs=x)
+
+    with pytest.raises(ValueError, match=r"conditionals='enumerate' sums .* \(From Evidence, conditionals 'quadrature' is "
+                                         r"method='quadrature'; 'enumerate' is method='exact'; 'importance' is method='importance'\.\)$"):
+        Evidence(gmm, method="quadrature")(torch.randn(4, 2))
+    with pytest.raises(ValueError) as refusal:
+        Evidence(bernoulli_factors, method="exact")(torch.ones(4, 3))
+    message = str(refusal.value)
+    assert "discrete latents (a finite mixture, also of linear-Gaussian components)" in message
+    assert message.endswith("'quadrature' is method='quadrature'; 'importance' is method='importance'.)")
+    # a message that names no engine is left as it was
+    from pyro_mpt.evidence.engine_advice import in_evidence_terms
+    assert in_evidence_terms("Use more nodes (num_nodes=...).") == "Use more nodes (num_nodes=...)."
+
+
 def test_area_stderr_counts_the_correlation_of_nested_masks():
     """'nested' masks are prefixes of one ordering per datapoint, so one datapoint's S(x_i; M) are
     correlated over M: the area's standard error must come from the per-datapoint areas.

@@ -47,8 +47,9 @@ discrete latents, derives that component's Gaussian marginal with
 :func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal` (one call per
 support point), and reduces the Gaussian mixture with
 :class:`~pyro_mpt.conditionals.gaussian_mixture.GaussianMixtureTable`. The discrete
-latents must be sampled before the Normal ones (so that their prior cannot
-depend on them).
+latents' prior must not depend on the Normal ones: sampled first, it cannot;
+sampled after them, Pyro's provenance tracking
+(:func:`pyro.infer.inspect.get_dependencies`) checks that it does not read them.
 
 **A discrete latent per token** (a zero-inflation switch :math:`s_d` in the token
 plate, ``token_plates=("tokens",)``, possibly depending on the datapoint's latents
@@ -71,6 +72,7 @@ import torch
 from pyro import poutine
 import pyro.distributions as dist
 from pyro.poutine.messenger import Messenger
+from pyro.infer.inspect import get_dependencies
 
 from ..observed_tokens import check_local_latent
 from ..token_site import vectorized_frames
@@ -254,6 +256,38 @@ def _gaussian_observation(tokens):
     return fn if tokens.site_batch_shape == tokens.batch_shape else None
 
 
+def _check_discrete_prior_free_of(tokens, model, args, kwargs, sizes, continuous):
+    r"""Refuse a discrete latent sampled after continuous ones whose prior reads them.
+
+    The mixture's weights are the discrete latents' :math:`\log p(z)`, read with the
+    continuous latents held at one value, so they must not depend on them. Sampled
+    first, they cannot; sampled later (``u ~ N(0, I)`` and then ``z ~ Categorical(w)``,
+    the same joint distribution), Pyro's provenance tracking
+    (:func:`pyro.infer.inspect.get_dependencies`) says whether they do.
+    """
+    order = list(tokens.latent_names)
+    first = min(order.index(c) for c in continuous)
+    late = [k for k in sizes if order.index(k) > first]
+    if not late:
+        return
+    try:
+        prior = get_dependencies(model, args, kwargs)["prior_dependencies"]
+        reads = {k: sorted(set(prior[k]) & set(continuous)) for k in late}
+        why = next(((k, v) for k, v in reads.items() if v), None)
+        if why is None:
+            return
+        because = f"its distribution reads {', '.join(map(repr, why[1]))}"
+    except Exception as e:  # a model that provenance tracking cannot run: unknown
+        why = (late[0], None)
+        because = (f"Pyro's dependency tracking could not run the model ({type(e).__name__}: {e}), "
+                   f"so its distribution may depend on them")
+    raise EngineNotApplicable(
+        f"{_WHO}: discrete latent {why[0]!r} is sampled after the continuous latent(s) "
+        f"{', '.join(map(repr, continuous))} and {because}: the model is not a mixture of "
+        f"Gaussians whose weights are the discrete latents' prior. Use conditionals='importance'."
+    )
+
+
 class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
     r"""Exact masked conditionals by summing over the discrete latents' joint support.
 
@@ -304,7 +338,10 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 continue
             if not _enumerable(fn) and discrete:
                 # a mixture of linear-Gaussian components (e.g. a mixture of PPCA): each
-                # component's Gaussian marginal is derived, or refused, by gaussian_marginal
+                # component's Gaussian marginal is derived, or refused, by gaussian_marginal;
+                # a global one first gets the global latent's message, not one about order
+                check_local_latent(tokens, site, EngineNotApplicable,
+                                   consequence=f"{_WHO} cannot sum it per datapoint")
                 continuous.append(site["name"])
                 continue
             if not _enumerable(fn):
@@ -320,16 +357,6 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             check_local_latent(tokens, site, EngineNotApplicable,
                                consequence=f"{_WHO} cannot sum it per datapoint")
             sizes[site["name"]] = _joint_support_size(fn, _extra_plates(tokens, site))
-        if continuous:
-            order = list(tokens.latent_names)
-            late = [k for k in sizes if order.index(k) > min(order.index(c) for c in continuous)]
-            if late:
-                raise EngineNotApplicable(
-                    f"{_WHO}: discrete latent {late[0]!r} is sampled after the continuous latent(s) "
-                    f"{', '.join(map(repr, continuous))}, so its distribution may depend on them and the "
-                    f"model is not a mixture of Gaussians. Sample the discrete latents first, or use "
-                    f"conditionals='importance'."
-                )
         if per_token and continuous:
             raise EngineNotApplicable(
                 f"{_WHO}: latent(s) {', '.join(map(repr, per_token))} sit one per token and "
@@ -366,6 +393,8 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
         mpn = tokens.max_plate_nesting
         names = set(sizes) | set(per_token)
         replayed = poutine.replay(model, trace=tokens.subsample_trace())
+        if continuous:
+            _check_discrete_prior_free_of(tokens, replayed, args, kwargs, sizes, continuous)
         if continuous:
             # only the discrete sites' log p(z) is read from this run: hold the others fixed
             fixed = {name: tokens.model_trace.nodes[name]["value"] for name in continuous}

@@ -108,6 +108,15 @@ from .mixture_chunks import MixtureChunk
 
 __all__ = ["ImportanceConditionals", "ImportanceState"]
 
+#: the warning's pointer to the exact engines: not one engine by name, since the model at hand
+#: may meet none of them ("auto" has then already tried each, and its INFO log says why each
+#: declined; naming 'gaussian' or 'quadrature' sent users to engines that refused their model)
+EXACT_ENGINES_HINT = (
+    "an exact engine where one serves the model ('gaussian', 'enumerate', 'hmm', 'hierarchical', "
+    "'quadrature': conditionals='auto' tries each first, and logging at INFO level says why each "
+    "declined)."
+)
+
 
 @dataclass
 class ImportanceState:
@@ -489,12 +498,10 @@ class ImportanceConditionals(ConditionalEngine):
                 khat, ess,
                 ("The proposal is the guide: train it toward the posterior alongside the model, "
                  "e.g. SVI(..., loss=WithGuideELBO(MaskedPretrainingLoss(...))) (pyro_mpt.guide_elbo); "
-                 "or use more samples (num_samples=...), or an exact engine (conditionals='gaussian' "
-                 "or 'quadrature') where the model allows."
+                 "or use more samples (num_samples=...), or " + EXACT_ENGINES_HINT
                  if state.proposal == "guide" else
                  "Use proposal='guide' with a guide close to the posterior, more samples "
-                 "(num_samples=...), or an exact engine (conditionals='gaussian' or 'quadrature') "
-                 "where the model allows."),
+                 "(num_samples=...), or " + EXACT_ENGINES_HINT),
                 self.khat_threshold, self.min_ess,
             )
             state.warned = bool(bad.any())

@@ -30,6 +30,7 @@ from ..conditionals import (
     QuadratureConditionals,
 )
 from ..conditionals.base import EngineNotApplicable
+from .engine_advice import in_evidence_terms
 from .result import EvidenceResult
 
 __all__ = ["exact_evidence", "EXACT_OPTIONS"]
@@ -88,11 +89,12 @@ def exact_evidence(evidence, tokens, args, kwargs):
                 declined.append(f"{label!r}: {why}")
         else:
             # every route's reason: the one that nearly applies is often not the Gaussian one
-            raise type(e)(
-                f"Evidence(method='exact') needs a model with a Gaussian marginal, discrete "
-                f"latents only, or a DiscreteHMM observation. {e} The other exact routes declined -- "
-                + " ".join(declined)
-            ) from e
+            raise type(e)(in_evidence_terms(
+                f"Evidence(method='exact') needs a model with a Gaussian marginal (also a "
+                f"linear-Gaussian hierarchy), discrete latents (a finite mixture, also of "
+                f"linear-Gaussian components), or a DiscreteHMM observation. {e} The other exact "
+                f"routes declined -- " + " ".join(declined)
+            )) from e
     if isinstance(engine, QuadratureConditionals):  # its table already leaves missing tokens out
         value = engine.log_evidence(state, tokens.value)
     else:

@@ -16,6 +16,7 @@ from ..conditionals.base import EngineNotApplicable, QuadratureAccuracyWarning
 from ..conditionals import option_names
 from ..conditionals.quadrature import QuadratureConditionals
 from ..conditionals.quadrature_rules import default_num_nodes
+from .engine_advice import in_evidence_terms
 from .result import EvidenceResult
 from ..code_origin import user_stacklevel
 from ..counts import is_count
@@ -123,7 +124,7 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
                 state = engine.prepare(tokens, evidence.model, evidence.guide, args, kwargs)
                 value = engine.log_evidence(state, tokens.value)
         except EngineNotApplicable as e:
-            raise type(e)(f"Evidence(method='quadrature') cannot serve this model. {e}") from e
+            raise type(e)(in_evidence_terms(f"Evidence(method='quadrature') cannot serve this model. {e}")) from e
         return state, value
 
     def companion(engine, state, nodes):
@@ -132,7 +133,7 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
         try:
             other_engine, other = engine.companion(state, nodes)
         except EngineNotApplicable as e:
-            raise type(e)(f"Evidence(method='quadrature') cannot serve this model. {e}") from e
+            raise type(e)(in_evidence_terms(f"Evidence(method='quadrature') cannot serve this model. {e}")) from e
         with torch.no_grad():
             return other_engine.log_evidence(other, tokens.value)
 
