@@ -13,7 +13,10 @@ when no latent site sits in it while every latent inside the other plates of
 the observed site sits in all of them (their elements are then the datapoints,
 and the token plate's elements share those latents, so they cannot be
 datapoints themselves). The flattened token order is the site's layout: the
-token-plate dims in their batch order, then the event dims.
+token-plate dims in their batch order, then the event dims. Latents one per
+token as well (a zero-inflation switch ``with pyro.plate("tokens", D)`` beside
+a datapoint's class) leave the plates that every latent sits in as the data
+plates, when some latent sits in those alone.
 """
 
 import pyro.distributions as dist
@@ -95,6 +98,15 @@ def _token_frames(site, latents, token_plates):
     local = [{f for f in fr if f.size > 1} for fr in in_latents if fr]
     if candidates and local and all(fr == {f for f in holding if f.size > 1} for fr in local):
         return candidates
+    if local:
+        # latents one per token too (a zero-inflation switch in plates "data" and "tok"):
+        # the plates that every latent sits in are the data plates when some latent sits in
+        # those alone (a datapoint's own latent; were "tok" a data plate, that latent would be
+        # shared by its elements), and the observed site's other plates are the token plates
+        inner = set.intersection(*local)
+        rest = {f for f in frames if f.size > 1} - inner
+        if inner and rest and any(fr == inner for fr in local):
+            return rest
     big = {f for f in frames if f.size > 1}
     if not site["fn"].event_shape and len(big) > 1:
         raise ValueError(

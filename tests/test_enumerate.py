@@ -1341,6 +1341,11 @@ def test_per_token_discrete_latents_are_summed_inside_the_table(float64):
     assert isinstance(loss.memory.auto_engines.popitem()[1], EnumerateConditionals)
     score = MaskedPretrainingLoss(masks="pll", **kw).score(model, None, x).detach().numpy()
     np.testing.assert_allclose(score, pll, rtol=0, atol=1e-10)
+    # without token_plates: "c" sits in "data" alone and "on" in both plates, so "tokens" is
+    # the token plate (before: refused as ambiguous, "the latent sites do not tell them apart")
+    np.testing.assert_allclose(Evidence(model)(x).detach().numpy(), exact, rtol=0, atol=1e-10)
+    score = MaskedPretrainingLoss(masks="pll").score(model, None, x).detach().numpy()
+    np.testing.assert_allclose(score, pll, rtol=0, atol=1e-10)
 
     # every token observed: TraceEnum_ELBO with no guide sites is exactly -log p(x)
     pyro.clear_param_store()
