@@ -1,6 +1,7 @@
 """The Gaussian closed-form engine and the marginal it derives from Pyro models."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -618,7 +619,9 @@ def _non_broadcasting_ppca(fail=False, N=6, D=4, K=2, sigma=0.5):
 def test_gaussian_marginal_remembers_the_run_mode_that_worked():
     """Step 1 runs the model once to trace it, once in each failing vectorized mode
     and K + 4 times per point (0, e_k and three probes); later steps go straight to
-    the per-point runs, at three per-datapoint points (the loading is shared)."""
+    the per-point runs, at three per-datapoint points (the loading is shared). The first
+    step runs it once more where the data put the posterior (the posterior points; once
+    per model and data)."""
     K = 2
     model, x, runs, exact = _non_broadcasting_ppca(K=K)
     loss = MaskedPretrainingLoss(conditionals="gaussian", masks="order")
@@ -627,7 +630,7 @@ def test_gaussian_marginal_remembers_the_run_mode_that_worked():
         runs.clear()
         values.append(loss.loss(model, None, x))
         counts.append(len(runs))
-    assert counts == [1 + 2 + (K + 4), 1 + 3, 1 + 3]
+    assert counts == [1 + 2 + (K + 4) + 1, 1 + 3, 1 + 3]
     # step 1 (K + 4 points) and later steps (three) round differently
     assert max(abs(v - values[0]) for v in values) < 1e-10
     assert abs(values[0] + float(exact(x).sum())) < 1e-10
@@ -791,7 +794,10 @@ def test_piecewise_linear_location_is_refused_in_the_per_datapoint_run():
     # four passed the check (12 coordinates, all above -2) and was served as linear
     N, D, K, sig = 4, 5, 3, 0.4
     g = torch.Generator().manual_seed(10)
-    W, B, x = torch.randn(D, K, generator=g), torch.randn(N, D, generator=g), torch.randn(N, D, generator=g)
+    W, B = torch.randn(D, K, generator=g), torch.randn(N, D, generator=g)
+    # data from the model, so that the posterior too stays where relu(z + 10) is linear
+    # (data far from it put the posterior past the kink, which the posterior points refuse)
+    x = (torch.randn(N, K, generator=g) + 10.0) @ W.T + B + sig * torch.randn(N, D, generator=g)
     shift = {"c": 10.0}
 
     def model(x):
@@ -808,6 +814,50 @@ def test_piecewise_linear_location_is_refused_in_the_per_datapoint_run():
     shift["c"] = 2.0
     with pytest.raises(NotLinearGaussianError, match="'x' is not affine"):
         evidence(x)
+
+
+def test_a_clamp_beyond_the_prior_probes_is_refused_where_the_data_put_the_posterior():
+    """z ~ N(0, 1), x_j ~ N(clamp(z, -3.5, 3.5), 0.3): affine at every probe within 3 prior
+    sds, but a datapoint at 6 puts its posterior past the clamp. Before, Evidence(method=
+    "exact") returned the model without the clamp there (-18.27 for a true -180.5, stderr 0);
+    now the posterior points refuse it and "auto" integrates numerically (scipy's quad as
+    the reference). Data whose posteriors stay inside keep the closed form."""
+    from scipy import integrate
+    from scipy.stats import norm
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            loc = z.clamp(-3.5, 3.5).unsqueeze(-1).expand(z.shape + (5,))
+            pyro.sample("x", dist.Normal(loc, 0.3).to_event(1), obs=x)
+
+    x = torch.tensor([[0.5] * 5, [3.0] * 5, [6.0] * 5], dtype=torch.float64)
+
+    def truth(row):
+        f = lambda z: np.exp(norm.logpdf(z) + norm.logpdf(row, np.clip(z, -3.5, 3.5), 0.3).sum() + 150.0)
+        return np.log(integrate.quad(f, -12, 12, points=[-3.5, 3.5], limit=200, epsabs=0, epsrel=1e-12)[0]) - 150.0
+
+    ref = np.array([truth(r) for r in x.numpy()])
+    with pytest.raises(NotLinearGaussianError, match="not where the data put the posterior"):
+        Evidence(model, method="exact")(x)
+    inside = Evidence(model, method="exact")(x[:2]).numpy()
+    cov = 0.3**2 * np.eye(5) + np.ones((5, 5))
+    assert np.allclose(inside, [_mvn_logpdf(r, np.zeros(5), cov) for r in x[:2].numpy()], atol=1e-10, rtol=0)
+    # the clamp 4.2 posterior sds past the mean at 3: its effect is 1.2e-4 nats, which the
+    # posterior points (the mean and 3 sds) do not reach
+    assert np.abs(inside - ref[:2]).max() < 1e-3
+    from pyro_mpt.conditionals import QuadratureConditionals, auto_engine
+
+    # "auto" goes on to quadrature, whose default grid says it cannot resolve the far datapoint
+    with pytest.raises(ValueError, match="QuadratureConditionals: .* too coarse for site 'x'"):
+        MaskedPretrainingLoss(masks="order").score(model, None, x)
+    assert isinstance(auto_engine(trace_tokens(model, None, (x[:2],), {}), model, None, (x[:2],), {})[0],
+                      GaussianConditionals)
+    loss = MaskedPretrainingLoss(masks="order", conditionals=QuadratureConditionals(num_nodes=256))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the grid's accuracy warning at the kink
+        score = loss.score(model, None, x).numpy()
+    assert np.abs(score - ref).max() < 0.1  # 0.05 at the far datapoint: the kink slows the grid down
 
 
 def _mvn_logpdf(x, mean, cov):

@@ -25,6 +25,15 @@ piecewise-linear location (``relu(z + 1)``, ``clamp``, ``abs``) whose kinks lie
 within them is refused, where the points near 0 alone may all fall on one
 linear piece (``relu(z + 1)`` at :math:`0, e_k, \varepsilon_r` did, and got the
 value of the model without the ``relu``).
+
+The data may put a datapoint's posterior far outside those probes (a datapoint at
+6 prior standard deviations), where a clamp or a saturation they never reach
+changes :math:`\log p(x_i)`. So the model runs once more, each datapoint at a
+point of its posterior under the derived model (its mean, or the mean plus 3
+posterior standard deviations), and the location there must be affine too. The
+check costs about two products of the data with the loading, so it runs under
+Pyro's validation only, once per model and data in an engine's memory (later
+steps of a training on the same data are not checked again).
 """
 
 import math
@@ -34,15 +43,16 @@ from typing import Optional
 
 import torch
 import pyro.distributions as dist
+from pyro.infer.util import is_validation_enabled
 
 from ..observed_tokens import check_local_latent
-from .base import EngineNotApplicable, SlowEngineWarning
+from .base import EngineNotApplicable, SlowEngineWarning, callable_key
 from .distributions import affine_normal, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
 from .marginal_rows import basis_rows, common_rows, rows_equal, shared_loading
 from .structural_zeros import diagonal_variances
-from .plate_runs import (CoordinateLatents, alternating_signs, fixed_probes, latent_layout, reaches_points,
-                         run_in_plate, run_with_fallback)
+from .plate_runs import (PROBE_REACH, CoordinateLatents, alternating_signs, fixed_probes, latent_layout,
+                         reaches_points, run_in_plate, run_with_fallback)
 from ..code_origin import user_stacklevel
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "loading_nonzeros_in_chunks", "NotLinearGaussianError", "RUN_MODES"]
@@ -291,16 +301,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
         u = torch.zeros(3, n, K, dtype=value.dtype, device=value.device)
         u[1, :K] = torch.eye(K, dtype=value.dtype, device=value.device)
         u[2] = alternating_signs(n, K, gen, value.dtype, value.device)
-        if vectorized:
-            handler = CoordinateLatents(layout, u, mpn + 1, tokens.batch_shape, compact=True)
-            fn, scales = run(handler, 3)
-            loc, noise, batch_shape = _observation_parts(fn, tokens)
-            _check_run_rows(batch_shape, tokens)
-            for name, scale in scales.items():
-                _check_scale_rows(name, scale)
-            loc, noise = basis_rows(loc, noise, batch_shape[1:], 3)
-        else:
-            loc, noise = per_point(list(u))
+        loc, noise = at_rows(u, vectorized)
         if loc.shape[1] != n or not all(rows_equal(t) for t in noise[1:]):
             raise _RowsDeclined()
         mu = loc[0]
@@ -312,6 +313,18 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
             if not bool(((loc[2] - mu - u[2] @ W).abs() <= 4 * (K + 2) * torch.finfo(W.dtype).eps * size).all()):
                 raise _RowsDeclined()
         return mu, W[:, None], noise
+
+    def at_rows(u, vectorized):
+        # the model at P points, each datapoint at its own coordinates u (P, n, K)
+        if not vectorized:
+            return per_point(list(u))
+        handler = CoordinateLatents(layout, u, mpn + 1, tokens.batch_shape, compact=True)
+        fn, scales = run(handler, u.shape[0])
+        loc, noise, batch_shape = _observation_parts(fn, tokens)
+        _check_run_rows(batch_shape, tokens)
+        for name, scale in scales.items():
+            _check_scale_rows(name, scale)
+        return basis_rows(loc, noise, batch_shape[1:], u.shape[0])
 
     def at_points(loc_noise):
         loc, noise = loc_noise
@@ -389,6 +402,25 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
                 f"so its marginal is not Gaussian; use conditionals='quadrature' or "
                 f"'importance'."
             )
+    checked = _posterior_check_key(model, value) if colors is None and is_validation_enabled() else None
+    if checked is not None and (memory is None or memory.checked != checked):
+        # the probes above stay within 3 prior standard deviations; the data may put the
+        # posterior far outside them, where a clamp or saturation the probes never reached
+        # changes log p(x_i) (a clamp at 3.5 sd: -18.27 for a true -180.5, stderr 0). It
+        # costs about two products of the data with the loading, so it runs once per model
+        # and data (an engine's memory keeps what passed) and, like Pyro's checks, only
+        # under validation
+        u = _posterior_points(value, tokens.observed, mu, W, noise)
+        broadcasts = mode in ("rows", "compact", "full")
+        try:
+            loc_u, noise_u = at_rows(u, broadcasts)
+        except (_LayoutDeclined, RuntimeError, ValueError, IndexError) as e:
+            if not broadcasts or isinstance(e, NotLinearGaussianError):
+                raise
+            loc_u, noise_u = at_rows(u, False)
+        _check_affine_at_posterior(loc_u, noise_u, mu, W, noise, u, tokens.name, gen)
+        if memory is not None:
+            memory.checked = checked
     return _assemble(mu, tuple(t[0] for t in noise[1:]), noise[0], W.permute(1, 2, 0), value.dtype)
 
 
@@ -496,6 +528,107 @@ def _check_scale_rows(name, scale):
         raise NotLinearGaussianError(
             f"The scale of latent site {name!r} depends on other latents, so the "
             f"model is not linear-Gaussian; use conditionals='quadrature' or "
+            f"'importance'."
+        )
+
+
+def _posterior_check_key(model, x):
+    """What the posterior check passed for: the model's key and a fingerprint of the data
+    (shape, dtype and two sums, one pass over them)."""
+    with torch.no_grad():
+        sums = torch.stack([x.nansum(), x.square().nansum()]).tolist()
+    return (callable_key(model), tuple(x.shape), x.dtype, tuple(sums))
+
+
+def _noise_variances(kind, parts):
+    """The observation noise's variance per token, ``(n|1, D)``, from its parts."""
+    if kind == "diag":
+        return parts[0] ** 2
+    if kind == "lowrank":
+        F, psi = parts
+        return psi + F.pow(2).sum(-1)
+    if kind == "tril":
+        return parts[0].pow(2).sum(-1)
+    return parts[0].diagonal(dim1=-2, dim2=-1)
+
+
+def _posterior_points(x, observed, mu, W, noise):
+    r"""One point per datapoint where the derived linear-Gaussian model puts its
+    posterior over the latent noises, ``(1, n, K)``: the posterior mean
+    :math:`\hat\varepsilon_i` at even datapoints, :math:`\hat\varepsilon_i +
+    3\sigma_i \odot s_i` at odd ones (:math:`\sigma_i` the posterior standard
+    deviations, :math:`s_i` signs in a checkerboard over datapoints and dims): one more
+    run of the model (a model that does not broadcast is run once per point).
+
+    The noise is taken as diagonal (its variances) and the posterior precision as that of
+    a datapoint with every token observed: the points only need to lie where the
+    posterior is, not at its exact mean; a missing token adds no residual, a datapoint
+    whose tokens are not finite (data checks off) is probed at 0.
+    """
+    with torch.no_grad():
+        kind, parts = noise[0], tuple(t[0] for t in noise[1:])
+        K, n = W.shape[0], x.shape[0]
+        dtype = torch.promote_types(mu.dtype, x.dtype)
+        Wt = W.permute(1, 2, 0).to(dtype)  # (n|1, D, K)
+        prec = 1.0 / _noise_variances(kind, tuple(t.to(dtype) for t in parts)).clamp_min(torch.finfo(dtype).tiny)
+        r = (x.to(dtype) - mu.to(dtype)) * prec
+        if observed is not None:
+            r = r * observed.to(dtype)
+        Lam = torch.eye(K, dtype=dtype, device=x.device) + Wt.transpose(-1, -2) @ (prec.unsqueeze(-1) * Wt)
+        # a K x K inverse: no factorization that the engine's own (cached) ones are counted with
+        cov, info = torch.linalg.inv_ex(Lam)
+        if bool(info.any()):
+            return torch.zeros(1, n, K, dtype=x.dtype, device=x.device)
+        if Wt.shape[0] == 1:  # a loading shared by the batch: two matrix products, not n small ones
+            mean = (r @ Wt[0]) @ cov[0]
+        else:
+            mean = (cov @ (Wt.transpose(-1, -2) @ r.unsqueeze(-1))).squeeze(-1).expand(n, K)
+        sd = cov.diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt().expand(n, K)
+        # +-3 posterior sds at odd datapoints, the signs a checkerboard over (datapoint, dim)
+        i = torch.arange(n, device=x.device).unsqueeze(-1)
+        k = torch.arange(K, device=x.device)
+        shift = (i % 2) * (1 - 2 * ((i // 2 + k) % 2))
+        u = mean + PROBE_REACH * sd * shift.to(dtype)
+        u = torch.where(torch.isfinite(u), u, torch.zeros((), dtype=dtype, device=x.device))
+        return u.unsqueeze(0).to(x.dtype)
+
+
+def _check_affine_at_posterior(loc_u, noise_u, mu, W, noise, u, name, generator):
+    r"""Refuse a location that is not ``mu + W u`` at the posterior points ``u`` (1, n, K),
+    or a noise that differs there.
+
+    The locations are compared along a random direction :math:`v` (two matrix-vector
+    products instead of the :math:`nDK` product :math:`Wu`): a location off the affine
+    one by :math:`e_i` passes only where :math:`e_i \cdot v` rounds to zero.
+    """
+    with torch.no_grad():
+        if loc_u.shape[1] != u.shape[1]:  # rows the run could not tell apart: nothing to check
+            return
+        dtype = loc_u.dtype
+        v = torch.randn(mu.shape[-1], generator=generator, dtype=dtype, device=generator.device).to(mu.device)
+        Wv = W.to(dtype) @ v  # (K, n|1)
+        pred = mu.to(dtype) @ v + (u.to(dtype) * Wv.T).sum(-1)  # (1, n)
+        err = (loc_u @ v - pred).abs().amax()
+        size = (mu.abs().amax() + W.abs().amax() * u.abs().sum(-1).amax() + 1.0) * v.abs().sum()
+        err, size, reach = torch.stack([err, size.to(dtype), u.abs().amax().to(dtype)]).tolist()
+        rtol = torch.finfo(mu.dtype).eps ** 0.5
+        noise_same = all(
+            bool(((a[0] - b[0]).abs() <= rtol * b[0].abs()).all()) for a, b in zip(noise_u[1:], noise[1:])
+        )
+    tol = torch.finfo(mu.dtype).eps ** 0.5 * size
+    if not err <= tol:
+        raise NotLinearGaussianError(
+            f"The location of observed site {name!r} is affine in the latents near their prior "
+            f"(within {PROBE_REACH:g} prior standard deviations) but not where the data put the "
+            f"posterior (off by {err:.3g} at latent noises up to {reach:.3g} prior standard "
+            f"deviations, e.g. a clamp or a saturation there), so the model is not "
+            f"linear-Gaussian; use conditionals='quadrature' (low-dimensional latents) or "
+            f"'importance'."
+        )
+    if not noise_same:
+        raise NotLinearGaussianError(
+            f"The noise of observed site {name!r} depends on the latents where the data put "
+            f"the posterior, so its marginal is not Gaussian; use conditionals='quadrature' or "
             f"'importance'."
         )
 

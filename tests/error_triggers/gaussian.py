@@ -4,7 +4,7 @@ import torch
 import pyro
 import pyro.distributions as dist
 
-from pyro_mpt import GaussianConditionals, MaskedPretrainingLoss
+from pyro_mpt import Evidence, GaussianConditionals, MaskedPretrainingLoss
 
 from models import make_full_gaussian, make_singular_ppca
 
@@ -103,6 +103,27 @@ def _():
     MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, _x())
 
 
+
+
+@trigger("gaussian-not-affine-at-posterior")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(z.clamp(-3.5, 3.5) * torch.ones(3), 0.3).to_event(1), obs=x)
+
+    Evidence(model, method="exact")(torch.full((2, 3), 6.0))
+
+
+@trigger("gaussian-noise-depends-at-posterior")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            scale = 0.3 + (z - 3.5).clamp(min=0.0)
+            pyro.sample("x", dist.Normal(z * torch.ones(3), scale).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, torch.full((2, 3), 6.0))
 
 
 @trigger("second-derivatives")
