@@ -85,6 +85,14 @@ class LossMemory:
     quiet_traces: set = field(default_factory=set)
     mean_traces: set = field(default_factory=set)
 
+    def forget_collected(self):
+        """Drop what is remembered for models that no longer exist (a loss reused across
+        many models kept an entry for each)."""
+        for key in [k for k in self.auto_engines if not k[0].alive()]:
+            del self.auto_engines[key]
+        self.quiet_traces = {k for k in self.quiet_traces if k.alive()}
+        self.mean_traces = {k for k in self.mean_traces if k.alive()}
+
 
 #: the loss's own keywords: an unknown keyword goes to the engine, so a misspelled one
 #: (``mask="all"``) would otherwise be blamed on the engine
@@ -325,6 +333,7 @@ class MaskedPretrainingLoss(ELBO):
                 except EngineNotApplicable:
                     pass
             engine, state = auto_engine(tokens, model, guide, args, kwargs, **self.engine_options)
+            self.memory.forget_collected()
             self.memory.auto_engines[key] = engine
         else:
             engine = self.engine

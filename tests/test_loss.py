@@ -403,3 +403,55 @@ def test_a_trace_draws_its_latents_without_moving_the_global_stream():
         draws.append((trace.nodes["a"]["value"], trace.nodes["b"]["value"]))
     assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])
     assert not torch.equal(draws[0][0], draws[0][1]) and not torch.equal(draws[0][0], draws[2][0])
+
+
+def test_a_reused_loss_does_not_hand_a_new_model_a_collected_models_engine(float64):
+    """The loss remembers the engine "auto" chose per model; keyed by id() alone, a new model
+    whose function object took a collected model's address inherited its engine: a
+    linear-Gaussian PPCA scored by the importance engine chosen for an earlier tanh model
+    (454.19 for an exact 454.65, no warning). Keys hold weak references now; the memory
+    forgets collected models, and a pickled loss starts afresh."""
+    import gc
+    import pickle
+    import warnings
+
+    from pyro_mpt.conditionals import GaussianConditionals, ImportanceConditionals
+
+    N, D = 50, 6
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(0))
+
+    def make(kind):
+        if kind == "tanh":
+            def model(x):
+                with pyro.plate("data", x.shape[0]):
+                    z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([6]).to_event(1))  # 6 dims: no quadrature
+                    pyro.sample("x", dist.Normal(torch.tanh(z), 1.0).to_event(1), obs=x)
+        else:
+            def model(x):
+                with pyro.plate("data", x.shape[0]):
+                    z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+                    pyro.sample("x", dist.Normal(z @ torch.full((2, D), 0.5), 1.0).to_event(1), obs=x)
+        return model
+
+    loss = MaskedPretrainingLoss(masks="order")
+    first = make("tanh")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss.loss(first, None, x)
+    assert [type(e) for e in loss.memory.auto_engines.values()] == [ImportanceConditionals]
+    address = id(first)
+    del first
+    gc.collect()
+    kept = []
+    for _ in range(2000):  # CPython gives a freed function's memory to the next one of its size
+        second = make("ppca")
+        if id(second) == address:
+            break
+        kept.append(second)
+    assert id(second) == address
+    value = loss.loss(second, None, x)
+    exact = -float(Evidence(second, method="exact")(x).sum())
+    assert abs(value - exact) < 1e-8 * abs(exact)
+    assert [type(e) for e in loss.memory.auto_engines.values()] == [GaussianConditionals]  # the first forgotten
+    copy = pickle.loads(pickle.dumps(loss))
+    assert abs(copy.loss(second, None, x) - exact) < 1e-8 * abs(exact)
