@@ -20,7 +20,7 @@ alarm: tied weights are bounded, their variance is finite and the delta-method
 standard error is valid. :func:`psis_khat` reports :math:`\hat k` as NaN
 (undefined) when fewer than half of those :math:`M + 1` weights, or fewer
 than 6, are distinct (to a few units in the last place); this also covers
-:math:`S < 25`, where the tail has too few draws for a fit. Where
+:math:`S \le 20`, where the tail has too few draws for a fit. Where
 :math:`\hat k` is undefined (or not computed), the weights are judged by
 their ESS alone: fewer than ``min_ess`` effective samples (default 10) means
 the estimate rests on a handful of draws. Equal weights (a zero-variance
@@ -153,7 +153,7 @@ def psis_khat(log_weights, fit=True):
 
     Columns whose weights are all equal get :math:`-\\infty`; columns whose
     tail has too few distinct weights (tied weights of a discrete latent, or
-    :math:`S < 25`) get NaN and keep their raw weights (see the module docstring).
+    :math:`S \le 20`) get NaN and keep their raw weights (see the module docstring).
 
     :param torch.Tensor log_weights: ``(S, n)``.
     :param bool fit: fit the tails; when False, only equal weights are

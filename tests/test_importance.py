@@ -367,7 +367,7 @@ def test_khat_is_undefined_for_too_few_draws_but_equal_weights_stay_minus_inf():
     from pyro_mpt.importance_weights import psis_khat
 
     g = torch.Generator().manual_seed(0)
-    lw = torch.randn(20, 3, generator=g, dtype=torch.float64)  # S < 25: a tail of 4 draws
+    lw = torch.randn(20, 3, generator=g, dtype=torch.float64)  # S <= 20: a tail of 4 draws
     lw[:, 2] = 1.5
     khat, smoothed = psis_khat(lw)
     assert bool(khat[:2].isnan().all()) and float(khat[2]) == -math.inf

@@ -184,7 +184,7 @@ class ImportanceConditionals(ConditionalEngine):
         datapoint and block of queries.
     :param float khat_threshold: warn when a :math:`\hat k` exceeds it.
     :param float min_ess: where :math:`\hat k` is undefined (tied weights of
-        a discrete latent, :math:`S < 25`) or not fitted, warn when the ESS is
+        a discrete latent, :math:`S \le 20`) or not fitted, warn when the ESS is
         below it.
     :param bool psis: fit :math:`\hat k` (PSIS, as ``arviz.psislw``); False judges the
         weights by their ESS alone.

@@ -32,7 +32,7 @@ Diagnostics per datapoint (:class:`~pyro_mpt.evidence.EvidenceResult`):
   PSIS as ``arviz.psislw`` fits it (Vehtari et al. 2024; written in torch). :math:`\hat k > 0.7` means the weights'
   variance is effectively infinite: the estimate and its standard error are
   unreliable. :math:`\hat k` is NaN (undefined) where the largest weights are
-  tied -- a discrete latent drawn from its prior -- or :math:`S < 25`; those
+  tied -- a discrete latent drawn from its prior -- or :math:`S \le 20`; those
   datapoints are judged by their ESS instead (see
   :mod:`~pyro_mpt.importance_weights`). One
   :class:`~pyro_mpt.importance_weights.ImportanceSamplingWarning` per call
@@ -127,7 +127,7 @@ def importance_evidence(evidence, tokens, args, kwargs):
       tokens are missing), ``"guide"`` or ``"prior"``;
     * ``khat_threshold`` -- warn when some :math:`\hat k` exceeds it (default 0.7);
     * ``min_ess`` -- where :math:`\hat k` is undefined (tied weights of a
-      discrete latent, :math:`S < 25`) or not computed, warn when the ESS is
+      discrete latent, :math:`S \le 20`) or not computed, warn when the ESS is
       below it (default 10);
     * ``psis`` -- compute :math:`\hat k` and the smoothed estimate (default True;
       needs ``num_samples >= 10``).
