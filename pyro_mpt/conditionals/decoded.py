@@ -6,6 +6,7 @@ given latent values, read per datapoint (:math:`\log p(z)`,
 :math:`\log p(x \mid z)`) or token by token (log-densities, means, draws).
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -81,8 +82,34 @@ class Decoded:
         """The value of latent ``name`` in the run, with the particle plate's dim leading."""
         return self.trace.nodes[name]["value"]
 
+    def outside_support(self):
+        """Where some given latent lies outside its prior's support (prior density 0: a guide
+        ``Normal`` for a ``Gamma`` latent), ``(R, n)`` bool, or None where none does.
+
+        Those draws get importance weight 0 (:meth:`log_prior` is :math:`-\\infty` there) and
+        the observation's log-density 0 in place of what the model computes at such a value
+        (a ``Poisson`` rate below 0: NaN with Pyro's validation off, which made every
+        estimate and diagnostic NaN, without a warning).
+        """
+        if not hasattr(self, "_outside"):
+            r, outside = self.runner, None
+            for name in self.names:
+                site = self.trace.nodes[name]
+                with torch.no_grad():
+                    bad = ~site["fn"].support.check(site["value"])
+                    mask = site.get("mask")
+                    if torch.is_tensor(mask):
+                        bad = bad & mask
+                    if not bool(bad.any()):
+                        continue
+                    bad = r.per_datapoint(bad.to(r.tokens.value.dtype), self.rows) > 0
+                outside = bad if outside is None else outside | bad
+            self._outside = outside
+        return self._outside
+
     def log_prior(self):
-        """:math:`\\sum_l \\log p(z_l)` over the given latents, per datapoint, ``(R, n)``."""
+        """:math:`\\sum_l \\log p(z_l)` over the given latents, per datapoint, ``(R, n)``;
+        :math:`-\\infty` at draws outside a prior's support (:meth:`outside_support`)."""
         r = self.runner
         total = None
         for name in self.names:
@@ -90,6 +117,9 @@ class Decoded:
             total = lp if total is None else total + lp
         if total is None:
             total = r.tokens.value.new_zeros(self.rows, r.tokens.num_data)
+        outside = self.outside_support()
+        if outside is not None:
+            total = torch.where(outside, torch.full((), -math.inf, dtype=total.dtype, device=total.device), total)
         return total
 
     def obs_log_prob(self):
@@ -104,7 +134,15 @@ class Decoded:
         self.check_broadcast()
         lp = site["fn"].log_prob(site["value"])
         self.check_broadcast(lp.shape)
-        return r.per_datapoint(lp, self.rows)
+        return self._zero_outside(r.per_datapoint(lp, self.rows))
+
+    def _zero_outside(self, t):
+        # 0 in place of the model's value at a latent it cannot take (weight 0 there anyway)
+        outside = self.outside_support()
+        if outside is None:
+            return t
+        outside = outside.reshape(outside.shape + (1,) * (t.dim() - outside.dim()))
+        return torch.where(outside, torch.zeros((), dtype=t.dtype, device=t.device), t)
 
     def check_broadcast(self, batch_shape=None):
         """Refuse an observation that did not broadcast over the plate of latent values.
@@ -166,7 +204,7 @@ class Decoded:
         out = self._token_tensor(token_log_prob(base, xv))
         if r.tokens.observed is not None:
             out = torch.where(r.tokens.observed, out, torch.zeros((), dtype=out.dtype, device=out.device))
-        return out
+        return self._zero_outside(out)
 
     def mean(self):
         """The observation's mean per token (mode where the mean is not finite), ``(R, n, D)``."""
