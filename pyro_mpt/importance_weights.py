@@ -153,7 +153,7 @@ def psis_khat(log_weights, fit=True):
 
     Columns whose weights are all equal get :math:`-\\infty`; columns whose
     tail has too few distinct weights (tied weights of a discrete latent, or
-    :math:`S \le 20`) get NaN and keep their raw weights (see the module docstring).
+    :math:`S \\le 20`) get NaN and keep their raw weights (see the module docstring).
 
     :param torch.Tensor log_weights: ``(S, n)``.
     :param bool fit: fit the tails; when False, only equal weights are
