@@ -95,7 +95,7 @@ import torch
 from ..counts import is_count
 from ..guide_checks import check_proposal_density
 from .guide_proposals import is_autoguide
-from ..importance_weights import effective_sample_size, psis_khat, warn_poor_weights
+from ..importance_weights import effective_sample_size, poor_weights, psis_khat, warn_poor_weights
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import check_factorized
 from .encode_decode import initial_tokens
@@ -180,8 +180,11 @@ class ImportanceConditionals(ConditionalEngine):
         :class:`~pyro_mpt.guide_elbo.WithGuideELBO`, as for ``"encode_decode"``.
     :param bool diagnostics: compute the diagnostics (ESS, standard
         errors, :math:`\hat k`) at each call and warn when the weights are
-        poor; costs a few extra matrix products and one Pareto fit per
-        datapoint and block of queries.
+        poor (once per engine: in a training loop every step is an evaluation,
+        and a warning per step flooded the output; ``poor_weight_evaluations``
+        counts the evaluations with poor weights, each state's ``diagnostics``
+        holds their numbers); costs a few extra matrix products and one Pareto
+        fit per datapoint and block of queries.
     :param float khat_threshold: warn when a :math:`\hat k` exceeds it.
     :param float min_ess: where :math:`\hat k` is undefined (tied weights of
         a discrete latent, :math:`S \le 20`) or not fitted, warn when the ESS is
@@ -219,6 +222,8 @@ class ImportanceConditionals(ConditionalEngine):
         max_elements=2**24,
     ):
         super().__init__(max_elements=max_elements)
+        #: evaluations whose weights were poor (the first one warns)
+        self.poor_weight_evaluations = 0
         if not is_count(num_samples):
             raise ValueError(f"ImportanceConditionals(num_samples={num_samples!r}): give a positive integer.")
         if proposal not in ("auto", "prior", "guide"):
@@ -483,7 +488,7 @@ class ImportanceConditionals(ConditionalEngine):
     # ------------------------------------------------------------------ diagnostics
     def _check_weights(self, state, log_weights, ess):
         """k-hat of ``log_weights`` ``(S, n)`` (each datapoint's worst query), folded into
-        ``state.diagnostics``; warns once per state when some are poor."""
+        ``state.diagnostics``; warns at the engine's first evaluation with poor weights."""
         khat, _ = psis_khat(log_weights, fit=self.psis and log_weights.shape[0] >= 10)
         diag = state.diagnostics
         if diag:
@@ -491,20 +496,23 @@ class ImportanceConditionals(ConditionalEngine):
             diag["ess"] = torch.fmin(diag["ess"], ess)
         else:
             diag["khat"], diag["ess"] = khat, ess
-        if not state.warned:
-            bad = warn_poor_weights(
-                "conditionals='importance'",
-                "datapoint(s) (each judged by its query with the fewest effective samples)",
-                khat, ess,
-                ("The proposal is the guide: train it toward the posterior alongside the model, "
-                 "e.g. SVI(..., loss=WithGuideELBO(MaskedPretrainingLoss(...))) (pyro_mpt.guide_elbo); "
-                 "or use more samples (num_samples=...), or " + EXACT_ENGINES_HINT
-                 if state.proposal == "guide" else
-                 "Use proposal='guide' with a guide close to the posterior, more samples "
-                 "(num_samples=...), or " + EXACT_ENGINES_HINT),
-                self.khat_threshold, self.min_ess,
-            )
-            state.warned = bool(bad.any())
+        if not state.warned and bool(poor_weights(khat, ess, self.khat_threshold, self.min_ess).any()):
+            state.warned = True
+            self.poor_weight_evaluations += 1
+            if self.poor_weight_evaluations == 1:
+                warn_poor_weights(
+                    "conditionals='importance'",
+                    "datapoint(s) (each judged by its query with the fewest effective samples)",
+                    khat, ess,
+                    ("The proposal is the guide: train it toward the posterior alongside the model, "
+                     "e.g. SVI(..., loss=WithGuideELBO(MaskedPretrainingLoss(...))) (pyro_mpt.guide_elbo), "
+                     "whose first steps still draw poorly; or use more samples (num_samples=...), or "
+                     + EXACT_ENGINES_HINT
+                     if state.proposal == "guide" else
+                     "Use proposal='guide' with a guide close to the posterior, more samples "
+                     "(num_samples=...), or " + EXACT_ENGINES_HINT),
+                    self.khat_threshold, self.min_ess,
+                )
         return khat
 
     def _check_chain(self, state, log_weights, T, order, ess):
