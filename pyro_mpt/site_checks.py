@@ -261,6 +261,21 @@ def support_ok(layout, site):
     return layout.to_tokens(ok).reshape(layout.num_data, -1)
 
 
+#: said where the support's bounds differ between tokens or datapoints: they may come from a
+#: latent (Uniform(0, z)), which the trace draws once, so valid data can fall outside them
+_LATENT_SUPPORT_HINT = (
+    " Where the bounds depend on a latent (Uniform(0, z)), they are those at the trace's one "
+    "draw of the latents, which can exclude valid data: with pyro.validation_enabled(False) the "
+    "data are not checked and a latent value whose support excludes them gets density 0."
+)
+
+
+def _bounds_vary(support):
+    """Whether a support has bounds per token or datapoint (tensors of more than one
+    element), which may have been computed from a latent."""
+    return any(torch.is_tensor(v) and v.numel() > 1 for v in vars(support).values())
+
+
 def _support_text(support, layout, i, j):
     """``(support, where)`` for the message: a support with bounds per token (a Binomial's
     total_count) would print its whole bound tensors, so it is named with its bounds at the
@@ -326,5 +341,5 @@ def validate_values(layout, site, flat, observed):
             f"such data (Trace_ELBO raises on it). Pass data in the support (e.g. 0/1 for a "
             f"Bernoulli, non-negative integers for a Poisson), use an observation "
             f"distribution whose support holds the data, or mark the values missing with "
-            f"obs_mask=."
+            f"obs_mask=." + (_LATENT_SUPPORT_HINT if _bounds_vary(base.support) else "")
         )
