@@ -264,9 +264,8 @@ def support_ok(layout, site):
 #: said where the support's bounds differ between tokens or datapoints: they may come from a
 #: latent (Uniform(0, z)), which the trace draws once, so valid data can fall outside them
 _LATENT_SUPPORT_HINT = (
-    " Where the bounds depend on a latent (Uniform(0, z)), they are those at the trace's one "
-    "draw of the latents, which can exclude valid data: with pyro.validation_enabled(False) the "
-    "data are not checked and a latent value whose support excludes them gets density 0."
+    " If a latent sets the bounds (Uniform(0, z)), they are at the trace's draw: "
+    "pyro.validation_enabled(False) skips this check."
 )
 
 

@@ -905,7 +905,7 @@ def test_a_support_that_depends_on_a_latent(float64):
             pyro.sample("x", dist.Uniform(torch.zeros_like(hi), hi).to_event(1), obs=x)
 
     pyro.set_rng_seed(0)
-    with pytest.raises(ValueError, match=r"Where the bounds depend on a latent .* pyro.validation_enabled\(False\)"):
+    with pytest.raises(ValueError, match=r"If a latent sets the bounds .* pyro.validation_enabled\(False\) skips this check"):
         Evidence(model, method="importance")(torch.tensor([[0.1, 0.5, 0.999]]))
     x = torch.tensor([[0.1, 0.5, 0.6], [0.2, 0.3, 0.1]])
     m = x.max(1).values.numpy()
