@@ -859,6 +859,25 @@ def test_a_clamp_beyond_the_prior_probes_is_refused_where_the_data_put_the_poste
         score = loss.score(model, None, x).numpy()
     assert np.abs(score - ref).max() < 0.1  # 0.05 at the far datapoint: the kink slows the grid down
 
+    # checked again for other data -- a permutation of the same values too, which a
+    # fingerprint of sums alone took for the same data -- and for moved parameters
+    def one_token(x):
+        w = pyro.param("w_one_token", torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal(z.clamp(-4.0, 4.0).unsqueeze(-1) * w, 0.1).to_event(1), obs=x)
+
+    inside = torch.tensor([[0.0, 10.0, 0.0]], dtype=torch.float64)  # the posterior stays at 0
+    evidence = Evidence(one_token, method="exact")
+    evidence(inside)
+    with pytest.raises(NotLinearGaussianError, match="not where the data put the posterior"):
+        evidence(torch.tensor([[10.0, 0.0, 0.0]], dtype=torch.float64))
+    evidence(inside)
+    with torch.no_grad():
+        pyro.param("w_one_token").copy_(torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64))
+    with pytest.raises(NotLinearGaussianError, match="not where the data put the posterior"):
+        evidence(inside)
+
 
 def _mvn_logpdf(x, mean, cov):
     from scipy.stats import multivariate_normal

@@ -32,8 +32,9 @@ changes :math:`\log p(x_i)`. So the model runs once more, each datapoint at a
 point of its posterior under the derived model (its mean, or the mean plus 3
 posterior standard deviations), and the location there must be affine too. The
 check costs about two products of the data with the loading, so it runs under
-Pyro's validation only, once per model and data in an engine's memory (later
-steps of a training on the same data are not checked again).
+Pyro's validation only, once per model, data and parameters in an engine's
+memory (a repeated evaluation does not pay for it again; a training step that
+moves the parameters does).
 """
 
 import math
@@ -402,14 +403,14 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
                 f"so its marginal is not Gaussian; use conditionals='quadrature' or "
                 f"'importance'."
             )
-    checked = _posterior_check_key(model, value) if colors is None and is_validation_enabled() else None
+    checked = _posterior_check_key(model, value, mu, W) if colors is None and is_validation_enabled() else None
     if checked is not None and (memory is None or memory.checked != checked):
         # the probes above stay within 3 prior standard deviations; the data may put the
         # posterior far outside them, where a clamp or saturation the probes never reached
         # changes log p(x_i) (a clamp at 3.5 sd: -18.27 for a true -180.5, stderr 0). It
-        # costs about two products of the data with the loading, so it runs once per model
-        # and data (an engine's memory keeps what passed) and, like Pyro's checks, only
-        # under validation
+        # costs about two products of the data with the loading, so it runs once per model,
+        # data and parameters (an engine's memory keeps what passed) and, like Pyro's
+        # checks, only under validation
         u = _posterior_points(value, tokens.observed, mu, W, noise)
         broadcasts = mode in ("rows", "compact", "full")
         try:
@@ -532,12 +533,21 @@ def _check_scale_rows(name, scale):
         )
 
 
-def _posterior_check_key(model, x):
-    """What the posterior check passed for: the model's key and a fingerprint of the data
-    (shape, dtype and two sums, one pass over them)."""
+def _posterior_check_key(model, x, mu, W):
+    """What the posterior check passed for: the model's key and fingerprints of the data and
+    of the derived location and loading (shapes, a sum and a sum weighted by position), so
+    that other data -- a permutation of the same values too -- or parameters moved by a
+    training step are checked again. About a dozen small kernels and one pass over the data."""
     with torch.no_grad():
-        sums = torch.stack([x.nansum(), x.square().nansum()]).tolist()
-    return (callable_key(model), tuple(x.shape), x.dtype, tuple(sums))
+        x2 = x.detach().reshape(x.shape[0], -1)
+        n, D = x2.shape
+        rows = torch.arange(1, n + 1, dtype=x2.dtype, device=x2.device)
+        cols = torch.arange(1, D + 1, dtype=x2.dtype, device=x2.device)
+        params = torch.cat([mu.detach().reshape(-1), W.detach().reshape(-1).to(mu.dtype)])
+        at = torch.arange(1, params.numel() + 1, dtype=params.dtype, device=params.device)
+        values = torch.stack([x2.sum().double(), ((x2 @ cols) @ rows).double(),
+                              params.sum().double(), (params @ at).double()]).tolist()
+    return (callable_key(model), tuple(x.shape), tuple(mu.shape), tuple(W.shape), x.dtype, tuple(values))
 
 
 def _noise_variances(kind, parts):
