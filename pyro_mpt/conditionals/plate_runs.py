@@ -550,13 +550,10 @@ class RunMemory:
 
     :param tuple key: ``callable_key(fn)`` of the callable (see ``conditionals.base``).
     :param str mode: the mode that worked for it.
-    :param tuple checked: what a once-per-data check (the Gaussian marginal's affinity at the
-        posterior points) last passed for: the callable's key and the data's fingerprint.
     """
 
     key: Optional[tuple] = None
     mode: Optional[str] = None
-    checked: Optional[tuple] = None
 
     def recall(self, fn):
         """The remembered mode for ``fn``, or None."""
