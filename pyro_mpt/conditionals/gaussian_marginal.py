@@ -413,12 +413,13 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
         # data and parameters and, like Pyro's checks, only under validation
         u = _posterior_points(value, tokens.observed, mu, W, noise)
         broadcasts = mode in ("rows", "compact", "full")
-        try:
-            loc_u, noise_u = at_rows(u, broadcasts)
-        except (_LayoutDeclined, RuntimeError, ValueError, IndexError) as e:
-            if not broadcasts or isinstance(e, NotLinearGaussianError):
-                raise
-            loc_u, noise_u = at_rows(u, False)
+        with torch.no_grad():  # a check: no graph (a first call saved tensors no backward reads)
+            try:
+                loc_u, noise_u = at_rows(u, broadcasts)
+            except (_LayoutDeclined, RuntimeError, ValueError, IndexError) as e:
+                if not broadcasts or isinstance(e, NotLinearGaussianError):
+                    raise
+                loc_u, noise_u = at_rows(u, False)
         _check_affine_at_posterior(loc_u, noise_u, mu, W, noise, u, tokens.name, gen)
         _passed_posterior_check(model, checked, add=True)
     return _assemble(mu, tuple(t[0] for t in noise[1:]), noise[0], W.permute(1, 2, 0), value.dtype)
