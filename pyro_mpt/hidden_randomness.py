@@ -19,34 +19,22 @@ Example::
     >>> check_no_hidden_randomness(tokens, model, (x,), {}, "Evidence(method='exact')")
 """
 
-import weakref
-
 import pyro
 import torch
 from pyro import poutine
 from pyro.util import get_rng_state, set_rng_state
+
+from .model_keys import PassedChecks
 
 __all__ = ["check_no_hidden_randomness", "HIDDEN_SEED"]
 
 #: the seed of the second run: any state other than the first run's draws the hidden values anew
 HIDDEN_SEED = 20231208
 
-# the models that passed, by function (and the id of a bound method's owner): once per model and
-# process, as a fresh Evidence(model)(x) a call would otherwise pay a second model run every time
-# (PPCA D = 512, K = 50: 1.4x -> 2.6x a bare LowRankMultivariateNormal.log_prob)
-_PASSED = weakref.WeakKeyDictionary()
-
-
-def _passed(fn, add=False):
-    func = getattr(fn, "__func__", fn)
-    owner = id(fn.__self__) if getattr(fn, "__func__", None) is not None else None
-    try:
-        owners = _PASSED.setdefault(func, set()) if add else _PASSED.get(func, ())
-    except TypeError:  # not weakly referable: checked at every first call
-        return False
-    if add:
-        owners.add(owner)
-    return owner in owners
+#: the models that passed: once per model and process (a model is identified by weak
+#: references: a bound method's owner by its id alone, a new instance at a collected one's
+#: address skipped the check)
+_PASSED = PassedChecks()
 
 
 def check_no_hidden_randomness(tokens, model, args, kwargs, who, advice="", key=None):
@@ -63,12 +51,12 @@ def check_no_hidden_randomness(tokens, model, args, kwargs, who, advice="", key=
         always checked).
     :raises ValueError: naming the site and the two log-densities of a datapoint where they differ.
     """
-    if key is not None and _passed(key):
+    if key is not None and _PASSED.passed(key):
         return
     with torch.no_grad():
         _check(tokens, model, args, kwargs, who, advice)
     if key is not None:
-        _passed(key, add=True)
+        _PASSED.add(key)
 
 
 def _check(tokens, model, args, kwargs, who, advice):

@@ -29,7 +29,8 @@ from pyro.util import warn_if_nan
 
 from .arg_checks import Revalidate, args_valid, checkable, quiet_or_validated
 from .conditionals import ENGINES, auto_engine, make_engine, option_names
-from .conditionals.base import EngineNotApplicable, callable_key
+from .conditionals.base import EngineNotApplicable
+from .model_keys import callable_key
 from .curve import CurveAccumulator
 from .estimate import mpt_estimate
 from .guide_checks import check_guide_sites
@@ -54,7 +55,7 @@ class LossMemory:
 
     :param dict auto_engines: the engine ``conditionals="auto"`` chose, per
         ``(callable_key(model), observed site)`` (``callable_key`` of
-        ``conditionals.base``: a bound method is a new object at each access,
+        ``model_keys``: a bound method is a new object at each access,
         so it is identified by its owner and function). An engine keeps its
         own memory across steps (e.g.
         :class:`~pyro_mpt.conditionals.quadrature.QuadratureMemory`'s

@@ -494,3 +494,37 @@ def test_curve_accumulator_mask_variance_of_several_sets_is_numpys():
         acc.add(torch.as_tensor(values[p::P]), torch.as_tensor(sizes[p::P]))
     set_areas = set_means.sum(0)
     assert acc.result().area_mask_variance == pytest.approx(set_areas.var(ddof=1) / P, rel=1e-12)
+
+
+def test_passed_checks_do_not_pass_a_new_owner_at_a_collected_ones_address():
+    """The checks that passed are kept per model function and owner by weak references: the
+    hidden-randomness check kept a bound method's owner by its id, so a new instance at a
+    collected instance's address was taken for one that had passed."""
+    import gc
+
+    from pyro_mpt.model_keys import PassedChecks
+
+    class Model:
+        def model(self, x):
+            return x
+
+    checks = PassedChecks()
+    first = Model()
+    checks.add(first.model)
+    assert checks.passed(first.model) and not checks.passed(Model().model)
+    address = id(first)
+    del first
+    gc.collect()
+    kept = []
+    for _ in range(2000):  # CPython gives a freed object's memory to the next one of its size
+        second = Model()
+        if id(second) == address:
+            break
+        kept.append(second)
+    assert id(second) == address
+    assert not checks.passed(second.model)
+    # details (a fingerprint of the data) are told apart, and at most `keep` are kept
+    bounded = PassedChecks(keep=2)
+    for detail in ("a", "b", "c"):
+        bounded.add(second.model, detail)
+    assert [bounded.passed(second.model, d) for d in ("a", "b", "c")] == [False, True, True]

@@ -16,7 +16,6 @@ evaluation and shared by every block of queries:
 """
 
 import traceback
-import weakref
 from abc import ABC, abstractmethod
 
 import torch
@@ -138,73 +137,6 @@ def model_failed(error):
         if not is_library(frame.filename):
             return True
     return False
-
-
-def callable_key(fn):
-    """A key that identifies a callable across calls (bound methods are recreated at
-    each access), for what engines remember per model or guide.
-
-    :returns: :class:`CallableKey`, equal to another key only while the objects both
-        name are alive and the same ones.
-
-    Example::
-
-        >>> callable_key(svi_module.model) == callable_key(svi_module.model)
-        True
-    """
-    owner = getattr(fn, "__self__", None)
-    return CallableKey((owner, getattr(fn, "__func__", fn)) if owner is not None else (fn,))
-
-
-class CallableKey:
-    """The identity of a callable (its owner and function, or the callable itself), held by
-    weak references.
-
-    Keys by ``id`` alone matched a new model whose object took a collected model's
-    address: a loss reused across models handed a linear-Gaussian PPCA the importance
-    engine ``"auto"`` had chosen for an earlier tanh model (0.47 nats off, silently). A key
-    equals another only while its objects are alive and the same; a pickled or copied key
-    matches nothing (the copy chooses again).
-
-    :param tuple objects: the objects that make the callable.
-    """
-
-    __slots__ = ("_ids", "_refs", "__weakref__")
-
-    def __init__(self, objects):
-        self._ids = tuple(id(o) for o in objects)
-        self._refs = tuple(_reference(o) for o in objects)
-
-    def alive(self):
-        """Whether every object of the key still exists."""
-        return all(ref() is not None for ref in self._refs)
-
-    def __hash__(self):
-        return hash(self._ids)
-
-    def __eq__(self, other):
-        if not isinstance(other, CallableKey) or self._ids != other._ids:
-            return False
-        return all(a() is not None and a() is b() for a, b in zip(self._refs, other._refs))
-
-    def __reduce__(self):
-        return (_dead_key, (len(self._ids),))
-
-    def __repr__(self):
-        return f"CallableKey({self._ids}{'' if self.alive() else ', collected'})"
-
-
-def _reference(obj):
-    try:
-        return weakref.ref(obj)
-    except TypeError:  # no weak references (a builtin): held, so its id cannot be reused
-        return lambda: obj
-
-
-def _dead_key(size):
-    key = CallableKey(())
-    key._ids, key._refs = (None,) * size, (lambda: None,) * size
-    return key
 
 
 class ConditionalEngine(ABC):

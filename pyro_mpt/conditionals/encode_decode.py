@@ -78,7 +78,8 @@ from numbers import Real
 
 import torch
 
-from .base import ConditionalEngine, EngineNotApplicable, callable_key
+from ..model_keys import callable_key
+from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import check_factorized
 from .data_args import guide_latents, locate_data_arg, refuse_missing
 from .guide_proposals import per_datapoint_autoguide

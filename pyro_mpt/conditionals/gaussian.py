@@ -40,7 +40,8 @@ from numbers import Real
 import torch
 
 from ..recompute import not_recomputed
-from .base import ConditionalEngine, callable_key
+from ..model_keys import callable_key
+from .base import ConditionalEngine
 from .distributions import take_rows
 from .gaussian_aggregated import (
     aggregated_cheaper,

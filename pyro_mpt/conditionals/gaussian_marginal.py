@@ -39,7 +39,6 @@ again, a training step that moves the parameters does).
 
 import math
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,7 +47,8 @@ import pyro.distributions as dist
 from pyro.infer.util import is_validation_enabled
 
 from ..observed_tokens import check_local_latent
-from .base import EngineNotApplicable, SlowEngineWarning, callable_key
+from ..model_keys import PassedChecks
+from .base import EngineNotApplicable, SlowEngineWarning
 from .distributions import affine_normal, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
 from .marginal_rows import basis_rows, common_rows, rows_equal, shared_loading
@@ -404,8 +404,8 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
                 f"so its marginal is not Gaussian; use conditionals='quadrature' or "
                 f"'importance'."
             )
-    checked = _posterior_check_key(model, value, mu, W) if colors is None and is_validation_enabled() else None
-    if checked is not None and not _passed_posterior_check(model, checked):
+    checked = _posterior_fingerprint(value, mu, W) if colors is None and is_validation_enabled() else None
+    if checked is not None and not _POSTERIOR_PASSED.passed(model, checked):
         # the probes above stay within 3 prior standard deviations; the data may put the
         # posterior far outside them, where a clamp or saturation the probes never reached
         # changes log p(x_i) (a clamp at 3.5 sd: -18.27 for a true -180.5, stderr 0). It
@@ -421,7 +421,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
                     raise
                 loc_u, noise_u = at_rows(u, False)
         _check_affine_at_posterior(loc_u, noise_u, mu, W, noise, u, tokens.name, gen)
-        _passed_posterior_check(model, checked, add=True)
+        _POSTERIOR_PASSED.add(model, checked)
     return _assemble(mu, tuple(t[0] for t in noise[1:]), noise[0], W.permute(1, 2, 0), value.dtype)
 
 
@@ -533,29 +533,13 @@ def _check_scale_rows(name, scale):
         )
 
 
-#: the posterior checks that passed, by model function: the last few keys of each, so that a
-#: fresh Evidence(model)(x) a call (an engine memory of its own each time) pays for the check
-#: once (PPCA D = 512, K = 50: 1.4x -> 1.9x a bare LowRankMultivariateNormal.log_prob otherwise)
-_POSTERIOR_PASSED = weakref.WeakKeyDictionary()
-_POSTERIOR_KEPT = 8
+#: the posterior checks that passed, per model: the last few fingerprints of each (a training
+#: step that moves the parameters makes a new one)
+_POSTERIOR_PASSED = PassedChecks(keep=8)
 
 
-def _passed_posterior_check(model, key, add=False):
-    """Whether the posterior check passed for ``key`` (:func:`_posterior_check_key`); with
-    ``add``, remember that it did."""
-    fn = getattr(model, "__func__", model)
-    try:
-        kept = _POSTERIOR_PASSED.get(fn)
-        if add:
-            kept = [k for k in (kept or []) if k != key][-(_POSTERIOR_KEPT - 1):] + [key]
-            _POSTERIOR_PASSED[fn] = kept
-    except TypeError:  # no weak reference to it: checked at every call
-        return False
-    return bool(kept) and key in kept
-
-
-def _posterior_check_key(model, x, mu, W):
-    """What the posterior check passed for: the model's key and fingerprints of the data and
+def _posterior_fingerprint(x, mu, W):
+    """What the posterior check passes for, beside the model: fingerprints of the data and
     of the derived location and loading (shapes, a sum and a sum weighted by position), so
     that other data -- a permutation of the same values too -- or parameters moved by a
     training step are checked again. About a dozen small kernels and one pass over the data."""
@@ -568,7 +552,7 @@ def _posterior_check_key(model, x, mu, W):
         at = torch.arange(1, params.numel() + 1, dtype=params.dtype, device=params.device)
         values = torch.stack([x2.sum().double(), ((x2 @ cols) @ rows).double(),
                               params.sum().double(), (params @ at).double()]).tolist()
-    return (callable_key(model), tuple(x.shape), tuple(mu.shape), tuple(W.shape), x.dtype, tuple(values))
+    return (tuple(x.shape), tuple(mu.shape), tuple(W.shape), x.dtype, tuple(values))
 
 
 def _noise_variances(kind, parts):

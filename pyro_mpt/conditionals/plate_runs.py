@@ -44,7 +44,8 @@ from pyro.poutine.util import site_is_subsample
 from torch.distributions import biject_to
 
 from ..token_site import vectorized_frames
-from .base import EngineNotApplicable, callable_key
+from ..model_keys import callable_key
+from .base import EngineNotApplicable
 from .distributions import affine_normal, compact, unwrap
 
 __all__ = ["LatentSlice", "latent_layout", "PROBE_REACH", "PROBE_SEED", "affinity_probes", "fixed_probes", "alternating_signs", "reaches_points", "CoordinateLatents", "MeanLatents", "most_probable", "run_in_plate", "RunMemory", "run_with_fallback"]
@@ -548,7 +549,7 @@ class RunMemory:
     Kept by an engine across calls (see each engine's docstring for what it
     remembers). One slot: a different callable starts again from the first mode.
 
-    :param tuple key: ``callable_key(fn)`` of the callable (see ``conditionals.base``).
+    :param tuple key: ``callable_key(fn)`` of the callable (see ``model_keys``).
     :param str mode: the mode that worked for it.
     """
 
