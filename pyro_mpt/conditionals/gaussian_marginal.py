@@ -412,14 +412,10 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
         # costs about two products of the data with the loading, so it runs once per model,
         # data and parameters and, like Pyro's checks, only under validation
         u = _posterior_points(value, tokens.observed, mu, W, noise)
-        broadcasts = mode in ("rows", "compact", "full")
+        # vectorized where the derivation's own run was, with the engines' one fallback policy
+        modes = ("vectorized", "per_point") if mode in ("rows", "compact", "full") else ("per_point",)
         with torch.no_grad():  # a check: no graph (a first call saved tensors no backward reads)
-            try:
-                loc_u, noise_u = at_rows(u, broadcasts)
-            except (_LayoutDeclined, RuntimeError, ValueError, IndexError) as e:
-                if not broadcasts or isinstance(e, NotLinearGaussianError):
-                    raise
-                loc_u, noise_u = at_rows(u, False)
+            _, (loc_u, noise_u) = run_with_fallback(modes, lambda m: at_rows(u, m == "vectorized"))
         _check_affine_at_posterior(loc_u, noise_u, mu, W, noise, u, tokens.name, gen)
         _POSTERIOR_PASSED.add(model, checked)
     return _assemble(mu, tuple(t[0] for t in noise[1:]), noise[0], W.permute(1, 2, 0), value.dtype)
