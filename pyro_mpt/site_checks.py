@@ -269,10 +269,10 @@ _LATENT_SUPPORT_HINT = (
 )
 
 
-def _bounds_vary(support):
-    """Whether a support has bounds per token or datapoint (tensors of more than one
-    element), which may have been computed from a latent."""
-    return any(torch.is_tensor(v) and v.numel() > 1 for v in vars(support).values())
+def _per_token_bounds(support):
+    """A support's bounds per token or datapoint (tensors of more than one element, which
+    may have been computed from a latent), by attribute name."""
+    return {k: v for k, v in vars(support).items() if torch.is_tensor(v) and v.numel() > 1}
 
 
 def _support_text(support, layout, i, j):
@@ -280,7 +280,7 @@ def _support_text(support, layout, i, j):
     total_count) would print its whole bound tensors, so it is named with its bounds at the
     offending token instead."""
     cls = type(support).__name__.lstrip("_")
-    bounds = {k: v for k, v in vars(support).items() if torch.is_tensor(v) and v.numel() > 1}
+    bounds = _per_token_bounds(support)
     if not bounds:
         return str(support), ""
     parts = []
@@ -340,5 +340,5 @@ def validate_values(layout, site, flat, observed):
             f"such data (Trace_ELBO raises on it). Pass data in the support (e.g. 0/1 for a "
             f"Bernoulli, non-negative integers for a Poisson), use an observation "
             f"distribution whose support holds the data, or mark the values missing with "
-            f"obs_mask=." + (_LATENT_SUPPORT_HINT if _bounds_vary(base.support) else "")
+            f"obs_mask=." + (_LATENT_SUPPORT_HINT if _per_token_bounds(base.support) else "")
         )
