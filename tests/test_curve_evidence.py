@@ -509,18 +509,25 @@ def test_passed_checks_do_not_pass_a_new_owner_at_a_collected_ones_address():
             return x
 
     checks = PassedChecks()
-    first = Model()
-    checks.add(first.model)
-    assert checks.passed(first.model) and not checks.passed(Model().model)
-    address = id(first)
-    del first
-    gc.collect()
-    kept = []
-    for _ in range(2000):  # CPython gives a freed object's memory to the next one of its size
-        second = Model()
-        if id(second) == address:
+    other = Model()
+    assert not checks.passed(other.model)
+    # CPython gives a freed object's memory to a next one of its size; the new instances wait
+    # in a list made beforehand, so that nothing else of their size is made meanwhile
+    kept = [None] * 4000
+    for attempt in range(20):
+        first = Model()
+        checks.add(first.model)
+        assert checks.passed(first.model)
+        address = id(first)
+        del first
+        gc.collect()
+        for i in range(len(kept)):
+            kept[i] = Model()
+            if id(kept[i]) == address:
+                break
+        if id(kept[i]) == address:
             break
-        kept.append(second)
+    second = kept[i]
     assert id(second) == address
     assert not checks.passed(second.model)
     # details (a fingerprint of the data) are told apart, and at most `keep` are kept
