@@ -118,3 +118,14 @@ class PassedChecks:
             self._by_function[fn] = kept if self.keep is None else kept[-self.keep:]
         except TypeError:
             pass
+
+    def discard(self, model, detail=()):
+        """Forget that the check passed for ``model`` with ``detail`` (if it had)."""
+        fn = getattr(model, "__func__", model)
+        key = (callable_key(model), detail)
+        try:
+            kept = self._by_function.get(fn)
+            if kept is not None and key in kept:
+                self._by_function[fn] = [k for k in kept if k != key]
+        except TypeError:
+            pass

@@ -185,32 +185,38 @@ def test_dependent_and_lazy_arguments_are_skipped_as_torch_skips_them():
 
 
 def test_exact_evidence_of_a_latent_mean_traces_without_validation_after_the_first_call():
-    """``Evidence(method="exact")`` from its second call on: the model traced without Pyro's
-    validation, its arguments checked at their own shapes; the values and their gradient
-    equal a fresh estimator's; a bad ``scale_tril`` raises the fresh estimator's exact error,
-    and the next good call is validated again."""
+    """``Evidence(method="exact")`` after a first call, of this estimator or a fresh one of the
+    same model: the model traced without Pyro's validation, its arguments checked at their
+    own shapes; the values and their gradient equal those of a first, validated call (of a
+    copy of the model, which nothing remembers); a bad ``scale_tril`` raises the validated
+    call's exact error, and the next good call is validated again."""
     from pyro_mpt import Evidence
 
     model, x, L0, runs = latent_mean_model()
+    twin, _, _, twin_runs = latent_mean_model()
+    broken = L0.clone()
+    broken[1, 1] = -1.0
+    with pytest.raises(Exception) as want:
+        Evidence(twin)(x, broken)
+    assert isinstance(want.value, ValueError) and "scale_tril" in str(want.value)
     L = L0.clone().requires_grad_()
     evidence = Evidence(model)
     evidence(x, L)
     assert runs[0] is True
-    runs.clear()
-    quiet = evidence(x, L)
-    assert runs[0] is False and dist.is_validation_enabled()
-    fresh = Evidence(model)(x, L)
-    torch.testing.assert_close(quiet, fresh, rtol=1e-12, atol=0)
-    torch.testing.assert_close(torch.autograd.grad(quiet.sum(), L)[0], torch.autograd.grad(fresh.sum(), L)[0],
-                               rtol=1e-12, atol=0)
-    broken = L0.clone()
-    broken[1, 1] = -1.0
-    with pytest.raises(Exception) as want:
-        Evidence(model)(x, broken)
-    assert isinstance(want.value, ValueError) and "scale_tril" in str(want.value)
+    for quiet_evidence in (evidence, Evidence(model)):
+        runs.clear()
+        quiet = quiet_evidence(x, L)
+        assert runs[0] is False and dist.is_validation_enabled()
+        twin, _, _, twin_runs = latent_mean_model()  # a new model: its first call, validated
+        validated = Evidence(twin)(x, L)
+        assert twin_runs[0] is True
+        torch.testing.assert_close(quiet, validated, rtol=1e-12, atol=0)
+        torch.testing.assert_close(
+            torch.autograd.grad(quiet.sum(), L)[0], torch.autograd.grad(validated.sum(), L)[0], rtol=1e-12, atol=0
+        )
     runs.clear()
     with pytest.raises(Exception) as got:
-        evidence(x, broken)
+        Evidence(model)(x, broken)
     assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
     assert runs[0] is False and runs[-1] is True
     runs.clear()
@@ -277,8 +283,9 @@ def test_a_guides_latents_are_replayed_under_the_mean_trace():
 
 
 def test_exact_evidence_traces_the_latents_at_their_prior_mean_from_its_second_call():
-    """``Evidence(method="exact")`` served by the Gaussian marginal: from its second call the
-    model sees the prior mean, draws nothing, and the values equal the first call's."""
+    """``Evidence(method="exact")`` served by the Gaussian marginal: from its second call, and
+    at the first call of a fresh estimator of the same model, the model sees the prior
+    mean, draws nothing, and the values equal the first call's."""
     from pyro_mpt import Evidence
     from pyro_mpt.conditionals import GaussianConditionals
 
@@ -289,7 +296,8 @@ def test_exact_evidence_traces_the_latents_at_their_prior_mean_from_its_second_c
     assert isinstance(first.diagnostics["engine"], GaussianConditionals)
     assert not torch.equal(seen[-1], m.expand_as(seen[-1]))
     state = torch.get_rng_state()
-    later = evidence(x)
-    assert torch.equal(seen[-1], m.expand_as(seen[-1])) and torch.equal(torch.get_rng_state(), state)
-    torch.testing.assert_close(later, first.log_evidence, rtol=1e-12, atol=0)
+    for later_evidence in (evidence, Evidence(model)):
+        later = later_evidence(x)
+        assert torch.equal(seen[-1], m.expand_as(seen[-1])) and torch.equal(torch.get_rng_state(), state)
+        torch.testing.assert_close(later, first.log_evidence, rtol=1e-12, atol=0)
 
