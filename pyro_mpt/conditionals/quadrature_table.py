@@ -47,6 +47,10 @@ class QuadratureState:
         approximation of the prior in the node coordinates; the context grids model
         the prior by it (:func:`~pyro_mpt.conditionals.quadrature_contexts.prior_quadratic`).
         None otherwise.
+    :param torch.Tensor missing_mass: for an adaptive grid whose engine looked for other
+        modes, the log-evidence of each datapoint that they hold beyond the grid's reach,
+        ``(n,)`` (:meth:`~pyro_mpt.conditionals.laplace.LaplaceSearch.other_modes`; 0 where
+        none was found); None otherwise.
     :param quadratics: the table's projection onto quadratics
         (:func:`~pyro_mpt.conditionals.quadrature_contexts.token_quadratics`),
         computed by the first query that needs it.
@@ -64,6 +68,7 @@ class QuadratureState:
     ess_pending: bool = False
     frame: Optional[tuple] = field(default=None, repr=False)
     prior_frame: Optional[tuple] = field(default=None, repr=False)
+    missing_mass: Optional[torch.Tensor] = field(default=None, repr=False)
     quadratics: object = field(default=None, repr=False)
 
     @property

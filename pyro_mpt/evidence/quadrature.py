@@ -31,6 +31,19 @@ QUADRATURE_OPTIONS = option_names(QuadratureConditionals) | {"tol", "warn_tol", 
 WARN_TOL = 1e-3
 
 
+#: the advice where the error is another mode's mass, which more nodes do not reach
+OTHER_MODE_ADVICE = (
+    "most of it is a second mode of the posterior beyond the adaptive grid, centred on one mode, "
+    "so more nodes do not help; use method='importance' with a guide that covers the modes, or "
+    "adaptive=False with nodes enough to resolve each mode (num_nodes=...)"
+)
+
+
+def _another_mode(missing, error, worst):
+    """Whether another mode's mass is most of the worst datapoint's error estimate."""
+    return missing is not None and bool(2 * missing[worst] > error[worst])
+
+
 def quadrature_evidence(evidence, tokens, args, kwargs):
     r"""``Evidence(method="quadrature")``: :math:`\log p(x_i)` by quadrature, with an error estimate.
 
@@ -156,6 +169,11 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     # the rule's own rounding: its log-sum of Q terms of size |log p(x)|
     eps = torch.finfo(value.dtype).eps
     error = error + 8 * eps * (value.detach().abs() + 1)
+    # another mode beyond the adaptive grid: the coarser rules share the grid's centre and
+    # cannot see the mass it leaves out (the engine's Laplace estimate of it)
+    missing = state.missing_mass
+    if missing is not None:
+        error = error + missing.to(error.dtype)
     moved = error  # the rules' differences, before the reference's triangle below
     reference = None
     if not engine.adaptive and K > 0:
@@ -171,6 +189,8 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
         ref_state, reference = evaluate(ref_engine, False)
         m_ref = round(ref_state.num_nodes ** (1.0 / K))
         ref_error = (reference - companion(ref_engine, ref_state, max(1, (2 * m_ref) // 3))).abs()
+        if ref_state.missing_mass is not None:
+            ref_error = ref_error + ref_state.missing_mass.to(ref_error.dtype)
         error = torch.maximum(error, (value.detach() - reference).abs() + ref_error)
     if tol is not None and bool((error > tol).any()):
         worst = int(error.argmax())
@@ -182,6 +202,11 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
             why = (f"the estimated error is up to {float(error[worst]):.3g} (datapoint {worst}): the distance to "
                    f"the adaptive rule plus that rule's own error (the estimate moves by only "
                    f"{float(between[worst]):.3g} between {error_nodes} and {m} nodes per dim)")
+        if _another_mode(missing, error, worst):
+            raise ValueError(
+                f"Evidence(method='quadrature'): the estimated error is up to {float(error[worst]):.3g} "
+                f"nats (datapoint {worst}) for tol={tol}: {OTHER_MODE_ADVICE}."
+            )
         raise ValueError(
             f"Evidence(method='quadrature'): {m} nodes per latent dim are too few for "
             f"tol={tol}: {why}. Use "
@@ -195,8 +220,9 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
             f"off by up to {float(error[worst]):.3g} nats (datapoint {worst}; "
             f"{int((error > warn_tol).sum())} of {error.numel()} above warn_tol={warn_tol:g}) with "
             f"{m} nodes per latent dim{' (adaptive)' if engine.adaptive else ' (prior-centred)'}. "
-            f"Use more nodes (num_nodes=...){'' if engine.adaptive else ' or adaptive=True'}; "
-            f"the per-datapoint estimates are the result's stderr; warn_tol=None silences this.",
+            + (f"{OTHER_MODE_ADVICE[0].upper()}{OTHER_MODE_ADVICE[1:]}" if _another_mode(missing, error, worst) else
+               f"Use more nodes (num_nodes=...){'' if engine.adaptive else ' or adaptive=True'}")
+            + "; the per-datapoint estimates are the result's stderr; warn_tol=None silences this.",
             site=tokens.name, error=float(error[worst])),
             stacklevel=user_stacklevel(),
         )

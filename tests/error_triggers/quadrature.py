@@ -227,3 +227,33 @@ def _():
             pyro.sample("x", dist.Categorical(th.unsqueeze(-2).expand(th.shape[:-1] + (4, 3))).to_event(1), obs=x)
 
     MaskedPretrainingLoss(masks="order").loss(model, None, x)
+
+
+def _two_mode_model():
+    """z ~ N(0, 2), x_d ~ N(z^2, 0.5): the posterior given x near 4 has two equal modes at +-2."""
+    x = torch.tensor([[4.2, 3.7, 4.1, 3.9, 4.5, 4.0]], dtype=torch.float64)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 2.0))
+            pyro.sample("x", dist.Normal((z**2).unsqueeze(-1) * torch.ones(x.shape[-1]), 0.5).to_event(1), obs=x)
+
+    return model, x
+
+
+@trigger("quadrature-other-mode")
+def _():
+    model, x = _two_mode_model()
+    MaskedPretrainingLoss(masks="order", conditionals="quadrature").score(model, None, x)
+
+
+@trigger("evidence-quadrature-other-mode")
+def _():
+    model, x = _two_mode_model()
+    Evidence(model, method="quadrature", check_modes=True)(x)
+
+
+@trigger("evidence-quadrature-tol-other-mode")
+def _():
+    model, x = _two_mode_model()
+    Evidence(model, method="quadrature", tol=1e-3)(x)
