@@ -638,3 +638,32 @@ def test_sequences_with_some_unknown_tokens_warn_that_their_scores_sum_fewer_tok
         enc = scorer.encode(["a zzz b", "c d", "e yy xx f"])
     # the unknown tokens are context, not targets: two maskable tokens in the first sequence
     assert [int(m.numel()) for m in enc.maskable] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("kind", ["mpnet", "esm"])
+def test_models_numbering_positions_after_padding_take_max_positions_less_the_offset(kind):
+    """MPNet and ESM (absolute positions) number positions from pad_token_id + 1, as RoBERTa:
+    ids of max_position_embeddings - 2 tokens are scored (the PLL equals a loop written in
+    transformers), one more is refused with the length message (it failed inside the model
+    with an IndexError, the limit being read as max_position_embeddings)."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                  max_position_embeddings=12, pad_token_id=1)
+    if kind == "mpnet":
+        model = transformers.MPNetForMaskedLM(transformers.MPNetConfig(**common)).eval()
+    else:
+        model = transformers.EsmForMaskedLM(transformers.EsmConfig(
+            mask_token_id=4, position_embedding_type="absolute", **common)).eval()
+    model = model.double()
+    scorer = MaskedLMScorer(model, None, mask_token_id=4, special_token_ids=[0, 1, 2, 3, 4])
+    ids = torch.tensor([0] + list(range(5, 13)) + [2])  # 10 tokens
+    got = scorer.pll({"input_ids": [ids]})
+    want = 0.0
+    with torch.no_grad():
+        for j in range(1, 9):
+            masked = ids.clone()
+            masked[j] = 4
+            want += torch.log_softmax(model(input_ids=masked[None]).logits[0, j], -1)[ids[j]].item()
+    assert abs(float(got[0]) - want) < 1e-10
+    with pytest.raises(ValueError, match=r"has 11 tokens \(padding removed\), more than the maximum of 10"):
+        scorer.pll({"input_ids": [torch.cat([ids[:1], torch.tensor([13]), ids[1:]])]})

@@ -7,6 +7,8 @@ and word boundaries known), and the check that a tokenizer belongs to a model.
 host; the scorer moves each packed batch to the model's device.
 """
 
+import functools
+import importlib.util
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,8 +21,9 @@ from ..code_origin import user_stacklevel
 
 __all__ = ["Encoded", "encode_inputs", "check_tokenizer", "model_vocab_size", "position_limit"]
 
-# these model types reserve two positions (padding offset) of max_position_embeddings
-_ROBERTA_LIKE = {"roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "longformer"}
+#: model types known to number positions from ``pad_token_id + 1`` where their modeling
+#: module cannot be read (a config defined outside transformers' own ``models`` package)
+_ROBERTA_LIKE = {"roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "longformer", "mpnet", "esm"}
 
 
 @dataclass
@@ -93,11 +96,39 @@ def check_tokenizer(tokenizer, model):
 
 
 def position_limit(config):
-    """The longest sequence the model's position embeddings take, or None."""
+    """The longest sequence the model's position embeddings take, or None.
+
+    Models whose modeling module numbers positions from ``pad_token_id + 1``
+    (transformers' ``create_position_ids_from_input_ids``: RoBERTa, MPNet, ESM with
+    absolute positions, XLM-R, LUKE, ...) take ``pad_token_id + 1`` fewer tokens than
+    ``max_position_embeddings``: a hand-kept list of RoBERTa's kin missed MPNet and ESM,
+    whose ids at the limit it gave then failed inside the model with an ``IndexError``.
+    ESM with rotary positions has no table to overrun (None)."""
     n = getattr(config, "max_position_embeddings", None)
     if n is None:
         return None
-    return int(n) - (2 if getattr(config, "model_type", "") in _ROBERTA_LIKE else 0)
+    if getattr(config, "model_type", "") == "esm" and getattr(config, "position_embedding_type", "absolute") == "rotary":
+        return None
+    if not _positions_after_padding(type(config)):
+        return int(n)
+    pad = getattr(config, "pad_token_id", None)
+    return int(n) - (int(pad) + 1 if pad is not None else 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _positions_after_padding(config_class):
+    """Whether the modeling module beside ``config_class``'s numbers positions from the
+    padding index (reads its source for ``create_position_ids_from_input_ids``)."""
+    name = config_class.__module__
+    if ".configuration_" in name:
+        try:
+            spec = importlib.util.find_spec(name.replace(".configuration_", ".modeling_"))
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            with open(spec.origin, encoding="utf-8") as f:
+                return "create_position_ids_from_input_ids" in f.read()
+    return getattr(config_class, "model_type", "") in _ROBERTA_LIKE
 
 
 def encode_inputs(inputs, *, tokenizer, config, special_token_ids, max_length=None, text_column="text"):
