@@ -65,7 +65,7 @@ def tiny_vit_mae(seed):
         decoder_intermediate_size=128, norm_pix_loss=False,
     )
     torch.manual_seed(seed)  # transformers initializes the weights from torch's global stream
-    return init_position_embeddings(ViTMAEForPreTraining(cfg))
+    return init_position_embeddings(ViTMAEForPreTraining(cfg), reinit=True)
 
 
 def train_steps(model, opt, train, steps, generator):

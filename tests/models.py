@@ -141,7 +141,7 @@ def tiny_vit_mae(init=True, seed=0, **config):
                decoder_num_attention_heads=2, decoder_intermediate_size=16)
     cfg.update(config)
     model = transformers.ViTMAEForPreTraining(transformers.ViTMAEConfig(**cfg)).eval()
-    return init_position_embeddings(model) if init else model
+    return init_position_embeddings(model, reinit=True) if init else model
 
 
 # ---------------------------------------------------------------------- estimators as cases

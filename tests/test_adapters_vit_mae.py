@@ -126,12 +126,23 @@ def test_zero_position_embeddings_are_restored_and_flagged():
         pytest.skip("this transformers version initializes the position embeddings itself")
     with pytest.warns(UserWarning, match="position embeddings"):
         MAEScorer(model)
+    # the other weights are kept (the model's initializer re-drew the patch projection, the CLS
+    # and the mask token: the warning's advice wiped a trained model's weights)
+    others = [model.vit.embeddings.patch_embeddings.projection.weight, model.vit.embeddings.cls_token,
+              model.decoder.mask_token]
+    with torch.no_grad():
+        for k, t in enumerate(others):
+            t.fill_(0.125 * (k + 1))
     init_position_embeddings(model)
+    for k, t in enumerate(others):
+        assert torch.equal(t, torch.full_like(t, 0.125 * (k + 1)))
     pe = model.vit.embeddings.position_embeddings[0, 1:]
     # the fixed 2-D sin-cos table: entries in [-1, 1], every patch distinct
     assert pe.abs().max() <= 1 and torch.unique(pe, dim=0).shape[0] == 16
     # encoder and decoder have the same width here, so the same table
     torch.testing.assert_close(model.decoder.decoder_pos_embed, model.vit.embeddings.position_embeddings)
+    init_position_embeddings(model, reinit=True)  # a fresh model's initializer: the others re-drawn
+    assert all(not torch.equal(t, torch.full_like(t, 0.125 * (k + 1))) for k, t in enumerate(others))
 
 
 def _hand_mse(model, x, M, ranks, dtype):

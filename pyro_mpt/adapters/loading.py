@@ -266,7 +266,7 @@ def load_vit_mae(name, processor=None, random_init=False, seed=0, quiet=False):
 
     from .vit_mae import init_position_embeddings
 
-    model, _, kw = _load_model(name, "ViT-MAE", _MAE_HINT, lambda c: init_position_embeddings(ViTMAEForPreTraining(c)),
+    model, _, kw = _load_model(name, "ViT-MAE", _MAE_HINT, lambda c: init_position_embeddings(ViTMAEForPreTraining(c), reinit=True),
                                ViTMAEForPreTraining.from_pretrained, random_init, seed, quiet)
     try:
         proc = AutoImageProcessor.from_pretrained(processor or name, **kw)

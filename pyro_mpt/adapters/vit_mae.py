@@ -50,24 +50,35 @@ from .rates import PAPER_MAE_RATES, check_rates, item_generator, mask_counts, ne
 __all__ = ["MAEScorer", "init_position_embeddings"]
 
 
-def init_position_embeddings(model):
-    """Give a freshly built ``ViTMAEForPreTraining`` its fixed 2-D sin-cos position embeddings.
+def init_position_embeddings(model, reinit=False):
+    """Give a ``ViTMAEForPreTraining`` its fixed 2-D sin-cos position embeddings.
 
     ViT-MAE's position embeddings are frozen sin-cos tables (He et al., 2022),
     stored in checkpoints. transformers 5 leaves them at zero when the model is
     built from a config (``ViTMAEForPreTraining(config)``), so a "random init"
-    would also be blind to patch positions. This fills them as the
-    architecture specifies (and re-draws the patch projection and CLS token,
-    as the original initializer does). Returns the model.
+    would also be blind to patch positions. This fills the encoder's and the
+    decoder's tables as the architecture specifies and keeps every other weight
+    (the model's own initializer also re-draws the patch projection, the CLS
+    token and the decoder's mask token: a model whose other weights were trained
+    lost them); with ``reinit`` it re-draws those too, as that initializer does
+    for a model freshly built from a config. Returns the model.
+
+    Example::
+
+        >>> model = init_position_embeddings(ViTMAEForPreTraining(config), reinit=True)
     """
     emb = model.vit.embeddings
     proj = emb.patch_embeddings.projection
+    kept = [] if reinit else [proj.weight, emb.cls_token, model.decoder.mask_token]
+    saved = [t.detach().clone() for t in kept]
     # the initializer skips modules already flagged as initialized
     flag = getattr(proj, "_is_hf_initialized", None)
     proj._is_hf_initialized = False
     with torch.no_grad():
         emb.initialize_weights()
         model.decoder.initialize_weights(emb.patch_embeddings.num_patches)
+        for t, value in zip(kept, saved):
+            t.copy_(value)
     if flag is not None:
         proj._is_hf_initialized = flag
     return model
@@ -145,7 +156,9 @@ class MAEScorer:
         if not model.vit.embeddings.position_embeddings.detach().any():
             warnings.warn(
                 "This ViT-MAE has all-zero position embeddings (transformers 5 leaves them so when a model is "
-                "built from a config); call pyro_mpt.adapters.vit_mae.init_position_embeddings(model) first.",
+                "built from a config); call pyro_mpt.adapters.vit_mae.init_position_embeddings(model) first, "
+                "which fills the fixed sin-cos tables and keeps the other weights (a checkpoint trained with "
+                "zero position embeddings is scored as it is).",
                 stacklevel=user_stacklevel(),
             )
         self.patch_dim = cfg.patch_size**2 * cfg.num_channels
