@@ -267,7 +267,9 @@ def test_a_data_file_records_its_column_and_refuses_splits_and_columns_that_are_
     assert data["data"]["column"] == ["seq"] and data["data"]["split"] is None and data["num_sequences"] == 2
     for extra, needle in ((["--split", "test"], "--split chooses within a hub dataset"),
                           (["--dataset-config", "x"], "--dataset-config chooses within a hub dataset"),
-                          (["--column", "seq", "label"], "Column 'label' of")):
+                          (["--column", "seq", "label"], "Column 'label' of"),
+                          # three columns: a traceback (exit 1) of the tokenizer's call after the model loaded
+                          (["--column", "seq", "label", "seq"], "--column (load_texts(columns=...)) takes one text column")):
         bad = _pyro_mpt("mlm-curve", d, "--dataset", csv, "--rates", "0.5", "--no-plot", *extra, cwd=tmp_path)
         assert bad.returncode == 2, bad.stderr
         lines = bad.stderr.strip().splitlines()

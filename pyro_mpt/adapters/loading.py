@@ -19,6 +19,7 @@ import threading
 import warnings
 from urllib.parse import urlparse
 
+from .mlm_inputs import text_columns
 from .optional_packages import missing_package_message
 from ..code_origin import user_stacklevel
 
@@ -354,6 +355,8 @@ def load_texts(text_file=None, dataset=None, config=None, split="validation", co
             texts = [line.rstrip("\n") for line in f if line.strip()]
         texts = texts[:limit] if limit else texts
         return (texts, None) if with_columns else texts
+    if columns:  # before any loading: a usage error
+        columns = text_columns(columns, "--column (load_texts(columns=...))")
     ds = load_dataset_split(dataset, config, split)
     if limit:
         ds = ds.select(range(min(limit, len(ds))))

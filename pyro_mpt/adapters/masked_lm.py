@@ -45,7 +45,7 @@ import torch
 from ..masks import FixedRate, make_schedule
 from .batching import eval_mode, gather_rows, place_model, positive_count, shard
 from .mlm_forward import MaskedForward
-from .mlm_inputs import check_tokenizer, encode_inputs, position_limit
+from .mlm_inputs import check_max_length, check_tokenizer, encode_inputs, position_limit, text_columns
 from .mlm_jobs import pll_jobs, rate_jobs, run_jobs, schedule_jobs
 from .rates import PAPER_MLM_RATES, check_rates, item_generator, mask_counts, nested_ranks, rate_curve
 
@@ -129,7 +129,9 @@ class MaskedLMScorer:
         self.model, self.device, self.accelerator = place_model(model, device, accelerator)
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
+        text_columns(text_column, "MaskedLMScorer(text_column=...)")
         self.text_column = text_column
+        max_length = check_max_length(max_length, "MaskedLMScorer(max_length=...)")
         self.seed = seed
         self.progress = progress
         limit = position_limit(self.model.config)

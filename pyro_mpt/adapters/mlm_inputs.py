@@ -9,6 +9,7 @@ host; the scorer moves each packed batch to the model's device.
 
 import functools
 import importlib.util
+import numbers
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ import torch
 
 from ..code_origin import user_stacklevel
 
-__all__ = ["Encoded", "encode_inputs", "check_tokenizer", "model_vocab_size", "position_limit"]
+__all__ = ["Encoded", "encode_inputs", "check_tokenizer", "model_vocab_size", "position_limit", "text_columns",
+           "check_max_length"]
 
 #: model types known to number positions from ``pad_token_id + 1`` where their modeling
 #: module cannot be read (a config defined outside transformers' own ``models`` package)
@@ -131,6 +133,35 @@ def _positions_after_padding(config_class):
     return getattr(config_class, "model_type", "") in _ROBERTA_LIKE
 
 
+def text_columns(text_column, who="text_column"):
+    """``text_column`` as a list of one column name, or two for sentence pairs; a
+    ``ValueError`` naming ``who`` otherwise (three columns failed with a ``TypeError`` of the
+    tokenizer's call, after the model had loaded).
+
+    Example::
+
+        >>> text_columns(("question", "sentence"))
+        ['question', 'sentence']
+    """
+    cols = [text_column] if isinstance(text_column, str) else list(text_column)
+    if not 1 <= len(cols) <= 2 or not all(isinstance(c, str) for c in cols):
+        raise ValueError(
+            f"{who} takes one text column, or two for sentence pairs; got {text_column!r}."
+        )
+    return cols
+
+
+def check_max_length(max_length, who="max_length"):
+    """``max_length`` as an int, where it is None or a positive integer; a ``ValueError``
+    naming ``who`` otherwise (0 warned "truncated to 0 tokens" and truncated nothing, -1
+    failed inside the tokenizer, 2.5 ran)."""
+    if max_length is None:
+        return None
+    if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) or max_length < 1:
+        raise ValueError(f"{who} must be a positive integer (tokens per sequence) or None, got {max_length!r}.")
+    return int(max_length)
+
+
 def encode_inputs(inputs, *, tokenizer, config, special_token_ids, max_length=None, text_column="text"):
     """Normalize inputs into an :class:`Encoded` (padding removed).
 
@@ -157,9 +188,9 @@ def encode_inputs(inputs, *, tokenizer, config, special_token_ids, max_length=No
     """
     if isinstance(inputs, Encoded):
         return inputs
-    source = _Source(tokenizer, config, special_token_ids, max_length)
+    source = _Source(tokenizer, config, special_token_ids, check_max_length(max_length))
     if hasattr(inputs, "column_names") and not isinstance(inputs, Mapping):
-        cols = [text_column] if isinstance(text_column, str) else list(text_column)
+        cols = text_columns(text_column)
         missing = [c for c in cols if c not in inputs.column_names]
         if missing:
             raise ValueError(

@@ -178,3 +178,13 @@ def _():
     variants(HEAVY, 3, rate=1.5)
 
 
+
+
+@trigger("mlm-text-columns")
+def _():
+    _scorer(text_column=["a", "b", "c"])
+
+
+@trigger("mlm-max-length")
+def _():
+    _scorer(max_length=0)
