@@ -194,6 +194,13 @@ class RateCurve(MPTCurve):
     def area(self, num_tokens=None):
         r""":math:`D \sum_k w_k S(r_k)`, the Riemann sum of :math:`D\int_0^1 S(r)dr`.
 
+        :math:`S(r)` is a step function: rate :math:`r` masks :math:`M = \max(1, \lfloor rL
+        + 1/2\rfloor)` tokens, so :math:`M = 1` holds the rates below :math:`1.5/L` and
+        :math:`M = L` those above :math:`1 - 0.5/L`, and the integral is
+        :math:`\sum_M S(M) + \tfrac12(S(1) - S(L))`, half the curve's drop away from the
+        cumulative score however fine the grid (the scorers' ``score()`` estimates
+        :math:`\sum_M S(M)` itself).
+
         :param float num_tokens: :math:`D`; default the mean number of maskable
             tokens of the scored items.
         """
@@ -229,7 +236,9 @@ class RateCurve(MPTCurve):
         return float(D * np.sqrt(np.sum((w * self.stderr) ** 2)))
 
     def per_item_area(self):
-        r""":math:`L_i \sum_k w_k \bar S_i(r_k)` per item, shape ``(n,)``."""
+        r""":math:`L_i \sum_k w_k \bar S_i(r_k)` per item, shape ``(n,)``: the Riemann sum of
+        :math:`L_i\int_0^1 S_i(r)dr`, which is :math:`\tfrac12(S_i(1) - S_i(L_i))` away from
+        the cumulative score :math:`\sum_M S_i(M)` (see :meth:`area`)."""
         if self.per_item is None:
             raise ValueError(
                 "This curve was built without per-item scores (per_item=None); build it with "
