@@ -145,7 +145,7 @@ class Evidence:
         (see :mod:`~pyro_mpt.point_latents`).
 
         After a first call (of this or any ``Evidence`` of the same model, guide, method and
-        ``obs_site``: :data:`_ROUTES`), ``method="exact"`` traces a model whose distributions
+        ``obs_site``: the route is remembered per model across estimators), ``method="exact"`` traces a model whose distributions
         :mod:`~pyro_mpt.arg_checks` checks without Pyro's validation and checks them there
         (a latent mean's ``MultivariateNormal(z, scale_tril=L)`` holds ``L`` expanded to
         ``(N, D, D)``); should anything fail, it traces again with validation, so a bad
@@ -199,7 +199,7 @@ class Evidence:
         return (kind, guide, self.method, self.obs_site)
 
     def _route(self, kind):
-        """Whether the route ``kind`` (``"quiet"`` or ``"mean"``, see :data:`_ROUTES`) served
+        """Whether the route ``kind`` (``"quiet"`` or ``"mean"``, see ``_ROUTES``) served
         this model's last validated call."""
         return _ROUTES.passed(self.model, self._route_detail(kind))
 
