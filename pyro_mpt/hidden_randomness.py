@@ -26,7 +26,7 @@ from pyro.util import get_rng_state, set_rng_state
 
 from .model_keys import PassedChecks
 
-__all__ = ["check_no_hidden_randomness", "HIDDEN_SEED"]
+__all__ = ["check_no_hidden_randomness", "hidden_randomness_checked", "HIDDEN_SEED"]
 
 #: the seed of the second run: any state other than the first run's draws the hidden values anew
 HIDDEN_SEED = 20231208
@@ -35,6 +35,12 @@ HIDDEN_SEED = 20231208
 #: references: a bound method's owner by its id alone, a new instance at a collected one's
 #: address skipped the check)
 _PASSED = PassedChecks()
+
+
+def hidden_randomness_checked(key):
+    """Whether the model ``key`` passed :func:`check_no_hidden_randomness` (in this process),
+    so that a caller need not trace it for the check."""
+    return _PASSED.passed(key)
 
 
 def check_no_hidden_randomness(tokens, model, args, kwargs, who, advice="", key=None):

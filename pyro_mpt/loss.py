@@ -25,7 +25,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
-from pyro.util import warn_if_nan
+from pyro.util import get_rng_state, set_rng_state, warn_if_nan
 
 from .arg_checks import Revalidate, args_valid, checkable, quiet_or_validated
 from .conditionals import ENGINES, auto_engine, make_engine, option_names
@@ -34,6 +34,7 @@ from .model_keys import callable_key
 from .curve import CurveAccumulator
 from .estimate import mpt_estimate
 from .guide_checks import check_guide_sites
+from .hidden_randomness import check_no_hidden_randomness, hidden_randomness_checked
 from .masks import MaskSchedule, make_schedule
 from .observed_tokens import LATENT_MEANS, check_latent_scales, trace_tokens
 from .point_latents import log_prior, trace_with_point_globals
@@ -389,8 +390,30 @@ class MaskedPretrainingLoss(ELBO):
 
         :returns: a tensor of the observed site's batch shape (differentiable).
         """
+        self._check_hidden_draws(model, guide, args, kwargs, "MaskedPretrainingLoss.score()")
         tokens, engine, state = self._prepare(model, guide, args, kwargs)
         return tokens.unflatten(self._estimate(self.schedule, tokens, engine, state, desc="MPT score"))
+
+    def _check_hidden_draws(self, model, guide, args, kwargs, who):
+        """Refuse, once per model, a model that draws randomness its trace does not see,
+        unless this loss's engine averages over it: the estimates of an engine that
+        integrates the trace's latents are then another number at every call (a hidden
+        offset in PPCA: -493, -374, -189 in three calls of ``score()``). Before the engine
+        runs (a quadrature grid blamed its own coarseness), from the random state it found.
+        Training takes such draws as noise of its gradient, as ``Trace_ELBO`` does (dropout)."""
+        if self.engine is not None and self.engine.averages_hidden_draws():
+            return
+        if hidden_randomness_checked(model):
+            return
+        state = get_rng_state()
+        try:
+            tokens = self._trace_tokens(model, guide, args, kwargs, check=False)
+            check_no_hidden_randomness(
+                tokens, model, args, kwargs, who,
+                advice="; or use conditionals='importance', which averages over it", key=model,
+            )
+        finally:
+            set_rng_state(state)
 
     def curve(self, model, guide, *args, **kwargs):
         r"""The MPT curve :math:`S(x; M)` for :math:`M = 1..D`, averaged over the data.
@@ -419,6 +442,7 @@ class MaskedPretrainingLoss(ELBO):
         """
         schedule = self.schedule.for_curve(self._curve_share)
         with torch.no_grad():
+            self._check_hidden_draws(model, guide, args, kwargs, "MaskedPretrainingLoss.curve()")
             tokens, engine, state = self._prepare(model, guide, args, kwargs)
             # with missing tokens every schedule draws its masks per datapoint
             shared = schedule.curve_mask_sharing() if tokens.observed is None else False

@@ -380,6 +380,33 @@ def test_evidence_refuses_torch_random_numbers_inside_the_model(float64):
     assert torch.isfinite(Evidence(model, method="importance", num_samples=64)(x)).all()
 
 
+@pytest.mark.parametrize("conditionals", ["auto", "gaussian", "quadrature"])
+def test_score_and_curve_refuse_a_draw_the_trace_does_not_see(conditionals, float64):
+    """``score()`` and ``curve()`` of an integrating engine, as ``Evidence``: a hidden offset made
+    every call another number (PPCA: -493, -374, -189 in three calls, no warning; the quadrature
+    grid blamed its own coarseness). Refused before the engine runs; the importance engine,
+    which averages over the draw, is not. The model with the offset visible gives numpy's
+    closed form, and the check leaves the random state as it found it."""
+    x = torch.randn(15, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    loss = MaskedPretrainingLoss(masks="order", conditionals=conditionals)
+    for call in (loss.score, loss.curve):
+        with pytest.raises(ValueError, match=r"score\(\)|curve\(\)") as err:
+            call(_hidden_offset_model(True), None, x)
+        assert "randomness that Pyro's trace does not see" in str(err.value) and "conditionals='importance'" in str(err.value)
+    sampled = MaskedPretrainingLoss(masks="uniform", conditionals="importance", num_samples=16)
+    assert torch.isfinite(sampled.score(_hidden_offset_model(True), None, x)).all()
+    visible = _hidden_offset_model(False)
+    want = scipy.stats.multivariate_normal(np.zeros(3), np.eye(3) + 2.0).logpdf(x.numpy())
+    if conditionals != "quadrature":
+        assert np.abs(loss.score(visible, None, x).detach().numpy() - want).max() < 1e-10
+    from pyro_mpt.hidden_randomness import hidden_randomness_checked
+
+    fresh = _hidden_offset_model(False)
+    state = torch.get_rng_state()
+    loss._check_hidden_draws(fresh, None, (x,), {}, "test")  # traces and runs the model
+    assert torch.equal(torch.get_rng_state(), state) and hidden_randomness_checked(fresh)
+
+
 def test_the_hidden_randomness_check_runs_once_per_model(float64):
     """A model that passed is not run again by later Evidence objects (a fresh Evidence(model)(x)
     a call paid a second model run every time: PPCA D = 512, K = 50, 1.4x -> 2.6x a bare

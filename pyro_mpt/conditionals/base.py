@@ -282,6 +282,17 @@ class ConditionalEngine(ABC):
         """
         return False
 
+    def averages_hidden_draws(self):
+        """Whether the engine's values are Monte Carlo averages over runs of the model, which
+        take a draw the trace does not see (a ``torch.randn`` inside the model) as they take
+        the latents they sample (importance sampling, encoding--decoding). Where False (the
+        default: the engine integrates the trace's latents), such a draw makes every call
+        another number, and :meth:`~pyro_mpt.MaskedPretrainingLoss.score` and
+        :meth:`~pyro_mpt.MaskedPretrainingLoss.curve` refuse the model, as
+        :class:`~pyro_mpt.evidence.Evidence` does
+        (:func:`~pyro_mpt.hidden_randomness.check_no_hidden_randomness`)."""
+        return False
+
     def reads_latent_draws(self):
         """Whether :meth:`prepare` reads the values the model trace drew for the latents
         (a prior draw where there is no guide), not only their distributions, shapes and

@@ -50,7 +50,12 @@ argument (see :mod:`~pyro_mpt.conditionals.latent_runs`), the model once per
 iteration in a particle plate. Steps 1–2 run without gradients; the estimate
 in step 3 is differentiable in the decoder's parameters and, with
 ``encoder_grad=True``, through the reparameterized draws :math:`z_s` in the
-encoder's.
+encoder's. The draws stand for :math:`p(z \mid x_{\mathcal R})`, which depends on the
+decoder too: the estimate carries that dependence's gradient by Fisher's identity
+(a term of value zero, ``_context_score``; without it the gradient of PPCA's
+pseudo-likelihood with the exact posterior as encoder was 55 % off, the gradient
+of :math:`\log p(x)` instead, and 3.5 % with it at 256 draws and 30 iterations;
+not with ``encoder_grad=True``, whose draws move with the encoder).
 
 **Training the encoder.** By default MPT trains only the model (the decoder):
 the encoder is part of the engine's machinery, and it must stay an
@@ -233,6 +238,11 @@ class EncodeDecodeConditionals(ConditionalEngine):
         """True when the rounds sample, so that each draw has its own chain."""
         return self.num_iterations > 0 and (self.encode == "sample" or self.decode == "sample")
 
+    def averages_hidden_draws(self):
+        """True: the values are averages over the model's runs at sampled latents (see
+        :meth:`~pyro_mpt.conditionals.base.ConditionalEngine.averages_hidden_draws`)."""
+        return True
+
     def prepare(self, tokens, model, guide, args, kwargs):
         who = "conditionals='encode_decode'"
         if guide is None or not guide_latents(tokens):
@@ -321,6 +331,8 @@ class EncodeDecodeConditionals(ConditionalEngine):
             values = {k: v.detach() for k, v in values.items()}
         T = runner.decode(values, S * q).token_log_prob(x).reshape(S, q, n, D)
         out = logmeanexp(T, 0)
+        if T.requires_grad and not self.encoder_grad:
+            out = out + _context_score(T, mask)
         with torch.no_grad():
             err = _mean_stderr(T.detach())
         return out, err
@@ -332,6 +344,38 @@ class EncodeDecodeConditionals(ConditionalEngine):
         """
         self._check_x(state, x)
         return logmeanexp(state.runner.log_weights(self.num_samples), 0)
+
+
+def _context_score(T, mask):
+    r"""Zero, with the gradient that the draws' dependence on the decoder adds to the estimate.
+
+    The draws :math:`z_s` stand for :math:`p(z \mid x_{\mathcal R})`, which depends on the
+    decoder's parameters :math:`\theta` through the context's likelihood; by Fisher's identity
+
+    .. math::
+
+        \nabla_\theta \log p(x_j \mid x_{\mathcal R})
+          = \mathbb E_{p(z \mid x_j, x_{\mathcal R})}[\nabla_\theta \log p(x_j, x_{\mathcal R} \mid z)]
+          - \mathbb E_{p(z \mid x_{\mathcal R})}[\nabla_\theta \log p(x_{\mathcal R} \mid z)],
+
+    and with the draws as :math:`p(z \mid x_{\mathcal R})` and their weights
+    :math:`\bar w_{sj} \propto p(x_j \mid z_s)` as :math:`p(z \mid x_j, x_{\mathcal R})`, the
+    estimate's own gradient (the first term's :math:`\nabla\log p(x_j \mid z)` alone) lacks
+    :math:`\sum_s (\bar w_{sj} - 1/S)\nabla_\theta\log p(x_{\mathcal R} \mid z_s)`, which this
+    term carries (its value is zero). Without it the gradient was not that of the value:
+    PPCA with the exact posterior as encoder, pseudo-likelihood masks, 32-55 % off the exact
+    gradient at any number of draws and iterations (it was the gradient of
+    :math:`\log p(x)` instead), and training inflated the loadings by half.
+
+    :param T: the token log-likelihoods at the draws, ``(S, q, n, D)``.
+    :param mask: the targets, ``(q, n|1, D)``.
+    :returns: ``(q, n, D)``.
+    """
+    S = T.shape[0]
+    LR = (T * (~mask).to(T.dtype)).sum(-1, keepdim=True)  # (S, q, n, 1): log p(x_R | z_s)
+    with torch.no_grad():
+        w = torch.softmax(T, 0) - 1.0 / S
+    return (w * (LR - LR.detach())).sum(0)
 
 
 def _mean_stderr(T):

@@ -255,6 +255,11 @@ class ImportanceConditionals(ConditionalEngine):
         return f"ImportanceConditionals(num_samples={self.num_samples}, proposal={self.proposal!r})"
 
     # ------------------------------------------------------------------ prepare
+    def averages_hidden_draws(self):
+        """True: the values are averages over the model's runs at sampled latents (see
+        :meth:`~pyro_mpt.conditionals.base.ConditionalEngine.averages_hidden_draws`)."""
+        return True
+
     def prepare(self, tokens, model, guide, args, kwargs):
         who = "conditionals='importance'"
         check_factorized(tokens.site["fn"], tokens.name, who)

@@ -51,6 +51,19 @@ def _():
     Evidence(poutine.block(model, hide=["w"]), method="exact")(torch.randn(6, 3))
 
 
+@trigger("loss-hidden-randomness")
+def _():
+    from pyro_mpt import MaskedPretrainingLoss
+
+    def model(x):
+        offset = torch.randn(())  # drawn outside the trace
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal((z + offset)[:, None], 1.0).expand([x.shape[0], 3]).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(masks="order").score(model, None, torch.randn(6, 3))
+
+
 @trigger("evidence-importance-num-samples")
 def _():
     model, x = _ppca()
