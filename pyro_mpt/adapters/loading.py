@@ -19,7 +19,7 @@ import threading
 import warnings
 from urllib.parse import urlparse
 
-from .mlm_inputs import text_columns
+from .columns import text_columns
 from .optional_packages import missing_package_message
 from ..code_origin import user_stacklevel
 

@@ -45,7 +45,8 @@ import torch
 from ..masks import FixedRate, make_schedule
 from .batching import eval_mode, gather_rows, place_model, positive_count, shard
 from .mlm_forward import MaskedForward
-from .mlm_inputs import check_max_length, check_tokenizer, encode_inputs, position_limit, text_columns
+from .columns import text_columns
+from .mlm_inputs import check_max_length, check_tokenizer, encode_inputs, position_limit
 from .mlm_jobs import pll_jobs, rate_jobs, run_jobs, schedule_jobs
 from .rates import PAPER_MLM_RATES, check_rates, item_generator, mask_counts, nested_ranks, rate_curve
 

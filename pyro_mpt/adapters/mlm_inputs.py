@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from ..code_origin import user_stacklevel
+from .columns import text_columns
 
-__all__ = ["Encoded", "encode_inputs", "check_tokenizer", "model_vocab_size", "position_limit", "text_columns",
-           "check_max_length"]
+__all__ = ["Encoded", "encode_inputs", "check_tokenizer", "model_vocab_size", "position_limit", "check_max_length"]
 
 #: model types known to number positions from ``pad_token_id + 1`` where their modeling
 #: module cannot be read (a config defined outside transformers' own ``models`` package)
@@ -131,24 +131,6 @@ def _positions_after_padding(config_class):
             with open(spec.origin, encoding="utf-8") as f:
                 return "create_position_ids_from_input_ids" in f.read()
     return getattr(config_class, "model_type", "") in _ROBERTA_LIKE
-
-
-def text_columns(text_column, who="text_column"):
-    """``text_column`` as a list of one column name, or two for sentence pairs; a
-    ``ValueError`` naming ``who`` otherwise (three columns failed with a ``TypeError`` of the
-    tokenizer's call, after the model had loaded).
-
-    Example::
-
-        >>> text_columns(("question", "sentence"))
-        ['question', 'sentence']
-    """
-    cols = [text_column] if isinstance(text_column, str) else list(text_column)
-    if not 1 <= len(cols) <= 2 or not all(isinstance(c, str) for c in cols):
-        raise ValueError(
-            f"{who} takes one text column, or two for sentence pairs; got {text_column!r}."
-        )
-    return cols
 
 
 def check_max_length(max_length, who="max_length"):
