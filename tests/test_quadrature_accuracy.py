@@ -264,3 +264,31 @@ def test_a_log_concave_posterior_finds_no_second_mode(float64):
     out, messages = _run(lambda: Evidence(model, method="quadrature", num_nodes=16).estimate(x))
     assert not any("second mode" in m for m in messages)
     np.testing.assert_allclose(out.log_evidence.numpy(), refs, rtol=0, atol=max(1e-6, float(out.stderr.max())))
+
+
+def test_the_grid_takes_the_larger_of_two_modes(float64):
+    """z ~ N(0.5, 1), x_d ~ N(z, 0.3)/2 + N(-z, 0.3)/2 at x = 2: the modes near +-2 hold
+    log-masses -4.64 and -6.60 (scipy.quad over each half-line). The search ended at the
+    smaller one and the value was 2.1 nats low; the grid now sits on the larger one, and the
+    error estimate covers the smaller one's mass."""
+    x = torch.full((1, 4), 2.0, dtype=torch.float64)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.5, dtype=torch.float64), 1.0))
+            comp = dist.Normal(torch.stack([z, -z], -1).unsqueeze(-2), 0.3)
+            mix = dist.MixtureSameFamily(dist.Categorical(torch.full((2,), 0.5, dtype=torch.float64)), comp)
+            pyro.sample("x", mix.expand([x.shape[0], x.shape[1]]).to_event(1), obs=x)
+
+    def joint(z):
+        like = 0.5 * stats.norm(z, 0.3).pdf(2.0) + 0.5 * stats.norm(-z, 0.3).pdf(2.0)
+        return math.exp(stats.norm(0.5, 1.0).logpdf(z) + 4 * math.log(like))
+
+    pos = math.log(integrate.quad(joint, 0, 12, points=[2.0], epsabs=0, epsrel=1e-12, limit=200)[0])
+    neg = math.log(integrate.quad(joint, -12, 0, points=[-2.0], epsabs=0, epsrel=1e-12, limit=200)[0])
+    assert pos > neg + 1.5
+    with pytest.warns(QuadratureAccuracyWarning, match="second mode"):
+        result = Evidence(model, method="quadrature").estimate(x)
+    value, err = float(result.log_evidence), float(result.stderr)
+    assert abs(value - pos) < 1e-4
+    assert err >= abs(value - np.logaddexp(pos, neg)) - 1e-3

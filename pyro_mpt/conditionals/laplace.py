@@ -205,15 +205,16 @@ class LaplaceSearch:
         the coarse grid ``coarse`` (:meth:`coarse_grid`) that far, the log joint of a
         log-concave posterior falls; the highest point where it rises again starts the
         search. Where it ends at another mode :math:`c_2`, as far, the
-        Laplace masses :math:`Z_k = e^{J(c_k)}|\det S_k|` give the log-evidence the grid
-        leaves out, :math:`\log(1 + Z_2/Z_1)`. On :math:`z \sim \mathcal N(0, 2)`,
+        Laplace masses :math:`Z_k = e^{J(c_k)}|\det S_k|` give the log-evidence a grid at
+        :math:`c` leaves out, :math:`\log(1 + Z_2/Z_1)`. On :math:`z \sim \mathcal N(0, 2)`,
         :math:`x_d \sim \mathcal N(z^2, 0.5)` with two equal modes at :math:`\pm 2`
         the grid at one returned :math:`\log p(x)` exactly :math:`\log 2` low, with an
         error estimate of :math:`10^{-14}` (its coarser rules share its centre).
         One mode more is looked for, from one start: it finds a second mode, not every one.
 
-        :returns: ``(missing (n,), other (n, K))``: :math:`\log(1 + Z_2/Z_1)` (0 where no
-            other mode was found) and the other mode (``centre`` there).
+        :returns: ``(log_ratio (n,), other (n, K), other_sqrt_cov (n, K, K))``:
+            :math:`\log(Z_2/Z_1)` (:math:`-\infty` where no other mode was found), the
+            other mode and its Laplace scale (``centre`` and ``sqrt_cov`` there).
         """
         u0, J0 = coarse
         n, K = centre.shape
@@ -242,7 +243,7 @@ class LaplaceSearch:
         best = Jf.argmax(0)
         has = torch.isfinite(Jf.amax(0))
         if not bool(has.any()):
-            return torch.zeros_like(Jc), centre
+            return torch.full_like(Jc, -math.inf), centre, sqrt_cov
         chosen = pts.reshape(-1, n, K)[best, torch.arange(n, device=u0.device)]
         start = torch.where(has.unsqueeze(-1), chosen, centre)
         other, S2, converged = self.laplace(runner, start, include_lik=True)
@@ -250,5 +251,5 @@ class LaplaceSearch:
         found = has & converged & (d2 > reach)
         J = self.log_joint(runner, torch.stack([centre, other]), include_lik=True)  # (2, n)
         log_ratio = (J[1] + torch.linalg.slogdet(S2)[1]) - (J[0] + torch.linalg.slogdet(sqrt_cov)[1])
-        missing = torch.where(found, torch.nn.functional.softplus(log_ratio), torch.zeros_like(log_ratio))
-        return missing, torch.where(found.unsqueeze(-1), other, centre)
+        log_ratio = torch.where(found, log_ratio, torch.full_like(log_ratio, -math.inf))
+        return log_ratio, torch.where(found.unsqueeze(-1), other, centre), torch.where(found[:, None, None], S2, sqrt_cov)

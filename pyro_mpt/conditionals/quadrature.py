@@ -412,14 +412,20 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                             RuntimeWarning,
                             stacklevel=user_stacklevel(),
                         )
-                    self._remember_centre(tokens, c)
                     if self.check_modes:
                         missing = self.memory.warm_missing if warm else None
                         if missing is None:
                             # beyond the rule's outermost node (a 50-node rule reaches 13 sds)
-                            missing, _ = search.other_modes(runner, c, S, coarse, reach=float(e.abs().max()))
+                            log_ratio, other, S2 = search.other_modes(runner, c, S, coarse, reach=float(e.abs().max()))
+                            # the grid on the larger of the two modes (a search that ended at the
+                            # smaller one left out 2.1 nats where the larger leaves 0.13)
+                            larger = log_ratio > 0
+                            c = torch.where(larger.unsqueeze(-1), other, c)
+                            S = torch.where(larger[:, None, None], S2, S)
+                            missing = torch.nn.functional.softplus(-log_ratio.abs())
                             self.memory.warm_missing = missing if self.warm_start else None
                         self._warn_other_modes(tokens, missing)
+                    self._remember_centre(tokens, c)
                 else:
                     c, S = c0, S0
                 nodes, log_W = affine_grid(e, log_w, c, S)
@@ -497,7 +503,8 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
             f"tokens has a second mode beyond the adaptive grid's reach for "
             f"{int((missing > tol).sum())} of {missing.numel()} datapoint(s); the grid is centred on "
             f"one mode, so log p(x) and the conditionals leave out about {worst:.3g} nats "
-            f"(datapoint {i}; the Laplace masses of the modes), and more nodes do not help. Use "
+            f"(datapoint {i}; the Laplace masses of the two modes found: more modes leave out more), "
+            f"and more nodes do not help. Use "
             f"method='importance' (Evidence) or conditionals='importance' with a guide that covers "
             f"the modes, or adaptive=False with nodes enough to resolve each mode (num_nodes=...); "
             f"check_modes=False skips this search.",
