@@ -15,6 +15,7 @@ from pyro.distributions.hmm import HiddenMarkovModel
 from torch.distributions import constraints
 
 __all__ = [
+    "observation_dtype",
     "elementwise",
     "data_event_shape",
     "is_factor",
@@ -129,9 +130,16 @@ def _levels(fn):
         fn = getattr(fn, "base_dist", None)
 
 
-def _float_dtype(site, raw):
+def observation_dtype(site, raw):
     """The floating dtype the observation computes in (its data and stored parameters
-    promoted), or None when none of them is floating."""
+    promoted), or None when none of them is floating: integer counts of a float64 model
+    compute in float64, as Pyro's own ``log_prob`` does, not in torch's default dtype.
+
+    Example::
+
+        >>> observation_dtype(site, torch.tensor([[3, 0, 2]]))  # Poisson(rate float64)
+        torch.float64
+    """
     tensors = [raw] + [
         v
         for level in _levels(site["fn"])
@@ -159,7 +167,7 @@ def check_dtype(site, raw):
 
         >>> check_dtype(site, x.half())   # ValueError: float16
     """
-    dtype = _float_dtype(site, raw)
+    dtype = observation_dtype(site, raw)
     if dtype in (torch.float16, torch.bfloat16):
         name = str(dtype).replace("torch.", "")
         raise ValueError(
@@ -196,7 +204,7 @@ def check_integer_data(site, raw):
     if torch.is_floating_point(raw) or torch.is_complex(raw):
         return
     fn = site["fn"]
-    dtype = _float_dtype(site, raw) or torch.get_default_dtype()
+    dtype = observation_dtype(site, raw) or torch.get_default_dtype()
     key = (type(elementwise(fn)), raw.dtype, dtype)
     if key in _SCORES_INTEGER_DATA:
         return
