@@ -914,3 +914,22 @@ def test_a_support_that_depends_on_a_latent(float64):
     with pyro.validation_enabled(False):
         result = Evidence(model, method="importance", num_samples=20000).estimate(x)
     assert np.abs((result.log_evidence.numpy() - ref) / result.stderr.numpy()).max() < 4
+
+
+@pytest.mark.filterwarnings("ignore::pyro_mpt.ImportanceSamplingWarning")
+def test_the_guide_on_the_original_data_is_defended_by_prior_draws(float64):
+    """``impute=False`` (as when the guide's data argument cannot be found, e.g. a minibatch):
+    the exact posterior given all tokens as proposal for every context, in the defensive
+    mixture with the prior. Without the prior's share the weights had no finite variance
+    and exhaustive MPT of PPCA overstated log p(x) by about a nat a datapoint (-35.3 at 512
+    draws, -37.9 at 8192, for an exact -45.1 over 10 datapoints). Now within 0.25 nats of the
+    closed form over two seeds of 4096 draws."""
+    pyro.clear_param_store()
+    model, x, exact = make_ppca(4, 1, 10, seed=4)
+    want = float(exact(x).sum())
+    got = []
+    for seed in range(2):
+        pyro.set_rng_seed(seed)
+        loss = MaskedPretrainingLoss(conditionals="importance", masks="exhaustive", num_samples=4096, impute=False)
+        got.append(float(loss.score(model, exact_posterior_guide, x).sum()))
+    assert abs(np.mean(got) - want) < 0.25

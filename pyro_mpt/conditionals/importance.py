@@ -50,8 +50,8 @@ Two proposals (``proposal=``):
   vectorized over queries as in encode–decode. If the argument holding the data
   cannot be found (see
   :func:`~pyro_mpt.conditionals.data_args.locate_data_arg`), or with
-  ``impute=False``, the guide runs on the original data: still a valid
-  proposal, if a narrower one.
+  ``impute=False``, the guide runs on the original data, in the same defensive
+  mixture with the prior (it is as narrow as the posterior given all tokens).
   Pyro's autoguides (``AutoNormal``, ``AutoDiagonalNormal``,
   ``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``, an
   ``AutoGuideList`` of them) do not read the data, so imputation would not

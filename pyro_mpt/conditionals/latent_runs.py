@@ -462,6 +462,17 @@ class LatentRunner:
         values, log_q = self._guide_values(trace, rows, 1, stacked=False)
         return Encoded(values, log_q, rows, 1)
 
+    def guide_log_prob_original(self, values, rows):
+        r"""Guide log-densities :math:`\log q(z_s \mid x)` of given latents ``values`` (``rows``
+        draws each) under the guide run on the original data, ``(rows, n)``.
+
+        :param dict values: latent name -> value ``(rows, ...)`` as :meth:`encode_original` gives them.
+        :param int rows: the number of draws.
+        """
+        trace = self._guide_run(self.args, self.kwargs, rows, False, self._replay_with(values))
+        self._refuse_auxiliary(trace)
+        return self._guide_values(trace, rows, 1, stacked=False)[1][:, 0]
+
     def log_weights(self, rows):
         r"""Importance log-weights :math:`\log p(x, z_s) - \log q(z_s \mid x)` per datapoint, ``(rows, n)``.
 
