@@ -206,12 +206,13 @@ def test_quadrature_remembers_the_per_node_mode(float64):
     b = MaskedPretrainingLoss(conditionals=QuadratureConditionals(num_nodes=12, adaptive=False, min_ess=None),
                               masks="exhaustive").score(broadcast, None, x)
     assert float((a - b).abs().max()) < 1e-8
-    # second call: the same runs less the two failing vectorized ones ("compact", "full"), no warning
+    # second call: the same runs less the two failing vectorized ones ("compact", "full") and the
+    # hidden-randomness check's two (its trace and its second run: once per model), no warning
     runs.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", SlowEngineWarning)
         c = loss.score(fixed, None, x)
-    assert first - len(runs) == 2
+    assert first - len(runs) == 2 + 2
     assert float((c - a).abs().max()) < 1e-12
 
 
@@ -356,7 +357,8 @@ def test_quadrature_node_runs_are_capped_before_running(float64):
     runs.clear()
     with pytest.raises(NotQuadratureError, match=r"needs at least 10000 model runs \(a grid of 10000 nodes, 0 runs .*max_node_runs=8192.*num_nodes="):
         score(100)
-    assert len(runs) <= 3  # the trace and the failing vectorized runs only
+    # the hidden-randomness check's two runs (once per model), the trace and the failing vectorized runs only
+    assert len(runs) <= 2 + 3
     with pytest.raises(NotQuadratureError, match="needs at least 64 model runs.*max_node_runs=63"):
         score(8, max_node_runs=63)
     runs.clear()
