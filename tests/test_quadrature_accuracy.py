@@ -287,11 +287,16 @@ def test_the_grid_takes_the_larger_of_two_modes(float64):
     pos = math.log(integrate.quad(joint, 0, 12, points=[2.0], epsabs=0, epsrel=1e-12, limit=200)[0])
     neg = math.log(integrate.quad(joint, -12, 0, points=[-2.0], epsabs=0, epsrel=1e-12, limit=200)[0])
     assert pos > neg + 1.5
+    evidence = Evidence(model, method="quadrature")
     with pytest.warns(QuadratureAccuracyWarning, match="second mode"):
-        result = Evidence(model, method="quadrature").estimate(x)
+        result = evidence.estimate(x)
     value, err = float(result.log_evidence), float(result.stderr)
     assert abs(value - pos) < 1e-4
     assert err >= abs(value - np.logaddexp(pos, neg)) - 1e-3
+    # a second call on the same data starts warm at the larger mode and keeps the first
+    # search's result: the same value and error estimate
+    again = evidence.estimate(x)
+    assert abs(float(again.log_evidence) - value) < 1e-9 and abs(float(again.stderr) - err) < 1e-9
 
 
 def test_integer_counts_compute_in_the_models_dtype():

@@ -393,9 +393,9 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                 if self.adaptive:
                     start = self._warm_centre(tokens)
                     warm = start is not None
-                    coarse = None
-                    if not warm or self.check_modes:
-                        coarse = search.coarse_grid(runner, c0, S0, K, n)
+                    # a warm start keeps the first search's modes: no coarse grid, no search
+                    search_modes = self.check_modes and (not warm or self.memory.warm_missing is None)
+                    coarse = search.coarse_grid(runner, c0, S0, K, n) if not warm or search_modes else None
                     if start is None:
                         start = search.best_node(runner, c0, S0, K, n, coarse)
                     c, S, converged = search.laplace(runner, start, include_lik=True)
@@ -413,8 +413,8 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                             stacklevel=user_stacklevel(),
                         )
                     if self.check_modes:
-                        missing = self.memory.warm_missing if warm else None
-                        if missing is None:
+                        missing = self.memory.warm_missing
+                        if search_modes:
                             # beyond the rule's outermost node (a 50-node rule reaches 13 sds)
                             log_ratio, other, S2 = search.other_modes(runner, c, S, coarse, reach=float(e.abs().max()))
                             # the grid on the larger of the two modes (a search that ended at the
