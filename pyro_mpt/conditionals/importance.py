@@ -51,7 +51,9 @@ Two proposals (``proposal=``):
   cannot be found (see
   :func:`~pyro_mpt.conditionals.data_args.locate_data_arg`), or with
   ``impute=False``, the guide runs on the original data, in the same defensive
-  mixture with the prior (it is as narrow as the posterior given all tokens).
+  mixture with the prior (it is as narrow as the posterior given all tokens);
+  the engine says so once, at INFO level on the ``"pyro_mpt"`` logger, where the
+  argument was not found.
   Pyro's autoguides (``AutoNormal``, ``AutoDiagonalNormal``,
   ``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``, an
   ``AutoGuideList`` of them) do not read the data, so imputation would not
@@ -86,6 +88,7 @@ log-conditional,
 """
 
 import functools
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -303,9 +306,17 @@ class ImportanceConditionals(ConditionalEngine):
         if self.impute:
             try:
                 data = locate_data_arg(tokens, guide, args, kwargs, self.data_arg, who)
-            except EngineNotApplicable:
+            except EngineNotApplicable as e:
                 if self.data_arg is not None:
                     raise
+                # said (at INFO, once per engine): the proposal is then the guide on the full data,
+                # not on imputed contexts, which a user passing a minibatch would not guess
+                if not self.memory.said_original_data:
+                    self.memory.said_original_data = True
+                    logging.getLogger("pyro_mpt").info(
+                        "%s runs the guide on the original data, not on imputed contexts (in the defensive "
+                        "mixture with the prior): %s", who, e,
+                    )
         runner = LatentRunner(tokens, model, guide, args, kwargs, data, who, self.memory)
         init = initial_tokens(runner, self.init, who) if data is not None else None
         return ImportanceState("guide", n, D, runner, init=init, imputed=data is not None)

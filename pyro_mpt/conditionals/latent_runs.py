@@ -77,10 +77,13 @@ class GuideMemory:
         cannot stack is not tried (and warned about) at every step.
     :param tuple checked: ``callable_key`` of the guide last found amortized
         (:class:`~pyro_mpt.conditionals.EncodeDecodeConditionals` checks once).
+    :param bool said_original_data: whether the importance engine said (at INFO) that it
+        runs the guide on the original data, its data argument not found.
     """
 
     stacking: RunMemory = field(default_factory=RunMemory)
     checked: Optional[tuple] = None
+    said_original_data: bool = False
 
 
 #: the most model runs one call may make one point at a time, for a model that does not
