@@ -37,6 +37,18 @@ def _detached(values):
     return {k: v.detach() for k, v in values.items()}
 
 
+def _prior_draws(runner, like, count):
+    """``count`` draws of the latents of ``like`` (name -> ``(rows, ...)``) from the prior, in
+    its shapes: the defensive share of every guide proposal."""
+    prior = runner.sample_prior(count)
+    return {k: prior.latent_value(k).expand((count,) + v.shape[1:]) for k, v in like.items()}
+
+
+def _joined(first, then):
+    """Two sets of draws (name -> ``(rows, ...)``) as one, ``first``'s rows first."""
+    return {k: torch.cat([v, then[k]], 0) for k, v in first.items()}
+
+
 def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_weight, max_elements, guide_grad=False):
     r"""The table of one set of draws shared by every query, for a Pyro autoguide.
 
@@ -72,11 +84,7 @@ def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_
         if not guide_grad:
             values = _detached(values)
         if k_p:
-            prior = runner.sample_prior(k_p)
-            values = {
-                name: torch.cat([v[: rows - k_p], prior.latent_value(name).expand((k_p,) + v.shape[1:])], 0)
-                for name, v in values.items()
-            }
+            values = _joined({name: v[: rows - k_p] for name, v in values.items()}, _prior_draws(runner, values, k_p))
         log_q = source.log_prob(trace, values, rows)
         if not guide_grad:
             log_q = through_draws(log_q, source.log_prob(trace, _detached(values), rows)) if k_p else log_q.detach()
@@ -118,11 +126,7 @@ def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_c
         enc = runner.encode(xt, S_g // C)  # draw s = p * C + c uses chain c
         values = enc.values if guide_grad else _detached(enc.values)
         if S_p:
-            prior = runner.sample_prior(S_p * q)
-            values = {
-                k: torch.cat([v, prior.latent_value(k).expand((S_p * q,) + v.shape[1:])], 0)
-                for k, v in values.items()
-            }
+            values = _joined(values, _prior_draws(runner, values, S_p * q))
         if C == 1 and not S_p:
             log_r = enc.log_q.reshape(S, q, n)
             log_r = log_r if guide_grad else log_r.detach()
@@ -139,15 +143,14 @@ def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_c
         S_p = min(S - 1, int(round(prior_weight * S)))
         enc = runner.encode_original(S - S_p)
         values = enc.values if guide_grad else _detached(enc.values)
-        log_q = enc.log_q[:, 0]
+        log_q = enc.log_q[:, 0] if guide_grad else enc.log_q[:, 0].detach()
         if S_p:
-            prior = runner.sample_prior(S_p)
-            values = {k: torch.cat([v, prior.latent_value(k).expand((S_p,) + v.shape[1:])], 0) for k, v in values.items()}
-            log_q = runner.guide_log_prob_original(values, S)
+            # one component (no chains): only the prior draws need the guide's density
+            prior = _prior_draws(runner, values, S_p)
+            log_q_prior = runner.guide_log_prob_original(prior, S_p)
             if not guide_grad:
-                log_q = through_draws(log_q, runner.guide_log_prob_original(_detached(values), S))
-        elif not guide_grad:
-            log_q = log_q.detach()
+                log_q_prior = through_draws(log_q_prior, runner.guide_log_prob_original(_detached(prior), S_p))
+            values, log_q = _joined(values, prior), torch.cat([log_q, log_q_prior], 0)
         log_r = log_q.unsqueeze(1).expand(S, q, n)
         values = {k: v.repeat_interleave(q, 0) if q > 1 else v for k, v in values.items()}
     dec = runner.decode(values, S * q)
