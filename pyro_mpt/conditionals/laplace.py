@@ -249,7 +249,7 @@ class LaplaceSearch:
         other, S2, converged = self.laplace(runner, start, include_lik=True)
         d2 = torch.linalg.solve(sqrt_cov, (other - centre).unsqueeze(-1)).squeeze(-1).norm(dim=-1)
         found = has & converged & (d2 > reach)
-        J = self.log_joint(runner, torch.stack([centre, other]), include_lik=True)  # (2, n)
-        log_ratio = (J[1] + torch.linalg.slogdet(S2)[1]) - (J[0] + torch.linalg.slogdet(sqrt_cov)[1])
+        J2 = self.log_joint(runner, other[None], include_lik=True)[0]
+        log_ratio = (J2 + torch.linalg.slogdet(S2)[1]) - (Jc + torch.linalg.slogdet(sqrt_cov)[1])
         log_ratio = torch.where(found, log_ratio, torch.full_like(log_ratio, -math.inf))
         return log_ratio, torch.where(found.unsqueeze(-1), other, centre), torch.where(found[:, None, None], S2, sqrt_cov)
