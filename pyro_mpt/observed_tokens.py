@@ -83,8 +83,8 @@ class ObservedTokens(TokenLayout):
     :param tuple token_plates: the names of the token plates.
     :param torch.Tensor observed: bool ``(n, D)``, True at observed tokens;
         None when no token is missing.
-    :param torch.Tensor site_value: the observed value in the site's layout and
-        dtype, with missing tokens filled.
+    :param torch.Tensor site_value: the observed value in the site's layout, with missing
+        tokens filled; in the site's dtype, or for integer data in ``value``'s.
     """
 
     name: str
@@ -439,11 +439,16 @@ def _token_values(layout, site, dtype, validate):
     observed = None if mask is None else layout.to_tokens(mask).reshape(n, -1)
     if validate:
         validate_values(layout, site, raw_flat.to(dtype), observed)
+    # integer data in the tokens' (the observation's) dtype at the site too: the engines that
+    # evaluate the site's distribution there ran Poisson's lgamma(x + 1) of int64 counts in
+    # torch's default float32 (a float64 model's enumeration and quadrature 1e-6 nats off)
+    at_site = raw if torch.is_floating_point(raw) else raw.to(dtype)
     if observed is None:
-        return raw_flat.to(dtype), None, raw.expand(layout.site_shape)
-    # fill the raw values once (integer tokens stay integers at the site) and cast
+        return raw_flat.to(dtype), None, at_site.expand(layout.site_shape)
+    # fill the raw values once and cast
     raw_flat = _fill_missing(raw_flat, observed)
-    return raw_flat.to(dtype), observed, layout.to_site(raw_flat)
+    site_value = layout.to_site(raw_flat)
+    return raw_flat.to(dtype), observed, site_value if torch.is_floating_point(raw) else site_value.to(dtype)
 
 
 def _datapoint_scale(layout, site, token_plates, dtype, validate):

@@ -1403,3 +1403,33 @@ def test_others_sum_is_each_entrys_complement_by_a_loop():
         assert torch.allclose(got, want.movedim(-1, dim), rtol=1e-7, atol=0)
     assert float(others_sum(t, -1)[0, 1]) == 3.5
     assert torch.equal(others_sum(t[:, :1], -1), torch.zeros(2, 1))
+
+
+def test_integer_counts_of_a_poisson_mixture_compute_in_the_models_dtype():
+    """A float64 mixture of two Poissons given int64 counts while torch's default dtype is
+    float32: the exact evidence and the exhaustive score equal scipy's closed form to float64
+    rounding (the site's integer value kept its lgamma(x + 1) in float32: 1e-6 nats off)."""
+    from scipy.special import gammaln
+
+    rates = torch.tensor([2.0, 9.0], dtype=torch.float64)
+    w = torch.tensor([0.3, 0.7], dtype=torch.float64)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Categorical(w))
+            pyro.sample("x", dist.Poisson(rates[c].unsqueeze(-1).expand(c.shape + x.shape[-1:])).to_event(1), obs=x)
+
+    counts = torch.tensor([[0, 3, 5, 2], [10, 12, 9, 11]])
+    want = np.array([
+        logsumexp([math.log(w[k]) + sum(v * math.log(rates[k]) - rates[k] - gammaln(v + 1) for v in row) for k in range(2)])
+        for row in counts.tolist()
+    ])
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        got = Evidence(model)(counts)
+        score = MaskedPretrainingLoss(masks="exhaustive").score(model, None, counts)
+    finally:
+        torch.set_default_dtype(old)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(score.detach().numpy(), want, rtol=0, atol=1e-12)

@@ -502,8 +502,9 @@ def test_order_with_missing_tokens_uses_one_exact_evaluation(method):
 
 
 def test_missing_integer_tokens_are_filled_once_for_both_layouts():
-    """Missing tokens get an observed value of the same token; the token matrix is
-    the float cast of the site's (integer) value, filled the same way."""
+    """Missing tokens get an observed value of the same token; the token matrix and the
+    site's value are the float cast of the (integer) data, filled the same way (the site's
+    value stayed integer, and a Poisson's lgamma(x + 1) there ran in torch's default dtype)."""
     x = torch.tensor([[0, 1, 2], [2, 0, 1], [1, 2, 0], [2, 2, 2]])
     observed = torch.tensor([[False, True, True], [True, False, True], [True, True, True], [False, False, True]])
 
@@ -513,9 +514,9 @@ def test_missing_integer_tokens_are_filled_once_for_both_layouts():
 
     tokens = trace_tokens(model, None, (x,), {})
     assert torch.equal(tokens.observed, observed)
-    assert tokens.site_value.dtype == torch.long and torch.is_floating_point(tokens.value)
+    assert tokens.site_value.dtype == tokens.value.dtype and torch.is_floating_point(tokens.value)
     expected = torch.tensor([[2, 1, 2], [2, 1, 1], [1, 2, 0], [2, 1, 2]])  # first observed value per token
-    assert torch.equal(tokens.site_value, expected)
+    assert torch.equal(tokens.site_value, expected.to(tokens.value.dtype))
     assert torch.equal(tokens.value, expected.to(tokens.value.dtype))
 
 

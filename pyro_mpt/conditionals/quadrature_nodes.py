@@ -292,11 +292,7 @@ class NodeRunner:
         base, _ = unwrap(fn, masks=True)
         # missing tokens are evaluated at a filled-in value and then zeroed: they
         # then add nothing to any context, joint or posterior of the table
-        value = site["value"] if tokens.observed is None else tokens.site_value
-        if not torch.is_floating_point(value):
-            # integer counts in the tokens' dtype (the observation's): Poisson's lgamma(x + 1) of
-            # int64 counts ran in torch's default float32 (a float64 model 1e-6 nats off)
-            value = value.to(tokens.value.dtype)
+        value = tokens.site_value
         logp = token_log_prob(base, value)
         full = broadcast_shape(logp.shape, fn.batch_shape + fn.event_shape)
         logp = tokens.to_tokens(logp.expand(full))
