@@ -46,7 +46,7 @@ from ..masks import FixedRate, make_schedule
 from .batching import eval_mode, gather_rows, place_model, positive_count, shard
 from .mlm_forward import MaskedForward
 from .columns import text_columns
-from .mlm_inputs import check_max_length, check_tokenizer, encode_inputs, position_limit
+from .mlm_inputs import check_tokenizer, encode_inputs, position_limit
 from .mlm_jobs import pll_jobs, rate_jobs, run_jobs, schedule_jobs
 from .rates import PAPER_MLM_RATES, check_rates, item_generator, mask_counts, nested_ranks, rate_curve
 
@@ -132,7 +132,8 @@ class MaskedLMScorer:
         self.max_tokens = max_tokens
         text_columns(text_column, "MaskedLMScorer(text_column=...)")
         self.text_column = text_column
-        max_length = check_max_length(max_length, "MaskedLMScorer(max_length=...)")
+        if max_length is not None:
+            max_length = positive_count(max_length, "MaskedLMScorer(max_length=...), the most tokens of a sequence,")
         self.seed = seed
         self.progress = progress
         limit = position_limit(self.model.config)

@@ -9,7 +9,6 @@ host; the scorer moves each packed batch to the model's device.
 
 import functools
 import importlib.util
-import numbers
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,9 +18,10 @@ import numpy as np
 import torch
 
 from ..code_origin import user_stacklevel
+from .batching import positive_count
 from .columns import text_columns
 
-__all__ = ["Encoded", "encode_inputs", "check_tokenizer", "model_vocab_size", "position_limit", "check_max_length"]
+__all__ = ["Encoded", "encode_inputs", "check_tokenizer", "model_vocab_size", "position_limit"]
 
 #: model types known to number positions from ``pad_token_id + 1`` where their modeling
 #: module cannot be read (a config defined outside transformers' own ``models`` package)
@@ -133,17 +133,6 @@ def _positions_after_padding(config_class):
     return getattr(config_class, "model_type", "") in _ROBERTA_LIKE
 
 
-def check_max_length(max_length, who="max_length"):
-    """``max_length`` as an int, where it is None or a positive integer; a ``ValueError``
-    naming ``who`` otherwise (0 warned "truncated to 0 tokens" and truncated nothing, -1
-    failed inside the tokenizer, 2.5 ran)."""
-    if max_length is None:
-        return None
-    if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) or max_length < 1:
-        raise ValueError(f"{who} must be a positive integer (tokens per sequence) or None, got {max_length!r}.")
-    return int(max_length)
-
-
 def encode_inputs(inputs, *, tokenizer, config, special_token_ids, max_length=None, text_column="text"):
     """Normalize inputs into an :class:`Encoded` (padding removed).
 
@@ -170,7 +159,10 @@ def encode_inputs(inputs, *, tokenizer, config, special_token_ids, max_length=No
     """
     if isinstance(inputs, Encoded):
         return inputs
-    source = _Source(tokenizer, config, special_token_ids, check_max_length(max_length))
+    # 0 warned "truncated to 0 tokens" and truncated nothing, -1 failed inside the tokenizer, 2.5 ran
+    if max_length is not None:
+        max_length = positive_count(max_length, "max_length, the most tokens of a sequence,")
+    source = _Source(tokenizer, config, special_token_ids, max_length)
     if hasattr(inputs, "column_names") and not isinstance(inputs, Mapping):
         cols = text_columns(text_column)
         missing = [c for c in cols if c not in inputs.column_names]
