@@ -134,8 +134,6 @@ class Evidence:
         self.engines = {}
         #: guide sites already named by a once-per-estimator warning
         self.warned_sites = set()
-        #: whether a first call checked the model for draws its trace does not see
-        self._randomness_checked = False
 
     def estimate(self, *args, **kwargs):
         r"""Run the estimator and return the full :class:`EvidenceResult`.
@@ -174,14 +172,13 @@ class Evidence:
         if not validate_model and (points or not args_valid(tokens.model_trace)):
             raise Revalidate
         check_guide_sites(tokens)
-        if validate_model and not self._randomness_checked and self.method != "importance":
+        if validate_model and self.method != "importance":
             # the integrating methods: a hidden draw would make every call's value another number
             # (importance sampling averages over it like over the latents it draws)
             check_no_hidden_randomness(
                 tokens, model, args, kwargs, f"Evidence(method={self.method!r})",
                 advice="; or use method='importance', which averages over it", key=self.model,
             )
-            self._randomness_checked = True
         result = METHODS[self.method](_Fixed(self, model, guide) if points else self, tokens, args, kwargs)
         engine = result.diagnostics.get("engine")
         if latent_init is not None and (engine is None or engine.reads_latent_draws()):
