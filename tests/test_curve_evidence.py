@@ -527,8 +527,6 @@ def test_passed_checks_do_not_pass_a_new_owner_at_a_collected_ones_address():
     """The checks that passed are kept per model function and owner by weak references: the
     hidden-randomness check kept a bound method's owner by its id, so a new instance at a
     collected instance's address was taken for one that had passed."""
-    import gc
-
     from pyro_mpt.model_keys import PassedChecks
 
     class Model:
@@ -538,23 +536,21 @@ def test_passed_checks_do_not_pass_a_new_owner_at_a_collected_ones_address():
     checks = PassedChecks()
     other = Model()
     assert not checks.passed(other.model)
-    # CPython gives a freed object's memory to a next one of its size; the new instances wait
-    # in a list made beforehand, so that nothing else of their size is made meanwhile
-    kept = [None] * 4000
-    for attempt in range(20):
+    # CPython's allocator gives a freed block of a size class to the next object of that class
+    # (LIFO), so the instance made right after the del takes the address, unless another object
+    # of the class was made or freed in between (a gc.collect() there, and then 2000 to 4000
+    # new instances, missed it in half the runs after other tests had churned the heap)
+    kept = []
+    for attempt in range(50):
         first = Model()
         checks.add(first.model)
         assert checks.passed(first.model)
         address = id(first)
         del first
-        gc.collect()
-        for i in range(len(kept)):
-            kept[i] = Model()
-            if id(kept[i]) == address:
-                break
-        if id(kept[i]) == address:
+        second = Model()
+        if id(second) == address:
             break
-    second = kept[i]
+        kept.append(second)
     assert id(second) == address
     assert not checks.passed(second.model)
     # details (a fingerprint of the data) are told apart, and at most `keep` are kept
