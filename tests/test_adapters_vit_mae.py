@@ -114,8 +114,9 @@ def test_image_inputs_and_validation():
         MAEScorer(model).curve(pil, rates=rates)
     with pytest.raises(ValueError, match=r"\(n, C, H, W\)"):
         MAEScorer(model).curve(tensors[0], rates=rates)
-    with pytest.raises(ValueError, match="sigma2"):
-        MAEScorer(model, sigma2=0)
+    for bad in (0, True, float("nan"), "1.0"):
+        with pytest.raises(ValueError, match="sigma2"):
+            MAEScorer(model, sigma2=bad)
     with pytest.raises(ValueError, match="kind"):
         scorer.curve(pil, kind="nll")
 

@@ -129,7 +129,9 @@ class MAEScorer:
         progress=False,
         accelerator=None,
     ):
-        if not (sigma2 == "mle" or (isinstance(sigma2, (int, float)) and math.isfinite(sigma2) and sigma2 > 0)):
+        # True is an int equal to 1: a flag passed where a variance is meant
+        number = isinstance(sigma2, (int, float)) and not isinstance(sigma2, bool)
+        if not (sigma2 == "mle" or (number and math.isfinite(sigma2) and sigma2 > 0)):
             raise ValueError(f'sigma2 must be a positive finite float or "mle", got {sigma2!r}.')
         batch_size = positive_count(batch_size, "MAEScorer(batch_size=...), masked copies per forward pass,")
         chunk_images = positive_count(chunk_images, "MAEScorer(chunk_images=...), images preprocessed at once,")
