@@ -315,6 +315,11 @@ def test_device_and_sigma2_are_usage_errors(bert_dir, tmp_path):
                         cwd=tmp_path)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr
         assert f"--sigma2 must be a positive number or 'mle', got '{sigma2}'." in bad.stderr
+    # rates out of (0, 1) or not increasing: the message speaks the command line's spec, not Python
+    for spec in ["0:0.5:0.25", "0.5,0.2"]:
+        bad = _pyro_mpt("mlm-curve", "no-such-org/no-such-model", "--text-file", texts, "--rates", spec, cwd=tmp_path)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr
+        assert f"pyro-mpt: error: Rates '{spec}' give" in bad.stderr and "np." not in bad.stderr
 
 
 def test_one_sequence_reports_its_error_over_masks_or_none(bert_dir, tmp_path, capsys):

@@ -93,6 +93,12 @@ def parse_rates(spec):
             f"Cannot read rates {spec!r}; write start:stop:step (e.g. 0.01:0.99:0.01) "
             f"or a comma list (e.g. 0.05,0.15,0.5)."
         ) from None
+    # the spec's own words, not check_rates' Python example: the spec comes from a command line
+    if rates.size == 0 or not np.all((rates > 0) & (rates < 1)) or np.any(np.diff(rates) <= 0):
+        raise ValueError(
+            f"Rates {spec!r} give {rates.tolist()!r}; masking rates must increase and lie strictly "
+            f"between 0 and 1, e.g. 0.01:0.99:0.01 or 0.05,0.15,0.5."
+        )
     return check_rates(rates)
 
 
