@@ -320,7 +320,10 @@ def guess_max_plate_nesting(*traces):
 def _observed_mask(site):
     """The site's observation mask in its full shape (batch + event), or None when unmasked."""
     fn = site["fn"]
-    shape = fn.batch_shape + fn.event_shape
+    # the value's event dims: a DiscreteHMM without duration declares event shape (1,)
+    # whatever its number of steps
+    event = tuple(site["value"].shape[site["value"].dim() - len(fn.event_shape):])
+    shape = fn.batch_shape + event
     masks = []
     m = site.get("mask")
     if m is not None and m is not True:
@@ -329,19 +332,33 @@ def _observed_mask(site):
             # poutine.mask multiplies the log-density, whose shape is the batch shape: a mask
             # over the event's elements would be read as a batch of masks (Pyro's ELBOs fail on
             # it with a broadcasting error)
-            # the value's event dims: a DiscreteHMM without duration declares event shape (1,)
-            # whatever its number of steps
-            event = tuple(site["value"].shape[site["value"].dim() - len(fn.event_shape):])
             raise ValueError(
                 f"Observed site {site['name']!r} has a poutine.mask mask of shape {tuple(m.shape)}, which "
                 f"does not broadcast to the site's batch shape {tuple(fn.batch_shape)} (the shape of its "
                 f"log_prob; its event shape {event} holds the tokens). Mask whole "
                 f"datapoints with a mask of the batch shape, or single tokens inside the event with "
                 f"dist.Normal(...).mask(m).to_event(1) or a token plate (a GaussianHMM's elements "
-                f"and a DiscreteHMM's steps cannot be masked one by one)."
+                f"cannot be masked one by one; a DiscreteHMM's steps can, through its observation_dist: "
+                f"dist.Poisson(rate).mask(m[..., None]))."
             )
         masks.append(m.reshape(m.shape + (1,) * len(fn.event_shape)))
-    remaining = len(fn.event_shape)  # event dims to the right of the current level's batch
+    level, remaining = _distribution_masks(fn, len(fn.event_shape), masks)
+    if isinstance(level, dist.DiscreteHMM):
+        emission = _emission_mask(site, level)
+        if emission is not None:
+            masks.append(emission)
+    if not masks:
+        return None
+    out = torch.ones(shape, dtype=torch.bool, device=masks[0].device)
+    for m in masks:
+        out = out & m.to(out.device)
+    return None if bool(out.all()) else out
+
+
+def _distribution_masks(fn, remaining, masks):
+    """Appends to ``masks`` the masks of ``fn``'s ``.mask()`` levels, each with ``remaining``
+    (``fn``'s event dims) trailing dims, through its ``.to_event()`` levels; returns the
+    first other level and its number of event dims left."""
     level = fn
     while True:
         if isinstance(level, (dist.Independent, torch.distributions.Independent)):
@@ -354,13 +371,33 @@ def _observed_mask(site):
                 masks.append(m.reshape(m.shape + (1,) * remaining))
             level = level.base_dist
         else:
-            break
+            return level, remaining
+
+
+def _emission_mask(site, hmm):
+    """The steps (and elements) a DiscreteHMM's masked ``observation_dist`` leaves out of its
+    ``log_prob``, ``(*batch, T|1, *obs_event)``, or None: the missing tokens of a sequence.
+    The emissions' batch shape ends in the state dim, along which the mask must not vary."""
+    obs = hmm.observation_dist
+    E = len(obs.event_shape)
+    masks = []
+    _distribution_masks(obs, E, masks)
     if not masks:
         return None
-    out = torch.ones(shape, dtype=torch.bool, device=masks[0].device)
+    out = None
     for m in masks:
-        out = out & m.to(out.device)
-    return None if bool(out.all()) else out
+        state = m.dim() - 1 - E
+        if bool((m.any(state) != m.all(state)).any()):
+            raise ValueError(
+                f"Observed site {site['name']!r} is a DiscreteHMM whose observation_dist is masked "
+                f"differently for different hidden states (mask of shape {tuple(m.shape)}, states at "
+                f"dim {state - m.dim()}): a masked step is a missing token only when it is left out "
+                f"under every state. Make the mask constant along the state dim, e.g. "
+                f"dist.Poisson(rate).mask(m[..., None]) with m of shape (*batch, T)."
+            )
+        m = m.all(state)
+        out = m if out is None else out & m
+    return out
 
 
 def _fill_missing(value, observed):

@@ -473,3 +473,48 @@ def test_pll_takes_one_forward_backward_pass_per_step(float64, monkeypatch):
             hidden[t] = 0.0  # x_t summed out
             ref += full - numpy_forward(log_init, log_trans, hidden)
         assert abs(float(score[i]) - ref) < 1e-10 * max(1.0, abs(ref))
+
+
+def test_masked_emissions_are_missing_steps(float64):
+    """A DiscreteHMM whose observation_dist is masked (.mask(m)) leaves those steps, or
+    elements of a step, out of its log_prob: they are missing tokens. Evidence, the "order"
+    score and pll equal the brute-force sums over hidden paths with those emissions left out
+    (they were scored as observed: 1-8 nats off, no warning), and the "order" loss equals
+    -sum DiscreteHMM.log_prob (Pyro's own forward algorithm, which honours the mask)."""
+    g = torch.Generator().manual_seed(4)
+    n, T, S, E = 3, 4, 2, 2
+    init, trans = torch.randn(S, generator=g), torch.randn(S, S, generator=g)
+    locs, scales = 2 * torch.randn(S, E, generator=g), 0.5 + torch.rand(S, E, generator=g)
+    x = torch.randn(n, T, E, generator=g)
+    step = torch.rand(n, T, generator=g) > 0.3  # whole steps
+    elem = torch.rand(n, T, E, generator=g) > 0.2  # single elements of a step
+    step[0] = True
+    step[1, :] = torch.tensor([True, False, False, True])
+
+    def hmm(x):
+        emission = dist.Normal(locs, scales).expand([n, T, S, E]).mask(elem[:, :, None]).to_event(1)
+        with pyro.plate("sequences", n):
+            pyro.sample("x", dist.DiscreteHMM(init, trans, emission.mask(step[..., None])), obs=x)
+
+    keep = (step[..., None] & elem).numpy()  # (n, T, E)
+    log_init = torch.log_softmax(init, 0).numpy()
+    log_trans = torch.log_softmax(trans, -1).numpy()
+    log_emit = norm.logpdf(x.numpy()[:, :, None, :], locs.numpy(), scales.numpy())  # (n, T, S, E)
+    ref = np.array([brute_force_log_marginal(log_init, log_trans, log_emit[i], keep[i]) for i in range(n)])
+    assert keep.sum() < keep.size - 3  # some steps and elements are missing
+    pyro_lp = dist.DiscreteHMM(init, trans, dist.Normal(locs, scales).expand([n, T, S, E]).mask(
+        elem[:, :, None]).to_event(1).mask(step[..., None])).log_prob(x).numpy()
+    np.testing.assert_allclose(pyro_lp, ref, atol=1e-10)
+
+    np.testing.assert_allclose(Evidence(hmm)(x).numpy(), ref, atol=1e-10)
+    order = MaskedPretrainingLoss(masks="order")
+    np.testing.assert_allclose(order.score(hmm, None, x).numpy(), ref, atol=1e-10)
+    assert abs(order.loss(hmm, None, x) + ref.sum()) < 1e-9
+    pll = MaskedPretrainingLoss(masks="pll").score(hmm, None, x).numpy()
+    for i in range(n):
+        total, tokens = 0.0, np.argwhere(keep[i])
+        for t, e in tokens:
+            rest = keep[i].copy()
+            rest[t, e] = False
+            total += ref[i] - brute_force_log_marginal(log_init, log_trans, log_emit[i], rest)
+        assert abs(pll[i] - total) < 1e-10  # the pseudo-log-likelihood: the sum over the observed tokens

@@ -256,3 +256,16 @@ def _():
             pyro.sample("x", hmm, obs=x)
 
     Evidence(model)(torch.randn(4, 5, 2))
+
+
+@trigger("sites-hmm-mask-state")
+def _():
+    m = torch.ones(4, 5, 2, dtype=torch.bool)
+    m[0, 1, 0] = False  # step 1 of sequence 0 left out under state 0 only
+
+    def model(x):
+        emission = dist.Poisson(torch.tensor([0.5, 4.0])).expand([4, 5, 2]).mask(m)
+        with pyro.plate("data", 4):
+            pyro.sample("x", dist.DiscreteHMM(torch.zeros(2), torch.zeros(2, 2), emission), obs=x)
+
+    Evidence(model)(torch.ones(4, 5))
