@@ -22,6 +22,7 @@ from pyro_mpt.conditionals import (
     EnumerateConditionals,
     ImportanceConditionals,
     MixtureTable,
+    NotLinearGaussianError,
     auto_engine,
 )
 from pyro_mpt.observed_tokens import trace_tokens
@@ -252,6 +253,11 @@ def test_too_large_support_is_refused_and_auto_samples(float64):
         engine.prepare(tokens, model, None, (x,), {})
     engine, _ = auto_engine(tokens, model, None, (x,), {}, max_support=2)
     assert isinstance(engine, ImportanceConditionals)
+    # Evidence takes the max_support that the refusal says to raise (it refused the option)
+    with pytest.raises(NotLinearGaussianError, match=r"more than max_support=2\. .*or raise max_support"):
+        Evidence(model, max_support=2)(x)
+    np.testing.assert_allclose(Evidence(model, max_support=3)(x).detach().numpy(), sklearn_gmm().score_samples(x.numpy()),
+                               rtol=1e-12)
 
 
 def _gmm_with_an_enumeration_shape_bug(K=3, D=3, N=5, seed=1):

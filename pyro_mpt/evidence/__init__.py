@@ -84,7 +84,8 @@ class Evidence:
     :param options: method options (for ``"exact"``: ``path`` -- ``"auto"``,
         ``"lowrank"`` or ``"dense"``, the ``method`` of
         :class:`~pyro_mpt.conditionals.GaussianConditionals` --, ``jitter``,
-        ``max_jitter``, ``vectorize``).
+        ``max_jitter``, ``vectorize``; ``max_support``, the joint values of discrete latents
+        summed exactly, default 4096).
     :ivar dict engines: the conditional engines a method built, by method and
         option set. Later calls reuse them, so adaptive quadrature warm-starts
         its search from the previous call's centres (the same value to the

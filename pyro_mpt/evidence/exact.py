@@ -36,8 +36,9 @@ from .result import EvidenceResult
 __all__ = ["exact_evidence", "EXACT_OPTIONS"]
 
 #: the options of ``Evidence(method="exact")``: those of
-#: :class:`~pyro_mpt.conditionals.GaussianConditionals`, its ``method`` spelled ``path``
-EXACT_OPTIONS = (option_names(GaussianConditionals) - {"method"}) | {"path"}
+#: :class:`~pyro_mpt.conditionals.GaussianConditionals`, its ``method`` spelled ``path``, and
+#: the enumeration route's ``max_support``
+EXACT_OPTIONS = (option_names(GaussianConditionals) - {"method"}) | {"path", "max_support"}
 
 
 def exact_evidence(evidence, tokens, args, kwargs):
@@ -46,7 +47,9 @@ def exact_evidence(evidence, tokens, args, kwargs):
     Options (``Evidence(..., **options)``): ``path`` -- ``"auto"``,
     ``"lowrank"`` or ``"dense"``, the ``method`` of
     :class:`~pyro_mpt.conditionals.GaussianConditionals` (``Evidence``'s own
-    ``method`` names the estimator) --, ``jitter``, ``max_jitter``, ``vectorize``.
+    ``method`` names the estimator) --, ``jitter``, ``max_jitter``, ``vectorize``; and
+    ``max_support``, the joint values of discrete latents that the enumeration route sums
+    (:class:`~pyro_mpt.conditionals.EnumerateConditionals`, default 4096).
 
     :param ~pyro_mpt.evidence.Evidence evidence: the estimator (model, guide, options).
     :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
@@ -61,6 +64,8 @@ def exact_evidence(evidence, tokens, args, kwargs):
         >>> Evidence(ppca, method="exact", path="dense").estimate(x).log_evidence   # (N,)
     """
     options = dict(evidence.options)
+    # the enumeration route's option, which its refusal of a larger support names
+    enumerate_options = {k: options.pop(k) for k in ("max_support",) if k in options}
     # kept in Evidence.engines, as the loss keeps its engine: later calls start
     # from the way of running the model that worked (a model that does not
     # broadcast is not run in the failing modes again; one whose location
@@ -77,7 +82,7 @@ def exact_evidence(evidence, tokens, args, kwargs):
         # over discrete latents (a finite mixture, or an HMM's chain)
         declined = []
         routes = [("hierarchical", HierarchicalGaussianConditionals()),
-                  ("enumerate", EnumerateConditionals()), ("hmm", DiscreteHMMConditionals())]
+                  ("enumerate", EnumerateConditionals(**enumerate_options)), ("hmm", DiscreteHMMConditionals())]
         if not tokens.latent_names:
             # nothing to integrate: the one-node "grid" of no latent dims is the likelihood itself
             routes.append(("no latent", QuadratureConditionals()))
