@@ -189,6 +189,15 @@ def check_factorized(fn, name, who, error=EngineNotApplicable,
             f"the draws as Categorical tokens instead, {draws} (log p of the counts is "
             f"that of the draws plus log of the multinomial coefficient, a constant); {instead}."
         )
+    if isinstance(base, dist.OneHotCategorical):
+        # the one-hot elements of a draw are not independent (one of them is 1): the draw is the token
+        raise error(
+            f"{who} needs the tokens of observed site {name!r} to be independent given "
+            f"the latents, but it is OneHotCategorical: the {base.event_shape[-1]} elements of a "
+            f"one-hot vector are one draw, not independent tokens. Observe the category index "
+            f"instead, dist.Categorical(probs) with obs=x.argmax(-1) (several draws a datapoint: "
+            f"dist.Categorical(probs).to_event(1)); log p is the same; {instead}."
+        )
     if len(base.event_shape) > 0:
         raise error(
             f"{who} needs the tokens of observed site {name!r} to be independent given "

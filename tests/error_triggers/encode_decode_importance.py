@@ -32,6 +32,16 @@ def _():
     MaskedPretrainingLoss(conditionals="importance").loss(model, None, torch.tensor([[2.0, 2.0, 1.0], [0.0, 5.0, 0.0]]))
 
 
+@trigger("engine-one-hot-tokens")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Categorical(torch.ones(2) / 2))
+            pyro.sample("x", dist.OneHotCategorical(torch.tensor([[0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])[c]), obs=x)
+
+    MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, torch.eye(3)[[0, 2]])
+
+
 @trigger("encode-decode-autoguide")
 def _():
     from pyro.infer.autoguide import AutoDiagonalNormal
