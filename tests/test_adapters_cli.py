@@ -371,3 +371,30 @@ def test_dataset_options_need_a_dataset_and_default_with_one(bert_dir, tmp_path,
                  "--json", str(js)]) == 0
     data = json.loads(js.read_text())
     assert data["num_sequences"] == 2 and data["data"]["split"] is None and data["data"]["column"] == ["text"]
+
+
+def test_a_checkpoint_without_the_models_weights_is_refused(bert_dir, tmp_path):
+    """An encoder saved without its masked-LM head (BertModel), loaded by mlm-curve, and a BERT
+    checkpoint loaded by mae-curve: transformers drew the missing weights at random behind the
+    quiet load, and the commands printed scores that changed from run to run under one seed
+    (exit 0). Now exit 2, naming the checkpoint and the missing weights; --random-init still runs."""
+    import transformers
+
+    d, texts = bert_dir
+    enc = tmp_path / "encoder_only"
+    model = transformers.BertForMaskedLM.from_pretrained(d)
+    model.bert.save_pretrained(enc)
+    transformers.BertTokenizer.from_pretrained(d).save_pretrained(enc)
+    images = tmp_path / "images"
+    images.mkdir()
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (10, 200, 30)).save(images / "a.png")
+    for argv in (["mlm-curve", enc, "--text-file", texts], ["mae-curve", enc, "--image-folder", images]):
+        bad = _pyro_mpt(*argv, "--rates", "0.5", "--no-plot", cwd=tmp_path)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert f"pyro-mpt: error: Checkpoint '{enc}' lacks weights of the" in bad.stderr
+        assert "model_type 'bert'" in bad.stderr and "--random-init" in bad.stderr
+    ok = _pyro_mpt("mlm-curve", enc, "--text-file", texts, "--rates", "0.5", "--no-plot", "--random-init",
+                   "--json", tmp_path / "r.json", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr

@@ -32,6 +32,7 @@ __all__ = [
     "load_images",
     "hub_reachable",
     "quiet_transformers",
+    "check_complete_weights",
 ]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -223,10 +224,43 @@ def _load_model(name, label, hint, from_config, from_pretrained, random_init, se
             torch.manual_seed(seed)
             model = from_config(config)
         else:
-            model = from_pretrained(name, **kw)
+            model, info = from_pretrained(name, output_loading_info=True, **kw)
     except (OSError, ValueError) as err:  # missing files; a config transformers cannot read
         raise ResourceUnavailable(f"Could not load {label} {name!r}: {str(err).rstrip('.')}. {hint}") from None
+    if not random_init and info.get("missing_keys"):
+        try:  # the checkpoint's own kind (the model's config is the class's, whatever it read)
+            kind = AutoConfig.from_pretrained(name, **kw).model_type
+        except (OSError, ValueError):
+            kind = None
+        check_complete_weights(name, model, info, kind)
     return model, where, kw
+
+
+def check_complete_weights(name, model, info, kind=None):
+    """Refuse a checkpoint that lacks weights of the model built from it.
+
+    transformers initializes them at random and reports it in the load report, which a
+    quiet load (the CLI's) hides: an encoder-only ``BertModel`` checkpoint loaded as a masked
+    LM gets a random head, a BERT checkpoint loaded as a ViT-MAE random everything, and the
+    scores change from run to run under one seed.
+
+    :param str name: the checkpoint, for the message.
+    :param model: the loaded model.
+    :param dict info: ``from_pretrained(..., output_loading_info=True)``'s report.
+    :param str kind: the checkpoint's ``model_type``, when known.
+    :raises ValueError: naming the checkpoint, the missing weights and what to do.
+    """
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (f", ... ({len(missing)} in all)" if len(missing) > 3 else "")
+        raise ValueError(
+            f"Checkpoint {name!r} lacks weights of the {type(model).__name__} built from it ({shown}): "
+            f"transformers would draw them at random, so the scores would mean nothing and change "
+            f"from run to run ({'a checkpoint of model_type ' + repr(kind) if kind else 'a checkpoint'}: "
+            f"an encoder saved without its masked-LM head, or another kind of model, lacks them). Load a "
+            f"checkpoint saved from {type(model).__name__}, or pass random_init=True (--random-init) to score a "
+            f"randomly initialized model on purpose."
+        )
 
 
 def load_masked_lm(name, tokenizer=None, random_init=False, lowercase=None, seed=0, quiet=False):

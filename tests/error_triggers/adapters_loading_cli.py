@@ -81,6 +81,18 @@ def _():
     loading.load_vit_mae(str(d))
 
 
+@trigger("load-missing-weights")
+def _():
+    import transformers
+
+    loading = _loading()
+    d = _tmpdir()
+    model, tok = _bert(d)
+    transformers.BertModel(model.config).save_pretrained(d)  # the encoder alone: no masked-LM head
+    tok.save_pretrained(d)
+    loading.load_masked_lm(d, quiet=True)
+
+
 @trigger("load-image-processor-fallback")
 def _():
     loading = _loading()
