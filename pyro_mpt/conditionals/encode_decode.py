@@ -83,13 +83,14 @@ from dataclasses import dataclass, field
 from numbers import Real
 
 import torch
+from torch.distributions import constraints
 
 from ..model_keys import callable_key
 from .base import ConditionalEngine, EngineNotApplicable
-from .distributions import check_factorized
+from .distributions import base_distribution, check_factorized
 from .data_args import guide_latents, locate_data_arg, refuse_missing
 from .guide_proposals import per_datapoint_autoguide
-from .latent_runs import GuideMemory, LatentRunner, logmeanexp
+from .latent_runs import GuideMemory, LatentRunner, check_draws_log_density, logmeanexp
 from ..counts import is_count
 
 __all__ = ["EncodeDecodeConditionals", "EncodeDecodeState", "initial_tokens", "run_chains"]
@@ -145,12 +146,41 @@ def run_chains(runner, x, mask, init, num_iterations, chains, encode="sample", d
         xt = xt.expand(chains, q, n, D).reshape(chains * q, n, D)
         m = m.expand(chains, q, n, D).reshape(chains * q, n, D)
         B = chains * q
-        for _ in range(num_iterations):
+        for t in range(num_iterations):
             enc = runner.encode(xt, 1, mean=encode == "mean")
             dec = runner.decode(enc.values, B)
             new = dec.sample() if decode == "sample" else dec.mean()
             xt = torch.where(m, new.to(xt.dtype), xt)
+            _check_finite_chains(runner, xt, m, t, num_iterations, decode == "sample")
     return xt.reshape(chains, q, n, D)
+
+
+#: supports without parameters: checked elementwise on the imputed tokens whatever their layout
+_PLAIN_SUPPORTS = (constraints.real, constraints.nonnegative_integer, constraints.positive_integer,
+                   constraints.positive, constraints.nonnegative, constraints.boolean, constraints.unit_interval)
+
+
+def _check_finite_chains(runner, xt, m, t, num_iterations, sampled):
+    # a chain that ran away (large imputed tokens -> an encoder output beyond its range ->
+    # larger tokens) ends in inf, NaN or, from torch's Poisson sampler at a rate beyond 2^63,
+    # -2^63: a value outside the support, which every estimate of its queries would inherit
+    tokens = runner.tokens
+    ok = torch.isfinite(xt)
+    support = base_distribution(tokens.site["fn"]).support
+    # (a mean, decode="mean", need not lie in a discrete support)
+    if sampled and any(support is c for c in _PLAIN_SUPPORTS):  # no bounds in the site's layout to broadcast
+        ok &= support.check(xt)
+    bad = m & ~ok
+    if bool(bad.any()):
+        raise ValueError(
+            f"{runner.who}: the encode-decode chains that impute the masked tokens of observed site "
+            f"{tokens.name!r} ran away: after round {t + 1} of {num_iterations}, {int(bad.sum())} of "
+            f"the {int(m.sum())} imputed tokens are inf, NaN or outside the site's support (the guide "
+            f"encoded imputed tokens to latents whose decoded tokens were larger still). Bound the "
+            f"guide's outputs (e.g. "
+            f"clamp or tanh its location), use fewer rounds (num_iterations=...) or decode='mean', "
+            f"or, with conditionals='importance', proposal='prior'."
+        )
 
 
 class EncodeDecodeConditionals(ConditionalEngine):
@@ -344,6 +374,7 @@ class EncodeDecodeConditionals(ConditionalEngine):
         if not self.encoder_grad:
             values = {k: v.detach() for k, v in values.items()}
         T = runner.decode(values, S * q).token_log_prob(x).reshape(S, q, n, D)
+        check_draws_log_density(runner, T, "the guide")
         out = logmeanexp(T, 0)
         if self.context_grad and T.requires_grad and not self.encoder_grad:
             out = out + _context_score(T, mask)

@@ -105,7 +105,7 @@ from .encode_decode import initial_tokens
 from .data_args import guide_latents, locate_data_arg, refuse_missing
 from .importance_guide import autoguide_table, guide_draws
 from .importance_self_normalized import self_normalized_conditionals
-from .latent_runs import GuideMemory, LatentRunner, logmeanexp
+from .latent_runs import GuideMemory, LatentRunner, check_draws_log_density, logmeanexp
 from .mixture import chain_terms, normalize_empty
 from .mixture_chunks import MixtureChunk
 
@@ -294,6 +294,7 @@ class ImportanceConditionals(ConditionalEngine):
                 for s in range(0, S, step)
             ]
             T = torch.cat(parts, 0).transpose(0, 1).contiguous()  # (n, S, D)
+            check_draws_log_density(runner, T, "the prior")
             logw = T.new_full((1, S), -math.log(S))
             return ImportanceState("prior", n, D, runner, chunk=MixtureChunk(logw, T))
         if not covered:

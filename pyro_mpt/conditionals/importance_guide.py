@@ -10,7 +10,7 @@ import torch
 
 from .guide_proposals import AutoguideProposal
 from .encode_decode import run_chains
-from .latent_runs import LatentRunner
+from .latent_runs import LatentRunner, check_draws_log_density
 from .mixture_chunks import MixtureChunk
 
 
@@ -159,4 +159,5 @@ def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_c
         alpha = S_p / S
         log_r = torch.logaddexp(log_r + math.log1p(-alpha), log_p + math.log(alpha))
     T = dec.token_log_prob(x).reshape(S, q, n, D)
+    check_draws_log_density(runner, T, "the guide and the prior" if S_p else "the guide")
     return log_p - log_r, T

@@ -54,6 +54,7 @@ __all__ = [
     "PARTICLE_PLATE",
     "GuideMemory",
     "LatentRunner",
+    "check_draws_log_density",
     "logmeanexp",
 ]
 
@@ -64,6 +65,34 @@ PARTICLE_PLATE = "_mpt_particles"
 def logmeanexp(t, dim):
     """:math:`\\log \\frac1S \\sum_s e^{t_s}` along ``dim``."""
     return torch.logsumexp(t, dim) - math.log(t.shape[dim])
+
+
+def check_draws_log_density(runner, T, proposal):
+    r"""Raise where the observed site's log-density at the drawn latents is NaN.
+
+    A draw far out (a guide whose outputs ran away, a prior's tail under an overflowing link)
+    gives a rate of inf and a log-density of inf - inf; every estimate averaging over that
+    draw would be NaN, with no word of where it came from.
+
+    :param LatentRunner runner: the runs that drew the latents.
+    :param torch.Tensor T: the tokens' log-densities ``(..., n, D)`` at the draws.
+    :param str proposal: what drew the latents, for the message (e.g. ``"the guide"``).
+    :raises ValueError: naming the site, the count and what to do.
+
+    Example::
+
+        >>> check_draws_log_density(runner, dec.token_log_prob(x), "the prior")
+    """
+    bad = torch.isnan(T)
+    if bool(bad.any()):
+        raise ValueError(
+            f"{runner.who}: the log-density of observed site {runner.tokens.name!r} is NaN at "
+            f"{int(bad.sum())} of its {T.numel()} values at the latents drawn from {proposal} (a "
+            f"latent so far out that the model's parameters overflow, e.g. a Poisson rate "
+            f"exp(z) of inf). Bound the proposal (clamp or tanh the guide's location), "
+            f"keep the model's parameters finite there (e.g. clamp the link's input), or "
+            f"compute in float64."
+        )
 
 
 @dataclass

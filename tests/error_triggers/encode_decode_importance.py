@@ -129,3 +129,32 @@ def _():
     MaskedPretrainingLoss(conditionals=ImportanceConditionals(proposal="guide")).loss(model, None, x)
 
 
+
+
+@trigger("encode-decode-chains-ran-away")
+def _():
+    b = torch.tensor([1.0, 2.0, 1.5])
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Poisson(torch.exp(b * z.unsqueeze(-1))).to_event(1), obs=x)
+
+    def guide(x):  # an encoder that grows with the counts: the chains feed it larger ones
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(x.sum(-1), 0.1))
+
+    MaskedPretrainingLoss(conditionals="encode_decode", masks="order", check_amortized=False).score(
+        model, guide, torch.tensor([[3.0, 5.0, 4.0], [1.0, 2.0, 6.0]]))
+
+
+@trigger("runner-log-density-nan")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            # the rate overflows to inf for z > 0.09: Poisson's log_prob is inf - inf there
+            pyro.sample("x", dist.Poisson(torch.exp(1000.0 * z).unsqueeze(-1).expand(-1, 3)).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="importance", proposal="prior", masks="order").score(
+        model, None, torch.tensor([[3.0, 5.0, 4.0], [1.0, 2.0, 6.0]]))
