@@ -288,3 +288,29 @@ def test_varying_slopes_around_a_mean_slope_on_some_observations():
     assert abs(value - want) < 1e-10 * abs(want)
     for g, gw in zip(grads, grads_want):
         assert torch.allclose(g, gw, rtol=1e-9, atol=1e-10)
+
+
+def test_data_in_one_group_leaves_no_local_group(float64):
+    """A random intercept whose data all fall in one of its groups: that group's column loads
+    every token, so it is set apart as global and no local group is left (an IndexError in
+    group_layout). Evidence and the "order" score equal scipy's dense marginal, also for one
+    loss whose groups change between calls (one group, then two)."""
+    G, N = 10, 40
+    g = torch.Generator().manual_seed(7)
+    u, y = torch.randn(N, generator=g), torch.randn(N, generator=g)
+
+    def model(y, grp):
+        with pyro.plate("groups", G):
+            a = pyro.sample("a", dist.Normal(0.0, 0.8))
+        with pyro.plate("data", N):
+            pyro.sample("y", dist.Normal(a[..., grp] + 0.3 * u, 0.5), obs=y)
+
+    def exact(grp):
+        Z = np.eye(G)[grp.numpy()]
+        return multivariate_normal(0.3 * u.numpy(), 0.64 * Z @ Z.T + 0.25 * np.eye(N)).logpdf(y.numpy())
+
+    loss = MaskedPretrainingLoss(masks="order", token_plates=("data",))
+    for grp in (torch.zeros(N, dtype=torch.long), torch.arange(N) % 2, torch.zeros(N, dtype=torch.long)):
+        ref = exact(grp)
+        assert abs(float(Evidence(model, token_plates=("data",))(y, grp)) - ref) < 1e-9
+        assert abs(float(loss.score(model, None, y, grp)) - ref) < 1e-9

@@ -333,9 +333,11 @@ def group_layout(nonzeros, D, R):
     if C < 2:
         return None
     index, _ = padded_layout(token_comp, C)
-    kept = latent_comp >= 0
+    kept = np.flatnonzero(latent_comp >= 0)
     lat_index, _ = padded_layout(latent_comp[kept], C)
-    lat_index = np.where(lat_index >= 0, np.flatnonzero(kept)[np.maximum(lat_index, 0)], -1)
+    # no latent in any group (every nonzero in the columns a caller set apart as global: a
+    # random intercept whose data fall in one group): padding alone
+    lat_index = np.where(lat_index >= 0, kept[np.maximum(lat_index, 0)], -1) if kept.size else np.full_like(lat_index, -1)
     return token_comp, latent_comp, index, lat_index
 
 
