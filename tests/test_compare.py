@@ -111,6 +111,9 @@ def test_cli_compare_prints_a_table_and_writes_json(tmp_path, capsys):
     (["--lr", "nan"], "argument --lr: must be a positive number, got 'nan'"),
     (["--losses", "elbo", "iwae:0"], "Loss spec 'iwae:0': K=0 particles; give a positive integer, e.g. 'iwae:8'."),
     (["--losses", "renyi:-2:0.5"], "Loss spec 'renyi:-2:0.5': K=-2 particles; give a positive integer"),
+    (["--losses", "renyi:8:1"], "Loss spec 'renyi:8:1': alpha=1 is the ELBO; use 'elbo'"),
+    (["--seed", "-1"], "argument --seed: must be an integer from 0 to 2**32 - 1, got '-1'"),
+    (["--losses", "mpt:uniform:quadrature", "--mpt-encoder", "mpt"], "never runs the guide, so the MPT loss cannot train the encoder"),
 ])
 def test_cli_compare_refuses_data_rates_and_particles_before_training(argv, message, capsys, monkeypatch):
     """Usage errors (status 2, one line on stderr, nothing trained or printed): an --n-test the
@@ -208,3 +211,15 @@ def test_table_shows_a_small_share_of_large_khat_as_below_one_percent():
             for name, frac in (("a", 1 / 299), ("b", 0.0), ("c", 1 / 3))]
     lines = Comparison(rows, {}).table(reference=None).splitlines()[2:]
     assert [line.split()[4] for line in lines] == ["<1%", "0%", "33%"]
+
+
+def test_undefined_khat_share_reads_na_and_json_null():
+    """With fewer draws than k-hat's fit needs, the share above 0.7 is undefined: the table read
+    "nan%" and the JSON held a bare NaN, which strict parsers refuse; now "n/a" and null."""
+    from pyro_mpt.experiments.compare import Comparison, RunResult
+
+    rows = [RunResult("elbo", -20.0, 0.2, 0.003, math.nan, math.nan, 1.0, -20.0, [], [-20.0], None)]
+    comparison = Comparison(rows, {"final_samples": 10})
+    assert comparison.table(reference=None).splitlines()[2].split()[4] == "n/a"
+    text = json.dumps(comparison.to_dict(), allow_nan=False)  # raises on NaN
+    assert json.loads(text)["results"][0]["khat_frac"] is None

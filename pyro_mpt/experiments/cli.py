@@ -43,10 +43,22 @@ def _add_compare_arguments(p):
     p.add_argument("--mpt-encoder", default="elbo", choices=["elbo", "mpt"], help="how MPT runs train the guide")
     p.add_argument("--num-samples", type=positive_int, default=None, help="S of the MPT conditional engine")
     p.add_argument("--num-iterations", type=positive_int, default=None, help="T of the encode-decode engine")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of data split, initialization and sampling (0 .. 2**32 - 1)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (1 is fastest for small models)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--quiet", action="store_true", help="print only the final table")
+
+
+def seed_int(text):
+    """``argparse`` type of ``--seed``: an integer that numpy's and torch's seeding both take,
+    0 .. 2**32 - 1 (numpy refused -1 with a traceback after the data had loaded)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**32 - 1, got {text!r}")
+    return value
 
 
 def _fail(err, status=2):

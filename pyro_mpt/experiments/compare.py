@@ -143,7 +143,19 @@ class Comparison:
         return self.table()
 
     def to_dict(self):
-        return {"settings": self.settings, "results": [asdict(r) for r in self.results]}
+        """The settings and results as plain data, NaN (an undefined number) as None, so
+        that ``json.dump`` writes JSON's ``null``, not the ``NaN`` strict parsers refuse."""
+        return _nan_as_none({"settings": self.settings, "results": [asdict(r) for r in self.results]})
+
+
+def _nan_as_none(obj):
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _nan_as_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_nan_as_none(v) for v in obj]
+    return obj
 
 
 def _number(text, kind, spec):
@@ -186,6 +198,9 @@ def make_loss(spec, *, mpt_encoder="elbo", engine_options=None):
     if kind == "renyi" and len(parts) <= 2:
         K = _particles(parts[0], spec) if parts else 8
         alpha = _number(parts[1], float, spec) if len(parts) > 1 else 0.0
+        if alpha == 1:  # the ELBO's limit, which RenyiELBO refuses in words of its own
+            raise ValueError(f"Loss spec {spec!r}: alpha=1 is the ELBO; use 'elbo' (or another alpha, e.g. "
+                             f"'renyi:{K}:0.5').")
         return RenyiELBO(alpha=alpha, num_particles=K)
     if kind == "mpt" and len(parts) <= 2:
         masks = parts[0] if parts else "uniform"
@@ -199,6 +214,14 @@ def make_loss(spec, *, mpt_encoder="elbo", engine_options=None):
             options.setdefault("encoder_grad", mpt_encoder == "mpt")
             engine = EncodeDecodeConditionals(**options)
         elif cond in ENGINES:
+            if mpt_encoder == "mpt" and cond != "importance":
+                # nothing would train the encoder that the held-out evidence samples from
+                raise ValueError(
+                    f"Loss spec {spec!r} with mpt_encoder='mpt' (--mpt-encoder mpt): conditionals={cond!r} "
+                    f"never runs the guide, so the MPT loss cannot train the encoder, which the held-out "
+                    f"evidence then samples from untrained. Use mpt_encoder='elbo' (the default), or "
+                    f"conditionals 'encode_decode' or 'importance'."
+                )
             if cond == "importance":
                 options.setdefault("guide_grad", mpt_encoder == "mpt")
             engine = ENGINES[cond](**options)
@@ -268,7 +291,10 @@ def khat_summary(khat, threshold=0.7):
 
 
 def _percent(frac):
-    """A fraction as a whole percentage, "<1%" (not "0%") for one image in several hundred."""
+    """A fraction as a whole percentage, "<1%" (not "0%") for one image in several hundred,
+    "n/a" where no k-hat is defined (fewer draws than its fit needs)."""
+    if math.isnan(frac):
+        return "n/a"
     return "<1%" if 0 < frac < 0.005 else f"{100 * frac:.0f}%"
 
 

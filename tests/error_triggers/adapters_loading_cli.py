@@ -266,6 +266,11 @@ def _():
     _cli(["compare", "--lr", "0"])
 
 
+@trigger("cli-seed")
+def _():
+    _cli(["compare", "--seed", "-1"])
+
+
 @trigger("cli-compare-failed")
 def _():
     from pyro_mpt.experiments.cli import main

@@ -33,6 +33,16 @@ def _():
     pyro_mpt.experiments.compare.make_loss("iwae:0")
 
 
+@trigger("compare-spec-renyi-alpha-one")
+def _():
+    pyro_mpt.experiments.compare.make_loss("renyi:8:1")
+
+
+@trigger("compare-mpt-encoder-unused")
+def _():
+    pyro_mpt.experiments.compare.make_loss("mpt:uniform:quadrature", mpt_encoder="mpt")
+
+
 @trigger("compare-spec-type")
 def _():
     pyro_mpt.experiments.compare.make_loss(3)
