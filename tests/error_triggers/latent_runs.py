@@ -170,6 +170,24 @@ def _():
     MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(4, 1), num_masks=2).loss(model, guide, x)
 
 
+@trigger("runner-guide-stacking-fallback-subsampled")
+def _():
+    W = torch.randn(5, 2, generator=torch.Generator().manual_seed(0))
+
+    def model(idx, x):
+        with pyro.plate("data", 10, subsample=idx):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
+
+    def guide(idx, x):  # the subsampled plate of Pyro's minibatch idiom
+        with pyro.plate("data", 10, subsample=idx):
+            pyro.sample("z", dist.Normal(x[:, :2], 1.0).to_event(1))
+
+    idx = torch.tensor([0, 3, 5, 8])
+    MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(4, 1), num_masks=2).loss(
+        model, guide, idx, torch.randn(4, 5))
+
+
 @trigger("missing-tokens-guide-engine")
 def _():
     model, guide = _missing_ppca(_observed())
