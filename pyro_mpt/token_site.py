@@ -234,7 +234,11 @@ def site_layout(site, latents, token_plates):
             raise ValueError(
                 f"Token plate {f.name!r} of observed site {name!r} subsamples {f.size} of "
                 f"{f.full_size} tokens; masked pre-training needs every token of a "
-                f"datapoint. Subsample the datapoint plate instead."
+                f"datapoint. Subsample a datapoint plate instead; where the token plate runs over "
+                f"the whole data set as one datapoint (latents shared by all its units), log p of "
+                f"the data set has no minibatch estimate: train on the full data, or fit the shared "
+                f"latents by MAP (an AutoDelta guide over them, which holds them fixed) with a plate "
+                f"of datapoints that may be subsampled."
             )
     plate_dims = {f.dim for f in site["cond_indep_stack"] if f.vectorized}
     for i, size in enumerate(site_batch_shape):
