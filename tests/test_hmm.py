@@ -518,3 +518,65 @@ def test_masked_emissions_are_missing_steps(float64):
             rest[t, e] = False
             total += ref[i] - brute_force_log_marginal(log_init, log_trans, log_emit[i], rest)
         assert abs(pll[i] - total) < 1e-10  # the pseudo-log-likelihood: the sum over the observed tokens
+
+
+def test_mixture_of_hmms_is_summed_exactly(float64):
+    """A class latent per sequence that picks its transition matrix and emission locations (a
+    mixture of HMMs, which TraceEnum_ELBO serves): every engine refused it, "auto" too. Now
+    "enumerate" sums the classes over each class's forward--backward sums: Evidence, the
+    "order" and "exhaustive" scores and pll equal brute-force sums over classes and hidden
+    paths, with missing steps too, and the loss and its gradient equal TraceEnum_ELBO's."""
+    from pyro.infer import TraceEnum_ELBO
+
+    g = torch.Generator().manual_seed(11)
+    n, T, S, C = 4, 4, 2, 3
+    x = torch.randn(n, T, generator=g)
+    keep = torch.rand(n, T, generator=g) > 0.25
+    keep[0] = True
+    w0 = torch.softmax(torch.randn(C, generator=g), 0)
+    trans0 = torch.randn(C, S, S, generator=g)
+    locs0 = 2 * torch.randn(C, S, generator=g)
+
+    @config_enumerate
+    def model(x):
+        w = pyro.param("w", w0.clone(), constraint=constraints.simplex)
+        trans = pyro.param("trans", trans0.clone())
+        locs = pyro.param("locs", locs0.clone())
+        with pyro.plate("sequences", x.shape[0]):
+            c = pyro.sample("c", dist.Categorical(w))
+            emission = dist.Normal(locs[c].unsqueeze(-2), 1.0).expand(c.shape + (T, S)).mask(keep[..., None])
+            pyro.sample("x", dist.DiscreteHMM(torch.zeros(S), trans[c].unsqueeze(-3), emission), obs=x)
+
+    def reference(keep_i, i):
+        logs = []
+        for k in range(C):
+            emit = norm.logpdf(x[i].numpy()[:, None], locs0[k].numpy(), 1.0)[:, :, None]  # (T, S, 1)
+            lp = brute_force_log_marginal(np.log([0.5, 0.5]), torch.log_softmax(trans0[k], -1).numpy(), emit,
+                                          keep_i[:, None])
+            logs.append(np.log(w0[k].item()) + lp)
+        return logsumexp(logs)
+
+    pyro.clear_param_store()
+    obs = keep.numpy()
+    ref = np.array([reference(obs[i], i) for i in range(n)])
+    np.testing.assert_allclose(Evidence(model)(x).detach().numpy(), ref, atol=1e-10)
+    for masks in ("order", "exhaustive"):
+        np.testing.assert_allclose(MaskedPretrainingLoss(masks=masks).score(model, None, x).detach().numpy(), ref,
+                                   atol=1e-10)
+    pll = MaskedPretrainingLoss(masks="pll").score(model, None, x).detach().numpy()
+    for i in range(n):
+        want = 0.0
+        for t in np.flatnonzero(obs[i]):
+            rest = obs[i].copy()
+            rest[t] = False
+            want += ref[i] - reference(rest, i)
+        assert abs(pll[i] - want) < 1e-10
+    # loss and gradient against TraceEnum_ELBO's exact log-likelihood
+    params = [pyro.param(k).unconstrained() for k in ("w", "trans", "locs")]
+    loss = MaskedPretrainingLoss(masks="order").differentiable_loss(model, None, x)
+    grads = torch.autograd.grad(loss, params)
+    want = TraceEnum_ELBO(max_plate_nesting=1).differentiable_loss(model, lambda x: None, x)
+    want_grads = torch.autograd.grad(want, params)
+    assert abs(float(loss) - float(want)) < 1e-10 and abs(float(loss) + ref.sum()) < 1e-9
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

@@ -58,6 +58,11 @@ plate, ``token_plates=("tokens",)``, possibly depending on the datapoint's laten
 mixture runs over :math:`c` alone. The observation then has no event dims beside
 the token plates, and the other latents are discrete.
 
+**A mixture of HMMs.** A ``dist.DiscreteHMM`` observation whose parameters the discrete
+latents pick (a class per sequence: ``trans[c]``, ``locs[c]``) makes each joint value a
+chain; :class:`~pyro_mpt.conditionals.hmm.DiscreteHMMMixture` sums the components'
+forward--backward sums (continuous latents beside them are refused).
+
 Models written with ``pyro.markov`` (HMMs with one observed site per step)
 reuse enumeration dims and are refused: write the chain as one
 ``dist.DiscreteHMM`` observation, served exactly by
@@ -77,9 +82,10 @@ from pyro.infer.inspect import get_dependencies
 from ..observed_tokens import check_local_latent
 from ..token_site import vectorized_frames
 from .base import ConditionalEngine, EngineNotApplicable
-from .distributions import base_distribution, check_factorized, compact, unwrap
+from .distributions import base_distribution, check_factorized, check_one_sequence, compact, unwrap
 from .gaussian_marginal import gaussian_marginal
 from .gaussian_mixture import GaussianMixtureTable
+from .hmm import DiscreteHMMMixture, discrete_hmm_state
 from .leave_one_out_queries import LeaveOneOutQueries
 from .mixture import MixtureTable
 
@@ -256,6 +262,12 @@ def _gaussian_observation(tokens):
     return fn if tokens.site_batch_shape == tokens.batch_shape else None
 
 
+def _hmm_observation(tokens):
+    """The observed site's ``DiscreteHMM``, or None."""
+    fn = base_distribution(tokens.site["fn"])
+    return fn if isinstance(fn, dist.DiscreteHMM) else None
+
+
 def _check_discrete_prior_free_of(tokens, model, args, kwargs, sizes, continuous):
     r"""Refuse a discrete latent sampled after continuous ones whose prior reads them.
 
@@ -372,6 +384,18 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 f"{self.max_support}. Use conditionals='importance' (it samples the latents), "
                 f"or raise max_support if a ({K}, {tokens.num_data}, {tokens.num_tokens}) table fits."
             )
+        if _hmm_observation(tokens) is not None:
+            # a mixture of chains (a class latent that picks a sequence's transitions)
+            if continuous or per_token or tokens.token_dims:
+                raise EngineNotApplicable(
+                    f"{_WHO} sums discrete latents beside the DiscreteHMM at site {tokens.name!r} "
+                    f"(a mixture of chains), one set of values a sequence; "
+                    + (f"latent(s) {', '.join(map(repr, continuous))} are continuous. "
+                       if continuous else f"the model has latents or token plates within a sequence. ")
+                    + "Use conditionals='importance'."
+                )
+            check_one_sequence(tokens, _hmm_observation(tokens), _WHO)
+            return sizes, continuous, per_token
         if not continuous and _gaussian_observation(tokens) is None:
             check_factorized(
                 tokens.site["fn"], tokens.name, _WHO,
@@ -456,6 +480,11 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             mixture = self._gaussian_components(tokens, model, args, kwargs, trace, dims, enum_shape, continuous, log_w)
             return EnumerateState(mixture, n, D, sizes)
         obs = trace.nodes[tokens.name]
+        if _hmm_observation(tokens) is not None:
+            # each joint value of the latents a chain: a mixture of HMMs
+            hmm = base_distribution(obs["fn"])
+            state = discrete_hmm_state(tokens, hmm, enum_shape, log_w)
+            return EnumerateState(DiscreteHMMMixture(state, tokens.value, self.max_elements), n, D, sizes)
         if _gaussian_observation(tokens) is not None:
             # e.g. MultivariateNormal(locs[z], covs[z]): the tokens are not independent
             # given z, but each component is a Gaussian, read from the enumerated run
@@ -587,6 +616,8 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
         """Whether the mixture's ``leave_one_out`` gives a table, without computing it: a
         table with an impossible token (a ``-inf`` entry) has none."""
         mixture = state.mixture
+        if isinstance(mixture, DiscreteHMMMixture):
+            return mixture.serves_leave_one_out()
         return not isinstance(mixture, MixtureTable) or bool(torch.isfinite(mixture.table).all())
 
     def leave_one_out_table(self, state):

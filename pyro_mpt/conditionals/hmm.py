@@ -51,7 +51,7 @@ from .distributions import base_distribution, check_one_sequence, check_sequence
 from .leave_one_out_queries import LeaveOneOutQueries
 from .mixture_chunks import others_sum
 
-__all__ = ["DiscreteHMMConditionals", "DiscreteHMMState"]
+__all__ = ["DiscreteHMMConditionals", "DiscreteHMMState", "DiscreteHMMMixture", "discrete_hmm_state"]
 
 _WHO = "conditionals='hmm'"
 
@@ -119,12 +119,16 @@ def _log_vecmat(a, M):
 
 @dataclass
 class DiscreteHMMState:
-    """The HMM of one evaluation, in token layout.
+    """The HMM of one evaluation, in token layout: one chain a datapoint, or a finite mixture
+    of chains (:func:`discrete_hmm_state` with ``log_weights``), whose rows are then the
+    components' datapoints, component-major (row ``k * n + i``).
 
-    :param torch.Tensor initial: log initial probabilities ``(n|1, S)``.
-    :param torch.Tensor transition: log transition matrices ``(n|1, T|1, S, S)`` (old, new).
-    :param torch.Tensor emission: :math:`\\log p(x_{te} \\mid h_t = s)`, ``(n, T, S, E)``;
+    :param torch.Tensor initial: log initial probabilities ``(rows|1, S)``.
+    :param torch.Tensor transition: log transition matrices ``(rows|1, T|1, S, S)`` (old, new).
+    :param torch.Tensor emission: :math:`\\log p(x_{te} \\mid h_t = s)`, ``(rows, T, S, E)``;
         token ``t * E + e`` is element ``e`` of step ``t``.
+    :param torch.Tensor log_weights: the components' :math:`\\log p(k)` ``(K, n)``, or None
+        for one chain a datapoint (``rows = n``).
     """
 
     initial: torch.Tensor = field(repr=False)
@@ -132,14 +136,69 @@ class DiscreteHMMState:
     emission: torch.Tensor = field(repr=False)
     num_data: int
     num_tokens: int
+    log_weights: torch.Tensor = field(default=None, repr=False)
+
+    def mixed(self, lp, tail=0):
+        """``lp`` ``(..., rows, *tail)``, log-densities of the rows (``tail`` trailing dims
+        after them), as log-densities of the datapoints ``(..., n, *tail)``: summed over the
+        components with their weights; unchanged for one chain a datapoint."""
+        if self.log_weights is None:
+            return lp
+        K, n = self.log_weights.shape
+        at = lp.dim() - 1 - tail
+        lw = self.log_weights.reshape((K, n) + (1,) * tail)
+        return (lp.unflatten(at, (K, n)) + lw).logsumexp(at)
 
 
-def _rows(t, batch_shape, tail):
-    """``t`` ``(*batch, *tail)`` to ``(n|1, *tail)``: one row when it is shared."""
-    lead = t.shape[: t.dim() - len(tail)]
-    if all(s == 1 for s in lead):
-        return t.reshape((1,) + tuple(t.shape[len(lead):]))
-    return t.expand(tuple(batch_shape) + tuple(t.shape[len(lead):])).reshape((-1,) + tuple(t.shape[len(lead):]))
+def _rows(t, lead, tail, mixture):
+    """``t`` ``(*lead, *tail)`` (``lead``: the components' dims, then the plates') to
+    ``(rows|1, *tail)``: one row when every component and datapoint shares it, else a row
+    per datapoint, component-major with ``mixture``."""
+    t = t.reshape((1,) * (len(lead) + len(tail) - t.dim()) + tuple(t.shape))
+    tail = tuple(t.shape[len(lead):])
+    if all(s == 1 for s in t.shape[: len(lead)]) and not mixture:
+        return t.reshape((1,) + tail)
+    return t.expand(tuple(lead) + tail).reshape((-1,) + tail)
+
+
+def discrete_hmm_state(tokens, hmm, enum_shape=(), log_weights=None):
+    r"""The :class:`DiscreteHMMState` of the ``dist.DiscreteHMM`` ``hmm`` at the observed site.
+
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: the traced tokens.
+    :param hmm: the site's ``DiscreteHMM``, its batch shape the site's; or, for a mixture of
+        chains, the one of a run under Pyro's parallel enumeration, with the discrete latents'
+        values in the dims ``enum_shape`` left of ``tokens.max_plate_nesting`` plate dims.
+    :param tuple enum_shape: the enumeration dims' sizes, :math:`K` values in all.
+    :param torch.Tensor log_weights: the components' :math:`\log p(k)` ``(K, n)``, with ``enum_shape``.
+    :returns: :class:`DiscreteHMMState`, with ``K n`` rows for a mixture.
+
+    Example::
+
+        >>> state = discrete_hmm_state(tokens, base_distribution(tokens.site["fn"]))
+    """
+    obs = base_distribution(hmm.observation_dist)
+    obs_event = tuple(hmm.event_shape[1:])
+    value = tokens.site_value  # (*batch, T, *obs_event), missing tokens filled
+    batch = tuple(tokens.site_batch_shape)
+    T = value.shape[len(batch)]
+    E = max(1, tokens.num_tokens // max(T, 1))
+    S = hmm.initial_logits.shape[-1]
+    mixture = log_weights is not None
+    if mixture:
+        mpn = tokens.max_plate_nesting
+        lead = tuple(enum_shape) + (1,) * (mpn - len(batch)) + batch
+    else:
+        lead = batch
+    # the state dim sits left of the emission's event dims
+    elp = obs.log_prob(value.unsqueeze(-1 - len(obs_event)))  # (*lead, T, S, *obs_event)
+    elp = elp.reshape((1,) * (len(lead) + 2 + len(obs_event) - elp.dim()) + tuple(elp.shape))
+    emission = elp.expand(lead + (T, S) + obs_event).reshape(-1, T, S, E)
+    initial = _rows(hmm.initial_logits, lead, (S,), mixture)
+    trans = hmm.transition_logits
+    trans = trans if trans.dim() > 2 else trans.unsqueeze(0)  # (..., T|1, S, S)
+    transition = _rows(trans, lead, trans.shape[-3:], mixture)
+    return DiscreteHMMState(initial, transition, emission, tokens.num_data, tokens.num_tokens,
+                            None if log_weights is None else log_weights.reshape(-1, tokens.num_data))
 
 
 class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
@@ -170,7 +229,8 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
                 f"(time steps as tokens); it is {type(hmm).__name__}."
             )
         check_sequence_alone(tokens, hmm, _WHO, "sums", ". Make the other latents pyro.params, and keep "
-                             "each sequence in the event (time) dim of the site.")
+                             "each sequence in the event (time) dim of the site; discrete latents "
+                             "a sequence (a mixture of HMMs) are summed by conditionals='enumerate'.")
         obs = base_distribution(hmm.observation_dist)
         if obs.event_shape:
             raise EngineNotApplicable(
@@ -180,26 +240,17 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
                 f"it as independent elements, e.g. dist.Normal(loc, scale).to_event(1)."
             )
         check_one_sequence(tokens, hmm, _WHO)
-        obs_event = hmm.event_shape[1:]
-        value = tokens.site_value  # (*batch, T, *obs_event), missing tokens filled
-        T = value.shape[len(tokens.site_batch_shape)]
-        E = max(1, tokens.num_tokens // max(T, 1))
-        S = hmm.initial_logits.shape[-1]
-        # the state dim sits left of the emission's event dims
-        elp = obs.log_prob(value.unsqueeze(-1 - len(obs_event)))  # (*batch, T, S, *obs_event)
-        elp = elp.expand(tuple(tokens.site_batch_shape) + (T, S) + tuple(obs_event))
-        emission = elp.reshape(tokens.num_data, T, S, E)
-        initial = _rows(hmm.initial_logits, tokens.site_batch_shape, (S,))
-        trans = hmm.transition_logits
-        trans = trans if trans.dim() > 2 else trans.unsqueeze(0)  # (..., T|1, S, S)
-        transition = _rows(trans, tokens.site_batch_shape, trans.shape[-3:])
-        return DiscreteHMMState(initial, transition, emission, tokens.num_data, tokens.num_tokens)
+        return discrete_hmm_state(tokens, hmm)
 
     def _messages(self, state, context):
-        """Forward, backward messages ``(q, n, T, S)`` and ``log p(x_R)`` ``(q, n)`` for
-        contexts ``(q, n|1, D)``."""
+        """Forward, backward messages ``(q, rows, T, S)`` and ``log p(x_R)`` ``(q, rows)`` for
+        contexts ``(q, n|1, D)`` (each component's rows read their datapoint's)."""
         n, T, S, E = state.emission.shape
         q = context.shape[0]
+        if state.log_weights is not None and context.shape[1] > 1:
+            # every component's rows see their datapoint's context
+            K = state.log_weights.shape[0]
+            context = context.unsqueeze(1).expand(q, K, context.shape[1], context.shape[2]).reshape(q, n, -1)
         ctx = context.reshape(q, context.shape[1], T, 1, E)
         zero = torch.zeros((), dtype=state.emission.dtype, device=state.emission.device)
         phi = torch.where(ctx, state.emission, zero).sum(-1)  # (q, n, T, S)
@@ -226,7 +277,8 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
             alpha, beta, den = self._messages(state, context)
             # (qc, n, T, S, 1) + (n, T, S, E) -> sum over states
             num = (alpha + beta).unsqueeze(-1).add(state.emission).logsumexp(-2)  # (qc, n, T, E)
-            return num.reshape(num.shape[0], n, T * E) - den.unsqueeze(-1)
+            num = state.mixed(num.reshape(num.shape[0], n, T * E), tail=1)
+            return num - state.mixed(den).unsqueeze(-1)
 
         # several chunks are recomputed in the backward pass: each keeps its (qc, n, T, S, S)
         # tables for it, a few times max_elements, and a block of a schedule holds many
@@ -261,13 +313,19 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
         others = others_sum(state.emission, -1)  # (n, T, S, E), no difference of sums
         c = (predictive + beta).unsqueeze(-1) + others
         out = (c + state.emission).logsumexp(-2) - c.logsumexp(-2)  # (n, T, E)
-        return out.reshape(out.shape[0], T * E)
+        out = out.reshape(out.shape[0], T * E)
+        if state.log_weights is None:
+            return out
+        # a mixture of chains: log p(x) - log p(x_-j), each a sum over the components of
+        # p_k(x) and of p_k(x_-j) = p_k(x) / p_k(x_j | x_-j)
+        full = alpha[:, -1].logsumexp(-1)  # (rows,) log p_k(x)
+        return state.mixed(full).unsqueeze(-1) - state.mixed(full.unsqueeze(-1) - out, tail=1)
 
     def log_evidence(self, state, x, observed=None):
         r""":math:`\log p(x_i)` (of the observed tokens when ``observed`` is given), ``(n,)``."""
         self._check_x(state, x)
         context = torch.ones_like(x, dtype=torch.bool) if observed is None else observed
-        return self._messages(state, context[None])[2][0]
+        return state.mixed(self._messages(state, context[None])[2][0])
 
     def chain_sums_reads_order(self, state):
         r"""False: :meth:`chain_sums` is :math:`\log p(x)` whatever the orderings."""
@@ -276,3 +334,52 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
     def chain_sums(self, state, x, order, observed=None):
         r"""Chain-rule sums along orderings, ``(p, n)``: each equals :meth:`log_evidence`."""
         return self.log_evidence(state, x, observed).expand(order.shape[0], -1)
+
+
+class DiscreteHMMMixture:
+    r"""A finite mixture of ``DiscreteHMM`` chains per datapoint, with the interface of
+    :class:`~pyro_mpt.conditionals.mixture.MixtureTable` that
+    :class:`~pyro_mpt.conditionals.EnumerateConditionals` reduces (a class latent that
+    selects a sequence's transition matrix: a mixture of HMMs). Every conditional is a ratio
+    of sums over the components of each chain's forward--backward sums,
+
+    .. math::
+
+        p(x_j \mid x_{\mathcal R}) = \frac{\sum_k w_k\, p_k(x_j, x_{\mathcal R})}
+            {\sum_k w_k\, p_k(x_{\mathcal R})},
+
+    computed by :class:`DiscreteHMMConditionals` on the components' rows.
+
+    :param DiscreteHMMState state: from :func:`discrete_hmm_state` with ``log_weights``.
+    :param torch.Tensor x: the tokens ``(n, D)``.
+    :param int max_elements: as :class:`DiscreteHMMConditionals`'.
+
+    Example::
+
+        >>> mixture = DiscreteHMMMixture(discrete_hmm_state(tokens, hmm, enum_shape, log_w), tokens.value)
+        >>> mixture.log_evidence()   # (n,)
+    """
+
+    def __init__(self, state, x, max_elements=2**24):
+        self.state, self.x = state, x
+        self.engine = DiscreteHMMConditionals(max_elements=max_elements)
+
+    def log_conditionals(self, context):
+        r""":math:`\log p(x_j \mid x_{\mathcal R_q})` for boolean contexts ``(q, n|1, D)``, ``(q, n, D)``."""
+        return self.engine.mask_log_prob(self.state, self.x, ~context)
+
+    def serves_leave_one_out(self):
+        """Whether :meth:`leave_one_out` gives its table (finite emissions)."""
+        return self.engine.serves_leave_one_out(self.state)
+
+    def leave_one_out(self):
+        r""":math:`\log p(x_j \mid x_{-j})` ``(n, D)`` from one forward--backward pass, or None."""
+        return self.engine.leave_one_out_table(self.state) if self.serves_leave_one_out() else None
+
+    def chain_log_prob(self, order):
+        """Chain-rule terms along orderings ``(p, n|1, D)``, ``(p, n, D)``."""
+        return self.engine.chain_log_prob(self.state, self.x, order)
+
+    def log_evidence(self, observed=None):
+        r""":math:`\log p(x_i)` (of the observed tokens when ``observed`` is given), ``(n,)``."""
+        return self.engine.log_evidence(self.state, self.x, observed)

@@ -151,6 +151,18 @@ def _():
     MaskedPretrainingLoss(conditionals="hmm").loss(_hmm_obs(latent=True), None, torch.randn(3, 5))
 
 
+@trigger("enumerate-hmm-other-latents")
+def _():
+    def model(x):
+        with pyro.plate("sequences", x.shape[0]):
+            c = pyro.sample("c", dist.Categorical(torch.ones(2) / 2))
+            u = pyro.sample("u", dist.Normal(0.0, 1.0))
+            locs = torch.stack([u, -u], -1) + c.unsqueeze(-1)
+            pyro.sample("x", dist.DiscreteHMM(torch.zeros(2), torch.zeros(2, 2), dist.Normal(locs.unsqueeze(-2), 1.0)), obs=x)
+
+    MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, torch.randn(3, 5))
+
+
 @trigger("hmm-emission-event")
 def _():
     emission = dist.MultivariateNormal(torch.zeros(2, 2), torch.eye(2))
