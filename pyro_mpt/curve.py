@@ -99,14 +99,18 @@ class MPTCurve:
         draw is common to all datapoints and does not show in that spread: its
         variance (``area_mask_variance``) is added, where it is known (see
         :class:`CurveAccumulator`: not for one set of nested masks or orderings, nor
-        one set of fewer than 3 sizes). With one datapoint it is NaN (unknown).
+        one set of fewer than 3 sizes). With one datapoint (the whole data set one
+        datapoint, ``token_plates``) it is the masks' share alone, the error of that
+        datapoint's own area, where it is known, else NaN.
         Without per-datapoint areas, the per-size errors are added as if independent.
         """
         if self.item_areas is not None:
             a = np.asarray(self.item_areas, dtype=np.float64)
-            # one datapoint: NaN, as its per-size errors (see CurveAccumulator)
+            # one datapoint (e.g. the whole data set under token_plates): the error of its own
+            # area, the masks' share, where known; else NaN, as its per-size errors
             if len(a) < 2:
-                return float("nan")
+                mask = self.area_mask_variance
+                return float("nan") if mask is None else float(np.sqrt(mask))
             var = a.var(ddof=1) / len(a)
             if self.area_mask_variance is not None:
                 var += self.area_mask_variance
@@ -170,7 +174,9 @@ class CurveAccumulator:
     estimator's variance, clustered by datapoint; with equal counts it is
     :math:`\operatorname{sd}_i(s_i / c_i)/\sqrt{n_M}`). With one datapoint
     it is NaN, not 0: the spread over datapoints is unknown, and the spread of
-    its masks cannot stand in (for ``"exhaustive"`` they are not random draws).
+    its masks cannot stand in (for ``"exhaustive"`` they are not random draws); where its
+    masks' variance is estimated (below), the error is that alone, the error of the one
+    datapoint's own curve (a data set scored as one datapoint under ``token_plates``).
 
     With masks shared by the batch (``shared``), the draw of a size's masks moves every
     datapoint's value together, which the spread over the datapoints does not see (PPCA,
@@ -282,7 +288,10 @@ class CurveAccumulator:
         stderr = np.where(items > 1, stderr, np.nan)
         mask_variance = self._mask_variance(mean)
         if mask_variance is not None:
-            stderr = np.sqrt(stderr**2 + mask_variance)
+            # the whole batch one datapoint (token_plates over the data set): its curve's error
+            # is its masks' alone, with no population of datapoints to estimate beyond it
+            data = np.where(items > 1, stderr**2, 0.0) if bool((items <= 1).all()) else stderr**2
+            stderr = np.sqrt(data + mask_variance)
         sizes = np.arange(1, self.num_tokens + 1)
         sets = self._replicate_items + ([self._items] if self._items else [])
         # each datapoint's area: the mean over the mask sets of its area in each

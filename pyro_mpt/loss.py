@@ -446,6 +446,11 @@ class MaskedPretrainingLoss(ELBO):
             tokens, engine, state = self._prepare(model, guide, args, kwargs)
             # with missing tokens every schedule draws its masks per datapoint
             shared = schedule.curve_mask_sharing() if tokens.observed is None else False
+            if tokens.num_data == 1 and tokens.observed is None and not shared:
+                # one datapoint's masks are the batch's: their draw is its curve's whole error
+                alike = copy.copy(schedule)
+                alike.share_masks = True
+                shared = alike.curve_mask_sharing()
             acc = CurveAccumulator(tokens.num_tokens, shared=shared)
             if shared is True and schedule.num_masks > 1:
                 # nested masks or orderings shared by the batch move their sizes together: the
