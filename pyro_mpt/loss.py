@@ -452,7 +452,7 @@ class MaskedPretrainingLoss(ELBO):
                 alike.share_masks = True
                 shared = alike.curve_mask_sharing()
             acc = CurveAccumulator(tokens.num_tokens, shared=shared)
-            if shared is True and schedule.num_masks > 1:
+            if shared in (True, "orders") and schedule.num_masks > 1:
                 # nested masks or orderings shared by the batch move their sizes together: the
                 # area's mask noise is the spread of the P sets' areas, each set a run of its own
                 one = copy.copy(schedule)

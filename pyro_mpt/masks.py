@@ -308,6 +308,10 @@ class RandomOrders(MaskSchedule):
             return self
         return RandomOrders(self.num_masks, share_masks=share_masks)
 
+    def curve_mask_sharing(self):
+        # one ordering's positions each hold a token of their own: nearly independent draws
+        return "orders" if self.share_masks else False
+
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
         self.check(D)
         tokens = self.maskable_tokens(n, D, device, observed)
