@@ -199,12 +199,19 @@ def check_factorized(fn, name, who, error=EngineNotApplicable,
             f"dist.Categorical(probs).to_event(1)); log p is the same; {instead}."
         )
     if len(base.event_shape) > 0:
+        gaussian = isinstance(base, (torch.distributions.MultivariateNormal,
+                                     torch.distributions.LowRankMultivariateNormal))
         raise error(
             f"{who} needs the tokens of observed site {name!r} to be independent given "
             f"the latents, but its distribution is {type(base).__name__} with event "
             f"shape {tuple(base.event_shape)}, whose log-density does not factorize over "
             f"tokens. Write it as independent tokens, e.g. "
-            f"dist.Normal(loc, scale).to_event(1); {instead}."
+            f"dist.Normal(loc, scale).to_event(1); {instead}"
+            # the 'gaussian' engine the advice names needs the latents out of the covariance:
+            # say where a scale mixture (a latent inside it) stands, so the advice is no circle
+            + (". A latent inside the covariance (a scale mixture) leaves the tokens neither "
+               "independent nor jointly Gaussian: no engine computes its masked conditionals, "
+               "and Evidence(method='importance') estimates its log p(x)." if gaussian else ".")
         )
     return base
 
