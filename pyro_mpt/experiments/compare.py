@@ -43,7 +43,7 @@ from pyro.infer import SVI, RenyiELBO, Trace_ELBO
 from pyro.infer.elbo import ELBO
 from pyro.optim import Adam
 
-from ..conditionals import ENGINES, EncodeDecodeConditionals
+from ..conditionals import ENGINES, EncodeDecodeConditionals, EngineNotApplicable
 from ..evidence import Evidence
 from ..guide_elbo import WithGuideELBO
 from ..importance_weighted_elbo import ImportanceWeightedELBO
@@ -242,21 +242,34 @@ def _model_guide(made):
 
 
 def heldout_evidence(model, guide, data, num_samples, batch_size=None):
-    """Importance-sampled held-out :math:`\\log p(x_i)` with diagnostics.
+    """Held-out :math:`\\log p(x_i)` with diagnostics: exact where the model has an exact
+    evidence (``Evidence(method="exact")``: a Gaussian marginal, discrete latents, an HMM),
+    else importance-sampled with the guide as proposal. An importance estimate of a model
+    with an exact one is biased low by about half its variance (PPCA without a guide, 4000
+    draws: 0.020 nats, 2.4 of its Monte Carlo errors).
 
-    :returns: dict with ``mean``, ``stderr`` (over datapoints), ``mc_stderr``,
-        ``khat_frac``, ``khat_max`` and the per-datapoint ``values``.
+    :returns: dict with ``mean``, ``stderr`` (over datapoints), ``mc_stderr`` (0 when
+        exact), ``khat_frac``, ``khat_max`` (NaN when exact), the per-datapoint ``values``
+        and ``method``, ``"exact"`` or ``"importance"``.
     """
     batch_size = batch_size or data.shape[0]
     values, errs, khats = [], [], []
+    method = "exact"
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", ImportanceSamplingWarning)
         for start in range(0, data.shape[0], batch_size):
             xb = data[start : start + batch_size]
-            res = Evidence(model, guide, method="importance", num_samples=num_samples).estimate(xb)
+            res = None
+            if method == "exact":
+                try:
+                    res = Evidence(model, guide, method="exact").estimate(xb)
+                except (EngineNotApplicable, ValueError):  # no exact evidence: sampled, from here on
+                    method = "importance"
+            if res is None:
+                res = Evidence(model, guide, method="importance", num_samples=num_samples).estimate(xb)
             values.append(res.log_evidence.reshape(-1))
             errs.append(res.stderr.reshape(-1))
-            k = res.diagnostics["khat"]
+            k = res.diagnostics.get("khat")
             khats.append(k.reshape(-1) if k is not None else torch.full_like(values[-1], math.nan))
     v, e, k = torch.cat(values), torch.cat(errs), torch.cat(khats)
     n = v.numel()
@@ -266,6 +279,7 @@ def heldout_evidence(model, guide, data, num_samples, batch_size=None):
         "mc_stderr": float(e.pow(2).sum().sqrt() / n),
         **khat_summary(k),
         "values": v,
+        "method": method,
     }
 
 
