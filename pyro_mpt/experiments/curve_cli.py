@@ -442,7 +442,8 @@ def _run_mae(args):
     def draw():
         import matplotlib.pyplot as plt
 
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        # constrained: the right panel's long y label overlapped the left panel
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
         r = 100 * curves["mse"].rates
         a1.errorbar(r, curves["mse"].score, 2 * curves["mse"].stderr, label=label)
         a1.set_xlabel("masking rate (%)")
