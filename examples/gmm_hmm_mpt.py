@@ -27,19 +27,20 @@ log-likelihood per datapoint (per sequence for the HMM), computed by
 training curves (``--out``) and, with ``--json``, the numbers.
 
 What to expect (defaults, 20-25 s on a shared 2-core machine), exact mean
-log-likelihood at the end:
+log-likelihood at the end (MPT's column moves in its last digits with the mask draws and
+the CPU's float kernels; measured 2026-11-27):
 
 ====  ====================  =========  ==============  ==========
 seed  model                 MPT        TraceEnum_ELBO  sklearn EM
 ====  ====================  =========  ==============  ==========
-0     GMM (per point)       -4.2533    -4.2501         -4.2501
-0     HMM (per sequence)    -11.5970   -11.5959
-1     GMM                   -4.3720    -4.3697         -4.3697
-1     HMM                   -11.7131   -11.7111
+0     GMM (per point)       -4.2550    -4.2501         -4.2501
+0     HMM (per sequence)    -11.5974   -11.5959
+1     GMM                   -4.3721    -4.3697         -4.3697
+1     HMM                   -11.7174   -11.7111
 ====  ====================  =========  ==============  ==========
 
 From a poor initialization gradient training can stop in a local optimum, and
-both objectives stop in the same one (seed 2: GMM -4.7851 by MPT, -4.7860 by
+both objectives stop in the same one (seed 2: GMM -4.7877 by MPT, -4.7860 by
 ``TraceEnum_ELBO``, while EM with restarts finds -4.2983).
 
 Run::
