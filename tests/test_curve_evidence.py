@@ -594,6 +594,9 @@ def test_one_datapoint_curve_reports_its_mask_error():
     spread = areas.std(ddof=1)
     assert 0.75 < np.sqrt((errors**2).mean()) / spread < 1.33
     assert abs(areas.mean() - exact) < 3 * spread / np.sqrt(len(areas))
+    # one ordering of an exact engine: its area is log p(y) whatever the ordering, error 0 (was NaN)
+    order = MaskedPretrainingLoss(masks="order", token_plates=("data",)).curve(model, None, X, y)
+    assert abs(order.area() - exact) < 1e-9 and order.area_stderr() == 0.0
 
 
 def test_one_shared_ordering_adds_its_tokens_noise_per_size():
