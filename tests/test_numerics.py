@@ -716,6 +716,57 @@ def test_float32_gp_of_600_points_takes_the_scale_tril_in_float64():
         assert abs(float(value) - expected) <= tol * abs(expected), (name, float(value), expected)
 
 
+def test_float32_gp_given_its_covariance_matrix_is_scored_as_that_matrix():
+    """A float32 GP written with covariance_matrix=K (RBF kernel, noise variance 1e-6): the
+    engine took the Cholesky factor T that torch made of K in float32, which had already lost
+    the small noise, so N(0, T T^T) was scored (54932 nats off at D = 30, the variance's
+    gradient 24 % off at D = 500), with no warning. It now takes K itself, widened: Evidence,
+    'order' and 'pll' equal the float64 closed forms of the float32 K (R&W 5.10-5.12 for
+    'pll') to 100 float32 eps relative, and the 'order' gradient autograd of that log-density."""
+    import numpy as np
+    from models import numpy_leave_one_out
+
+    pyro.clear_param_store()
+    g = torch.Generator().manual_seed(5)
+    D = 30
+    X = torch.linspace(0, 3, D)
+    y = torch.sin(2 * X) + 1e-3 * torch.randn(D, generator=g)
+
+    def kernel(ls, var, noise):
+        K = var * torch.exp(-0.5 * (X[:, None] - X[None, :]) ** 2 / ls**2)
+        return K + noise * torch.eye(D, dtype=K.dtype)
+
+    def model(y):
+        ls = pyro.param("ls", torch.tensor(0.7), constraint=dist.constraints.positive)
+        var = pyro.param("var", torch.tensor(1.3), constraint=dist.constraints.positive)
+        noise = pyro.param("noise", torch.tensor(1e-6), constraint=dist.constraints.positive)
+        pyro.sample("y", dist.MultivariateNormal(torch.zeros(D), covariance_matrix=kernel(ls, var, noise)), obs=y)
+
+    K = kernel(torch.tensor(0.7), torch.tensor(1.3), torch.tensor(1e-6)).double().numpy()
+    yn = y.double().numpy()
+    Lc = np.linalg.cholesky(K)
+    ref = -0.5 * (np.linalg.solve(Lc, yn) ** 2).sum() - np.log(np.diag(Lc)).sum() - 0.5 * D * math.log(2 * math.pi)
+    tol = 100 * torch.finfo(torch.float32).eps
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NumericalWarning)
+        values = {
+            "exact": (Evidence(model, method="exact")(y), ref),
+            "order": (MaskedPretrainingLoss(masks="order").score(model, None, y), ref),
+            "pll": (MaskedPretrainingLoss(masks="pll").score(model, None, y), numpy_leave_one_out(K, yn).sum()),
+        }
+        for name, (value, expected) in values.items():
+            assert abs(float(value) - expected) <= tol * abs(expected), (name, float(value), expected)
+        loss = MaskedPretrainingLoss(masks="order").differentiable_loss(model, lambda y: None, y)
+    params = [pyro.param(k).unconstrained() for k in ("ls", "var", "noise")]
+    grads = torch.autograd.grad(loss, params)
+    # the reference: K made in float32 from the same params (the model's own rounding), then float64
+    cov = kernel(*[pyro.param(k) for k in ("ls", "var", "noise")]).double()
+    ref_loss = -torch_mvn.MultivariateNormal(torch.zeros(D, dtype=torch.float64), covariance_matrix=cov).log_prob(y.double())
+    ref_grads = torch.autograd.grad(ref_loss, params)
+    for a, b in zip(grads, ref_grads):
+        assert abs(float(a) - float(b)) <= 1e-4 * max(1.0, abs(float(b))), (float(a), float(b))
+
+
 def test_tril_inverse_matches_numpy_inverse_batched():
     from pyro_mpt.conditionals.gaussian_linalg import tril_inverse
 

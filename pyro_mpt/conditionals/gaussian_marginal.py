@@ -201,8 +201,13 @@ def _observation_parts(fn, tokens):
     if isinstance(base, dist.LowRankMultivariateNormal):
         return base.loc, ("lowrank", base.cov_factor, base.cov_diag), fn.batch_shape
     if isinstance(base, dist.MultivariateNormal):
-        # the factor, not its product: Pyro's log_prob uses it, and a wider dtype
-        # multiplies it again where float32's rounding of T T^T would lose a small noise
+        if "covariance_matrix" in vars(base):
+            # the model's own matrix, as given: the float32 Cholesky factor torch made of it
+            # has already lost a small noise (a GP's K + 1e-6 I, D = 30: T T^T's log p 55000
+            # nats off K's), which no wider dtype brings back
+            return base.loc, ("dense", base.covariance_matrix), fn.batch_shape
+        # the factor, not its product, where the model gave one (scale_tril, or a precision):
+        # a wider dtype multiplies it again where float32's rounding of T T^T would lose a small noise
         return base.loc, ("tril", base.scale_tril), fn.batch_shape
     if isinstance(base, dist.Normal):
         shape = fn.batch_shape + fn.event_shape
