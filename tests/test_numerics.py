@@ -242,6 +242,45 @@ def test_jitter_rescue_is_remembered_across_steps_and_warns_once(method):
     assert abs(explicit.loss(model, None, x) - values[0]) < 1e-9 * abs(values[0])
 
 
+@pytest.mark.parametrize("method", ["lowrank", "dense"])
+def test_remembered_jitter_leaves_a_covariance_that_is_well_posed_again(method):
+    """The remembered jitter was added whatever the covariance had become: after a step at a
+    singular noise (1e-9, rescued with a warning), a noise of 0.1 got the old jitter too, the
+    same loss object 0.1 nats off a fresh one, with no warning. Now the covariance as it is is
+    factored first: the value equals scipy's and a fresh loss's; back at the singular noise,
+    the remembered jitter serves again, with the first value and no second warning."""
+    from scipy.stats import multivariate_normal
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 1, generator=g, dtype=torch.float64)
+    W = torch.cat([w, w], 1)
+    x = torch.randn(5, 1, generator=g, dtype=torch.float64) @ w.T
+
+    def model(x):
+        s = pyro.param("s", torch.tensor(1e-9, dtype=torch.float64), constraint=dist.constraints.positive)
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, s).to_event(1), obs=x)
+
+    def set_noise(value):
+        pyro.get_param_store()["s"] = torch.tensor(value, dtype=torch.float64)
+
+    pyro.clear_param_store()
+    loss = MaskedPretrainingLoss(conditionals=GaussianConditionals(method), masks="order")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        first = loss.loss(model, None, x)
+        set_noise(0.1)
+        again = loss.loss(model, None, x)
+        fresh = MaskedPretrainingLoss(conditionals=GaussianConditionals(method), masks="order").loss(model, None, x)
+        set_noise(1e-9)
+        back = loss.loss(model, None, x)
+    ref = -multivariate_normal(np.zeros(8), (W @ W.T).numpy() + 0.01 * np.eye(8)).logpdf(x.numpy()).sum()
+    assert abs(again - ref) < 1e-9 * abs(ref) and abs(again - fresh) < 1e-12 * abs(ref)
+    assert back == first
+    assert len([r for r in rec if issubclass(r.category, NumericalWarning)]) == 1
+
+
 # ---------------------------------------------------------------------- log space
 def test_sharp_gaussian_beyond_exp_overflow_quadrature_and_importance_stay_exact():
     """sigma = 1e-3 at D = 512: log p(x_i) is about +2800, so exp(log p) overflows

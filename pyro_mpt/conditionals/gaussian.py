@@ -356,9 +356,20 @@ class GaussianConditionals(ConditionalEngine):
                 marginal.loc.to(work), covariance=cov.to(work), site=site,
                 data_dtype=None if work == data_dtype else data_dtype,
             )
-        resume_jitter(state, self.memory.jitter)
         # factor the whole covariance once, so that a near-singular one is
         # rescued before any query; its principal blocks are no worse conditioned
+        key = (state.site, state.loc.dtype)
+        if key in self.memory.jitter:
+            # an earlier call needed jitter: the covariance as it is now first, so that one
+            # that is well-posed again (a GP's noise grown from 1e-15 to 1e-5 in training)
+            # is not given the old jitter silently (0.1 nats off); else the remembered jitter
+            # at once, without the ladder's failed factorizations below it
+            try:
+                factor_whole(state, precision_checked=checked)
+                return state  # the jitter stays remembered: a relapse does not warn again
+            except NotPositiveDefinite:
+                state.factor = None
+                resume_jitter(state, self.memory.jitter)
         self._rescued(state, lambda: factor_whole(state, precision_checked=checked))
         return state
 

@@ -9,7 +9,8 @@ warns (:class:`~pyro_mpt.conditionals.base.NumericalWarning`) with the total
 and its estimated change of :math:`\log p` (:func:`log_det_change`). The
 relative jitter reached is kept per ``(observed site, dtype)`` in the engine's
 :class:`~pyro_mpt.conditionals.gaussian.GaussianMemory`, so that the next
-call starts from it (:func:`resume_jitter`) and warns only when it grows.
+call, where its covariance as it is fails again, starts from it
+(:func:`resume_jitter`) and warns only when it grows.
 """
 
 import math
