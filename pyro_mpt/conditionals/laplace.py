@@ -62,8 +62,11 @@ class LaplaceSearch:
         """Log joint ``(n,)``, its gradient ``(n, K)`` and (with ``hessian``) its
         negative Hessian ``(n, K, K)`` at ``u`` ``(n, K)``, by automatic differentiation."""
         n, K = u.shape
-        with torch.enable_grad():
-            v = u.detach()[None].clone().requires_grad_(True)
+        # torch.inference_mode() is not lifted by enable_grad(): the log joint would come back
+        # without a graph, read as flat, and the grid built on zero curvature (Evidence -73196
+        # for -86.3); lifted here, as autograd needs
+        with torch.inference_mode(False), torch.enable_grad():
+            v = u.detach().clone()[None].requires_grad_(True)
             J = self.log_joint(runner, v, include_lik)[0]
             if not J.requires_grad:  # the log joint does not depend on the nodes
                 zero = torch.zeros_like(u)

@@ -154,6 +154,7 @@ from .quadrature_rules import (
     gaussian_grid,
 )
 from ..code_origin import user_stacklevel
+from ..model_keys import callable_key
 from ..recompute import not_recomputed
 from ..counts import is_count
 
@@ -180,20 +181,18 @@ class QuadratureMemory:
         the node plate; see
         :data:`~pyro_mpt.conditionals.quadrature_nodes.RUN_MODES`); the working
         mode is tried first at the next call.
-    :param tuple warm_key: the data and minibatch indices (cloned) of the last
-        adaptive search.
+    :param tuple warm_key: the model (:func:`~pyro_mpt.model_keys.callable_key`), the data
+        and minibatch indices (cloned) of the last adaptive search.
     :param bool checked: whether the first evaluation's conditionals were
         checked against coarser rules (``check_tol`` of the engine).
     :param bool evidence_checked: whether the first chain-rule evaluation's
         log p(x) was (``check_evidence_tol``).
     :param torch.Tensor warm_centres: the converged posterior centres of that
         search, ``(n, K)`` (detached); with ``warm_start=True`` the next search
-        on the same data and minibatch starts there. The search runs to
-        convergence, so this changes the cost, not the value (to the Newton
-        tolerance).
-    :param torch.Tensor warm_missing: the mass of other modes that search found
-        (:meth:`~pyro_mpt.conditionals.laplace.LaplaceSearch.other_modes`), ``(n,)``, kept
-        with the centres: the same data need not be searched again.
+        of the same model on the same data and minibatch, with as many latent dims,
+        starts there. The search runs to convergence, and the other modes are searched
+        for again (the parameters may have moved another mode above the one tracked),
+        so this changes the cost, not the value (to the Newton tolerance).
     :param bool modes_warned: whether the engine warned of other modes (once per engine).
     """
 
@@ -202,7 +201,6 @@ class QuadratureMemory:
     warm_centres: Optional[torch.Tensor] = None
     checked: bool = False
     evidence_checked: bool = False
-    warm_missing: Optional[torch.Tensor] = None
     modes_warned: bool = False
 
 
@@ -391,10 +389,13 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                     start = prior_start(tokens, layout, n, K, dtype, device)
                     c0, S0, _ = search.laplace(runner, start, include_lik=False)
                 if self.adaptive:
-                    start = self._warm_centre(tokens)
+                    start = self._warm_centre(tokens, model, n, K)
                     warm = start is not None
-                    # a warm start keeps the first search's modes: no coarse grid, no search
-                    search_modes = self.check_modes and (not warm or self.memory.warm_missing is None)
+                    # the modes are searched for at every call: between two training steps the
+                    # parameters may move another mode above the one a warm start tracks (a
+                    # parameter from -2 to +2: -7.62 for -3.15, no warning, when a warm call
+                    # kept the first call's search)
+                    search_modes = self.check_modes
                     coarse = search.coarse_grid(runner, c0, S0, K, n) if not warm or search_modes else None
                     if start is None:
                         start = search.best_node(runner, c0, S0, K, n, coarse)
@@ -412,20 +413,17 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                             RuntimeWarning,
                             stacklevel=user_stacklevel(),
                         )
-                    if self.check_modes:
-                        missing = self.memory.warm_missing
-                        if search_modes:
-                            # beyond the rule's outermost node (a 50-node rule reaches 13 sds)
-                            log_ratio, other, S2 = search.other_modes(runner, c, S, coarse, reach=float(e.abs().max()))
-                            # the grid on the larger of the two modes (a search that ended at the
-                            # smaller one left out 2.1 nats where the larger leaves 0.13)
-                            larger = log_ratio > 0
-                            c = torch.where(larger.unsqueeze(-1), other, c)
-                            S = torch.where(larger[:, None, None], S2, S)
-                            missing = torch.nn.functional.softplus(-log_ratio.abs())
-                            self.memory.warm_missing = missing if self.warm_start else None
+                    if search_modes:
+                        # beyond the rule's outermost node (a 50-node rule reaches 13 sds)
+                        log_ratio, other, S2 = search.other_modes(runner, c, S, coarse, reach=float(e.abs().max()))
+                        # the grid on the larger of the two modes (a search that ended at the
+                        # smaller one left out 2.1 nats where the larger leaves 0.13)
+                        larger = log_ratio > 0
+                        c = torch.where(larger.unsqueeze(-1), other, c)
+                        S = torch.where(larger[:, None, None], S2, S)
+                        missing = torch.nn.functional.softplus(-log_ratio.abs())
                         self._warn_other_modes(tokens, missing)
-                    self._remember_centre(tokens, c)
+                    self._remember_centre(tokens, model, c)
                 else:
                     c, S = c0, S0
                 nodes, log_W = affine_grid(e, log_w, c, S)
@@ -461,21 +459,24 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                 state.ess_pending = True
         return state
 
-    def _warm_key(self, tokens):
+    def _warm_key(self, tokens, model):
         subsample = tuple(
             site["value"] for site in tokens.subsample_trace().nodes.values()
         )
-        return tokens.value, subsample
+        return callable_key(model), tokens.value, subsample
 
-    def _warm_centre(self, tokens):
-        """The last posterior centres when the data (and minibatch) are the same."""
+    def _warm_centre(self, tokens, model, n, K):
+        """The last posterior centres when the model, the data (and minibatch) and the
+        number of latent dims are the same (another model on the same data crashed on the
+        last centres' shape, or started from the wrong posterior's)."""
         memory = self.memory
-        if not self.warm_start or memory.warm_centres is None:
+        if not self.warm_start or memory.warm_centres is None or memory.warm_centres.shape != (n, K):
             return None
-        x, sub = memory.warm_key
-        x_new, sub_new = self._warm_key(tokens)
+        key, x, sub = memory.warm_key
+        key_new, x_new, sub_new = self._warm_key(tokens, model)
         same = (
-            x.shape == x_new.shape
+            key == key_new
+            and x.shape == x_new.shape
             and x.dtype == x_new.dtype
             and len(sub) == len(sub_new)
             and all(a.shape == b.shape and bool(torch.equal(a, b)) for a, b in zip(sub, sub_new))
@@ -483,10 +484,10 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
         )
         return memory.warm_centres if same else None
 
-    def _remember_centre(self, tokens, centre):
+    def _remember_centre(self, tokens, model, centre):
         if self.warm_start:
-            x, sub = self._warm_key(tokens)
-            self.memory.warm_key = (x.detach().clone(), tuple(t.clone() for t in sub))
+            key, x, sub = self._warm_key(tokens, model)
+            self.memory.warm_key = (key, x.detach().clone(), tuple(t.clone() for t in sub))
             self.memory.warm_centres = centre.detach()
 
     def _warn_other_modes(self, tokens, missing):
