@@ -551,10 +551,13 @@ class RunMemory:
 
     :param tuple key: ``callable_key(fn)`` of the callable (see ``model_keys``).
     :param str mode: the mode that worked for it.
+    :param tuple verified: ``(key, mode)`` of a callable whose vectorized runs in ``mode`` a
+        caller checked against unvectorized ones (the quadrature engine's first node).
     """
 
     key: Optional[tuple] = None
     mode: Optional[str] = None
+    verified: Optional[tuple] = None
 
     def recall(self, fn):
         """The remembered mode for ``fn``, or None."""

@@ -26,6 +26,7 @@ from .base import EngineNotApplicable, SlowEngineWarning
 from .distributions import token_log_prob, unwrap
 from .plate_runs import CoordinateLatents, RunMemory, latent_layout, reaches_points, run_in_plate, run_with_fallback
 from ..code_origin import user_stacklevel
+from ..model_keys import callable_key
 
 __all__ = ["NotQuadratureError", "quadrature_layout", "prior_start", "NodeRunner", "latent_dtype", "NODE_PLATE",
            "ALTERNATIVES", "RUN_MODES", "MAX_NODE_RUNS", "PRIOR_START_DRAWS"]
@@ -266,13 +267,38 @@ class NodeRunner:
                 self._spend(u.shape[0])
                 parts = [self._run(u[p], compact=False, plate=False) for p in range(u.shape[0])]
                 return torch.cat([lp for lp, _ in parts]), torch.cat([t for _, t in parts])
-            return self._run(u, compact=mode == "compact")
+            out = self._run(u, compact=mode == "compact")
+            # once per model and mode, at the first nodes that differ by datapoint (nodes shared
+            # by the datapoints broadcast right even where the model mixes the dims up)
+            key = (callable_key(self.model), mode)
+            if u.shape[1] > 1 and self.memory.verified != key:
+                self._check_first_node(u, out[1])
+                self.memory.verified = key
+            return out
 
         _, out = run_with_fallback(
             RUN_MODES, attempt, memory=self.memory, fn=self.model, failure=self._failed,
             on_fallback=self._before_per_node,
         )
         return out
+
+    def _check_first_node(self, u, logp):
+        """Compare a new mode's first node with a run at that node alone: a model that
+        broadcasts the node plate into the datapoints' dim runs without error where the sizes
+        happen to agree (``z[:, None] + b`` with as many datapoints as tokens puts each
+        datapoint's latent on the token axis), and every number is then wrong (2.4 nats at
+        N = D = 3). Raises ``ValueError`` there, so that the next mode is tried."""
+        alone = self._run(u[0], compact=False, plate=False)[1][0]
+        eps = torch.finfo(logp.dtype).eps
+        scale = 1.0 + alone.detach().abs()
+        if not bool(((logp[0].detach() - alone.detach()).abs() <= 1e3 * eps * scale).all()):
+            raise ValueError(
+                f"Observed site {self.tokens.name!r}'s log-density at the first quadrature node "
+                f"differs when the model runs at many nodes at once in the pyro.plate at dim "
+                f"{-self.node_dim} from when it runs at that node alone: the model broadcasts the "
+                f"nodes' dim into the datapoints' or tokens' (e.g. z[:, None] where z[..., None] keeps "
+                f"the left dims)."
+            )
 
     def _run(self, u, compact, plate=True):
         # u (P, r, K) in the node plate; (r, K), one node, without it
