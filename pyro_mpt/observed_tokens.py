@@ -54,7 +54,8 @@ from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
 from .random_streams import draw_apart
-from .site_checks import check_dtype, check_extra_sites, check_integer_data, check_shape, observation_dtype, validate_values
+from .site_checks import (check_dtype, check_extra_sites, check_integer_data, check_latent_dtypes, check_shape,
+                          observation_dtype, validate_values)
 from .token_layout import TokenLayout
 from .token_site import locate_site, sample_sites, site_layout, vectorized_frames
 
@@ -562,6 +563,7 @@ def trace_tokens(
     raw = site["value"]
     check_shape(site, raw)
     check_dtype(site, raw)
+    check_latent_dtypes(latents, site["name"])
     check_integer_data(site, raw)
     if layout.num_tokens == 0:
         # caught here, before any per-token bookkeeping indexes an empty token axis

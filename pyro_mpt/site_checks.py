@@ -21,6 +21,7 @@ __all__ = [
     "is_factor",
     "check_extra_sites",
     "check_dtype",
+    "check_latent_dtypes",
     "check_integer_data",
     "check_shape",
     "support_ok",
@@ -177,6 +178,31 @@ def check_dtype(site, raw):
             f"and {name} keeps too few digits for log-densities summed over tokens. Convert "
             f"the data and the model's parameters, e.g. x.double() and module.double()."
         )
+
+
+def check_latent_dtypes(latents, obs_name):
+    """Refuse latent sites drawn in float16 or bfloat16 (the observation's check sees only its
+    own dtype, which float32 data promote: a float16 latent's model then computed its location
+    in float16, and the quadrature engine failed in torch's slogdet).
+
+    :param list latents: the latent sample sites.
+    :param str obs_name: the observed site, for the message.
+    :raises ValueError: naming the site and the dtype to use instead.
+
+    Example::
+
+        >>> check_latent_dtypes([site_z], "x")   # ValueError where z is float16
+    """
+    for site in latents:
+        v = site["value"]
+        if torch.is_tensor(v) and v.dtype in (torch.float16, torch.bfloat16):
+            name = str(v.dtype).replace("torch.", "")
+            raise ValueError(
+                f"Latent site {site['name']!r} (of observed site {obs_name!r}) is drawn in {name}; "
+                f"pyro_mpt needs float32 or float64: torch has no {name} Cholesky or log-determinant "
+                f"on the CPU, and {name} keeps too few digits for the model's location. Convert the "
+                f"prior's and the model's parameters, e.g. module.double() or .float()."
+            )
 
 
 #: (distribution class, data dtype, parameters' dtype) whose log_prob took integer data once

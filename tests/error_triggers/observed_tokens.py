@@ -222,6 +222,18 @@ def _():
     MaskedPretrainingLoss().loss(model, None, x)
 
 
+@trigger("sites-latent-low-precision")
+def _():
+    W = torch.randn(4, 2).half()
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0).half(), 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.6).to_event(1), obs=x)
+
+    Evidence(model, method="quadrature")(torch.randn(5, 4))
+
+
 @trigger("sites-integer-data")
 def _():
     def model(x):
