@@ -122,6 +122,24 @@ class Decoded:
             total = torch.where(outside, torch.full((), -math.inf, dtype=total.dtype, device=total.device), total)
         return total
 
+    def drawn_score_terms(self):
+        r""":math:`\log p(z) - \log p(z)|_{\text{detached}}` summed over the latents the run
+        drew itself without reparameterization (discrete ones), per datapoint, ``(R, n)``: of
+        value 0, its gradient is the score :math:`\nabla\log p(z)` that their draws carry to
+        the prior's parameters (a sampled mixture's weights got no gradient without it); None
+        where there is no such latent or none of its log-densities has a gradient."""
+        r = self.runner
+        total = None
+        for name in r.tokens.latent_names:
+            site = self.trace.nodes.get(name)
+            if site is None or name in self.names or getattr(site["fn"], "has_rsample", False):
+                continue
+            lp = r.per_datapoint(site_log_prob(site), self.rows)
+            if lp.requires_grad:
+                term = lp - lp.detach()
+                total = term if total is None else total + term
+        return total
+
     def obs_log_prob(self):
         """:math:`\\log p(x \\mid z)` at the data, per datapoint, ``(R, n)``.
 

@@ -26,7 +26,11 @@ Two proposals (``proposal=``):
   given the draws. Good for few tokens or broad posteriors; with many tokens
   the posterior is much narrower than the prior and the effective sample size
   collapses (watch the ``"ess"`` of
-  :meth:`ImportanceConditionals.mask_log_prob_and_diagnostics`).
+  :meth:`ImportanceConditionals.mask_log_prob_and_diagnostics`). Reparameterized
+  draws carry the prior's parameters' gradient along their path; discrete ones by
+  the score function, a term :math:`\log p(z_s) - \log p(z_s)|_{\text{detached}}`
+  of value 0 in each draw's weight (a sampled mixture's weights got no gradient
+  without it).
 * ``"guide"`` -- a mixture of the guide run on *imputed* data,
   :math:`r(z) = \frac1C\sum_{c=1}^C q(z \mid \tilde x^{(c)})`, where
   :math:`\tilde x^{(c)} = (x_{\mathcal R}, \tilde x^{(c)}_{\mathcal M})` are
@@ -289,13 +293,17 @@ class ImportanceConditionals(ConditionalEngine):
             S = self.num_samples
             # one model run per chunk of draws; the table is kept whole (S * n * D)
             step = max(1, self.max_elements // max(1, n * D))
-            parts = [
-                runner.sample_prior(min(step, S - s)).token_log_prob(tokens.value)
-                for s in range(0, S, step)
-            ]
+            parts, scores = [], []
+            for s in range(0, S, step):
+                dec = runner.sample_prior(min(step, S - s))
+                parts.append(dec.token_log_prob(tokens.value))
+                scores.append(dec.drawn_score_terms())
             T = torch.cat(parts, 0).transpose(0, 1).contiguous()  # (n, S, D)
             check_draws_log_density(runner, T, "the prior")
             logw = T.new_full((1, S), -math.log(S))
+            if all(t is not None for t in scores):
+                # discrete draws carry their prior's parameters' gradient by the score function
+                logw = logw + torch.cat(scores, 0).T.to(logw.dtype)
             return ImportanceState("prior", n, D, runner, chunk=MixtureChunk(logw, T))
         if not covered:
             raise ValueError(
