@@ -273,6 +273,10 @@ class StackedDecoded:
     def obs_log_prob(self):
         return self._cat("obs_log_prob")
 
+    def drawn_score_terms(self):
+        terms = [p.drawn_score_terms() for p in self.parts]
+        return None if any(t is None for t in terms) else torch.cat(terms, 0)
+
     def token_log_prob(self, x):
         return self._cat("token_log_prob", x)
 
