@@ -391,7 +391,7 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                     f"{_WHO} sums discrete latents beside the DiscreteHMM at site {tokens.name!r} "
                     f"(a mixture of chains), one set of values a sequence; "
                     + (f"latent(s) {', '.join(map(repr, continuous))} are continuous. "
-                       if continuous else f"the model has latents or token plates within a sequence. ")
+                       if continuous else "the model has latents or token plates within a sequence. ")
                     + "Use conditionals='importance'."
                 )
             check_one_sequence(tokens, _hmm_observation(tokens), _WHO)

@@ -450,13 +450,13 @@ class LatentRunner:
                 # a plate sized from the data would replay its indices 0..n-1 into the model's
                 # subsampled plate, which would then score other datapoints than the minibatch
                 advice = (f"The data plate {subsampled[0]!r} is subsampled, and its subsample indices "
-                          f"are not the copies': keep them (a guide plate sized from the data, "
-                          f"x.shape[0], would replay indices 0..n-1 into the model's plate, which "
-                          f"would then score other datapoints than the minibatch); the copies then "
-                          f"run one at a time.")
+                          "are not the copies': keep them (a guide plate sized from the data, "
+                          "x.shape[0], would replay indices 0..n-1 into the model's plate, which "
+                          "would then score other datapoints than the minibatch); the copies then "
+                          "run one at a time.")
             else:
-                advice = (f"Let the guide take its plate size from the data (pyro.plate('data', "
-                          f"x.shape[0])) and no other per-datapoint argument to stack the copies.")
+                advice = ("Let the guide take its plate size from the data (pyro.plate('data', "
+                          "x.shape[0])) and no other per-datapoint argument to stack the copies.")
             warnings.warn(
                 f"{self.who}: the guide failed on {B} imputed copies of the batch "
                 f"stacked along its {self.data.describe()} ({type(e).__name__}: {e}); "
