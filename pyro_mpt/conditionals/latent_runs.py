@@ -47,7 +47,7 @@ from pyro.poutine.util import site_is_subsample
 from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable, SlowEngineWarning
 from .decoded import Decoded, Encoded, StackedDecoded, pad_batch, site_log_prob
-from .plate_runs import MeanLatents, RunMemory, run_in_plate, run_with_fallback
+from .plate_runs import MeanLatents, RunMemory, agrees_with_point_run, run_in_plate, run_with_fallback
 from ..code_origin import user_stacklevel
 from ..model_keys import callable_key
 
@@ -243,9 +243,10 @@ class LatentRunner:
                 decoded.check_broadcast()
             except EngineNotApplicable as e:
                 raise ValueError(str(e)) from e
-            if self.memory.verified != callable_key(self.model):
+            key = callable_key(self.model)
+            if self.memory.verified != key:
                 self._check_first_point(decoded, rows)
-                self.memory.verified = callable_key(self.model)
+                self.memory.verified = key
             return decoded
 
         def before_point_runs(mode, error):
@@ -288,12 +289,7 @@ class LatentRunner:
                 return  # not laid out by point (the per-point runs could not replay it either)
             first[name] = v[:1]
         # each datapoint's log-density (no factorization over tokens needed: the evidence's too)
-        vectorized = decoded.obs_log_prob()[0].detach()
-        alone = self._point_runs(1, first).obs_log_prob()[0].detach()
-        eps = torch.finfo(vectorized.dtype).eps
-        ok = (vectorized - alone).abs() <= 1e3 * eps * (1.0 + alone.abs())
-        ok |= torch.isinf(vectorized) & (vectorized == alone)
-        if not bool(ok.all()):
+        if not agrees_with_point_run(decoded.obs_log_prob()[0], self._point_runs(1, first).obs_log_prob()[0]):
             raise ValueError(
                 f"{self.who}: the log-density of observed site {self.tokens.name!r} at the first "
                 f"latent value differs when the model runs with many values at once in the "

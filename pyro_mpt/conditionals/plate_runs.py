@@ -48,7 +48,7 @@ from ..model_keys import callable_key
 from .base import EngineNotApplicable
 from .distributions import affine_normal, compact, unwrap
 
-__all__ = ["LatentSlice", "latent_layout", "PROBE_REACH", "PROBE_SEED", "affinity_probes", "fixed_probes", "alternating_signs", "reaches_points", "CoordinateLatents", "MeanLatents", "most_probable", "run_in_plate", "RunMemory", "run_with_fallback"]
+__all__ = ["LatentSlice", "latent_layout", "PROBE_REACH", "PROBE_SEED", "affinity_probes", "fixed_probes", "alternating_signs", "reaches_points", "CoordinateLatents", "MeanLatents", "most_probable", "run_in_plate", "RunMemory", "agrees_with_point_run", "run_with_fallback"]
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -565,6 +565,29 @@ class RunMemory:
 
     def remember(self, fn, mode):
         self.key, self.mode = callable_key(fn), mode
+
+
+def agrees_with_point_run(vectorized, alone):
+    """Whether a vectorized run's log-densities at its first point equal those of a run at that
+    point alone, to 1000 eps of their dtype relative (equal infinities agree): the check that a
+    model did not broadcast the engine's extra left dim into the datapoints' (see
+    :class:`~pyro_mpt.conditionals.quadrature_nodes.NodeRunner` and
+    :class:`~pyro_mpt.conditionals.latent_runs.LatentRunner`).
+
+    :param torch.Tensor vectorized: the first point's slice of the vectorized run.
+    :param torch.Tensor alone: the same point's values from a run without the plate.
+    :returns: bool.
+
+    Example::
+
+        >>> agrees_with_point_run(table[0], table_at_first_point[0])
+        True
+    """
+    vectorized, alone = vectorized.detach(), alone.detach()
+    eps = torch.finfo(vectorized.dtype).eps
+    ok = (vectorized - alone).abs() <= 1e3 * eps * (1.0 + alone.abs())
+    ok |= torch.isinf(vectorized) & (vectorized == alone)
+    return bool(ok.all())
 
 
 def run_with_fallback(modes, attempt, *, memory=None, fn=None, passes=(EngineNotApplicable,),

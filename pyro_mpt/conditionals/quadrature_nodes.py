@@ -24,7 +24,8 @@ from torch.distributions import biject_to
 from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable, SlowEngineWarning
 from .distributions import token_log_prob, unwrap
-from .plate_runs import CoordinateLatents, RunMemory, latent_layout, reaches_points, run_in_plate, run_with_fallback
+from .plate_runs import (CoordinateLatents, RunMemory, agrees_with_point_run, latent_layout, reaches_points,
+                         run_in_plate, run_with_fallback)
 from ..code_origin import user_stacklevel
 from ..model_keys import callable_key
 
@@ -289,9 +290,7 @@ class NodeRunner:
         datapoint's latent on the token axis), and every number is then wrong (2.4 nats at
         N = D = 3). Raises ``ValueError`` there, so that the next mode is tried."""
         alone = self._run(u[0], compact=False, plate=False)[1][0]
-        eps = torch.finfo(logp.dtype).eps
-        scale = 1.0 + alone.detach().abs()
-        if not bool(((logp[0].detach() - alone.detach()).abs() <= 1e3 * eps * scale).all()):
+        if not agrees_with_point_run(logp[0], alone):
             raise ValueError(
                 f"Observed site {self.tokens.name!r}'s log-density at the first quadrature node "
                 f"differs when the model runs at many nodes at once in the pyro.plate at dim "
