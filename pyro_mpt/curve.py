@@ -298,7 +298,7 @@ class CurveAccumulator:
         if mask_variance is not None:
             # the whole batch one datapoint (token_plates over the data set): its curve's error
             # is its masks' alone, with no population of datapoints to estimate beyond it
-            data = np.where(items > 1, stderr**2, 0.0) if bool((items <= 1).all()) else stderr**2
+            data = 0.0 if bool((items <= 1).all()) else stderr**2
             stderr = np.sqrt(data + mask_variance)
         sizes = np.arange(1, self.num_tokens + 1)
         sets = self._replicate_items + ([self._items] if self._items else [])

@@ -395,8 +395,7 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                     # parameters may move another mode above the one a warm start tracks (a
                     # parameter from -2 to +2: -7.62 for -3.15, no warning, when a warm call
                     # kept the first call's search)
-                    search_modes = self.check_modes
-                    coarse = search.coarse_grid(runner, c0, S0, K, n) if not warm or search_modes else None
+                    coarse = search.coarse_grid(runner, c0, S0, K, n) if not warm or self.check_modes else None
                     if start is None:
                         start = search.best_node(runner, c0, S0, K, n, coarse)
                     c, S, converged = search.laplace(runner, start, include_lik=True)
@@ -413,7 +412,7 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                             RuntimeWarning,
                             stacklevel=user_stacklevel(),
                         )
-                    if search_modes:
+                    if self.check_modes:
                         # beyond the rule's outermost node (a 50-node rule reaches 13 sds)
                         log_ratio, other, S2 = search.other_modes(runner, c, S, coarse, reach=float(e.abs().max()))
                         # the grid on the larger of the two modes (a search that ended at the
