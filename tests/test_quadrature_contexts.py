@@ -360,3 +360,37 @@ def test_conjugate_conditionals_at_every_context_match_scipy(float64, family):
     assert np.abs(lp - ref)[full].max() < 1e-4
     score = MaskedPretrainingLoss(masks="exhaustive").score(model, None, x).detach().numpy()
     assert np.abs(score - log_evidence(xs)).max() < 1e-4
+
+
+def test_student_t_conditionals_at_every_context_match_a_dense_grid(float64):
+    """Tokens whose log-likelihood is convex where the full posterior lies (a
+    Student-t's tail): z ~ N(0, 1), x_d ~ StudentT(4, b_d + w_d z, 0.5), D = 6.
+    Every conditional of every mask is within 0.02 nats of a dense numpy grid
+    (measured 4.5e-3). Before, the contexts' Gaussian models extrapolated a token's
+    positive curvature from the full posterior to a context's: log p(x_0 | x_1) of
+    the first datapoint was +30.3 for -2.69 (a Student-t of scale 0.5 has density
+    below 1), while the exhaustive sum cancelled it."""
+    b = np.array([1.54099607, -0.2934289, -2.17878938, 0.56843126, -1.08452237, -1.39859545])
+    w = np.array([0.60502028, 1.25703955, -1.07888639, -0.60501528, -0.89495301, 0.27305472])
+    outlier = [-1.30664587, -4.38726568, -0.94288933, 1.69190967, 0.75408053, -1.32156074]
+    g = np.random.default_rng(3)
+    z = g.standard_normal((5, 1))
+    others = b + z * w + 0.5 * g.standard_t(4.0, (5, 6))
+    x = torch.tensor(np.vstack([outlier, others]))
+    D = 6
+    bt, wt = torch.tensor(b), torch.tensor(w)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.StudentT(4.0, bt + z * wt, 0.5).to_event(1), obs=x)
+
+    grid = np.linspace(-12.0, 12.0, 24001)
+    log_prior = stats.norm.logpdf(grid)
+    log_lik = stats.t.logpdf(x.numpy()[None], 4.0, b + grid[:, None, None] * w, 0.5)  # (G, n, D)
+    mask = _every_mask(D).expand(-1, x.shape[0], -1)
+    ref = _dense_conditionals(log_prior, log_lik, mask.numpy())
+    engine = QuadratureConditionals(check_tol=None)
+    lp = engine.mask_log_prob(_prepared(engine, model, x), x, mask).numpy()
+    err = np.abs(lp - ref)[mask.numpy()]
+    assert err.max() < 0.02

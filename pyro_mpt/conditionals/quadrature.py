@@ -122,6 +122,7 @@ from .mixture_chunks import MixtureChunk, stable_logsumexp
 from .plate_runs import RunMemory
 from .quadrature_contexts import (
     KEEP_RULE_NODES,
+    concave_part,
     context_frames,
     context_models,
     context_partials,
@@ -722,6 +723,9 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
 
             _, _, e, log_w = state.frame
             state.quadratics = token_quadratics(e, log_w, parts())
+            # the contexts' models extrapolate each token's quadratic far from the full
+            # posterior: a convex one (a Student-t's tail) must not grow there
+            state.quadratics.hess = concave_part(state.quadratics.hess)
             if state.prior_frame is not None:
                 # the prior's own Laplace quadratic, not its projection on the full grid: far
                 # from its mode a heavy-tailed prior's log-density is nearly flat in u, and a
