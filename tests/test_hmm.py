@@ -580,3 +580,42 @@ def test_mixture_of_hmms_is_summed_exactly(float64):
     assert abs(float(loss) - float(want)) < 1e-10 and abs(float(loss) + ref.sum()) < 1e-9
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_structural_zeros_give_the_gradients_of_the_log_likelihood(float64):
+    """A left-to-right (change-point) chain, whose transition matrix has zeros: every
+    gradient is that of a plain torch forward algorithm with the zeros written as 1e-300
+    (finite logs, so autograd of torch.logsumexp is exact there; the paths it adds weigh
+    1e-300). Before, a log-sum of terms that are all -inf (a state unreachable at some step)
+    had a NaN derivative, and SVI wrote NaN into the emission means."""
+    T, n = 8, 3
+    init = torch.tensor([1.0, 0.0, 0.0])
+    trans = torch.tensor([[0.8, 0.2, 0.0], [0.0, 0.7, 0.3], [0.0, 0.0, 1.0]])
+    locs = torch.tensor([-2.0, 0.0, 2.0], requires_grad=True)
+    x = torch.tensor([[-2.1, -1.7, 0.3, 0.1, -0.2, 2.2, 1.9, 2.4],
+                      [-1.9, -2.3, -2.0, -1.6, 0.2, 0.4, 1.8, 2.0],
+                      [-2.0, 0.1, 0.3, -0.4, 0.2, 0.0, -0.1, 2.1]])
+
+    def hmm(x):
+        with pyro.plate("sequences", x.shape[0]):
+            pyro.sample("x", dist.DiscreteHMM(init.log(), trans.log(), dist.Normal(locs, 0.5)), obs=x)
+
+    def reference(keep):  # sum over sequences of log p(x_keep), keep (T,) bool
+        log_init, log_trans = init.clamp_min(1e-300).log(), trans.clamp_min(1e-300).log()
+        emit = dist.Normal(locs, 0.5).log_prob(x[..., None]) * keep[:, None]  # (n, T, S)
+        alpha = log_init.expand(n, 3)
+        for t in range(T):
+            alpha = torch.logsumexp(alpha[..., :, None] + log_trans, -2) + emit[:, t]
+        return torch.logsumexp(alpha, -1).sum()
+
+    full = torch.ones(T, dtype=torch.bool)
+    log_p = reference(full)
+    pll = sum(log_p - reference(full & (torch.arange(T) != t)) for t in range(T))
+    expected = {"order": -log_p, "exhaustive": -log_p, "pll": -pll}
+    for masks, ref in expected.items():
+        got = MaskedPretrainingLoss(masks=masks).differentiable_loss(hmm, None, x)
+        g_got, g_ref = (torch.autograd.grad(v, locs, retain_graph=True)[0] for v in (got, ref))
+        assert abs(float(got - ref)) < 1e-10, masks
+        assert torch.allclose(g_got, g_ref, rtol=0, atol=1e-10), (masks, g_got, g_ref)
+    ev = Evidence(hmm)(x).sum()
+    assert torch.allclose(torch.autograd.grad(ev, locs)[0], torch.autograd.grad(log_p, locs)[0], rtol=0, atol=1e-10)

@@ -49,7 +49,7 @@ from ..recompute import recomputed
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_one_sequence, check_sequence_alone
 from .leave_one_out_queries import LeaveOneOutQueries
-from .mixture_chunks import others_sum
+from .mixture_chunks import others_sum, stable_logsumexp
 
 __all__ = ["DiscreteHMMConditionals", "DiscreteHMMState", "DiscreteHMMMixture", "discrete_hmm_state"]
 
@@ -58,7 +58,7 @@ _WHO = "conditionals='hmm'"
 
 def _log_matmul(a, b):
     """Log-semiring matrix product over the last two dims."""
-    return (a.unsqueeze(-1) + b.unsqueeze(-3)).logsumexp(-2)
+    return stable_logsumexp(a.unsqueeze(-1) + b.unsqueeze(-3), -2)
 
 
 #: elements of one step's ``(..., S, S)`` table from which the messages run step by step
@@ -114,7 +114,7 @@ def _messages_forward(start, M):
 
 def _log_vecmat(a, M):
     """Log-semiring vector-matrix product ``a (..., S)`` by ``M (..., S, S)``."""
-    return (a.unsqueeze(-1) + M).logsumexp(-2)
+    return stable_logsumexp(a.unsqueeze(-1) + M, -2)
 
 
 @dataclass
@@ -147,7 +147,7 @@ class DiscreteHMMState:
         K, n = self.log_weights.shape
         at = lp.dim() - 1 - tail
         lw = self.log_weights.reshape((K, n) + (1,) * tail)
-        return (lp.unflatten(at, (K, n)) + lw).logsumexp(at)
+        return stable_logsumexp(lp.unflatten(at, (K, n)) + lw, at)
 
 
 def _rows(t, lead, tail, mixture):
@@ -260,7 +260,7 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
         zero_start = torch.zeros(S, dtype=M.dtype, device=M.device)
         suffix = _messages_forward(zero_start, M.flip(-3).transpose(-1, -2)).flip(-2)  # (q, n, T, S)
         beta = torch.cat([suffix[..., 1:, :], torch.zeros_like(suffix[..., :1, :])], -2)
-        den = alpha[..., -1, :].logsumexp(-1)
+        den = stable_logsumexp(alpha[..., -1, :], -1)
         # the chain's probabilities sum to one: an empty context has normalizer 1 exactly
         den = torch.where(context.any(-1), den, torch.zeros_like(den))
         return alpha, beta, den
@@ -276,7 +276,7 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
         def chunk(context):
             alpha, beta, den = self._messages(state, context)
             # (qc, n, T, S, 1) + (n, T, S, E) -> sum over states
-            num = (alpha + beta).unsqueeze(-1).add(state.emission).logsumexp(-2)  # (qc, n, T, E)
+            num = stable_logsumexp((alpha + beta).unsqueeze(-1).add(state.emission), -2)  # (qc, n, T, E)
             num = state.mixed(num.reshape(num.shape[0], n, T * E), tail=1)
             return num - state.mixed(den).unsqueeze(-1)
 
@@ -309,16 +309,16 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
         alpha, beta = alpha[0], beta[0]  # (n, T, S)
         start = state.initial[:, None, :].expand(alpha.shape[0], 1, S)
         previous = torch.cat([start, alpha[:, :-1, :]], -2)  # alpha_{t-1}, the initial state's before step 0
-        predictive = (previous.unsqueeze(-1) + state.transition).logsumexp(-2)  # (n, T, S)
+        predictive = stable_logsumexp(previous.unsqueeze(-1) + state.transition, -2)  # (n, T, S)
         others = others_sum(state.emission, -1)  # (n, T, S, E), no difference of sums
         c = (predictive + beta).unsqueeze(-1) + others
-        out = (c + state.emission).logsumexp(-2) - c.logsumexp(-2)  # (n, T, E)
+        out = stable_logsumexp(c + state.emission, -2) - stable_logsumexp(c, -2)  # (n, T, E)
         out = out.reshape(out.shape[0], T * E)
         if state.log_weights is None:
             return out
         # a mixture of chains: log p(x) - log p(x_-j), each a sum over the components of
         # p_k(x) and of p_k(x_-j) = p_k(x) / p_k(x_j | x_-j)
-        full = alpha[:, -1].logsumexp(-1)  # (rows,) log p_k(x)
+        full = stable_logsumexp(alpha[:, -1], -1)  # (rows,) log p_k(x)
         return state.mixed(full).unsqueeze(-1) - state.mixed(full.unsqueeze(-1) - out, tail=1)
 
     def log_evidence(self, state, x, observed=None):
