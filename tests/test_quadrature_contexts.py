@@ -394,3 +394,37 @@ def test_student_t_conditionals_at_every_context_match_a_dense_grid(float64):
     lp = engine.mask_log_prob(_prepared(engine, model, x), x, mask).numpy()
     err = np.abs(lp - ref)[mask.numpy()]
     assert err.max() < 0.02
+
+
+def test_chain_terms_along_an_ordering_match_a_dense_grid(float64):
+    """Per-position terms along an ordering (curves with masks="order") are conditionals
+    given ever fewer tokens: z ~ N(0, 1), x_d ~ Gamma(3, 3 exp(-(a_d z / 2 + b_d))),
+    D = 40. Every term is within 0.02 nats of a dense numpy grid (measured 1.6e-7) and they
+    still sum to log p(x). Before, they were the full-posterior grid's ratios, which
+    telescope to log p(x) while the last ones (contexts of a few tokens) were up to 0.84
+    nats off, with no warning."""
+    D, n = 40, 3
+    g = np.random.default_rng(7)
+    a, b = 3.0 * g.standard_normal(D), 0.5 * g.standard_normal(D)
+    rate = lambda z: 3.0 * np.exp(-(0.5 * a * z + b))  # noqa: E731
+    x = torch.tensor(g.gamma(3.0, 1.0 / rate(1.2 * g.standard_normal((n, 1)))))
+    at, bt = torch.tensor(a), torch.tensor(b)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Gamma(3.0, 3.0 * torch.exp(-(0.5 * at * z + bt))).to_event(1), obs=x)
+
+    grid = np.linspace(-10.0, 10.0, 20001)
+    log_prior = stats.norm.logpdf(grid)
+    log_lik = stats.gamma.logpdf(x.numpy()[None], 3.0, scale=1.0 / rate(grid[:, None, None]))  # (G, n, D)
+    order = torch.as_tensor(g.permutation(D))[None, None, :]  # (1, 1, D)
+    ref = np.empty((n, D))
+    for t in range(D):  # position t: log p(x_{o_t} | x_{o_{t+1}}, ..., x_{o_D})
+        ctx = log_prior[:, None] + log_lik[:, :, order[0, 0, t + 1 :].numpy()].sum(-1)
+        j = int(order[0, 0, t])
+        ref[:, t] = logsumexp(ctx + log_lik[:, :, j], 0) - logsumexp(ctx, 0)
+    engine = QuadratureConditionals(check_tol=None)
+    lp = engine.chain_log_prob(_prepared(engine, model, x), x, order)[0].numpy()
+    assert np.abs(lp - ref).max() < 0.02
+    assert np.abs(lp.sum(-1) - ref.sum(-1)).max() < 0.02

@@ -207,20 +207,18 @@ class ConditionalEngine(ABC):
         ranks = torch.empty_like(order).scatter_(
             -1, order, torch.arange(D, device=order.device).expand_as(order)
         )
-        positions = torch.arange(D, device=order.device)
-        out = []
-        per_chunk = max(1, self.max_elements // (n * D))
-        for i in range(p):
-            terms = []
-            for start in range(0, D, per_chunk):
-                t = positions[start : start + per_chunk]
-                mask = ranks[i][None] <= t[:, None, None]  # (c, rows, D)
-                logc = self.mask_log_prob(state, x, mask)  # (c, n, D)
-                target = order[i][None, :, start : start + per_chunk].permute(2, 1, 0)
-                target = target.expand(-1, n, -1)
-                terms.append(logc.gather(-1, target).squeeze(-1))  # (c, n)
-            out.append(torch.cat(terms, 0).T)  # (n, D)
-        return torch.stack(out, 0)
+        # query k = i * D + t: ordering i's first t + 1 tokens hidden, all orderings in
+        # blocks of masks rather than one ordering at a time
+        per_block = max(1, self.max_elements // (n * D))
+        terms = []
+        for start in range(0, p * D, per_block):
+            k = torch.arange(start, min(p * D, start + per_block), device=order.device)
+            i, t = k // D, k % D
+            mask = ranks[i] <= t[:, None, None]  # (c, rows, D)
+            logc = self.mask_log_prob(state, x, mask)  # (c, n, D)
+            target = order[i, :, t].unsqueeze(-1).expand(-1, n, 1)  # (c, n, 1)
+            terms.append(logc.gather(-1, target).squeeze(-1))  # (c, n)
+        return torch.cat(terms, 0).reshape(p, D, n).transpose(1, 2)
 
     def _check_x(self, state, x):
         """Refuse tokens ``x`` whose shape differs from the ``(n, D)`` the state was prepared for."""
