@@ -280,13 +280,18 @@ def markov_hmm(y):
 
 
 def test_tutorial_form_is_refused_with_a_pointer_to_discrete_hmm():
+    """Refused as several observed sites; with obs_site and extra_sites='drop' it is
+    log p(y_0) (before: refused, the enumeration dims of pyro.markov being recycled)."""
     y = torch.randn(3, 4, 2)
     with pytest.raises(ValueError, match=r"observes several sites .* one dist\.DiscreteHMM site"):
         MaskedPretrainingLoss().score(markov_hmm, None, y)
     with pytest.raises(ValueError, match=r"would drop observed site\(s\) 'y_1', 'y_2', 'y_3' .* steps of a pyro\.markov chain: write the sequence as one dist\.DiscreteHMM site"):
         MaskedPretrainingLoss(obs_site="y_0").score(markov_hmm, None, y)
-    with pytest.raises(EngineNotApplicable, match=r"reuse enumeration dims \(a pyro\.markov chain.*dist\.DiscreteHMM"):
-        MaskedPretrainingLoss(conditionals="enumerate", obs_site="y_0", extra_sites="drop").score(markov_hmm, None, y)
+    # asked for log p(y_0) alone, the chain is summed jointly: its first step's mixture
+    got = MaskedPretrainingLoss(conditionals="enumerate", obs_site="y_0", extra_sites="drop", masks="exhaustive")
+    locs = np.array([[-1.0, 0.0], [1.0, 2.0]])
+    ref = logsumexp(np.log([0.9, 0.1]) + norm.logpdf(y[:, 0, None, :].numpy(), locs).sum(-1), -1)
+    assert np.abs(got.score(markov_hmm, None, y).numpy() - ref).max() < 1e-6
 
 
 def test_hmm_engine_refuses_other_observations():

@@ -63,10 +63,11 @@ latents pick (a class per sequence: ``trans[c]``, ``locs[c]``) makes each joint 
 chain; :class:`~pyro_mpt.conditionals.hmm.DiscreteHMMMixture` sums the components'
 forward--backward sums (continuous latents beside them are refused).
 
-Models written with ``pyro.markov`` (HMMs with one observed site per step)
-reuse enumeration dims and are refused: write the chain as one
-``dist.DiscreteHMM`` observation, served exactly by
-:mod:`~pyro_mpt.conditionals.hmm`.
+Latents drawn inside ``pyro.markov`` get a dim each all the same (the joint is summed
+here, not eliminated variable by variable), so a chain observed as one site is one
+finite mixture of at most ``max_support`` values. An HMM with one observed site per step
+is refused (its tokens are several sites): write the chain as one ``dist.DiscreteHMM``
+observation, served exactly by :mod:`~pyro_mpt.conditionals.hmm` at any length.
 """
 
 import itertools
@@ -211,6 +212,21 @@ class _JointEnumeration(Messenger):
     def _pyro_sample(self, msg):
         if msg["name"] in self.plates and not msg["is_observed"]:
             msg["fn"] = _JointSupport(msg["fn"], self.plates[msg["name"]])
+
+
+class _GlobalEnumDims(Messenger):
+    """Drop the ``pyro.markov`` scopes of the sites it sees, so that ``poutine.enum`` gives
+    every discrete latent a dim of its own.
+
+    ``pyro.markov`` tells Pyro's variable elimination which latents a site depends on, and
+    the enumeration recycles the dims of those out of scope. This engine sums the joint
+    support itself, so recycled dims would put two latents on one dim; and a model whose
+    observation reads every step (a stack of the chain's states) is not Markov in the
+    sense ``pyro.markov`` declares, which the joint enumeration does not need."""
+
+    def _pyro_sample(self, msg):
+        msg["infer"].pop("_markov_scope", None)
+        msg["infer"].pop("_markov_depth", None)
 
 
 @dataclass
@@ -434,6 +450,7 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 joint[site["name"]] = tuple(plates)
         if joint:
             configured = _JointEnumeration(joint)(configured)
+        configured = _GlobalEnumDims()(configured)
         try:
             trace = poutine.trace(poutine.enum(configured, first_available_dim=-(mpn + 1))).get_trace(*args, **kwargs)
         except Exception as e:  # the user's model fails on enumerated values: say how to fix it
@@ -444,18 +461,8 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 f"latent (e.g. locs[z]) instead of branching on its value, or use "
                 f"conditionals='importance'."
             ) from e
-        dims = {}
-        for name in [*sizes, *per_token]:
-            site = trace.nodes[name]
-            dim = site["infer"].get("_enumerate_dim")
-            if dim is None or dim in dims.values():
-                raise EngineNotApplicable(
-                    f"{_WHO}: the discrete latents of observed site {tokens.name!r} reuse "
-                    f"enumeration dims (a pyro.markov chain, latent {name!r}), so they are not "
-                    f"one finite mixture. For an HMM write the observations as one "
-                    f"dist.DiscreteHMM site whose event dim is time (conditionals='hmm')."
-                )
-            dims[name] = dim
+        # a dim of its own for each (_GlobalEnumDims)
+        dims = {name: trace.nodes[name]["infer"]["_enumerate_dim"] for name in [*sizes, *per_token]}
         L = len(dims)
         # a per-token latent's dim is summed inside the table: size one in the mixture's shape
         by_dim = {d: sizes.get(name, 1) for name, d in dims.items()}

@@ -74,23 +74,6 @@ def _():
     MaskedPretrainingLoss(conditionals="enumerate").loss(_categorical_model("reshape"), None, _x())
 
 
-@trigger("enumerate-markov")
-def _():
-    probs = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
-    locs = torch.tensor([[-1.0, 0.0], [1.0, 2.0]])
-
-    def markov_hmm(y):  # the form of Pyro's HMM tutorial
-        with pyro.plate("sequences", y.shape[0]):
-            h = 0
-            for t in pyro.markov(range(y.shape[1])):
-                h = pyro.sample(f"h_{t}", dist.Categorical(probs[h]))
-                pyro.sample(f"y_{t}", dist.Normal(locs[h], 1.0).to_event(1), obs=y[:, t])
-
-    MaskedPretrainingLoss(conditionals="enumerate", obs_site="y_0", extra_sites="drop").loss(
-        markov_hmm, None, torch.randn(3, 4, 2)
-    )
-
-
 @trigger("sites-markov-observed-sites")
 def _():
     probs = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
