@@ -1449,7 +1449,7 @@ def test_a_chain_written_in_pyro_markov_is_enumerated_jointly(float64, markov):
     1e-10. Before, pyro.markov's recycled enumeration dims made 'auto' pass over
     'enumerate' to prior importance sampling without a warning: the order score was
     -0.40 to +0.20 nats off."""
-    T, n = 5, 3
+    T = 5
     log_init = torch.tensor([0.6, 0.4]).log()
     log_trans = torch.tensor([[0.8, 0.2], [0.3, 0.7]]).log()
     locs = torch.tensor([-1.0, 1.5])

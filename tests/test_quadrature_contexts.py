@@ -428,3 +428,51 @@ def test_chain_terms_along_an_ordering_match_a_dense_grid(float64):
     lp = engine.chain_log_prob(_prepared(engine, model, x), x, order)[0].numpy()
     assert np.abs(lp - ref).max() < 0.02
     assert np.abs(lp.sum(-1) - ref.sum(-1)).max() < 0.02
+
+
+@pytest.mark.parametrize("options", [{"adaptive": False}, {"context_grids": False}])
+def test_grids_without_contexts_check_their_first_conditionals(float64, options):
+    """A bimodal posterior, z ~ N(0, 1), x_d ~ N(|a_d| |z|, 0.5), D = 10: the prior-centred
+    grid's leave-one-out conditionals are up to 0.91 nats off a dense numpy grid with its
+    two sharp modes on about one node each (effective nodes 2.0-2.3 in such cases, above
+    the ESS warning's level), the one-mixture conditionals of context_grids=False 1.78. Both
+    now take the first evaluation's check and warn, whether the conditionals come from
+    the "pll" table, masks or an ordering's terms; before, only context grids were checked."""
+    import warnings
+
+    from pyro_mpt.conditionals import QuadratureAccuracyWarning
+
+    D, n = 10, 4
+    g = np.random.default_rng(3)
+    a = np.abs(1.5 * g.standard_normal(D))
+    x = torch.tensor(a * np.abs(1.2 * g.standard_normal((n, 1))) + 0.5 * g.standard_normal((n, D)))
+    at = torch.tensor(a)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(z.abs() * at, 0.5).to_event(1), obs=x)
+
+    grid = np.linspace(-8.0, 8.0, 160001)
+    log_lik = stats.norm.logpdf(x.numpy()[None], np.abs(grid)[:, None, None] * a, 0.5)
+    loo = torch.eye(D, dtype=torch.bool)[:, None, :].expand(D, n, D)
+    ref = _dense_conditionals(stats.norm.logpdf(grid), log_lik, loo.numpy())
+    order = torch.arange(D)[None, None, :]
+    for ask in ("pll", "masks", "order"):
+        engine = QuadratureConditionals(**options)
+        state = _prepared(engine, model, x)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            if ask == "pll":
+                lp = engine.leave_one_out_log_prob(state, x)
+                if lp is None:  # served by masks on this grid
+                    continue
+                lp = lp.T[:, :, None].expand(D, n, D).numpy()
+            elif ask == "masks":
+                lp = engine.mask_log_prob(state, x, loo).numpy()
+            else:
+                engine.chain_log_prob(state, x, order)
+        found = [w for w in rec if issubclass(w.category, QuadratureAccuracyWarning) and "conditionals" in str(w.message)]
+        assert len(found) == 1, (ask, [str(w.message) for w in rec])
+        if ask != "order":
+            assert np.abs(lp - ref)[loo.numpy()].max() > 0.1, ask

@@ -62,7 +62,7 @@ class QuadratureLeaveOneOut:
         self._check_x(state, x)
         if observed is not None:
             return None  # missing tokens: the queries take the masks
-        check = self.check_tol is not None and not self.memory.checked and self._uses_context_grids(state)
+        check = self.check_tol is not None and not self.memory.checked
         # marked before: the contexts with grids of their own go through mask_log_prob
         self.memory.checked = self.memory.checked or check
         table = self._leave_one_out(state, x)
