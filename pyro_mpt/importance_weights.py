@@ -151,9 +151,9 @@ def psis_khat(log_weights, fit=True):
     """Pareto :math:`\\hat k` per column and the Pareto-smoothed log-weights (PSIS, as
     ``arviz.psislw`` computes them), NaN where :math:`\\hat k` is undefined.
 
-    Columns whose weights are all equal get :math:`-\\infty`; columns whose
+    Columns of two or more weights, all equal, get :math:`-\\infty`; columns whose
     tail has too few distinct weights (tied weights of a discrete latent, or
-    :math:`S \\le 20`) get NaN and keep their raw weights (see the module docstring).
+    :math:`S \\le 20`, one weight) get NaN and keep their raw weights (see the module docstring).
 
     :param torch.Tensor log_weights: ``(S, n)``.
     :param bool fit: fit the tails; when False, only equal weights are
@@ -171,7 +171,9 @@ def psis_khat(log_weights, fit=True):
     rel = (lw - finite_top).double()  # the weights' exceedances are exponentiated
     # ties to a few ulps: identical latent values can round differently in different SIMD lanes
     tol = 16 * torch.finfo(lw.dtype).eps * finite_top.abs().clamp_min(1.0).double()
-    flat = rel.amin(0) > -tol
+    # one weight is not evidence of equal weights (an exact proposal): its column is
+    # undefined and judged by its one effective sample
+    flat = (rel.amin(0) > -tol) & (S > 1)
     m = min(S, _tail_size(S) + 1)
     tail = rel.topk(m, 0).values  # (m, n), descending
     distinct = 1 + ((tail[:-1] - tail[1:]) > tol).sum(0)

@@ -242,6 +242,9 @@ def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
     (:mod:`~pyro_mpt.point_latents`): their scale weights their log-prior
     term, as in Pyro.
 
+    The guide's sites of those latents likewise (a proposal's density has no scale in the
+    weights :math:`p(x, z)/q(z)`: ``poutine.scale`` around the guide alone was ignored).
+
     A mask on a latent (``poutine.mask``, ``dist.mask``) is a scale of 0 or 1:
     it may leave a latent out only at datapoints whose tokens are all missing
     too (a mask around the whole datapoint); masked at a datapoint with
@@ -269,6 +272,21 @@ def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
             f"would be ignored. Remove poutine.scale around {site['name']!r}; to weight datapoints or "
             f"scale the loss, scale the observed site alone or the whole model "
             f"(poutine.scale(model, scale=s)); for a beta-weighted ELBO use Trace_ELBO."
+        )
+    guide = tokens.guide_trace
+    latents = set(tokens.latent_names)
+    for site in guide.nodes.values() if guide is not None else ():
+        if site["type"] != "sample" or site["name"] not in latents or site["is_observed"]:
+            continue
+        scale = user_scale(site)
+        if _same_scale(scale, 1.0) or _same_scale(scale, observed):
+            continue
+        raise ValueError(
+            f"{who}: the guide's site {site['name']!r} has scale {_describe(scale)} (poutine.scale) "
+            f"but observed site {tokens.name!r} has {_describe(observed)}. The guide only proposes "
+            f"{site['name']!r}, which the estimate integrates out: its weights p(x, z) / q(z) have no "
+            f"place for a scale on q alone, so the scale would be ignored. Remove poutine.scale "
+            f"from the guide, or scale the model and the guide alike."
         )
     seen = None
     for site in tokens.latent_sites():

@@ -377,6 +377,19 @@ def test_khat_is_undefined_for_too_few_draws_but_equal_weights_stay_minus_inf():
     assert bool((k > 1.0).all())
 
 
+def test_one_draw_is_judged_by_its_effective_samples():
+    """num_samples=1: one weight is no evidence of equal weights, so k-hat is undefined
+    (NaN) and its one effective sample warns, as 2-9 draws do. Before, it counted as an
+    exact proposal (k-hat -inf) and the estimate, its standard error NaN, was silent."""
+    from pyro_mpt.importance_weights import psis_khat
+
+    assert bool(psis_khat(torch.zeros(1, 3, dtype=torch.float64))[0].isnan().all())
+    model, x, _ = make_ppca(D=4, K=2, N=5)
+    for S in (1, 2):
+        with pytest.warns(ImportanceSamplingWarning, match="effective samples"):
+            Evidence(model, method="importance", num_samples=S).estimate(x)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_pareto_smoothing_matches_arviz_psislw():
     """psis_khat's k-hat and smoothed log-weights (written in torch) against arviz.psislw

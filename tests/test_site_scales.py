@@ -62,6 +62,34 @@ def test_a_scale_on_a_latent_alone_is_refused(engine):
         ImportanceWeightedELBO(num_particles=2).loss(_ppca(W, beta=0.1), lambda x: None, x)
 
 
+def test_a_scale_on_the_guide_alone_is_refused():
+    """poutine.scale around the guide alone: the importance weights p(x, z) / q(z) have no
+    place for it, and ImportanceWeightedELBO returned the unscaled loss (equal to 1e-15),
+    silently. A guide scaled like the whole model is the Pyro way to scale a loss and is
+    served: the loss is s times the unscaled one (the same draws)."""
+    W, x = _data()
+    # the exact posterior of z given x_i, q(z) = N(m_i, v)
+    v = 1.0 / (1.0 + float((W.T @ W).squeeze()) / SIGMA**2)
+    mean = v * (x @ W) / SIGMA**2
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(mean, v**0.5).to_event(1))
+
+    model = _ppca(W)
+    for loss in (ImportanceWeightedELBO(num_particles=4), MaskedPretrainingLoss(conditionals="importance", masks="exhaustive")):
+        with pytest.raises(ValueError, match=r"the guide's site 'z' has scale 0\.3 .* observed site 'x' has 1\b"):
+            loss.loss(model, poutine.scale(guide, scale=0.3), x)
+    iw = ImportanceWeightedELBO(num_particles=4)
+    pyro.set_rng_seed(0)
+    plain = iw.loss(model, guide, x)
+    pyro.set_rng_seed(0)
+    scaled = iw.loss(poutine.scale(model, scale=0.3), poutine.scale(guide, scale=0.3), x)
+    assert abs(scaled - 0.3 * plain) < 1e-10
+    # the exact posterior as proposal: every weight is p(x_i)
+    assert abs(plain + _exact(W, x).sum()) < 1e-10
+
+
 def test_a_scale_on_a_discrete_latent_is_refused_by_enumeration():
     x = torch.tensor([[0.0, 0.5], [3.0, 2.5], [0.2, -0.1]], dtype=torch.float64)
 

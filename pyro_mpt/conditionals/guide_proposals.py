@@ -43,6 +43,7 @@ from pyro.infer.autoguide import (
     AutoDiagonalNormal,
     AutoGuide,
     AutoGuideList,
+    AutoLaplaceApproximation,
     AutoLowRankMultivariateNormal,
     AutoMultivariateNormal,
     AutoNormal,
@@ -94,6 +95,13 @@ def _parts(guide, who):
                 f"{who}: guide part {type(part).__name__} is a point mass (a MAP guide), so as an "
                 f"importance proposal it has no density over the model's latents: its weights give "
                 f"log p(x, z0) at one point, not the evidence. Use a guide with a density ({_SERVED})."
+            )
+        if isinstance(part, AutoLaplaceApproximation):
+            raise ValueError(
+                f"{who}: guide part AutoLaplaceApproximation is a point mass (a MAP guide) until its "
+                f"Laplace approximation is taken, so as an importance proposal it has no density. "
+                f"After training, pass guide.laplace_approximation(*args) (an AutoMultivariateNormal "
+                f"at the MAP point with the inverse Hessian as its covariance)."
             )
         if not isinstance(part, AUTOGUIDES):
             raise ValueError(

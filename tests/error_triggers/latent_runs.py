@@ -259,6 +259,16 @@ def _():
     Evidence(model, guide, method="importance", num_samples=10)(x)
 
 
+@trigger("autoguide-laplace-not-taken")
+def _():
+    from pyro.infer.autoguide import AutoLaplaceApproximation
+
+    model, x, _ = make_ppca(3, 2, 4)
+    guide = AutoLaplaceApproximation(model)
+    guide(x)
+    Evidence(model, guide, method="importance", num_samples=10)(x)
+
+
 @trigger("autoguide-not-served")
 def _():
     from pyro.infer.autoguide import AutoIAFNormal

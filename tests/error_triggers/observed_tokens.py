@@ -7,7 +7,7 @@ import pyro
 import pyro.distributions as dist
 from pyro import poutine
 
-from pyro_mpt import Evidence, MaskedPretrainingLoss
+from pyro_mpt import Evidence, ImportanceWeightedELBO, MaskedPretrainingLoss
 
 from models import make_ppca
 
@@ -62,6 +62,20 @@ def _():
             pyro.sample("x", dist.Normal(z.expand(-1, 3), 1.0).to_event(1), obs=x)
 
     MaskedPretrainingLoss().loss(annealed, None, _x())
+
+
+@trigger("sites-guide-scale")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(z.expand(-1, 3), 1.0).to_event(1), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+
+    ImportanceWeightedELBO(num_particles=2).loss(model, poutine.scale(guide, scale=0.3), _x())
 
 
 @trigger("sites-latent-mask")
