@@ -214,6 +214,9 @@ class CurveAccumulator:
     :param shared: False (masks per datapoint, or no random masks: nothing added), True
         (masks shared by the batch), ``"sizes"`` (shared, each size's masks drawn
         independently of the others') or ``"orders"`` (shared orderings).
+    :param torch.Tensor present: bool ``(n,)``, the datapoints of the curve; None: all. A
+        datapoint with no observed token (a padding row masked out whole) has no
+        curve, and counted as zeros it shrank every mean by the share of padding.
 
     Example::
 
@@ -223,9 +226,10 @@ class CurveAccumulator:
         array([-1.5, -2.5])
     """
 
-    def __init__(self, num_tokens, shared=False):
+    def __init__(self, num_tokens, shared=False, present=None):
         self.num_tokens = num_tokens
         self.shared = shared
+        self.present = present
         self._sum = None
         self._items = []
         # per mask set (start_replicate; one where it is not called) and size: the number,
@@ -246,7 +250,10 @@ class CurveAccumulator:
     def add_items(self, areas):
         r"""Record per-datapoint areas :math:`\sum_M \hat S(x_i; M)`, shape ``(n,)``,
         for :meth:`MPTCurve.area_stderr`."""
-        self._items.append(areas.detach().reshape(-1).double().cpu())
+        areas = areas.detach().reshape(-1)
+        if self.present is not None:
+            areas = areas[self.present.to(areas.device)]
+        self._items.append(areas.double().cpu())
 
     def add(self, shat, size):
         """Add scores ``shat`` with mask sizes ``size``, both ``(rows, n)``: column ``i`` holds
@@ -254,6 +261,9 @@ class CurveAccumulator:
         shat = shat.detach().double()
         shat = shat.reshape(-1, shat.shape[-1])
         idx = (size.reshape(shat.shape) - 1).to(shat.device)
+        if self.present is not None:
+            keep = self.present.to(shat.device)
+            shat, idx = shat[:, keep], idx[:, keep]
         n = shat.shape[-1]
         if self._sum is None:
             # (D, n): each datapoint's sum per size, for the clustered standard error

@@ -423,7 +423,9 @@ class MaskedPretrainingLoss(ELBO):
         loss's ``num_masks``; ``"pll"`` gives the single point :math:`M = 1`,
         exact (its area is refused: it has no other sizes). With missing tokens
         a datapoint with :math:`D_i` observed tokens counts :math:`S(x_i; M) = 0`
-        for :math:`M > D_i`, so the area is the mean :math:`\log p(x_{O_i})`.
+        for :math:`M > D_i`, so the area is the mean :math:`\log p(x_{O_i})`; a datapoint
+        with no observed token (a padding row under ``poutine.mask``) is left out of the
+        means.
 
         **Masks are shared by the batch by default** (unless the loss was built
         with ``share_masks=False`` or with a schedule instance): one random mask
@@ -451,7 +453,9 @@ class MaskedPretrainingLoss(ELBO):
                 alike = copy.copy(schedule)
                 alike.share_masks = True
                 shared = alike.curve_mask_sharing()
-            acc = CurveAccumulator(tokens.num_tokens, shared=shared)
+            # a datapoint without observed tokens (masked out whole) is not one of the curve's
+            present = None if tokens.observed is None else tokens.observed.any(-1)
+            acc = CurveAccumulator(tokens.num_tokens, shared=shared, present=present)
             if shared in (True, "orders") and schedule.num_masks > 1:
                 # nested masks or orderings shared by the batch move their sizes together: the
                 # area's mask noise is the spread of the P sets' areas, each set a run of its own

@@ -624,3 +624,23 @@ def test_one_shared_ordering_adds_its_tokens_noise_per_size():
         errors.append(curve.stderr)
     ratio = np.sqrt((np.array(errors) ** 2).mean(0)) / np.array(scores).std(0, ddof=1)
     assert (ratio > 0.75).all() and (ratio < 1.8).all(), ratio
+
+
+@pytest.mark.parametrize("masks", ["exhaustive", "all"])
+def test_datapoints_masked_out_whole_are_not_in_the_curve(float64, masks):
+    """Padding rows under poutine.mask have no observed token: the curve is that of the
+    other rows (exhaustive: area = their mean log p(x_i) by torch's MultivariateNormal,
+    1e-8, and every size equal to the kept rows' curve; "all": within 3 standard errors).
+    Before, they counted as zeros in every mean: the area was the kept rows' sum over
+    all 6 rows (-4.45 for -6.68)."""
+    model, x, exact = make_ppca(D=4, K=2, N=6, seed=3)
+    keep = torch.tensor([True, False, True, True, False, True])
+    ref = exact(x[keep]).mean().item()
+    pyro.set_rng_seed(0)
+    got = MaskedPretrainingLoss(masks=masks, num_masks=2).curve(poutine.mask(model, mask=keep), None, x)
+    if masks == "exhaustive":
+        alone = MaskedPretrainingLoss(masks=masks).curve(model, None, x[keep])
+        assert abs(got.area() - ref) < 1e-8
+        assert np.allclose(got.score, alone.score, rtol=0, atol=1e-8)
+    assert np.isfinite(got.area_stderr())
+    assert abs(got.area() - ref) < 3 * got.area_stderr() + 1e-8
