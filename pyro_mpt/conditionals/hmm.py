@@ -32,6 +32,16 @@ steps, :math:`O(TS^2)` work) when a step's tables hold ``SEQUENTIAL_ELEMENTS`` o
 and every ordering therefore equal :math:`\log p(x)` (``DiscreteHMM.log_prob``) to
 rounding.
 
+**Correlated emissions.** A ``MultivariateNormal`` ``observation_dist`` (full
+covariance :math:`\Sigma_s` per state) has elements that are not independent given the
+state: :math:`\phi_t(j)` is then the log-density of the step's context elements
+:math:`C_t` under their marginal :math:`\mathcal N(\mu_{s,C}, \Sigma_{s,CC})`, and a
+target element's term is its Gaussian conditional given them,
+:math:`\log \mathcal N(x_{te};\ \mu_{s,e} + \Sigma_{s,eC}\Sigma_{s,CC}^{-1}(x_{C} - \mu_{s,C}),\
+\Sigma_{s,ee} - \Sigma_{s,eC}\Sigma_{s,CC}^{-1}\Sigma_{s,Ce})` (``_gaussian_step_terms``:
+one Cholesky factor per query, datapoint, step and state, of the covariance with the
+elements outside :math:`C_t` replaced by the identity).
+
 An HMM written the Pyro-tutorial way (``for t in pyro.markov(range(T))`` with
 one observed site per step) has its tokens in several sites; write it as one
 ``dist.DiscreteHMM`` site instead (the tutorial's model with
@@ -54,6 +64,8 @@ from .mixture_chunks import others_sum, stable_logsumexp
 __all__ = ["DiscreteHMMConditionals", "DiscreteHMMState", "DiscreteHMMMixture", "discrete_hmm_state"]
 
 _WHO = "conditionals='hmm'"
+#: emissions with correlated elements, served through their covariance
+_CORRELATED = (torch.distributions.MultivariateNormal, torch.distributions.LowRankMultivariateNormal)
 
 
 def _log_matmul(a, b):
@@ -129,6 +141,10 @@ class DiscreteHMMState:
         token ``t * E + e`` is element ``e`` of step ``t``.
     :param torch.Tensor log_weights: the components' :math:`\\log p(k)` ``(K, n)``, or None
         for one chain a datapoint (``rows = n``).
+    :param tuple gaussian: for a ``MultivariateNormal`` emission, ``(diff, cov)``: the tokens
+        less each state's mean ``(rows, T, S, E)`` and the states' covariances
+        ``(rows|1, T|1, S, E, E)``; ``emission`` then holds each element's own marginal.
+        None for independent elements.
     """
 
     initial: torch.Tensor = field(repr=False)
@@ -137,6 +153,7 @@ class DiscreteHMMState:
     num_data: int
     num_tokens: int
     log_weights: torch.Tensor = field(default=None, repr=False)
+    gaussian: tuple = field(default=None, repr=False)
 
     def mixed(self, lp, tail=0):
         """``lp`` ``(..., rows, *tail)``, log-densities of the rows (``tail`` trailing dims
@@ -148,6 +165,28 @@ class DiscreteHMMState:
         at = lp.dim() - 1 - tail
         lw = self.log_weights.reshape((K, n) + (1,) * tail)
         return stable_logsumexp(lp.unflatten(at, (K, n)) + lw, at)
+
+
+def _gaussian_step_terms(diff, cov, context):
+    """Each step's context log-density and each element's conditional given it, for
+    ``MultivariateNormal`` emissions: ``context`` bool ``(q, rows|1, T, E)`` -> ``phi``
+    ``(q, rows, T, S)`` and ``cond`` ``(q, rows, T, S, E)`` (arbitrary finite numbers at
+    the context's own elements, which are no targets)."""
+    c = context.unsqueeze(-2).to(diff.dtype)  # (q, rows|1, T, 1, E)
+    # the context block of the covariance, the identity elsewhere: its factor gives the
+    # context's marginal and, by solves, every other element's regression on the context
+    masked = c.unsqueeze(-1) * cov * c.unsqueeze(-2) + torch.diag_embed(1 - c)
+    chol = torch.linalg.cholesky(masked)
+    cd = c * diff  # (q, rows, T, S, E)
+    y = torch.cholesky_solve(cd.unsqueeze(-1), chol)  # Sigma_CC^{-1} d_C, 0 elsewhere
+    half_log_det = chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    phi = -0.5 * (cd.unsqueeze(-1) * y).sum((-1, -2)) - half_log_det - 0.5 * math.log(2 * math.pi) * c.sum(-1)
+    rows_c = c.unsqueeze(-1) * cov  # the covariance's context rows
+    mean = (cov @ (c.unsqueeze(-1) * y)).squeeze(-1)  # Sigma_eC Sigma_CC^{-1} d_C
+    var = cov.diagonal(dim1=-2, dim2=-1) - (rows_c * torch.cholesky_solve(rows_c, chol)).sum(-2)
+    var = torch.where(c > 0, torch.ones_like(var), var).clamp_min(torch.finfo(var.dtype).tiny)
+    cond = -0.5 * ((diff - mean) ** 2 / var + torch.log(2 * math.pi * var))
+    return phi, cond
 
 
 def _rows(t, lead, tail, mixture):
@@ -190,15 +229,29 @@ def discrete_hmm_state(tokens, hmm, enum_shape=(), log_weights=None):
     else:
         lead = batch
     # the state dim sits left of the emission's event dims
-    elp = obs.log_prob(value.unsqueeze(-1 - len(obs_event)))  # (*lead, T, S, *obs_event)
-    elp = elp.reshape((1,) * (len(lead) + 2 + len(obs_event) - elp.dim()) + tuple(elp.shape))
-    emission = elp.expand(lead + (T, S) + obs_event).reshape(-1, T, S, E)
+    gaussian = None
+    if isinstance(obs, _CORRELATED):
+        # each element's own marginal stands in the emission table; the steps' terms come
+        # from the covariances (_gaussian_step_terms)
+        cov = obs.covariance_matrix
+        diff = value.unsqueeze(-2) - obs.loc  # (*lead, T, S, E)
+        diff = diff.reshape((1,) * (len(lead) + 3 - diff.dim()) + tuple(diff.shape))
+        diff = diff.expand(lead + (T, S, E)).reshape(-1, T, S, E)
+        var = cov.diagonal(dim1=-2, dim2=-1)
+        elp = -0.5 * (diff**2 / var + torch.log(2 * math.pi * var))
+        emission = elp.expand(diff.shape)
+        cov = cov.reshape((1,) * (len(lead) + 4 - cov.dim()) + tuple(cov.shape))
+        gaussian = (diff, cov.expand(lead + cov.shape[-4:]).reshape((-1,) + cov.shape[-4:]))
+    else:
+        elp = obs.log_prob(value.unsqueeze(-1 - len(obs_event)))  # (*lead, T, S, *obs_event)
+        elp = elp.reshape((1,) * (len(lead) + 2 + len(obs_event) - elp.dim()) + tuple(elp.shape))
+        emission = elp.expand(lead + (T, S) + obs_event).reshape(-1, T, S, E)
     initial = _rows(hmm.initial_logits, lead, (S,), mixture)
     trans = hmm.transition_logits
     trans = trans if trans.dim() > 2 else trans.unsqueeze(0)  # (..., T|1, S, S)
     transition = _rows(trans, lead, trans.shape[-3:], mixture)
     return DiscreteHMMState(initial, transition, emission, tokens.num_data, tokens.num_tokens,
-                            None if log_weights is None else log_weights.reshape(-1, tokens.num_data))
+                            None if log_weights is None else log_weights.reshape(-1, tokens.num_data), gaussian)
 
 
 class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
@@ -208,7 +261,8 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
     (in a plate over sequences, or alone) and that has no other latent site;
     the time steps are the tokens. The emission distribution's base must have
     no event dims (a scalar per step, or ``.to_event(1)`` elements that are
-    independent given the state). See the module docstring.
+    independent given the state) or be a ``MultivariateNormal`` (correlated
+    elements, each a token). See the module docstring.
 
     :param int max_elements: bound on ``q * n * T * S^3`` per chunk of queries.
 
@@ -232,28 +286,34 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
                              "each sequence in the event (time) dim of the site; discrete latents "
                              "a sequence (a mixture of HMMs) are summed by conditionals='enumerate'.")
         obs = base_distribution(hmm.observation_dist)
-        if obs.event_shape:
+        if obs.event_shape and not (isinstance(obs, _CORRELATED) and len(obs.event_shape) == 1):
             raise EngineNotApplicable(
                 f"{_WHO} needs the emissions of the DiscreteHMM at site {tokens.name!r} "
-                f"to be independent elements given the state, but its observation_dist "
-                f"is {type(obs).__name__} with event shape {tuple(obs.event_shape)}. Write "
-                f"it as independent elements, e.g. dist.Normal(loc, scale).to_event(1)."
+                f"to be independent elements given the state, or a MultivariateNormal, but its "
+                f"observation_dist is {type(obs).__name__} with event shape {tuple(obs.event_shape)}. "
+                f"Write it as independent elements (e.g. dist.Normal(loc, scale).to_event(1)) or as a "
+                f"MultivariateNormal, or use Evidence(method='importance') for its log p(x)."
             )
         check_one_sequence(tokens, hmm, _WHO)
         return discrete_hmm_state(tokens, hmm)
 
     def _messages(self, state, context):
-        """Forward, backward messages ``(q, rows, T, S)`` and ``log p(x_R)`` ``(q, rows)`` for
-        contexts ``(q, n|1, D)`` (each component's rows read their datapoint's)."""
+        """Forward, backward messages ``(q, rows, T, S)``, ``log p(x_R)`` ``(q, rows)`` and each
+        token's term given its step's context and state ``(q|1, rows, T, S, E)``, for contexts
+        ``(q, n|1, D)`` (each component's rows read their datapoint's)."""
         n, T, S, E = state.emission.shape
         q = context.shape[0]
         if state.log_weights is not None and context.shape[1] > 1:
             # every component's rows see their datapoint's context
             K = state.log_weights.shape[0]
             context = context.unsqueeze(1).expand(q, K, context.shape[1], context.shape[2]).reshape(q, n, -1)
-        ctx = context.reshape(q, context.shape[1], T, 1, E)
-        zero = torch.zeros((), dtype=state.emission.dtype, device=state.emission.device)
-        phi = torch.where(ctx, state.emission, zero).sum(-1)  # (q, n, T, S)
+        if state.gaussian is None:
+            ctx = context.reshape(q, context.shape[1], T, 1, E)
+            zero = torch.zeros((), dtype=state.emission.dtype, device=state.emission.device)
+            phi = torch.where(ctx, state.emission, zero).sum(-1)  # (q, n, T, S)
+            cond = state.emission
+        else:
+            phi, cond = _gaussian_step_terms(*state.gaussian, context.reshape(q, context.shape[1], T, E))
         M = state.transition + phi.unsqueeze(-2)  # (q, n, T, S, S)
         alpha = _messages_forward(state.initial, M)  # (q, n, T, S)
         # M_t ... M_{T-1} 0, the forward messages of the reversed, transposed chain
@@ -263,20 +323,20 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
         den = stable_logsumexp(alpha[..., -1, :], -1)
         # the chain's probabilities sum to one: an empty context has normalizer 1 exactly
         den = torch.where(context.any(-1), den, torch.zeros_like(den))
-        return alpha, beta, den
+        return alpha, beta, den, cond
 
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
         n, T, S, E = state.emission.shape
         q = mask.shape[0]
-        if q > 1 and bool((mask.sum(-1) == 1).all()) and bool(torch.isfinite(state.emission).all()):
+        if q > 1 and bool((mask.sum(-1) == 1).all()) and self.serves_leave_one_out(state):
             return torch.where(mask, self.leave_one_out_table(state), torch.zeros((), dtype=state.emission.dtype))
         per = max(1, self.max_elements // max(1, n * T * S**3))
 
         def chunk(context):
-            alpha, beta, den = self._messages(state, context)
-            # (qc, n, T, S, 1) + (n, T, S, E) -> sum over states
-            num = stable_logsumexp((alpha + beta).unsqueeze(-1).add(state.emission), -2)  # (qc, n, T, E)
+            alpha, beta, den, cond = self._messages(state, context)
+            # (qc, n, T, S, 1) + (qc|1, n, T, S, E) -> sum over states
+            num = stable_logsumexp((alpha + beta).unsqueeze(-1).add(cond), -2)  # (qc, n, T, E)
             num = state.mixed(num.reshape(num.shape[0], n, T * E), tail=1)
             return num - state.mixed(den).unsqueeze(-1)
 
@@ -291,8 +351,9 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
         return torch.cat(out, 0)
 
     def serves_leave_one_out(self, state):
-        """The leave-one-out table needs finite emissions (see :meth:`leave_one_out_table`)."""
-        return bool(torch.isfinite(state.emission).all())
+        """The leave-one-out table needs finite emissions of independent elements (see
+        :meth:`leave_one_out_table`)."""
+        return state.gaussian is None and bool(torch.isfinite(state.emission).all())
 
     def leave_one_out_table(self, state):
         r""":math:`\log p(x_j \mid x_{-j})` for every token ``j``, ``(n, D)``, from one
@@ -305,7 +366,7 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
         :func:`~pyro_mpt.conditionals.mixture_chunks.others_sum`. Needs finite emissions."""
         n, T, S, E = state.emission.shape
         context = torch.ones((1, 1, T * E), dtype=torch.bool, device=state.emission.device)
-        alpha, beta, _ = self._messages(state, context)
+        alpha, beta = self._messages(state, context)[:2]
         alpha, beta = alpha[0], beta[0]  # (n, T, S)
         start = state.initial[:, None, :].expand(alpha.shape[0], 1, S)
         previous = torch.cat([start, alpha[:, :-1, :]], -2)  # alpha_{t-1}, the initial state's before step 0

@@ -148,7 +148,7 @@ def _():
 
 @trigger("hmm-emission-event")
 def _():
-    emission = dist.MultivariateNormal(torch.zeros(2, 2), torch.eye(2))
+    emission = dist.MultivariateStudentT(4.0, torch.zeros(2, 2), torch.eye(2))
     MaskedPretrainingLoss(conditionals="hmm").loss(_hmm_obs(emission), None, torch.randn(3, 5, 2))
 
 
