@@ -97,9 +97,9 @@ class MPTCurve:
         with many). With masks shared by the batch (``share_masks=True``, the
         default of :meth:`~pyro_mpt.MaskedPretrainingLoss.curve`) the mask
         draw is common to all datapoints and does not show in that spread: its
-        variance (``area_mask_variance``) is added, where it is known (see
-        :class:`CurveAccumulator`: not for one set of nested masks or orderings, nor
-        one set of fewer than 3 sizes). With one datapoint (the whole data set one
+        variance (``area_mask_variance``) is added; where it is not known (one set of
+        nested masks or orderings, see :class:`CurveAccumulator`) it is NaN, and so is
+        this error. With one datapoint (the whole data set one
         datapoint, ``token_plates``) it is the masks' share alone, the error of that
         datapoint's own area, where it is known, else NaN.
         Without per-datapoint areas, the per-size errors are added as if independent.
