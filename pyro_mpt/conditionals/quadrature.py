@@ -123,7 +123,6 @@ from .mixture_chunks import MixtureChunk, stable_logsumexp
 from .plate_runs import RunMemory
 from .quadrature_contexts import (
     KEEP_RULE_NODES,
-    concave_part,
     context_frames,
     context_models,
     context_partials,
@@ -131,6 +130,7 @@ from .quadrature_contexts import (
     full_grid_resolves,
     gaussian_corrections,
     gaussian_datapoints,
+    model_precision,
     prior_quadratic,
     resolved_tol,
     token_quadratics,
@@ -634,8 +634,8 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
         c, S, e, log_w = state.frame
         with torch.no_grad():
             quad = self._quadratics(state)
-            h, P = context_models(quad, ctx)
-            full = full_frames(quad, h, P)
+            h, P, C = context_models(quad, ctx)
+            full = full_frames(quad, h, P, C)
             # a query whose context's Gaussian the full grid resolves (e.g. most
             # leave-one-out contexts) keeps it: no model run; the numerators' integrands
             # lie between that posterior and the full one, which the grid is built for
@@ -650,7 +650,7 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
             parts.append((kept, num + dnum[kept].to(num.dtype), den + dden[kept].to(den.dtype), dnum[kept]))
         if rows.numel() > 0:
             with torch.no_grad():
-                frames = context_frames(quad, h[rows], P[rows], c, S)
+                frames = context_frames(quad, h[rows], P[rows], C[rows], c, S)
                 dnum, dden = gaussian_corrections(quad, frames, target[rows], e, log_w, self.max_elements)
             num, den = context_partials(
                 state.runner, e, log_w, frames.centre, frames.sqrt_cov, ctx[rows], self.max_elements,
@@ -663,14 +663,16 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
         else:
             order = torch.argsort(torch.cat([kept, rows]))
             num, den, dnum = (torch.cat([parts[0][k], parts[1][k]])[order] for k in (1, 2, 3))
-        num = self._target_grids(state, quad, h, P, own, target, ctx, num, dnum)
+        num = self._target_grids(state, quad, (h, P, C), own, target, ctx, num, dnum)
         # the prior integrates to one: an empty context has normalizer exactly 1
         return num - normalize_empty(den, ~target).unsqueeze(-1)
 
-    def _target_grids(self, state, quad, h, P, own, target, ctx, num, dnum):
+    def _target_grids(self, state, quad, models, own, target, ctx, num, dnum):
         """Numerators that the grid of their context does not resolve, each on a grid
         of its own (:func:`~pyro_mpt.conditionals.quadrature_contexts.unresolved_targets`);
-        ``dnum`` are the numerators' corrections on their queries' grids."""
+        ``dnum`` are the numerators' corrections on their queries' grids; ``models`` the
+        contexts' ``(h, P, C)`` (:func:`~pyro_mpt.conditionals.quadrature_contexts.context_models`)."""
+        h, P, C = models
         c, S, e, log_w = state.frame
         n, D = state.num_data, state.num_tokens
         with torch.no_grad():
@@ -678,9 +680,9 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                 # the test's rule is the grid's own: its corrections are at hand
                 bad = target & (dnum.abs() > resolved_tol(dnum.dtype))
             else:
-                frames = full_frames(quad, h, P)
+                frames = full_frames(quad, h, P, C)
                 if bool(own.any()):
-                    fitted = context_frames(quad, h[own], P[own], c, S)
+                    fitted = context_frames(quad, h[own], P[own], C[own], c, S)
                     for name in ("shift", "root"):
                         value = getattr(frames, name).clone()
                         value[own] = getattr(fitted, name)
@@ -699,10 +701,10 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
         with torch.no_grad():
             # the numerator's Gaussian model: the context's plus the target's quadratic
             hj = h[a] + quad.grad[:, j].transpose(0, 1)
-            Pj = P[a] - quad.hess[:, j].transpose(0, 1)
-            tf = context_frames(quad, hj, 0.5 * (Pj + Pj.transpose(-1, -2)), c, S)
+            Cj = C[a] + quad.hess[:, j].transpose(0, 1)
+            tf = context_frames(quad, hj, model_precision(quad, Cj), Cj, c, S)
             # centred on the numerator; the corrections add target j's quadratic to the context's
-            tf.grad, tf.precision = h[a], P[a]
+            tf.grad, tf.precision, tf.curvature = h[a], P[a], C[a]
             pick = torch.arange(a.shape[0], device=num.device)
             one = torch.zeros(a.shape[0], n, D, dtype=torch.bool, device=num.device)
             one[pick, :, j] = True
@@ -734,9 +736,6 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
 
             _, _, e, log_w = state.frame
             state.quadratics = token_quadratics(e, log_w, parts())
-            # the contexts' models extrapolate each token's quadratic far from the full
-            # posterior: a convex one (a Student-t's tail) must not grow there
-            state.quadratics.hess = concave_part(state.quadratics.hess)
             if state.prior_frame is not None:
                 # the prior's own Laplace quadratic, not its projection on the full grid: far
                 # from its mode a heavy-tailed prior's log-density is nearly flat in u, and a

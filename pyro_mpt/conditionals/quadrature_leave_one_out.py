@@ -22,6 +22,7 @@ from .quadrature_contexts import (
     full_grid_resolves,
     gaussian_corrections,
     gaussian_datapoints,
+    model_precision,
     resolved_tol,
 )
 from .quadrature_nodes import NotQuadratureError
@@ -105,13 +106,13 @@ class QuadratureLeaveOneOut:
         _, _, e, log_w = state.frame
         # each context's Gaussian model is the full one less its target's quadratic
         h_full = quad.prior_grad + quad.grad.sum(1)  # (n, K)
-        P_full = -(quad.prior_hess + quad.hess.sum(1))  # (n, K, K)
+        C_full = quad.hess.sum(1)  # (n, K, K)
         h = (h_full.unsqueeze(1) - quad.grad).transpose(0, 1)  # (D, n, K)
-        P = (P_full.unsqueeze(1) + quad.hess).transpose(0, 1)
-        contexts = full_frames(quad, h, 0.5 * (P + P.transpose(-1, -2)))
+        C = (C_full.unsqueeze(1) - quad.hess).transpose(0, 1)
+        contexts = full_frames(quad, h, model_precision(quad, C), C)
         own = ~full_grid_resolves(quad, contexts, m, self.max_elements)
         dden = gaussian_corrections(quad, contexts, None, e, log_w, self.max_elements)[1].T
-        whole = full_frames(quad, h_full[None], (0.5 * (P_full + P_full.transpose(-1, -2)))[None])
+        whole = full_frames(quad, h_full[None], model_precision(quad, C_full[None]), C_full[None])
         dnum = gaussian_corrections(quad, whole, None, e, log_w, self.max_elements)[1][0]
         if m <= KEEP_RULE_NODES:
             check = dnum  # the test's rule is the grid's own
