@@ -489,7 +489,7 @@ def context_models(quad, ctx):
 
 
 def model_precision(quad, curvature):
-    """The precision :math:`-(A_\pi + \operatorname{concave}(C))` of a model whose tokens'
+    r"""The precision :math:`-(A_\pi + \operatorname{concave}(C))` of a model whose tokens'
     summed curvature is ``curvature`` ``(..., n, K, K)`` (:func:`concave_part`)."""
     P = -(quad.prior_hess + concave_part(curvature))
     return 0.5 * (P + P.transpose(-1, -2))
