@@ -295,6 +295,11 @@ def test_output_folders_are_created_and_unwritable_outputs_refused_before_the_ru
     folder = _pyro_mpt("mae-curve", "no-such-org/no-such-model", "--image-folder", tmp_path,
                        "--plot", tmp_path, cwd=tmp_path)
     assert folder.returncode == 2 and f"--plot '{tmp_path}' is a folder; give a file path" in folder.stderr
+    # an extension matplotlib cannot write: refused before the run, not after it (exit 1, a traceback)
+    text_plot = _pyro_mpt("mlm-curve", "no-such-org/no-such-model", "--text-file", texts,
+                          "--plot", tmp_path / "curve.txt", cwd=tmp_path)
+    assert text_plot.returncode == 2 and "Traceback" not in text_plot.stderr
+    assert "matplotlib cannot write .txt files; give a path ending in one of" in text_plot.stderr
 
 
 def test_device_and_sigma2_are_usage_errors(bert_dir, tmp_path):

@@ -16,6 +16,7 @@ import math
 
 import torch
 import pyro.distributions as dist
+from pyro.distributions.hmm import HiddenMarkovModel
 
 from .base import EngineNotApplicable
 
@@ -197,6 +198,17 @@ def check_factorized(fn, name, who, error=EngineNotApplicable,
             f"one-hot vector are one draw, not independent tokens. Observe the category index "
             f"instead, dist.Categorical(probs) with obs=x.argmax(-1) (several draws a datapoint: "
             f"dist.Categorical(probs).to_event(1)); log p is the same; {instead}."
+        )
+    if isinstance(base, HiddenMarkovModel):
+        # the advice for other event dims (independent tokens) cannot be followed by a chain
+        raise error(
+            f"{who} needs the tokens of observed site {name!r} to be independent given "
+            f"the latents, but it is {type(base).__name__}: its time steps depend on one another "
+            f"through the hidden chain. With no latent beside the chain, conditionals='hmm' "
+            f"(DiscreteHMM) or 'gaussian_hmm' (GaussianHMM) sums it exactly, and a discrete class "
+            f"per sequence that picks a DiscreteHMM's parameters is summed by 'enumerate'; with a "
+            f"continuous latent beside it no engine computes its masked conditionals, and "
+            f"Evidence(method='importance') estimates its log p(x)."
         )
     if len(base.event_shape) > 0:
         gaussian = isinstance(base, (torch.distributions.MultivariateNormal,

@@ -245,6 +245,27 @@ def prepare_outputs(args, command):
     check_output_path("--json", args.json or f"{command}.json", f"{command}.json")
     if not args.no_plot:
         check_output_path("--plot", args.plot or f"{command}.png", f"{command}.png")
+        check_plot_format(args.plot or f"{command}.png")
+
+
+def check_plot_format(path):
+    """Refuse a ``--plot`` path whose extension matplotlib cannot write, before the run.
+
+    :raises ValueError: naming the extension and the formats that can be written.
+
+    Example::
+
+        >>> check_plot_format("curve.pdf")   # None; "curve.txt" raises
+    """
+    ext = os.path.splitext(path)[1][1:].lower()
+    if not ext:
+        return  # matplotlib writes its default format
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext not in formats:
+        raise ValueError(f"--plot {path!r}: matplotlib cannot write .{ext} files; give a path ending in one "
+                         f"of {', '.join('.' + f for f in sorted(formats))}.")
 
 
 def check_output_path(flag, path, example):

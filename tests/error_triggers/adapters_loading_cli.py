@@ -237,6 +237,11 @@ def _():
     _cli(["mlm-curve", "model", "--text-file", "t.txt", "--json", str(blocker / "r.json")])
 
 
+@trigger("cli-plot-format")
+def _():
+    _cli(["mlm-curve", "model", "--text-file", "t.txt", "--plot", str(Path(_tmpdir()) / "curve.txt")])
+
+
 @trigger("cli-resource-unavailable")
 def _():
     text = Path(_tmpdir()) / "t.txt"

@@ -12,6 +12,17 @@ from error_triggers.registry import trigger
 from error_triggers.common import _guided_ppca, _ppca, _x
 
 
+@trigger("engine-tokens-hidden-chain")
+def _():
+    def model(x):
+        with pyro.plate("sequences", x.shape[0]):
+            b = pyro.sample("b", dist.Normal(0.0, 1.0))
+            emission = dist.Normal(torch.tensor([-1.0, 1.0]) + b[..., None, None], 1.0)
+            pyro.sample("x", dist.DiscreteHMM(torch.zeros(2), torch.zeros(2, 2), emission), obs=x)
+
+    MaskedPretrainingLoss(conditionals="importance").loss(model, None, torch.randn(3, 5))
+
+
 @trigger("engine-tokens-not-independent")
 def _():
     model, x, _ = make_full_gaussian(3, 4)
