@@ -31,7 +31,9 @@ from one run; earlier runs, with other jobs on the machine, in parentheses):
 * schedules: "all" / "nested" = 1.08-1.19x per datapoint (the extra cost is
   drawing a mask per query: integer keys and a counting pass,
   ``pyro_mpt.mask_draws.smallest_keys``), 1.05-1.20x shared (0.9-1.3x, 1.0-1.2x);
-* curve: 0.030 s with the defaults (masks shared), 4.3 s with masks per
+* curve: 0.12 s with the defaults since shared "all" masks are drawn two a size
+  (0.030 s with one a size, whose standard errors were too small), 7.0 s with masks per
+  datapoint (57x); before that change: 0.030 s and 4.3 s with masks per
   datapoint (144x) (loaded: 0.46-0.78 s and 23-32 s);
 * first call: 0.003 s of overhead for Evidence (2.4 s before, when
   ``torch.broadcast_shapes`` imported sympy), 0.001 s for the loss after it;
