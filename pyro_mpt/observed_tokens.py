@@ -261,8 +261,8 @@ def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
     """
     observed = user_scale(tokens.site)
     for site in tokens.latent_sites():
-        scale = user_scale(site)
-        if _same_scale(scale, 1.0) or _same_scale(scale, observed):
+        scale = _stray_scale(site, observed)
+        if scale is None:
             continue
         raise ValueError(
             f"{who}: latent site {site['name']!r} has scale {_describe(scale)} (poutine.scale) "
@@ -278,8 +278,8 @@ def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
     for site in guide.nodes.values() if guide is not None else ():
         if site["type"] != "sample" or site["name"] not in latents or site["is_observed"]:
             continue
-        scale = user_scale(site)
-        if _same_scale(scale, 1.0) or _same_scale(scale, observed):
+        scale = _stray_scale(site, observed)
+        if scale is None:
             continue
         raise ValueError(
             f"{who}: the guide's site {site['name']!r} has scale {_describe(scale)} (poutine.scale) "
@@ -314,6 +314,13 @@ def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
                 f"observation too (poutine.mask around the latent and the observation, or obs_mask=) "
                 f"to leave those datapoints out, or remove the mask."
             )
+
+
+def _stray_scale(site, observed):
+    """A site's own scale (:func:`user_scale`) where it is neither 1 nor the observed site's
+    ``observed`` (a whole-model scale), else None."""
+    scale = user_scale(site)
+    return None if _same_scale(scale, 1.0) or _same_scale(scale, observed) else scale
 
 
 def _describe(scale):
