@@ -343,7 +343,7 @@ def concave_part(hess):
     likelihoods, Gaussian ones included, have nothing to clip.
 
     :param torch.Tensor hess: symmetric ``(..., K, K)``, e.g. a context's sum of
-        :attr:`TokenQuadratics.hess`.
+        the ``hess`` of a :class:`TokenQuadratics`.
     :returns: the same shape.
 
     Example::
