@@ -264,7 +264,8 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
     independent given the state) or be a ``MultivariateNormal`` (correlated
     elements, each a token). See the module docstring.
 
-    :param int max_elements: bound on ``q * n * T * S^3`` per chunk of queries.
+    :param int max_elements: bound on ``q * n * T * S^3`` per chunk of queries (``q * n * T * S * E^2``
+        where that is larger, for MultivariateNormal emissions of E elements).
 
     Example::
 
@@ -331,7 +332,9 @@ class DiscreteHMMConditionals(LeaveOneOutQueries, ConditionalEngine):
         q = mask.shape[0]
         if q > 1 and bool((mask.sum(-1) == 1).all()) and self.serves_leave_one_out(state):
             return torch.where(mask, self.leave_one_out_table(state), torch.zeros((), dtype=state.emission.dtype))
-        per = max(1, self.max_elements // max(1, n * T * S**3))
+        # correlated emissions hold a (q, n, T, S, E, E) factor per chunk as well
+        width = S**3 if state.gaussian is None else max(S**3, S * E * E)
+        per = max(1, self.max_elements // max(1, n * T * width))
 
         def chunk(context):
             alpha, beta, den, cond = self._messages(state, context)
