@@ -128,7 +128,7 @@ class MPTCurve:
         import matplotlib.pyplot as plt
 
         if ax is None:
-            _, ax = plt.subplots(figsize=(5, 3.5))
+            _, ax = plt.subplots(figsize=(5, 3.5), layout="constrained")  # the y label inside the figure
         x = 100.0 * self.rates
         label = self.label or "MPT curve"
         if annotate and not np.isnan(self.score).any():

@@ -33,6 +33,12 @@ def test_curve_area_is_the_mean_lml(masks, tmp_path):
     path = tmp_path / "curve.png"
     ax.figure.savefig(path)
     assert path.stat().st_size > 1000
+    # saved as is (no bbox_inches), the axis labels lie inside the figure
+    ax.figure.canvas.draw()
+    width, height = ax.figure.canvas.get_width_height()
+    for label in (ax.yaxis.label, ax.xaxis.label):
+        box = label.get_window_extent()
+        assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= width and box.y1 <= height, label.get_text()
 
 
 def test_curve_of_uniform_loss_uses_all_sizes():
