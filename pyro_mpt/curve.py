@@ -37,7 +37,8 @@ class MPTCurve:
     :param float area_mask_variance: the same for the area, counted in
         :meth:`area_stderr` (the sum of ``mask_variance`` where the sizes' masks are
         drawn independently; from the spread of the mask sets' areas where they are not,
-        nested masks or orderings); None (no such variance, or unknown).
+        nested masks or orderings); None (no such variance), NaN (shared masks whose
+        variance is not known: :meth:`area_stderr` is NaN).
 
     Example::
 
@@ -318,7 +319,10 @@ class CurveAccumulator:
                         mask_variance=mask_variance, area_mask_variance=self._area_mask_variance(mask_variance))
 
     def _area_mask_variance(self, mask_variance):
-        """The variance the shared masks' draw adds to the area; None where not estimated."""
+        """The variance the shared masks' draw adds to the area: None where masks are not
+        shared; NaN where they are and no spread shows the draw (one set of nested masks or
+        orderings moves the whole area with it, and the data's spread alone understated
+        the error: area z-scores of RMS 7.7 over 30 seeds on PPCA, nested masks)."""
         if not self.shared:
             return None
         if len(self._replicates) >= 2:
@@ -328,7 +332,7 @@ class CurveAccumulator:
             return float(areas.var(ddof=1) / len(areas))
         if self.shared == "sizes" and mask_variance is not None:
             return float(np.nansum(mask_variance))
-        return None
+        return float("nan")
 
     def _mask_variance(self, mean):
         """Per size, the variance the shared masks' draw adds to its mean, ``(D,)``; None
