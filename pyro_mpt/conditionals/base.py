@@ -30,6 +30,7 @@ __all__ = [
     "QuadratureAccuracyWarning",
     "SlowEngineWarning",
     "model_failed",
+    "ordering_ranks",
 ]
 
 
@@ -107,6 +108,19 @@ class EngineFallbackWarning(UserWarning):
         super().__init__(message)
         self.engine = engine
         self.failed = dict(failed or {})
+
+
+def ordering_ranks(order):
+    """Each token's position in its ordering: ``ranks[..., order[..., t]] = t``, the same
+    shape as ``order`` (long, ``(..., D)``). The first ``t + 1`` positions of an ordering
+    are the mask ``ranks <= t``.
+
+    Example::
+
+        >>> ordering_ranks(torch.tensor([[2, 0, 1]]))   # tensor([[1, 2, 0]])
+    """
+    D = order.shape[-1]
+    return torch.empty_like(order).scatter_(-1, order, torch.arange(D, device=order.device).expand_as(order))
 
 
 def model_failed(error):
@@ -204,9 +218,7 @@ class ConditionalEngine(ABC):
         """
         p, rows, D = order.shape
         n = x.shape[0]
-        ranks = torch.empty_like(order).scatter_(
-            -1, order, torch.arange(D, device=order.device).expand_as(order)
-        )
+        ranks = ordering_ranks(order)
         # query k = i * D + t: ordering i's first t + 1 tokens hidden, all orderings in
         # blocks of masks rather than one ordering at a time
         per_block = max(1, self.max_elements // (n * D))

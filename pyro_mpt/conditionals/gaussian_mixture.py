@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from .base import ordering_ranks
 from .gaussian_dense_precision import dense_context_conditionals
 from .mixture import normalize_empty
 from .mixture_chunks import stable_logsumexp
@@ -214,7 +215,7 @@ class GaussianMixtureTable:
     def chain_log_prob(self, order):
         r"""Chain-rule terms along orderings ``(p, n|1, D)``, ``(p, n, D)`` (one mask per position)."""
         p, rows, D = order.shape
-        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(D, device=order.device).expand_as(order))
+        ranks = ordering_ranks(order)
         t = torch.arange(D, device=order.device)
         context = ranks[:, None] > t[None, :, None, None]  # (p, D, rows, D): context after position t
         logc = self.log_conditionals(context.reshape(p * D, rows, D)).reshape(p, D, -1, D)

@@ -68,7 +68,7 @@ import pyro.distributions as dist
 from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
 
 from ..observed_tokens import check_local_latent
-from .base import ConditionalEngine, EngineNotApplicable
+from .base import ConditionalEngine, EngineNotApplicable, ordering_ranks
 from .distributions import unwrap
 from .gaussian_leave_one_out import leave_one_out_from_full, leave_one_out_targets
 from .gaussian_linalg import PRECISION
@@ -538,7 +538,7 @@ def chain_terms(state, x, order):
     n = x.shape[0]
     D = U * E
     order = order.expand(p, n, D)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(D, device=order.device).expand_as(order))
+    rank = ordering_ranks(order)
     r = (x - state.loc).reshape(n, U, E)
     w = (1.0 / psi).expand(n, D).reshape(n, U, E)
     a_, b_ = a.expand(n, U, E, K_g), b.expand(n, U, E, K_l)

@@ -103,7 +103,7 @@ from ..counts import is_count
 from ..guide_checks import check_proposal_density
 from .guide_proposals import is_autoguide
 from ..importance_weights import effective_sample_size, poor_weights, psis_khat, warn_poor_weights
-from .base import ConditionalEngine, EngineNotApplicable
+from .base import ConditionalEngine, EngineNotApplicable, ordering_ranks
 from .distributions import check_factorized
 from .encode_decode import initial_tokens
 from .data_args import guide_latents, locate_data_arg, refuse_missing
@@ -546,7 +546,7 @@ class ImportanceConditionals(ConditionalEngine):
         p, n, D = ess.shape
         k = ess.permute(1, 0, 2).reshape(n, p * D).argmin(1)
         i, t = k // D, k % D
-        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(D, device=order.device).expand_as(order))
+        ranks = ordering_ranks(order)
         ranks = ranks.expand(p, n, D)[i, torch.arange(n, device=order.device)]  # (n, D)
         ctx = (ranks > t[:, None]).to(T.dtype)  # the context after position t
         lw = torch.einsum("nsd,nd->sn", T, ctx) + log_weights.T

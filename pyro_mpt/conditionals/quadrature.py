@@ -115,7 +115,7 @@ from typing import Optional
 
 import torch
 
-from .base import ConditionalEngine, QuadratureAccuracyWarning
+from .base import ConditionalEngine, QuadratureAccuracyWarning, ordering_ranks
 from .distributions import check_factorized
 from .laplace import LaplaceSearch
 from .mixture import chain_terms, normalize_empty
@@ -835,9 +835,8 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
         self._check_evidence(state, x)
         if self.check_tol is not None and not self.memory.checked:
             # the terms are the one mixture's conditionals: checked on the first ordering's masks
-            D = x.shape[-1]
-            ranks = torch.empty_like(order[:1]).scatter_(-1, order[:1], torch.arange(D, device=order.device).expand_as(order[:1]))
-            self._check_first_conditionals(state, x, ranks <= torch.arange(D, device=order.device)[:, None, None])
+            positions = torch.arange(x.shape[-1], device=order.device)
+            self._check_first_conditionals(state, x, ordering_ranks(order[:1]) <= positions[:, None, None])
         (L,) = self._reduce(state, lambda c, o: (c.chain_partials(o, self.max_elements),), order)
         # the prior integrates to one: the empty context (last entry) has normalizer 1
         return chain_terms(L)
