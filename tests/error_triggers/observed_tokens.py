@@ -12,7 +12,7 @@ from pyro_mpt import Evidence, ImportanceWeightedELBO, MaskedPretrainingLoss
 from models import make_ppca
 
 from error_triggers.registry import trigger
-from error_triggers.common import _global_latent_model, _missing_ppca, _observed, _ppca, _x
+from error_triggers.common import _global_latent_model, _guided_ppca, _missing_ppca, _observed, _ppca, _x
 
 
 @trigger("sites-no-observed-site")
@@ -66,16 +66,8 @@ def _():
 
 @trigger("sites-guide-scale")
 def _():
-    def model(x):
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
-            pyro.sample("x", dist.Normal(z.expand(-1, 3), 1.0).to_event(1), obs=x)
-
-    def guide(x):
-        with pyro.plate("data", x.shape[0]):
-            pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
-
-    ImportanceWeightedELBO(num_particles=2).loss(model, poutine.scale(guide, scale=0.3), _x())
+    model, guide, x = _guided_ppca()
+    ImportanceWeightedELBO(num_particles=2).loss(model, poutine.scale(guide, scale=0.3), x)
 
 
 @trigger("sites-latent-mask")
