@@ -8,6 +8,7 @@ the error type and message. docs/model_shapes.md lists every shape and its test.
 import math
 
 import numpy as np
+import scipy.stats
 import pytest
 import torch
 import pyro
@@ -16,7 +17,7 @@ from pyro import poutine
 from pyro.nn import PyroModule, PyroParam, PyroSample
 
 from pyro_mpt import Evidence, GaussianConditionals, MaskedPretrainingLoss
-from pyro_mpt.conditionals import EncodeDecodeConditionals, EngineNotApplicable, NotLinearGaussianError
+from pyro_mpt.conditionals import EncodeDecodeConditionals, EngineNotApplicable, ImportanceConditionals, NotLinearGaussianError
 from pyro_mpt.conditionals.base import ConditionalEngine
 from pyro_mpt.importance_weighted_elbo import ImportanceWeightedELBO
 from pyro_mpt.masks import MaskSchedule, RandomOrders
@@ -528,7 +529,11 @@ def test_missing_tokens_refused_where_the_guide_reads_the_data(float64):
     m = _mask()
     model, guide = _plated(W, b, obs_mask=m)
     data = torch.where(m, x, torch.zeros_like(x))
-    msg = f"does not support missing tokens: observed site 'x_observed' has {int((~m).sum())} missing"
+    partial = m.any(-1) & ~m.all(-1)  # datapoint 0, masked out whole, is not counted
+    msg = (
+        f"does not support missing tokens: observed site 'x_observed' has {int((~m[partial]).sum())} missing "
+        f"\\(masked\\) token\\(s\\) in {int(partial.sum())} datapoint\\(s\\) with observed tokens too"
+    )
     with pytest.raises(EngineNotApplicable, match=msg):
         MaskedPretrainingLoss(conditionals="encode_decode").loss(model, guide, data)
     with pytest.raises(EngineNotApplicable, match=msg):
@@ -559,6 +564,90 @@ def test_masked_datapoints_count_zero_and_nan_at_observed_tokens_is_refused(floa
     bad[1, 0] = math.nan  # datapoint 1 observes every token
     with pytest.raises(ValueError, match="'x_observed' contains 1 NaN or infinite value\\(s\\) at observed tokens"):
         MaskedPretrainingLoss().loss(plated, None, bad)
+
+
+def _exact_posterior_guide(W, b, keep=None):
+    """The amortized exact posterior of PPCA, q(z | x_i) = p(z | x_i): every importance
+    weight is log p(x_i) itself; ``keep`` masks its datapoints as the model's."""
+    prec = torch.eye(K, dtype=W.dtype) + W.T @ W / SIGMA**2
+    cov = torch.linalg.inv(prec)
+
+    def guide(x):
+        mean = (x - b) @ W @ cov / SIGMA**2
+        with pyro.plate("data", x.shape[0]), poutine.mask(mask=True if keep is None else keep):
+            pyro.sample("z", dist.MultivariateNormal(mean, cov))
+
+    return guide
+
+
+def test_datapoints_masked_out_whole_are_served_where_the_guide_reads_the_data(float64):
+    """Padding rows masked out whole (poutine.mask over datapoints): the estimators that run
+    the guide on the data score them 0 whatever their placeholder values, and the other rows
+    as without them (they were refused as missing tokens). With the exact posterior as the
+    guide every importance weight of a kept row is its log p(x_i) (numpy's closed form)."""
+    W, b, x = _params()
+    keep = torch.tensor([True, False, True, True, False, True])
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]), poutine.mask(mask=keep):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T + b, SIGMA).to_event(1), obs=x)
+
+    S_ = W.numpy() @ W.numpy().T + SIGMA**2 * np.eye(D)
+    exact = torch.from_numpy(scipy.stats.multivariate_normal(b.numpy(), S_).logpdf(x.numpy()))
+    expected = torch.where(keep, exact, torch.zeros(()))
+    other = x.clone()
+    other[~keep] = 40.0  # other placeholders
+    for guide in (_exact_posterior_guide(W, b), _exact_posterior_guide(W, b, keep)):
+        result = Evidence(model, guide, method="importance", num_samples=20).estimate(x)
+        assert result.diagnostics["proposal"] == "guide"  # "auto" takes the guide
+        assert torch.allclose(result.log_evidence, expected, atol=1e-9)
+        assert torch.allclose(result.diagnostics["ess"][~keep], torch.full((2,), 20.0, dtype=torch.float64), rtol=1e-12)
+        assert float(result.stderr[~keep].abs().max()) < 1e-7  # sqrt of rounding
+        assert torch.equal(result.diagnostics["khat"][~keep], torch.full((2,), -math.inf, dtype=torch.float64))
+        for data in (x, other):
+            assert abs(ImportanceWeightedELBO(5).loss(model, guide, data) + float(exact[keep].sum())) < 1e-8
+
+    # the conditionals of the engines that run the guide: 0 at the padding rows, the other
+    # rows' estimates and the loss's gradient the same whatever the placeholders
+    guide = _exact_posterior_guide(W, b)
+    for options in ({"conditionals": "encode_decode"}, {"conditionals": "importance", "num_samples": 64}):
+        for masks in ("all", "order"):
+            runs = []
+            for data in (x, other):
+                Wp = W.clone().requires_grad_()
+
+                def trained(x, Wp=Wp):
+                    with pyro.plate("data", x.shape[0]), poutine.mask(mask=keep):
+                        z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+                        pyro.sample("x", dist.Normal(z @ Wp.T + b, SIGMA).to_event(1), obs=x)
+
+                pyro.set_rng_seed(3)
+                loss = MaskedPretrainingLoss(masks=masks, **options)
+                score = loss.score(trained, guide, data)
+                pyro.set_rng_seed(3)
+                (grad,) = torch.autograd.grad(loss.differentiable_loss(trained, guide, data), Wp)
+                runs.append((score.detach(), grad))
+            (s0, g0), (s1, g1) = runs
+            assert torch.equal(s0[~keep], torch.zeros(2, dtype=torch.float64)), (options, masks)
+            assert bool(s0[keep].isfinite().all())
+            assert torch.allclose(s0, s1, atol=1e-10, rtol=0), (options, masks)
+            assert torch.allclose(g0, g1, atol=1e-10, rtol=0), (options, masks)
+
+    # the padding rows' weights (proposed here far wider than the prior) are not judged
+    def wide(x):
+        with pyro.plate("data", x.shape[0]):
+            scale = torch.where(keep, 0.5, 30.0).to(x.dtype).unsqueeze(-1).expand(x.shape[0], K)
+            pyro.sample("z", dist.Normal(torch.zeros_like(scale), scale).to_event(1))
+
+    engine = ImportanceConditionals(num_samples=200)
+    tokens = trace_tokens(model, wide, (x,), {})
+    state = engine.prepare(tokens, model, wide, (x,), {})
+    assert state.proposal == "guide"
+    engine.mask_log_prob(state, tokens.value, torch.rand(3, N, D, generator=torch.Generator().manual_seed(0)) < 0.5)
+    assert torch.equal(state.diagnostics["khat"][~keep], torch.full((2,), -math.inf, dtype=torch.float64))
+    assert torch.equal(state.diagnostics["ess"][~keep], torch.full((2,), 200.0, dtype=torch.float64))
+    assert bool(state.diagnostics["ess"][keep].lt(200).all())
 
 
 # ---------------------------------------------------------------------- other shapes

@@ -23,7 +23,7 @@ from pyro.poutine.util import site_is_subsample
 
 from .base import EngineNotApplicable
 
-__all__ = ["DataArgument", "locate_data_arg", "refuse_missing", "guide_latents"]
+__all__ = ["DataArgument", "locate_data_arg", "refuse_missing", "whole_datapoints_missing", "guide_latents"]
 
 
 @dataclass
@@ -161,22 +161,35 @@ _LEAVE_OUT = (
 
 
 def refuse_missing(tokens, who, error=EngineNotApplicable, instead=_LEAVE_OUT):
-    """Raise ``error`` when some tokens of the observed site are missing (masked).
+    """Raise ``error`` when a datapoint has missing (masked) tokens beside observed ones.
 
     For the paths that run the guide on the data: the guide would read the
-    missing tokens' placeholder values as data.
+    missing tokens' placeholder values as data. Datapoints masked out whole pass
+    (:func:`whole_datapoints_missing`).
 
     :param str instead: the options that leave missing tokens out exactly, named
         in the message (None when the caller has none).
     """
-    if tokens.observed is not None:
-        k = int((~tokens.observed).sum())
+    if tokens.observed is not None and not whole_datapoints_missing(tokens):
+        partial = ~tokens.observed.all(-1) & tokens.observed.any(-1)
+        k = int((~tokens.observed[partial]).sum())
         fix = "Impute" if instead is None else f"Use {instead}, or impute"
         raise error(
             f"{who} runs the guide on the data, which does not support missing tokens: "
-            f"observed site {tokens.name!r} has {k} missing (masked) token(s). {fix} the "
-            f"missing tokens, or drop the datapoints that have them."
+            f"observed site {tokens.name!r} has {k} missing (masked) token(s) in "
+            f"{int(partial.sum())} datapoint(s) with observed tokens too. {fix} the missing tokens, "
+            f"or drop the datapoints that have them (datapoints masked out whole, such as padding "
+            f"rows, are served: each scores 0)."
         )
+
+
+def whole_datapoints_missing(tokens):
+    r"""Whether every missing token of the observed site belongs to a datapoint that has no
+    observed token (padding rows masked out whole): the guide reads their placeholder values,
+    but a datapoint without observations contributes :math:`\log p(\varnothing) = 0` to the
+    estimate whatever they are."""
+    observed = tokens.observed
+    return observed is not None and bool((observed.all(-1) | ~observed.any(-1)).all())
 
 
 def guide_latents(tokens):

@@ -72,9 +72,10 @@ Two proposals (``proposal=``):
   :class:`~pyro_mpt.guide_elbo.WithGuideELBO`.
 * ``"auto"`` (default) -- ``"guide"`` when a guide that samples the model's
   latents is given, else ``"prior"`` (e.g. with the no-op guide
-  ``lambda x: None`` usual for MPT). With missing (masked) tokens ``"auto"``
-  is ``"prior"``: the prior proposal leaves missing tokens out exactly, and the
-  guide proposal refuses them.
+  ``lambda x: None`` usual for MPT). With missing (masked) tokens beside
+  observed ones in a datapoint ``"auto"`` is ``"prior"``: the prior proposal
+  leaves missing tokens out exactly, and the guide proposal refuses them;
+  datapoints masked out whole (padding rows) do not count, they score 0.
 
 **Diagnostics.** :meth:`ImportanceConditionals.mask_log_prob_and_diagnostics`
 (and ``chain_log_prob_and_diagnostics``) return with the log-conditionals
@@ -106,7 +107,7 @@ from ..importance_weights import effective_sample_size, poor_weights, psis_khat,
 from .base import ConditionalEngine, EngineNotApplicable, ordering_ranks
 from .distributions import check_factorized
 from .encode_decode import initial_tokens
-from .data_args import guide_latents, locate_data_arg, refuse_missing
+from .data_args import guide_latents, locate_data_arg, refuse_missing, whole_datapoints_missing
 from .importance_guide import autoguide_table, guide_draws
 from .importance_self_normalized import self_normalized_conditionals
 from .latent_runs import GuideMemory, LatentRunner, check_draws_log_density, logmeanexp
@@ -148,6 +149,9 @@ class ImportanceState:
     #: (largest :math:`\hat k`, NaN where undefined) and ``"ess"`` (smallest ESS)
     diagnostics: dict = field(default_factory=dict)
     warned: bool = False
+    #: bool ``(n,)``, the datapoints with observed tokens, or None (all): a datapoint masked out
+    #: whole scores 0 whatever its weights, so they are not judged
+    present: Optional[torch.Tensor] = None
 
 
 class ImportanceConditionals(ConditionalEngine):
@@ -272,8 +276,9 @@ class ImportanceConditionals(ConditionalEngine):
         check_factorized(tokens.site["fn"], tokens.name, who)
         proposal = self.proposal
         covered = guide is not None and bool(guide_latents(tokens))
+        present = None if tokens.observed is None else tokens.observed.any(-1)
         if proposal == "auto":
-            proposal = "guide" if covered and tokens.observed is None else "prior"
+            proposal = "guide" if covered and (tokens.observed is None or whole_datapoints_missing(tokens)) else "prior"
         if proposal == "guide":
             check_proposal_density(
                 tokens, who, "a guide with a density over the latents (e.g. AutoNormal), "
@@ -285,7 +290,9 @@ class ImportanceConditionals(ConditionalEngine):
                     tokens, model, guide, args, kwargs, who, self.num_samples, self.prior_weight, self.max_elements,
                     self.guide_grad,
                 )
-                return ImportanceState("guide", tokens.num_data, tokens.num_tokens, runner, chunk=chunk, imputed=False)
+                return ImportanceState(
+                    "guide", tokens.num_data, tokens.num_tokens, runner, chunk=chunk, imputed=False, present=present
+                )
             refuse_missing(tokens, f"{who} with proposal='guide'")
         n, D = tokens.num_data, tokens.num_tokens
         if proposal == "prior":
@@ -304,7 +311,7 @@ class ImportanceConditionals(ConditionalEngine):
             if all(t is not None for t in scores):
                 # discrete draws carry their prior's parameters' gradient by the score function
                 logw = logw + torch.cat(scores, 0).T.to(logw.dtype)
-            return ImportanceState("prior", n, D, runner, chunk=MixtureChunk(logw, T))
+            return ImportanceState("prior", n, D, runner, chunk=MixtureChunk(logw, T), present=present)
         if not covered:
             raise ValueError(
                 f"{who} with proposal='guide' needs a guide that samples the model's "
@@ -328,7 +335,7 @@ class ImportanceConditionals(ConditionalEngine):
                     )
         runner = LatentRunner(tokens, model, guide, args, kwargs, data, who, self.memory)
         init = initial_tokens(runner, self.init, who) if data is not None else None
-        return ImportanceState("guide", n, D, runner, init=init, imputed=data is not None)
+        return ImportanceState("guide", n, D, runner, init=init, imputed=data is not None, present=present)
 
     # ------------------------------------------------------------------ queries
     def mask_log_prob(self, state, x, mask):
@@ -515,6 +522,10 @@ class ImportanceConditionals(ConditionalEngine):
         """k-hat of ``log_weights`` ``(S, n)`` (each datapoint's worst query), folded into
         ``state.diagnostics``; warns at the engine's first evaluation with poor weights."""
         khat, _ = psis_khat(log_weights, fit=self.psis and log_weights.shape[0] >= 10)
+        if state.present is not None:
+            # what a datapoint's tied weights give (the prior proposal's for a row masked out whole)
+            khat = torch.where(state.present, khat, torch.full((), -math.inf, dtype=khat.dtype, device=khat.device))
+            ess = torch.where(state.present, ess, torch.full((), float(log_weights.shape[0]), dtype=ess.dtype, device=ess.device))
         diag = state.diagnostics
         if diag:
             diag["khat"] = torch.fmax(diag["khat"], khat)

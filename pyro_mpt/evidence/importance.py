@@ -50,7 +50,7 @@ import math
 import torch
 
 from ..conditionals.base import EngineNotApplicable
-from ..conditionals.data_args import refuse_missing
+from ..conditionals.data_args import refuse_missing, whole_datapoints_missing
 from ..conditionals.latent_runs import LatentRunner, logmeanexp
 from ..guide_checks import check_proposal_density, warn_not_reparameterized
 from ..conditionals.guide_proposals import AutoguideProposal, is_autoguide
@@ -112,7 +112,12 @@ def importance_log_weights(
             parts.append(recomputed(source.log_weights, rows))
         else:
             parts.append(source.log_weights(rows))
-    return torch.cat(parts, 0)
+    lw = torch.cat(parts, 0)
+    if guide is not None and tokens.observed is not None:
+        # padding rows masked out whole (whole_datapoints_missing): log p of no observation is 0,
+        # as the prior proposal gives it, whatever the guide proposed from their placeholders
+        lw = torch.where(tokens.observed.any(-1), lw, torch.zeros((), dtype=lw.dtype, device=lw.device))
+    return lw
 
 
 def importance_evidence(evidence, tokens, args, kwargs):
@@ -124,7 +129,7 @@ def importance_evidence(evidence, tokens, args, kwargs):
     * ``chunk_size`` -- draws per vectorized run (default from ``max_elements``);
     * ``max_elements`` -- bound on ``chunk_size * n * D`` (default ``2**24``);
     * ``proposal`` -- ``"auto"`` (the guide, or the prior without one or when
-      tokens are missing), ``"guide"`` or ``"prior"``;
+      tokens are missing within a datapoint), ``"guide"`` or ``"prior"``;
     * ``khat_threshold`` -- warn when some :math:`\hat k` exceeds it (default 0.7);
     * ``min_ess`` -- where :math:`\hat k` is undefined (tied weights of a
       discrete latent, :math:`S \le 20`) or not computed, warn when the ESS is
@@ -164,8 +169,9 @@ def importance_evidence(evidence, tokens, args, kwargs):
         raise ValueError(f"Evidence(method='importance', proposal={proposal!r}): use 'auto', 'guide' or 'prior'.")
     if proposal == "guide" and evidence.guide is None:
         raise ValueError("Evidence(method='importance', proposal='guide') needs a guide; pass one, or use proposal='prior'.")
-    # with missing tokens "auto" uses the prior, which leaves them out exactly
-    auto_prior = proposal == "auto" and tokens.observed is not None
+    # with missing tokens "auto" uses the prior, which leaves them out exactly; the guide
+    # where they are whole datapoints (padding rows), which it never conditions on
+    auto_prior = proposal == "auto" and tokens.observed is not None and not whole_datapoints_missing(tokens)
     guide = None if proposal == "prior" or auto_prior else evidence.guide
     if guide is not None:
         warn_not_reparameterized(tokens, "Evidence(method='importance')", evidence.warned_sites)
