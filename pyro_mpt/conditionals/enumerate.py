@@ -46,7 +46,10 @@ factorize. The engine then conditions the model on each joint value of the
 discrete latents, derives that component's Gaussian marginal with
 :func:`~pyro_mpt.conditionals.gaussian_marginal.gaussian_marginal` (one call per
 support point), and reduces the Gaussian mixture with
-:class:`~pyro_mpt.conditionals.gaussian_mixture.GaussianMixtureTable`. The discrete
+:class:`~pyro_mpt.conditionals.gaussian_mixture.GaussianMixtureTable`. Normal latents in a
+token plate (a class per group beside a random effect per item) make each component a
+linear-Gaussian hierarchy, whose marginal
+:func:`~pyro_mpt.conditionals.hierarchical.hierarchical_marginal` reads. The discrete
 latents' prior must not depend on the Normal ones: sampled first, it cannot;
 sampled after them, Pyro's provenance tracking
 (:func:`pyro.infer.inspect.get_dependencies`) checks that it does not read them.
@@ -86,6 +89,7 @@ from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_factorized, check_one_sequence, compact, unwrap
 from .gaussian_marginal import gaussian_marginal
 from .gaussian_mixture import GaussianMixtureTable
+from .hierarchical import hierarchical_marginal
 from .hmm import DiscreteHMMMixture, discrete_hmm_state
 from .leave_one_out_queries import LeaveOneOutQueries
 from .mixture import MixtureTable
@@ -189,6 +193,12 @@ def _per_token(tokens, site):
         and site["fn"].has_enumerate_support and not site["fn"].event_shape
         and not _extra_plates(tokens, site)
     )
+
+
+def _in_token_plates(tokens, name):
+    """Whether latent ``name`` sits in a token plate of the observed site (one value per unit)."""
+    plates = set(tokens.token_plates)
+    return any(f.name in plates for f in tokens.model_trace.nodes[name]["cond_indep_stack"])
 
 
 def _joint_support_size(fn, plates):
@@ -366,9 +376,10 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 continue
             if not _enumerable(fn) and discrete:
                 # a mixture of linear-Gaussian components (e.g. a mixture of PPCA): each
-                # component's Gaussian marginal is derived, or refused, by gaussian_marginal;
-                # a global one first gets the global latent's message, not one about order
-                check_local_latent(tokens, site, EngineNotApplicable,
+                # component's Gaussian marginal is derived, or refused, by gaussian_marginal
+                # (by hierarchical_marginal where a latent sits in a token plate: a random
+                # effect per item); a global one first gets the global latent's message
+                check_local_latent(tokens, site, EngineNotApplicable, allow_token_plates=True,
                                    consequence=f"{_WHO} cannot sum it per datapoint")
                 continuous.append(site["name"])
                 continue
@@ -572,13 +583,15 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             v = v.movedim(v.dim() - event + d, 0)
             support[name] = v.reshape((v.shape[0],) + v.shape[v.dim() - event - mpn:])
         continuous_tokens = replace(tokens, latent_names=list(continuous))
+        in_units = any(_in_token_plates(tokens, name) for name in continuous)
+        marginal_of = hierarchical_marginal if in_units else gaussian_marginal
         locs, covs = [], []
         order = sorted(dims, key=lambda name: dims[name])  # the leftmost enum dim first
         for index in itertools.product(*(range(support[name].shape[0]) for name in order)):
             values = {name: support[name][i] for name, i in zip(order, index)}
             component = poutine.condition(model, data=values)
             try:
-                marginal = gaussian_marginal(continuous_tokens, component, args, kwargs)
+                marginal = marginal_of(continuous_tokens, component, args, kwargs)
             except EngineNotApplicable as e:
                 # the Gaussian engine's own advice (quadrature) does not hold here: quadrature
                 # refuses the discrete latents, and its refusal pointed back at this engine

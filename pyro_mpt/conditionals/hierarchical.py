@@ -72,10 +72,14 @@ from .base import ConditionalEngine, EngineNotApplicable, ordering_ranks
 from .distributions import unwrap
 from .gaussian_leave_one_out import leave_one_out_from_full, leave_one_out_targets
 from .gaussian_linalg import PRECISION
+from .gaussian_marginal import GaussianMarginal
 from .marginal_rows import rows_equal
 from .plate_runs import CoordinateLatents, LatentSlice, alternating_signs, fixed_probes, run_in_plate
 
-__all__ = ["HierarchicalGaussianConditionals", "HierarchicalGaussianState", "NotHierarchicalError", "hierarchical_loadings", "chain_terms"]
+__all__ = [
+    "HierarchicalGaussianConditionals", "HierarchicalGaussianState", "NotHierarchicalError", "hierarchical_loadings",
+    "hierarchical_marginal", "chain_terms",
+]
 
 _LOG_2PI = math.log(2 * math.pi)
 _WHO = "conditionals='hierarchical'"
@@ -94,11 +98,15 @@ class _GrownShape(Exception):
         self.refusal = refusal
 
 
-def _not_linear_gaussian(site, detail):
+def _not_linear_gaussian(site, detail, discrete=False):
     """The refusal of a model with local latents in a token plate that is not linear-Gaussian."""
     return NotHierarchicalError(
         f"{_WHO} cannot serve the model of observed site {site!r}: {detail}, so it is not "
-        f"a linear-Gaussian hierarchy. Use conditionals='importance' (and "
+        f"a linear-Gaussian hierarchy. "
+        + ("Use conditionals='enumerate' (or Evidence(method='exact')), which sums over the discrete "
+           "latents where each of their values leaves a linear-Gaussian hierarchy; otherwise "
+           if discrete else "Use ")
+        + f"conditionals='importance' (and "
         f"Evidence(method='importance') with a guide over all the latents) for it."
     )
 
@@ -174,7 +182,7 @@ def hierarchical_loadings(tokens, model, args, kwargs):
             base, dist.LowRankMultivariateNormal
         ):
             raise _not_linear_gaussian(tokens.name, f"latent site {site['name']!r} is {type(base).__name__}, "
-                                       f"not Normal or MultivariateNormal")
+                                       f"not Normal or MultivariateNormal", discrete=site["fn"].support.is_discrete)
         check_local_latent(tokens, site, NotHierarchicalError, allow_token_plates=True, consequence=f"{_WHO} cannot serve it")
         frames = {f.name: f for f in site["cond_indep_stack"] if f.vectorized and f.size > 1}
         local = unit_plate in frames
@@ -331,6 +339,36 @@ def hierarchical_loadings(tokens, model, args, kwargs):
         if torch.finfo(dt).eps * trace > PRECISION:
             data_dtype, (mu, psi, a, b) = dt, (t.to(torch.float64) for t in (mu, psi, a, b))
     return HierarchicalGaussianState(n, D, mu, psi, a, b, tokens.name, data_dtype)
+
+
+def hierarchical_marginal(tokens, model, args, kwargs):
+    r"""The Gaussian marginal over a datapoint's tokens of a linear-Gaussian hierarchy,
+    :math:`\Sigma = AA^\top + \operatorname{blockdiag}_u(B_uB_u^\top) + \operatorname{diag}(\psi)`,
+    as a low-rank :class:`~pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal` of rank
+    :math:`K_g + UK_l` (the global loadings, then each unit's local ones, zero outside its tokens).
+
+    For the components of a mixture (:mod:`~pyro_mpt.conditionals.enumerate`) whose Normal
+    latents sit in a token plate: a class per group with a random effect per item.
+
+    :param ~pyro_mpt.observed_tokens.ObservedTokens tokens: as for :func:`hierarchical_loadings`.
+    :returns: :class:`~pyro_mpt.conditionals.gaussian_marginal.GaussianMarginal`, ``cov_factor``
+        ``(n|1, D, K_g + U K_l)``, in the data's dtype.
+    :raises NotHierarchicalError: naming the site, when the model is not one.
+
+    Example::
+
+        >>> m = hierarchical_marginal(tokens, component, (y,), {})   # tokens of token_plates=("items",)
+        >>> m.cov_factor @ m.cov_factor.mT + torch.diag_embed(m.cov_diag)   # Sigma, (n|1, D, D)
+    """
+    state = hierarchical_loadings(tokens, model, args, kwargs)
+    a, b = state.a, state.b  # (n|1, U, E, K_g), (n|1, U, E, K_l)
+    _, U, E, K_l = b.shape
+    rows = max(a.shape[0], b.shape[0])
+    eye = torch.eye(U, dtype=b.dtype, device=b.device)
+    local = torch.einsum("nuek,uv->nuevk", b, eye).reshape(b.shape[0], U * E, U * K_l)
+    F = torch.cat([a.reshape(a.shape[0], U * E, -1).expand(rows, -1, -1), local.expand(rows, -1, -1)], -1)
+    dt = state.data_dtype or F.dtype
+    return GaussianMarginal(state.loc.to(dt), cov_factor=F.to(dt), cov_diag=state.psi.to(dt), site=state.site)
 
 
 def _to_work(state, x):

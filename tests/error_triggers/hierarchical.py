@@ -51,3 +51,15 @@ def _():
             pyro.sample("x", dist.Normal(z[..., None].expand(z.shape + (2,)), mu.exp()[..., None]).to_event(1), obs=x)
 
     MaskedPretrainingLoss(conditionals="hierarchical", token_plates=("data",)).loss(lognormal_scale, None, _x())
+
+
+@trigger("hierarchical-discrete-latent")
+def _():
+    def classes(y):
+        with pyro.plate("groups", y.shape[0], dim=-2):
+            c = pyro.sample("c", dist.Categorical(torch.ones(2, dtype=y.dtype) / 2))
+            with pyro.plate("items", y.shape[1], dim=-1):
+                a = pyro.sample("a", dist.Normal(c.to(y.dtype), 1.0))
+                pyro.sample("y", dist.Normal(a, 0.5), obs=y)
+
+    MaskedPretrainingLoss(conditionals="hierarchical", token_plates=("items",)).loss(classes, None, _x())
