@@ -650,6 +650,25 @@ def test_datapoints_masked_out_whole_are_served_where_the_guide_reads_the_data(f
     assert bool(state.diagnostics["ess"][keep].lt(200).all())
 
 
+@pytest.mark.parametrize("method", ["exact", "quadrature", "importance"])
+def test_evidence_of_a_datapoint_masked_out_whole_is_zero_in_float32(method):
+    """log p of no observation is 0, not the rounding of the missing tokens' terms added and
+    taken off again (float32, exact route: -4.8e-7)."""
+    W, b, x = (t.float() for t in _params())
+    keep = torch.tensor([True, False, True, True, False, True])
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]), poutine.mask(mask=keep):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T + b, SIGMA).to_event(1), obs=x)
+
+    result = Evidence(model, method=method, num_samples=50).estimate(x) if method == "importance" else \
+        Evidence(model, method=method).estimate(x)
+    assert torch.equal(result.log_evidence[~keep], torch.zeros(2))
+    assert torch.equal(result.stderr[~keep], torch.zeros(2))
+    assert bool((result.log_evidence[keep] < -1).all())
+
+
 # ---------------------------------------------------------------------- other shapes
 def test_pyro_module_with_pyro_sample_prior_on_a_local_latent(float64):
     W, b, x = _params()
