@@ -160,6 +160,10 @@ def test_cli_compare_refuses_bad_outputs_and_widths_before_training(tmp_path):
     assert f"--json '{blocker / 'c.json'}': cannot write in its folder" in bad.stderr
     width = pyro_mpt("--hidden", "16", "0")
     assert width.returncode == 2 and "argument --hidden: must be a positive integer, got '0'" in width.stderr
+    # more training images than the data hold after the split: before, the run went on with 1498
+    many = pyro_mpt("--n-train", "5000", "--losses", "elbo", "--epochs", "1")
+    assert many.returncode == 2 and many.stdout == "" and "Traceback" not in many.stderr
+    assert "--n-train 5000 asks for more training images than digits has after the held-out split (1498 of 1797" in many.stderr
     ok = pyro_mpt("--n-train", "32", "--n-test", "16", "--epochs", "1", "--hidden", "8", "--latent-dim", "2",
                   "--losses", "elbo", "--final-samples", "10", "--quiet", "--json", tmp_path / "runs" / "c.json")
     assert ok.returncode == 0, ok.stderr

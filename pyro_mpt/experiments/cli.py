@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from .curve_cli import check_output_path, positive_float, positive_int
+from .curve_cli import check_output_path, positive_float, positive_int, seed_int
 
 __all__ = ["main", "run", "build_parser", "SUBCOMMANDS"]
 
@@ -49,18 +49,6 @@ def _add_compare_arguments(p):
     p.add_argument("--quiet", action="store_true", help="print only the final table")
 
 
-def seed_int(text):
-    """``argparse`` type of ``--seed``: an integer that numpy's and torch's seeding both take,
-    0 .. 2**32 - 1 (numpy refused -1 with a traceback after the data had loaded)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**32 - 1, got {text!r}")
-    return value
-
-
 def _fail(err, status=2):
     print(f"pyro-mpt: error: {err}", file=sys.stderr)
     raise SystemExit(status)
@@ -87,6 +75,13 @@ def _run_compare(args):
         )
     except (TypeError, ValueError, ImportError) as err:
         _fail(err)
+    if args.n_train is not None and args.n_train > train.shape[0]:
+        # before, the run went on with fewer images than asked for, and said so only in its log
+        _fail(
+            f"--n-train {args.n_train} asks for more training images than {args.dataset} has after "
+            f"the held-out split ({train.shape[0]} of {train.shape[0] + test.shape[0]}, --n-test {test.shape[0]}); "
+            f"pass --n-train {train.shape[0]} or less, or leave it out for all."
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     D = train.shape[1]

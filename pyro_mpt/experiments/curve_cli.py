@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["register", "SUBCOMMANDS", "positive_int", "positive_float", "check_device", "prepare_outputs", "check_output_path",
+__all__ = ["register", "SUBCOMMANDS", "positive_int", "positive_float", "seed_int", "check_device", "prepare_outputs", "check_output_path",
            "dataset_options"]
 
 _MLM_EPILOG = """\
@@ -63,6 +63,18 @@ def positive_int(text):
     return value
 
 
+def seed_int(text):
+    """``argparse`` type of ``--seed``: an integer that numpy's and torch's seeding both take,
+    0 .. 2**32 - 1 (numpy refused -1 with a traceback after the data had loaded)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**32 - 1, got {text!r}")
+    return value
+
+
 def positive_float(text):
     """``argparse`` type of rates such as a learning rate: refuses 0, negatives, NaN and
     infinities at parse time (exit status 2), before any model is trained."""
@@ -80,7 +92,7 @@ def _common(p, default_rates):
     g.add_argument("--rates", default=default_rates, metavar="SPEC",
                    help=f"masking rates: start:stop:step (inclusive) or a comma list (default {default_rates})")
     g.add_argument("--num-masks", type=positive_int, default=1, metavar="K", help="random masks per item and rate (default 1)")
-    g.add_argument("--seed", type=int, default=0, help="mask seed (default 0)")
+    g.add_argument("--seed", type=seed_int, default=0, help="mask seed, 0 .. 2**32 - 1 (default 0)")
     c = p.add_argument_group("compute")
     c.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
     c.add_argument("--bf16", action="store_true", help="bfloat16 autocast (GPU)")

@@ -276,6 +276,16 @@ def _():
     _cli(["compare", "--seed", "-1"])
 
 
+@trigger("cli-n-train")
+def _():
+    _cli(["compare", "--n-train", "5000", "--losses", "elbo"])
+
+
+@trigger("cli-seed-curve")
+def _():
+    _cli(["mlm-curve", "model", "--text-file", "t.txt", "--seed", "-1"])
+
+
 @trigger("cli-compare-failed")
 def _():
     from pyro_mpt.experiments.cli import main
