@@ -65,12 +65,12 @@ def test_special_tokens_and_padding_never_masked(tiny):
     batch = _padded(tok, texts)
     assert (batch["attention_mask"] == 0).any(), "the test needs padding"
     seen = []
+    scorer = MaskedLMScorer(model, tok, max_tokens=40)  # its check's probe is not a scored input
     hook = _encoder(model).embeddings.register_forward_pre_hook(
         lambda mod, args, kwargs: seen.append(kwargs["input_ids"].clone()), with_kwargs=True
     )
     rates = [0.05, 0.5, 0.99]
     try:
-        scorer = MaskedLMScorer(model, tok, max_tokens=40)
         scorer.curve(batch, rates=rates, num_masks=3)
     finally:
         hook.remove()
@@ -597,6 +597,25 @@ def test_models_without_a_masked_lm_head_are_refused(tmp_path_factory):
             MaskedLMScorer(cls(transformers.BertConfig(**config)), tok)
     with pytest.raises(ValueError, match="configured as a decoder"):
         MaskedLMScorer(transformers.BertLMHeadModel(transformers.BertConfig(is_decoder=True, **config)), tok)
+
+
+def test_causal_lms_without_a_decoder_flag_are_refused(tmp_path_factory):
+    """GPT-2's config has no is_decoder: its causal attention is found by a probe (the first
+    position's logits do not move with the last token), where it was scored as a masked LM
+    (a curve of -3.3 at every rate, silently). Bidirectional models pass, in train mode too."""
+    _, tok = tiny_bert(tmp_path_factory.mktemp("causal_vocab"))
+    torch.manual_seed(0)
+    gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=len(TINY_VOCAB), n_embd=16, n_layer=1,
+                                                               n_head=2, n_positions=32))
+    assert not getattr(gpt.config, "is_decoder", False)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel attends to the left only"):
+        MaskedLMScorer(gpt, tok)
+    assert gpt.training  # the probe left the mode as it was
+    config = dict(vocab_size=len(TINY_VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=32, max_position_embeddings=32)
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(**config))
+    MaskedLMScorer(bert.train(), tok)
+    assert bert.training
 
 
 def test_progress_bar_counts_to_the_number_of_masked_copies(tmp_path_factory, capsys):

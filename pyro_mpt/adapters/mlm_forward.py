@@ -14,7 +14,7 @@ import torch
 
 from .mlm_inputs import model_vocab_size
 
-__all__ = ["HEADS", "masked_lm_head", "check_masked_lm", "MaskedForward"]
+__all__ = ["HEADS", "masked_lm_head", "check_masked_lm", "attends_to_later_tokens", "MaskedForward"]
 
 #: Masked-LM classes whose head can run on the masked positions alone:
 #: class name -> (encoder attribute, head attribute(s) applied in order).
@@ -114,6 +114,48 @@ def check_masked_lm(model):
             f"distribution over the vocabulary at a masked position. Load the checkpoint as a masked LM: "
             f"AutoModelForMaskedLM.from_pretrained(...)."
         )
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ValueError(
+            f"{name} is an encoder-decoder model (config.is_encoder_decoder=True): it predicts a target "
+            f"sequence from its decoder, not the tokens at masked positions of its input. Load an "
+            f"encoder-only masked LM: AutoModelForMaskedLM.from_pretrained(...)."
+        )
+    if not attends_to_later_tokens(model):
+        raise ValueError(
+            f"{name} attends to the left only: its logits at the first position do not change when the "
+            f"last token does (a causal LM, e.g. GPT-2, whose config has no is_decoder flag), so its "
+            f"prediction at a masked position would ignore the tokens after it. Load a masked LM: "
+            f"AutoModelForMaskedLM.from_pretrained(...)."
+        )
+
+
+def attends_to_later_tokens(model):
+    """Whether ``model``'s logits at the first position of a short input change when its last
+    token does: False for causal attention, whatever the config says (GPT-2's has no
+    ``is_decoder``). One forward pass of two 4-token inputs, in eval mode (dropout would
+    change the logits anyway); True where the probe cannot run (the scorer's own first pass
+    then says why).
+
+    Example::
+
+        >>> attends_to_later_tokens(BertForMaskedLM(config)), attends_to_later_tokens(GPT2LMHeadModel(config))
+        (True, False)
+    """
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    params = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    if not vocab or vocab < 3 or params is None:
+        return True
+    ids = torch.tensor([[1, 2, 1, 2], [1, 2, 1, 0]], device=params.device) % vocab
+    training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    except Exception:  # noqa: BLE001 - a model the probe cannot run is judged by the scorer's own passes
+        return True
+    finally:
+        model.train(training)
+    return not torch.equal(logits[0, 0], logits[1, 0])
 
 
 class MaskedForward:

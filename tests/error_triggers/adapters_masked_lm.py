@@ -134,6 +134,20 @@ def _():
     _scorer_for(transformers.BertLMHeadModel(config))
 
 
+@trigger("mlm-causal")
+def _():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=30, n_embd=8, n_layer=1, n_head=2, n_positions=16)
+    _scorer_for(transformers.GPT2LMHeadModel(config))
+
+
+@trigger("mlm-encoder-decoder")
+def _():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=30, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2)
+    _scorer_for(transformers.T5ForConditionalGeneration(config))
+
+
 def _scorer_for(model):
     from pyro_mpt.adapters import MaskedLMScorer
 
