@@ -174,11 +174,15 @@ def _latent_kind(tokens, site):
         check_local_latent(tokens, site, NotLinearGaussianError)
         return "normal"
     if not isinstance(base, (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNormal)):
+        # quadrature integrates continuous latents only: a discrete one goes to the enumeration
+        instead = (
+            "conditionals='enumerate' (it sums discrete latents, beside Normal ones where each of their "
+            "values leaves a linear-Gaussian model) or 'importance'"
+            if site["fn"].support.is_discrete else "conditionals='quadrature' (low-dimensional latents) or 'importance'"
+        )
         raise NotLinearGaussianError(
             f"conditionals='gaussian' needs Normal, MultivariateNormal or LowRankMultivariateNormal latents; "
-            f"latent site {site['name']!r} is {type(base).__name__}. Use "
-            f"conditionals='quadrature' (low-dimensional latents) or "
-            f"'importance'."
+            f"latent site {site['name']!r} is {type(base).__name__}. Use {instead}."
         )
     check_local_latent(tokens, site, NotLinearGaussianError)
     return "normal" if isinstance(base, dist.Normal) else "mvn"

@@ -67,6 +67,16 @@ def _():
     MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, _x())
 
 
+@trigger("gaussian-latent-discrete")
+def _():
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Bernoulli(0.5))
+            pyro.sample("x", dist.Normal(c.unsqueeze(-1) * torch.ones(3), 1.0).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(conditionals="gaussian").loss(model, None, _x())
+
+
 @trigger("gaussian-observation-kind")
 def _():
     MaskedPretrainingLoss(conditionals="gaussian").loss(_bernoulli_model(), None, torch.ones(4, 3))
