@@ -67,6 +67,26 @@ class WithGuideELBO(ELBO):
             guide(*args, **kwargs)
         return [site["value"].unconstrained() for site in tr.trace.nodes.values()]
 
+    def differentiable_loss(self, model, guide, *args, **kwargs):
+        r"""The inner loss as a differentiable scalar whose gradient with respect to the guide's
+        parameters carries :math:`w\,\nabla_\phi(-\text{ELBO})` too, for Pyro's module style
+        (``WithGuideELBO(loss)(model, guide)(x).backward()``): the ELBO's guide gradients enter as
+        :math:`\sum_p \langle p, g_p\rangle` less its detached value, so the value stays the
+        inner loss's and the model's parameters get the inner loss's gradient alone.
+
+        :returns: a scalar tensor.
+        """
+        value = self.inner.differentiable_loss(model, guide, *args, **kwargs)
+        if guide is None:
+            return value
+        params = [p for p in self._guide_params(guide, args, kwargs) if p.requires_grad]
+        if not params:
+            return value
+        elbo = self.guide_loss.differentiable_loss(model, guide, *args, **kwargs)
+        grads = torch.autograd.grad(self.weight * elbo, params, allow_unused=True)
+        extra = sum((p * g).sum() for p, g in zip(params, grads) if g is not None)
+        return value if not torch.is_tensor(extra) else value + (extra - extra.detach())
+
     def loss_and_grads(self, model, guide, *args, **kwargs):
         """Back-propagate the inner loss, then add the guide-only ELBO gradients.
 

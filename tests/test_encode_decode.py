@@ -143,6 +143,42 @@ def test_with_guide_elbo_trains_the_encoder_and_leaves_decoder_gradients_to_mpt(
     assert all(g is not None and float(g.abs().sum()) > 0 for g in grads[1][1])
 
 
+def test_with_guide_elbo_in_pyros_module_style_gives_the_loss_and_grads_gradients():
+    """``WithGuideELBO(loss)(model, guide)(x).backward()`` (Pyro's module style; before: an
+    AttributeError, no differentiable_loss): the inner loss's value, and the gradients of
+    ``loss_and_grads`` (SVI style) for the decoder and the encoder, from the same draws. The
+    encoder's ELBO part is checked against Trace_ELBO's own gradient."""
+    from pyro.infer import Trace_ELBO
+
+    vae, x = _vae()
+    mpt = MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(4, 2, encoder_grad=False), masks=0.5)
+    with_guide = WithGuideELBO(mpt, weight=0.5)
+    runs = []
+    for style in ("svi", "module"):
+        vae.zero_grad()
+        pyro.set_rng_seed(3)
+        if style == "svi":
+            value = with_guide.loss_and_grads(vae.model, vae.guide, x)
+        else:
+            out = with_guide(vae.model, vae.guide)(x)
+            out.backward()
+            value = float(out)
+        runs.append((value, [p.grad.clone() for p in vae.parameters()]))
+    (v0, g0), (v1, g1) = runs
+    assert v0 == pytest.approx(v1, rel=1e-12)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # the encoder's gradient is the weighted ELBO's alone (encoder_grad=False): Trace_ELBO's, same draws
+    vae.zero_grad()
+    pyro.set_rng_seed(3)
+    mpt.differentiable_loss(vae.model, vae.guide, x)  # the inner loss's draws come first,
+    with_guide._guide_params(vae.guide, (x,), {})  # then the guide's run that finds its parameters
+    (0.5 * Trace_ELBO().differentiable_loss(vae.model, vae.guide, x)).backward()
+    for p, g in zip(vae.parameters(), g1):
+        if any(p is q for q in vae.encoder.parameters()):
+            torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-12)
+
+
 def test_auto_picks_encode_decode_for_an_amortized_guide_beyond_quadrature():
     vae, x = _vae(K=6)
     loss = MaskedPretrainingLoss(masks=0.33)
