@@ -1,6 +1,7 @@
 """Recursive encode–decode conditionals: convergence to the closed form, gradients, fallbacks, errors."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -409,3 +410,52 @@ def test_a_vae_with_an_untrained_encoder_trains_by_default_and_the_context_gradi
 
     first, last = run()
     assert last < 0.75 * first
+
+
+def test_pyros_minibatch_idiom_with_the_dataset_indexed_inside_the_plate(float64):
+    """``with pyro.plate("data", N, subsample=idx) as i: ... obs=x[i]`` with the whole dataset as
+    the argument (before: refused, no argument equal to the tokens): the copies replace the
+    minibatch's rows of the dataset, and every schedule's scores equal those of the same model
+    and guide given the minibatch itself, same seeds (also with data_arg named)."""
+    g = torch.Generator().manual_seed(0)
+    N, D, K = 30, 5, 2
+    W, x = torch.randn(D, K, generator=g), torch.randn(N, D, generator=g)
+    enc = torch.nn.Linear(D, 2 * K).double()
+    idx = torch.tensor([3, 7, 11, 20, 21, 29])
+
+    def encode(xb):
+        h = enc(xb)
+        return dist.Normal(h[..., :K], torch.nn.functional.softplus(h[..., K:]) + 0.1).to_event(1)
+
+    def model_indexed(x, idx):
+        with pyro.plate("data", N, subsample=idx) as i:
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x[i])
+
+    def guide_indexed(x, idx):
+        pyro.module("enc", enc)
+        with pyro.plate("data", N, subsample=idx) as i:
+            pyro.sample("z", encode(x[i]))
+
+    def model_batch(xb, idx):
+        with pyro.plate("data", N, subsample=idx):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=xb)
+
+    def guide_batch(xb, idx):
+        pyro.module("enc", enc)
+        with pyro.plate("data", N, subsample=idx):
+            pyro.sample("z", encode(xb))
+
+    for masks in ("order", "all", "pll"):
+        scores = []
+        for m, gd, data, options in ((model_indexed, guide_indexed, x, {}), (model_indexed, guide_indexed, x, {"data_arg": 0}),
+                                     (model_batch, guide_batch, x[idx], {})):
+            pyro.set_rng_seed(1)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the batch form's copies fall back to one at a time
+                engine = EncodeDecodeConditionals(**options)
+                scores.append(MaskedPretrainingLoss(conditionals=engine, masks=masks).score(m, gd, data, idx))
+        assert scores[0].shape == (6,) and bool(scores[0].isfinite().all())
+        for other in scores[1:]:
+            torch.testing.assert_close(scores[0], other, rtol=1e-12, atol=1e-10)

@@ -10,13 +10,17 @@ samples (:func:`guide_latents`).
 must know which argument of ``model(*args, **kwargs)`` / ``guide(...)`` holds
 the observed tokens. By default it is the argument that *is* the value passed
 to the observed site (``obs=x``), or else the only tensor argument equal to it;
-``data_arg=`` (a position or a keyword name) overrides. The argument must hold
-exactly the minibatch's tokens (not a full dataset indexed inside the model).
+``data_arg=`` (a position or a keyword name) overrides. The argument holds the
+minibatch's tokens, or, in Pyro's minibatch idiom (``pyro.plate("data", N,
+subsample_size=B) as idx`` and ``x[idx]`` inside it), the whole dataset whose rows
+at the plate's subsample indices are the tokens: imputed copies then replace those
+rows, one guide call a copy (indexing ``x[idx]`` reads the first dim, so copies cannot
+be stacked along it).
 """
 
 import inspect
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from pyro.poutine.util import site_is_subsample
@@ -34,12 +38,15 @@ class DataArgument:
     :param torch.Tensor value: the original argument.
     :param bool rows: True when the argument's leading dim holds the ``n``
         datapoints, so that imputed copies can be stacked along it.
+    :param torch.Tensor index: the data plate's subsample indices where the argument is
+        the whole dataset, indexed inside the model (``x[idx]``); None where it is the batch.
     """
 
     key: Union[int, str]
     value: torch.Tensor
     rows: bool
     tokens: object = None
+    index: Optional[torch.Tensor] = None
 
     def substitute(self, args, kwargs, xt):
         """``(args, kwargs)`` with the data replaced by imputed tokens.
@@ -47,6 +54,13 @@ class DataArgument:
         :param torch.Tensor xt: ``(n, D)``, or ``(B, n, D)`` stacked along the
             leading dim (needs ``rows``).
         """
+        if self.index is not None:
+            # the whole dataset with the minibatch's rows replaced (copies one at a time: rows=False)
+            batch = self.value[self.index]
+            site = self.tokens.to_site(xt).reshape(batch.shape).to(dtype=self.value.dtype, device=self.value.device)
+            new = self.value.detach().clone()
+            new[self.index] = site
+            return self._placed(args, kwargs, new)
         shape = self.value.shape
         site = xt if self.tokens is None else self.tokens.to_site(xt)  # the site's layout
         if xt.dim() == 3:
@@ -54,6 +68,9 @@ class DataArgument:
         else:
             new = site.reshape(shape)
         new = new.to(dtype=self.value.dtype, device=self.value.device)
+        return self._placed(args, kwargs, new)
+
+    def _placed(self, args, kwargs, new):
         if isinstance(self.key, int):
             args = tuple(new if i == self.key else a for i, a in enumerate(args))
         else:
@@ -63,6 +80,24 @@ class DataArgument:
 
     def describe(self):
         return f"positional argument {self.key}" if isinstance(self.key, int) else f"keyword argument {self.key!r}"
+
+
+def _subsample_index(tokens):
+    """The subsample indices of the observed site's one subsampled data plate, or None."""
+    frames = [f for f in tokens.data_frames if f.full_size is not None and f.full_size != f.size]
+    if len(frames) != 1 or len(tokens.datapoint_shape) != 1:
+        return None
+    site = tokens.model_trace.nodes.get(frames[0].name)
+    if site is None or not site_is_subsample(site) or not torch.is_tensor(site["value"]):
+        return None
+    return site["value"]
+
+
+def _indexed_matches(a, index, tokens):
+    """Whether ``a[index]`` holds the tokens: ``a`` the whole dataset, rows along its first dim."""
+    if not torch.is_tensor(a) or a.dim() < 1 or a.shape[0] <= int(index.max()):
+        return False
+    return _matches(a[index.to(a.device)], tokens)
 
 
 def _matches(a, tokens):
@@ -92,9 +127,8 @@ def locate_data_arg(tokens, fn, args, kwargs, data_arg=None, who="this engine"):
     name = tokens.name
     hint = (
         f"Pass data_arg=<position or keyword> to say which argument holds the tokens "
-        f"of site {name!r}, and pass the minibatch itself (shape "
-        f"{tuple(tokens.site_shape)}) rather than a full "
-        f"dataset indexed inside the model."
+        f"of site {name!r}: the minibatch itself (shape {tuple(tokens.site_shape)}), or the "
+        f"whole dataset indexed by the data plate's subsample indices inside the model (x[idx])."
     )
     if data_arg is not None:
         if isinstance(data_arg, bool) or not isinstance(data_arg, (int, str)):
@@ -119,6 +153,9 @@ def locate_data_arg(tokens, fn, args, kwargs, data_arg=None, who="this engine"):
             value = args[key]
         else:
             value = kwargs[key]
+        index = None if _matches(value, tokens) else _subsample_index(tokens)
+        if index is not None and _indexed_matches(value, index, tokens):
+            return DataArgument(key, value, False, tokens, index)
         if not _matches(value, tokens):
             raise ValueError(
                 f"{who}: data_arg={data_arg!r} does not hold the tokens of observed site "
@@ -130,6 +167,12 @@ def locate_data_arg(tokens, fn, args, kwargs, data_arg=None, who="this engine"):
         found = [(k, a) for k, a in items if a is target]
         if not found:
             found = [(k, a) for k, a in items if _matches(a, tokens)]
+        index = None
+        if not found:
+            index = _subsample_index(tokens)
+            if index is not None:
+                # Pyro's minibatch idiom: the whole dataset, indexed inside the plate (x[idx])
+                found = [(k, a) for k, a in items if _indexed_matches(a, index, tokens)]
         if not found:
             raise EngineNotApplicable(
                 f"{who} runs the guide on imputed data, but no argument of the model "
@@ -142,6 +185,8 @@ def locate_data_arg(tokens, fn, args, kwargs, data_arg=None, who="this engine"):
                 f"pass data_arg=<position or keyword> to pick one."
             )
         key, value = found[0]
+        if index is not None:
+            return DataArgument(key, value, False, tokens, index)
     # copies stack along the leading dim only when it is the one datapoint dim
     # and every token plate sits to its right
     rows = (
