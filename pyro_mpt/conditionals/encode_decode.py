@@ -89,7 +89,7 @@ from ..model_keys import callable_key
 from .base import ConditionalEngine, EngineNotApplicable
 from .distributions import base_distribution, check_factorized
 from .data_args import guide_latents, locate_data_arg, refuse_missing
-from .guide_proposals import per_datapoint_autoguide
+from .guide_proposals import has_point_mass, per_datapoint_autoguide
 from .latent_runs import GuideMemory, LatentRunner, check_draws_log_density, logmeanexp
 from ..counts import is_count
 
@@ -300,11 +300,16 @@ class EncodeDecodeConditionals(ConditionalEngine):
         if fixed:
             # said before the guide is run: its per-datapoint parameters would otherwise fail
             # later with a message about auxiliary sites that does not name the cause
+            instead = (
+                # a point mass is no importance proposal either: the prior is
+                "conditionals='importance' with proposal='prior' (a point mass is no proposal)"
+                if has_point_mass(guide) else f"conditionals='importance' (it takes the {fixed} as its proposal)"
+            )
             raise EngineNotApplicable(
                 f"{who} uses the guide as an amortized encoder q(z | x), but the guide is an "
                 f"{fixed}, whose parameters are one set per datapoint: it does not read the data, "
-                f"so it cannot encode masked data. Use conditionals='importance' (it takes the "
-                f"{fixed} as its proposal), or an encoder guide that computes q(z | x) from x."
+                f"so it cannot encode masked data. Use {instead}, or an encoder guide that computes "
+                f"q(z | x) from x."
             )
         check_factorized(tokens.site["fn"], tokens.name, who)
         refuse_missing(tokens, who)

@@ -53,7 +53,7 @@ import pyro.distributions as dist
 
 from .latent_runs import PARTICLE_PLATE
 
-__all__ = ["AUTOGUIDES", "is_autoguide", "per_datapoint_autoguide", "AutoguideProposal"]
+__all__ = ["AUTOGUIDES", "is_autoguide", "per_datapoint_autoguide", "has_point_mass", "AutoguideProposal"]
 
 #: the autoguides served (also as parts of an ``AutoGuideList``)
 AUTOGUIDES = (AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal, AutoLowRankMultivariateNormal)
@@ -81,6 +81,19 @@ def per_datapoint_autoguide(guide):
     if all(isinstance(p, AUTOGUIDES + (AutoDelta,)) or per_datapoint_autoguide(p) for p in parts):
         return type(guide).__name__
     return None
+
+
+def has_point_mass(guide):
+    """Whether ``guide`` is an ``AutoDelta`` or an ``AutoGuideList`` with one among its parts
+    (a MAP guide: no proposal for importance sampling).
+
+    Example::
+
+        >>> has_point_mass(AutoDelta(model)), has_point_mass(AutoNormal(model))   # (True, False)
+    """
+    if isinstance(guide, AutoDelta):
+        return True
+    return isinstance(guide, AutoGuideList) and any(has_point_mass(p) for p in guide)
 
 
 def _parts(guide, who):

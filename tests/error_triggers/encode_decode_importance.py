@@ -61,6 +61,14 @@ def _():
     MaskedPretrainingLoss(conditionals="encode_decode").loss(model, AutoDiagonalNormal(model), x)
 
 
+@trigger("encode-decode-autodelta")
+def _():
+    from pyro.infer.autoguide import AutoDelta
+
+    model, x = _ppca()
+    MaskedPretrainingLoss(conditionals="encode_decode").loss(model, AutoDelta(model), x)
+
+
 @trigger("encode-decode-init")
 def _():
     model, guide, x = _guided_ppca()
