@@ -5,7 +5,7 @@ Two mistakes give silently wrong numbers rather than errors:
 * **Names that do not match.** The model is replayed on the guide's trace by
   site name, so a guide whose sites are named differently from the model's
   latents (``"zz"`` for ``"z"``) is ignored: the closed-form and quadrature
-  engines never read it, and the importance engines fall back to the prior.
+  engines never read it, and the importance engines and encode_decode fall back to the prior.
   :func:`check_guide_sites` warns, as Pyro's ``Trace_ELBO`` does ("Found vars
   in model but not guide"). A guide that samples nothing (the no-op guide
   ``lambda x: None`` of masked pre-training) is not a mismatch; sites marked
@@ -82,8 +82,10 @@ def check_guide_sites(tokens):
             f"The guide does not match the model: guide site(s) not in the model: "
             f"{_names(extra)}; model latent(s) the guide does not sample: {_names(missing)} "
             f"(the model's latents: {_names(tokens.latent_names)}). Pyro matches sites by "
-            f"name, so the closed-form and quadrature engines ignore this guide, and the "
-            f"importance engines draw the latents it leaves out from the prior. Name the "
+            f"name, so the closed-form and quadrature engines ignore this guide, the "
+            f"importance engines draw the latents it leaves out from the prior, and so does "
+            f"conditionals='encode_decode' at every round, whose chains then never condition "
+            f"those latents on the data, so its estimate can be far off. Name the "
             f"guide's sites after the model's latents (as pyro.infer.autoguide does), mark "
             f"helper sites infer={{'is_auxiliary': True}}, or pass no guide.",
             UserWarning,
