@@ -104,7 +104,12 @@ class MPTCurve:
         datapoint, ``token_plates``) it is the masks' share alone, the error of that
         datapoint's own area, where it is known, else NaN.
         Without per-datapoint areas, the per-size errors are added as if independent.
+        NaN where some sizes got no query (:meth:`area` refuses such a curve: e.g. the
+        ``"pll"`` schedule's, one size): the per-datapoint sums over the sizes that did
+        are not areas.
         """
+        if np.isnan(self.score).any():
+            return float("nan")
         if self.item_areas is not None:
             a = np.asarray(self.item_areas, dtype=np.float64)
             # one datapoint (e.g. the whole data set under token_plates): the error of its own

@@ -1,5 +1,7 @@
 """MPTCurve and Evidence."""
 
+import math
+
 import numpy as np
 import scipy.stats
 import pytest
@@ -160,6 +162,10 @@ def test_pll_curve_with_missing_tokens_is_the_mean_over_each_datapoints_observed
     present = np.arange(12) != 3
     assert curve.score[0] == pytest.approx(S1[present].mean(), abs=1e-9)
     assert curve.stderr[0] == pytest.approx(S1[present].std(ddof=1) / np.sqrt(11), rel=1e-7)
+    # one size of five: no area, and no error of one (before: the spread of the S(x_i; 1) terms)
+    with pytest.raises(ValueError, match="no value at 4 mask size"):
+        curve.area()
+    assert math.isnan(curve.area_stderr())
 
 
 def test_curve_accumulator_with_sizes_that_differ_by_datapoint_against_numpy():

@@ -84,11 +84,16 @@ def parse_rates(spec):
         if ":" in spec:
             start, stop, step = (float(v) for v in spec.split(":"))
             if step <= 0 or stop < start:
-                raise ValueError
+                raise ValueError(
+                    f"Rates {spec!r}: start:stop:step needs start <= stop and a positive step "
+                    f"(e.g. 0.1:0.5:0.1), got start {start:g}, stop {stop:g}, step {step:g}."
+                )
             rates = rate_grid(start, stop, step)
         else:
             rates = np.array([float(v) for v in spec.split(",") if v.strip()])
-    except ValueError:
+    except ValueError as e:
+        if str(e).startswith("Rates "):
+            raise
         raise ValueError(
             f"Cannot read rates {spec!r}; write start:stop:step (e.g. 0.01:0.99:0.01) "
             f"or a comma list (e.g. 0.05,0.15,0.5)."

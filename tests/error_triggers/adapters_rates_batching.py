@@ -14,6 +14,13 @@ def _():
     parse_rates("0.1:x:0.1")
 
 
+@trigger("rates-range-backwards")
+def _():
+    from pyro_mpt.adapters import parse_rates
+
+    parse_rates("0.5:0.1:0.1")
+
+
 @trigger("rates-spec-out-of-range")
 def _():
     from pyro_mpt.adapters import parse_rates
