@@ -686,3 +686,25 @@ def test_models_numbering_positions_after_padding_take_max_positions_less_the_of
     assert abs(float(got[0]) - want) < 1e-10
     with pytest.raises(ValueError, match=r"has 11 tokens \(padding removed\), more than the maximum of 10"):
         scorer.pll({"input_ids": [torch.cat([ids[:1], torch.tensor([13]), ids[1:]])]})
+
+
+def test_masks_depend_on_the_seed_and_the_index_only(tmp_path_factory):
+    """What the docs claim (MaskedLMScorer's docstring, docs/adapters.md): a sequence's masks
+    depend on the seed and its index, not on the other sequences' content nor on max_tokens; the
+    same sequence at another index gets other masks (the docs claimed before that the input
+    order did not matter)."""
+    model, tok = _tiny("bert", tmp_path_factory)
+    scorer = MaskedLMScorer(model, tok)
+    a, b, c = "a b c d e f g h", "j i h g f e d c", "c d c d c d c d"  # 8 tokens each
+    rates = [0.25, 0.5, 0.75]
+    ab, ac, ba = (scorer.curve_masks(x, rates, 3, seed=5) for x in ([a, b], [a, c], [b, a]))
+    assert torch.equal(ab[0], ac[0]) and torch.equal(ab[1], ac[1])  # the other sequence's content: no effect
+    assert not torch.equal(ab[0], ba[1])  # a at index 1 instead of 0: other masks, drawn alike
+    assert ab[0][:, :, 1:-1].sum(-1).tolist() == ba[1][:, :, 1:-1].sum(-1).tolist() == [[2] * 3, [4] * 3, [6] * 3]
+    # the numbers follow the masks: a's row is the same beside b or c, for any budget
+    small, large = MaskedLMScorer(model, tok, max_tokens=9), MaskedLMScorer(model, tok, max_tokens=10_000)
+    assert_close_to_rounding(small.curve([a, b], rates, 3, seed=5).per_item[0],
+                             large.curve([a, c], rates, 3, seed=5).per_item[0])
+    doc = " ".join(MaskedLMScorer.__doc__.split())
+    assert "seeded by ``(seed, the sequence's index in the inputs)``" in doc and "input order" not in doc
+    assert "the same sequence at another index gets other masks" in doc

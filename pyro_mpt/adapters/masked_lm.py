@@ -63,10 +63,12 @@ class MaskedLMScorer:
     ``max_tokens`` tokens (no padding), the LM head runs only where a
     log-probability is needed (for known architectures,
     :data:`~pyro_mpt.adapters.mlm_forward.HEADS`), under
-    :func:`torch.inference_mode`. Masks come from per-sequence seeded
-    generators, so the masks do not depend on ``max_tokens``, on the input order
-    or on sharding, and the results do not either, to float rounding (other
-    batch shapes may run other BLAS kernels: agreement to about
+    :func:`torch.inference_mode`. A sequence's masks come from a generator
+    seeded by ``(seed, the sequence's index in the inputs)``: they depend on the
+    seed and on that index only, not on ``max_tokens``, on batching, on sharding
+    or on the other sequences' content (the same sequence at another index gets
+    other masks, drawn alike), and the results do not either, to float rounding
+    (other batch shapes may run other BLAS kernels: agreement to about
     :math:`256\,\epsilon_{\text{float32}} \approx 3\cdot10^{-5}` relative).
 
     :param model: a masked LM (``transformers.PreTrainedModel``); every query runs
