@@ -403,3 +403,44 @@ def test_a_checkpoint_without_the_models_weights_is_refused(bert_dir, tmp_path):
     ok = _pyro_mpt("mlm-curve", enc, "--text-file", texts, "--rates", "0.5", "--no-plot", "--random-init",
                    "--json", tmp_path / "r.json", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_bare_vocab_file_is_read_alike_from_the_model_directory_and_as_tokenizer(tmp_path):
+    """A model directory whose only tokenizer file is an upper-case vocab.txt (AntiBERTy's kind):
+    `mlm-curve DIR` lower-cased it (transformers' BERT default), turning 'E V Q L' into [UNK]s
+    and telling the user to write upper case, while `--tokenizer DIR/vocab.txt` kept the case.
+    Now both keep it and give the same numbers; --lowercase forces it, and the message then
+    names the lower-casing and --no-lowercase."""
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "E", "V", "Q", "L", "S", "G"]
+    d = tmp_path / "upper"
+    model, _ = tiny_bert(vocab_size=len(vocab))
+    model.save_pretrained(d)
+    (d / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    texts = tmp_path / "t.txt"
+    texts.write_text("E V Q L V E S G\nQ V Q L\n")
+    common = ["--text-file", texts, "--rates", "0.3,0.7", "--scores", "pll", "--no-plot"]
+    runs = {}
+    for name, extra in (("dir", []), ("file", ["--tokenizer", d / "vocab.txt"]), ("dir-cased", ["--no-lowercase"])):
+        out = _pyro_mpt("mlm-curve", d, *extra, *common, "--json", tmp_path / f"{name}.json", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    for name in ("file", "dir-cased"):
+        assert runs[name]["score"] == runs["dir"]["score"]
+        assert runs[name]["per_sequence"]["pll"] == runs["dir"]["per_sequence"]["pll"]
+    assert runs["dir"]["per_sequence"]["num_tokens"] == [8, 4]
+    for extra in ([], ["--tokenizer", d / "vocab.txt"]):
+        bad = _pyro_mpt("mlm-curve", d, *extra, "--lowercase", *common, cwd=tmp_path)
+        assert bad.returncode == 2, bad.stderr
+        assert bad.stderr.strip().splitlines() == [
+            "pyro-mpt: error: Sequence 0 has no maskable token: all its 8 token(s) are the unknown token '[UNK]', "
+            "because the tokenizer lower-cases the text (do_lower_case=True) while its vocabulary of 11 tokens has "
+            "the text's words as written ('E', 'V', 'Q', 'L'). Load the tokenizer with do_lower_case=False (on the "
+            "command line: --no-lowercase)."]
+    # an uncased (all lower-case) bare vocabulary is still lower-cased, from the directory or the file
+    lower = tmp_path / "lower"
+    model.save_pretrained(lower)
+    (lower / "vocab.txt").write_text("\n".join(v if v.startswith("[") else v.lower() for v in vocab) + "\n")
+    for extra in ([], ["--tokenizer", lower / "vocab.txt"]):
+        ok = _pyro_mpt("mlm-curve", lower, *extra, *common, "--json", tmp_path / "l.json", cwd=tmp_path)
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads((tmp_path / "l.json").read_text())["per_sequence"]["pll"] == runs["dir"]["per_sequence"]["pll"]

@@ -708,3 +708,53 @@ def test_masks_depend_on_the_seed_and_the_index_only(tmp_path_factory):
     doc = " ".join(MaskedLMScorer.__doc__.split())
     assert "seeded by ``(seed, the sequence's index in the inputs)``" in doc and "input order" not in doc
     assert "the same sequence at another index gets other masks" in doc
+
+
+def test_empty_inputs_of_every_kind_are_refused(tmp_path_factory):
+    """Before, only [] was refused: a (0, T) ids tensor failed on a reshape, an empty Dataset
+    with an IndexError."""
+    datasets = pytest.importorskip("datasets")
+    model, tok = _tiny("bert", tmp_path_factory)
+    scorer = MaskedLMScorer(model, tok)
+    empty = datasets.Dataset.from_dict({"text": []})
+    for call in (lambda: scorer.curve({"input_ids": torch.zeros((0, 5), dtype=torch.long)}, rates=[0.5]),
+                 lambda: scorer.curve({"input_ids": []}, rates=[0.5]),
+                 lambda: scorer.curve(empty, rates=[0.5]), lambda: scorer.pll(empty), lambda: scorer.score(empty),
+                 lambda: scorer.curve_masks(empty, [0.5]), lambda: scorer.curve([], rates=[0.5])):
+        with pytest.raises(ValueError, match=r"^inputs is empty: pass at least one sequence\.$"):
+            call()
+    # a missing column is still named first
+    with pytest.raises(ValueError, match="text_column"):
+        scorer.pll(empty, text_column="nope")
+
+
+def test_ids_outside_the_vocabulary_are_refused(tmp_path_factory):
+    """Before: a bare IndexError ('index out of range in self') from the embedding."""
+    model, tok = _tiny("bert", tmp_path_factory)  # vocab_size 15
+    scorer = MaskedLMScorer(model, tok)
+    for ids, bad, pos in (([2, 5, 99, 3], 99, 2), ([2, 5, 6, -5, 3], -5, 3), ([2, 15, 3], 15, 1)):
+        with pytest.raises(ValueError) as err:
+            scorer.pll({"input_ids": [[2, 5, 3], ids]})
+        assert str(err.value) == (f"input_ids[1] holds id {bad} at position {pos}, outside the model's vocabulary "
+                                  f"of 15 tokens (config.vocab_size: ids 0..14); pass ids from the model's tokenizer.")
+    assert scorer.pll({"input_ids": [[2, 14, 5, 3]]}).shape == (1,)  # the last id is taken
+
+
+def test_text_unknown_only_because_lower_cased_says_so():
+    """A vocabulary of upper-case symbols read by a lower-casing tokenizer: the message named
+    upper case as the fix, which the text already was; now it names the lower-casing and
+    do_lower_case=False. Without lower-casing the same text is scored; a text unknown in any
+    case keeps the general message."""
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "A", "B", "C"])}
+    model, _ = tiny_bert(vocab_size=8)
+    lowering = MaskedLMScorer(model, transformers.BertTokenizer(vocab=vocab, do_lower_case=True))
+    with pytest.raises(ValueError) as err:
+        lowering.pll(["A B C B"])
+    assert str(err.value) == (
+        "Sequence 0 has no maskable token: all its 4 token(s) are the unknown token '[UNK]', because the tokenizer "
+        "lower-cases the text (do_lower_case=True) while its vocabulary of 8 tokens has the text's words as written "
+        "('A', 'B', 'C'). Load the tokenizer with do_lower_case=False (on the command line: --no-lowercase).")
+    cased = MaskedLMScorer(model, transformers.BertTokenizer(vocab=vocab, do_lower_case=False))
+    assert torch.isfinite(cased.pll(["A B C B"])).all() and cased.encode(["A B C B"]).lengths.tolist() == [4]
+    with pytest.raises(ValueError, match="knows none of the text's symbols. Write the text as the vocabulary expects"):
+        lowering.pll(["X Y"])

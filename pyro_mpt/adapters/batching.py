@@ -21,7 +21,7 @@ import torch
 from .optional_packages import missing_package_message
 from ..counts import is_count
 
-__all__ = ["positive_count", "group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator", "place_model", "eval_mode"]
+__all__ = ["positive_count", "check_not_empty", "group_by_length", "pack", "shard", "gather_rows", "resolve_accelerator", "place_model", "eval_mode"]
 
 
 def positive_count(value, name):
@@ -36,6 +36,22 @@ def positive_count(value, name):
     if not is_count(value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     return int(value)
+
+
+def check_not_empty(count, what):
+    """Refuse an input with no items: an empty list, a ``(0, ...)`` tensor or ids mapping, an
+    empty ``datasets.Dataset`` (before: an ``IndexError`` or a reshape error deep inside).
+
+    :param int count: the number of items.
+    :param str what: one item, for the message (``"sequence"``, ``"image"``).
+    :raises ValueError: when ``count`` is 0.
+
+    Example::
+
+        >>> check_not_empty(3, "sequence")   # None; check_not_empty(0, "image") raises
+    """
+    if count == 0:
+        raise ValueError(f"inputs is empty: pass at least one {what}.")
 
 
 def group_by_length(indices, lengths):

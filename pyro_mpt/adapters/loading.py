@@ -26,6 +26,7 @@ from ..code_origin import user_stacklevel
 __all__ = [
     "ResourceUnavailable",
     "antiberty_paths",
+    "bare_vocab_lowercase",
     "load_masked_lm",
     "load_vit_mae",
     "load_texts",
@@ -172,10 +173,29 @@ _MODEL_HINT = (
 _MAE_HINT = _MODEL_HINT.split(", or use 'antiberty'")[0] + "."
 
 
+def bare_vocab_lowercase(path):
+    """Whether a BERT ``vocab.txt`` that comes without a saved tokenizer setting should be read
+    lower-cased: True when none of its tokens (special ``[...]`` tokens aside) has an upper-case
+    letter (an uncased vocabulary: lower-casing the text only helps), False otherwise (a cased
+    vocabulary, or AntiBERTy's upper-case residues, which lower-casing turns into unknown tokens).
+
+    Before, ``mlm-curve DIR`` lower-cased such a vocabulary (transformers' BERT default) while
+    ``--tokenizer DIR/vocab.txt`` kept the case: the same vocabulary read two ways.
+
+    :param str path: the ``vocab.txt`` file.
+    """
+    with open(path, encoding="utf-8") as f:
+        tokens = [line.strip() for line in f]
+    return not any(t != t.lower() for t in tokens if t and not (t.startswith("[") and t.endswith("]")))
+
+
 def load_tokenizer(spec, model_dir=None, lowercase=None, where="local"):
     """A tokenizer from a ``vocab.txt`` file (BERT WordPiece), a directory or a hub name.
 
     :param str spec: the tokenizer; None for the model's (``model_dir``).
+    :param lowercase: lower-case the texts (``do_lower_case``); None: the tokenizer's saved
+        setting, and for a bare ``vocab.txt`` (a file, or a directory whose only tokenizer file
+        it is) :func:`bare_vocab_lowercase`, the same for both.
     :param str where: how ``model_dir`` resolved (``"local"``, ``"hub"``, ``"cache"``).
     """
     transformers = optional_import("transformers", "Loading a tokenizer")
@@ -183,7 +203,7 @@ def load_tokenizer(spec, model_dir=None, lowercase=None, where="local"):
 
     if spec is not None and os.path.isfile(spec):
         # transformers 5 ignores vocab_file=; the vocabulary goes in vocab=
-        return BertTokenizer(vocab=spec, do_lower_case=bool(lowercase))
+        return BertTokenizer(vocab=spec, do_lower_case=bare_vocab_lowercase(spec) if lowercase is None else lowercase)
     name = spec or model_dir
     if spec:
         hint = (
@@ -192,14 +212,20 @@ def load_tokenizer(spec, model_dir=None, lowercase=None, where="local"):
         )
         where = _resolve_hub(name, "tokenizer", hint, filename="tokenizer_config.json")
     kw = {"local_files_only": True} if where == "cache" else {}
+    vocab = os.path.join(name, "vocab.txt") if os.path.isdir(name) else None
+    bare = vocab is not None and os.path.isfile(vocab) and not any(
+        os.path.isfile(os.path.join(name, f)) for f in ("tokenizer_config.json", "tokenizer.json"))
+    if lowercase is None and bare:
+        # a directory whose only tokenizer file is vocab.txt saved no setting (transformers would
+        # lower-case, BERT's default): read it as --tokenizer DIR/vocab.txt reads it
+        lowercase = bare_vocab_lowercase(vocab)
     if lowercase is not None:
         kw["do_lower_case"] = lowercase
     try:
         return AutoTokenizer.from_pretrained(name, **kw)
     except (OSError, ValueError) as err:
-        vocab = os.path.join(name, "vocab.txt") if os.path.isdir(name) else None
         if vocab and os.path.isfile(vocab):
-            return BertTokenizer(vocab=vocab, do_lower_case=bool(lowercase))
+            return BertTokenizer(vocab=vocab, do_lower_case=bare_vocab_lowercase(vocab) if lowercase is None else lowercase)
         raise ResourceUnavailable(
             f"Could not load a tokenizer from {name!r} ({err}). Pass --tokenizer with a tokenizer "
             f"directory or a BERT vocab.txt file."

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from ..code_origin import user_stacklevel
-from .batching import positive_count
+from .batching import check_not_empty, positive_count
 from .columns import text_columns
 
-__all__ = ["Encoded", "encode_inputs", "check_tokenizer", "model_vocab_size", "position_limit"]
+__all__ = ["Encoded", "encode_inputs", "check_tokenizer", "lowercases", "model_vocab_size", "position_limit"]
 
 #: model types known to number positions from ``pad_token_id + 1`` where their modeling
 #: module cannot be read (a config defined outside transformers' own ``models`` package)
@@ -67,6 +67,26 @@ def model_vocab_size(model):
     emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     vocab = getattr(model.config, "vocab_size", None) or getattr(getattr(emb, "weight", None), "shape", [None])[0]
     return int(vocab) if vocab else None
+
+
+def lowercases(tokenizer):
+    """Whether ``tokenizer`` lower-cases its texts: its ``do_lower_case`` (BERT's), its basic
+    tokenizer's, else the ``lowercase`` flag of its fast backend's normalizer; False when none
+    says so (or without a tokenizer).
+
+    Example::
+
+        >>> lowercases(BertTokenizer(vocab="vocab.txt", do_lower_case=True))
+        True
+    """
+    if tokenizer is None:
+        return False
+    for owner in (tokenizer, getattr(tokenizer, "basic_tokenizer", None)):
+        flag = getattr(owner, "do_lower_case", None)
+        if flag is not None:
+            return bool(flag)
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    return bool(getattr(normalizer, "lowercase", False))
 
 
 def check_tokenizer(tokenizer, model):
@@ -171,6 +191,7 @@ def encode_inputs(inputs, *, tokenizer, config, special_token_ids, max_length=No
                 f"text_column {missing} not in the dataset's columns {inputs.column_names}; "
                 f"pass text_column='...' (or a pair of column names)."
             )
+        check_not_empty(len(inputs), "sequence")
         texts = [inputs[c] for c in cols]
         return source.tokenize(*texts)
     if isinstance(inputs, Mapping):
@@ -182,8 +203,7 @@ def encode_inputs(inputs, *, tokenizer, config, special_token_ids, max_length=No
     if isinstance(inputs, str):
         raise TypeError("inputs must be a list of strings, not one string: wrap it as [text].")
     inputs = list(inputs)
-    if not inputs:
-        raise ValueError("inputs is empty: pass at least one sequence.")
+    check_not_empty(len(inputs), "sequence")
     if all(isinstance(t, str) for t in inputs):
         return source.tokenize(inputs)
     if all(isinstance(t, (tuple, list)) and len(t) == 2 and all(isinstance(s, str) for s in t) for t in inputs):
@@ -256,11 +276,25 @@ class _Source:
             data["token_type_ids"] = enc["token_type_ids"]
         if word_ids is not None:
             data["word_ids"] = word_ids
-        return self.from_ids(data, pretokenized=False)
+        return self.from_ids(data, pretokenized=False, texts=(texts, pairs))
 
-    def from_ids(self, data, pretokenized=True):
+    def cased_words(self, texts, i):
+        """The words of text ``i`` (and its pair) with upper-case letters that the tokenizer's
+        vocabulary holds as written, when the tokenizer lower-cases: the words it turns into
+        unknown tokens only because it lower-cases them. Empty otherwise.
+
+        :param texts: ``(texts, pairs)`` as given to :meth:`tokenize`, or None (ids).
+        """
+        if texts is None or not lowercases(self.tokenizer):
+            return []
+        vocab = self.tokenizer.get_vocab()
+        words = [w for t in (texts[0][i], texts[1][i] if texts[1] is not None else None) if t for w in t.split()]
+        return [w for w in dict.fromkeys(words) if w != w.lower() and w in vocab]
+
+    def from_ids(self, data, pretokenized=True, texts=None):
         ids = data["input_ids"]
         n = len(ids)
+        check_not_empty(n, "sequence")  # a (0, T) tensor or an empty list of ids
         attn = data.get("attention_mask")
         types = data.get("token_type_ids")
         words = data.get("word_ids")
@@ -269,6 +303,7 @@ class _Source:
         # texts are truncated by the tokenizer; pre-tokenized ids must fit the model as given
         limit = (int(self.max_length) if self.max_length is not None else position_limit(self.config)) if pretokenized else None
         unk = getattr(self.tokenizer, "unk_token_id", None)
+        vocab = getattr(self.config, "vocab_size", None)  # ids beyond it failed in the embedding (IndexError)
         with_unknown = []  # (sequence, unknown tokens) of the sequences that also have known ones
         for i in range(n):
             # inputs are kept on the host; each packed batch moves to the model's device
@@ -286,6 +321,12 @@ class _Source:
                     f"give one mask entry per token (1 = keep, 0 = padding)."
                 )
             x = x[keep]
+            if vocab is not None and x.numel() and not bool(((x >= 0) & (x < vocab)).all()):
+                pos = int(torch.nonzero((x < 0) | (x >= vocab))[0])
+                raise ValueError(
+                    f"input_ids[{i}] holds id {int(x[pos])} at position {pos}, outside the model's vocabulary of "
+                    f"{vocab} tokens (config.vocab_size: ids 0..{vocab - 1}); pass ids from the model's tokenizer."
+                )
             if limit is not None and x.numel() > limit:
                 raise ValueError(
                     f"input_ids[{i}] has {x.numel()} tokens (padding removed), more than the maximum of {limit} "
@@ -295,6 +336,15 @@ class _Source:
             maskable = torch.nonzero(~torch.isin(x, self.special_token_ids)).reshape(-1)
             unknown = 0 if unk is None else int((x == unk).sum())
             if maskable.numel() == 0:
+                cased = self.cased_words(texts, i) if unknown else []
+                if cased:
+                    raise ValueError(
+                        f"Sequence {i} has no maskable token: all its {unknown} token(s) are the unknown token "
+                        f"{self.tokenizer.unk_token!r}, because the tokenizer lower-cases the text "
+                        f"(do_lower_case=True) while its vocabulary of {len(self.tokenizer)} tokens has the "
+                        f"text's words as written ({', '.join(map(repr, cased[:4]))}). Load the tokenizer "
+                        f"with do_lower_case=False (on the command line: --no-lowercase)."
+                    )
                 if unknown:
                     raise ValueError(
                         f"Sequence {i} has no maskable token: all its {unknown} token(s) are the unknown token "

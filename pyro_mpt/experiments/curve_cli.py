@@ -116,7 +116,9 @@ def _add_mlm_arguments(p):
     m.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer directory, hub name or BERT vocab.txt (default: the model's)")
     m.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=None,
-                   help="lowercase texts (default: the tokenizer's setting)")
+                   help="lowercase texts (default: the tokenizer's saved setting; a BERT vocab.txt without "
+                        "one, as --tokenizer FILE or the model directory's only tokenizer file, is lower-cased "
+                        "only when none of its tokens has an upper-case letter)")
     m.add_argument("--random-init", action="store_true", help="same architecture, random weights (the paper's baseline)")
     d = p.add_argument_group("data (one source)")
     d.add_argument("--text-file", default=None, metavar="FILE", help="one sequence per line")

@@ -202,3 +202,20 @@ def _():
 @trigger("mlm-max-length")
 def _():
     _scorer(max_length=0)
+
+
+@trigger("mlm-all-unknown-lowercased")
+def _():
+    transformers = pytest.importorskip("transformers")
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    from models import tiny_bert
+
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "A", "B", "C"])}
+    tok = transformers.BertTokenizer(vocab=vocab, do_lower_case=True)
+    MaskedLMScorer(tiny_bert(vocab_size=8)[0], tok).pll(["A B C"])
+
+
+@trigger("mlm-ids-out-of-vocabulary")
+def _():
+    _scorer().pll({"input_ids": [[2, 5, 99, 3]]})
