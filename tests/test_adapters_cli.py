@@ -405,6 +405,24 @@ def test_a_checkpoint_without_the_models_weights_is_refused(bert_dir, tmp_path):
     assert ok.returncode == 0, ok.stderr
 
 
+def test_mae_curve_column_of_labels_is_a_usage_error_before_the_model_loads(tmp_path):
+    """mae-curve --column naming a column of integers: a transformers TypeError traceback,
+    exit 1, after the model had loaded. Now exit 2 with one line naming the column, what it
+    holds and the image columns; the model named here does not exist, so nothing was loaded."""
+    datasets = pytest.importorskip("datasets")
+    from PIL import Image
+
+    ds = datasets.Dataset.from_dict({"img": [Image.new("RGB", (8, 8))] * 3, "label": [2, 0, 1]})
+    datasets.DatasetDict({"test": ds.cast_column("img", datasets.Image())}).save_to_disk(tmp_path / "ds")
+    bad = _pyro_mpt("mae-curve", "no-such-org/no-such-model", "--dataset", tmp_path / "ds", "--column", "label",
+                    "--rates", "0.5", "--no-plot", "--json", tmp_path / "x.json", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stdout == "", bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        f"pyro-mpt: error: Column 'label' of '{tmp_path / 'ds'}' holds int64 values (int 2 at row 0), not images; "
+        f"pass --column with one of its image columns ['img']."]
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_a_bare_vocab_file_is_read_alike_from_the_model_directory_and_as_tokenizer(tmp_path):
     """A model directory whose only tokenizer file is an upper-case vocab.txt (AntiBERTy's kind):
     `mlm-curve DIR` lower-cased it (transformers' BERT default), turning 'E V Q L' into [UNK]s

@@ -258,3 +258,49 @@ def test_batch_sizes_are_positive_integers():
             MAEScorer(mae, **kw)
     scorer = MAEScorer(mae, batch_size=np.int64(3), chunk_images=np.int32(2))
     assert (scorer.batch_size, scorer.chunk_images) == (3, 2) and type(scorer.batch_size) is int
+
+
+def test_sigma2_takes_any_real_scalar():
+    """np.float32 and 0-dim tensors were refused while np.float64 was taken."""
+    model = tiny_mae()
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    ref = MAEScorer(model, sigma2=0.5).curves(x, rates=[0.5])
+    for s2 in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5), torch.tensor(0.5, dtype=torch.float64),
+               np.array(0.5), np.int64(2) / 4):
+        out = MAEScorer(model, sigma2=s2).curves(x, rates=[0.5])
+        assert out["sigma2"] == 0.5 and type(out["sigma2"]) is float
+        np.testing.assert_array_equal(out["log_density"].per_item, ref["log_density"].per_item)
+    for bad in (torch.tensor(True), np.bool_(True), torch.tensor([0.5]), np.float32("nan"), torch.tensor(-1.0)):
+        with pytest.raises(ValueError, match='sigma2 must be a positive finite float or "mle"'):
+            MAEScorer(model, sigma2=bad)
+
+
+def test_integer_pixels_empty_inputs_and_non_image_columns_are_refused():
+    """Raw uint8 pixels were scored as pixel values (an MSE in the tens of thousands); empty
+    inputs failed on a reshape; a column of labels failed inside transformers' image loading."""
+    model = tiny_mae()
+    raw = (torch.arange(2 * 3 * 16 * 16) % 256).reshape(2, 3, 16, 16).to(torch.uint8)
+    message = (f"Image tensors of dtype torch.uint8 (values 0..255) are raw pixels, but tensors are taken as the "
+               f"model's pixel_values: floats normalized as its image processor does.")
+    with pytest.raises(ValueError) as err:
+        MAEScorer(model).curves(raw, rates=[0.5])
+    assert str(err.value).startswith(message) and "image_processor=AutoImageProcessor" in str(err.value)
+    with pytest.raises(ValueError, match=r"dtype torch.int64 \(values 0..255\)"):
+        MAEScorer(model).curves(list(raw.long()), rates=[0.5])  # (C, H, W) tensors, no processor
+    # with a processor the same raw images are rescaled and normalized by it
+    proc = transformers.ViTImageProcessor(size={"height": 16, "width": 16})
+    mse = MAEScorer(model, proc).curves(list(raw), rates=[0.5])["mse"].score
+    assert 0 < mse[0] < 10
+    for empty in (torch.zeros(0, 3, 16, 16), []):
+        with pytest.raises(ValueError, match=r"^inputs is empty: pass at least one image\.$"):
+            MAEScorer(model).curves(empty, rates=[0.5])
+    datasets = pytest.importorskip("datasets")
+    from PIL import Image
+
+    ds = datasets.Dataset.from_dict({"img": [Image.new("RGB", (16, 16))] * 2, "label": [3, 1]})
+    ds = ds.cast_column("img", datasets.Image())
+    with pytest.raises(ValueError) as err:
+        MAEScorer(model, proc, image_column="label").curves(ds, rates=[0.5])
+    assert str(err.value) == ("Column 'label' of the dataset holds int64 values (int 3 at row 0), not images; pass "
+                              "MAEScorer(..., image_column=...) with one of its image columns ['img'].")
+    assert MAEScorer(model, proc, image_column="img").curves(ds, rates=[0.5])["mse"].per_item.shape == (2, 1)

@@ -19,7 +19,7 @@ import threading
 import warnings
 from urllib.parse import urlparse
 
-from .columns import text_columns
+from .columns import check_image_column, text_columns
 from .optional_packages import missing_package_message
 from ..code_origin import user_stacklevel
 
@@ -482,6 +482,7 @@ def load_images(image_folder=None, dataset=None, config=None, split="test", colu
         raise ValueError(
             f"Image column {column!r} not in {dataset!r} (columns {ds.column_names}); pass --column {guess[0] if guess else '...'}."
         )
+    check_image_column(ds, column, repr(dataset), "--column")  # before the model loads
     if limit:
         ds = ds.select(range(min(limit, len(ds))))
     return ds

@@ -37,17 +37,19 @@ density is over normalized patches, not raw pixels.
 
 import math
 import warnings
+from numbers import Real
 from contextlib import contextmanager, nullcontext
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from .batching import eval_mode, gather_rows, place_model, positive_count, shard
+from .columns import check_image_column
+from .batching import check_not_empty, eval_mode, gather_rows, place_model, positive_count, shard
 from ..code_origin import user_stacklevel
 from .rates import PAPER_MAE_RATES, check_rates, item_generator, mask_counts, nested_ranks, rate_curve
 
-__all__ = ["MAEScorer", "init_position_embeddings"]
+__all__ = ["MAEScorer", "init_position_embeddings", "check_pixel_dtype"]
 
 
 def init_position_embeddings(model, reinit=False):
@@ -84,6 +86,25 @@ def init_position_embeddings(model, reinit=False):
     return model
 
 
+def check_pixel_dtype(pixels):
+    """Refuse image tensors of an integer dtype, given where preprocessed ``pixel_values`` are
+    meant: raw 0..255 pixels were scored as they were (an MSE in the tens of thousands, no
+    warning), while the model reads floats normalized by its image processor.
+
+    :param torch.Tensor pixels: the image tensor given as is (no image processor runs on it).
+    :raises ValueError: naming the dtype and the range, and what to pass instead.
+    """
+    if pixels.dtype.is_floating_point:
+        return
+    lo, hi = (int(pixels.min()), int(pixels.max())) if pixels.numel() else (0, 0)
+    raise ValueError(
+        f"Image tensors of dtype {pixels.dtype} (values {lo}..{hi}) are raw pixels, but tensors are taken "
+        f"as the model's pixel_values: floats normalized as its image processor does. Pass the images "
+        f"as a list (PIL images or arrays) with image_processor=AutoImageProcessor.from_pretrained(...), "
+        f"or pass the processor's pixel_values (a float tensor)."
+    )
+
+
 class MAEScorer:
     r"""Reconstruction-error and Gaussian log-density MPT curves of a ViT-MAE.
 
@@ -94,7 +115,7 @@ class MAEScorer:
         tensors that are already preprocessed.
     :param int batch_size: masked copies per forward pass.
     :param sigma2: variance :math:`\sigma^2` of the Gaussian decoder: a
-        positive float, or ``"mle"``.
+        positive real scalar (a float, a numpy scalar, a 0-dim tensor), or ``"mle"``.
     :param device: default the model's device.
     :param bool bf16: autocast to bfloat16 (GPU); errors are computed in float32.
     :param str image_column: image column of a ``datasets.Dataset``.
@@ -129,10 +150,14 @@ class MAEScorer:
         progress=False,
         accelerator=None,
     ):
+        given = sigma2
+        if isinstance(sigma2, (torch.Tensor, np.ndarray)) and sigma2.ndim == 0:
+            sigma2 = sigma2.item()  # a 0-dim tensor or array (np.float32 and kin are Real already)
         # True is an int equal to 1: a flag passed where a variance is meant
-        number = isinstance(sigma2, (int, float)) and not isinstance(sigma2, bool)
-        if not (sigma2 == "mle" or (number and math.isfinite(sigma2) and sigma2 > 0)):
-            raise ValueError(f'sigma2 must be a positive finite float or "mle", got {sigma2!r}.')
+        number = isinstance(sigma2, Real) and not isinstance(sigma2, (bool, np.bool_))
+        if not (isinstance(sigma2, str) and sigma2 == "mle" or (number and math.isfinite(sigma2) and sigma2 > 0)):
+            raise ValueError(f'sigma2 must be a positive finite float or "mle", got {given!r}.')
+        sigma2 = sigma2 if isinstance(sigma2, str) else float(sigma2)
         batch_size = positive_count(batch_size, "MAEScorer(batch_size=...), masked copies per forward pass,")
         chunk_images = positive_count(chunk_images, "MAEScorer(chunk_images=...), images preprocessed at once,")
         for attr in ("vit", "decoder", "patchify"):
@@ -188,6 +213,7 @@ class MAEScorer:
         """
         indices = [int(i) for i in indices]
         if isinstance(inputs, torch.Tensor):
+            check_pixel_dtype(inputs)
             return inputs[indices].float()
         if hasattr(inputs, "column_names") and not isinstance(inputs, Mapping):
             if self.image_column not in inputs.column_names:
@@ -195,13 +221,16 @@ class MAEScorer:
                     f"image_column {self.image_column!r} not in the dataset's columns {inputs.column_names}; "
                     f"pass MAEScorer(..., image_column='...')."
                 )
+            check_image_column(inputs, self.image_column, "the dataset", "MAEScorer(..., image_column=...)")
             images = inputs.select(indices)[self.image_column]
         else:
             images = [inputs[i] for i in indices]
             images = [im[0] if isinstance(im, (tuple, list)) else im for im in images]
         if self.image_processor is None:
             if all(isinstance(im, torch.Tensor) and im.dim() == 3 for im in images):
-                return torch.stack(images).float()
+                images = torch.stack(images)
+                check_pixel_dtype(images)
+                return images.float()
             raise ValueError(
                 "These images need preprocessing: pass image_processor=AutoImageProcessor.from_pretrained(...) "
                 "(or a ViTImageProcessor), or give preprocessed tensors (n, C, H, W)."
@@ -289,6 +318,7 @@ class MAEScorer:
         K = positive_count(num_masks, "num_masks")
         seed = self.seed if seed is None else seed
         n = self._len(inputs)
+        check_not_empty(n, "image")
         N = self.num_patches
         counts = mask_counts(rates, [N])[0].tolist()
         items = shard(n, self.accelerator)

@@ -193,6 +193,18 @@ def _():
     _loading().load_images(image_folder=_tmpdir())
 
 
+@trigger("load-image-column-not-images")
+def _():
+    datasets = pytest.importorskip("datasets")
+    from PIL import Image
+
+    d = str(Path(_tmpdir()) / "ds")
+    images = [Image.new("RGB", (8, 8)) for _ in range(2)]
+    ds = datasets.Dataset.from_dict({"img": images, "label": [0, 1]}).cast_column("img", datasets.Image())
+    ds.save_to_disk(d)
+    _loading().load_images(dataset=d, column="label")  # the CLI's mae-curve --column label
+
+
 @trigger("load-image-column")
 def _():
     datasets = pytest.importorskip("datasets")

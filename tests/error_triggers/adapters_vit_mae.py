@@ -72,3 +72,9 @@ def _():
     _mae().curve(torch.zeros(1, 3, 8, 8), rates=[0.5], kind="nll")
 
 
+
+
+@trigger("mae-integer-pixels")
+def _():
+    pixels = torch.arange(2 * 3 * 8 * 8).reshape(2, 3, 8, 8) % 256
+    _mae().curves(pixels.to(torch.uint8), rates=[0.5])
