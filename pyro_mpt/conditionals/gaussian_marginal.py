@@ -130,6 +130,9 @@ class GaussianMarginal:
         when not computed (or stale after a change of the jitter). It lives and
         dies with the state, which :meth:`GaussianConditionals.prepare
         <pyro_mpt.conditionals.GaussianConditionals.prepare>` builds per call.
+    :param GaussianMarginal dense_twin: a low-rank state's dense form
+        (:math:`FF^\top + \Psi`, factored), made by the engine at the first masks drawn
+        per datapoint where they cost less on it (a rank near :math:`D`); None until then.
     """
 
     loc: torch.Tensor
@@ -142,6 +145,7 @@ class GaussianMarginal:
     data_dtype: Optional[torch.dtype] = None
     data_pieces: Optional[tuple] = None
     parts: Optional[tuple] = None
+    dense_twin: Optional["GaussianMarginal"] = None
 
     @property
     def is_low_rank(self):
