@@ -180,7 +180,11 @@ class MaskedPretrainingLoss(ELBO):
         block's working set *with gradients too*: every block after the first
         is recomputed in the backward pass (activation checkpointing) instead
         of kept alive for it, at the cost of a second forward evaluation of
-        those blocks; sampling engines redraw the same samples.
+        those blocks; sampling engines redraw the same samples. Small blocks
+        cost time: PPCA N = 200, D = 40, K = 5, ``"all"`` shared, ``2**8`` took 10
+        times the default's time, ``2**12`` 1.8 times. Masks drawn per datapoint are
+        drawn block by block, so under one seed other values of ``chunk_size`` draw
+        other masks (of the same distribution: the estimate's expectation is the same).
     :param bool progress: show a progress bar in :meth:`score` and :meth:`curve`.
     :param engine_options: keyword options for the engine chosen by name or
         by ``"auto"`` (e.g. ``jitter=1e-6``).
