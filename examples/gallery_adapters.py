@@ -38,13 +38,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling examples
 
-from gallery_common import compact_png  # noqa: E402
+from gallery_common import add_out_dir, compact_png, resolve_out_dir  # noqa: E402
 from gallery_report import fig6_markdown, settings_markdown, table2_markdown, update_results  # noqa: E402
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few sequences, images and training steps (CI)")
-    p.add_argument("--out-dir", default="docs/gallery")
+    add_out_dir(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--online", action="store_true",
                    help="try the paper's models and data on the HuggingFace hub first (BERT on GLUE, ViT-MAE)")
@@ -53,6 +53,7 @@ def main(argv=None):
     p.add_argument("--paper", action="store_true",
                    help="the paper's models and data (implies --online), 500 sentences / images per subset")
     args = p.parse_args(argv)
+    resolve_out_dir(args)
     if args.paper:
         if args.quick:
             p.error("--paper and --quick exclude each other")

@@ -37,7 +37,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gallery_common
 
-from gallery_common import make_ppca, ppca_data  # noqa: E402
+from gallery_common import add_out_dir, make_ppca, ppca_data, resolve_out_dir  # noqa: E402
 from gallery_report import report_area  # noqa: E402
 
 
@@ -60,10 +60,11 @@ def curve(model, x, P, seed, label, share_masks=True):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="reduced sizes for CI (< 20 s)")
-    p.add_argument("--out-dir", default="docs/gallery")
+    add_out_dir(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--paper", action="store_true", help="the paper's setting: the default already is (D=200, K=5, 50)")
     args = p.parse_args(argv)
+    resolve_out_dir(args)
     if args.paper and args.quick:
         p.error("--paper and --quick exclude each other")
     torch.set_num_threads(1)

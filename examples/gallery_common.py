@@ -64,3 +64,24 @@ def compact_png(path, colors=256):
     with Image.open(path) as im:
         small = im.convert("RGB").quantize(colors=colors, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
     small.save(path, optimize=True)
+
+
+#: where ``--quick`` runs write when no ``--out-dir`` is given: not the committed gallery
+QUICK_OUT_DIR = "outputs/gallery-quick"
+
+
+def add_out_dir(parser):
+    """The gallery scripts' ``--out-dir``: ``docs/gallery`` (the committed figures and
+    RESULTS.md) for full runs, :data:`QUICK_OUT_DIR` for ``--quick`` runs, whose reduced
+    results would otherwise replace the committed ones."""
+    parser.add_argument(
+        "--out-dir", default=None,
+        help=f"where figures and RESULTS.md go (default: docs/gallery; with --quick, {QUICK_OUT_DIR})",
+    )
+
+
+def resolve_out_dir(args):
+    """``args.out_dir`` with its default filled in (see :func:`add_out_dir`)."""
+    if args.out_dir is None:
+        args.out_dir = QUICK_OUT_DIR if args.quick else "docs/gallery"
+    return args.out_dir

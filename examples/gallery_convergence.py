@@ -46,7 +46,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gallery_common
 
-from gallery_common import authors_ppca_data, make_ppca, ppca_data  # noqa: E402
+from gallery_common import add_out_dir, authors_ppca_data, make_ppca, ppca_data, resolve_out_dir  # noqa: E402
 from gallery_report import report_convergence  # noqa: E402
 
 def ppca_model(D, K, N, seed, noise=0.5):
@@ -77,11 +77,12 @@ def convergence_runs(model, x, masks, p_max, seeds):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="reduced sizes for CI (< 20 s)")
-    p.add_argument("--out-dir", default="docs/gallery")
+    add_out_dir(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--paper", action="store_true",
                    help="Fig. 1 on the authors' construction (N=100, K=2, beta=5 broadcast noise), P=1..300, M=76")
     args = p.parse_args(argv)
+    resolve_out_dir(args)
     if args.paper and args.quick:
         p.error("--paper and --quick exclude each other")
     torch.set_num_threads(1)

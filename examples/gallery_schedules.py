@@ -50,7 +50,7 @@ from pyro_mpt import Evidence, FixedRate, MaskedPretrainingLoss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gallery_common
 
-from gallery_common import compact_png, make_ppca, ppca_data  # noqa: E402
+from gallery_common import add_out_dir, compact_png, make_ppca, ppca_data, resolve_out_dir  # noqa: E402
 from gallery_report import report_schedules  # noqa: E402
 
 SCHEDULES = ("all", "nested", "uniform", "stratified", "order")
@@ -212,10 +212,11 @@ def plot_bias(panels, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="reduced sizes for CI (a few seconds)")
-    p.add_argument("--out-dir", default="docs/gallery")
+    add_out_dir(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, help="independent estimates per datapoint (default 100, quick 40)")
     args = p.parse_args(argv)
+    resolve_out_dir(args)
     torch.set_num_threads(1)
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.time()

@@ -36,13 +36,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling examples
 
-from gallery_common import compact_png  # noqa: E402
+from gallery_common import add_out_dir, compact_png, resolve_out_dir  # noqa: E402
 from gallery_report import fig2_markdown, fig3_markdown, settings_markdown, update_results  # noqa: E402
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="each example's reduced setting (CI)")
-    p.add_argument("--out-dir", default="docs/gallery")
+    add_out_dir(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vae-dataset", default="digits", choices=["digits", "mnist", "fashion-mnist"],
                    help="data of the two VAE examples (mnist / fashion-mnist need torchvision and the network)")
@@ -52,6 +52,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads of every example (default 1: tiny tensors, shared machines)")
     args = p.parse_args(argv)
+    resolve_out_dir(args)
     if args.paper:
         if args.quick:
             p.error("--paper and --quick exclude each other")

@@ -390,3 +390,26 @@ def test_gallery_training_runs_the_examples(tmp_path, monkeypatch):
     assert "<!-- BEGIN fig2 -->" in text and "<!-- BEGIN fig3 -->" in text
     assert "| MPT uniform | -11.0500 ± 0.0707 | -0.1000 |" in text
     assert "| elbo | -40.000 | -30.000 ± 0.500 |" in text
+
+
+@pytest.mark.parametrize("name", ["gallery_adapters", "gallery_area", "gallery_convergence", "gallery_schedules",
+                                  "gallery_training"])
+def test_quick_runs_do_not_write_into_the_committed_gallery(name, monkeypatch):
+    """Without --out-dir a --quick run writes under outputs/ (git-ignored), a full run into
+    docs/gallery: a user's quick run replaced the committed figures and RESULTS.md sections
+    (12 tracked files). The first folder each script makes is where it writes."""
+    made = []
+
+    class Made(Exception):
+        pass
+
+    def makedirs(path, *a, **k):
+        made.append(path)
+        raise Made
+
+    module = _load(name)
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    for argv, where in ((["--quick"], "outputs/gallery-quick"), ([], "docs/gallery")):
+        with pytest.raises(Made):
+            module.main(argv)
+        assert made[-1] == where, (name, argv)
