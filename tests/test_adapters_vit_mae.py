@@ -280,8 +280,8 @@ def test_integer_pixels_empty_inputs_and_non_image_columns_are_refused():
     inputs failed on a reshape; a column of labels failed inside transformers' image loading."""
     model = tiny_mae()
     raw = (torch.arange(2 * 3 * 16 * 16) % 256).reshape(2, 3, 16, 16).to(torch.uint8)
-    message = (f"Image tensors of dtype torch.uint8 (values 0..255) are raw pixels, but tensors are taken as the "
-               f"model's pixel_values: floats normalized as its image processor does.")
+    message = ("Image tensors of dtype torch.uint8 (values 0..255) are raw pixels, but tensors are taken as the "
+               "model's pixel_values: floats normalized as its image processor does.")
     with pytest.raises(ValueError) as err:
         MAEScorer(model).curves(raw, rates=[0.5])
     assert str(err.value).startswith(message) and "image_processor=AutoImageProcessor" in str(err.value)

@@ -85,7 +85,7 @@ from .gaussian_marginal import GaussianMarginal, gaussian_marginal, loading_nonz
 __all__ = ["GaussianConditionals", "GaussianMemory", "CHUNKED_MIN_TABLE", "DENSE_TWIN_RATIO"]
 
 #: masks drawn per datapoint take a low-rank state's dense twin where
-#: :math:`K^2(D + K/3) \ge` this times :math:`D^3` (:meth:`GaussianConditionals._dense_twin`; measured
+#: :math:`K^2(D + K/3) \ge` this times :math:`D^3` (``GaussianConditionals._dense_twin``; measured
 #: crossovers at K = 0.3 D for D = 40 and 80, 0.4--0.5 D for D = 10 and 20, where fixed costs weigh)
 DENSE_TWIN_RATIO = 0.12
 

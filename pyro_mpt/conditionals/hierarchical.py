@@ -106,8 +106,8 @@ def _not_linear_gaussian(site, detail, discrete=False):
         + ("Use conditionals='enumerate' (or Evidence(method='exact')), which sums over the discrete "
            "latents where each of their values leaves a linear-Gaussian hierarchy; otherwise "
            if discrete else "Use ")
-        + f"conditionals='importance' (and "
-        f"Evidence(method='importance') with a guide over all the latents) for it."
+        + "conditionals='importance' (and "
+        "Evidence(method='importance') with a guide over all the latents) for it."
     )
 
 
