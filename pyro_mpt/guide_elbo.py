@@ -77,14 +77,7 @@ class WithGuideELBO(ELBO):
         :returns: a scalar tensor.
         """
         value = self.inner.differentiable_loss(model, guide, *args, **kwargs)
-        if guide is None:
-            return value
-        params = [p for p in self._guide_params(guide, args, kwargs) if p.requires_grad]
-        if not params:
-            return value
-        elbo = self.guide_loss.differentiable_loss(model, guide, *args, **kwargs)
-        grads = torch.autograd.grad(self.weight * elbo, params, allow_unused=True)
-        extra = sum((p * g).sum() for p, g in zip(params, grads) if g is not None)
+        extra = sum((p * g).sum() for p, g in self._guide_grads(model, guide, args, kwargs))
         return value if not torch.is_tensor(extra) else value + (extra - extra.detach())
 
     def loss_and_grads(self, model, guide, *args, **kwargs):
@@ -93,15 +86,18 @@ class WithGuideELBO(ELBO):
         :returns: the inner loss's value (float).
         """
         value = self.inner.loss_and_grads(model, guide, *args, **kwargs)
-        if guide is None:
-            return value
-        params = [p for p in self._guide_params(guide, args, kwargs) if p.requires_grad]
-        if not params:
-            return value
-        elbo = self.guide_loss.differentiable_loss(model, guide, *args, **kwargs)
-        grads = torch.autograd.grad(self.weight * elbo, params, allow_unused=True)
-        for p, g in zip(params, grads):
-            if g is None:
-                continue
+        for p, g in self._guide_grads(model, guide, args, kwargs):
             p.grad = g if p.grad is None else p.grad + g
         return torch_item(value) if torch.is_tensor(value) else value
+
+    def _guide_grads(self, model, guide, args, kwargs):
+        """``[(p, g)]``: the guide's parameters and their gradients of the weighted negative
+        ELBO (none without a guide, or for a parameter the ELBO does not reach)."""
+        if guide is None:
+            return []
+        params = [p for p in self._guide_params(guide, args, kwargs) if p.requires_grad]
+        if not params:
+            return []
+        elbo = self.guide_loss.differentiable_loss(model, guide, *args, **kwargs)
+        grads = torch.autograd.grad(self.weight * elbo, params, allow_unused=True)
+        return [(p, g) for p, g in zip(params, grads) if g is not None]

@@ -547,14 +547,22 @@ def test_missing_tokens_refused_where_the_guide_reads_the_data(float64):
     assert torch.allclose(MaskedPretrainingLoss(masks="order").score(model, guide, data), exact, atol=1e-9)
 
 
-def test_masked_datapoints_count_zero_and_nan_at_observed_tokens_is_refused(float64):
-    W, b, x = _params()
-    keep = torch.tensor([True, False, True, True, False, True])
+def _padded_ppca(W, b, keep):
+    """PPCA whose datapoints outside ``keep`` are masked out whole (padding rows)."""
 
     def model(x):
         with pyro.plate("data", x.shape[0]), poutine.mask(mask=keep):
             z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
             pyro.sample("x", dist.Normal(z @ W.T + b, SIGMA).to_event(1), obs=x)
+
+    return model
+
+
+def test_masked_datapoints_count_zero_and_nan_at_observed_tokens_is_refused(float64):
+    W, b, x = _params()
+    keep = torch.tensor([True, False, True, True, False, True])
+
+    model = _padded_ppca(W, b, keep)
 
     expected = torch.where(keep, _exact(W, b, x), torch.zeros(N, dtype=x.dtype))
     assert torch.allclose(MaskedPretrainingLoss(masks="order").score(model, None, x), expected, atol=1e-9)
@@ -588,10 +596,7 @@ def test_datapoints_masked_out_whole_are_served_where_the_guide_reads_the_data(f
     W, b, x = _params()
     keep = torch.tensor([True, False, True, True, False, True])
 
-    def model(x):
-        with pyro.plate("data", x.shape[0]), poutine.mask(mask=keep):
-            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
-            pyro.sample("x", dist.Normal(z @ W.T + b, SIGMA).to_event(1), obs=x)
+    model = _padded_ppca(W, b, keep)
 
     S_ = W.numpy() @ W.numpy().T + SIGMA**2 * np.eye(D)
     exact = torch.from_numpy(scipy.stats.multivariate_normal(b.numpy(), S_).logpdf(x.numpy()))
@@ -657,10 +662,7 @@ def test_evidence_of_a_datapoint_masked_out_whole_is_zero_in_float32(method):
     W, b, x = (t.float() for t in _params())
     keep = torch.tensor([True, False, True, True, False, True])
 
-    def model(x):
-        with pyro.plate("data", x.shape[0]), poutine.mask(mask=keep):
-            z = pyro.sample("z", dist.Normal(torch.zeros(K), 1.0).to_event(1))
-            pyro.sample("x", dist.Normal(z @ W.T + b, SIGMA).to_event(1), obs=x)
+    model = _padded_ppca(W, b, keep)
 
     result = Evidence(model, method=method, num_samples=50).estimate(x) if method == "importance" else \
         Evidence(model, method=method).estimate(x)
