@@ -427,8 +427,16 @@ def test_pyros_minibatch_idiom_with_the_dataset_indexed_inside_the_plate(float64
         h = enc(xb)
         return dist.Normal(h[..., :K], torch.nn.functional.softplus(h[..., K:]) + 0.1).to_event(1)
 
+    valid = torch.ones(N, dtype=torch.bool)
+    valid[[7, 20]] = False  # padding rows masked out whole, their placeholders 0
+    x[~valid] = 0.0
+    padded = {"on": False}
+
+    def mask(i):
+        return valid[i] if padded["on"] else True
+
     def model_indexed(x, idx):
-        with pyro.plate("data", N, subsample=idx) as i:
+        with pyro.plate("data", N, subsample=idx) as i, pyro.poutine.mask(mask=mask(i)):
             z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
             pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x[i])
 
@@ -438,7 +446,7 @@ def test_pyros_minibatch_idiom_with_the_dataset_indexed_inside_the_plate(float64
             pyro.sample("z", encode(x[i]))
 
     def model_batch(xb, idx):
-        with pyro.plate("data", N, subsample=idx):
+        with pyro.plate("data", N, subsample=idx) as i, pyro.poutine.mask(mask=mask(i)):
             z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([K]).to_event(1))
             pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=xb)
 
@@ -447,15 +455,21 @@ def test_pyros_minibatch_idiom_with_the_dataset_indexed_inside_the_plate(float64
         with pyro.plate("data", N, subsample=idx):
             pyro.sample("z", encode(xb))
 
-    for masks in ("order", "all", "pll"):
+    # and with padding rows in the minibatch (before: its placeholders, replaced in the traced
+    # tokens, made no argument equal to them)
+    for on, masks in ((False, "order"), (False, "all"), (False, "pll"), (True, "order"), (True, "all")):
+        padded["on"] = on
+        batch = torch.tensor([3, 7, 11, 20, 21, 29]) if on else idx
         scores = []
         for m, gd, data, options in ((model_indexed, guide_indexed, x, {}), (model_indexed, guide_indexed, x, {"data_arg": 0}),
-                                     (model_batch, guide_batch, x[idx], {})):
+                                     (model_batch, guide_batch, x[batch], {})):
             pyro.set_rng_seed(1)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the batch form's copies fall back to one at a time
                 engine = EncodeDecodeConditionals(**options)
-                scores.append(MaskedPretrainingLoss(conditionals=engine, masks=masks).score(m, gd, data, idx))
+                scores.append(MaskedPretrainingLoss(conditionals=engine, masks=masks).score(m, gd, data, batch))
         assert scores[0].shape == (6,) and bool(scores[0].isfinite().all())
+        if on:
+            assert torch.equal(scores[0][[1, 3]], torch.zeros(2, dtype=torch.float64))
         for other in scores[1:]:
             torch.testing.assert_close(scores[0], other, rtol=1e-12, atol=1e-10)

@@ -101,14 +101,18 @@ def _indexed_matches(a, index, tokens):
 
 
 def _matches(a, tokens):
+    """Whether ``a`` holds the tokens: equal at the observed ones (the traced tokens carry
+    other values in place of missing ones, e.g. a padding row's placeholders)."""
     n, D = tokens.value.shape
     if not torch.is_tensor(a) or a.numel() != n * D:
         return False
     try:
-        flat = tokens.to_tokens(a.detach().reshape(tokens.site_shape)).reshape(n, D)
-        return bool(torch.equal(flat.to(tokens.value), tokens.value))
+        flat = tokens.to_tokens(a.detach().reshape(tokens.site_shape)).reshape(n, D).to(tokens.value)
     except RuntimeError:
         return False
+    if tokens.observed is not None:
+        flat = torch.where(tokens.observed.to(flat.device), flat, tokens.value)
+    return bool(torch.equal(flat, tokens.value))
 
 
 def locate_data_arg(tokens, fn, args, kwargs, data_arg=None, who="this engine"):
