@@ -328,3 +328,50 @@ def test_integer_counts_compute_in_the_models_dtype():
     assert got.log_evidence.dtype == torch.float64
     np.testing.assert_allclose(got.log_evidence.numpy(), want, rtol=0, atol=1e-10)
     np.testing.assert_allclose(score.detach().numpy(), want, rtol=0, atol=1e-5)  # the rule's own error
+
+
+def _large_float32_model(D=800, seed=6):
+    """One Normal latent over D Normal tokens, float32 data of |log p(x)| about 1260 nats,
+    with its log p(x) in closed form (rank-one Woodbury, float64, on the float32 values)."""
+    g = torch.Generator().manual_seed(seed)
+    w = 0.5 * torch.randn(D, generator=g, dtype=torch.float64)
+    b = torch.randn(D, generator=g, dtype=torch.float64)
+    s = 0.05
+    x = (torch.randn(3, 1, generator=g, dtype=torch.float64) * w + b + s * torch.randn(3, D, generator=g, dtype=torch.float64)).float()
+    w32, b32 = w.float(), b.float()
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z * w32 + b32, s).to_event(1), obs=x)
+
+    wr, br, xr = w32.double(), b32.double(), x.double()
+    s2 = torch.tensor(s, dtype=torch.float32).double() ** 2
+    a = 1 + (wr**2).sum() / s2
+    zh = ((xr - br) @ wr) / s2 / a
+    e = xr - br - zh[:, None] * wr
+    exact = -0.5 * ((e**2).sum(-1) / s2 + zh**2) - 0.5 * (D * torch.log(s2) + torch.log(a)) - 0.5 * D * math.log(2 * math.pi)
+    return model, x, exact
+
+
+def test_float32_rounding_alone_does_not_ask_for_more_nodes():
+    """The error estimates hold the rule's rounding 8 eps (|log p| + 1), which more nodes cannot
+    lower: in float32 it alone passed warn_tol = 1e-3 from |log p| of about 1000, so a
+    well-resolved model (true error 1.6e-4, about one float32 eps times |log p|) was told to use
+    more nodes, by Evidence and by the engine's check of the orderings' sums. Now the checks
+    judge the rest; the stderr still holds the rounding; a tol below the rounding alone is
+    refused saying so."""
+    import warnings as w
+
+    from pyro_mpt.conditionals.base import QuadratureAccuracyWarning
+
+    model, x, exact = _large_float32_model()
+    assert float(exact.abs().min()) > 1000
+    with w.catch_warnings():
+        w.simplefilter("error", QuadratureAccuracyWarning)
+        result = Evidence(model, method="quadrature").estimate(x)
+        MaskedPretrainingLoss(conditionals="quadrature", masks="order").loss(model, None, x)
+    assert float((result.log_evidence.double() - exact).abs().max()) < 5e-4
+    assert bool((result.stderr > 1e-3).all())  # the rounding is in the stderr
+    with pytest.raises(ValueError, match=r"tol=0.0005 is below the rounding of log p\(x\) in float32 alone"):
+        Evidence(model, method="quadrature", tol=5e-4)(x)

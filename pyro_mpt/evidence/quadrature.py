@@ -14,7 +14,7 @@ import torch
 
 from ..conditionals.base import EngineNotApplicable, QuadratureAccuracyWarning
 from ..conditionals import option_names
-from ..conditionals.quadrature import QuadratureConditionals
+from ..conditionals.quadrature import QuadratureConditionals, rule_rounding
 from ..conditionals.quadrature_rules import default_num_nodes
 from .engine_advice import in_evidence_terms
 from .result import EvidenceResult
@@ -74,7 +74,9 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     coarser companion (the default adaptive grid, or as many nodes per dim as
     ``num_nodes`` asks for the prior-centred rule when that is more, so that
     the reference's own error does not bound the estimate from below), and
-    :math:`\varepsilon` the dtype's machine epsilon (the rule's own rounding).
+    :math:`\varepsilon` the dtype's machine epsilon (the rule's own rounding, which
+    more nodes cannot lower: ``tol`` and ``warn_tol`` judge the rest, and a ``tol``
+    below the rounding alone is refused, saying so).
     Two rules can be off by nearly the same amount by chance, so one
     difference alone can be far below the error (measured: a true error 2.4
     times the :math:`m'` difference); two differences rarely both are. Two
@@ -166,9 +168,10 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     if engine.adaptive and K > 0 and m - 1 >= 1 and m - 1 != error_nodes:
         previous = companion(engine, state, m - 1)
         error = torch.maximum(error, (value.detach() - previous).abs())
-    # the rule's own rounding: its log-sum of Q terms of size |log p(x)|
-    eps = torch.finfo(value.dtype).eps
-    error = error + 8 * eps * (value.detach().abs() + 1)
+    # the rule's own rounding: its log-sum of Q terms of size |log p(x)|; more nodes cannot
+    # lower it, so tol and warn_tol judge the rest
+    rounding = rule_rounding(value.detach())
+    error = error + rounding
     # another mode beyond the adaptive grid: the coarser rules share the grid's centre and
     # cannot see the mass it leaves out (the engine's Laplace estimate of it)
     missing = state.missing_mass
@@ -192,11 +195,20 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
         if ref_state.missing_mass is not None:
             ref_error = ref_error + ref_state.missing_mass.to(ref_error.dtype)
         error = torch.maximum(error, (value.detach() - reference).abs() + ref_error)
+    if tol is not None and bool((error > tol).any()) and not bool((error - rounding > tol).any()):
+        worst = int(rounding.argmax())
+        raise ValueError(
+            f"Evidence(method='quadrature'): tol={tol} is below the rounding of log p(x) in "
+            f"{str(value.dtype).replace('torch.', '')} alone, up to {float(rounding[worst]):.3g} nats "
+            f"(datapoint {worst}, log p = {float(value[worst]):.6g}: 8 eps (|log p| + 1)), which more "
+            f"nodes cannot lower. Compute in float64, or pass a larger tol."
+        )
     if tol is not None and bool((error > tol).any()):
-        worst = int(error.argmax())
+        worst = int((error - rounding).argmax())
         if reference is None or bool(moved[worst] >= error[worst]):
             rules = f"{error_nodes}{'' if previous is None else f' or {m - 1}'} and {m}"
-            why = f"the estimate moves by up to {float(error[worst]):.3g} (datapoint {worst}) between {rules} nodes per dim"
+            why = (f"the estimate moves by up to {float(error[worst] - rounding[worst]):.3g} (datapoint {worst}) "
+                   f"between {rules} nodes per dim")
         else:
             # the triangle through the adaptive reference: two prior grids that agree can both be off
             why = (f"the estimated error is up to {float(error[worst]):.3g} (datapoint {worst}): the distance to "
@@ -213,12 +225,13 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
             f"more nodes (num_nodes=...)"
             f"{'' if engine.adaptive else ' or adaptive=True'}."
         )
-    if tol is None and warn_tol is not None and bool((error > warn_tol).any()):
-        worst = int(error.argmax())
+    if tol is None and warn_tol is not None and bool((error - rounding > warn_tol).any()):
+        worst = int((error - rounding).argmax())
         warnings.warn(QuadratureAccuracyWarning(
             f"Evidence(method='quadrature'): log p(x) of site {tokens.name!r} is estimated to be "
             f"off by up to {float(error[worst]):.3g} nats (datapoint {worst}; "
-            f"{int((error > warn_tol).sum())} of {error.numel()} above warn_tol={warn_tol:g}) with "
+            f"{int((error - rounding > warn_tol).sum())} of {error.numel()} above warn_tol={warn_tol:g} "
+            f"beside the dtype's rounding) with "
             f"{m} nodes per latent dim{' (adaptive)' if engine.adaptive else ' (prior-centred)'}. "
             + (f"{OTHER_MODE_ADVICE[0].upper()}{OTHER_MODE_ADVICE[1:]}" if _another_mode(missing, error, worst) else
                f"Use more nodes (num_nodes=...){'' if engine.adaptive else ' or adaptive=True'}")

@@ -156,6 +156,20 @@ def _():
     Evidence(model, method="quadrature", num_nodes=3, adaptive=False, tol=1e-9)(x)
 
 
+@trigger("evidence-quadrature-tol-rounding")
+def _():
+    g = torch.Generator().manual_seed(6)
+    w, b = 0.5 * torch.randn(800, generator=g), torch.randn(800, generator=g)  # float32, |log p| about 1260
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z * w + b, 0.05).to_event(1), obs=x)
+
+    x = torch.randn(1, 1, generator=g) * w + b + 0.05 * torch.randn(1, 800, generator=g)
+    Evidence(model, method="quadrature", tol=5e-4)(x)
+
+
 @trigger("evidence-quadrature-not-applicable")
 def _():
     Evidence(_global_latent_model, method="quadrature")(_x())
