@@ -147,3 +147,40 @@ def test_hierarchy_of_mixed_dtypes_matches_the_dense_closed_form(params, data):
     got = MaskedPretrainingLoss(conditionals="hierarchical", masks="order", **options).score(model, None, x)
     assert got.dtype == torch.float64
     assert abs(float(got.sum()) - ref) < 1e3 * torch.finfo(torch.float32).eps * abs(ref)
+
+
+@pytest.mark.parametrize("likelihood", ["normal", "bernoulli"])
+def test_quadrature_with_a_two_dimensional_latent_and_float32_parameters_on_float64_data(likelihood):
+    """The context grids' standard rule came in the parameters' float32 and their centres in the
+    data's float64: "expected scalar type Float but found Double" for "uniform", "exhaustive",
+    "pll" and curves along orderings (the one-latent tests did not reach it). Now float64, equal
+    to the same model with float64 parameters of the float32 values, to float32's rounding of
+    the model's own arithmetic."""
+    K2 = 2
+    W32 = torch.randn(D, K2, generator=torch.Generator().manual_seed(3), dtype=torch.float64).float()
+    mu32 = torch.linspace(-0.5, 0.5, D).float()
+
+    def build(dtype):
+        W, mu = W32.to(dtype), mu32.to(dtype)
+
+        def model(x):
+            with pyro.plate("data", x.shape[0]):
+                z = pyro.sample("z", dist.Normal(torch.zeros((), dtype=dtype), 1.0).expand([K2]).to_event(1))
+                loc = z @ W.T + mu
+                obs = dist.Normal(loc, torch.tensor(0.5, dtype=dtype)) if likelihood == "normal" else dist.Bernoulli(logits=loc)
+                pyro.sample("x", obs.to_event(1), obs=x)
+
+        return model
+
+    x = _data(torch.float64, binary=likelihood == "bernoulli")
+    for masks in ("uniform", "exhaustive", "pll", "order"):
+        got, want = [], []
+        for dtype, out in ((torch.float32, got), (torch.float64, want)):
+            pyro.set_rng_seed(0)
+            loss = MaskedPretrainingLoss(conditionals="quadrature", masks=masks)
+            out.append(loss.score(build(dtype), None, x))
+            if masks == "order":
+                out.append(torch.as_tensor(loss.curve(build(dtype), None, x).score))
+        for a, b in zip(got, want):
+            assert a.dtype == torch.float64
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (masks, float((a - b).abs().max()))

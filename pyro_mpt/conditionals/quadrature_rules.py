@@ -139,6 +139,10 @@ def affine_grid(e, log_w, centre, sqrt_cov):
     :returns: nodes ``(r, Q, K)`` and log-weights ``(r, Q)`` with
         :math:`\sum_q W_q g(u_q) \approx \int g(u)\,du`.
     """
+    # the standard rule may come in the parameters' dtype and the centres in the data's
+    # (float32 parameters, float64 data): both in their promotion, the dtype of the results
+    dt = torch.promote_types(torch.promote_types(e.dtype, centre.dtype), sqrt_cov.dtype)
+    e, log_w, centre, sqrt_cov = e.to(dt), log_w.to(dt), centre.to(dt), sqrt_cov.to(dt)
     u = centre[:, None, :] + torch.einsum("rkl,ql->rqk", sqrt_cov, e)
     logdet = torch.linalg.slogdet(sqrt_cov)[1]  # (r,)
     # log N(u; c, S S^T) = log N(e; 0, I) - log|det S|
