@@ -13,8 +13,10 @@ The pattern of Pyro's own ``svi_lightning`` example, with
   ``pyro.plate("data", N, subsample=idx)``, so each datapoint carries the scale
   :math:`N/B` and every rank's loss is an unbiased estimate of the full-data
   loss;
-* Lightning shards the data with a ``DistributedSampler`` and averages the
-  gradients over the ranks.
+* the module shards the data with a ``DistributedSampler`` of its own (its
+  ``train_dataloader``; ``--shuffle 0`` reads each shard in order, which
+  Lightning's injected sampler would not) and Lightning averages the gradients
+  over the ranks.
 
 Why the average is the single-machine gradient: with :math:`R` ranks of local
 batch :math:`B` each, rank :math:`r` minimizes
@@ -83,13 +85,26 @@ class NoGuide(PyroModule):
 class MPTModule(lightning.LightningModule):
     """Adam on the masked pre-training loss; one batch of ``(idx, x)`` per step."""
 
-    def __init__(self, loss_fn, lr=0.05, seed=0, save_grads=None):
+    def __init__(self, loss_fn, dataset, batch_size, shuffle=True, lr=0.05, seed=0, save_grads=None):
         super().__init__()
         self.loss_fn = loss_fn
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
         self.lr = lr
         self.seed = seed
         self.save_grads = save_grads
         self._batch_idx = None
+
+    def train_dataloader(self):
+        # the shards' sampler is made here (the Trainer's use_distributed_sampler=False): the one
+        # Lightning injects shuffles every training loader whatever its shuffle= says, so
+        # --shuffle 0 did nothing; Lightning still calls its set_epoch, which reshuffles
+        sampler = torch.utils.data.DistributedSampler(
+            self.dataset, num_replicas=self.trainer.world_size, rank=self.global_rank,
+            shuffle=self.shuffle, seed=self.seed, drop_last=True,
+        )
+        return torch.utils.data.DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True)
 
     def setup(self, stage):
         # the masks come from torch's global stream: one stream per rank, so
@@ -178,7 +193,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shuffle", type=int, default=1, help="1: reshuffle every epoch (seeded, the same on every rank)")
+    p.add_argument("--shuffle", type=int, default=1,
+                   help="1: reshuffle every epoch (seeded, the same on every rank); 0: each rank reads its shard "
+                        "in order (rank r of R: datapoints r, r + R, ...)")
     p.add_argument("--save-grads", default=None, help="directory for the first step's gradients of every rank")
     p.add_argument("--root-dir", default=None, help="Lightning's default_root_dir")
     return p.parse_args(argv)
@@ -186,24 +203,22 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    # the sampler's shuffling (Lightning's DistributedSampler reads this seed);
-    # data and parameters have their own generators, masks a stream per rank
+    # the global seed (the sampler's shuffling has --seed too); data and parameters have
+    # their own generators, masks a stream per rank
     lightning.seed_everything(args.seed)
     # parameters of PyroModules as torch.nn.Parameters, not in the global param store, for DDP to see
     pyro.settings.set(module_local_params=True)
     loss_fn, dataset = build(args)
-    # Lightning replaces this loader's sampler by a DistributedSampler over the ranks
-    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=bool(args.shuffle),
-                                         drop_last=True)
-    module = MPTModule(loss_fn, lr=args.lr, seed=args.seed, save_grads=args.save_grads)
+    module = MPTModule(loss_fn, dataset, args.batch_size, shuffle=bool(args.shuffle), lr=args.lr, seed=args.seed,
+                       save_grads=args.save_grads)
     if args.save_grads:
         os.makedirs(args.save_grads, exist_ok=True)
     trainer = lightning.Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=args.strategy,
         max_steps=args.max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=args.root_dir,
+        enable_model_summary=False, default_root_dir=args.root_dir, use_distributed_sampler=False,
     )
-    trainer.fit(module, loader)
+    trainer.fit(module)
     if trainer.is_global_zero:
         x = dataset.tensors[1].double()
         W, mu, sigma = (getattr(loss_fn.model, k).detach().double() for k in ("W", "mu", "sigma"))
