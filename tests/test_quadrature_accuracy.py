@@ -375,3 +375,12 @@ def test_float32_rounding_alone_does_not_ask_for_more_nodes():
     assert bool((result.stderr > 1e-3).all())  # the rounding is in the stderr
     with pytest.raises(ValueError, match=r"tol=0.0005 is below the rounding of log p\(x\) in float32 alone"):
         Evidence(model, method="quadrature", tol=5e-4)(x)
+    # a tol above the rounding and above the rest, below their sum: served (before the fix of the
+    # refusal's condition, refused as "below the rounding", quoting a rounding below tol)
+    from pyro_mpt.conditionals.quadrature import rule_rounding
+
+    one = Evidence(model, method="quadrature").estimate(x[:1])
+    rounding = float(rule_rounding(one.log_evidence.detach()))
+    rest = float(one.stderr) - rounding
+    assert 0 < rest < rounding
+    Evidence(model, method="quadrature", tol=rounding + rest / 2)(x[:1])

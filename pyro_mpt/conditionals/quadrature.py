@@ -933,7 +933,7 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
             warnings.warn(QuadratureAccuracyWarning(
                 f"QuadratureConditionals: log p(x) of site {state.runner.tokens.name!r}, which the "
                 f"chain rule along orderings sums to, is estimated to be off by up to {worst:.3g} nats "
-                f"({int((err > tol).sum())} of {err.numel()} datapoints of the first evaluation above "
+                f"({int((err - rounding > tol).sum())} of {err.numel()} datapoints of the first evaluation above "
                 f"check_evidence_tol={tol:g}; the difference to the rules with {rules} nodes per dim) "
                 f"with {state.nodes_per_dim} nodes per latent dim. Use more nodes (num_nodes=...); "
                 f"check_evidence_tol=None skips this check.",

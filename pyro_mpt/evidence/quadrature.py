@@ -53,7 +53,8 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     * ``error_nodes`` -- nodes per dim of the second, coarser rule whose
       difference gives the error estimate (default ``max(1, 2 m // 3)`` for
       ``m`` nodes per dim; the rule with ``m - 1`` nodes per dim is compared too);
-    * ``tol`` -- raise when the estimated error of some datapoint exceeds it;
+    * ``tol`` -- raise when the estimated error of some datapoint, less the dtype's rounding
+      (below), exceeds it, or the rounding alone does;
     * ``warn_tol`` -- without ``tol``, warn (:class:`~pyro_mpt.conditionals.base.QuadratureAccuracyWarning`, naming the
       site, the largest estimate and ``num_nodes``) when the estimated error of
       some datapoint exceeds it (default :data:`WARN_TOL`; None: never).
@@ -195,7 +196,7 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
         if ref_state.missing_mass is not None:
             ref_error = ref_error + ref_state.missing_mass.to(ref_error.dtype)
         error = torch.maximum(error, (value.detach() - reference).abs() + ref_error)
-    if tol is not None and bool((error > tol).any()) and not bool((error - rounding > tol).any()):
+    if tol is not None and bool((rounding > tol).any()):
         worst = int(rounding.argmax())
         raise ValueError(
             f"Evidence(method='quadrature'): tol={tol} is below the rounding of log p(x) in "
@@ -203,7 +204,7 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
             f"(datapoint {worst}, log p = {float(value[worst]):.6g}: 8 eps (|log p| + 1)), which more "
             f"nodes cannot lower. Compute in float64, or pass a larger tol."
         )
-    if tol is not None and bool((error > tol).any()):
+    if tol is not None and bool((error - rounding > tol).any()):
         worst = int((error - rounding).argmax())
         if reference is None or bool(moved[worst] >= error[worst]):
             rules = f"{error_nodes}{'' if previous is None else f' or {m - 1}'} and {m}"
