@@ -80,24 +80,27 @@ def parse_rates(spec):
         array([0.05, 0.15, 0.5 ])
     """
     spec = str(spec).strip()
+    unreadable = ValueError(
+        f"Cannot read rates {spec!r}; write start:stop:step (e.g. 0.01:0.99:0.01) "
+        f"or a comma list (e.g. 0.05,0.15,0.5)."
+    )
     try:
         if ":" in spec:
             start, stop, step = (float(v) for v in spec.split(":"))
-            if step <= 0 or stop < start:
-                raise ValueError(
-                    f"Rates {spec!r}: start:stop:step needs start <= stop and a positive step "
-                    f"(e.g. 0.1:0.5:0.1), got start {start:g}, stop {stop:g}, step {step:g}."
-                )
-            rates = rate_grid(start, stop, step)
         else:
             rates = np.array([float(v) for v in spec.split(",") if v.strip()])
-    except ValueError as e:
-        if str(e).startswith("Rates "):
-            raise
-        raise ValueError(
-            f"Cannot read rates {spec!r}; write start:stop:step (e.g. 0.01:0.99:0.01) "
-            f"or a comma list (e.g. 0.05,0.15,0.5)."
-        ) from None
+    except ValueError:
+        raise unreadable from None
+    if ":" in spec:
+        if step <= 0 or stop < start:
+            raise ValueError(
+                f"Rates {spec!r}: start:stop:step needs start <= stop and a positive step "
+                f"(e.g. 0.1:0.5:0.1), got start {start:g}, stop {stop:g}, step {step:g}."
+            )
+        try:
+            rates = rate_grid(start, stop, step)
+        except ValueError:  # NaN bounds or step: no grid
+            raise unreadable from None
     # the spec's own words, not check_rates' Python example: the spec comes from a command line
     if rates.size == 0 or not np.all((rates > 0) & (rates < 1)) or np.any(np.diff(rates) <= 0):
         raise ValueError(
