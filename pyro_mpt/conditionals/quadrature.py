@@ -903,6 +903,13 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
 
             >>> err = engine.log_evidence_error(state, x)   # (n,)
         """
+        err, rounding = self._evidence_error_parts(state, x)
+        return err + rounding
+
+    def _evidence_error_parts(self, state, x):
+        """:meth:`log_evidence_error` as its two parts, ``(rules, rounding)`` ``(n,)`` each: the
+        rules' differences (with another mode's mass), which more nodes lower, and
+        :func:`rule_rounding`, which they cannot."""
         with torch.no_grad():
             value = self.log_evidence(state, x)
             err = torch.zeros_like(value)
@@ -911,7 +918,7 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                 err = torch.maximum(err, (value - engine.log_evidence(other, x)).abs())
             if state.missing_mass is not None:
                 err = err + state.missing_mass.to(err.dtype)
-            return err + rule_rounding(value)
+            return err, rule_rounding(value)
 
     def _check_evidence(self, state, x):
         """Warn once per engine when the first chain-rule evaluation's log p(x) is
@@ -923,17 +930,17 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
         try:
             # once per engine: a recomputed block's second run does not make it
             with not_recomputed():
-                err = self.log_evidence_error(state, x)
-                rounding = rule_rounding(self.log_evidence(state, x))
+                moved, rounding = self._evidence_error_parts(state, x)
         except NotQuadratureError:  # a model run one node at a time past max_node_runs: no check
             return
+        err = moved + rounding
         worst = float(err.max())
-        if bool((err - rounding > tol).any()):
+        if bool((moved > tol).any()):
             rules = " and ".join(str(r) for r in self._error_rules(state))
             warnings.warn(QuadratureAccuracyWarning(
                 f"QuadratureConditionals: log p(x) of site {state.runner.tokens.name!r}, which the "
                 f"chain rule along orderings sums to, is estimated to be off by up to {worst:.3g} nats "
-                f"({int((err - rounding > tol).sum())} of {err.numel()} datapoints of the first evaluation above "
+                f"({int((moved > tol).sum())} of {err.numel()} datapoints of the first evaluation above "
                 f"check_evidence_tol={tol:g}; the difference to the rules with {rules} nodes per dim) "
                 f"with {state.nodes_per_dim} nodes per latent dim. Use more nodes (num_nodes=...); "
                 f"check_evidence_tol=None skips this check.",
