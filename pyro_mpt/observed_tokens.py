@@ -105,6 +105,12 @@ class ObservedTokens(TokenLayout):
         return self.model_trace.nodes[self.name]
 
     @property
+    def present(self):
+        """Bool ``(n,)``: the datapoints with at least one observed token (the others, masked
+        out whole, score 0 and are in no curve); None when no token is missing."""
+        return None if self.observed is None else self.observed.any(-1)
+
+    @property
     def data_frames(self):
         """The plate frames of the observed site that run over datapoints (all but the token plates)."""
         token_plates = set(self.token_plates)
@@ -297,7 +303,7 @@ def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
             # the datapoints with at least one observed token, in the plates' layout
             seen = torch.ones(tokens.num_data, dtype=torch.bool, device=kept.device)
             if tokens.observed is not None:
-                seen = tokens.observed.any(-1).to(kept.device)
+                seen = tokens.present.to(kept.device)
             seen = seen.reshape(tokens.batch_shape)
         event = len(site["fn"].event_shape)
         kept = kept.flatten(-event).all(-1) if event else kept

@@ -276,7 +276,7 @@ class ImportanceConditionals(ConditionalEngine):
         check_factorized(tokens.site["fn"], tokens.name, who)
         proposal = self.proposal
         covered = guide is not None and bool(guide_latents(tokens))
-        present = None if tokens.observed is None else tokens.observed.any(-1)
+        present = tokens.present
         if proposal == "auto":
             proposal = "guide" if covered and (tokens.observed is None or whole_datapoints_missing(tokens)) else "prior"
         if proposal == "guide":

@@ -192,7 +192,7 @@ class Evidence:
         if tokens.observed is not None:
             # a datapoint masked out whole: log p of no observation is 0 (the exact routes gave
             # rounding, -4.8e-7 in float32: log N(0; 0, 1) added and taken off per token)
-            present = tokens.observed.any(-1)
+            present = tokens.present
             zero = torch.zeros((), dtype=result.log_evidence.dtype, device=result.log_evidence.device)
             result.log_evidence = torch.where(present, result.log_evidence, zero)
             result.stderr = torch.where(present, result.stderr, zero)

@@ -116,7 +116,7 @@ def importance_log_weights(
     if guide is not None and tokens.observed is not None:
         # padding rows masked out whole (whole_datapoints_missing): log p of no observation is 0,
         # as the prior proposal gives it, whatever the guide proposed from their placeholders
-        lw = torch.where(tokens.observed.any(-1), lw, torch.zeros((), dtype=lw.dtype, device=lw.device))
+        lw = torch.where(tokens.present, lw, torch.zeros((), dtype=lw.dtype, device=lw.device))
     return lw
 
 
