@@ -273,11 +273,24 @@ def check_shape(site, raw):
 
 
 def _support(site):
-    """The elementwise support of the site's distribution, or None when it declares none."""
+    """The elementwise support of the site's distribution, or None when it declares none.
+
+    A hidden Markov model declares its observations' support as ``independent(..., 1)`` over
+    its steps: checked as such, one step's bad value failed the whole sequence, so that its
+    missing steps' placeholders counted against its observed ones; the steps are checked
+    one by one instead (each step's own event dims stay reduced)."""
     try:
-        return elementwise(site["fn"]).support
+        support = elementwise(site["fn"]).support
     except NotImplementedError:  # a user distribution that declares no support
         return None
+    if isinstance(elementwise(site["fn"]), HiddenMarkovModel):
+        while isinstance(support, constraints.independent):
+            support = support.base_constraint
+        if _per_token_bounds(support):
+            # bounds per hidden state (a Binomial's total_count a state): a step's value is in the
+            # support of some state, which a check against the bounds as they are cannot tell
+            return None
+    return support
 
 
 def support_ok(layout, site):
@@ -366,7 +379,7 @@ def validate_values(layout, site, flat, observed):
     if not ok.all():
         i, j = (~ok).nonzero()[0].tolist()
         base = elementwise(site["fn"])
-        support, where = _support_text(base.support, layout, i, j)
+        support, where = _support_text(_support(site), layout, i, j)
         raise ValueError(
             f"Observed site {name!r} has {int((~ok).sum())} value(s) outside the support "
             f"{support} of its {type(base).__name__} distribution, e.g. "
@@ -374,5 +387,11 @@ def validate_values(layout, site, flat, observed):
             f"such data (Trace_ELBO raises on it). Pass data in the support (e.g. 0/1 for a "
             f"Bernoulli, non-negative integers for a Poisson), use an observation "
             f"distribution whose support holds the data, or mark the values missing with "
-            f"obs_mask=." + (_LATENT_SUPPORT_HINT if _per_token_bounds(base.support) else "")
+            + (
+                "the observation distribution's .mask() (observation_dist.mask(m[..., None]) "
+                "for a mask m of the steps)."
+                if isinstance(base, HiddenMarkovModel)
+                else "obs_mask=."
+            )
+            + (_LATENT_SUPPORT_HINT if _per_token_bounds(_support(site)) else "")
         )

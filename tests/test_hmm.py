@@ -11,7 +11,7 @@ from pyro.distributions import constraints
 from pyro.infer import SVI, config_enumerate
 from pyro.optim import Adam
 from scipy.special import logsumexp
-from scipy.stats import norm
+from scipy.stats import norm, poisson
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.conditionals import DiscreteHMMConditionals, EngineNotApplicable, EnumerateConditionals, auto_engine
@@ -523,6 +523,42 @@ def test_masked_emissions_are_missing_steps(float64):
             rest[t, e] = False
             total += ref[i] - brute_force_log_marginal(log_init, log_trans, log_emit[i], rest)
         assert abs(pll[i] - total) < 1e-10  # the pseudo-log-likelihood: the sum over the observed tokens
+
+
+def test_placeholders_at_missing_steps_pass_the_support_check(float64):
+    """Placeholders (NaN, -1, 0.5) at the steps a DiscreteHMM's observation_dist masks out are
+    missing tokens, as at any other site: under Pyro's validation they were refused as
+    outside the support, counted and shown as the sequence's observed steps (the HMM's
+    support, independent over the steps, failed whole sequences). The scores equal the
+    brute-force sums over hidden paths of the observed steps, and a bad value at an observed
+    step is named at its own token, with a pointer to the observation's .mask()."""
+    g = torch.Generator().manual_seed(5)
+    n, T, S = 2, 6, 2
+    init, trans = torch.randn(S, generator=g), torch.randn(S, S, generator=g)
+    rates = torch.tensor([1.0, 3.0])
+    x = torch.tensor([[1.0, 3.0, 0.0, 2.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0, 2.0, 3.0]])
+    keep = torch.ones(n, T, dtype=torch.bool)
+    keep[0, 4:] = False
+    keep[1, 1] = False
+
+    def hmm(x):
+        with pyro.plate("sequences", n):
+            pyro.sample("x", dist.DiscreteHMM(init, trans, dist.Poisson(rates).mask(keep[..., None])), obs=x)
+
+    log_init = torch.log_softmax(init, 0).numpy()
+    log_trans = torch.log_softmax(trans, -1).numpy()
+    log_emit = poisson.logpmf(x.numpy()[:, :, None], rates.numpy())[..., None]  # (n, T, S, 1)
+    ref = np.array([brute_force_log_marginal(log_init, log_trans, log_emit[i], keep[i, :, None].numpy()) for i in range(n)])
+    with pyro.validation_enabled(True):
+        for placeholder in (float("nan"), -1.0, 0.5):
+            xp = torch.where(keep, x, torch.tensor(placeholder))
+            np.testing.assert_allclose(Evidence(hmm)(xp).numpy(), ref, atol=1e-10)
+            np.testing.assert_allclose(MaskedPretrainingLoss(masks="order").score(hmm, None, xp).numpy(), ref, atol=1e-10)
+        bad = x.clone()
+        bad[1, 3] = 2.5  # observed
+        bad[0, 5] = float("nan")  # missing
+        with pytest.raises(ValueError, match=r"has 1 value\(s\) outside .* e\.g\. 2\.5 at datapoint 1, token 3; .*observation_dist\.mask"):
+            MaskedPretrainingLoss(masks="order").score(hmm, None, bad)
 
 
 def test_mixture_of_hmms_is_summed_exactly(float64):
