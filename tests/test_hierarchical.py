@@ -15,7 +15,7 @@ import pyro
 import pyro.distributions as dist
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
-from pyro_mpt.conditionals import HierarchicalGaussianConditionals
+from pyro_mpt.conditionals import HierarchicalGaussianConditionals, NumericalWarning
 from pyro_mpt.observed_tokens import trace_tokens
 
 from models import numpy_leave_one_out
@@ -663,3 +663,90 @@ def test_the_global_latent_message_names_every_plate_to_make_tokens(given):
     ref = multivariate_normal(np.zeros(G * M), cov).logpdf(x.numpy().reshape(-1))
     got = Evidence(model, method="exact", token_plates=suggested)(x)
     assert abs(float(got.sum()) - ref) < 1e-8
+
+
+def _tiny_noise_hierarchy(sd, N=12, D=4, seed=2):
+    """g ~ N(0, I_2) global, z_n ~ N(0, 1) local, x_n ~ N(c + W z_n + A g, diag(psi)) with noise
+    sd ``sd`` against unit loadings; returns the model, data (float64) and an mpmath (40 digits)
+    function ``log_density(keep)`` of the tokens at the bool (N*D,) ``keep`` (all by default)
+    and ``conditional(j, context)``, both of the model's float64 numbers as exact reals."""
+    import mpmath
+    from scipy.linalg import block_diag
+
+    mpmath.mp.dps = 40
+    g = np.random.default_rng(seed)
+    W, A, c = g.normal(size=(D, 1)), g.normal(size=(D, 2)), g.normal(size=D)
+    psi = sd**2 * (0.5 + g.random(D))
+    X = c + g.normal(size=(N, 1)) @ W.T + g.normal(size=2) @ A.T + np.sqrt(psi) * g.normal(size=(N, D))
+    t = torch.tensor
+
+    def model(x):
+        gl = pyro.sample("g", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+        with pyro.plate("data", N):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1, dtype=torch.float64), 1.0).to_event(1))
+            loc = t(c) + z @ t(W).T + (gl @ t(A).T)[..., None, :]
+            pyro.sample("x", dist.Normal(loc, t(psi).sqrt()).to_event(1), obs=x)
+
+    L = mpmath.matrix(np.hstack([np.tile(A, (N, 1)), block_diag(*[W] * N)]).tolist())
+    S = L * L.T  # exact products of the float64 loadings: rounding L L^T first loses the noise
+    for i, p in enumerate(np.tile(psi, N)):
+        S[i, i] += mpmath.mpf(float(p))
+    r = (X - c).reshape(-1)
+
+    def log_density(keep=None):
+        idx = np.arange(N * D) if keep is None else np.flatnonzero(keep)
+        Sk = mpmath.matrix([[S[i, j] for j in idx] for i in idx])
+        rk = mpmath.matrix([r[i] for i in idx])
+        quad = (rk.T * mpmath.lu_solve(Sk, rk))[0]
+        return float(-0.5 * (len(idx) * mpmath.log(2 * mpmath.pi) + mpmath.log(mpmath.det(Sk)) + quad))
+
+    def conditional(j, context):
+        keep = np.zeros(N * D, dtype=bool)
+        keep[context] = True
+        without = log_density(keep) if keep.any() else 0.0
+        keep[j] = True
+        return log_density(keep) - without
+
+    return model, torch.tensor(X), log_density, conditional
+
+
+@pytest.mark.parametrize("sd", [1e-4, 1e-7])
+def test_tiny_noise_keeps_the_evidence_exact_and_warns_for_small_contexts(sd):
+    """float64, noise sd 1e-4 / 1e-7 against unit loadings (48 tokens, tr P ~ 1e10 / 1e16).
+    The evidence wrote r^T Sigma^-1 r as r^T Psi^-1 r - eta^T m, cancelling terms of size tr P:
+    Evidence and the "order" loss were 3e-6 / 12 nats off an exact (mpmath) reference, silently;
+    now the minimum of |e|^2/psi + |m|^2 at the posterior means, within 1e-8 relative.
+    Masked conditionals keep 2e-8 nats at sd 1e-4; at 1e-7 those given fewer context tokens
+    than latent dimensions lose ~1e-3 nats to the rounding of the posterior precision (its
+    eigenvalues near 1), silently before: the masked schedules now say so (NumericalWarning),
+    where Evidence, "order" and "pll", which keep their digits, do not."""
+    model, x, log_density, conditional = _tiny_noise_hierarchy(sd)
+    ref = log_density()
+    kw = dict(token_plates=("data",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ev = float(Evidence(model, **kw)(x))
+        order = float(MaskedPretrainingLoss(masks="order", **kw).score(model, None, x))
+        MaskedPretrainingLoss(masks="pll", **kw).score(model, None, x)
+    assert abs(ev - ref) <= 1e-8 * abs(ref), (ev, ref)
+    assert abs(order - ref) <= 1e-8 * abs(ref), (order, ref)
+
+    engine = HierarchicalGaussianConditionals()
+    tokens = trace_tokens(model, None, (x,), {}, token_plates=("data",))
+    state = engine.prepare(tokens, model, None, (x,), {})
+    T = x.numel()
+    rng = np.random.default_rng(0)
+    mask = np.stack([rng.permutation(T) < m for m in (3, T // 2, T - 2)])
+    if sd == 1e-7:
+        with pytest.warns(NumericalWarning, match="tiny against its loadings"):
+            engine.mask_log_prob(state, tokens.value, torch.tensor(mask)[:, None])
+        with pytest.warns(NumericalWarning, match="tiny against its loadings"):
+            MaskedPretrainingLoss(masks="uniform", **kw).score(model, None, x)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = engine.mask_log_prob(state, tokens.value, torch.tensor(mask)[:, None])[:, 0]
+    for q in range(mask.shape[0]):
+        context = np.flatnonzero(~mask[q])
+        for j in np.flatnonzero(mask[q])[:3]:
+            assert abs(float(out[q, j]) - conditional(j, context)) < 2e-8, (q, j)

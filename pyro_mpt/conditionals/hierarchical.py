@@ -60,6 +60,7 @@ is not affine, or when a unit's tokens depend on another unit's local latents
 """
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -67,8 +68,9 @@ import torch
 import pyro.distributions as dist
 from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use (seconds)
 
+from ..code_origin import user_stacklevel
 from ..observed_tokens import check_local_latent
-from .base import ConditionalEngine, EngineNotApplicable, ordering_ranks
+from .base import ConditionalEngine, EngineNotApplicable, NumericalWarning, ordering_ranks
 from .distributions import unwrap
 from .gaussian_leave_one_out import leave_one_out_from_full, leave_one_out_targets
 from .gaussian_linalg import PRECISION
@@ -122,6 +124,9 @@ class HierarchicalGaussianState:
     :param torch.dtype data_dtype: the dtype of the results when the state computes in a
         wider one (float64 for float32 data whose posterior precision float32 cannot
         hold, see :func:`hierarchical_loadings`); None otherwise.
+    :param float roundoff: :math:`\epsilon\operatorname{tr}P` in the dtype the state computes in
+        (:math:`P` the posterior precision of the noises given every token): about the nats a
+        masked conditional given fewer context tokens than latent dimensions loses to rounding.
     """
 
     num_data: int
@@ -132,6 +137,7 @@ class HierarchicalGaussianState:
     b: torch.Tensor
     site: Optional[str] = None
     data_dtype: Optional[torch.dtype] = None
+    roundoff: float = 0.0
 
     @property
     def units(self):
@@ -328,17 +334,18 @@ def hierarchical_loadings(tokens, model, args, kwargs):
                                    f"of plate {unit_plate!r} reading only its own local latents (off "
                                    f"by {float(err):.3g} at a random point)")
     psi = scale[0] ** 2
-    # log p's Mahalanobis term cancels sums of size up to tr P (the posterior precision
-    # of the noises, I + sum_t (a_t a_t^T + b_t b_t^T) / psi_t), losing eps tr P nats:
-    # beyond PRECISION (float32 at D = 600 and noise sd 1e-2: about 2 nats, and a failed
-    # Cholesky at 1e-3) the state computes in float64, by casts, so gradients reach the model
+    # the posterior precision of the noises, P = I + sum_t (a_t a_t^T + b_t b_t^T) / psi_t, formed
+    # with rounding errors of eps tr P: where a context leaves eigenvalues near 1 (fewer tokens than
+    # latent dims) they and the conditionals move by about as much. Beyond PRECISION (float32 at
+    # D = 600 and noise sd 1e-2: about 2 nats, and a failed Cholesky at 1e-3) the state computes in
+    # float64, by casts, so gradients reach the model; float64 beyond it warns in the masked queries
     data_dtype = None
-    if dt != torch.float64:
-        with torch.no_grad():
-            trace = K_g + K_l + float(((A.pow(2).sum(-1) + Bl.pow(2).sum(-1)) / psi).sum(-1).max())
-        if torch.finfo(dt).eps * trace > PRECISION:
-            data_dtype, (mu, psi, a, b) = dt, (t.to(torch.float64) for t in (mu, psi, a, b))
-    return HierarchicalGaussianState(n, D, mu, psi, a, b, tokens.name, data_dtype)
+    with torch.no_grad():
+        trace = K_g + K_l + float(((A.pow(2).sum(-1) + Bl.pow(2).sum(-1)) / psi).sum(-1).max())
+    if dt != torch.float64 and torch.finfo(dt).eps * trace > PRECISION:
+        data_dtype, (mu, psi, a, b) = dt, (t.to(torch.float64) for t in (mu, psi, a, b))
+    roundoff = torch.finfo(mu.dtype).eps * trace
+    return HierarchicalGaussianState(n, D, mu, psi, a, b, tokens.name, data_dtype, roundoff)
 
 
 def hierarchical_marginal(tokens, model, args, kwargs):
@@ -371,6 +378,20 @@ def hierarchical_marginal(tokens, model, args, kwargs):
     return GaussianMarginal(state.loc.to(dt), cov_factor=F.to(dt), cov_diag=state.psi.to(dt), site=state.site)
 
 
+def _warn_roundoff(state):
+    """Warn where the masked conditionals given small contexts lose more than ``PRECISION`` nats
+    to rounding (``state.roundoff``, in float64: no wider dtype to compute in)."""
+    if state.roundoff > PRECISION:
+        warnings.warn(NumericalWarning(
+            f"{_WHO}: the noise of observed site {state.site!r} is tiny against its loadings "
+            f"(eps tr P = {state.roundoff:.2g} in float64, P the posterior precision of the latents' "
+            f"noises): masked conditionals given fewer context tokens than latent dimensions may lose "
+            f"up to about that many nats each to rounding. log p (Evidence, masks='order' in a loss) and "
+            f"masks='pll' keep their digits; for the other schedules a larger observation noise "
+            f"(a floor on its scale) keeps them."
+        ), stacklevel=user_stacklevel())
+
+
 def _to_work(state, x):
     return x if state.data_dtype is None else x.to(state.loc.dtype)
 
@@ -380,12 +401,12 @@ def _to_data(state, out):
 
 
 def _posterior(state, r, ctx):
-    """The arrowhead posterior of the noises given contexts ``ctx`` ``(q, n, D)``.
+    r"""The arrowhead posterior of the noises given contexts ``ctx`` ``(q, n, D)``.
 
-    :returns: ``(L_u, L_S, X, m_g, m_u, w)``: the Cholesky factors of
+    :returns: ``(L_u, L_S, X, m_g, m_u)``: the Cholesky factors of
         :math:`P_{uu}` ``(q, n, U, K_l, K_l)`` and :math:`S` ``(q, n, K_g, K_g)``,
-        :math:`X = P_{uu}^{-1}P_{ug}` ``(q, n, U, K_l, K_g)``, the posterior means,
-        and the weights :math:`w` ``(q, n, U, E)``.
+        :math:`X = P_{uu}^{-1}P_{ug}` ``(q, n, U, K_l, K_g)``, and the posterior means
+        ``(q, n, K_g)``, ``(q, n, U, K_l)``.
     """
     a, b = state.a, state.b
     n_, U, E, K_l = b.shape
@@ -398,19 +419,20 @@ def _posterior(state, r, ctx):
     wb = w.unsqueeze(-1) * b  # (q, n, U, E, K_l)
     P_uu = eye_l + wb.transpose(-1, -2) @ b
     P_ug = wb.transpose(-1, -2) @ a  # (q, n, U, K_l, K_g)
-    eta_u = (wb * r.unsqueeze(-1)).sum(-2)  # (q, n, U, K_l)
     wa = w.unsqueeze(-1) * a
     P_gg = eye_g + torch.einsum("qnuek,nuel->qnkl", wa, a.expand(w.shape[1:] + (K_g,)))
-    eta_g = torch.einsum("qnuek,nue->qnk", wa, r.expand(w.shape[1:]))
     L_u = torch.linalg.cholesky(P_uu)
     X = torch.cholesky_solve(P_ug, L_u)
-    y = torch.cholesky_solve(eta_u.unsqueeze(-1), L_u).squeeze(-1)
     S = P_gg - (P_ug.transpose(-1, -2) @ X).sum(-3)
-    eta_s = eta_g - (P_ug.transpose(-1, -2) @ y.unsqueeze(-1)).squeeze(-1).sum(-2)
     L_S = torch.linalg.cholesky(S)
+    eta_u = (wb * r.unsqueeze(-1)).sum(-2)  # (q, n, U, K_l)
+    eta_g = torch.einsum("qnuek,nue->qnk", wa, r.expand(w.shape[1:]))
+    # eliminate the units, solve over the globals, back-substitute
+    y = torch.cholesky_solve(eta_u.unsqueeze(-1), L_u).squeeze(-1)
+    eta_s = eta_g - (P_ug.transpose(-1, -2) @ y.unsqueeze(-1)).squeeze(-1).sum(-2)
     m_g = torch.cholesky_solve(eta_s.unsqueeze(-1), L_S).squeeze(-1)  # (q, n, K_g)
     m_u = y - (X @ m_g[:, :, None, :, None]).squeeze(-1)  # (q, n, U, K_l)
-    return L_u, L_S, X, m_g, m_u, eta_s, eta_u, y
+    return L_u, L_S, X, m_g, m_u
 
 
 class HierarchicalGaussianConditionals(ConditionalEngine):
@@ -445,6 +467,7 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
 
     def mask_log_prob(self, state, x, mask):
         self._check_x(state, x)
+        _warn_roundoff(state)
         step = self._per_chunk(state)
         x = _to_work(state, x)
         return _to_data(state, torch.cat([self._masks(state, x, mask[s : s + step]) for s in range(0, mask.shape[0], step)], 0))
@@ -489,7 +512,7 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         mask, and their variances' latent part (without psi), summed as squares."""
         ctx = (~mask).to(state.loc.dtype)
         r = x - state.loc
-        L_u, L_S, X, m_g, m_u, _, _, _ = _posterior(state, r, ctx)
+        L_u, L_S, X, m_g, m_u = _posterior(state, r, ctx)
         a, b = state.a, state.b
         U, E = b.shape[-3], b.shape[-2]
         q = ctx.shape[0]
@@ -507,6 +530,7 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         """Chain-rule terms along orderings ``(p, n|1, D)``, ``(p, n, D)``, by suffix sums
         (see :func:`chain_terms`), in chunks of orderings."""
         self._check_x(state, x)
+        _warn_roundoff(state)
         U, E, K_l = state.b.shape[-3:]
         K = state.a.shape[-1] + K_l
         per = max(1, self.max_elements // max(1, state.num_data * state.num_tokens * K * K * 8))
@@ -531,11 +555,19 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         x = _to_work(state, x)
         ctx = torch.ones_like(x)[None] if observed is None else observed.to(x.dtype)[None]
         r = x - state.loc
-        L_u, L_S, X, m_g, m_u, eta_s, eta_u, y = _posterior(state, r, ctx)
+        L_u, L_S, X, m_g, m_u = _posterior(state, r, ctx)
         logdet = 2 * torch.diagonal(L_u, dim1=-2, dim2=-1).log().sum((-1, -2)) + 2 * torch.diagonal(
             L_S, dim1=-2, dim2=-1
         ).log().sum(-1)
-        quad = (ctx * r**2 / state.psi).sum(-1) - (eta_u * y).sum((-1, -2)) - (eta_s * m_g).sum(-1)
+        # r^T Sigma^-1 r as the minimum it is, of |e|^2_psi + |m|^2 with the residual e = r - a m_g - b m_u
+        # at the posterior means m: positive terms only. Written as r^T Psi^-1 r - eta^T m it
+        # cancelled terms of size tr P down to the form's (float64, noise sd 1e-7 against unit
+        # loadings, 60 tokens: 12 nats off); the means' rounding enters the minimum to second order
+        a, b = state.a, state.b
+        U, E = b.shape[-3], b.shape[-2]
+        fit = torch.einsum("nuek,qnk->qnue", a, m_g) + torch.einsum("nuel,qnul->qnue", b, m_u)
+        e = r - fit.reshape(fit.shape[:2] + (U * E,))
+        quad = (ctx * e**2 / state.psi).sum(-1) + m_g.pow(2).sum(-1) + m_u.pow(2).sum((-1, -2))
         logpsi = (ctx * state.psi.log()).sum(-1)
         D_obs = ctx.sum(-1)
         return _to_data(state, (-0.5 * (D_obs * _LOG_2PI + logpsi + logdet + quad))[0])
@@ -544,6 +576,16 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
 def _suffix(t, dim):
     """Inclusive suffix sums along ``dim``: entry ``i`` is the sum of entries ``>= i``."""
     return t.flip(dim).cumsum(dim).flip(dim)
+
+
+def _after(inclusive, dim):
+    """Exclusive suffix sums from inclusive ones: entry ``i`` is the sum of entries ``> i``, the
+    inclusive sums shifted by one (a zero last), not ``inclusive - t``: with tiny noise the terms
+    are of size ``1/psi`` and their difference lost the small context's sum to rounding."""
+    shifted = torch.zeros_like(inclusive)
+    n = inclusive.shape[dim]
+    shifted.narrow(dim, 0, n - 1).copy_(inclusive.narrow(dim, 1, n - 1))
+    return shifted
 
 
 def _chol_parts(P, Pug, eta):
@@ -597,7 +639,7 @@ def chain_terms(state, x, order):
     eye_l = torch.eye(K_l, dtype=b.dtype, device=b.device)
     o_uu, o_ug, o_eu = sorted_(own["uu"]), sorted_(own["ug"]), sorted_(own["eu"])
     inc_uu, inc_ug, inc_eu = _suffix(o_uu, 3) + eye_l, _suffix(o_ug, 3), _suffix(o_eu, 3)
-    exc_uu, exc_ug, exc_eu = inc_uu - o_uu, inc_ug - o_ug, inc_eu - o_eu
+    exc_uu, exc_ug, exc_eu = _after(inc_uu - eye_l, 3) + eye_l, _after(inc_ug, 3), _after(inc_eu, 3)
     _, _, _, G_inc, t_inc = _chol_parts(inc_uu, inc_ug, inc_eu)
     L_ex, X_ex, y_ex, G_ex, t_ex = _chol_parts(exc_uu, exc_ug, exc_eu)
 
@@ -611,8 +653,8 @@ def chain_terms(state, x, order):
     gg = positions(sorted_(own["gg"]) - (G_inc - G_ex))
     eg = positions(sorted_(own["eg"]) - (t_inc - t_ex))
     # the context of position t: positions after it (exclusive suffix sums)
-    S = _suffix(gg, 2) - gg + torch.eye(K_g, dtype=b.dtype, device=b.device)
-    eta = _suffix(eg, 2) - eg
+    S = _after(_suffix(gg, 2), 2) + torch.eye(K_g, dtype=b.dtype, device=b.device)
+    eta = _after(_suffix(eg, 2), 2)
     L_S = torch.linalg.cholesky(S)
     m_g = torch.cholesky_solve(eta.unsqueeze(-1), L_S).squeeze(-1)  # (p, n, D, K_g)
     L_ex, X_ex, y_ex, exc_ug = positions(L_ex), positions(X_ex), positions(y_ex), positions(exc_ug)

@@ -63,3 +63,14 @@ def _():
                 pyro.sample("y", dist.Normal(a, 0.5), obs=y)
 
     MaskedPretrainingLoss(conditionals="hierarchical", token_plates=("items",)).loss(classes, None, _x())
+
+
+@trigger("hierarchical-tiny-noise")
+def _():
+    def tiny(x):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(mu, 1.0))
+            pyro.sample("x", dist.Normal(z[..., None].expand(z.shape + (2,)), 1e-7).to_event(1), obs=x)
+
+    MaskedPretrainingLoss(masks="uniform", token_plates=("data",)).loss(tiny, None, _x(8))
