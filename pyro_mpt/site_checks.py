@@ -371,6 +371,10 @@ def validate_values(layout, site, flat, observed):
     if _support(site) is constraints.real:
         # every finite (observed) token is real: the support check would repeat the one above
         return
+    if getattr(elementwise(site["fn"]), "_validate_args", None) is False:
+        # built with validate_args=False (Pyro's VAE tutorial: a Bernoulli of gray levels in
+        # [0, 1]): its log_prob takes such values, and Trace_ELBO's does without a complaint
+        return
     ok = support_ok(layout, site)
     if ok is None:
         return
@@ -386,7 +390,8 @@ def validate_values(layout, site, flat, observed):
             f"{float(flat[i, j]):g} at datapoint {i}, token {j}{where}; Pyro's log_prob refuses "
             f"such data (Trace_ELBO raises on it). Pass data in the support (e.g. 0/1 for a "
             f"Bernoulli, non-negative integers for a Poisson), use an observation "
-            f"distribution whose support holds the data, or mark the values missing with "
+            f"distribution whose support holds the data (or built with validate_args=False, not "
+            f"checked), or mark the values missing with "
             + (
                 "the observation distribution's .mask() (observation_dist.mask(m[..., None]) "
                 "for a mask m of the steps)."
