@@ -19,6 +19,7 @@ a datapoint's class) leave the plates that every latent sits in as the data
 plates, when some latent sits in those alone.
 """
 
+import re
 import pyro.distributions as dist
 from pyro.poutine.util import site_is_subsample
 
@@ -158,6 +159,20 @@ def locate_site(model_trace, obs_site):
             discrete = bool(latents) and all(getattr(s["fn"], "has_enumerate_support", False) for s in latents)
             hmm = ("dist.DiscreteHMM site (discrete states)" if discrete else
                    "dist.GaussianHMM site (linear-Gaussian states; dist.DiscreteHMM for discrete ones)")
+            # names that differ only in a trailing number: one observation written in a Python loop
+            # (Pyro's SVI tutorial's coin, obs_0..obs_9), where obs_site= would score one of them
+            stems = [re.sub(r"_?\d+$", "", s["name"]) for s in observed]
+            if len(set(stems)) < len(stems):
+                looped = [s["name"] for s, stem in zip(observed, stems) if stems.count(stem) > 1]
+                raise ValueError(
+                    f"The model observes several sites ({names}); {looped[0]!r}, {looped[1]!r}, … look like "
+                    f"one observation written in a Python loop, one site a datapoint or step. The tokens "
+                    f"come from one site: write it as one site in a pyro.plate over the data (with "
+                    f"pyro.plate('data', len(data)): pyro.sample('obs', dist, obs=data)), and pass "
+                    f"token_plates=('data',) when latents outside the plate are shared by all the data "
+                    f"(the dataset is then one datapoint); a state space model is one {hmm} whose "
+                    f"event dim is time."
+                )
             raise ValueError(
                 f"The model observes several sites ({names}); say which one holds "
                 f"the tokens with obs_site=<name>. (The tokens of a datapoint come from "

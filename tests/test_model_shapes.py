@@ -1478,3 +1478,28 @@ def test_a_latent_fixed_by_poutine_condition_is_a_given_value(float64):
     assert np.abs(Evidence(conditioned, **drop)(x).detach().numpy() - ref).max() < 1e-8
     score = MaskedPretrainingLoss(masks="order", **drop).score(conditioned, None, x)
     assert np.abs(score.detach().numpy() - ref).max() < 1e-8
+
+
+def test_observations_in_a_python_loop_point_to_one_site_in_a_plate(float64):
+    """Pyro's SVI tutorial's coin samples obs_0..obs_9 in a loop: the refusal said to pick one
+    with obs_site=, which would score one toss. It now says to write one site in a plate with
+    token_plates=("data",); written so, the evidence is the Beta-Binomial closed form."""
+    from scipy.special import betaln
+
+    data = torch.cat([torch.ones(6), torch.zeros(4)])
+
+    def coin_loop(data):
+        f = pyro.sample("latent_fairness", dist.Beta(10.0, 10.0))
+        for i in range(len(data)):
+            pyro.sample(f"obs_{i}", dist.Bernoulli(f), obs=data[i])
+
+    def coin(data):
+        f = pyro.sample("latent_fairness", dist.Beta(10.0, 10.0))
+        with pyro.plate("data", len(data)):
+            pyro.sample("obs", dist.Bernoulli(f), obs=data)
+
+    with pytest.raises(ValueError, match=r"look like one observation written in a Python loop.*token_plates=\('data',\)"):
+        MaskedPretrainingLoss().loss(coin_loop, None, data)
+    ref = betaln(16, 14) - betaln(10, 10)
+    assert abs(float(Evidence(coin, method="quadrature", token_plates=("data",))(data)) - ref) < 1e-8
+    assert abs(MaskedPretrainingLoss(masks="order", token_plates=("data",)).loss(coin, None, data) + ref) < 1e-8

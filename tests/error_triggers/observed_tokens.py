@@ -33,6 +33,18 @@ def _():
     MaskedPretrainingLoss().loss(model, None, _x())
 
 
+@trigger("sites-observations-in-a-loop")
+def _():
+    data = torch.tensor([1.0, 0.0, 1.0])
+
+    def coin(data):
+        f = pyro.sample("latent_fairness", dist.Beta(10.0, 10.0))
+        for i in range(len(data)):
+            pyro.sample(f"obs_{i}", dist.Bernoulli(f), obs=data[i])
+
+    MaskedPretrainingLoss().loss(coin, None, data)
+
+
 @trigger("sites-obs-site-unknown")
 def _():
     model, x = _ppca()
