@@ -49,6 +49,9 @@ class WithGuideELBO(ELBO):
     def __init__(self, loss, guide_loss=None, weight=1.0):
         super().__init__()
         self.inner = loss
+        if hasattr(loss, "checks_guide_training"):
+            # the guide gets the ELBO's gradients here, after the inner loss's backward pass
+            loss.checks_guide_training = False
         self.guide_loss = guide_loss if guide_loss is not None else Trace_ELBO()
         self.weight = float(weight)
 

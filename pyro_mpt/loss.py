@@ -29,12 +29,12 @@ from pyro.infer.util import torch_item
 from pyro.util import get_rng_state, set_rng_state, warn_if_nan
 
 from .arg_checks import Revalidate, args_valid, checkable, quiet_or_validated
-from .conditionals import ENGINES, auto_engine, make_engine, option_names
+from .conditionals import ENGINES, auto_engine, engine_name, make_engine, option_names
 from .conditionals.base import EngineNotApplicable
 from .model_keys import callable_key
 from .curve import CurveAccumulator
 from .estimate import mpt_estimate
-from .guide_checks import check_guide_sites
+from .guide_checks import check_guide_sites, guide_params, warn_untrained_guide
 from .hidden_randomness import check_no_hidden_randomness, hidden_randomness_checked
 from .masks import MaskSchedule, make_schedule
 from .observed_tokens import LATENT_MEANS, check_latent_scales, trace_tokens
@@ -82,11 +82,14 @@ class LossMemory:
         draw of the trace (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.reads_latent_draws`):
         their quiet trace puts each latent at its prior mean (``init_to_mean``) instead of
         drawing it.
+    :param set guides_checked: the guides (``callable_key``) whose training :meth:`MaskedPretrainingLoss.loss_and_grads`
+        has checked (:func:`~pyro_mpt.guide_checks.warn_untrained_guide`), at their first step.
     """
 
     auto_engines: dict = field(default_factory=dict)
     quiet_traces: set = field(default_factory=set)
     mean_traces: set = field(default_factory=set)
+    guides_checked: set = field(default_factory=set)
 
     def forget_collected(self):
         """Drop what is remembered for models that no longer exist (a loss reused across
@@ -95,6 +98,7 @@ class LossMemory:
             del self.auto_engines[key]
         self.quiet_traces = {k for k in self.quiet_traces if k.alive()}
         self.mean_traces = {k for k in self.mean_traces if k.alive()}
+        self.guides_checked = {k for k in self.guides_checked if k.alive()}
 
 
 #: the loss's own keywords: an unknown keyword goes to the engine, so a misspelled one
@@ -203,6 +207,11 @@ class MaskedPretrainingLoss(ELBO):
         >>> # two observed sites: score log p(x) with y integrated out
         >>> MaskedPretrainingLoss(obs_site="x", extra_sites="drop").score(model_xy, None, x, y)
     """
+
+    #: whether :meth:`loss_and_grads` checks, at the first step with a guide, that the guide's
+    #: parameters get a gradient (and warns if none does); :class:`~pyro_mpt.guide_elbo.WithGuideELBO`
+    #: turns it off for the loss it wraps, whose guide it trains by the ELBO
+    checks_guide_training = True
 
     def __init__(
         self,
@@ -365,11 +374,14 @@ class MaskedPretrainingLoss(ELBO):
 
         :returns: a scalar tensor that can be differentiated.
         """
+        return self._loss_and_engine(model, guide, args, kwargs)[0]
+
+    def _loss_and_engine(self, model, guide, args, kwargs):
         tokens, engine, state, prior = self._prepare_with_prior(model, guide, args, kwargs)
         estimate = self._estimate(self.schedule, tokens, engine, state)
         loss = -(tokens.scale * estimate).sum() - prior
         warn_if_nan(loss, "loss")
-        return loss
+        return loss, engine
 
     def loss(self, model, guide, *args, **kwargs):
         """The loss as a float, without gradients.
@@ -382,11 +394,31 @@ class MaskedPretrainingLoss(ELBO):
     def loss_and_grads(self, model, guide, *args, **kwargs):
         """The loss as a float; also back-propagates it into the parameters.
 
+        At the first step with a guide it checks that the guide's own parameters get a
+        gradient, and warns if none does (:func:`~pyro_mpt.guide_checks.warn_untrained_guide`;
+        :class:`~pyro_mpt.guide_elbo.WithGuideELBO` trains them, and turns the check off
+        through :attr:`checks_guide_training`).
+
         :rtype: float
         """
-        loss = self.differentiable_loss(model, guide, *args, **kwargs)
+        check = self.checks_guide_training and guide is not None and callable_key(guide) not in self.memory.guides_checked
+        params = {}
+        if check:
+            if len(self.memory.guides_checked) >= 64:
+                # a new guide object at every step (a lambda written in the loop): forget the dead
+                self.memory.guides_checked = {k for k in self.memory.guides_checked if k.alive()}
+            self.memory.guides_checked.add(callable_key(guide))
+            # the extra run of the guide draws from the random streams: the step's draws stay
+            # those of a step without the check (but for the draws of a guide's first run, which
+            # makes its parameters: they happen here, once)
+            rng = get_rng_state()
+            params = guide_params(guide, args, kwargs)
+            set_rng_state(rng)
+        loss, engine = self._loss_and_engine(model, guide, args, kwargs)
         if loss.requires_grad:
             loss.backward(retain_graph=self.retain_graph)
+        if check:
+            warn_untrained_guide(params, engine_name(engine))
         return torch_item(loss)
 
     # ------------------------------------------------------------------ estimates

@@ -115,6 +115,7 @@ __all__ = [
     "MixtureTable",
     "GaussianMixtureTable",
     "ENGINES",
+    "engine_name",
     "AUTO_GRID_WARNING",
     "AUTO_MIN_TOKENS",
     "AUTO_OPTIONS",
@@ -217,6 +218,22 @@ def make_engine(spec, **options):
     raise ValueError(
         f"Unknown conditionals={spec!r}; use one of {names} or a ConditionalEngine instance."
     )
+
+
+def engine_name(engine):
+    """The name :data:`ENGINES` gives ``engine``'s class (a subclass: its nearest registered
+    base's), else the class's own name.
+
+    Example::
+
+        >>> engine_name(GaussianConditionals())
+        'gaussian'
+    """
+    for cls in type(engine).__mro__:
+        for name, registered in ENGINES.items():
+            if cls is registered:
+                return name
+    return type(engine).__name__
 
 
 def option_names(cls):

@@ -301,3 +301,23 @@ def _():
     guide = AutoNormal(other)
     guide(x)  # built on another model, whose latent is 'z'
     Evidence(model, guide, method="importance", num_samples=10)(x)
+
+
+@trigger("guide-untrained")
+def _():
+    from pyro.infer import SVI
+    from pyro.infer.autoguide import AutoNormal
+    from pyro.optim import Adam
+
+    X = torch.randn(20, 2, generator=torch.Generator().manual_seed(0))
+    y = X @ torch.tensor([2.0, -1.0])
+
+    def regression(X, y):
+        a = pyro.sample("a", dist.Normal(0.0, 10.0))
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("obs", dist.Normal(a + X @ w, 0.7), obs=y)
+
+    pyro.clear_param_store()
+    loss = MaskedPretrainingLoss(token_plates=("data",), masks="order")
+    SVI(regression, AutoNormal(regression), Adam({"lr": 0.01}), loss).step(X, y)

@@ -1,0 +1,99 @@
+"""Whether SVI with MaskedPretrainingLoss trains the guide: the loss trains the model; a guide
+whose parameters get no gradient from it is said so once, and WithGuideELBO trains it."""
+
+import warnings
+
+import pytest
+import torch
+
+import pyro
+import pyro.distributions as dist
+from pyro.infer import SVI
+from pyro.infer.autoguide import AutoNormal
+from pyro.optim import Adam
+
+from pyro_mpt import EncodeDecodeConditionals, MaskedPretrainingLoss
+from pyro_mpt.guide_elbo import WithGuideELBO
+
+
+def _regression():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(40, 2, generator=g)
+    y = 1.5 + X @ torch.tensor([2.0, -1.0]) + 0.7 * torch.randn(40, generator=g)
+
+    def model(X, y):
+        a = pyro.sample("a", dist.Normal(0.0, 10.0))
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        sigma = pyro.param("sigma", torch.tensor(3.0), constraint=dist.constraints.positive)
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("obs", dist.Normal(a + X @ w, sigma), obs=y)
+
+    return model, X, y
+
+
+def _steps(loss, guide_wrap=None, n=3, seed=0):
+    model, X, y = _regression()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    guide = AutoNormal(model)
+    guide(X, y)  # its parameters made (their initial values are draws) before the steps
+    svi = SVI(model, guide, Adam({"lr": 0.05}), guide_wrap(loss) if guide_wrap else loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values = [svi.step(X, y) for _ in range(n)]
+    untrained = [w for w in caught if "get no gradient from MaskedPretrainingLoss" in str(w.message)]
+    return values, untrained, float(pyro.param("AutoNormal.locs.a")), float(pyro.param("sigma"))
+
+
+def test_an_autoguide_under_an_exact_engine_is_said_to_stay_untrained_once():
+    """Bayesian regression, AutoNormal guide, the Gaussian engine (which integrates a and w
+    itself): the guide's locations stayed at 0 with no word. One warning over three steps; the
+    model's sigma moves; the guide's location does not."""
+    values, untrained, loc, sigma = _steps(MaskedPretrainingLoss(token_plates=("data",), masks="order"))
+    assert len(untrained) == 1
+    assert "conditionals='gaussian'" in str(untrained[0].message) and "WithGuideELBO" in str(untrained[0].message)
+    assert loc == 0.0 and abs(sigma - 3.0) > 0.1
+
+
+def test_with_guide_elbo_trains_the_guide_without_the_warning():
+    _, untrained, loc, sigma = _steps(MaskedPretrainingLoss(token_plates=("data",), masks="order"), WithGuideELBO)
+    assert not untrained
+    assert loc != 0.0 and abs(sigma - 3.0) > 0.1
+
+
+def test_the_check_leaves_the_steps_random_draws_alone():
+    """The check runs the guide once more at the first step; the random streams are restored, so
+    the steps' values with and without the check are the same (a random mask schedule; the
+    guide's parameters made before, as their first run draws their initial values)."""
+    loss = MaskedPretrainingLoss(token_plates=("data",), masks="uniform")
+    checked, untrained, _, _ = _steps(loss)
+    unchecked_loss = MaskedPretrainingLoss(token_plates=("data",), masks="uniform")
+    unchecked_loss.checks_guide_training = False
+    unchecked, none, _, _ = _steps(unchecked_loss)
+    assert len(untrained) == 1 and not none
+    assert checked == pytest.approx(unchecked, rel=1e-6)
+
+
+def test_an_encoder_trained_through_the_estimate_is_not_warned_about():
+    """encode_decode with encoder_grad=True gives the encoder's parameters a gradient: no warning."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(30, 3, generator=g)
+    W = torch.randn(3, 1, generator=g)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
+
+    def guide(x):
+        A = pyro.param("A", torch.full((3, 1), 0.3))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(x @ A, 0.8).to_event(1))
+
+    for encoder_grad, expected in [(True, 0), (False, 1)]:
+        pyro.clear_param_store()
+        loss = MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(encoder_grad=encoder_grad))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            SVI(model, guide, Adam({"lr": 0.01}), loss).step(x)
+        assert sum("get no gradient" in str(w.message) for w in caught) == expected, encoder_grad
