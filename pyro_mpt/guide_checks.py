@@ -26,7 +26,8 @@ A guide given to SVI with this loss is often not trained at all: the exact engin
 integrate the latents themselves and never read it, and the sampling engines use it as a
 proposal without a gradient (``guide_grad=False``, ``encoder_grad=False``), so an
 ``AutoNormal``'s parameters stay at their initial values, silently. :func:`guide_params` and
-:func:`warn_untrained_guide` say so once, at the first step, and point to
+:func:`warn_untrained_guide` say so once, at the first step (from the parameters the step's
+own guide trace read: no extra run of the guide), and point to
 :class:`~pyro_mpt.guide_elbo.WithGuideELBO`.
 
 And one mistake gives a silently biased gradient: an importance-weighted
@@ -41,7 +42,6 @@ import warnings
 
 import torch
 from .code_origin import user_stacklevel
-from pyro import poutine
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import site_is_subsample
 
@@ -205,29 +205,29 @@ def warn_not_reparameterized(tokens, who, warned):
         )
 
 
-def guide_params(guide, args, kwargs):
-    """The unconstrained tensors of the parameters the guide reads, ``{name: tensor}``, from one
-    run of it outside any other trace (its samples are blocked; its side effects happen)."""
-    with poutine.block(), poutine.trace(param_only=True) as tr:
-        guide(*args, **kwargs)
-    return {name: site["value"].unconstrained() for name, site in tr.trace.nodes.items()}
+def guide_params(guide_trace):
+    """The unconstrained tensors of the parameters a guide trace read, ``{name: tensor}``
+    (none without a trace)."""
+    if guide_trace is None:
+        return {}
+    return {name: site["value"].unconstrained() for name, site in guide_trace.nodes.items() if site["type"] == "param"}
 
 
 def warn_untrained_guide(params, engine_name):
-    """Warn when none of the guide's parameters (``params``, :func:`guide_params`) got a
-    gradient from the backward pass that just ran (a parameter the model reads too counts as
-    trained).
+    """Warn when some of the guide's parameters (``params``, :func:`guide_params`) got no
+    gradient, or one of zeros, from the backward pass that just ran (a parameter the model
+    reads too counts where the model gives it one).
 
     :param dict params: ``{name: unconstrained tensor}`` of the guide.
     :param str engine_name: the engine that served the loss, for the message.
     """
-    own = {name: p for name, p in params.items() if p.requires_grad}
-    if not own or any(p.grad is not None for p in own.values()):
+    untrained = [name for name, p in params.items() if p.requires_grad and (p.grad is None or not bool(p.grad.any()))]
+    if not untrained:
         return
-    names = ", ".join(repr(n) for n in list(own)[:3]) + (", …" if len(own) > 3 else "")
+    names = ", ".join(repr(n) for n in untrained[:3]) + (", …" if len(untrained) > 3 else "")
     warnings.warn(
         f"The guide's parameters ({names}) get no gradient from MaskedPretrainingLoss "
-        f"(conditionals={engine_name!r}): it trains the model, and the guide stays at its "
+        f"(conditionals={engine_name!r}): it trains the model, and they stay at their "
         f"initial values. To fit the guide as a posterior approximation too, train with "
         f"WithGuideELBO(loss) (pyro_mpt.guide_elbo), which adds the ELBO's gradients for the "
         f"guide's parameters; or pass a no-op guide (lambda *args: None) where none is needed.",

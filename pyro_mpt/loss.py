@@ -374,14 +374,14 @@ class MaskedPretrainingLoss(ELBO):
 
         :returns: a scalar tensor that can be differentiated.
         """
-        return self._loss_and_engine(model, guide, args, kwargs)[0]
+        return self._loss_parts(model, guide, args, kwargs)[0]
 
-    def _loss_and_engine(self, model, guide, args, kwargs):
+    def _loss_parts(self, model, guide, args, kwargs):
         tokens, engine, state, prior = self._prepare_with_prior(model, guide, args, kwargs)
         estimate = self._estimate(self.schedule, tokens, engine, state)
         loss = -(tokens.scale * estimate).sum() - prior
         warn_if_nan(loss, "loss")
-        return loss, engine
+        return loss, engine, tokens
 
     def loss(self, model, guide, *args, **kwargs):
         """The loss as a float, without gradients.
@@ -402,23 +402,16 @@ class MaskedPretrainingLoss(ELBO):
         :rtype: float
         """
         check = self.checks_guide_training and guide is not None and callable_key(guide) not in self.memory.guides_checked
-        params = {}
         if check:
             if len(self.memory.guides_checked) >= 64:
                 # a new guide object at every step (a lambda written in the loop): forget the dead
                 self.memory.guides_checked = {k for k in self.memory.guides_checked if k.alive()}
             self.memory.guides_checked.add(callable_key(guide))
-            # the extra run of the guide draws from the random streams: the step's draws stay
-            # those of a step without the check (but for the draws of a guide's first run, which
-            # makes its parameters: they happen here, once)
-            rng = get_rng_state()
-            params = guide_params(guide, args, kwargs)
-            set_rng_state(rng)
-        loss, engine = self._loss_and_engine(model, guide, args, kwargs)
+        loss, engine, tokens = self._loss_parts(model, guide, args, kwargs)
         if loss.requires_grad:
             loss.backward(retain_graph=self.retain_graph)
         if check:
-            warn_untrained_guide(params, engine_name(engine))
+            warn_untrained_guide(guide_params(tokens.guide_trace), engine_name(engine))
         return torch_item(loss)
 
     # ------------------------------------------------------------------ estimates

@@ -159,11 +159,12 @@ def locate_site(model_trace, obs_site):
             discrete = bool(latents) and all(getattr(s["fn"], "has_enumerate_support", False) for s in latents)
             hmm = ("dist.DiscreteHMM site (discrete states)" if discrete else
                    "dist.GaussianHMM site (linear-Gaussian states; dist.DiscreteHMM for discrete ones)")
-            # names that differ only in a trailing number: one observation written in a Python loop
-            # (Pyro's SVI tutorial's coin, obs_0..obs_9), where obs_site= would score one of them
+            # three or more names that differ only in a trailing number: one observation written in a
+            # Python loop (Pyro's SVI tutorial's coin, obs_0..obs_9), where obs_site= would score one
+            # of them (two, x1 and x2, are as often two views of the data)
             stems = [re.sub(r"_?\d+$", "", s["name"]) for s in observed]
-            if len(set(stems)) < len(stems):
-                looped = [s["name"] for s, stem in zip(observed, stems) if stems.count(stem) > 1]
+            if any(stems.count(stem) >= 3 for stem in stems):
+                looped = [s["name"] for s, stem in zip(observed, stems) if stems.count(stem) >= 3]
                 raise ValueError(
                     f"The model observes several sites ({names}); {looped[0]!r}, {looped[1]!r}, … look like "
                     f"one observation written in a Python loop, one site a datapoint or step. The tokens "

@@ -1500,6 +1500,15 @@ def test_observations_in_a_python_loop_point_to_one_site_in_a_plate(float64):
 
     with pytest.raises(ValueError, match=r"look like one observation written in a Python loop.*token_plates=\('data',\)"):
         MaskedPretrainingLoss().loss(coin_loop, None, data)
+
+    def two_views(data):
+        f = pyro.sample("latent_fairness", dist.Beta(10.0, 10.0))
+        with pyro.plate("data", len(data)):
+            pyro.sample("x1", dist.Bernoulli(f), obs=data)
+            pyro.sample("x2", dist.Bernoulli(f), obs=data)
+
+    with pytest.raises(ValueError, match=r"say which one holds the tokens with obs_site="):
+        MaskedPretrainingLoss().loss(two_views, None, data)
     ref = betaln(16, 14) - betaln(10, 10)
     assert abs(float(Evidence(coin, method="quadrature", token_plates=("data",))(data)) - ref) < 1e-8
     assert abs(MaskedPretrainingLoss(masks="order", token_plates=("data",)).loss(coin, None, data) + ref) < 1e-8
