@@ -3,7 +3,6 @@ whose parameters get no gradient from it is said so once, and WithGuideELBO trai
 
 import warnings
 
-import pytest
 import torch
 
 import pyro
