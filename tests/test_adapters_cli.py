@@ -379,10 +379,11 @@ def test_dataset_options_need_a_dataset_and_default_with_one(bert_dir, tmp_path,
 
 
 def test_a_checkpoint_without_the_models_weights_is_refused(bert_dir, tmp_path):
-    """An encoder saved without its masked-LM head (BertModel), loaded by mlm-curve, and a BERT
-    checkpoint loaded by mae-curve: transformers drew the missing weights at random behind the
-    quiet load, and the commands printed scores that changed from run to run under one seed
-    (exit 0). Now exit 2, naming the checkpoint and the missing weights; --random-init still runs."""
+    """An encoder saved without its masked-LM head (BertModel), loaded by mlm-curve: transformers
+    drew the missing weights at random behind the quiet load, and the command printed scores that
+    changed from run to run under one seed (exit 0). Now exit 2, naming the checkpoint and the
+    missing weights; --random-init still runs. (A BERT checkpoint given to mae-curve is another
+    kind of model: test_a_checkpoint_of_another_kind_is_refused_with_or_without_random_init.)"""
     import transformers
 
     d, texts = bert_dir
@@ -390,19 +391,48 @@ def test_a_checkpoint_without_the_models_weights_is_refused(bert_dir, tmp_path):
     model = transformers.BertForMaskedLM.from_pretrained(d)
     model.bert.save_pretrained(enc)
     transformers.BertTokenizer.from_pretrained(d).save_pretrained(enc)
-    images = tmp_path / "images"
-    images.mkdir()
-    from PIL import Image
-
-    Image.new("RGB", (8, 8), (10, 200, 30)).save(images / "a.png")
-    for argv in (["mlm-curve", enc, "--text-file", texts], ["mae-curve", enc, "--image-folder", images]):
-        bad = _pyro_mpt(*argv, "--rates", "0.5", "--no-plot", cwd=tmp_path)
-        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
-        assert f"pyro-mpt: error: Checkpoint '{enc}' lacks weights of the" in bad.stderr
-        assert "model_type 'bert'" in bad.stderr and "--random-init" in bad.stderr
+    bad = _pyro_mpt("mlm-curve", enc, "--text-file", texts, "--rates", "0.5", "--no-plot", cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert f"pyro-mpt: error: Checkpoint '{enc}' lacks weights of the" in bad.stderr
+    assert "model_type 'bert'" in bad.stderr and "--random-init" in bad.stderr
     ok = _pyro_mpt("mlm-curve", enc, "--text-file", texts, "--rates", "0.5", "--no-plot", "--random-init",
                    "--json", tmp_path / "r.json", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_checkpoint_of_another_kind_is_refused_with_or_without_random_init(bert_dir, tmp_path, capsys):
+    """A BERT folder given to mae-curve: refused (exit 2) with the advice to pass --random-init,
+    which then crashed (AttributeError: 'BertConfig' object has no attribute 'image_size', exit 1).
+    Now one line naming the folder's model_type, the same with or without --random-init and
+    without that advice; a ViT-MAE folder given to mlm-curve likewise (before: transformers'
+    two-line 'Unrecognized configuration class' with the hint to point MODEL at a folder holding
+    config.json, which it did)."""
+    from PIL import Image
+
+    d, texts = bert_dir
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (8, 8), (10, 200, 30)).save(images / "a.png")
+    mae = tmp_path / "mae"
+    tiny_vit_mae(image_size=16, hidden_size=32, intermediate_size=64, decoder_hidden_size=16,
+                 decoder_intermediate_size=32).save_pretrained(mae)
+    capsys.readouterr()  # the save's progress bar
+    cases = ((["mae-curve", d, "--image-folder", images],
+              f"pyro-mpt: error: Model '{d}' is a checkpoint of model_type 'bert', not a ViT-MAE (model_type 'vit_mae'), "
+              "with or without random_init (--random-init, which keeps the checkpoint's architecture). "
+              "Point MODEL at a ViT-MAE checkpoint."),
+             (["mlm-curve", mae, "--text-file", texts],
+              f"pyro-mpt: error: Model '{mae}' is a checkpoint of model_type 'vit_mae', not a masked LM (model_type "
+              "'albert', 'bart', 'bert', ... ("))
+    for argv, line in cases:
+        for extra in ([], ["--random-init"]):
+            with pytest.raises(SystemExit) as err:
+                main([*map(str, argv), *extra, "--rates", "0.5", "--no-plot", "--json", str(tmp_path / "x.json")])
+            out = capsys.readouterr()
+            assert err.value.code == 2 and out.out == "", out.err
+            lines = out.err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(line), out.err
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_mae_curve_column_of_labels_is_a_usage_error_before_the_model_loads(tmp_path):

@@ -232,10 +232,11 @@ def load_tokenizer(spec, model_dir=None, lowercase=None, where="local"):
         ) from None
 
 
-def _load_model(name, label, hint, from_config, from_pretrained, random_init, seed, quiet):
+def _load_model(name, label, hint, from_config, from_pretrained, random_init, seed, quiet, kind=None, model_types=None):
     """``(model, where, hub_kwargs)``: the weights of ``name``, or with ``random_init`` its
     config freshly initialized under ``seed``; unreachable or unreadable files raise
-    :class:`ResourceUnavailable` naming ``label`` and ``hint``."""
+    :class:`ResourceUnavailable` naming ``label`` and ``hint``, a config whose ``model_type``
+    is not among ``model_types`` (when given; those of a ``kind`` of model) a ValueError."""
     where = _resolve_hub(name, "model", hint)
     if quiet:
         quiet_transformers()
@@ -245,8 +246,21 @@ def _load_model(name, label, hint, from_config, from_pretrained, random_init, se
 
     kw = {"local_files_only": True} if where == "cache" else {}
     try:
+        config = AutoConfig.from_pretrained(name, **kw)
+    except (OSError, ValueError) as err:  # missing files; a config transformers cannot read
+        raise ResourceUnavailable(f"Could not load {label} {name!r}: {str(err).rstrip('.')}. {hint}") from None
+    if model_types and config.model_type not in model_types:
+        # before the weights: a BERT config built as a ViT-MAE crashed with --random-init (no
+        # image_size), and without it was refused with the advice to pass --random-init
+        types = sorted(model_types)
+        shown = ", ".join(map(repr, types[:3])) + (f", ... ({len(types)} in all)" if len(types) > 3 else "")
+        raise ValueError(
+            f"Model {name!r} is a checkpoint of model_type {config.model_type!r}, not a {kind} "
+            f"(model_type {shown}), with or without random_init (--random-init, which keeps the "
+            f"checkpoint's architecture). Point MODEL at a {kind} checkpoint."
+        )
+    try:
         if random_init:
-            config = AutoConfig.from_pretrained(name, **kw)
             torch.manual_seed(seed)
             model = from_config(config)
         else:
@@ -254,11 +268,8 @@ def _load_model(name, label, hint, from_config, from_pretrained, random_init, se
     except (OSError, ValueError) as err:  # missing files; a config transformers cannot read
         raise ResourceUnavailable(f"Could not load {label} {name!r}: {str(err).rstrip('.')}. {hint}") from None
     if not random_init and info.get("missing_keys"):
-        try:  # the checkpoint's own kind (the model's config is the class's, whatever it read)
-            kind = AutoConfig.from_pretrained(name, **kw).model_type
-        except (OSError, ValueError):
-            kind = None
-        check_complete_weights(name, model, info, kind)
+        # the checkpoint's own kind (the model's config is the class's, whatever it read)
+        check_complete_weights(name, model, info, config.model_type)
     return model, where, kw
 
 
@@ -307,8 +318,12 @@ def load_masked_lm(name, tokenizer=None, random_init=False, lowercase=None, seed
 
     from .mlm_inputs import check_tokenizer
 
+    try:  # the kinds AutoModelForMaskedLM builds; where transformers moves the table, its own error stands
+        from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as masked_lms
+    except ImportError:  # pragma: no cover
+        masked_lms = None
     model, where, _ = _load_model(name, "model", _MODEL_HINT, AutoModelForMaskedLM.from_config,
-                                  AutoModelForMaskedLM.from_pretrained, random_init, seed, quiet)
+                                  AutoModelForMaskedLM.from_pretrained, random_init, seed, quiet, "masked LM", masked_lms)
     tok = load_tokenizer(tokenizer, model_dir=name, lowercase=lowercase, where=where)
     check_tokenizer(tok, model)
     return model.eval(), tok
@@ -322,13 +337,12 @@ def load_vit_mae(name, processor=None, random_init=False, seed=0, quiet=False):
     directory has no processor file.
     """
     transformers = optional_import("transformers", "Loading a ViT-MAE")
-    AutoImageProcessor, ViTImageProcessor = transformers.AutoImageProcessor, transformers.ViTImageProcessor
-    ViTMAEForPreTraining = transformers.ViTMAEForPreTraining
+    AutoImageProcessor, ViTMAEForPreTraining = transformers.AutoImageProcessor, transformers.ViTMAEForPreTraining
 
     from .vit_mae import init_position_embeddings
 
     model, _, kw = _load_model(name, "ViT-MAE", _MAE_HINT, lambda c: init_position_embeddings(ViTMAEForPreTraining(c), reinit=True),
-                               ViTMAEForPreTraining.from_pretrained, random_init, seed, quiet)
+                               ViTMAEForPreTraining.from_pretrained, random_init, seed, quiet, "ViT-MAE", {"vit_mae"})
     try:
         proc = AutoImageProcessor.from_pretrained(processor or name, **kw)
     except (OSError, ValueError):
@@ -343,7 +357,8 @@ def load_vit_mae(name, processor=None, random_init=False, seed=0, quiet=False):
             f"processor= to choose.",
             stacklevel=user_stacklevel(),
         )
-        proc = ViTImageProcessor(size={"height": h, "width": w}, image_mean=mean, image_std=std)
+        # looked up here only: without torchvision, transformers prints a line when it is first named
+        proc = transformers.ViTImageProcessor(size={"height": h, "width": w}, image_mean=mean, image_std=std)
     return model.eval(), proc
 
 

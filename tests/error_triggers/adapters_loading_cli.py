@@ -93,6 +93,15 @@ def _():
     loading.load_masked_lm(d, quiet=True)
 
 
+@trigger("load-model-kind")
+def _():
+    loading = _loading()
+    d = _tmpdir()
+    model, tok = _bert(d)
+    model.save_pretrained(d)
+    loading.load_vit_mae(d, random_init=True)
+
+
 @trigger("load-image-processor-fallback")
 def _():
     loading = _loading()
