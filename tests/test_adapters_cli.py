@@ -221,6 +221,69 @@ def test_empty_input_is_refused_before_the_model_loads(tmp_path, capsys, monkeyp
     assert f"no sequences to score: --text-file '{empty}' is empty" in msg and "no-such-model" not in msg
 
 
+def test_empty_or_unreadable_data_is_a_usage_error_naming_it(bert_dir, tmp_path, capsys):
+    """--dataset with a zero-byte CSV: a 62-line DatasetGenerationError traceback (exit 1); with a
+    header-only CSV: datasets' 'Instruction "train" corresponds to no data!'; with a DatasetDict
+    folder one of whose splits (not even the one asked for) has no rows: an IndexError traceback.
+    Now one line naming the file, folder or split and what to do, before the model loads (the
+    model named does not exist); the DatasetDict's other splits are read."""
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "zero.csv").write_text("")
+    (tmp_path / "header.csv").write_text("text\n")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    t = datasets.Dataset.from_dict({"text": ["a b c", "d e"]})
+    datasets.DatasetDict({"validation": t, "test": t.select([])}).save_to_disk(tmp_path / "dd")
+    capsys.readouterr()
+    cases = (
+        (["--dataset", "zero.csv"], "The data file 'zero.csv' has no rows; give a file with at least one row of data, "
+                                    "or another --dataset."),
+        (["--dataset", "header.csv"], "The data file 'header.csv' has no rows (only a header); give a file"),
+        (["--dataset", "dd", "--split", "test"],
+         "Split 'test' of 'dd' has no rows; pass --split with one that has rows: ['validation']."),
+        (["--dataset", "bad.parquet"], "Cannot read the data file 'bad.parquet' (ArrowInvalid: "),
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        for data, line in cases:
+            with pytest.raises(SystemExit) as err:
+                main(["mlm-curve", "no-such-org/no-such-model", *data, "--no-plot"])
+            out = capsys.readouterr()
+            assert err.value.code == 2, out.err
+            assert out.err.startswith(f"pyro-mpt: error: {line}") and out.err.count("\n") == 1, out.err
+        assert main(["mlm-curve", str(bert_dir[0]), "--dataset", "dd", "--rates", "0.5", "--no-plot"]) == 0
+    assert json.loads((tmp_path / "mlm-curve.json").read_text())["num_sequences"] == 2
+
+
+def test_split_and_config_of_a_saved_dataset_that_has_none_are_refused(bert_dir, tmp_path, capsys):
+    """--split and --dataset-config with the folder of one saved Dataset (one table) were ignored,
+    the whole table scored, and the JSON recorded them as applied; --dataset-config with a
+    DatasetDict's folder (splits, no configs) likewise. Now usage errors before the model loads;
+    without them the table is read and the JSON records no split."""
+    datasets = pytest.importorskip("datasets")
+    t = datasets.Dataset.from_dict({"text": ["a b c", "d e"]})
+    t.save_to_disk(tmp_path / "one")
+    datasets.DatasetDict({"validation": t}).save_to_disk(tmp_path / "dd")
+    capsys.readouterr()
+    cases = (
+        (["one", "--split", "test"], "--split chooses within a hub dataset or a DatasetDict's save_to_disk() folder; "
+         f"the Dataset that save_to_disk() wrote in '{tmp_path / 'one'}' is one table, so it would be ignored: leave it out."),
+        (["one", "--dataset-config", "x", "--split", "test"], "--dataset-config and --split choose within"),
+        (["dd", "--dataset-config", "x"], "--dataset-config chooses a configuration of a hub dataset; the DatasetDict "
+         f"that save_to_disk() wrote in '{tmp_path / 'dd'}' has none, so it would be ignored: leave it out (--split "
+         "chooses among its splits)."),
+    )
+    for (folder, *extra), line in cases:
+        with pytest.raises(SystemExit) as err:
+            main(["mlm-curve", "no-such-org/no-such-model", "--dataset", str(tmp_path / folder), *extra, "--no-plot"])
+        out = capsys.readouterr()
+        assert err.value.code == 2 and out.err.startswith(f"pyro-mpt: error: {line}"), out.err
+    js = tmp_path / "r.json"
+    assert main(["mlm-curve", str(bert_dir[0]), "--dataset", str(tmp_path / "one"), "--rates", "0.5", "--no-plot",
+                 "--json", str(js)]) == 0
+    data = json.loads(js.read_text())["data"]
+    assert data["split"] is None and data["config"] is None and data["column"] == ["text"]
+
+
 def test_model_dir_without_tokenizer_is_refused(tmp_path, capsys):
     """transformers gives a directory without tokenizer files a 5-token tokenizer (special tokens
     only), which would turn every residue into [UNK]: refused, naming both vocabulary sizes."""

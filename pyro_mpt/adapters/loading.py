@@ -13,6 +13,7 @@ BERT architecture, amino-acid vocabulary) shipped inside the
 
 import glob
 import importlib
+import json
 import os
 import socket
 import threading
@@ -31,6 +32,7 @@ __all__ = [
     "load_vit_mae",
     "load_texts",
     "load_images",
+    "saved_dataset_kind",
     "hub_reachable",
     "quiet_transformers",
     "check_complete_weights",
@@ -369,26 +371,128 @@ _DATA_HINT = (
 )
 
 
+def saved_dataset_kind(path):
+    """What ``save_to_disk`` wrote in the folder ``path``: ``"dict"`` (a ``DatasetDict``, whose
+    splits ``--split`` chooses), ``"dataset"`` (one ``Dataset``: one table, no splits), or None
+    (not a folder written by ``save_to_disk``)."""
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        return "dict"
+    if os.path.isfile(os.path.join(path, "state.json")):
+        return "dataset"
+    return None
+
+
+def _saved_splits(path):
+    with open(os.path.join(path, "dataset_dict.json"), encoding="utf-8") as f:
+        return list(json.load(f).get("splits", []))
+
+
+def _saved_data_files(path):
+    """The arrow files of a ``save_to_disk`` Dataset folder (none where it saved no rows)."""
+    try:
+        with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
+            return json.load(f).get("_data_files") or []
+    except (OSError, ValueError):
+        return None
+
+
+def _root_cause(err):
+    while err.__cause__ is not None or (err.__context__ is not None and not err.__suppress_context__):
+        err = err.__cause__ or err.__context__
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def _no_rows(what, why, todo):
+    return ValueError(f"{what[0].upper()}{what[1:]} has no rows{why}; {todo}")
+
+
+def _read(datasets, what, read, empty, empty_todo, unreadable_todo):
+    """``read()``, whose failures (datasets' own exceptions, pandas', pyarrow's, an IndexError of
+    an empty split) become one ValueError naming ``what``: the no-rows message when ``empty()``
+    says the data holds none, else what could not be read and why."""
+    verbosity, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    # its 'Failed to read schema' lines and a bar of 'Generating train split: 0 examples' came
+    # before the one line that says what went wrong; a local file is read in moments
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        return read()
+    except Exception as err:
+        if empty():
+            raise _no_rows(what, "", empty_todo) from None
+        raise ValueError(f"Cannot read {what} ({_root_cause(err)}); {unreadable_todo}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _load_saved(datasets, name, split):
+    if saved_dataset_kind(name) == "dict":
+        splits = _saved_splits(name)
+        if split not in splits:
+            raise ValueError(f"Split {split!r} not in {name}; available: {splits}. Pass --split.")
+        # the split alone: load_from_disk of the whole DatasetDict failed (an IndexError) where a
+        # split that was never asked for had no rows
+        path, what = os.path.join(name, split), f"split {split!r} of {name!r}"
+        with_rows = [s for s in splits if _saved_data_files(os.path.join(name, s))]
+        todo = f"pass --split with one that has rows: {with_rows}." if with_rows else "save it with at least one row."
+    else:
+        path, what = name, f"the dataset folder {name!r}"
+        todo = "save it with at least one row, or pass another --dataset."
+    ds = _read(datasets, what, lambda: datasets.load_from_disk(path), lambda: _saved_data_files(path) == [], todo,
+               "pass a folder written by Dataset.save_to_disk() or DatasetDict.save_to_disk(), a data file or a "
+               "hub dataset name.")
+    if len(ds) == 0:
+        raise _no_rows(what, "", todo)
+    return ds
+
+
+def _load_file(datasets, name, ext, builder, **kw):
+    what = f"the data file {name!r}"
+    todo = "give a file with at least one row of data, or another --dataset."
+
+    def blank():
+        with open(name, "rb") as f:
+            return not f.read(1 << 16).strip()
+
+    def read():
+        # load_dataset's steps, so that a file of no rows is told by its row count, not by the
+        # "Instruction 'train' corresponds to no data!" that as_dataset raises then
+        loader = datasets.load_dataset_builder(builder, data_files=name, **kw)
+        loader.download_and_prepare()
+        splits = loader.info.splits or {}
+        if "train" not in splits or not splits["train"].num_examples:
+            return None
+        return loader.as_dataset(split="train")
+
+    fmt = "Parquet" if ext == "parquet" else ext.upper()
+    ds = _read(datasets, what, read, blank, todo,
+               f"check that it is a valid {fmt} file, or give the data another way (--text-file for plain text).")
+    if ds is None or len(ds) == 0:
+        raise _no_rows(what, " (only a header)" if builder == "csv" else "", todo)
+    return ds
+
+
 def load_dataset_split(name, config=None, split="validation"):
-    """A ``datasets.Dataset``: a ``save_to_disk`` directory, a data file, or a hub dataset."""
+    """A ``datasets.Dataset``: a ``save_to_disk`` directory, a data file, or a hub dataset.
+
+    :raises ValueError: a local file or folder that cannot be read, or that holds no rows
+        (naming it and what to do).
+    """
     datasets = optional_import(
         "datasets", "Loading a dataset (--dataset, dataset=)",
         " Or give the data without it: --text-file FILE (one sequence per line) or --image-folder DIR.",
     )
     if os.path.isdir(name):
-        ds = datasets.load_from_disk(name)
-        if isinstance(ds, datasets.DatasetDict):
-            if split not in ds:
-                raise ValueError(f"Split {split!r} not in {name}; available: {list(ds)}. Pass --split.")
-            ds = ds[split]
-        return ds
+        return _load_saved(datasets, name, split)
     if os.path.isfile(name):
         ext = os.path.splitext(name)[1].lower().lstrip(".")
         builder = {"csv": "csv", "tsv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet"}.get(ext)
         if builder is None:
             raise ValueError(f"Cannot read {name!r}: use .csv/.tsv/.json/.jsonl/.parquet, or --text-file for plain text.")
-        kw = {"delimiter": "\t"} if ext == "tsv" else {}
-        return datasets.load_dataset(builder, data_files=name, split="train", **kw)
+        return _load_file(datasets, name, ext, builder, **({"delimiter": "\t"} if ext == "tsv" else {}))
     offline = _truthy("HF_DATASETS_OFFLINE") or _hub_offline()
     if offline or not hub_reachable():
         _go_offline()

@@ -207,7 +207,9 @@ def dataset_options(args, source_flag, source, split, column=None):
     :param source: its value (None: not given).
     :param str split: the default split. :param column: the default column.
     :raises ValueError: an option of the dataset beside the other source, where it was
-        ignored before (``--text-file t.txt --split test`` scored the file).
+        ignored before (``--text-file t.txt --split test`` scored the file); ``--split`` or
+        ``--dataset-config`` with a data file or a ``Dataset``'s ``save_to_disk()`` folder (one
+        table), ``--dataset-config`` with a ``DatasetDict``'s (splits, no configs).
 
     Example::
 
@@ -227,16 +229,26 @@ def dataset_options(args, source_flag, source, split, column=None):
                              f"{source_flag} {'it' if one else 'they'} would be ignored: leave "
                              f"{'it' if one else 'them'} out, or pass --dataset.")
         return
-    if os.path.isfile(args.dataset):
-        # a data file (csv, json, parquet) is one table: it has no configs nor splits
+    from ..adapters.loading import saved_dataset_kind
+
+    kind = "file" if os.path.isfile(args.dataset) else saved_dataset_kind(args.dataset)
+    if kind in ("file", "dataset"):
+        # a data file (csv, json, parquet) or a Dataset's save_to_disk() folder is one table: it
+        # has no configs nor splits (the folder's were ignored, and the JSON recorded them)
         given = [flag for flag, value in (("--dataset-config", args.dataset_config), ("--split", args.split))
                  if value is not None]
         if given:
             one = len(given) == 1
+            table = (f"the data file {args.dataset!r}" if kind == "file"
+                     else f"the Dataset that save_to_disk() wrote in {args.dataset!r}")
             raise ValueError(f"{' and '.join(given)} {'chooses' if one else 'choose'} within a hub dataset or a "
-                             f"save_to_disk() directory; the data file {args.dataset!r} is one table, so "
+                             f"DatasetDict's save_to_disk() folder; {table} is one table, so "
                              f"{'it' if one else 'they'} would be ignored: leave {'it' if one else 'them'} out.")
     else:
+        if kind == "dict" and args.dataset_config is not None:
+            raise ValueError(f"--dataset-config chooses a configuration of a hub dataset; the DatasetDict that "
+                             f"save_to_disk() wrote in {args.dataset!r} has none, so it would be ignored: leave it "
+                             f"out (--split chooses among its splits).")
         args.split = split if args.split is None else args.split
     args.column = column if args.column is None else args.column
 

@@ -119,6 +119,22 @@ def _():
     loading.load_texts(dataset=d, split="validation")
 
 
+@trigger("load-data-empty")
+def _():
+    pytest.importorskip("datasets")
+    path = Path(_tmpdir()) / "h.csv"
+    path.write_text("text\n")
+    _loading().load_texts(dataset=str(path))
+
+
+@trigger("load-data-unreadable")
+def _():
+    pytest.importorskip("datasets")
+    path = Path(_tmpdir()) / "bad.parquet"
+    path.write_text("garbage")
+    _loading().load_texts(dataset=str(path))
+
+
 @trigger("load-file-type")
 def _():
     pytest.importorskip("datasets")
@@ -352,3 +368,11 @@ def _():
     loading = _loading()
     with _offline():
         loading.load_tokenizer("/nonexist/vocab.txt")
+
+
+@trigger("cli-dataset-config-saved")
+def _():
+    datasets = pytest.importorskip("datasets")
+    d = str(Path(_tmpdir()) / "ds")
+    datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(d)
+    _cli(["mlm-curve", "no-such-org/no-such-model", "--dataset", d, "--dataset-config", "cola"])
