@@ -117,6 +117,23 @@ def test_train_time_leaves_one_time_costs_to_an_untimed_warm_up():
     assert res["elbo"].history == res["elbo, no warm-up"].history
 
 
+def test_a_learning_rate_that_blows_up_training_is_named_as_the_reason(capsys):
+    """`compare --losses elbo --lr 1e6`: the loss went from 47 to 4e30 nats per image while
+    staying finite, the encoder's means reached 1e15 with scales of 1e-4 (a point mass in float32),
+    and the table said the guide was a point mass and a MAP guide (AutoDelta, dist.Delta) cannot
+    be a proposal, of a Normal encoder. Now it says training diverged and names the learning rate."""
+    with pytest.raises(SystemExit) as err:
+        cli_main(["compare", "--losses", "elbo", "--lr", "1e6", "--epochs", "1", "--n-train", "200", "--n-test", "20",
+                  "--final-samples", "20", "--quiet"])
+    assert err.value.code == 1
+    table = capsys.readouterr().out
+    assert ("elbo                   failed: FloatingPointError: training diverged: the loss per datapoint went from "
+            in table), table
+    assert "most likely because the learning rate lr=1e+06 is too large for this model; lower it (pyro-mpt compare " \
+           "--lr, whose default is 0.003)" in table
+    assert "AutoDelta" not in table and "point mass" not in table
+
+
 def test_cli_compare_prints_a_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "cmp.json"
     res = cli_run([

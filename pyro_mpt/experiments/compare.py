@@ -315,6 +315,31 @@ def _percent(frac):
     return "<1%" if 0 < frac < 0.005 else f"{100 * frac:.0f}%"
 
 
+#: growth of the loss per datapoint over its first step's magnitude (plus one nat) taken for
+#: divergence: no model trains through a loss a million times its start
+DIVERGENCE_FACTOR = 1e6
+
+
+def _check_divergence(loss, first, epoch, lr):
+    """The first step's loss per datapoint (``first``, None before it), after refusing a step's
+    ``loss`` that grew past :data:`DIVERGENCE_FACTOR` times it.
+
+    Adam with too large a learning rate sends a VAE's loss from tens of nats to 1e30 in a step
+    or two while it stays finite; the encoder's means then reach 1e15 with scales of 1e-4, which
+    float32 rounds to a point mass, and the held-out evaluation refused the guide as a MAP guide
+    (AutoDelta, dist.Delta) that the run never had.
+    """
+    if first is None:
+        return loss
+    if math.isfinite(loss) and abs(loss) > DIVERGENCE_FACTOR * (abs(first) + 1):
+        raise FloatingPointError(
+            f"training diverged: the loss per datapoint went from {first:.4g} at the first step to "
+            f"{loss:.4g} at epoch {epoch}, most likely because the learning rate lr={lr:g} is too large "
+            f"for this model; lower it (pyro-mpt compare --lr, whose default is 0.003)"
+        )
+    return first
+
+
 def _fresh_loss(spec):
     """Whether ``make_loss(spec)`` builds a new loss (a string, a class or a factory), not the
     caller's instance."""
@@ -413,12 +438,16 @@ def compare(
             loss = make_loss(spec, mpt_encoder=mpt_encoder, engine_options=engine_options)
             svi = SVI(model, guide, Adam({"lr": lr}), loss)
             order = torch.Generator().manual_seed(seed)
+            first = None
             for epoch in range(1, epochs + 1):
                 perm = torch.randperm(N, generator=order, device="cpu")
                 total = 0.0
                 start = time.perf_counter()
                 for i in range(0, N, batch_size):
-                    total += svi.step(train[perm[i : i + batch_size]])
+                    batch = train[perm[i : i + batch_size]]
+                    step = svi.step(batch)
+                    total += step
+                    first = _check_divergence(step / batch.shape[0], first, epoch, lr)
                 result.train_time += time.perf_counter() - start
                 entry = {"epoch": epoch, "loss": total / N}
                 if not math.isfinite(entry["loss"]):

@@ -86,6 +86,16 @@ def _():
     raise getattr(builtins, name)(message)
 
 
+@trigger("compare-loss-exploded")
+def _():
+    train, test = pyro_mpt.experiments.datasets.load_dataset("digits", n_train=200, n_test=20)
+    result = pyro_mpt.experiments.compare.compare(
+        lambda: pyro_mpt.experiments.vae.DeepVAE(64), train, test, ["elbo"], epochs=1, lr=1e6, eval_samples=20
+    )
+    name, message = result["elbo"].error.split(": ", 1)  # recorded, as in compare-loss-diverged
+    raise getattr(builtins, name)(message)
+
+
 @trigger("vae-likelihood")
 def _():
     pyro_mpt.experiments.vae.DeepVAE(3, likelihood="poisson")
