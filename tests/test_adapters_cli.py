@@ -284,6 +284,16 @@ def test_split_and_config_of_a_saved_dataset_that_has_none_are_refused(bert_dir,
     assert data["split"] is None and data["config"] is None and data["column"] == ["text"]
 
 
+def test_a_plot_path_without_extension_reports_the_file_written(bert_dir, tmp_path, capsys):
+    """--plot out/curve printed 'wrote out/curve' while matplotlib wrote out/curve.png."""
+    d, texts = bert_dir
+    plot = tmp_path / "out" / "curve"
+    assert main(["mlm-curve", str(d), "--text-file", str(texts), "--rates", "0.5", "--plot", str(plot),
+                 "--json", str(tmp_path / "r.json")]) == 0
+    assert f"wrote {plot}.png\n" in capsys.readouterr().out
+    assert os.listdir(tmp_path / "out") == ["curve.png"]
+
+
 def test_model_dir_without_tokenizer_is_refused(tmp_path, capsys):
     """transformers gives a directory without tokenizer files a 5-token tokenizer (special tokens
     only), which would turn every residue into [UNK]: refused, naming both vocabulary sizes."""

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 __all__ = ["register", "SUBCOMMANDS", "positive_int", "positive_float", "seed_int", "check_device", "prepare_outputs", "check_output_path",
-           "dataset_options"]
+           "dataset_options", "plot_path"]
 
 _MLM_EPILOG = """\
 examples:
@@ -102,7 +102,9 @@ def _common(p, default_rates):
     c.add_argument("--progress", action="store_true", help="show a progress bar")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="PATH", help="JSON output (default: <command>.json)")
-    o.add_argument("--plot", default=None, metavar="PATH", help="PNG plot (default: <command>.png)")
+    o.add_argument("--plot", default=None, metavar="PATH",
+                   help="plot; its extension picks the format (.png, .pdf, .svg, ...), none gives .png "
+                        "(default: <command>.png)")
     o.add_argument("--no-plot", action="store_true", help="skip the plot")
     o.add_argument("--label", default=None, help="legend label (default: the model name)")
     return g
@@ -270,8 +272,27 @@ def prepare_outputs(args, command):
     """
     check_output_path("--json", args.json or f"{command}.json", f"{command}.json")
     if not args.no_plot:
+        # the path as given: a folder is refused, not taken as the stem of FOLDER.png beside it
         check_output_path("--plot", args.plot or f"{command}.png", f"{command}.png")
         check_plot_format(args.plot or f"{command}.png")
+
+
+def plot_path(args, command):
+    """The file the plot is written to: ``--plot``, or ``<command>.png``; a path without an
+    extension gets matplotlib's default format's (``savefig.format``, png), as ``savefig`` adds
+    it (``--plot out/curve`` writes ``out/curve.png``, and the command said it wrote ``out/curve``).
+
+    Example::
+
+        >>> plot_path(argparse.Namespace(plot="out/curve"), "mlm-curve")
+        'out/curve.png'
+    """
+    path = args.plot or f"{command}.png"
+    if os.path.splitext(path)[1]:
+        return path
+    from matplotlib import rcParams
+
+    return f"{path}.{rcParams['savefig.format']}"
 
 
 def check_plot_format(path):
@@ -285,7 +306,7 @@ def check_plot_format(path):
     """
     ext = os.path.splitext(path)[1][1:].lower()
     if not ext:
-        return  # matplotlib writes its default format
+        return  # matplotlib writes its default format, and plot_path names the file
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = FigureCanvasBase.get_supported_filetypes()
@@ -348,7 +369,7 @@ def _write(args, command, payload, draw, acc):
         import matplotlib.pyplot as plt
 
         fig = draw()
-        png = args.plot or f"{command}.png"
+        png = plot_path(args, command)
         fig.savefig(png, dpi=120, bbox_inches="tight")
         plt.close(fig)
         print(f"wrote {png}")
