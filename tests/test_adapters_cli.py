@@ -294,6 +294,27 @@ def test_a_plot_path_without_extension_reports_the_file_written(bert_dir, tmp_pa
     assert os.listdir(tmp_path / "out") == ["curve.png"]
 
 
+def test_the_documented_antibodies_file_is_made_and_read_by_antiberty(tmp_path, capsys):
+    """cli.rst and adapters.md ran `--text-file antibodies.txt`, a file that does not ship, in a
+    format they did not give. The command they now give, run as written, makes it: 12 chains of
+    space-separated residues, which AntiBERTy reads without unknown tokens."""
+    pytest.importorskip("antiberty")
+    import re
+
+    commands = [re.findall(r"^ *(python -c .* > antibodies\.txt)$", (ROOT / "docs" / doc).read_text(), re.M)
+                for doc in ("cli.rst", "adapters.md")]
+    assert commands[0] == commands[1] and len(commands[0]) == 1, commands
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+               PYTHONPATH=str(ROOT))
+    subprocess.run(["bash", "-c", commands[0][0]], cwd=tmp_path, env=env, check=True, timeout=60)
+    lines = (tmp_path / "antibodies.txt").read_text().splitlines()
+    assert len(lines) == 12 and lines[0].startswith("E V Q L V E S G G G L V Q P G G ")
+    js = tmp_path / "ab.json"
+    assert main(["mlm-curve", "antiberty", "--text-file", str(tmp_path / "antibodies.txt"), "--limit", "2",
+                 "--rates", "0.5", "--no-plot", "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["per_sequence"]["num_tokens"][0] == len(lines[0].split())
+
+
 def test_model_dir_without_tokenizer_is_refused(tmp_path, capsys):
     """transformers gives a directory without tokenizer files a 5-token tokenizer (special tokens
     only), which would turn every residue into [UNK]: refused, naming both vocabulary sizes."""

@@ -32,7 +32,9 @@ examples:
   pyro-mpt mlm-curve ./my-local-bert --random-init --text-file sentences.txt
 
 MODEL is a local directory (config.json + weights), a hub name, or 'antiberty'
-(the masked LM shipped in the antiberty==0.1.3 package). Offline, point MODEL
+(the masked LM shipped in the antiberty==0.1.3 package). --text-file holds one
+sequence per line; AntiBERTy's are chains of space-separated residues (E V Q L ...),
+e.g. those of pyro_mpt.adapters.antibodies (see docs/cli.rst). Offline, point MODEL
 and --dataset at local copies; the command says what it tried when it cannot.
 The JSON holds the curve (mean masked-token log-probability per rate), its
 standard errors, the area L*sum_k w_k S(r_k) with L the mean number of maskable
