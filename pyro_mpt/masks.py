@@ -467,7 +467,9 @@ class FixedRate(MaskSchedule):
     Training on it still raises :math:`\log p(x)`, but it need not reach the
     maximum: with most tokens in context the objective is nearly flat in some
     directions (for PPCA, the scale of :math:`W`), so the fit can stop short of
-    the maximum-likelihood solution.
+    the maximum-likelihood solution. On the PPCA of the paper's Fig. 2 that is
+    slow optimization, not a different optimum: the exact 20 % objective's
+    maximizer has the maximum-likelihood LML (``examples/ppca_fixed_rate_optimum.py``).
     The bias :math:`D\,S(x;M) - \sum_{M'} S(x;M')` is constant in the data size
     and can be computed exactly by enumeration for small D (``masks="exhaustive"``
     gives every :math:`S(x; M)` through :meth:`MaskedPretrainingLoss.curve`).
