@@ -55,7 +55,11 @@ PAPER_VS_DEFAULT = [
     ("Fig. 3 bottom", "deep VAE, Gaussian likelihood, MNIST, encoder-decoder MPT with 33 % masks",
      "the same model family on 8x8 digits scaled to [0, 1]; encoder by MPT and by the ELBO",
      "data set and size", "`gallery_training.py --paper`: MNIST (2000 images) via torchvision"),
-    ("Fig. 4", "PPCA D = 200, K = 5 (P = 1, 100) and K = 50, one mask set per size", "the same", "nothing",
+    ("Fig. 4", "a trained PPCA model (\"the blue plots correspond to a trained PPCA model\"), P = 1 and 100, and "
+     "K = 50 on the right; the text states no D and no other K",
+     "PPCA at its generating parameters (noise std 0.5, W, mu ~ N(0, 1), independent noise), D = 200, K = 5 "
+     "(P = 1, 100) and K = 50, one mask set per size",
+     "the parameters: generating ones here, trained ones in the paper (not stated how); the reference is the true LML",
      "same as default"),
     ("Fig. 5 left", "PPCA trained by MPT, curves every 100 epochs to 600", "D = 20, K = 2, 600 epochs",
      "the paper does not state D, K", "same as default"),
