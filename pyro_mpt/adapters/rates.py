@@ -320,23 +320,26 @@ def rate_curve(values, rates, lengths, label=None):
 
 
 def table2_area(curve, num_tokens=512, step=0.01, strict=True):
-    r"""The area convention of the paper's Table 2 (BERT on GLUE).
+    r"""The area convention we infer for the paper's Table 2 (BERT on GLUE).
 
     .. math:: A_{\text{Table 2}} = \sum_{k=1}^{99} \bar S(r_k) \times 0.01 \times 512,
         \qquad r_k = k / 100,
 
     i.e. the mean masked-token log-probability at each of the 99 rates, summed,
     times the rate step and BERT's maximum sequence length 512, whatever the
-    actual sentence lengths. It is a scaled mean curve height, comparable with
-    the published numbers (e.g. random-init BERT: about
-    :math:`-\log 30522 \times 0.99 \times 512 \approx -5234`), but not a
+    actual sentence lengths. The paper says only that it computed "the mean
+    cross-entropy per each rate of masking between 1% and 99%" and never
+    mentions 512; the scale is inferred from the magnitudes (a random-init BERT,
+    about uniform over its 30522 tokens, gives
+    :math:`-\log 30522 \times 0.99 \times 512 \approx -5234`; the paper's
+    random-init row is -5245 … -5362). It is a scaled mean curve height, not a
     per-sentence LML estimate: GLUE sentences have far fewer than 512 tokens.
     Use :meth:`RateCurve.per_item_area` or
     :meth:`~pyro_mpt.adapters.MaskedLMScorer.score` for those.
 
     :param RateCurve curve: a curve on the 1 %..99 % grid.
-    :param float num_tokens: the 512 of the paper.
-    :param float step: the 0.01 of the paper.
+    :param float num_tokens: 512, BERT's maximum length (inferred, see above).
+    :param float step: 0.01, the step of the 1 %..99 % grid.
     :param bool strict: refuse curves on another rate grid.
     :rtype: float
 
