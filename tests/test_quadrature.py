@@ -1188,3 +1188,47 @@ def test_a_model_that_mixes_the_nodes_dim_into_the_datapoints_is_run_one_node_at
     with pytest.warns(SlowEngineWarning, match="differs when the model runs with many values at once"):
         est = Evidence(model, method="importance", num_samples=400, psis=False).estimate(x)
     assert (np.abs(est.log_evidence.numpy() - ref) < 4 * est.stderr.numpy() + 1e-3).all()
+
+
+def test_tokens_impossible_at_some_nodes_are_left_out_not_multiplied_by_zero(float64):
+    """Poisson(relu(2 + a)): at nodes with a <= -2 the rate is 0 and every count above 0 has
+    log-likelihood -inf. The masked conditionals summed each context as 0/1 mask times the
+    table, and 0 * (-inf) made the exhaustive and uniform scores and the default loss NaN,
+    silently (SVI's next step then failed on a NaN parameter). The exhaustive score now equals
+    scipy's quadrature of the density over a > -2 (where the data are possible), and one SVI
+    step of the default loss keeps the parameter finite; prior importance sampling over an
+    abundance that makes some counts impossible (Binomial(n, 0.4), n < max y) is finite too."""
+    from scipy import integrate, stats
+
+    y = torch.tensor([[3.0, 1.0, 0.0, 2.0, 4.0]])
+
+    def glmm(y):
+        c = pyro.param("c", torch.tensor(2.0))
+        with pyro.plate("groups", y.shape[0]):
+            a = pyro.sample("a", dist.Normal(torch.tensor(0.0), 1.5))
+            pyro.sample("y", dist.Poisson(torch.relu(c + a)[..., None].expand(a.shape + (5,))).to_event(1), obs=y)
+
+    def density(a):
+        return stats.norm.pdf(a, 0, 1.5) * np.prod(stats.poisson.pmf(y[0].numpy(), 2.0 + a))
+
+    ref = math.log(integrate.quad(density, -2.0, 15.0, epsabs=0, epsrel=1e-12, limit=200)[0])
+    pyro.clear_param_store()
+    exhaustive = MaskedPretrainingLoss(conditionals="quadrature", masks="exhaustive", num_nodes=64)
+    value = float(exhaustive.score(glmm, None, y))
+    assert math.isfinite(value) and abs(value - ref) < 2e-2  # the kink at a = -2 limits the rule
+    assert abs(value - float(Evidence(glmm, method="quadrature", num_nodes=64)(y))) < 1e-8
+    assert bool(torch.isfinite(MaskedPretrainingLoss(conditionals="quadrature", masks="uniform").score(glmm, None, y)).all())
+    svi = SVI(glmm, lambda y: None, Adam({"lr": 0.01}), MaskedPretrainingLoss())
+    assert math.isfinite(svi.step(y)) and math.isfinite(float(pyro.param("c")))
+
+    counts = torch.tensor([[2.0, 0.0, 3.0, 1.0]])
+
+    def abundance(y):
+        with pyro.plate("sites", y.shape[0]):
+            n = pyro.sample("n", dist.Poisson(torch.tensor(6.0)))
+            pyro.sample("y", dist.Binomial(n[..., None].expand(n.shape + (4,)), 0.4, validate_args=False).to_event(1), obs=y)
+
+    pyro.set_rng_seed(0)
+    exact = math.log(sum(stats.poisson.pmf(k, 6.0) * np.prod(stats.binom.pmf(counts[0].numpy(), k, 0.4)) for k in range(200)))
+    value = float(MaskedPretrainingLoss(conditionals="importance", masks="exhaustive", num_samples=4096).score(abundance, None, counts))
+    assert math.isfinite(value) and abs(value - exact) < 0.1

@@ -193,7 +193,19 @@ class MixtureChunk:
 
 
 def _context_sums(T, ctx):
-    """``(n, q, Q_c)``: each point's log-likelihood of each query's context, ``sum_d ctx_qd T_ikd``."""
+    """``(n, q, Q_c)``: each point's log-likelihood of each query's context, ``sum_d ctx_qd T_ikd``.
+
+    A token impossible at a point (:math:`T = -\infty`: a Poisson rate of 0 under a count, a
+    Binomial's total below its count) is left out of the contexts without it by the 0 of the
+    mask, not multiplied by it: :math:`0 \cdot (-\infty)` made every query NaN, silently
+    (``Poisson(relu(2 + a))``, quadrature: the exhaustive and uniform scores and the loss).
+    Such entries enter the product at a floor that no sum of ``D`` of them overflows, and a
+    sum that holds one goes back to :math:`-\infty`."""
+    impossible = torch.isneginf(T)
+    if bool(impossible.any()):
+        floor = torch.finfo(T.dtype).min / (4 * (T.shape[-1] + 1))
+        sums = _context_sums(torch.where(impossible, torch.full_like(T, floor), T), ctx)
+        return sums.masked_fill(sums < floor / 2, -math.inf)
     if ctx.shape[1] == 1:  # a batched product: T may be a strided view
         return torch.matmul(T, ctx[:, 0, :].T).transpose(1, 2)
     return torch.bmm(ctx.transpose(0, 1), T.transpose(1, 2))
