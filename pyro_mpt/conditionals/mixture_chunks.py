@@ -193,7 +193,7 @@ class MixtureChunk:
 
 
 def _context_sums(T, ctx):
-    """``(n, q, Q_c)``: each point's log-likelihood of each query's context, ``sum_d ctx_qd T_ikd``.
+    r"""``(n, q, Q_c)``: each point's log-likelihood of each query's context, ``sum_d ctx_qd T_ikd``.
 
     A token impossible at a point (:math:`T = -\infty`: a Poisson rate of 0 under a count, a
     Binomial's total below its count) is left out of the contexts without it by the 0 of the
