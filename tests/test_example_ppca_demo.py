@@ -114,3 +114,33 @@ def test_gallery_fig2_section(demo):
         row = next(line for line in text.splitlines() if line.startswith(f"| {name} |"))
         assert f"{r['final_lml'].mean():.4f}" in row
     assert "biased value" in text and "--quick" in text
+
+
+def test_fixed_rate_optimum_script_objective_is_the_exhaustive_fixed_rate_score(capsys):
+    """examples/ppca_fixed_rate_optimum.py writes D S(x; 2) in plain torch (all 45 masks);
+    it equals D times pyro_mpt's exhaustive curve at M = 2, and its main() runs on a small
+    data set and prints one line per start."""
+    import torch
+    import pyro
+    import pyro.distributions as dist
+    from pyro_mpt import MaskedPretrainingLoss
+
+    script = load_script("examples/ppca_fixed_rate_optimum.py")
+    g = torch.Generator().manual_seed(3)
+    D, K = 10, 2
+    x = torch.randn(50, D, generator=g, dtype=torch.float64)
+    W = torch.randn(D, K, generator=g, dtype=torch.float64)
+    mu = torch.randn(D, generator=g, dtype=torch.float64)
+    log_s = torch.tensor(-0.3, dtype=torch.float64)
+
+    def ppca(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(K, dtype=x.dtype), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T + mu, log_s.exp()).to_event(1), obs=x)
+
+    curve = MaskedPretrainingLoss(masks="exhaustive").curve(ppca, None, x)
+    expected = D * float(curve.score[list(curve.sizes).index(2)])
+    assert abs(float(script.fixed_rate_objective(x, W, mu, log_s, 2)) - expected) < 1e-10
+    script.main(num_data=100, starts=1)
+    out = capsys.readouterr().out
+    assert "start 0: objective at its maximum" in out and "W x 0.9" in out
