@@ -41,6 +41,7 @@ import math
 import warnings
 
 import torch
+import pyro.distributions as dist
 from .code_origin import user_stacklevel
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import site_is_subsample
@@ -158,7 +159,14 @@ def check_proposal_density(tokens, who, instead):
             f"{int(point.sum())} of {math.prod(point.shape) or 1} value(s), so as an importance "
             f"proposal it has no density over the model's latent space: its weights "
             f"p(x, z0) / q(z0) give log p(x, z0) at one point, not the evidence, with zero "
-            f"spread. A MAP guide (AutoDelta, dist.Delta) cannot be a proposal; use {instead}."
+            f"spread. "
+            + (
+                "A MAP guide (AutoDelta, dist.Delta) cannot be a proposal"
+                if isinstance(base, (dist.Delta, torch.distributions.Categorical)) or discrete
+                else f"Its {type(base).__name__} scale rounds to zero there (the guide collapsed: e.g. "
+                f"training diverged at too large a learning rate), and such a guide cannot be a proposal"
+            )
+            + f"; use {instead}."
         )
 
 

@@ -209,6 +209,18 @@ def _():
     Evidence(model, AutoDelta(model), method="importance", num_samples=10)(x)
 
 
+@trigger("guide-point-mass-collapsed")
+def _():
+    model, x = _ppca()
+
+    def collapsed(x):
+        # a Normal encoder whose scale rounds to zero against its mean (a diverged training run)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(torch.full((x.shape[0], 1), 1e15, dtype=x.dtype), 1e-4).to_event(1))
+
+    Evidence(model, collapsed, method="importance", num_samples=10)(x)
+
+
 @trigger("guide-sites-mismatch")
 def _():
     model, x = _ppca()
