@@ -455,3 +455,18 @@ def test_a_reused_loss_does_not_hand_a_new_model_a_collected_models_engine(float
     assert [type(e) for e in loss.memory.auto_engines.values()] == [GaussianConditionals]  # the first forgotten
     copy = pickle.loads(pickle.dumps(loss))
     assert abs(copy.loss(second, None, x) - exact) < 1e-8 * abs(exact)
+
+
+def test_an_option_beside_an_engine_instance_is_refused_with_advice_that_works():
+    """An option beside an engine instance is refused (it would not reach the engine). The
+    advice was to pass it to the instance's constructor even where that constructor does not
+    take it (QuadratureConditionals(num_samples=5): TypeError); such an option now gets the
+    engine's own options and the engines that take it, and the advice, where given, works."""
+    from pyro_mpt import QuadratureConditionals
+
+    with pytest.raises(ValueError, match=r"pass them to its constructor, QuadratureConditionals\(num_nodes=3\)"):
+        MaskedPretrainingLoss(conditionals=QuadratureConditionals(), num_nodes=3)
+    QuadratureConditionals(num_nodes=3)  # the advice, followed
+    with pytest.raises(ValueError, match=r"takes no option\(s\) 'num_samples' \('num_samples' is an option of "
+                                         r"conditionals='encode_decode' and conditionals='importance'\)"):
+        MaskedPretrainingLoss(conditionals=QuadratureConditionals(num_nodes=12), num_samples=5)

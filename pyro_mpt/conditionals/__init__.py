@@ -198,6 +198,13 @@ def make_engine(spec, **options):
             # (MaskedPretrainingLoss(conditionals=QuadratureConditionals(), num_nodes=3) kept
             # the default grid)
             listed = ", ".join(f"{k}={v!r}" for k, v in options.items())
+            params = inspect.signature(type(spec).__init__).parameters.values()
+            unknown = sorted(set(options) - option_names(type(spec)))
+            if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):
+                # the advice below would end in the constructor's TypeError (QuadratureConditionals
+                # takes no num_samples): say what it takes, and where the option belongs
+                elsewhere = {k: [f"conditionals={n!r}" for n, c in ENGINES.items() if k in option_names(c)] for k in unknown}
+                raise ValueError(unknown_options_message(f"conditionals={spec!r}", unknown, option_names(type(spec)), elsewhere))
             raise ValueError(
                 f"conditionals={spec!r} is an engine instance, so the option(s) {listed} would "
                 f"not reach it: pass them to its constructor, {type(spec).__name__}({listed}), "
