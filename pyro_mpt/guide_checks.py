@@ -25,9 +25,9 @@ Two mistakes give silently wrong numbers rather than errors:
 A guide given to SVI with this loss is often not trained at all: the exact engines
 integrate the latents themselves and never read it, and the sampling engines use it as a
 proposal without a gradient (``guide_grad=False``, ``encoder_grad=False``), so an
-``AutoNormal``'s parameters stay at their initial values, silently. :func:`guide_params` and
-:func:`warn_untrained_guide` say so once, at the first step (from the parameters the step's
-own guide trace read: no extra run of the guide), and point to
+``AutoNormal``'s parameters stay at their initial values, silently.
+:class:`GuideTrainingCheck` says so once, after the first two steps (from the parameters the
+steps' own guide traces read: no extra run of the guide), and points to
 :class:`~pyro_mpt.guide_elbo.WithGuideELBO`.
 
 And one mistake gives a silently biased gradient: an importance-weighted
@@ -46,7 +46,10 @@ from .code_origin import user_stacklevel
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.util import site_is_subsample
 
-__all__ = ["check_guide_sites", "check_proposal_density", "guide_params", "warn_not_reparameterized", "warn_untrained_guide"]
+__all__ = [
+    "GuideTrainingCheck", "check_guide_sites", "check_proposal_density", "guide_params", "warn_not_reparameterized",
+    "warn_untrained_guide",
+]
 
 
 def _guide_sample_sites(guide_trace):
@@ -221,15 +224,53 @@ def guide_params(guide_trace):
     return {name: site["value"].unconstrained() for name, site in guide_trace.nodes.items() if site["type"] == "param"}
 
 
-def warn_untrained_guide(params, engine_name):
-    """Warn when some of the guide's parameters (``params``, :func:`guide_params`) got no
-    gradient, or one of zeros, from the backward pass that just ran (a parameter the model
-    reads too counts where the model gives it one).
+class GuideTrainingCheck:
+    """Which of a guide's parameters the loss's backward passes reach, over its first
+    ``STEPS`` steps; then a warning naming those it never reached, once.
 
-    :param dict params: ``{name: unconstrained tensor}`` of the guide.
+    A parameter counts as reached where its gradient exceeds ``8 eps`` of the step's largest
+    gradient of any parameter or of the loss's magnitude, whichever is larger: the importance
+    proposal's parameters (``guide_grad=False``) get gradients of zeros or of rounding (1e-16 in
+    float64, 5e-8 in float32) through the detached draws, and stay at their initial values. Two steps, not one: a layer behind a zero-initialized one (a residual
+    encoder's start) gets a zero gradient at the first step only.
+
+    Example::
+
+        >>> check = GuideTrainingCheck()
+        >>> check.record(guide_params(guide_trace), guide_params(model_trace), "gaussian")
+    """
+
+    STEPS = 2
+
+    def __init__(self):
+        self.steps = 0
+        self.params = {}  # name -> reached at some step
+        self.done = False
+
+    def record(self, guide, model, engine_name, loss):
+        """After a step's backward pass: note which of ``guide``'s parameters (``{name: tensor}``,
+        :func:`guide_params`) it reached, against the largest gradient of ``guide`` and ``model``'s
+        and the loss's value ``loss`` (float); after the last step, warn about those never reached."""
+        grads = [p.grad for p in {**model, **guide}.values() if p.grad is not None]
+        scale = max([abs(loss)] + [float(g.abs().max()) for g in grads if g.numel()])
+        for name, p in guide.items():
+            if not p.requires_grad:
+                continue
+            floor = 8 * torch.finfo(p.dtype).eps * scale
+            reached = p.grad is not None and p.grad.numel() > 0 and float(p.grad.abs().max()) > floor
+            self.params[name] = self.params.get(name, False) or reached
+        self.steps += 1
+        if self.steps >= self.STEPS:
+            self.done = True
+            warn_untrained_guide([name for name, reached in self.params.items() if not reached], engine_name)
+
+
+def warn_untrained_guide(untrained, engine_name):
+    """Warn that the guide's parameters ``untrained`` (names) got no gradient from the loss.
+
+    :param list untrained: parameter names; nothing happens where it is empty.
     :param str engine_name: the engine that served the loss, for the message.
     """
-    untrained = [name for name, p in params.items() if p.requires_grad and (p.grad is None or not bool(p.grad.any()))]
     if not untrained:
         return
     names = ", ".join(repr(n) for n in untrained[:3]) + (", …" if len(untrained) > 3 else "")

@@ -49,9 +49,6 @@ class WithGuideELBO(ELBO):
     def __init__(self, loss, guide_loss=None, weight=1.0):
         super().__init__()
         self.inner = loss
-        if hasattr(loss, "checks_guide_training"):
-            # the guide gets the ELBO's gradients here, after the inner loss's backward pass
-            loss.checks_guide_training = False
         self.guide_loss = guide_loss if guide_loss is not None else Trace_ELBO()
         self.weight = float(weight)
 
@@ -88,7 +85,17 @@ class WithGuideELBO(ELBO):
 
         :returns: the inner loss's value (float).
         """
-        value = self.inner.loss_and_grads(model, guide, *args, **kwargs)
+        # the guide gets the ELBO's gradients here, after the inner loss's backward pass: the
+        # inner loss's check of the guide's training is off while it runs, and only then (setting
+        # it off for good turned it off for the loss used on its own too)
+        checks = getattr(self.inner, "checks_guide_training", None)
+        if checks is not None:
+            self.inner.checks_guide_training = False
+        try:
+            value = self.inner.loss_and_grads(model, guide, *args, **kwargs)
+        finally:
+            if checks is not None:
+                self.inner.checks_guide_training = checks
         for p, g in self._guide_grads(model, guide, args, kwargs):
             p.grad = g if p.grad is None else p.grad + g
         return torch_item(value) if torch.is_tensor(value) else value

@@ -34,7 +34,7 @@ from .conditionals.base import EngineNotApplicable
 from .model_keys import callable_key
 from .curve import CurveAccumulator
 from .estimate import mpt_estimate
-from .guide_checks import check_guide_sites, guide_params, warn_untrained_guide
+from .guide_checks import GuideTrainingCheck, check_guide_sites, guide_params
 from .hidden_randomness import check_no_hidden_randomness, hidden_randomness_checked
 from .masks import MaskSchedule, make_schedule
 from .observed_tokens import LATENT_MEANS, check_latent_scales, trace_tokens
@@ -82,14 +82,15 @@ class LossMemory:
         draw of the trace (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.reads_latent_draws`):
         their quiet trace puts each latent at its prior mean (``init_to_mean``) instead of
         drawing it.
-    :param set guides_checked: the guides (``callable_key``) whose training :meth:`MaskedPretrainingLoss.loss_and_grads`
-        has checked (:func:`~pyro_mpt.guide_checks.warn_untrained_guide`), at their first step.
+    :param dict guide_checks: per guide (``callable_key``), the
+        :class:`~pyro_mpt.guide_checks.GuideTrainingCheck` of its first steps in
+        :meth:`MaskedPretrainingLoss.loss_and_grads`.
     """
 
     auto_engines: dict = field(default_factory=dict)
     quiet_traces: set = field(default_factory=set)
     mean_traces: set = field(default_factory=set)
-    guides_checked: set = field(default_factory=set)
+    guide_checks: dict = field(default_factory=dict)
 
     def forget_collected(self):
         """Drop what is remembered for models that no longer exist (a loss reused across
@@ -98,7 +99,7 @@ class LossMemory:
             del self.auto_engines[key]
         self.quiet_traces = {k for k in self.quiet_traces if k.alive()}
         self.mean_traces = {k for k in self.mean_traces if k.alive()}
-        self.guides_checked = {k for k in self.guides_checked if k.alive()}
+        self.guide_checks = {k: v for k, v in self.guide_checks.items() if k.alive()}
 
 
 #: the loss's own keywords: an unknown keyword goes to the engine, so a misspelled one
@@ -208,9 +209,10 @@ class MaskedPretrainingLoss(ELBO):
         >>> MaskedPretrainingLoss(obs_site="x", extra_sites="drop").score(model_xy, None, x, y)
     """
 
-    #: whether :meth:`loss_and_grads` checks, at the first step with a guide, that the guide's
-    #: parameters get a gradient (and warns if none does); :class:`~pyro_mpt.guide_elbo.WithGuideELBO`
-    #: turns it off for the loss it wraps, whose guide it trains by the ELBO
+    #: whether :meth:`loss_and_grads` checks, over the first steps with a guide, that the guide's
+    #: parameters get a gradient (and warns about those that do not);
+    #: :class:`~pyro_mpt.guide_elbo.WithGuideELBO` turns it off while it calls the loss it wraps,
+    #: whose guide it trains by the ELBO
     checks_guide_training = True
 
     def __init__(
@@ -394,24 +396,32 @@ class MaskedPretrainingLoss(ELBO):
     def loss_and_grads(self, model, guide, *args, **kwargs):
         """The loss as a float; also back-propagates it into the parameters.
 
-        At the first step with a guide it checks that the guide's own parameters get a
-        gradient, and warns if none does (:func:`~pyro_mpt.guide_checks.warn_untrained_guide`;
+        Over the first steps with a guide it checks that the guide's own parameters get a
+        gradient, and warns about those that do not
+        (:class:`~pyro_mpt.guide_checks.GuideTrainingCheck`;
         :class:`~pyro_mpt.guide_elbo.WithGuideELBO` trains them, and turns the check off
-        through :attr:`checks_guide_training`).
+        during its calls through :attr:`checks_guide_training`).
 
         :rtype: float
         """
-        check = self.checks_guide_training and guide is not None and callable_key(guide) not in self.memory.guides_checked
-        if check:
-            if len(self.memory.guides_checked) >= 64:
-                # a new guide object at every step (a lambda written in the loop): forget the dead
-                self.memory.guides_checked = {k for k in self.memory.guides_checked if k.alive()}
-            self.memory.guides_checked.add(callable_key(guide))
+        check = None
+        if self.checks_guide_training and guide is not None:
+            checks = self.memory.guide_checks
+            key = callable_key(guide)
+            check = checks.get(key)
+            if check is None:
+                if len(checks) >= 64:
+                    # a new guide object at every step (a lambda written in the loop): forget the dead
+                    self.memory.guide_checks = checks = {k: v for k, v in checks.items() if k.alive()}
+                check = checks[key] = GuideTrainingCheck()
+            if check.done:
+                check = None
         loss, engine, tokens = self._loss_parts(model, guide, args, kwargs)
         if loss.requires_grad:
             loss.backward(retain_graph=self.retain_graph)
-        if check:
-            warn_untrained_guide(guide_params(tokens.guide_trace), engine_name(engine))
+        if check is not None:
+            check.record(guide_params(tokens.guide_trace), guide_params(tokens.model_trace), engine_name(engine),
+                         float(loss.detach()))
         return torch_item(loss)
 
     # ------------------------------------------------------------------ estimates

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import pyro
 from pyro.infer import RenyiELBO, Trace_ELBO
 
 from pyro_mpt import EncodeDecodeConditionals, ImportanceConditionals, ImportanceWeightedELBO, MaskedPretrainingLoss
@@ -115,6 +116,23 @@ def test_train_time_leaves_one_time_costs_to_an_untimed_warm_up():
     assert res["slow start"].train_time < 0.5, res["slow start"].train_time
     assert res["elbo"].values == res["elbo, no warm-up"].values
     assert res["elbo"].history == res["elbo, no warm-up"].history
+
+
+def test_the_warm_up_leaves_a_shared_model_untrained():
+    """A make_model that returns the same modules at every call (closures over one DeepVAE):
+    the warm-up's optimizer step trained them, so the run started one untimed step in (its
+    decoder moved by one Adam step with epochs=0). The warm-up step's updates are now undone
+    (values restored, gradients cleared): with epochs=0 the parameters are those the model
+    started with."""
+    train, test = load_dataset("digits", n_train=64, n_test=10)
+    pyro.set_rng_seed(0)
+    vae = DeepVAE(train.shape[1], latent_dim=2, hidden=(8,))
+    before = {k: v.detach().clone() for k, v in vae.state_dict().items()}
+    res = compare(lambda: vae, train, test, {"elbo": "elbo"}, epochs=0, batch_size=32, eval_samples=10, lr=0.05)
+    assert res["elbo"].error is None
+    for k, v in vae.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in vae.parameters())
 
 
 def test_a_learning_rate_that_blows_up_training_is_named_as_the_reason(capsys):

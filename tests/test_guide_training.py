@@ -94,7 +94,9 @@ def test_an_encoder_trained_through_the_estimate_is_not_warned_about():
         loss = MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(encoder_grad=encoder_grad))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            SVI(model, guide, Adam({"lr": 0.01}), loss).step(x)
+            svi = SVI(model, guide, Adam({"lr": 0.01}), loss)
+            svi.step(x)
+            svi.step(x)  # the check looks at two steps
         assert sum("get no gradient" in str(w.message) for w in caught) == expected, encoder_grad
 
 
@@ -124,13 +126,70 @@ def test_a_proposal_with_zero_gradients_and_an_untrained_part_of_a_guide_are_war
         pyro.clear_param_store()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            SVI(model, guide, Adam({"lr": 0.01}), loss).step(x)
+            svi = SVI(model, guide, Adam({"lr": 0.01}), loss)
+            svi.step(x)
+            svi.step(x)
         return [str(w.message) for w in caught if "get no gradient" in str(w.message)]
 
     messages = warned(ppca, AutoNormal(ppca), MaskedPretrainingLoss(conditionals="importance", num_samples=16))
-    assert len(messages) == 1 and "'AutoNormal.locs.z'" in messages[0] and "conditionals='importance'" in messages[0]
+    # both: locs.z's gradient is zeros, scales.z's rounding (1e-16)
+    assert len(messages) == 1 and "'AutoNormal.locs.z', 'AutoNormal.scales.z'" in messages[0]
+    assert "conditionals='importance'" in messages[0]
     guide = AutoGuideList(global_mean)
     guide.append(AutoDelta(pyro.poutine.block(global_mean, expose=["mu"])))
     guide.append(AutoNormal(pyro.poutine.block(global_mean, expose=["z"])))
     messages = warned(global_mean, guide, MaskedPretrainingLoss())
     assert len(messages) == 1 and "locs.z" in messages[0] and "mu" not in messages[0].split(")")[0]
+
+
+def test_a_layer_behind_a_zero_initialized_one_is_trained_from_the_second_step():
+    """A residual encoder h = skip(x) + l2(tanh(l1(x))) with l2 zero-initialized: l1's gradient
+    is zero at the first step only (encode_decode, encoder_grad=True). The check warned that l1
+    stays at its initial values, though it moves from the second step; it now looks at two."""
+    from pyro.nn import PyroModule
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(30, 3, generator=g)
+    W = torch.randn(3, 1, generator=g)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
+
+    class Encoder(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.skip = PyroModule[torch.nn.Linear](3, 1)
+            self.l1 = PyroModule[torch.nn.Linear](3, 4)
+            self.l2 = PyroModule[torch.nn.Linear](4, 1)
+            torch.nn.init.zeros_(self.l2.weight)
+            torch.nn.init.zeros_(self.l2.bias)
+
+        def forward(self, x):
+            loc = self.skip(x) + self.l2(torch.tanh(self.l1(x)))
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("z", dist.Normal(loc, 0.8).to_event(1))
+
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    guide = Encoder()
+    before = guide.l1.weight.detach().clone()
+    loss = MaskedPretrainingLoss(conditionals=EncodeDecodeConditionals(encoder_grad=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        svi = SVI(model, guide, Adam({"lr": 0.01}), loss)
+        for _ in range(3):
+            svi.step(x)
+    assert not [w for w in caught if "get no gradient" in str(w.message)]
+    assert not torch.equal(guide.l1.weight.detach(), before)
+
+
+def test_wrapping_a_loss_in_with_guide_elbo_leaves_its_own_check_on():
+    """WithGuideELBO(loss) turned the loss's check off for good, so the same loss used on its
+    own afterwards no longer warned; it is now off only while WithGuideELBO calls it."""
+    loss = MaskedPretrainingLoss(token_plates=("data",), masks="order")
+    _, untrained, _, _ = _steps(loss, WithGuideELBO)
+    assert not untrained and loss.checks_guide_training
+    _, untrained, _, _ = _steps(loss)
+    assert len(untrained) == 1

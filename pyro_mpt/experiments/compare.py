@@ -67,9 +67,9 @@ class RunResult:
         :math:`\\hat k` is defined (NaN when none is; see :func:`khat_summary`).
     :param float khat_max: the largest defined :math:`\\hat k`.
     :param float train_time: seconds spent in the optimization steps (``svi.step``) of all
-        epochs, not in held-out evaluations; one untimed warm-up step before the run takes the
-        one-time costs of a process's or a loss's first step, which would otherwise be charged
-        to whichever loss ran first (see :func:`compare`).
+        epochs, not in held-out evaluations; one untimed warm-up step before the run (its
+        parameter updates undone) takes the one-time costs of a process's or a loss's first step, which would otherwise be charged to whichever loss ran first (see
+        :func:`compare`).
     :param float final_loss: mean training loss per datapoint in the last epoch.
     :param list history: dicts with ``epoch``, ``loss`` (per datapoint) and,
         at evaluations, ``heldout``, ``stderr``.
@@ -347,26 +347,42 @@ def _fresh_loss(spec):
 
 
 def _warm_up(make_model, spec, batch, lr, seed, mpt_encoder, engine_options):
-    """One untimed step with a fresh loss of ``spec`` on a throwaway copy of the model.
+    """One untimed step of a fresh loss of ``spec``, whose parameter updates are undone.
 
     The first step of a process pays one-time costs (imports on first use, allocator and
     autograd set-up), about 2 s here, which the training time of whichever loss ran first
-    absorbed; a loss's own first step pays its lazy set-up. Failures and warnings are left to
-    the timed run, which reports them. A loss instance passed by the caller is not warmed up:
-    a second model through it could change it (a JIT-compiled ELBO keeps the first model).
+    absorbed; a loss's own first step pays its lazy set-up. The parameters the step touched get
+    their values back and no gradient: a ``make_model`` that returns the same modules each time
+    (closures over a global ``nn.Module``) had them trained by the warm-up step, one untimed
+    step more in the run's numbers. Failures and warnings are left to the timed run,
+    which reports them. A loss instance passed by the caller is not warmed up: a second model
+    through it could change it (a JIT-compiled ELBO keeps the first model).
     """
     if not _fresh_loss(spec):
         return
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
+    params, saved = [], []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, guide = _model_guide(make_model())
             loss = make_loss(spec, mpt_encoder=mpt_encoder, engine_options=engine_options)
+            # the parameters the step will touch, and their values before it
+            with pyro.poutine.trace(param_only=True) as seen:
+                loss.loss_and_grads(model, guide, batch)
+            params = [site["value"].unconstrained() for site in seen.trace.nodes.values()]
+            saved = [p.detach().clone() for p in params]
+            for p in params:
+                p.grad = None
+            # a whole step: the optimizer's first step has one-time costs too (about 1 s)
             SVI(model, guide, Adam({"lr": lr}), loss).step(batch)
     except Exception:
         pass
+    with torch.no_grad():
+        for p, value in zip(params, saved):
+            p.copy_(value)
+            p.grad = None
 
 
 def compare(
@@ -409,11 +425,11 @@ def compare(
     :param callable log: called with a progress string after each evaluation (e.g. ``print``).
     :rtype: Comparison
 
-    Before each loss's run, one step with a fresh loss of the same spec trains a throwaway copy
-    of the model, untimed, so that each ``train_time`` counts the loss's steps and not one-time
-    costs (about 2 s of imports and first-call set-up went to whichever loss ran first); the
-    run itself starts from the same seed and initialization as without it. A loss passed as an
-    instance gets no such step.
+    Before each loss's run, a fresh loss of the same spec takes one untimed step whose parameter
+    updates are undone (values restored, gradients cleared), so that each
+    ``train_time`` counts the loss's steps and not one-time costs (about 2 s of imports and
+    first-call set-up went to whichever loss ran first); the run itself starts from the same
+    seed and parameters as without it. A loss passed as an instance gets no such evaluation.
 
     Example::
 

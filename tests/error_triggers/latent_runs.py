@@ -332,4 +332,6 @@ def _():
 
     pyro.clear_param_store()
     loss = MaskedPretrainingLoss(token_plates=("data",), masks="order")
-    SVI(regression, AutoNormal(regression), Adam({"lr": 0.01}), loss).step(X, y)
+    svi = SVI(regression, AutoNormal(regression), Adam({"lr": 0.01}), loss)
+    svi.step(X, y)
+    svi.step(X, y)  # the check looks at the first two steps
