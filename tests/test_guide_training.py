@@ -30,6 +30,20 @@ def _regression():
     return model, X, y
 
 
+def _small_ppca(seed):
+    """Data ``(30, 3)``, a PPCA model with one latent dim and a fixed loading, and the loading."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(30, 3, generator=g)
+    W = torch.randn(3, 1, generator=g)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
+
+    return x, model, W
+
+
 def _steps(loss, guide_wrap=None, n=3, seed=0):
     model, X, y = _regression()
     pyro.clear_param_store()
@@ -75,14 +89,7 @@ def test_the_check_leaves_the_steps_random_draws_alone():
 
 def test_an_encoder_trained_through_the_estimate_is_not_warned_about():
     """encode_decode with encoder_grad=True gives the encoder's parameters a gradient: no warning."""
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(30, 3, generator=g)
-    W = torch.randn(3, 1, generator=g)
-
-    def model(x):
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
-            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
+    x, model, W = _small_ppca(1)
 
     def guide(x):
         A = pyro.param("A", torch.full((3, 1), 0.3))
@@ -107,14 +114,7 @@ def test_a_proposal_with_zero_gradients_and_an_untrained_part_of_a_guide_are_war
     their initial values without the warning, which now names the untrained parameters."""
     from pyro.infer.autoguide import AutoDelta, AutoGuideList
 
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(30, 3, generator=g)
-    W = torch.randn(3, 1, generator=g)
-
-    def ppca(x):
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
-            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
+    x, ppca, W = _small_ppca(2)
 
     def global_mean(x):
         mu = pyro.sample("mu", dist.Normal(torch.zeros(3), 1.0).to_event(1))
@@ -148,14 +148,7 @@ def test_a_layer_behind_a_zero_initialized_one_is_trained_from_the_second_step()
     stays at its initial values, though it moves from the second step; it now looks at two."""
     from pyro.nn import PyroModule
 
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(30, 3, generator=g)
-    W = torch.randn(3, 1, generator=g)
-
-    def model(x):
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(torch.zeros(1), 1.0).to_event(1))
-            pyro.sample("x", dist.Normal(z @ W.T, 0.5).to_event(1), obs=x)
+    x, model, W = _small_ppca(4)
 
     class Encoder(PyroModule):
         def __init__(self):
