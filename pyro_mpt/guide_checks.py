@@ -164,12 +164,19 @@ def check_proposal_density(tokens, who, instead):
             f"p(x, z0) / q(z0) give log p(x, z0) at one point, not the evidence, with zero "
             f"spread. "
             + (
-                "A MAP guide (AutoDelta, dist.Delta) cannot be a proposal"
-                if isinstance(base, (dist.Delta, torch.distributions.Categorical)) or discrete
-                else f"Its {type(base).__name__} scale rounds to zero there (the guide collapsed: e.g. "
-                f"training diverged at too large a learning rate), and such a guide cannot be a proposal"
+                f"A {type(base).__name__} guide site with all its mass on one value (a one-hot "
+                f"Categorical, a MAP value) cannot be a proposal; give it mass on every value the "
+                f"posterior can take (logits that are not one-hot), or leave the discrete latent to "
+                f"conditionals='enumerate' (Evidence(method='exact')), which sums it."
+                if discrete and not isinstance(base, dist.Delta)
+                else (
+                    "A MAP guide (AutoDelta, dist.Delta) cannot be a proposal"
+                    if isinstance(base, dist.Delta)
+                    else f"Its {type(base).__name__} scale rounds to zero there (the guide collapsed: e.g. "
+                    f"training diverged at too large a learning rate), and such a guide cannot be a proposal"
+                )
+                + f"; use {instead}."
             )
-            + f"; use {instead}."
         )
 
 
@@ -228,16 +235,18 @@ class GuideTrainingCheck:
     """Which of a guide's parameters the loss's backward passes reach, over its first
     ``STEPS`` steps; then a warning naming those it never reached, once.
 
-    A parameter counts as reached where its gradient exceeds ``8 eps`` of the step's largest
-    gradient of any parameter or of the loss's magnitude, whichever is larger: the importance
-    proposal's parameters (``guide_grad=False``) get gradients of zeros or of rounding (1e-16 in
-    float64, 5e-8 in float32) through the detached draws, and stay at their initial values. Two steps, not one: a layer behind a zero-initialized one (a residual
+    A parameter counts as reached where its gradient is not None and not all zeros at some
+    step: the exact engines leave the guide out of the graph (None), the importance proposal
+    (``guide_grad=False``) meets it through detached draws (zeros; its scales may get rounding,
+    1e-16, and then go unnamed). No threshold on the gradient's size: Adam trains a
+    parameter whatever its gradient's scale (an encoder behind a factor of 1e-5 was named
+    untrained by one). Two steps, not one: a layer behind a zero-initialized one (a residual
     encoder's start) gets a zero gradient at the first step only.
 
     Example::
 
         >>> check = GuideTrainingCheck()
-        >>> check.record(guide_params(guide_trace), guide_params(model_trace), "gaussian")
+        >>> check.record(guide_params(guide_trace), "gaussian")
     """
 
     STEPS = 2
@@ -247,17 +256,13 @@ class GuideTrainingCheck:
         self.params = {}  # name -> reached at some step
         self.done = False
 
-    def record(self, guide, model, engine_name, loss):
+    def record(self, guide, engine_name):
         """After a step's backward pass: note which of ``guide``'s parameters (``{name: tensor}``,
-        :func:`guide_params`) it reached, against the largest gradient of ``guide`` and ``model``'s
-        and the loss's value ``loss`` (float); after the last step, warn about those never reached."""
-        grads = [p.grad for p in {**model, **guide}.values() if p.grad is not None]
-        scale = max([abs(loss)] + [float(g.abs().max()) for g in grads if g.numel()])
+        :func:`guide_params`) it reached; after the last step, warn about those never reached."""
         for name, p in guide.items():
             if not p.requires_grad:
                 continue
-            floor = 8 * torch.finfo(p.dtype).eps * scale
-            reached = p.grad is not None and p.grad.numel() > 0 and float(p.grad.abs().max()) > floor
+            reached = p.grad is not None and bool(p.grad.any())
             self.params[name] = self.params.get(name, False) or reached
         self.steps += 1
         if self.steps >= self.STEPS:
@@ -276,8 +281,8 @@ def warn_untrained_guide(untrained, engine_name):
     names = ", ".join(repr(n) for n in untrained[:3]) + (", …" if len(untrained) > 3 else "")
     warnings.warn(
         f"The guide's parameters ({names}) get no gradient from MaskedPretrainingLoss "
-        f"(conditionals={engine_name!r}): it trains the model, and they stay at their "
-        f"initial values. To fit the guide as a posterior approximation too, train with "
+        f"(conditionals={engine_name!r}): it trains the model only, and by it alone they "
+        f"stay at their initial values. To fit the guide as a posterior approximation too, train with "
         f"WithGuideELBO(loss) (pyro_mpt.guide_elbo), which adds the ELBO's gradients for the "
         f"guide's parameters; or pass a no-op guide (lambda *args: None) where none is needed.",
         stacklevel=user_stacklevel(),

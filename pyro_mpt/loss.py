@@ -82,7 +82,7 @@ class LossMemory:
         draw of the trace (:meth:`~pyro_mpt.conditionals.base.ConditionalEngine.reads_latent_draws`):
         their quiet trace puts each latent at its prior mean (``init_to_mean``) instead of
         drawing it.
-    :param dict guide_checks: per guide (``callable_key``), the
+    :param dict guide_checks: per guide, keyed by the names of its parameters, the
         :class:`~pyro_mpt.guide_checks.GuideTrainingCheck` of its first steps in
         :meth:`MaskedPretrainingLoss.loss_and_grads`.
     """
@@ -99,7 +99,6 @@ class LossMemory:
             del self.auto_engines[key]
         self.quiet_traces = {k for k in self.quiet_traces if k.alive()}
         self.mean_traces = {k for k in self.mean_traces if k.alive()}
-        self.guide_checks = {k: v for k, v in self.guide_checks.items() if k.alive()}
 
 
 #: the loss's own keywords: an unknown keyword goes to the engine, so a misspelled one
@@ -404,24 +403,20 @@ class MaskedPretrainingLoss(ELBO):
 
         :rtype: float
         """
-        check = None
-        if self.checks_guide_training and guide is not None:
-            checks = self.memory.guide_checks
-            key = callable_key(guide)
-            check = checks.get(key)
-            if check is None:
-                if len(checks) >= 64:
-                    # a new guide object at every step (a lambda written in the loop): forget the dead
-                    self.memory.guide_checks = checks = {k: v for k, v in checks.items() if k.alive()}
-                check = checks[key] = GuideTrainingCheck()
-            if check.done:
-                check = None
         loss, engine, tokens = self._loss_parts(model, guide, args, kwargs)
         if loss.requires_grad:
             loss.backward(retain_graph=self.retain_graph)
-        if check is not None:
-            check.record(guide_params(tokens.guide_trace), guide_params(tokens.model_trace), engine_name(engine),
-                         float(loss.detach()))
+        if self.checks_guide_training and guide is not None:
+            params = guide_params(tokens.guide_trace)
+            # one check per set of guide parameters, not per guide object: a guide made anew at
+            # every step (a lambda written in the loop, a bound method of a new object) is the
+            # same guide, and a check per object never saw its second step
+            key = frozenset(params)
+            check = self.memory.guide_checks.get(key) if params else None
+            if params and check is None:
+                check = self.memory.guide_checks[key] = GuideTrainingCheck()
+            if check is not None and not check.done:
+                check.record(params, engine_name(engine))
         return torch_item(loss)
 
     # ------------------------------------------------------------------ estimates

@@ -132,8 +132,8 @@ def test_a_proposal_with_zero_gradients_and_an_untrained_part_of_a_guide_are_war
         return [str(w.message) for w in caught if "get no gradient" in str(w.message)]
 
     messages = warned(ppca, AutoNormal(ppca), MaskedPretrainingLoss(conditionals="importance", num_samples=16))
-    # both: locs.z's gradient is zeros, scales.z's rounding (1e-16)
-    assert len(messages) == 1 and "'AutoNormal.locs.z', 'AutoNormal.scales.z'" in messages[0]
+    # locs.z's gradient is zeros (scales.z's may be rounding, and then goes unnamed)
+    assert len(messages) == 1 and "'AutoNormal.locs.z'" in messages[0]
     assert "conditionals='importance'" in messages[0]
     guide = AutoGuideList(global_mean)
     guide.append(AutoDelta(pyro.poutine.block(global_mean, expose=["mu"])))
@@ -186,3 +186,19 @@ def test_wrapping_a_loss_in_with_guide_elbo_leaves_its_own_check_on():
     assert not untrained and loss.checks_guide_training
     _, untrained, _, _ = _steps(loss)
     assert len(untrained) == 1
+
+
+def test_a_guide_made_anew_at_every_step_is_checked_too():
+    """A guide passed as a lambda written inside the training loop is a new object at every
+    step: the check, kept per guide object, never saw a second step and never warned. It is
+    kept per set of guide parameters now: one warning over three steps."""
+    model, X, y = _regression()
+    pyro.clear_param_store()
+    base = AutoNormal(model)
+    loss = MaskedPretrainingLoss(token_plates=("data",), masks="order")
+    optim = Adam({"lr": 0.05})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            SVI(model, lambda X, y: base(X, y), optim, loss).step(X, y)
+    assert sum("get no gradient" in str(w.message) for w in caught) == 1

@@ -470,3 +470,6 @@ def test_an_option_beside_an_engine_instance_is_refused_with_advice_that_works()
     with pytest.raises(ValueError, match=r"takes no option\(s\) 'num_samples' \('num_samples' is an option of "
                                          r"conditionals='encode_decode' and conditionals='importance'\)"):
         MaskedPretrainingLoss(conditionals=QuadratureConditionals(num_nodes=12), num_samples=5)
+    # beside one it takes, that one is named too (it would be refused at the next try)
+    with pytest.raises(ValueError, match=r"'num_samples'.* Pass num_nodes=3 to its constructor, QuadratureConditionals\(num_nodes=3\)\.$"):
+        MaskedPretrainingLoss(conditionals=QuadratureConditionals(), num_nodes=3, num_samples=5)

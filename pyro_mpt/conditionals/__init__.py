@@ -204,7 +204,11 @@ def make_engine(spec, **options):
                 # the advice below would end in the constructor's TypeError (QuadratureConditionals
                 # takes no num_samples): say what it takes, and where the option belongs
                 elsewhere = {k: [f"conditionals={n!r}" for n, c in ENGINES.items() if k in option_names(c)] for k in unknown}
-                raise ValueError(unknown_options_message(f"conditionals={spec!r}", unknown, option_names(type(spec)), elsewhere))
+                known = ", ".join(f"{k}={v!r}" for k, v in options.items() if k not in unknown)
+                raise ValueError(
+                    unknown_options_message(f"conditionals={spec!r}", unknown, option_names(type(spec)), elsewhere)
+                    + (f" Pass {known} to its constructor, {type(spec).__name__}({known})." if known else "")
+                )
             raise ValueError(
                 f"conditionals={spec!r} is an engine instance, so the option(s) {listed} would "
                 f"not reach it: pass them to its constructor, {type(spec).__name__}({listed}), "

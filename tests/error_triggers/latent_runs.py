@@ -221,6 +221,20 @@ def _():
     Evidence(model, collapsed, method="importance", num_samples=10)(x)
 
 
+@trigger("guide-point-mass-discrete")
+def _():
+    def mixture(x):
+        with pyro.plate("data", x.shape[0]):
+            c = pyro.sample("c", dist.Categorical(torch.ones(3, dtype=x.dtype) / 3))
+            pyro.sample("x", dist.Normal(torch.tensor([-2.0, 0.0, 2.0], dtype=x.dtype)[c], 1.0), obs=x)
+
+    def one_hot(x):
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("c", dist.Categorical(torch.tensor([1.0, 0.0, 0.0], dtype=x.dtype)))
+
+    Evidence(mixture, one_hot, method="importance", num_samples=10)(torch.tensor([0.1, -1.5, 2.2], dtype=torch.float64))
+
+
 @trigger("guide-sites-mismatch")
 def _():
     model, x = _ppca()
