@@ -153,6 +153,30 @@ def _blocks_model(seed=2, n=3, B=3, N=3):
     return model, x, loc.reshape(n, -1).numpy(), dense
 
 
+def test_float32_multi_output_gp_keeps_its_small_noise():
+    """float32 GPRegression, RBF with lengthscale 10 and noise 1e-6, three outputs: the blocks'
+    covariance was torch's float32 L L^T of the model's scale_tril, which loses the noise
+    (log p 3832 nats above the reference, silently), where the single-output path forms it in
+    float64. Evidence and the "order" score now equal scipy's density under L L^T in float64
+    (L: the float32 model's own factor), and the sum of the single-output values."""
+    torch.manual_seed(8)
+    N, B = 50, 3
+    X = torch.linspace(0, 5, N)[:, None]
+    Y = (torch.sin(X[:, 0]).double() + 0.01 * torch.randn(B, N, dtype=torch.float64)).float()
+
+    def gpr(y):
+        pyro.clear_param_store()
+        return gp.models.GPRegression(X, y, gp.kernels.RBF(1, lengthscale=torch.tensor(10.0)), noise=torch.tensor(1e-6))
+
+    L = pyro.poutine.trace(gpr(Y[0]).model).get_trace().nodes["y"]["fn"].scale_tril.detach().double().numpy()
+    ref = sum(multivariate_normal(np.zeros(N), L @ L.T).logpdf(r) for r in Y.double().numpy())
+    tol = 1e-5 * abs(ref)  # float32 results of a float64 computation
+    multi = float(Evidence(gpr(Y).model)())
+    assert abs(multi - ref) < tol, (multi, ref)
+    assert abs(float(MaskedPretrainingLoss(masks="order").score(gpr(Y).model, None)) - ref) < tol
+    assert abs(sum(float(Evidence(gpr(Y[b]).model)()) for b in range(B)) - ref) < tol
+
+
 def test_blocks_with_their_own_covariances_random_masks_against_numpy(float64):
     """Per-datapoint means and per-block covariances: Evidence and exhaustive MPT equal
     scipy's density of the block-diagonal Gaussian (1e-8); the log-conditionals of 6 random

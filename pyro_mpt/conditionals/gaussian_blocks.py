@@ -78,6 +78,12 @@ def _moments(base, own_shape):
         return "dense", loc, cov
     if isinstance(base, dist.LowRankMultivariateNormal):
         return "lowrank", base.loc, base.cov_factor, base.cov_diag
+    if "covariance_matrix" not in vars(base) and base.scale_tril.dtype != torch.float64:
+        # built from its factor (GPRegression's scale_tril): L L^T formed in float64, as the
+        # single-output marginal forms it; torch's float32 product lost a GP's small noise
+        # (noise 1e-6, three outputs: log p 3832 nats off)
+        L = base.scale_tril.double()
+        return "dense", base.loc, L @ L.transpose(-1, -2)
     return "dense", base.loc, base.covariance_matrix
 
 
