@@ -52,7 +52,8 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
 
     * ``error_nodes`` -- nodes per dim of the second, coarser rule whose
       difference gives the error estimate (default ``max(1, 2 m // 3)`` for
-      ``m`` nodes per dim; the rule with ``m - 1`` nodes per dim is compared too);
+      ``m`` nodes per dim; the rule with ``m - 1`` nodes per dim is compared too, or with
+      ``m + 1`` where ``m - 1`` is the coarser rule's own or none, ``m <= 3``);
     * ``tol`` -- raise when the estimated error of some datapoint, less the dtype's rounding
       (below), exceeds it, or the rounding alone does;
     * ``warn_tol`` -- without ``tol``, warn (:class:`~pyro_mpt.conditionals.base.QuadratureAccuracyWarning`, naming the
@@ -96,8 +97,8 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     :returns: :class:`~pyro_mpt.evidence.EvidenceResult` whose ``stderr`` is the
         per-datapoint error estimate :math:`\hat\epsilon` and whose
         diagnostics hold ``num_nodes``, ``error_nodes``, ``coarse`` (the coarser
-        estimate), ``previous`` (the rule with ``m - 1`` nodes per dim, adaptive
-        grids only, or None when that is the coarser rule or there is none),
+        estimate), ``previous`` (the rule with ``m - 1`` nodes per dim, or ``m + 1`` where
+        that is the coarser rule or there is none; adaptive grids only, else None),
         ``reference`` (the adaptive value, prior-centred grids only,
         else None), ``ess`` and ``axis_ess`` (effective nodes in all and per
         latent axis), each with the observed site's batch shape (``axis_ess``
@@ -166,8 +167,12 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     # the reported error on 1 of 20 datapoints with the 2m/3 rule alone), two pairs
     # rarely do
     previous = None
-    if engine.adaptive and K > 0 and m - 1 >= 1 and m - 1 != error_nodes:
-        previous = companion(engine, state, m - 1)
+    # the rule with one node fewer a dim; where that is error_nodes' own rule (m <= 3, m - 1 = 2m/3)
+    # or none (m = 1), one more: a single difference stood for the error there (3 nodes: 7e-3
+    # nats off a Poisson model, reported as 7e-7, no warning)
+    second = m - 1 if m - 1 >= 1 and m - 1 != error_nodes else m + 1
+    if engine.adaptive and K > 0 and second != error_nodes:
+        previous = companion(engine, state, second)
         error = torch.maximum(error, (value.detach() - previous).abs())
     # the rule's own rounding: its log-sum of Q terms of size |log p(x)|; more nodes cannot
     # lower it, so tol and warn_tol judge the rest
@@ -207,7 +212,7 @@ def quadrature_evidence(evidence, tokens, args, kwargs):
     if tol is not None and bool((error - rounding > tol).any()):
         worst = int((error - rounding).argmax())
         if reference is None or bool(moved[worst] >= error[worst]):
-            rules = f"{error_nodes}{'' if previous is None else f' or {m - 1}'} and {m}"
+            rules = f"{error_nodes}{'' if previous is None else f' or {second}'} and {m}"
             why = (f"the estimate moves by up to {float(error[worst] - rounding[worst]):.3g} (datapoint {worst}) "
                    f"between {rules} nodes per dim")
         else:
