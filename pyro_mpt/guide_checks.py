@@ -157,26 +157,27 @@ def check_proposal_density(tokens, who, instead):
         base = fn
         while hasattr(base, "base_dist"):
             base = base.base_dist
+        if isinstance(base, dist.Delta):
+            advice = f"A MAP guide (AutoDelta, dist.Delta) cannot be a proposal; use {instead}."
+        elif discrete:
+            advice = (
+                f"A {type(base).__name__} guide site with all its mass on one value (a one-hot "
+                f"Categorical, a MAP value) cannot be a proposal; give it mass on every value the "
+                f"posterior can take (logits that are not one-hot), or leave the discrete latent to "
+                f"conditionals='enumerate' (Evidence(method='exact')), which sums it."
+            )
+        else:
+            advice = (
+                f"Its {type(base).__name__} scale rounds to zero there (the guide collapsed: e.g. "
+                f"training diverged at too large a learning rate), and such a guide cannot be a "
+                f"proposal; use {instead}."
+            )
         raise ValueError(
             f"{who}: guide site {site['name']!r} ({type(base).__name__}) is a point mass at "
             f"{int(point.sum())} of {math.prod(point.shape) or 1} value(s), so as an importance "
             f"proposal it has no density over the model's latent space: its weights "
             f"p(x, z0) / q(z0) give log p(x, z0) at one point, not the evidence, with zero "
-            f"spread. "
-            + (
-                f"A {type(base).__name__} guide site with all its mass on one value (a one-hot "
-                f"Categorical, a MAP value) cannot be a proposal; give it mass on every value the "
-                f"posterior can take (logits that are not one-hot), or leave the discrete latent to "
-                f"conditionals='enumerate' (Evidence(method='exact')), which sums it."
-                if discrete and not isinstance(base, dist.Delta)
-                else (
-                    "A MAP guide (AutoDelta, dist.Delta) cannot be a proposal"
-                    if isinstance(base, dist.Delta)
-                    else f"Its {type(base).__name__} scale rounds to zero there (the guide collapsed: e.g. "
-                    f"training diverged at too large a learning rate), and such a guide cannot be a proposal"
-                )
-                + f"; use {instead}."
-            )
+            f"spread. {advice}"
         )
 
 

@@ -406,16 +406,13 @@ class MaskedPretrainingLoss(ELBO):
         loss, engine, tokens = self._loss_parts(model, guide, args, kwargs)
         if loss.requires_grad:
             loss.backward(retain_graph=self.retain_graph)
-        if self.checks_guide_training and guide is not None:
-            params = guide_params(tokens.guide_trace)
+        params = guide_params(tokens.guide_trace) if self.checks_guide_training and guide is not None else {}
+        if params:
             # one check per set of guide parameters, not per guide object: a guide made anew at
             # every step (a lambda written in the loop, a bound method of a new object) is the
             # same guide, and a check per object never saw its second step
-            key = frozenset(params)
-            check = self.memory.guide_checks.get(key) if params else None
-            if params and check is None:
-                check = self.memory.guide_checks[key] = GuideTrainingCheck()
-            if check is not None and not check.done:
+            check = self.memory.guide_checks.setdefault(frozenset(params), GuideTrainingCheck())
+            if not check.done:
                 check.record(params, engine_name(engine))
         return torch_item(loss)
 

@@ -293,14 +293,14 @@ def _support(site):
     return support
 
 
-def support_ok(layout, site):
+def support_ok(layout, site, support):
     """Bool ``(n, D)``: True where a token's observed value is in the support of the
     site's distribution; None when the support cannot be checked.
 
     :param ~pyro_mpt.token_layout.TokenLayout layout: the site's token layout.
     :param dict site: the observed trace site.
+    :param support: the site's elementwise support (``_support``), or None.
     """
-    support = _support(site)
     if support is None or constraints.is_dependent(support):
         return None
     ok = support.check(site["value"].expand(layout.site_shape))
@@ -368,25 +368,25 @@ def validate_values(layout, site, flat, observed):
                 f"or impute them before computing masked pre-training scores"
                 f"{'' if observed is not None else ', or mark them missing with obs_mask='}."
             )
-    if _support(site) is constraints.real:
+    support, base = _support(site), elementwise(site["fn"])
+    if support is constraints.real:
         # every finite (observed) token is real: the support check would repeat the one above
         return
-    if getattr(elementwise(site["fn"]), "_validate_args", None) is False:
+    if getattr(base, "_validate_args", None) is False:
         # built with validate_args=False (Pyro's VAE tutorial: a Bernoulli of gray levels in
         # [0, 1]): its log_prob takes such values, and Trace_ELBO's does without a complaint
         return
-    ok = support_ok(layout, site)
+    ok = support_ok(layout, site, support)
     if ok is None:
         return
     if observed is not None:
         ok = ok | ~observed
     if not ok.all():
         i, j = (~ok).nonzero()[0].tolist()
-        base = elementwise(site["fn"])
-        support, where = _support_text(_support(site), layout, i, j)
+        text, where = _support_text(support, layout, i, j)
         raise ValueError(
             f"Observed site {name!r} has {int((~ok).sum())} value(s) outside the support "
-            f"{support} of its {type(base).__name__} distribution, e.g. "
+            f"{text} of its {type(base).__name__} distribution, e.g. "
             f"{float(flat[i, j]):g} at datapoint {i}, token {j}{where}; Pyro's log_prob refuses "
             f"such data (Trace_ELBO raises on it). Pass data in the support (e.g. 0/1 for a "
             f"Bernoulli, non-negative integers for a Poisson), use an observation "
@@ -398,5 +398,5 @@ def validate_values(layout, site, flat, observed):
                 if isinstance(base, HiddenMarkovModel)
                 else "obs_mask=."
             )
-            + (_LATENT_SUPPORT_HINT if _per_token_bounds(_support(site)) else "")
+            + (_LATENT_SUPPORT_HINT if _per_token_bounds(support) else "")
         )

@@ -442,6 +442,13 @@ def _posterior(state, r, ctx):
     return L_u, L_S, X, m_g, m_u
 
 
+def _fit(state, m_g, m_u):
+    r"""``(q, n, D)``: the tokens' loadings times the posterior means of the noises,
+    :math:`a_t^\top m_g + b_t^\top m_{u(t)}` (the conditional means less :math:`\mu`)."""
+    fit = torch.einsum("nuek,qnk->qnue", state.a, m_g) + torch.einsum("nuel,qnul->qnue", state.b, m_u)
+    return fit.reshape(fit.shape[:2] + (-1,))
+
+
 class HierarchicalGaussianConditionals(ConditionalEngine):
     r"""Exact masked conditionals and evidence of linear-Gaussian hierarchies, linear in the tokens.
 
@@ -523,8 +530,7 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         a, b = state.a, state.b
         U, E = b.shape[-3], b.shape[-2]
         q = ctx.shape[0]
-        mean = torch.einsum("nuek,qnk->qnue", a, m_g) + torch.einsum("nuel,qnul->qnue", b, m_u)
-        mean = state.loc + mean.reshape(q, -1, U * E)
+        mean = state.loc + _fit(state, m_g, m_u)
         Q = X.shape[1]
         bt = b.expand((q, Q) + b.shape[-3:])
         # P_uu^{-1/2} b_t, and h_t = a_t - X^T b_t
@@ -570,10 +576,7 @@ class HierarchicalGaussianConditionals(ConditionalEngine):
         # at the posterior means m: positive terms only. Written as r^T Psi^-1 r - eta^T m it
         # cancelled terms of size tr P down to the form's (float64, noise sd 1e-7 against unit
         # loadings, 60 tokens: 12 nats off); the means' rounding enters the minimum to second order
-        a, b = state.a, state.b
-        U, E = b.shape[-3], b.shape[-2]
-        fit = torch.einsum("nuek,qnk->qnue", a, m_g) + torch.einsum("nuel,qnul->qnue", b, m_u)
-        e = r - fit.reshape(fit.shape[:2] + (U * E,))
+        e = r - _fit(state, m_g, m_u)
         quad = (ctx * e**2 / state.psi).sum(-1) + m_g.pow(2).sum(-1) + m_u.pow(2).sum((-1, -2))
         logpsi = (ctx * state.psi.log()).sum(-1)
         D_obs = ctx.sum(-1)
@@ -645,8 +648,9 @@ def chain_terms(state, x, order):
 
     eye_l = torch.eye(K_l, dtype=b.dtype, device=b.device)
     o_uu, o_ug, o_eu = sorted_(own["uu"]), sorted_(own["ug"]), sorted_(own["eu"])
-    inc_uu, inc_ug, inc_eu = _suffix(o_uu, 3) + eye_l, _suffix(o_ug, 3), _suffix(o_eu, 3)
-    exc_uu, exc_ug, exc_eu = _after(inc_uu - eye_l, 3) + eye_l, _after(inc_ug, 3), _after(inc_eu, 3)
+    suf_uu, inc_ug, inc_eu = _suffix(o_uu, 3), _suffix(o_ug, 3), _suffix(o_eu, 3)
+    inc_uu = suf_uu + eye_l
+    exc_uu, exc_ug, exc_eu = _after(suf_uu, 3) + eye_l, _after(inc_ug, 3), _after(inc_eu, 3)
     _, _, _, G_inc, t_inc = _chol_parts(inc_uu, inc_ug, inc_eu)
     L_ex, X_ex, y_ex, G_ex, t_ex = _chol_parts(exc_uu, exc_ug, exc_eu)
 

@@ -68,8 +68,8 @@ class RunResult:
     :param float khat_max: the largest defined :math:`\\hat k`.
     :param float train_time: seconds spent in the optimization steps (``svi.step``) of all
         epochs, not in held-out evaluations; one untimed warm-up step before the run (its
-        parameter updates undone) takes the one-time costs of a process's or a loss's first step, which would otherwise be charged to whichever loss ran first (see
-        :func:`compare`).
+        parameter updates undone) takes the one-time costs of a process's or a loss's first
+        step, which would otherwise be charged to whichever loss ran first (see :func:`compare`).
     :param float final_loss: mean training loss per datapoint in the last epoch.
     :param list history: dicts with ``epoch``, ``loss`` (per datapoint) and,
         at evaluations, ``heldout``, ``stderr``.
@@ -429,7 +429,7 @@ def compare(
     updates are undone (values restored, gradients cleared), so that each
     ``train_time`` counts the loss's steps and not one-time costs (about 2 s of imports and
     first-call set-up went to whichever loss ran first); the run itself starts from the same
-    seed and parameters as without it. A loss passed as an instance gets no such evaluation.
+    seed and parameters as without it. A loss passed as an instance gets no such step.
 
     Example::
 
