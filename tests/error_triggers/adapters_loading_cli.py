@@ -119,20 +119,21 @@ def _():
     loading.load_texts(dataset=d, split="validation")
 
 
+def _load_data_file(name, text):
+    pytest.importorskip("datasets")
+    path = Path(_tmpdir()) / name
+    path.write_text(text)
+    _loading().load_texts(dataset=str(path))
+
+
 @trigger("load-data-empty")
 def _():
-    pytest.importorskip("datasets")
-    path = Path(_tmpdir()) / "h.csv"
-    path.write_text("text\n")
-    _loading().load_texts(dataset=str(path))
+    _load_data_file("h.csv", "text\n")
 
 
 @trigger("load-data-unreadable")
 def _():
-    pytest.importorskip("datasets")
-    path = Path(_tmpdir()) / "bad.parquet"
-    path.write_text("garbage")
-    _loading().load_texts(dataset=str(path))
+    _load_data_file("bad.parquet", "garbage")
 
 
 @trigger("load-file-type")

@@ -42,14 +42,21 @@ def _():
     MaskedPretrainingLoss(conditionals="hierarchical", token_plates=("data",)).loss(regression, None, _x())
 
 
-@trigger("hierarchical-not-linear-gaussian")
-def _():
-    def lognormal_scale(x):
+def _pairs_around_a_global_mean(scale_of):
+    """mu ~ N(0, 1) global, z_n ~ N(mu, 1) local, x_n ~ N(z_n, scale_of(mu)) on 2 tokens."""
+
+    def model(x):
         mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
         with pyro.plate("data", x.shape[0]):
             z = pyro.sample("z", dist.Normal(mu, 1.0))
-            pyro.sample("x", dist.Normal(z[..., None].expand(z.shape + (2,)), mu.exp()[..., None]).to_event(1), obs=x)
+            pyro.sample("x", dist.Normal(z[..., None].expand(z.shape + (2,)), scale_of(mu)).to_event(1), obs=x)
 
+    return model
+
+
+@trigger("hierarchical-not-linear-gaussian")
+def _():
+    lognormal_scale = _pairs_around_a_global_mean(lambda mu: mu.exp()[..., None])
     MaskedPretrainingLoss(conditionals="hierarchical", token_plates=("data",)).loss(lognormal_scale, None, _x())
 
 
@@ -67,10 +74,5 @@ def _():
 
 @trigger("hierarchical-tiny-noise")
 def _():
-    def tiny(x):
-        mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
-        with pyro.plate("data", x.shape[0]):
-            z = pyro.sample("z", dist.Normal(mu, 1.0))
-            pyro.sample("x", dist.Normal(z[..., None].expand(z.shape + (2,)), 1e-7).to_event(1), obs=x)
-
+    tiny = _pairs_around_a_global_mean(lambda mu: 1e-7)
     MaskedPretrainingLoss(masks="uniform", token_plates=("data",)).loss(tiny, None, _x(8))
