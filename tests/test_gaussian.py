@@ -1149,3 +1149,37 @@ def test_a_model_that_does_not_broadcast_warns_once_and_keeps_its_exact_value():
     exact = -0.5 * (r @ np.linalg.solve(cov, r) + logdet + N * np.log(2 * np.pi))
     for vals in values.values():
         assert max(abs(v + exact) for v in vals) < 1e-10 * abs(exact)
+
+
+def test_composed_and_nested_affine_normals_are_normals(float64):
+    """A latent written as ComposeTransform([AffineTransform, AffineTransform]) of a Normal,
+    and an observation as a TransformedDistribution of a TransformedDistribution of a Normal
+    under an IndependentTransform: still Normals. Before, only a flat list of AffineTransforms
+    was read as one: Evidence(method="exact") refused the model ("is TransformedDistribution")
+    and "auto" sampled it. Reference: scipy's multivariate normal of the marginal."""
+    from pyro.distributions.transforms import AffineTransform, ComposeTransform, IndependentTransform
+    from scipy.stats import multivariate_normal
+
+    g = torch.Generator().manual_seed(9)
+    n, D, K, s = 4, 5, 2, 0.7
+    W = torch.randn(D, K, generator=g)
+    c = torch.randn(D, generator=g)
+    x = torch.randn(n, D, generator=g) * 2
+    # z = 1 + 3 (0.5 + 0.5 u), u ~ N(0, 1): z ~ N(2.5, 1.5^2)
+    cov = 1.5**2 * (W @ W.T).numpy() + s**2 * np.eye(D)
+    ref = multivariate_normal((2.5 * W.sum(1) + c).numpy(), cov).logpdf(x.numpy())
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            both = ComposeTransform([AffineTransform(0.5, 0.5), AffineTransform(1.0, 3.0)])
+            z = pyro.sample("z", dist.TransformedDistribution(dist.Normal(0.0, 1.0).expand([K]).to_event(1), [both]))
+            inner = dist.TransformedDistribution(dist.Normal(torch.zeros(D), s / 4).to_event(1),
+                                                 [AffineTransform(1.0, 2.0, event_dim=1)])
+            outer = dist.TransformedDistribution(inner, [IndependentTransform(AffineTransform(z @ W.T + c - 2.0, 2.0), 1)])
+            pyro.sample("x", outer, obs=x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert np.abs(Evidence(model, method="exact")(x).detach().numpy() - ref).max() < 1e-8
+        score = MaskedPretrainingLoss(masks="exhaustive").score(model, None, x)  # "auto": the Gaussian engine
+    assert np.abs(score.detach().numpy() - ref).max() < 1e-8

@@ -48,14 +48,36 @@ def unwrap(fn, masks=False):
             return fn, reinterpreted
 
 
+def _elementwise_affine_parts(transforms):
+    """The ``AffineTransform`` s of a transform list with ``ComposeTransform`` s and
+    ``IndependentTransform`` s opened (both keep an elementwise map elementwise), or None
+    where any part is not affine."""
+    parts = []
+    for t in transforms:
+        while isinstance(t, torch.distributions.transforms.IndependentTransform):
+            t = t.base_transform
+        if isinstance(t, torch.distributions.ComposeTransform):
+            inner = _elementwise_affine_parts(t.parts)
+            if inner is None:
+                return None
+            parts.extend(inner)
+        elif isinstance(t, torch.distributions.AffineTransform):
+            parts.append(t)
+        else:
+            return None
+    return parts
+
+
 def affine_normal(fn):
     r"""The ``Normal`` that a ``TransformedDistribution`` of a ``Normal`` by affine maps is, or None.
 
     ``TransformedDistribution(Normal(m, s), [AffineTransform(a, b)])`` is
     :math:`\mathcal N(a + b m, |b| s)` (elementwise; ``Independent`` wrappers
     of the base are stripped, the transforms' ``event_dim`` does not change an
-    elementwise map). Its batch and event dims are ``fn``'s, flattened into one
-    ``Normal`` of shape ``fn.batch_shape + fn.event_shape``.
+    elementwise map). So is any chain of them: several ``AffineTransform`` s,
+    ``ComposeTransform`` s and ``IndependentTransform`` s of them, and a base that
+    is itself such a ``TransformedDistribution``. Its batch and event dims are
+    ``fn``'s, flattened into one ``Normal`` of shape ``fn.batch_shape + fn.event_shape``.
 
     Example::
 
@@ -64,12 +86,15 @@ def affine_normal(fn):
     if not isinstance(fn, torch.distributions.TransformedDistribution):
         return None
     base, _ = unwrap(fn.base_dist)
+    # a nested TransformedDistribution (pyro flattens those it builds, users' own may not be)
+    base = affine_normal(base) or base
     if type(base) not in (dist.Normal, torch.distributions.Normal):
         return None
+    parts = _elementwise_affine_parts(fn.transforms)
+    if parts is None:
+        return None
     loc, scale = base.loc, base.scale
-    for t in fn.transforms:
-        if not isinstance(t, torch.distributions.AffineTransform):
-            return None
+    for t in parts:
         loc, scale = t.loc + t.scale * loc, torch.as_tensor(t.scale, dtype=loc.dtype, device=loc.device).abs() * scale
     shape = fn.batch_shape + fn.event_shape
     try:
