@@ -37,6 +37,8 @@ class MaskBlock:
         An engine with a leave-one-out pass
         (:meth:`~pyro_mpt.conditionals.ConditionalEngine.leave_one_out_log_prob`) then
         serves the block from it without its masks, which may be left to ``draw``.
+    :param bool counted: True when the masks are known to hide ``size`` tokens (drawn by
+        the built-in schedules), so that :meth:`masks` need not count them.
 
     Example::
 
@@ -51,20 +53,47 @@ class MaskBlock:
     gain: Optional[torch.Tensor] = None
     draw: Optional[Callable[[], torch.Tensor]] = None
     targets: Optional[torch.Tensor] = None
+    counted: bool = False
 
     def masks(self):
         """The block's masks, bool ``(q, n, D)`` or ``(q, 1, D)``: ``mask``, or a fresh ``draw()``.
 
         :raises TypeError: when they are not bool (an integer 0/1 mask's ``~`` is not its
             complement: the dense Gaussian kernels took ``~mask`` as the context, and a
-            uint8 mask put the loss 1.0e8 off)."""
+            uint8 mask put the loss 1.0e8 off).
+        :raises ValueError: when the masks do not hide ``size`` tokens in a query of
+            nonzero ``gain`` (each score is divided by its ``size``: a custom schedule
+            that gave every query size 1 scaled its terms by M, silently). They are
+            counted at the block's first read unless marked ``counted`` (the built-in
+            schedules' own draws, whose count would be a pass over ``q n D`` bytes at
+            every evaluation, 5 % of the step of ``"all"`` with masks per datapoint)."""
         mask = self.mask if self.draw is None else self.draw()
         if mask.dtype != torch.bool:
             raise TypeError(
                 f"A mask schedule's MaskBlock holds {mask.dtype} masks of shape {tuple(mask.shape)}; "
                 f"masks are bool, True at a target token: give mask.bool() (pyro_mpt.mask_blocks)."
             )
+        if not self.counted:
+            self._check_sizes(mask)
+            # a block evaluated again (recomputed, replayed) holds the same masks, or draws them alike
+            self.counted = True
         return mask
+
+    def _check_sizes(self, mask):
+        # uint8 sums into int16 (int32 past its range): a quarter of the time of a bool sum
+        wide = torch.int16 if mask.shape[-1] < 2**15 else torch.int32
+        count = mask.view(torch.uint8).sum(-1, dtype=wide)
+        wrong = count != self.size.to(wide)
+        if self.gain is not None:
+            wrong = wrong & (self.gain != 0)  # a datapoint without such a query (a size above its D_i)
+        if bool(wrong.any()):
+            q, i = (int(k) for k in wrong.nonzero()[0])
+            raise ValueError(
+                f"A mask schedule's MaskBlock query {q} hides {int(count[q, min(i, count.shape[1] - 1)])} "
+                f"tokens of datapoint {i} but its size says {int(self.size[q, min(i, self.size.shape[1] - 1)])}; "
+                f"each query's score is its masked tokens' log-probability divided by its size: give "
+                f"size=mask.sum(-1) (pyro_mpt.mask_blocks)."
+            )
 
 
 @dataclass

@@ -446,12 +446,13 @@ class PseudoLikelihood(MaskSchedule):
             if observed is None:
                 # the masks are made only for an engine without a leave-one-out pass
                 # (MaskBlock.targets): D^2 bits, 3 s a step at D = 40000
-                yield MaskBlock(None, one.expand(q, 1), w.expand(q, -1), draw=draw, targets=targets)
+                yield MaskBlock(None, one.expand(q, 1), w.expand(q, -1), draw=draw, targets=targets, counted=True)
                 continue
             # a missing token is no target (gain 0) and no one's context; query k's target is
             # observed where observed[:, start + k] is (no (q, n, D) pass over the masks)
             gain = torch.where(observed.T[targets], 1.0 / share.clamp_min(1.0 / D)[None], 0.0)
-            yield MaskBlock(None, one.expand(q, 1), w.expand(q, -1), observed[None], gain, draw=draw, targets=targets)
+            yield MaskBlock(None, one.expand(q, 1), w.expand(q, -1), observed[None], gain, draw=draw, targets=targets,
+                            counted=True)
 
     def __repr__(self):
         return "PseudoLikelihood()"

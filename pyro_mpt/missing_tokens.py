@@ -105,13 +105,15 @@ class MaskableTokens:
             waits in memory for the backward pass; masks shared by the batch,
             and masks with missing tokens, are drawn now and kept as ``mask``.
         """
+        # the masks of the schedules' own draws hide their sizes: not counted again
+        counted = draw is not None
         if draw is not None and (self.rows == 1 or self.observed is not None):
             mask, draw = draw(), None
         if self.observed is None:
-            return MaskBlock(mask, size, weight, draw=draw)
+            return MaskBlock(mask, size, weight, draw=draw, counted=counted)
         if gain is None:
             gain = (self.count > 0)[None].expand(size.shape[0], self.n)
-        return MaskBlock(mask, size, weight, self.observed[None], gain, draw=draw)
+        return MaskBlock(mask, size, weight, self.observed[None], gain, draw=draw, counted=counted)
 
     def chain(self, order, weight, *, num=None):
         """A :class:`~pyro_mpt.mask_blocks.ChainBlock` of orderings from :meth:`order`; with

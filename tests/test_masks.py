@@ -17,7 +17,7 @@ from pyro_mpt.masks import (
 )
 from pyro_mpt.mask_draws import random_ranks
 
-from models import make_ppca, numpy_leave_one_out
+from models import make_ppca, numpy_conditionals, numpy_leave_one_out
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -566,3 +566,46 @@ def test_pll_with_missing_tokens_from_the_observed_posterior(float64, monkeypatc
     assert made and abs(value - value_b) < 1e-10 * abs(value_b)
     assert torch.allclose(grad, grad_b, rtol=1e-9, atol=1e-12)
     assert abs(point - point_b) < 1e-10 * abs(point_b)
+
+
+def test_custom_block_sizes_are_counted(float64):
+    """A custom schedule's MaskBlock divides each query's summed log-conditionals by its
+    ``size``: sizes that match the masks give numpy's conditionals summed over the
+    targets over the mask size (to 1e-10), and a size that does not (every query
+    given size 1, the loss silently M times a query's terms) is refused, for stored masks
+    and for masks from ``draw``, naming the query, the datapoint and both counts."""
+    D, N, K = 6, 3, 2
+    model, x, _ = make_ppca(D, K, N=N, seed=6)
+    W, mu, s = (pyro.param(k).detach().numpy() for k in ("W", "mu", "s"))
+    g = torch.Generator().manual_seed(1)
+    sizes = torch.randint(1, D + 1, (4, N, 1), generator=g)
+    mask = torch.rand(4, N, D, generator=g).argsort(-1) < sizes
+    weight = torch.rand(4, N, generator=g, dtype=torch.float64)
+    terms = numpy_conditionals(mu, W @ W.T + s**2 * np.eye(D), x.numpy(), mask.numpy()).sum(-1)
+    want = (weight.numpy() * terms / sizes[..., 0].numpy()).sum(0)
+
+    class Given(MaskSchedule):
+        covers_all_sizes = False
+
+        def __init__(self, size, drawn=False):
+            super().__init__(1)
+            self.size, self.drawn = size, drawn
+
+        def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
+            if self.drawn:
+                yield MaskBlock(None, self.size, weight, draw=lambda: mask)
+            else:
+                yield MaskBlock(mask, self.size, weight)
+
+    for drawn in (False, True):
+        got = MaskedPretrainingLoss(masks=Given(sizes[..., 0], drawn)).score(model, None, x)
+        assert np.abs(got.detach().numpy() - want).max() < 1e-10
+        ones = torch.ones(4, N, dtype=torch.long)
+        first = int(sizes[0, 0, 0])
+        if first == 1:
+            first_wrong = np.flatnonzero(sizes[..., 0].numpy().reshape(-1) != 1)[0]
+            q, i = divmod(int(first_wrong), N)
+        else:
+            q, i = 0, 0
+        with pytest.raises(ValueError, match=rf"query {q} hides {int(sizes[q, i, 0])} tokens of datapoint {i} but its size says 1"):
+            MaskedPretrainingLoss(masks=Given(ones, drawn)).score(model, None, x)

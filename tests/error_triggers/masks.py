@@ -109,6 +109,22 @@ def _():
     MaskedPretrainingLoss(masks=ByteSchedule()).loss(model, None, x)
 
 
+@trigger("mask-block-size")
+def _():
+    from pyro_mpt.mask_blocks import MaskBlock
+    from pyro_mpt.masks import MaskSchedule
+
+    class SizeOneSchedule(MaskSchedule):
+        """Gives every query size 1, whatever its mask hides."""
+
+        def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
+            mask = torch.tensor([[1, 0, 0, 1, 0], [0, 1, 1, 1, 0]], dtype=torch.bool)[:, None]
+            yield MaskBlock(mask, torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1))
+
+    model, x = _ppca(D=5)
+    MaskedPretrainingLoss(masks=SizeOneSchedule()).loss(model, None, x)
+
+
 @trigger("estimate-unknown-block")
 def _():
     from pyro_mpt.masks import MaskSchedule
