@@ -189,7 +189,9 @@ class CurveAccumulator:
     :math:`N = 500`, :math:`D = 10`, one mask set: the area's spread over mask seeds 0.38
     nats, its standard error from the data alone 0.11). Its variance is added to each
     size's: with :math:`P \ge 2` mask sets, from the spread of their means,
-    :math:`\operatorname{var}_p(\bar S_p(M))/P`; with one (``shared="sizes"``: sizes drawn
+    :math:`\operatorname{var}_p(\bar S_p(M))/P` (where the sets drew the same masks, a
+    spread of exactly 0 at a size of more than one mask, the roughness estimate below
+    stands in, or NaN where there is none); with one (``shared="sizes"``: sizes drawn
     independently, as ``"all"`` draws them), from the roughness of the curve, whose
     expectation is smooth in :math:`M` while the masks of two sizes are independent
     draws. A size's mean averages :math:`M` of the :math:`D` tokens' conditionals, drawn
@@ -347,8 +349,21 @@ class CurveAccumulator:
         count, total, squares = sum(self._replicates, np.zeros((3, self.num_tokens)))
         if bool((count >= 2).all()):
             with np.errstate(invalid="ignore", divide="ignore"):
-                var = (squares - total**2 / count) / (count - 1)
-            return np.maximum(var, 0.0) / count
+                var = np.maximum((squares - total**2 / count) / (count - 1), 0.0) / count
+            # sets that drew the same masks (two of the C(D, M) subsets, chance 1 / C(D, M)) agree
+            # exactly: a random mean then read as exact (a one-datapoint curve at M = 2 of D = 6,
+            # -0.472 +- 0 against the exact -0.766). Where a size has more than one mask, a zero
+            # spread is no estimate: the roughness of the curve stands in for it, else unknown
+            unseen = (var == 0) & (np.arange(1, self.num_tokens + 1) < self.num_tokens)
+            if bool(unseen.any()):
+                rough = self._roughness_variance(mean)
+                var = np.where(unseen, np.nan if rough is None else rough, var)
+            return var
+        return self._roughness_variance(mean)
+
+    def _roughness_variance(self, mean):
+        """Per size, the mask variance estimated from the roughness of the curve of one
+        mask set (see the class docstring), ``(D,)``; None where it is not estimated."""
         D = self.num_tokens
         if self.shared not in ("sizes", "orders") or D < 3 or not bool(np.isfinite(mean).all()):
             return None

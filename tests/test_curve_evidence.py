@@ -332,6 +332,31 @@ def test_one_datapoint_curve_has_its_masks_error_not_zero():
     assert 1 / 1.6 < np.sqrt(np.mean(np.square(errors))) / spread < 1.6  # ...and its error says how much
 
 
+def test_mask_sets_that_drew_the_same_masks_do_not_make_a_size_exact():
+    """Two shared mask sets draw the same mask of a size with chance 1 / C(D, M); their spread
+    there is 0, and a one-datapoint curve read its random mean as exact (stderr 0 at M = 2 of
+    D = 6: -0.472 +- 0 against the exact -0.766). Over 60 seeds of that curve no size below D
+    has a zero error, while at M = D (one mask) it stays 0; and for an accumulator fed two
+    equal sets at one size, that size's mask variance is the roughness estimate of the one-set
+    curve, not 0."""
+    model, x, _ = make_ppca(6, 2, 1)
+    for seed in range(60):
+        pyro.set_rng_seed(seed)
+        curve = MaskedPretrainingLoss(masks="all", num_masks=2).curve(model, None, x)
+        assert (curve.stderr[:-1] > 0).all() and curve.stderr[-1] == 0.0
+    D = 5
+    values = np.array([[-1.0, -1.3, -0.9, -1.2, -1.1], [-1.4, -1.3, -1.0, -1.0, -1.1]])
+    acc = CurveAccumulator(D, shared="sizes")
+    for row in values:
+        acc.start_replicate()
+        acc.add(torch.tensor(row)[:, None], torch.arange(1, D + 1)[:, None])
+    var = acc.result().mask_variance
+    one_set = CurveAccumulator(D, shared="sizes")
+    one_set.add(torch.tensor(values.mean(0))[:, None], torch.arange(1, D + 1)[:, None])
+    np.testing.assert_allclose(var[[1, 4]], one_set.result().mask_variance[[1, 4]], rtol=1e-12)
+    np.testing.assert_allclose(var[[0, 2, 3]], values[:, [0, 2, 3]].var(0, ddof=1) / 2, rtol=1e-12)
+
+
 def test_rate_curve_of_one_item_takes_its_errors_over_its_masks():
     """One item (one sentence, one image): its K masks are independent permutations, so the
     per-rate and area errors are the masks' spread / sqrt(K) (NaN with one mask), not 0."""
