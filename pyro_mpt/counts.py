@@ -1,4 +1,5 @@
-"""Counts a user passes: masks, samples, nodes, particles, iterations, chunk sizes.
+"""Counts a user passes (masks, samples, nodes, particles, iterations, chunk sizes), and
+the count of tokens a masking rate takes.
 
 One predicate for every such argument, so that each check takes the same values:
 Python and numpy integers (``numbers.Integral``: a grid of settings made with
@@ -12,9 +13,15 @@ Example::
     (True, False, False, True)
 """
 
+import math
 from numbers import Integral
 
-__all__ = ["is_count"]
+import torch
+
+__all__ = ["is_count", "rate_count"]
+
+#: decimals to which :func:`rate_count` takes the product of a rate and a length
+RATE_DECIMALS = 9
 
 
 def is_count(value, minimum=1):
@@ -25,3 +32,25 @@ def is_count(value, minimum=1):
     :rtype: bool
     """
     return isinstance(value, Integral) and not isinstance(value, bool) and value >= minimum
+
+
+def rate_count(rate, length):
+    r"""The tokens a masking rate :math:`r` masks of :math:`L`: :math:`\lfloor rL + 1/2\rfloor`,
+    halves rounded up, with :math:`rL` first taken to ``RATE_DECIMALS`` decimals, so that a
+    rate written in decimals rounds its exact halves up as written: in binary
+    :math:`0.29 \cdot 50 = 14.4999\ldots` and :math:`0.07 \cdot 50 = 3.5000\ldots01`, and
+    both count as the halves they are (15 and 4; before, 14 and 4).
+
+    :param rate: a float, or a float64 tensor broadcastable against ``length``.
+    :param length: an int, or an integer tensor.
+    :returns: an int, or a long tensor of the broadcast shape.
+
+    Example::
+
+        >>> rate_count(0.29, 50), rate_count(0.25, 10), rate_count(0.15, 3)
+        (15, 3, 0)
+    """
+    if torch.is_tensor(rate) or torch.is_tensor(length):
+        product = torch.as_tensor(rate, dtype=torch.float64) * torch.as_tensor(length).to(torch.float64)
+        return (torch.round(product, decimals=RATE_DECIMALS) + 0.5).floor().long()
+    return int(math.floor(round(float(rate) * int(length), RATE_DECIMALS) + 0.5))

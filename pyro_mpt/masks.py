@@ -42,7 +42,7 @@ import torch
 
 from .mask_blocks import MaskBlock
 from .missing_tokens import MaskableTokens
-from .counts import is_count
+from .counts import is_count, rate_count
 
 __all__ = [
     "MaskSchedule",
@@ -190,7 +190,7 @@ class AllSizes(MaskSchedule):
 
     def __init__(self, num_masks=1, *, nested=False, share_masks=False):
         super().__init__(num_masks, share_masks=share_masks)
-        self.nested = nested
+        self.nested = _checked_flag(nested, "nested", "prefixes of one random ordering", "independent masks of each size")
 
     def for_curve(self, share_masks=None):
         if share_masks is None or share_masks == self.share_masks:
@@ -246,7 +246,7 @@ class UniformSizes(MaskSchedule):
 
     def __init__(self, num_masks=1, *, stratified=False, share_masks=False):
         super().__init__(num_masks, share_masks=share_masks)
-        self.stratified = stratified
+        self.stratified = _checked_flag(stratified, "stratified", "sizes stratified over 1..D", "sizes drawn uniformly")
 
     def _sizes(self, rows, D, device):
         """Sizes ``(P, rows)``; ``D`` is an int or, with missing tokens, the counts ``(rows,)``."""
@@ -346,6 +346,8 @@ class Exhaustive(MaskSchedule):
     covers_all_sizes = True
 
     def __init__(self, num_masks=1, *, share_masks=True):
+        # every mask is the batch's (none is drawn): the flag is checked, not used
+        _checked_share_masks(share_masks)
         super().__init__(num_masks, share_masks=True)
 
     def curve_mask_sharing(self):
@@ -420,6 +422,8 @@ class PseudoLikelihood(MaskSchedule):
     """
 
     def __init__(self, num_masks=1, *, share_masks=True):
+        # every mask is the batch's (none is drawn): the flag is checked, not used
+        _checked_share_masks(share_masks)
         super().__init__(num_masks, share_masks=True)
 
     def curve_mask_sharing(self):
@@ -498,15 +502,16 @@ class FixedRate(MaskSchedule):
                 f'e.g. masks=0.15, or masks="uniform" for an unbiased schedule.'
             )
         self.rate = float(rate)
-        self.at_least_one = bool(at_least_one)
+        self.at_least_one = _checked_flag(
+            at_least_one, "at_least_one", "mask at least one token", "refuse a D whose rounded count is 0"
+        )
 
     def size(self, D):
-        r"""The mask size :math:`\operatorname{round}(r D)` (with ``at_least_one``, clamped to
-        :math:`1..D`): an int for an int ``D``, long ``(n,)`` for counts ``(n,)``."""
+        r"""The mask size :math:`\operatorname{round}(r D)`, halves up
+        (:func:`~pyro_mpt.counts.rate_count`; with ``at_least_one``, clamped to :math:`1..D`): an int for an int ``D``, long ``(n,)`` for counts ``(n,)``."""
+        M = rate_count(self.rate, D)
         if torch.is_tensor(D):
-            M = (self.rate * D.to(torch.float64) + 0.5).floor().long()
             return torch.minimum(M.clamp(min=1), D.long()) if self.at_least_one else M
-        M = int(math.floor(self.rate * D + 0.5))
         return min(max(M, 1), int(D)) if self.at_least_one else M
 
     def check(self, D):
@@ -566,18 +571,20 @@ _NAMED = {
 }
 
 
-def _checked_share_masks(value):
+def _checked_flag(value, name, true_means, false_means):
     """``value`` as a bool: True, False or a numpy/torch boolean scalar; anything else is
-    refused (``share_masks="no"`` was taken as True: a non-empty string)."""
+    refused by ``name`` (``share_masks="no"``, ``nested="no"`` were taken as True: a
+    non-empty string)."""
     if isinstance(value, bool):
         return value
     dtype = getattr(value, "dtype", None)
     if dtype is not None and getattr(value, "shape", None) == () and str(dtype) in ("bool", "torch.bool"):
         return bool(value)
-    raise TypeError(
-        f"share_masks must be True (one mask set for the whole batch) or False (masks per "
-        f"datapoint), got {value!r}."
-    )
+    raise TypeError(f"{name} must be True ({true_means}) or False ({false_means}), got {value!r}.")
+
+
+def _checked_share_masks(value):
+    return _checked_flag(value, "share_masks", "one mask set for the whole batch", "masks per datapoint")
 
 
 def make_schedule(masks, num_masks=1, share_masks=None):

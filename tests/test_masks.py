@@ -609,3 +609,50 @@ def test_custom_block_sizes_are_counted(float64):
             q, i = 0, 0
         with pytest.raises(ValueError, match=rf"query {q} hides {int(sizes[q, i, 0])} tokens of datapoint {i} but its size says 1"):
             MaskedPretrainingLoss(masks=Given(ones, drawn)).score(model, None, x)
+
+
+def test_schedule_flags_must_be_bools():
+    """nested="no" gave nested masks, stratified="no" stratified sizes, at_least_one="no" raised
+    a zero count to 1, and the schedules that draw no mask took share_masks="x" without a word:
+    each flag is refused by name unless it is a bool (numpy and torch boolean scalars are)."""
+    import numpy as np
+
+    makers = {
+        "nested": lambda v: AllSizes(2, nested=v),
+        "stratified": lambda v: UniformSizes(2, stratified=v),
+        "at_least_one": lambda v: FixedRate(0.1, at_least_one=v),
+        "share_masks": lambda v: PseudoLikelihood(share_masks=v),
+    }
+    for name, make in makers.items():
+        for bad in ["no", 1, 0.0, torch.tensor([True])]:
+            with pytest.raises(TypeError, match=rf"{name} must be True \(.*\) or False \(.*\), got"):
+                make(bad)
+        for flag in [np.bool_(False), torch.tensor(False), False]:
+            make(flag)
+    assert AllSizes(2, nested=np.bool_(True)).nested is True
+    with pytest.raises(TypeError, match="share_masks must be True"):
+        Exhaustive(share_masks="x")
+
+
+def test_rate_counts_round_the_written_halves_up():
+    """A rate r masks floor(r L + 1/2) of L tokens with r L as the decimal rate is written:
+    exact rational arithmetic (fractions.Fraction of the rate's decimal string) over the rates
+    0.01..0.99 and L = 1..200. Before, binary rounding took 0.29 * 50 = 14.4999... down to 14
+    (2 of the paper's 99 rates at L = 50). FixedRate.size, the adapters' mask_counts and
+    rate_count agree with it."""
+    from fractions import Fraction
+
+    from pyro_mpt.adapters.rates import mask_counts
+    from pyro_mpt.counts import rate_count
+
+    rates = [k / 100 for k in range(1, 100)]
+    lengths = np.arange(1, 201)
+    want = np.array([[int(Fraction(str(r)) * int(L) + Fraction(1, 2)) for r in rates] for L in lengths])
+    got = mask_counts(rates, lengths).numpy()
+    assert (got == np.clip(want, 1, lengths[:, None])).all()
+    assert rate_count(0.29, 50) == 15 and rate_count(0.25, 10) == 3
+    for k in (7, 29, 57, 25, 15):
+        r = k / 100
+        assert FixedRate(r).size(50) == want[49, k - 1]
+        sizes = FixedRate(r, at_least_one=True).size(torch.as_tensor(lengths))
+        assert (sizes.numpy() == np.clip(want[:, k - 1], 1, lengths)).all()

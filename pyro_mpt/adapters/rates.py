@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..curve import CurveAccumulator, MPTCurve
+from ..counts import rate_count
 
 __all__ = [
     "RateCurve",
@@ -124,7 +125,8 @@ def check_rates(rates):
 
 
 def mask_counts(rates, lengths):
-    r"""Exact mask counts :math:`M = \min(L, \max(1, \lfloor rL + 1/2\rfloor))`.
+    r"""Exact mask counts :math:`M = \min(L, \max(1, \lfloor rL + 1/2\rfloor))`, halves
+    rounded up as the rate is written (:func:`~pyro_mpt.counts.rate_count`).
 
     :param rates: ``(R,)`` masking rates.
     :param lengths: ``(n,)`` numbers of maskable tokens.
@@ -132,7 +134,7 @@ def mask_counts(rates, lengths):
     """
     r = torch.as_tensor(np.asarray(rates, dtype=np.float64), device="cpu")
     L = torch.as_tensor(np.asarray(lengths), device="cpu").to(torch.int64)
-    m = torch.floor(r[None, :] * L[:, None].double() + 0.5).long()
+    m = rate_count(r[None, :], L[:, None])
     return torch.minimum(m.clamp(min=1), L[:, None])
 
 

@@ -36,6 +36,13 @@ def _():
     MaskedPretrainingLoss(masks="all", share_masks="no")
 
 
+@trigger("masks-flag-not-bool")
+def _():
+    from pyro_mpt.masks import AllSizes
+
+    AllSizes(2, nested="no")
+
+
 @trigger("masks-no-tokens")
 def _():
     def model(x):
