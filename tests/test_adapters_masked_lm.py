@@ -370,13 +370,38 @@ def test_pretokenized_ids_longer_than_the_model_are_refused(tmp_path_factory):
     at_max = [2] + [5] * 62 + [3]
     assert scorer.encode({"input_ids": [at_max]}).ids[0].numel() == 64
     with pytest.raises(ValueError, match=r"input_ids\[0\] has 65 tokens \(padding removed\), more than the maximum "
-                                         r"of 64 the model takes \(its max_position_embeddings\)"):
+                                         r"of 64 the model takes \(config.max_position_embeddings\)"):
         scorer.encode({"input_ids": [at_max[:1] + [6] + at_max[1:]]})
     # padding does not count; an explicit max_length is the limit when given
     padded = at_max + [tok.pad_token_id] * 3
     assert scorer.encode({"input_ids": [padded], "attention_mask": [[1] * 64 + [0] * 3]}).ids[0].numel() == 64
     with pytest.raises(ValueError, match=r"has 64 tokens .* maximum of 10 the model takes \(max_length\)"):
         MaskedLMScorer(model, tok, max_length=10).encode({"input_ids": [at_max]})
+
+
+def test_a_roberta_limit_says_why_it_is_below_max_position_embeddings(tmp_path_factory):
+    """RoBERTa numbers positions from pad_token_id + 1, so 66 position embeddings take 64 tokens:
+    65 ids are refused, and the message says where 64 comes from (it named the setting alone,
+    which reads 66); 64 ids are scored, and max_length=65 is refused alike."""
+    model, tok = _tiny("roberta", tmp_path_factory)
+    scorer = MaskedLMScorer(model, tok)
+    ids = [0] + [10] * 62 + [2]
+    assert torch.isfinite(torch.as_tensor(scorer.pll({"input_ids": [ids]}))).all()
+    why = r"config.max_position_embeddings = 66, less 2: the model numbers its positions from pad_token_id \+ 1"
+    with pytest.raises(ValueError, match=rf"has 65 tokens .* maximum of 64 the model takes \({why}\)"):
+        scorer.pll({"input_ids": [ids[:1] + [11] + ids[1:]]})
+    with pytest.raises(ValueError, match=rf"max_length=65 is more than the 64 positions the model takes \({why}\)"):
+        MaskedLMScorer(model, tok, max_length=65)
+
+
+def test_swapped_model_and_tokenizer_are_named(tmp_path_factory):
+    """MaskedLMScorer(tokenizer, model) failed inside transformers ("BertTokenizer has no
+    attribute parameters"): the first argument is named as the model, the swap as such."""
+    model, tok = _tiny("bert", tmp_path_factory)
+    with pytest.raises(TypeError, match=r"first argument is the model, .* got BertTokenizer \(the arguments look swapped\)"):
+        MaskedLMScorer(tok, model)
+    with pytest.raises(TypeError, match=r"got str\. The tokenizer comes second"):
+        MaskedLMScorer("bert-base-uncased")
 
 
 def test_padded_ids_without_attention_mask_are_refused(tiny):

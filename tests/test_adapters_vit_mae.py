@@ -186,6 +186,12 @@ def test_float64_model_keeps_float64_errors():
     assert rec["patch_error"].dtype == torch.float64
     got = (rec["patch_error"] * rec["mask"]).sum(-1) / 5
     torch.testing.assert_close(got, _hand_mse(model, x, 5, ranks, torch.float64), rtol=1e-12, atol=0)
+    # float64 pixels through the curve's inputs stay float64 (they were rounded to float32 first:
+    # 2.4e-9 off this reference)
+    x64 = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(8), dtype=torch.float64) * 1.2345678901
+    per_item = MAEScorer(model).curves(x64, rates=[0.5], num_masks=1, seed=0)["mse"].per_item[:, 0]
+    ranks = torch.cat([nested_ranks(item_generator(0, i), 1, 16) for i in range(2)])
+    np.testing.assert_allclose(per_item, _hand_mse(model, x64, 8, ranks, torch.float64).numpy(), rtol=1e-12, atol=0)
 
 
 def test_numpy_integer_num_masks_is_taken():

@@ -46,7 +46,7 @@ from ..masks import FixedRate, make_schedule
 from .batching import eval_mode, gather_rows, place_model, positive_count, shard
 from .mlm_forward import MaskedForward
 from .columns import text_columns
-from .mlm_inputs import check_tokenizer, encode_inputs, position_limit
+from .mlm_inputs import check_tokenizer, encode_inputs, position_limit, position_limit_words
 from .mlm_jobs import pll_jobs, rate_jobs, run_jobs, schedule_jobs
 from .rates import PAPER_MLM_RATES, check_rates, item_generator, mask_counts, nested_ranks, rate_curve
 
@@ -127,6 +127,14 @@ class MaskedLMScorer:
     ):
         if head not in ("auto", "masked", "full"):
             raise ValueError(f'head must be "auto", "masked" or "full", got {head!r}.')
+        if not isinstance(model, torch.nn.Module):
+            # MaskedLMScorer(tokenizer, model) failed in transformers: "BertTokenizer has no attribute parameters"
+            swapped = " (the arguments look swapped)" if isinstance(tokenizer, torch.nn.Module) else ""
+            raise TypeError(
+                f"MaskedLMScorer's first argument is the model, a torch.nn.Module such as "
+                f"AutoModelForMaskedLM.from_pretrained(...); got {type(model).__name__}{swapped}. The tokenizer "
+                f"comes second: MaskedLMScorer(model, tokenizer)."
+            )
         max_tokens = positive_count(max_tokens, "MaskedLMScorer(max_tokens=...), the token budget of a forward pass,")
         max_logits = positive_count(max_logits, "MaskedLMScorer(max_logits=...), the logits budget of a forward pass,")
         self.model, self.device, self.accelerator = place_model(model, device, accelerator)
@@ -142,7 +150,7 @@ class MaskedLMScorer:
         if max_length is not None and limit is not None and int(max_length) > limit:
             raise ValueError(
                 f"max_length={max_length} is more than the {limit} positions the model takes "
-                f"(config.max_position_embeddings); pass max_length <= {limit}, or leave it out to "
+                f"({position_limit_words(self.model.config)}); pass max_length <= {limit}, or leave it out to "
                 f"truncate to the model's limit."
             )
         self.max_length = max_length

@@ -21,7 +21,8 @@ from ..code_origin import user_stacklevel
 from .batching import check_not_empty, positive_count
 from .columns import text_columns
 
-__all__ = ["Encoded", "encode_inputs", "check_tokenizer", "lowercases", "model_vocab_size", "position_limit"]
+__all__ = ["Encoded", "encode_inputs", "check_tokenizer", "lowercases", "model_vocab_size", "position_limit",
+           "position_limit_words"]
 
 #: model types known to number positions from ``pad_token_id + 1`` where their modeling
 #: module cannot be read (a config defined outside transformers' own ``models`` package)
@@ -135,6 +136,18 @@ def position_limit(config):
         return int(n)
     pad = getattr(config, "pad_token_id", None)
     return int(n) - (int(pad) + 1 if pad is not None else 2)
+
+
+def position_limit_words(config):
+    """Where :func:`position_limit` comes from, for messages: ``config.max_position_embeddings``,
+    less the positions up to the padding index where the model numbers them from there (a
+    RoBERTa of 40 positions takes 38 tokens, which a message naming the 40 alone left unexplained)."""
+    n = getattr(config, "max_position_embeddings", None)
+    limit = position_limit(config)
+    if n is None or limit is None or limit == int(n):
+        return "config.max_position_embeddings"
+    return (f"config.max_position_embeddings = {int(n)}, less {int(n) - limit}: the model numbers its "
+            f"positions from pad_token_id + 1")
 
 
 @functools.lru_cache(maxsize=None)
@@ -330,7 +343,7 @@ class _Source:
             if limit is not None and x.numel() > limit:
                 raise ValueError(
                     f"input_ids[{i}] has {x.numel()} tokens (padding removed), more than the maximum of {limit} "
-                    f"the model takes ({'max_length' if self.max_length is not None else 'its max_position_embeddings'}); "
+                    f"the model takes ({'max_length' if self.max_length is not None else position_limit_words(self.config)}); "
                     f"truncate the ids to {limit} tokens, or pass the texts, which are truncated."
                 )
             maskable = torch.nonzero(~torch.isin(x, self.special_token_ids)).reshape(-1)

@@ -168,6 +168,14 @@ def _():
     _scorer().pll(["A B C"])
 
 
+@trigger("mlm-model-not-module")
+def _():
+    from pyro_mpt.adapters import MaskedLMScorer
+
+    model, tok = _bert()
+    MaskedLMScorer(tok, model)
+
+
 @trigger("mlm-ids-too-long")
 def _():
     _scorer().pll({"input_ids": [[2] + [5] * 31 + [3]]})
