@@ -51,6 +51,10 @@ def rate_count(rate, length):
         (15, 3, 0)
     """
     if torch.is_tensor(rate) or torch.is_tensor(length):
-        product = torch.as_tensor(rate, dtype=torch.float64) * torch.as_tensor(length).to(torch.float64)
-        return (torch.round(product, decimals=RATE_DECIMALS) + 0.5).floor().long()
+        # on the tensors' own device (never the default one; torch.round's decimals= makes its
+        # scale there, so the scale is applied here)
+        device = (length if torch.is_tensor(length) else rate).device
+        product = torch.as_tensor(rate, dtype=torch.float64, device=device) * torch.as_tensor(length, device=device).to(torch.float64)
+        scale = 10.0**RATE_DECIMALS
+        return ((product * scale).round() / scale + 0.5).floor().long()
     return int(math.floor(round(float(rate) * int(length), RATE_DECIMALS) + 0.5))
