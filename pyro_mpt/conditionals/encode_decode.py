@@ -344,7 +344,10 @@ class EncodeDecodeConditionals(ConditionalEngine):
 
         :returns: the log-conditionals ``(q, n, D)`` and a dict with
             ``"stderr"``, the delta-method standard error over the :math:`S`
-            encoder draws, ``(q, n, D)`` (detached), and ``"num_samples"``.
+            encoder draws, ``(q, n, D)`` (detached), and ``"num_samples"``. It is the
+            Monte-Carlo spread alone: the bias of an encoder that is not the posterior
+            (an untrained one: about 1.1 nats a datapoint on PPCA, z-scores near 10) is
+            not in it.
 
         Example::
 
