@@ -362,11 +362,14 @@ def validate_values(layout, site, flat, observed):
             finite = finite | ~observed
         if not finite.all():
             bad = int((~finite).sum())
+            # a mask that marks every token observed (obs_mask of all True) leaves observed None:
+            # its site is masked all the same, and the advice to pass obs_mask= misled
+            masked = observed is not None or site.get("mask") is not None
             raise ValueError(
                 f"Observed site {name!r} contains {bad} NaN or infinite value(s)"
-                f"{' at observed tokens' if observed is not None else ''}; remove "
+                f"{' at observed tokens' if masked else ''}; remove "
                 f"or impute them before computing masked pre-training scores"
-                f"{'' if observed is not None else ', or mark them missing with obs_mask='}."
+                f"{'' if masked else ', or mark them missing with obs_mask='}."
             )
     support, base = _support(site), elementwise(site["fn"])
     if support is constraints.real:

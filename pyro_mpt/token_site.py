@@ -26,7 +26,7 @@ from pyro.poutine.util import site_is_subsample
 from .site_checks import data_event_shape, elementwise, is_factor
 from .token_layout import TokenLayout
 
-__all__ = ["locate_site", "site_layout", "vectorized_frames", "sample_sites"]
+__all__ = ["locate_site", "site_layout", "vectorized_frames", "sample_sites", "missing_value_sites"]
 
 
 def vectorized_frames(site, min_size=1):
@@ -131,6 +131,29 @@ def _one_token_per_datapoint(site, latents):
     return bool(frames) and any(frames <= vectorized_frames(s) for s in latents)
 
 
+def missing_value_sites(model_trace):
+    """The latent sites in which Pyro draws the missing values of an observation given
+    ``obs_mask=`` (``'<name>_unobserved'`` beside ``'<name>_observed'``): integrating them
+    out is leaving the missing tokens out, so no estimate treats them as latents.
+
+    :param model_trace: a model trace (Pyro ``Trace``).
+    :returns: a set of site names.
+
+    Example::
+
+        >>> missing_value_sites(poutine.trace(ppca).get_trace(x, mask))  # PPCA with obs_mask=
+        {'x_unobserved'}
+    """
+    out = set()
+    for name, site in model_trace.nodes.items():
+        if site["type"] == "sample" and site["is_observed"] and name.endswith("_observed") and site.get("mask") is not None:
+            companion = name[: -len("_observed")] + "_unobserved"
+            node = model_trace.nodes.get(companion)
+            if node is not None and node["type"] == "sample" and not node["is_observed"]:
+                out.add(companion)
+    return out
+
+
 def locate_site(model_trace, obs_site):
     """The observed token site of a model trace, its latent sites and its other observed and factor sites.
 
@@ -198,12 +221,11 @@ def locate_site(model_trace, obs_site):
             )
     name = site["name"]
     # obs_mask=m makes Pyro sample the missing values as '<base>_unobserved': integrating
-    # them out is exactly leaving the missing tokens out, so it is not a latent here
-    ignored = set()
-    if name.endswith("_observed") and site.get("mask") is not None:
-        companion = name[: -len("_observed")] + "_unobserved"
-        if companion in model_trace.nodes and not model_trace.nodes[companion]["is_observed"]:
-            ignored.add(companion)
+    # them out is exactly leaving the missing tokens out, so it is not a latent here; nor is
+    # that of another observed site, which the estimates leave out whole (extra_sites="drop":
+    # scoring y beside an x with obs_mask refused 'x_unobserved' as a masked latent, and
+    # quadrature counted its dims)
+    ignored = missing_value_sites(model_trace)
     latents = [s for s in sites if not s["is_observed"] and s["name"] not in ignored]
     others = [s for s in observed + factors if s is not site]
     return site, latents, others

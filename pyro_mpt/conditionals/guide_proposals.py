@@ -51,6 +51,7 @@ from pyro.infer.autoguide import (
 from torch.distributions import biject_to
 import pyro.distributions as dist
 
+from ..token_site import missing_value_sites
 from .latent_runs import PARTICLE_PLATE
 
 __all__ = ["AUTOGUIDES", "is_autoguide", "per_datapoint_autoguide", "has_point_mass", "AutoguideProposal"]
@@ -155,9 +156,13 @@ class AutoguideProposal:
         tokens = runner.tokens
         latent = set(tokens.latent_names)
         self._index = {}  # id(part) -> its per-datapoint coordinates
+        # an autoguide of a model with obs_mask= holds Pyro's draw of the missing values
+        # ('x_unobserved'), which no estimate integrates: left out of q by its marginal (it was
+        # refused as "not a latent of the model", of an autoguide built from this model)
+        self._skip = missing_value_sites(tokens.model_trace)
         for part in self.parts:
             for name, _ in _latent_nodes(part):
-                if name not in latent:
+                if name not in latent and name not in self._skip:
                     raise ValueError(
                         f"{who}: autoguide site {name!r} is not a latent of the model (latents: "
                         f"{', '.join(map(repr, tokens.latent_names))}); build the autoguide from "
@@ -231,6 +236,8 @@ class AutoguideProposal:
         r = self.runner
         out = 0.0
         for name, _ in _latent_nodes(part):
+            if name in self._skip:
+                continue
             aux = trace.nodes[name + "_unconstrained"]
             u, jac = self._site_transform(name, values[name])
             lq = aux["fn"].log_prob(u.reshape(u.shape[:1] + aux["value"].shape[1:]))
@@ -241,12 +248,14 @@ class AutoguideProposal:
         r = self.runner
         us, jac = [], 0.0
         for name, _ in _latent_nodes(part):
+            if name in self._skip:
+                continue
             u, j = self._site_transform(name, values[name])
             us.append(u.reshape(rows, -1))
             jac = jac + r.per_datapoint(j, rows)
-        u = torch.cat(us, -1)  # the packed unconstrained vector, in Pyro's order
+        u = torch.cat(us, -1)  # the packed unconstrained vector, in Pyro's order, less the skipped sites
         posterior = part.get_posterior(*r.args, **r.kwargs)
-        if r.tokens.num_data == 1:
+        if r.tokens.num_data == 1 and not any(name in self._skip for name, _ in _latent_nodes(part)):
             return posterior.log_prob(u).reshape(rows, 1) + jac
         idx = self._datapoint_index(part)  # (n, k)
         return _block_marginal(posterior)(idx).log_prob(u[:, idx]) + jac
@@ -263,6 +272,9 @@ class AutoguideProposal:
         for name, site in _latent_nodes(part):
             U = biject_to(site["fn"].support).inv(site["value"]).shape
             size = int(torch.Size(U).numel())
+            if name in self._skip:  # its coordinates stay in the packed vector, not in q's marginal
+                pos += size
+                continue
             e = site["fn"].event_dim + len(U) - site["value"].dim()
             nb = len(U) - e
             idx = torch.arange(pos, pos + size, device=r.tokens.value.device).reshape(U)

@@ -92,7 +92,10 @@ def importance_log_weights(
         a guide would read missing tokens, or when the guide is a point mass.
     """
     if guide is not None:
-        refuse_missing(tokens, who, ValueError, instead)
+        if not is_autoguide(guide):
+            # an autoguide does not read the data: missing tokens are no obstacle (the loss's
+            # importance engine took the same guide that Evidence refused for it)
+            refuse_missing(tokens, who, ValueError, instead)
         check_proposal_density(tokens, who, density_instead)
     try:
         runner = LatentRunner(tokens, model, guide, args, kwargs, None, who)
