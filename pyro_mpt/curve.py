@@ -347,19 +347,26 @@ class CurveAccumulator:
         if not self.shared:
             return None
         count, total, squares = sum(self._replicates, np.zeros((3, self.num_tokens)))
-        if bool((count >= 2).all()):
+        # sizes without values (above a one-datapoint curve's observed tokens) have no variance
+        if bool((count[count > 0] >= 2).all()) and bool((count > 0).any()):
             with np.errstate(invalid="ignore", divide="ignore"):
                 var = np.maximum((squares - total**2 / count) / (count - 1), 0.0) / count
+            var = np.where(count > 0, var, np.nan)
             # sets that drew the same masks (two of the C(D, M) subsets, chance 1 / C(D, M)) agree
             # exactly: a random mean then read as exact (a one-datapoint curve at M = 2 of D = 6,
             # -0.472 +- 0 against the exact -0.766). Where a size has more than one mask, a zero
             # spread is no estimate: the roughness of the curve stands in for it, else unknown
-            unseen = (var == 0) & (np.arange(1, self.num_tokens + 1) < self.num_tokens)
+            unseen = (var == 0) & (np.arange(1, self.num_tokens + 1) < self._largest_size(count))
             if bool(unseen.any()):
                 rough = self._roughness_variance(mean)
                 var = np.where(unseen, np.nan if rough is None else rough, var)
             return var
         return self._roughness_variance(mean)
+
+    @staticmethod
+    def _largest_size(count):
+        """The largest size with values: a size of one mask only (all its tokens) has no spread."""
+        return int(np.flatnonzero(count > 0)[-1]) + 1
 
     def _roughness_variance(self, mean):
         """Per size, the mask variance estimated from the roughness of the curve of one

@@ -487,8 +487,9 @@ class MaskedPretrainingLoss(ELBO):
             tokens, engine, state = self._prepare(model, guide, args, kwargs)
             # with missing tokens every schedule draws its masks per datapoint
             shared = schedule.curve_mask_sharing() if tokens.observed is None else False
-            if tokens.num_data == 1 and tokens.observed is None and not shared:
-                # one datapoint's masks are the batch's: their draw is its curve's whole error
+            if tokens.num_data == 1 and not shared:
+                # one datapoint's masks are the batch's: their draw is its curve's whole error (with
+                # missing tokens too, whose masks are drawn among its observed ones: its error was NaN)
                 alike = copy.copy(schedule)
                 alike.share_masks = True
                 shared = alike.curve_mask_sharing()
