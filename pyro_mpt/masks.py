@@ -150,7 +150,11 @@ class MaskSchedule:
         return MaskableTokens(n, D, observed, share_masks=self.share_masks, device=device)
 
     def __repr__(self):
-        return f"{type(self).__name__}(num_masks={self.num_masks})"
+        return f"{type(self).__name__}(num_masks={self.num_masks}{self._shared_repr()})"
+
+    def _shared_repr(self):
+        # the default (masks per datapoint) is left out, so that the common reprs stay short
+        return ", share_masks=True" if self.share_masks else ""
 
 
 class AllSizes(MaskSchedule):
@@ -219,7 +223,7 @@ class AllSizes(MaskSchedule):
 
     def __repr__(self):
         extra = ", nested=True" if self.nested else ""
-        return f"AllSizes(num_masks={self.num_masks}{extra})"
+        return f"AllSizes(num_masks={self.num_masks}{extra}{self._shared_repr()})"
 
 
 class UniformSizes(MaskSchedule):
@@ -280,7 +284,7 @@ class UniformSizes(MaskSchedule):
             yield tokens.block(tokens.masks(m, stop - start), m, w.expand(stop - start, -1))
 
     def __repr__(self):
-        return f"UniformSizes(num_masks={self.num_masks}, stratified={self.stratified})"
+        return f"UniformSizes(num_masks={self.num_masks}, stratified={self.stratified}{self._shared_repr()})"
 
 
 class RandomOrders(MaskSchedule):
@@ -555,7 +559,8 @@ class FixedRate(MaskSchedule):
             yield tokens.block(tokens.ranks(q) < size[..., None], size.expand(q, -1), w.expand(q, -1))
 
     def __repr__(self):
-        return f"FixedRate({self.rate}, num_masks={self.num_masks})"
+        extra = ", at_least_one=True" if self.at_least_one else ""
+        return f"FixedRate({self.rate}, num_masks={self.num_masks}{self._shared_repr()}{extra})"
 
 
 _NAMED = {

@@ -656,3 +656,15 @@ def test_rate_counts_round_the_written_halves_up():
         assert FixedRate(r).size(50) == want[49, k - 1]
         sizes = FixedRate(r, at_least_one=True).size(torch.as_tensor(lengths))
         assert (sizes.numpy() == np.clip(want[:, k - 1], 1, lengths)).all()
+
+
+def test_schedule_reprs_rebuild_the_schedule():
+    """A schedule's repr left out share_masks (and FixedRate's at_least_one), so that a
+    printed schedule read as another: evaluated, each repr rebuilds an equal schedule."""
+    namespace = dict(AllSizes=AllSizes, UniformSizes=UniformSizes, RandomOrders=RandomOrders,
+                     Exhaustive=Exhaustive, PseudoLikelihood=PseudoLikelihood, FixedRate=FixedRate)
+    for schedule in [AllSizes(2), AllSizes(2, share_masks=True), AllSizes(3, nested=True, share_masks=True),
+                     UniformSizes(3, share_masks=True), UniformSizes(2, stratified=True), RandomOrders(2, share_masks=True),
+                     Exhaustive(), PseudoLikelihood(), FixedRate(0.15, 2, share_masks=True, at_least_one=True)]:
+        rebuilt = eval(repr(schedule), namespace)
+        assert type(rebuilt) is type(schedule) and vars(rebuilt) == vars(schedule), repr(schedule)
