@@ -70,7 +70,7 @@ def _mask_scores(block, engine, state, x):
         sums = engine.mask_sums(state, x, mask)  # (q, n)
     else:
         # tokens outside the context (missing ones) are neither conditioned on nor summed
-        sums = engine.mask_sums_within(state, x, mask, block.context)
+        sums = engine.mask_sums_within(state, x, block.targets_within_context(mask), block.context)
     shat = sums / block.size.to(sums.dtype).clamp_min(1)
     if block.gain is not None:
         gain = block.gain.to(sums.dtype)

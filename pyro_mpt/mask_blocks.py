@@ -61,8 +61,8 @@ class MaskBlock:
         :raises TypeError: when they are not bool (an integer 0/1 mask's ``~`` is not its
             complement: the dense Gaussian kernels took ``~mask`` as the context, and a
             uint8 mask put the loss 1.0e8 off).
-        :raises ValueError: when the masks do not hide ``size`` tokens in a query of
-            nonzero ``gain`` (each score is divided by its ``size``: a custom schedule
+        :raises ValueError: when the masks do not hide ``size`` tokens (within ``context``,
+            where it is given) in a query of nonzero ``gain`` (each score is divided by its ``size``: a custom schedule
             that gave every query size 1 scaled its terms by M, silently). They are
             counted at the block's first read unless marked ``counted`` (the built-in
             schedules' own draws, whose count would be a pass over ``q n D`` bytes at
@@ -79,10 +79,28 @@ class MaskBlock:
             self.counted = True
         return mask
 
+    def __post_init__(self):
+        # a block that names its targets is served without its masks (leave-one-out passes):
+        # each query hides its one target, so its size is 1 (size 2 halved the pll, silently)
+        if self.targets is not None and not self.counted and bool((self.size != 1).any()):
+            q = int((self.size != 1).nonzero()[0, 0])
+            raise ValueError(
+                f"A mask schedule's MaskBlock query {q} names one target token (targets=) but its size "
+                f"says {int(self.size.reshape(self.size.shape[0], -1)[q].amax())}; each query's score is "
+                f"its masked tokens' log-probability divided by its size: give size 1 for every query "
+                f"(pyro_mpt.mask_blocks)."
+            )
+
+    def targets_within_context(self, mask):
+        """``mask`` with the tokens outside ``context`` (missing ones) taken out: they are
+        never targets (a custom block whose mask also hid a missing token had that token's
+        term in its score)."""
+        return mask if self.context is None else mask & self.context
+
     def _check_sizes(self, mask):
         # uint8 sums into int16 (int32 past its range): a quarter of the time of a bool sum
         wide = torch.int16 if mask.shape[-1] < 2**15 else torch.int32
-        count = mask.view(torch.uint8).sum(-1, dtype=wide)
+        count = self.targets_within_context(mask).view(torch.uint8).sum(-1, dtype=wide)
         wrong = count != self.size.to(wide)
         if self.gain is not None:
             wrong = wrong & (self.gain != 0)  # a datapoint without such a query (a size above its D_i)
@@ -92,7 +110,7 @@ class MaskBlock:
                 f"A mask schedule's MaskBlock query {q} hides {int(count[q, min(i, count.shape[1] - 1)])} "
                 f"tokens of datapoint {i} but its size says {int(self.size[q, min(i, self.size.shape[1] - 1)])}; "
                 f"each query's score is its masked tokens' log-probability divided by its size: give "
-                f"size=mask.sum(-1) (pyro_mpt.mask_blocks)."
+                f"size=(mask & context).sum(-1), or size=mask.sum(-1) without a context (pyro_mpt.mask_blocks)."
             )
 
 

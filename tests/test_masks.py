@@ -5,6 +5,7 @@ import math
 import numpy as np
 
 import pytest
+import scipy.stats
 import torch
 import pyro
 import pyro.distributions as dist
@@ -668,3 +669,46 @@ def test_schedule_reprs_rebuild_the_schedule():
                      Exhaustive(), PseudoLikelihood(), FixedRate(0.15, 2, share_masks=True, at_least_one=True)]:
         rebuilt = eval(repr(schedule), namespace)
         assert type(rebuilt) is type(schedule) and vars(rebuilt) == vars(schedule), repr(schedule)
+
+
+def test_custom_blocks_target_only_context_tokens_and_named_targets_take_size_one(float64):
+    """A custom block with a context (missing tokens) whose mask also hides a missing token
+    scored that token's term too (the docs: missing tokens are never targets), and its size
+    check counted it; a block that names its targets (targets=) was served by the leave-one-out
+    pass without its masks, so a size of 2 halved the pll silently. Now a mask's targets are
+    its tokens within the context: the score equals the block without the missing token (and
+    numpy's conditional on the observed tokens), its size counts the observed targets, and a
+    named-target block of size 2 is refused."""
+    W = torch.tensor([[1.0], [0.5], [-1.0], [2.0]])
+    observed = torch.tensor([[False, True, True, True]])
+
+    def model(x, m):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            pyro.sample("x", dist.Normal(z @ W.T, 0.5).mask(m).to_event(1), obs=x)
+
+    class Custom(MaskSchedule):
+        covers_all_sizes = False
+
+        def __init__(self, mask, size):
+            super().__init__(1)
+            self.mask, self.size = mask, size
+
+        def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):
+            yield MaskBlock(self.mask, self.size, torch.ones(1, 1), observed[None], torch.ones(1, n))
+
+    x = torch.tensor([[0.3, -0.2, 1.0, 0.7]])
+    C = (W @ W.T).numpy() + 0.25 * np.eye(4)
+    # token 1 given tokens 2 and 3 (token 0 missing: neither context nor target)
+    gain = np.linalg.solve(C[np.ix_([2, 3], [2, 3])], C[[2, 3], 1])
+    want = scipy.stats.norm.logpdf(-0.2, gain @ x[0, [2, 3]].numpy(), np.sqrt(C[1, 1] - gain @ C[[2, 3], 1]))
+    one = torch.tensor([[[False, True, False, False]]])
+    both = torch.tensor([[[True, True, False, False]]])
+    for mask in (one, both):
+        got = MaskedPretrainingLoss(masks=Custom(mask, torch.ones(1, 1, dtype=torch.long))).score(model, None, x, observed)
+        assert abs(float(got) - want) < 1e-10
+    with pytest.raises(ValueError, match="query 0 hides 1 tokens of datapoint 0 but its size says 2"):
+        MaskedPretrainingLoss(masks=Custom(both, torch.full((1, 1), 2))).score(model, None, x, observed)
+    with pytest.raises(ValueError, match=r"names one target token \(targets=\) but its size says 2"):
+        MaskBlock(None, torch.full((4, 1), 2), torch.ones(4, 1), targets=torch.arange(4),
+                  draw=lambda: torch.eye(4, dtype=torch.bool)[:, None])

@@ -132,6 +132,14 @@ def _():
     MaskedPretrainingLoss(masks=SizeOneSchedule()).loss(model, None, x)
 
 
+@trigger("mask-block-targets-size")
+def _():
+    from pyro_mpt.mask_blocks import MaskBlock
+
+    MaskBlock(None, torch.full((2, 1), 2), torch.ones(2, 1), targets=torch.tensor([0, 1]),
+              draw=lambda: torch.eye(5, dtype=torch.bool)[:2, None])
+
+
 @trigger("estimate-unknown-block")
 def _():
     from pyro_mpt.masks import MaskSchedule
