@@ -338,7 +338,10 @@ class CurveAccumulator:
                 areas = np.where(count > 0, total / count, 0.0).sum(1)
             return float(areas.var(ddof=1) / len(areas))
         if self.shared == "sizes" and mask_variance is not None:
-            return float(np.nansum(mask_variance))
+            # a size with values and no variance estimate (below 3 sizes, sets that drew the same
+            # masks) leaves the area's unknown: nansum dropped it (D = 2: +- 0 for a random area)
+            count = sum(self._replicates, np.zeros((3, self.num_tokens)))[0]
+            return float(np.sum(mask_variance[count > 0]))
         return float("nan")
 
     def _mask_variance(self, mean):
@@ -356,7 +359,10 @@ class CurveAccumulator:
             # exactly: a random mean then read as exact (a one-datapoint curve at M = 2 of D = 6,
             # -0.472 +- 0 against the exact -0.766). Where a size has more than one mask, a zero
             # spread is no estimate: the roughness of the curve stands in for it, else unknown
-            unseen = (var == 0) & (np.arange(1, self.num_tokens + 1) < self._largest_size(count))
+            # (at the largest size, all of a datapoint's tokens, one mask: exact, but an ordering's
+            # last position holds one token's marginal, random too)
+            random = np.arange(1, self.num_tokens + 1) < self._largest_size(count) + (self.shared == "orders")
+            unseen = (var == 0) & random
             if bool(unseen.any()):
                 rough = self._roughness_variance(mean)
                 var = np.where(unseen, np.nan if rough is None else rough, var)
