@@ -16,9 +16,10 @@ Example::
 import math
 from numbers import Integral
 
+import numpy as np
 import torch
 
-__all__ = ["is_count", "rate_count"]
+__all__ = ["is_count", "rate_count", "written_rates"]
 
 #: decimals to which :func:`rate_count` takes the product of a rate and a length
 RATE_DECIMALS = 9
@@ -58,3 +59,27 @@ def rate_count(rate, length):
         scale = 10.0**RATE_DECIMALS
         return ((product * scale).round() / scale + 0.5).floor().long()
     return int(math.floor(round(float(rate) * int(length), RATE_DECIMALS) + 0.5))
+
+
+def written_rates(rates):
+    r"""Masking rates as float64, each a float32 (or narrower) rate read as the shortest decimal
+    that names it: ``np.float32(0.29)`` is 0.28999999165... in float64, whose count of 50
+    tokens :func:`rate_count` rounds to 14, where the rate as written, 0.29, gives 15.
+    Float64 rates are taken as they are.
+
+    :param rates: a number, or an array or tensor of them.
+    :returns: a float64 ``numpy.ndarray`` of the same shape (0-dim for a number).
+
+    Example::
+
+        >>> float(written_rates(np.float32(0.29)))
+        0.29
+    """
+    if torch.is_tensor(rates):
+        rates = rates.detach().cpu()
+        narrow = rates.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        rates = rates.float().numpy() if narrow else rates.numpy()
+    rates = np.asarray(rates)
+    if rates.dtype in (np.float32, np.float16):
+        return np.array([float(str(np.float32(v))) for v in rates.reshape(-1)], dtype=np.float64).reshape(rates.shape)
+    return rates.astype(np.float64)

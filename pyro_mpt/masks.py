@@ -42,7 +42,7 @@ import torch
 
 from .mask_blocks import MaskBlock
 from .missing_tokens import MaskableTokens
-from .counts import is_count, rate_count
+from .counts import is_count, rate_count, written_rates
 
 __all__ = [
     "MaskSchedule",
@@ -505,7 +505,7 @@ class FixedRate(MaskSchedule):
                 f"A fixed masking rate must be a float in (0, 1), got {rate!r}; "
                 f'e.g. masks=0.15, or masks="uniform" for an unbiased schedule.'
             )
-        self.rate = float(rate)
+        self.rate = float(written_rates(rate))  # a float32 0.29 is 0.29, as written
         self.at_least_one = _checked_flag(
             at_least_one, "at_least_one", "mask at least one token", "refuse a D whose rounded count is 0"
         )

@@ -712,3 +712,20 @@ def test_custom_blocks_target_only_context_tokens_and_named_targets_take_size_on
     with pytest.raises(ValueError, match=r"names one target token \(targets=\) but its size says 2"):
         MaskBlock(None, torch.full((4, 1), 2), torch.ones(4, 1), targets=torch.arange(4),
                   draw=lambda: torch.eye(4, dtype=torch.bool)[:, None])
+
+
+def test_float32_rates_count_as_written():
+    """np.float32(0.29) is 0.28999999165... in float64, so 0.29 of 50 tokens counted 14 from a
+    float32 rate and 15 from a Python float: a float32 rate is read as the shortest decimal
+    that names it, for FixedRate and the adapters' counts alike (fractions.Fraction of that
+    decimal as the reference)."""
+    from fractions import Fraction
+
+    from pyro_mpt.adapters.rates import mask_counts
+
+    rates32 = (np.arange(1, 100) / 100).astype(np.float32)
+    lengths = np.arange(1, 101)
+    want = np.array([[int(Fraction(str(r)) * int(L) + Fraction(1, 2)) for r in rates32] for L in lengths])
+    assert (mask_counts(rates32, lengths).numpy() == np.clip(want, 1, lengths[:, None])).all()
+    assert (mask_counts(torch.from_numpy(rates32), lengths).numpy() == np.clip(want, 1, lengths[:, None])).all()
+    assert FixedRate(np.float32(0.29)).size(50) == 15 and FixedRate(np.float32(0.3)).size(5) == 2

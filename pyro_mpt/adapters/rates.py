@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..curve import CurveAccumulator, MPTCurve
-from ..counts import rate_count
+from ..counts import rate_count, written_rates
 
 __all__ = [
     "RateCurve",
@@ -112,8 +112,9 @@ def parse_rates(spec):
 
 
 def check_rates(rates):
-    """Validate and return rates as a sorted float64 array in (0, 1)."""
-    rates = np.asarray(rates, dtype=np.float64).reshape(-1)
+    """Validate and return rates as a sorted float64 array in (0, 1) (float32 rates as written,
+    :func:`~pyro_mpt.counts.written_rates`)."""
+    rates = written_rates(rates).reshape(-1)
     if rates.size == 0 or not np.all((rates > 0) & (rates < 1)):
         raise ValueError(
             f"rates must be a non-empty list of masking rates in (0, 1), got {rates.tolist()!r}; "
@@ -132,7 +133,7 @@ def mask_counts(rates, lengths):
     :param lengths: ``(n,)`` numbers of maskable tokens.
     :returns: long tensor ``(n, R)``.
     """
-    r = torch.as_tensor(np.asarray(rates, dtype=np.float64), device="cpu")
+    r = torch.as_tensor(written_rates(rates), device="cpu")
     L = torch.as_tensor(np.asarray(lengths), device="cpu").to(torch.int64)
     m = rate_count(r[None, :], L[:, None])
     return torch.minimum(m.clamp(min=1), L[:, None])
