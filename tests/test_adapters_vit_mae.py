@@ -310,3 +310,16 @@ def test_integer_pixels_empty_inputs_and_non_image_columns_are_refused():
     assert str(err.value) == ("Column 'label' of the dataset holds int64 values (int 3 at row 0), not images; pass "
                               "MAEScorer(..., image_column=...) with one of its image columns ['img'].")
     assert MAEScorer(model, proc, image_column="img").curves(ds, rates=[0.5])["mse"].per_item.shape == (2, 1)
+
+
+def test_a_dataset_of_pixel_tensors_in_torch_format_is_read():
+    """A datasets.Dataset of preprocessed pixels in torch format gives a Column for its image
+    column (datasets 5), which torch.stack refused with a TypeError: it is scored as the
+    tensor it holds."""
+    datasets = pytest.importorskip("datasets")
+    model = tiny_mae()
+    x = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    want = MAEScorer(model).curves(x, rates=[0.5], seed=0)["mse"].per_item
+    ds = datasets.Dataset.from_dict({"pixel_values": x.numpy()}).with_format("torch")
+    got = MAEScorer(model, image_column="pixel_values").curves(ds, rates=[0.5], seed=0)["mse"].per_item
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

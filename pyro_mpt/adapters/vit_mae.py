@@ -228,7 +228,8 @@ class MAEScorer:
                     f"pass MAEScorer(..., image_column='...')."
                 )
             check_image_column(inputs, self.image_column, "the dataset", "MAEScorer(..., image_column=...)")
-            images = inputs.select(indices)[self.image_column]
+            # a list: a dataset in torch format gives a Column (datasets 5), which torch.stack refused
+            images = list(inputs.select(indices)[self.image_column])
         else:
             images = [inputs[i] for i in indices]
             images = [im[0] if isinstance(im, (tuple, list)) else im for im in images]
