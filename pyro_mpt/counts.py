@@ -1,5 +1,5 @@
-"""Counts a user passes (masks, samples, nodes, particles, iterations, chunk sizes), and
-the count of tokens a masking rate takes.
+"""Counts a user passes (masks, samples, nodes, particles, iterations, chunk sizes), the
+flags beside them, and the count of tokens a masking rate takes.
 
 One predicate for every such argument, so that each check takes the same values:
 Python and numpy integers (``numbers.Integral``: a grid of settings made with
@@ -19,7 +19,7 @@ from numbers import Integral
 import numpy as np
 import torch
 
-__all__ = ["is_count", "rate_count", "written_rates"]
+__all__ = ["is_count", "checked_flag", "rate_count", "written_rates"]
 
 #: decimals to which :func:`rate_count` takes the product of a rate and a length
 RATE_DECIMALS = 9
@@ -33,6 +33,28 @@ def is_count(value, minimum=1):
     :rtype: bool
     """
     return isinstance(value, Integral) and not isinstance(value, bool) and value >= minimum
+
+
+def checked_flag(value, name, true_means, false_means):
+    """``value`` as a bool: True, False or a numpy/torch boolean scalar; anything else is
+    refused by ``name`` (``share_masks="no"``, ``nested="no"``, ``progress="no"`` were
+    taken as True: a non-empty string).
+
+    :param str true_means: what True asks for, named in the message.
+    :param str false_means: what False asks for.
+    :raises TypeError: naming the argument, both meanings and the value.
+
+    Example::
+
+        >>> checked_flag(np.bool_(True), "nested", "nested masks", "independent masks")
+        True
+    """
+    if isinstance(value, bool):
+        return value
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and getattr(value, "shape", None) == () and str(dtype) in ("bool", "torch.bool"):
+        return bool(value)
+    raise TypeError(f"{name} must be True ({true_means}) or False ({false_means}), got {value!r}.")
 
 
 def rate_count(rate, length):

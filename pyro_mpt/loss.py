@@ -39,7 +39,7 @@ from .hidden_randomness import check_no_hidden_randomness, hidden_randomness_che
 from .masks import MaskSchedule, make_schedule
 from .observed_tokens import LATENT_MEANS, check_latent_scales, trace_tokens
 from .point_latents import log_prior, trace_with_point_globals
-from .counts import is_count
+from .counts import checked_flag, is_count
 
 __all__ = ["MaskedPretrainingLoss", "LossMemory"]
 
@@ -261,7 +261,7 @@ class MaskedPretrainingLoss(ELBO):
         self.extra_sites = extra_sites
         self.token_plates = token_plates
         self.chunk_size = int(chunk_size)
-        self.progress = progress
+        self.progress = checked_flag(progress, "progress", "a progress bar in score() and curve()", "none")
 
     # ------------------------------------------------------------------ internals
     def _trace_tokens(self, model, guide, args, kwargs, check=True, validate_model=True, latent_init=None):

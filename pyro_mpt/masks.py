@@ -42,7 +42,7 @@ import torch
 
 from .mask_blocks import MaskBlock
 from .missing_tokens import MaskableTokens
-from .counts import is_count, rate_count, written_rates
+from .counts import checked_flag, is_count, rate_count, written_rates
 
 __all__ = [
     "MaskSchedule",
@@ -194,7 +194,7 @@ class AllSizes(MaskSchedule):
 
     def __init__(self, num_masks=1, *, nested=False, share_masks=False):
         super().__init__(num_masks, share_masks=share_masks)
-        self.nested = _checked_flag(nested, "nested", "prefixes of one random ordering", "independent masks of each size")
+        self.nested = checked_flag(nested, "nested", "prefixes of one random ordering", "independent masks of each size")
 
     def for_curve(self, share_masks=None):
         if share_masks is None or share_masks == self.share_masks:
@@ -250,7 +250,7 @@ class UniformSizes(MaskSchedule):
 
     def __init__(self, num_masks=1, *, stratified=False, share_masks=False):
         super().__init__(num_masks, share_masks=share_masks)
-        self.stratified = _checked_flag(stratified, "stratified", "sizes stratified over 1..D", "sizes drawn uniformly")
+        self.stratified = checked_flag(stratified, "stratified", "sizes stratified over 1..D", "sizes drawn uniformly")
 
     def _sizes(self, rows, D, device):
         """Sizes ``(P, rows)``; ``D`` is an int or, with missing tokens, the counts ``(rows,)``."""
@@ -506,7 +506,7 @@ class FixedRate(MaskSchedule):
                 f'e.g. masks=0.15, or masks="uniform" for an unbiased schedule.'
             )
         self.rate = float(written_rates(rate))  # a float32 0.29 is 0.29, as written
-        self.at_least_one = _checked_flag(
+        self.at_least_one = checked_flag(
             at_least_one, "at_least_one", "mask at least one token", "refuse a D whose rounded count is 0"
         )
 
@@ -576,20 +576,8 @@ _NAMED = {
 }
 
 
-def _checked_flag(value, name, true_means, false_means):
-    """``value`` as a bool: True, False or a numpy/torch boolean scalar; anything else is
-    refused by ``name`` (``share_masks="no"``, ``nested="no"`` were taken as True: a
-    non-empty string)."""
-    if isinstance(value, bool):
-        return value
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None and getattr(value, "shape", None) == () and str(dtype) in ("bool", "torch.bool"):
-        return bool(value)
-    raise TypeError(f"{name} must be True ({true_means}) or False ({false_means}), got {value!r}.")
-
-
 def _checked_share_masks(value):
-    return _checked_flag(value, "share_masks", "one mask set for the whole batch", "masks per datapoint")
+    return checked_flag(value, "share_masks", "one mask set for the whole batch", "masks per datapoint")
 
 
 def make_schedule(masks, num_masks=1, share_masks=None):

@@ -392,6 +392,11 @@ def test_a_roberta_limit_says_why_it_is_below_max_position_embeddings(tmp_path_f
         scorer.pll({"input_ids": [ids[:1] + [11] + ids[1:]]})
     with pytest.raises(ValueError, match=rf"max_length=65 is more than the 64 positions the model takes \({why}\)"):
         MaskedLMScorer(model, tok, max_length=65)
+    unset = transformers.RobertaConfig(vocab_size=26, max_position_embeddings=66, pad_token_id=None)
+    from pyro_mpt.adapters.mlm_inputs import position_limit, position_limit_words
+
+    assert position_limit(unset) == 64
+    assert position_limit_words(unset).endswith("from the padding index + 1 (pad_token_id unset: 1 taken)")
 
 
 def test_swapped_model_and_tokenizer_are_named(tmp_path_factory):
@@ -402,6 +407,8 @@ def test_swapped_model_and_tokenizer_are_named(tmp_path_factory):
         MaskedLMScorer(tok, model)
     with pytest.raises(TypeError, match=r"got str\. The tokenizer comes second"):
         MaskedLMScorer("bert-base-uncased")
+    with pytest.raises(TypeError, match=r"got the class BertForMaskedLM, not a model \(load one: BertForMaskedLM.from_pretrained"):
+        MaskedLMScorer(type(model), tok)
 
 
 def test_padded_ids_without_attention_mask_are_refused(tiny):

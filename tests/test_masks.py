@@ -631,6 +631,8 @@ def test_schedule_flags_must_be_bools():
         for flag in [np.bool_(False), torch.tensor(False), False]:
             make(flag)
     assert AllSizes(2, nested=np.bool_(True)).nested is True
+    with pytest.raises(TypeError, match=r"progress must be True \(a progress bar in score\(\) and curve\(\)\) or False"):
+        MaskedPretrainingLoss(progress="no")
     with pytest.raises(TypeError, match="share_masks must be True"):
         Exhaustive(share_masks="x")
 

@@ -130,9 +130,11 @@ class MaskedLMScorer:
         if not isinstance(model, torch.nn.Module):
             # MaskedLMScorer(tokenizer, model) failed in transformers: "BertTokenizer has no attribute parameters"
             swapped = " (the arguments look swapped)" if isinstance(tokenizer, torch.nn.Module) else ""
+            given = (f"the class {model.__name__}, not a model (load one: {model.__name__}.from_pretrained(...))"
+                     if isinstance(model, type) else f"{type(model).__name__}{swapped}")
             raise TypeError(
                 f"MaskedLMScorer's first argument is the model, a torch.nn.Module such as "
-                f"AutoModelForMaskedLM.from_pretrained(...); got {type(model).__name__}{swapped}. The tokenizer "
+                f"AutoModelForMaskedLM.from_pretrained(...); got {given}. The tokenizer "
                 f"comes second: MaskedLMScorer(model, tokenizer)."
             )
         max_tokens = positive_count(max_tokens, "MaskedLMScorer(max_tokens=...), the token budget of a forward pass,")

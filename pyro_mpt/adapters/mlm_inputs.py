@@ -146,8 +146,9 @@ def position_limit_words(config):
     limit = position_limit(config)
     if n is None or limit is None or limit == int(n):
         return "config.max_position_embeddings"
-    return (f"config.max_position_embeddings = {int(n)}, less {int(n) - limit}: the model numbers its "
-            f"positions from pad_token_id + 1")
+    pad = getattr(config, "pad_token_id", None)
+    start = "pad_token_id + 1" if pad is not None else "the padding index + 1 (pad_token_id unset: 1 taken)"
+    return f"config.max_position_embeddings = {int(n)}, less {int(n) - limit}: the model numbers its positions from {start}"
 
 
 @functools.lru_cache(maxsize=None)
