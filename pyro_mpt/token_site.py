@@ -219,7 +219,6 @@ def locate_site(model_trace, obs_site):
                 f"obs_site={obs_site!r} is not an observed sample site; pass the data "
                 f"with pyro.sample({obs_site!r}, dist, obs=x)."
             )
-    name = site["name"]
     # obs_mask=m makes Pyro sample the missing values as '<base>_unobserved': integrating
     # them out is exactly leaving the missing tokens out, so it is not a latent here; nor is
     # that of another observed site, which the estimates leave out whole (extra_sites="drop":
