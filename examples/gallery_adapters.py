@@ -27,7 +27,8 @@ pattern is (random initialization: a flat, low curve; pre-training lifts the
 low-rate end and the area). ``--online`` tries the paper's models and data
 from the HuggingFace hub first (falling back offline when unreachable).
 
-Run ``python examples/gallery_adapters.py`` (about 2 minutes on 2 CPU cores) or
+Run ``python examples/gallery_adapters.py`` (about 10 minutes on 2 CPU cores: 560 s for the
+masked-LM curves, 62 s for the ViT-MAE ones, in the run of ``docs/gallery/RESULTS.md``) or
 ``--quick`` (a few sequences and training steps, CI).
 """
 

@@ -48,12 +48,12 @@ Choices, measured on 2 CPU cores:
   than it saves (on a busy 2-core machine a step was up to 30x slower with 2).
 
 What to expect (defaults, exact LML minus the ML LML per datapoint, mean over
-5 initializations): "all" -0.003, "uniform" -0.011, "order" -0.0000 (its
+5 initializations; the run in ``docs/compare.rst``): "all" -0.002, "uniform" -0.011, "order" -0.0000 (its
 objective equals the LML at every epoch), ELBO -0.026 (the bound itself
 settles ~0.13 nats below the LML). The fixed 20 % objective settles near the
 same biased value from every initialization, as in the paper, ~2.5 nats per
 datapoint *above* the runs' exact LML; their exact LML rises too, but stops
-0.06-0.61 nats short of the ML value (-0.31 on average) and does not close the
+0.06-0.61 nats short of the ML value (-0.30 on average) and does not close the
 gap with 10x more epochs. At the exact maximum of the 20 % objective (all 45
 masks, L-BFGS: ``examples/ppca_fixed_rate_optimum.py``) the LML is the ML LML
 and the objective is 2.22 nats above it.
