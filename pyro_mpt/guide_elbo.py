@@ -20,6 +20,9 @@ With ``EncodeDecodeConditionals(encoder_grad=False)`` the guide is then trained
 by the ELBO alone and the model by MPT alone.
 """
 
+import math
+from numbers import Real
+
 import torch
 from pyro import poutine
 from pyro.infer import Trace_ELBO
@@ -48,6 +51,12 @@ class WithGuideELBO(ELBO):
 
     def __init__(self, loss, guide_loss=None, weight=1.0):
         super().__init__()
+        for label, value in (("loss", loss), ("guide_loss", guide_loss)):
+            if isinstance(value, type):
+                # WithGuideELBO(Trace_ELBO) failed later with "'_get_traces'"
+                raise TypeError(f"WithGuideELBO({label}={value.__name__}): give an instance, {value.__name__}().")
+        if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"WithGuideELBO(weight={weight!r}): give a finite number >= 0, the factor on the guide's ELBO gradient.")
         self.inner = loss
         self.guide_loss = guide_loss if guide_loss is not None else Trace_ELBO()
         self.weight = float(weight)

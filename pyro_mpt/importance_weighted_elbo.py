@@ -49,8 +49,16 @@ class ImportanceWeightedELBO(ELBO):
     """
 
     def __init__(
-        self, num_particles=8, *, obs_site=None, token_plates=None, max_plate_nesting=float("inf"), chunk_size=None
+        self, num_particles=8, *, obs_site=None, token_plates=None, max_plate_nesting=float("inf"), chunk_size=None,
+        **elbo_options,
     ):
+        if elbo_options:
+            # Pyro's ELBO options, written out of habit: a bare "unexpected keyword argument" before
+            raise ValueError(
+                f"ImportanceWeightedELBO takes no {', '.join(sorted(elbo_options))}: its particles are always "
+                f"drawn in vectorized runs (chunk_size=<particles a run> bounds their memory), and "
+                f"it takes num_particles, obs_site, token_plates, max_plate_nesting and chunk_size."
+            )
         # num_particles=0 ended in "range() arg 3 must not be zero", chunk_size=-1 in torch.cat's error
         for label, value, none_ok in (("num_particles", num_particles, False), ("chunk_size", chunk_size, True)):
             if (value is None and none_ok) or is_count(value):

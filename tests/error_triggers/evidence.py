@@ -5,7 +5,7 @@ import pyro
 import pyro.distributions as dist
 from pyro import poutine
 
-from pyro_mpt import Evidence, ImportanceWeightedELBO
+from pyro_mpt import Evidence, ImportanceWeightedELBO, MaskedPretrainingLoss
 
 from models import make_ppca
 
@@ -38,6 +38,27 @@ def _():
 @trigger("iwelbo-counts")
 def _():
     ImportanceWeightedELBO(num_particles=0)
+
+
+@trigger("iwelbo-elbo-options")
+def _():
+    ImportanceWeightedELBO(vectorize_particles=True)
+
+
+@trigger("guide-elbo-class")
+def _():
+    from pyro.infer import Trace_ELBO
+
+    from pyro_mpt.guide_elbo import WithGuideELBO
+
+    WithGuideELBO(MaskedPretrainingLoss(), Trace_ELBO)
+
+
+@trigger("guide-elbo-weight")
+def _():
+    from pyro_mpt.guide_elbo import WithGuideELBO
+
+    WithGuideELBO(MaskedPretrainingLoss(), weight=float("nan"))
 
 
 @trigger("evidence-hidden-randomness")
