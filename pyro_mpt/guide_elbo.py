@@ -81,7 +81,9 @@ class WithGuideELBO(ELBO):
         parameters carries :math:`w\,\nabla_\phi(-\text{ELBO})` too, for Pyro's module style
         (``WithGuideELBO(loss)(model, guide)(x).backward()``): the ELBO's guide gradients enter as
         :math:`\sum_p \langle p, g_p\rangle` less its detached value, so the value stays the
-        inner loss's and the model's parameters get the inner loss's gradient alone.
+        inner loss's and the model's parameters get the inner loss's gradient alone. A
+        parameter that the model and the guide share (a tied loading) is a guide parameter
+        too: it gets both gradients.
 
         :returns: a scalar tensor.
         """
