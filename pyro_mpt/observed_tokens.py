@@ -498,6 +498,28 @@ def _run_traces(model, guide, args, kwargs, validate_model=True, latent_init=Non
         ) from e
 
 
+def _draws_read(model, args, kwargs, model_trace, name):
+    """Whether the model reads latent site ``name``'s draws elsewhere: run again with another
+    draw there (every other latent replayed), does another site's log-density change? One
+    model run, for the missing-value draws of an observed site other than the token site."""
+    node = model_trace.nodes[name]
+    trace = model_trace.copy()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():  # the user's random stream is left as it was
+        torch.manual_seed(0)
+        other = node["fn"].sample()
+        trace.nodes[name] = dict(node, value=other)
+        with poutine.block(), dist.validation_enabled(False):
+            rerun = poutine.trace(poutine.replay(model, trace=trace)).get_trace(*args, **kwargs)
+        for key, site in model_trace.nodes.items():
+            if key == name or site["type"] != "sample" or key not in rerun.nodes or site["infer"].get("_deterministic"):
+                continue
+            before = site["fn"].log_prob(site["value"])
+            after = rerun.nodes[key]["fn"].log_prob(rerun.nodes[key]["value"])
+            if before.shape != after.shape or not bool(torch.equal(before, after)):
+                return True
+    return False
+
+
 def _token_values(layout, site, dtype, validate):
     """The tokens ``(n, D)`` in ``dtype``, the observed-token mask (or None) and the
     site's value with missing tokens filled, after the value checks when ``validate``."""
@@ -588,7 +610,9 @@ def trace_tokens(
         # below the model's own plate dims would put it inside them (a collision that
         # surfaced as a misleading "does not broadcast" fallback or refusal); more is harmless
         max_plate_nesting = used
-    site, latents, others = locate_site(model_trace, obs_site)
+    site, latents, others = locate_site(
+        model_trace, obs_site, read=lambda name: _draws_read(model, args, kwargs, model_trace, name)
+    )
     check_extra_sites(site, others, extra_sites, order=list(model_trace.nodes))
     layout, plates = site_layout(site, latents, token_plates)
     raw = site["value"]

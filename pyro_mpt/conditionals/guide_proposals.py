@@ -159,7 +159,7 @@ class AutoguideProposal:
         # an autoguide of a model with obs_mask= holds Pyro's draw of the missing values
         # ('x_unobserved'), which no estimate integrates: left out of q by its marginal (it was
         # refused as "not a latent of the model", of an autoguide built from this model)
-        self._skip = missing_value_sites(tokens.model_trace)
+        self._skip = missing_value_sites(tokens.model_trace) - latent
         for part in self.parts:
             for name, _ in _latent_nodes(part):
                 if name not in latent and name not in self._skip:
@@ -253,40 +253,46 @@ class AutoguideProposal:
             u, j = self._site_transform(name, values[name])
             us.append(u.reshape(rows, -1))
             jac = jac + r.per_datapoint(j, rows)
+        if not us:
+            return 0.0  # a part that holds only missing-value draws: no latent of the estimate
         u = torch.cat(us, -1)  # the packed unconstrained vector, in Pyro's order, less the skipped sites
         posterior = part.get_posterior(*r.args, **r.kwargs)
         if r.tokens.num_data == 1 and not any(name in self._skip for name, _ in _latent_nodes(part)):
             return posterior.log_prob(u).reshape(rows, 1) + jac
-        idx = self._datapoint_index(part)  # (n, k)
-        return _block_marginal(posterior)(idx).log_prob(u[:, idx]) + jac
+        # positions in the posterior's vector (with the skipped sites) and in u (without them)
+        full, packed = self._datapoint_index(part)  # (n, k) each
+        return _block_marginal(posterior)(full).log_prob(u[:, packed]) + jac
 
     def _datapoint_index(self, part):
-        """``(n, k)``: the coordinates of the packed vector that belong to each datapoint."""
+        """``(full, packed)``, each ``(n, k)``: the coordinates that belong to each datapoint, in
+        the guide's packed vector and in it less the skipped sites' (missing-value draws)."""
         key = id(part)
         if key in self._index:
             return self._index[key]
         r = self.runner
         rank = r.rank
         data_dims = sorted(r.data_dims)
-        blocks, pos = [], 0
+        blocks, packed, pos, kept = [], [], 0, 0
         for name, site in _latent_nodes(part):
             U = biject_to(site["fn"].support).inv(site["value"]).shape
             size = int(torch.Size(U).numel())
-            if name in self._skip:  # its coordinates stay in the packed vector, not in q's marginal
+            if name in self._skip:  # its coordinates stay in the guide's vector, not in q's marginal
                 pos += size
                 continue
             e = site["fn"].event_dim + len(U) - site["value"].dim()
             nb = len(U) - e
-            idx = torch.arange(pos, pos + size, device=r.tokens.value.device).reshape(U)
-            idx = idx.reshape((1,) * (rank - 1 - nb) + tuple(U))
+            local = torch.arange(size, device=r.tokens.value.device).reshape(U)
+            local = local.reshape((1,) * (rank - 1 - nb) + tuple(U))
             # the data dims first (left to right, as per_datapoint flattens them), the rest per datapoint
             axes = [rank - 1 + d for d in data_dims]
-            idx = idx.movedim(axes, list(range(len(axes))))
+            local = local.movedim(axes, list(range(len(axes))))
             sizes = [r.tokens.batch_shape[len(r.tokens.batch_shape) + d] for d in data_dims]
-            idx = idx.expand(tuple(sizes) + tuple(idx.shape[len(axes):]))
-            blocks.append(idx.reshape(r.tokens.num_data, -1))
+            local = local.expand(tuple(sizes) + tuple(local.shape[len(axes):])).reshape(r.tokens.num_data, -1)
+            blocks.append(local + pos)
+            packed.append(local + kept)
             pos += size
-        out = torch.cat(blocks, -1)
+            kept += size
+        out = (torch.cat(blocks, -1), torch.cat(packed, -1))
         self._index[key] = out
         return out
 
