@@ -225,6 +225,10 @@ class CurveAccumulator:
     :param torch.Tensor present: bool ``(n,)``, the datapoints of the curve; None: all. A
         datapoint with no observed token (a padding row masked out whole) has no
         curve, and counted as zeros it shrank every mean by the share of padding.
+    :param int observed_tokens: with masks shared by the batch, its datapoints' observed
+        tokens where that is fewer than ``num_tokens`` (one datapoint with missing tokens):
+        the sizes above hold exact zeros and the size itself every observed token, so none
+        of them has a mask variance. None: ``num_tokens``.
 
     Example::
 
@@ -234,10 +238,11 @@ class CurveAccumulator:
         array([-1.5, -2.5])
     """
 
-    def __init__(self, num_tokens, shared=False, present=None):
+    def __init__(self, num_tokens, shared=False, present=None, observed_tokens=None):
         self.num_tokens = num_tokens
         self.shared = shared
         self.present = present
+        self.observed_tokens = num_tokens if observed_tokens is None else int(observed_tokens)
         self._sum = None
         self._items = []
         # per mask set (start_replicate; one where it is not called) and size: the number,
@@ -359,20 +364,18 @@ class CurveAccumulator:
             # exactly: a random mean then read as exact (a one-datapoint curve at M = 2 of D = 6,
             # -0.472 +- 0 against the exact -0.766). Where a size has more than one mask, a zero
             # spread is no estimate: the roughness of the curve stands in for it, else unknown
-            # (at the largest size, all of a datapoint's tokens, one mask: exact, but an ordering's
-            # last position holds one token's marginal, random too)
-            random = np.arange(1, self.num_tokens + 1) < self._largest_size(count) + (self.shared == "orders")
+            # (at the largest size, all of a datapoint's observed tokens, one mask: exact, but an
+            # ordering's last position holds one token's marginal, random too; above it, exact zeros)
+            sizes = np.arange(1, self.num_tokens + 1)
+            random = sizes < self.observed_tokens + (self.shared == "orders")
             unseen = (var == 0) & random
             if bool(unseen.any()):
                 rough = self._roughness_variance(mean)
                 var = np.where(unseen, np.nan if rough is None else rough, var)
-            return var
+            # a one-datapoint curve's sizes past its observed tokens: no draw moves them (the
+            # roughness model counted 0.45 there, doubling the area's error)
+            return np.where(sizes > self.observed_tokens + (self.shared == "orders"), np.where(count > 0, 0.0, np.nan), var)
         return self._roughness_variance(mean)
-
-    @staticmethod
-    def _largest_size(count):
-        """The largest size with values: a size of one mask only (all its tokens) has no spread."""
-        return int(np.flatnonzero(count > 0)[-1]) + 1
 
     def _roughness_variance(self, mean):
         """Per size, the mask variance estimated from the roughness of the curve of one

@@ -500,7 +500,8 @@ class MaskedPretrainingLoss(ELBO):
                 schedule = copy.copy(schedule)
                 schedule.num_masks = 2
             # a datapoint without observed tokens (masked out whole) is not one of the curve's
-            acc = CurveAccumulator(tokens.num_tokens, shared=shared, present=tokens.present)
+            observed = None if tokens.observed is None or tokens.num_data != 1 else int(tokens.observed.sum())
+            acc = CurveAccumulator(tokens.num_tokens, shared=shared, present=tokens.present, observed_tokens=observed)
             if shared in (True, "orders") and schedule.num_masks > 1:
                 # nested masks or orderings shared by the batch move their sizes together: the
                 # area's mask noise is the spread of the P sets' areas, each set a run of its own
