@@ -84,10 +84,11 @@ def rate_count(rate, length):
 
 
 def written_rates(rates):
-    r"""Masking rates as float64, each a float32 (or narrower) rate read as the shortest decimal
-    that names it: ``np.float32(0.29)`` is 0.28999999165... in float64, whose count of 50
-    tokens :func:`rate_count` rounds to 14, where the rate as written, 0.29, gives 15.
-    Float64 rates are taken as they are.
+    r"""Masking rates as float64, each float32 or float16 rate read as the shortest decimal that
+    names it in its own dtype: ``np.float32(0.29)`` is 0.28999999165... in float64, whose count
+    of 50 tokens :func:`rate_count` rounds to 14, where the rate as written, 0.29, gives 15.
+    Float64 rates are taken as they are; bfloat16 ones (numpy has no such type) by their
+    float32 value.
 
     :param rates: a number, or an array or tensor of them.
     :returns: a float64 ``numpy.ndarray`` of the same shape (0-dim for a number).
@@ -99,9 +100,9 @@ def written_rates(rates):
     """
     if torch.is_tensor(rates):
         rates = rates.detach().cpu()
-        narrow = rates.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        rates = rates.float().numpy() if narrow else rates.numpy()
+        rates = rates.float().numpy() if rates.dtype == torch.bfloat16 else rates.numpy()
     rates = np.asarray(rates)
     if rates.dtype in (np.float32, np.float16):
-        return np.array([float(str(np.float32(v))) for v in rates.reshape(-1)], dtype=np.float64).reshape(rates.shape)
+        narrow = rates.dtype.type
+        return np.array([float(str(narrow(v))) for v in rates.reshape(-1)], dtype=np.float64).reshape(rates.shape)
     return rates.astype(np.float64)

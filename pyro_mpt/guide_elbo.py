@@ -55,6 +55,8 @@ class WithGuideELBO(ELBO):
             if isinstance(value, type):
                 # WithGuideELBO(Trace_ELBO) failed later with "'_get_traces'"
                 raise TypeError(f"WithGuideELBO({label}={value.__name__}): give an instance, {value.__name__}().")
+        if getattr(weight, "shape", None) == () and not isinstance(weight, bool):
+            weight = weight.item()  # a 0-dim tensor or array (taken as 0.5 before the check)
         if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight) or weight < 0:
             raise ValueError(f"WithGuideELBO(weight={weight!r}): give a finite number >= 0, the factor on the guide's ELBO gradient.")
         self.inner = loss

@@ -6,6 +6,8 @@ those of ``Evidence(method="importance")`` with the guide as proposal and
 """
 
 
+import difflib
+
 import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import torch_item
@@ -18,6 +20,15 @@ from .observed_tokens import check_latent_scales, trace_tokens
 from .counts import is_count
 
 __all__ = ["ImportanceWeightedELBO"]
+
+
+#: Pyro's ELBO options, which this loss refuses with what it does instead
+_PYRO_ELBO_OPTIONS = frozenset(
+    {"vectorize_particles", "retain_graph", "strict_enumeration_warning", "ignore_jit_warnings", "jit_options",
+     "tail_adaptive_beta"}
+)
+#: its own options, for the hint at a misspelled one
+_OWN_OPTIONS = ("num_particles", "obs_site", "token_plates", "max_plate_nesting", "chunk_size")
 
 
 class ImportanceWeightedELBO(ELBO):
@@ -52,6 +63,11 @@ class ImportanceWeightedELBO(ELBO):
         self, num_particles=8, *, obs_site=None, token_plates=None, max_plate_nesting=float("inf"), chunk_size=None,
         **elbo_options,
     ):
+        unknown = sorted(set(elbo_options) - _PYRO_ELBO_OPTIONS)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], _OWN_OPTIONS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise TypeError(f"ImportanceWeightedELBO got an unexpected keyword argument {unknown[0]!r}{hint}.")
         if elbo_options:
             # Pyro's ELBO options, written out of habit: a bare "unexpected keyword argument" before
             raise ValueError(

@@ -3,6 +3,7 @@ whose parameters get no gradient from it is said so once, and WithGuideELBO trai
 
 import warnings
 
+import pytest
 import torch
 
 import pyro
@@ -202,3 +203,19 @@ def test_a_guide_made_anew_at_every_step_is_checked_too():
         for _ in range(3):
             SVI(model, lambda X, y: base(X, y), optim, loss).step(X, y)
     assert sum("get no gradient" in str(w.message) for w in caught) == 1
+
+
+def test_with_guide_elbo_takes_a_0_dim_tensor_weight_and_refuses_bad_ones():
+    """A 0-dim tensor weight was refused by the weight check added beside the class check; it is
+    the number it holds. NaN, negative and bool weights, and a loss class for an instance, are
+    refused by name."""
+    import numpy as np
+    from pyro.infer import Trace_ELBO
+
+    assert WithGuideELBO(MaskedPretrainingLoss(), weight=torch.tensor(0.5)).weight == 0.5
+    assert WithGuideELBO(MaskedPretrainingLoss(), weight=np.float32(2)).weight == 2.0
+    for bad in (float("nan"), -1.0, True, "1"):
+        with pytest.raises(ValueError, match="give a finite number >= 0"):
+            WithGuideELBO(MaskedPretrainingLoss(), weight=bad)
+    with pytest.raises(TypeError, match=r"give an instance, Trace_ELBO\(\)"):
+        WithGuideELBO(MaskedPretrainingLoss(), Trace_ELBO)

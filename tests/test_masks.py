@@ -731,3 +731,5 @@ def test_float32_rates_count_as_written():
     assert (mask_counts(rates32, lengths).numpy() == np.clip(want, 1, lengths[:, None])).all()
     assert (mask_counts(torch.from_numpy(rates32), lengths).numpy() == np.clip(want, 1, lengths[:, None])).all()
     assert FixedRate(np.float32(0.29)).size(50) == 15 and FixedRate(np.float32(0.3)).size(5) == 2
+    # float16 rates by their own shortest decimal (0.7 of 5 is 4 as written; 3 through float32's)
+    assert mask_counts(np.float16([0.1, 0.7]), [5]).tolist() == [[1, 4]]

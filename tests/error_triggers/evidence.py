@@ -45,6 +45,11 @@ def _():
     ImportanceWeightedELBO(vectorize_particles=True)
 
 
+@trigger("iwelbo-unknown-option")
+def _():
+    ImportanceWeightedELBO(num_particle=4)
+
+
 @trigger("guide-elbo-class")
 def _():
     from pyro.infer import Trace_ELBO
