@@ -750,6 +750,8 @@ def test_one_datapoint_curve_with_missing_tokens_has_its_masks_error():
         areas.append(curve.area())
         errors.append(curve.area_stderr())
         assert np.isfinite(curve.stderr[: keep.sum() - 1]).all() and (curve.stderr[: keep.sum() - 1] > 0).all()
+        # the size of all observed tokens (one mask) and the sizes past it (exact zeros) have no error
+        assert (curve.stderr[keep.sum() - 1 :] == 0).all()
     spread = np.sqrt(np.mean((np.array(areas) - ref) ** 2))
     assert np.isfinite(errors).all() and 0.5 < np.sqrt(np.mean(np.square(errors))) / spread < 2.0
 
