@@ -311,6 +311,17 @@ def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
             dropped = int((~kept & seen).sum())
         except RuntimeError:  # the latent's plates do not line up with the datapoints'
             dropped = int((~kept).sum())
+        base = site["name"][: -len("_unobserved")] if site["name"].endswith("_unobserved") else None
+        if dropped and base is not None and base + "_observed" in tokens.model_trace.nodes:
+            # Pyro's draws of another site's missing values that the model reads (token_site keeps
+            # them as latents then): the advice to mask or obs_mask= was no help
+            raise ValueError(
+                f"{who}: latent site {site['name']!r} holds Pyro's draws of the missing values of observed "
+                f"site {base!r} (obs_mask=), and the model reads them (another site depends on {base!r}'s "
+                f"filled-in values): they are latents of log p of {tokens.name!r}, masked where {base!r} is "
+                f"observed, which this estimate cannot integrate. Use Evidence(method='exact') or "
+                f"Evidence(method='importance'), or impute {base!r}'s missing values before the model reads them."
+            )
         if dropped:
             raise ValueError(
                 f"{who}: latent site {site['name']!r} is masked (poutine.mask or dist.mask) at "

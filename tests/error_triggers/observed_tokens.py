@@ -93,6 +93,23 @@ def _():
     MaskedPretrainingLoss().loss(masked, None, _x())
 
 
+@trigger("sites-read-missing-draws")
+def _():
+    x = torch.randn(3, 2)
+    mx = torch.tensor([[True, False]] * 3)
+
+    def reads(x, y, mx):
+        with pyro.plate("data", 3, dim=-2):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+            with pyro.plate("tx", 2, dim=-1):
+                filled = pyro.sample("x", dist.Normal(z[..., 0], 1.0), obs=x, obs_mask=mx)
+            loc = z[..., 0] + filled.mean(-1, keepdim=True)
+            pyro.sample("y", dist.Normal(loc.unsqueeze(-1).expand(loc.shape + (2,)), 1.0).to_event(1),
+                        obs=y.unsqueeze(-2))
+
+    MaskedPretrainingLoss(obs_site="y", extra_sites="drop").loss(reads, None, x, torch.randn(3, 2), mx)
+
+
 @trigger("sites-global-latent")
 def _():
     MaskedPretrainingLoss(conditionals="gaussian").loss(_global_latent_model, None, _x())
