@@ -345,8 +345,7 @@ class CurveAccumulator:
         if self.shared == "sizes" and mask_variance is not None:
             # a size with values and no variance estimate (below 3 sizes, sets that drew the same
             # masks) leaves the area's unknown: nansum dropped it (D = 2: +- 0 for a random area)
-            count = sum(self._replicates, np.zeros((3, self.num_tokens)))[0]
-            return float(np.sum(mask_variance[count > 0]))
+            return float(np.sum(mask_variance[self._replicate_totals()[0] > 0]))
         return float("nan")
 
     def _mask_variance(self, mean):
@@ -354,7 +353,7 @@ class CurveAccumulator:
         where masks are not shared or it is not estimated (see the class docstring)."""
         if not self.shared:
             return None
-        count, total, squares = sum(self._replicates, np.zeros((3, self.num_tokens)))
+        count, total, squares = self._replicate_totals()
         # sizes without values (above a one-datapoint curve's observed tokens) have no variance
         if bool((count[count > 0] >= 2).all()) and bool((count > 0).any()):
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -367,15 +366,20 @@ class CurveAccumulator:
             # (at the largest size, all of a datapoint's observed tokens, one mask: exact, but an
             # ordering's last position holds one token's marginal, random too; above it, exact zeros)
             sizes = np.arange(1, self.num_tokens + 1)
-            random = sizes < self.observed_tokens + (self.shared == "orders")
-            unseen = (var == 0) & random
+            last_random = self.observed_tokens - 1 + (self.shared == "orders")
+            unseen = (var == 0) & (sizes <= last_random)
             if bool(unseen.any()):
                 rough = self._roughness_variance(mean)
                 var = np.where(unseen, np.nan if rough is None else rough, var)
             # a one-datapoint curve's sizes past its observed tokens: no draw moves them (the
             # roughness model counted 0.45 there, doubling the area's error)
-            return np.where(sizes > self.observed_tokens + (self.shared == "orders"), np.where(count > 0, 0.0, np.nan), var)
+            return np.where(sizes > last_random + 1, np.where(count > 0, 0.0, np.nan), var)
         return self._roughness_variance(mean)
+
+    def _replicate_totals(self):
+        """Per size, the number, sum and sum of squares of the shared masks' means, over all the
+        mask sets, ``(3, D)``."""
+        return sum(self._replicates, np.zeros((3, self.num_tokens)))
 
     def _roughness_variance(self, mean):
         """Per size, the mask variance estimated from the roughness of the curve of one

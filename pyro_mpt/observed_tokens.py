@@ -57,7 +57,7 @@ from .random_streams import draw_apart
 from .site_checks import (check_dtype, check_extra_sites, check_integer_data, check_latent_dtypes, check_shape,
                           observation_dtype, validate_values)
 from .token_layout import TokenLayout
-from .token_site import locate_site, sample_sites, site_layout, vectorized_frames
+from .token_site import locate_site, missing_value_sites, sample_sites, site_layout, vectorized_frames
 
 __all__ = ["ObservedTokens", "trace_tokens", "LATENT_MEANS", "guess_max_plate_nesting", "check_local_latent", "user_scale",
            "check_latent_scales"]
@@ -311,10 +311,10 @@ def check_latent_scales(tokens, who="MaskedPretrainingLoss"):
             dropped = int((~kept & seen).sum())
         except RuntimeError:  # the latent's plates do not line up with the datapoints'
             dropped = int((~kept).sum())
-        base = site["name"][: -len("_unobserved")] if site["name"].endswith("_unobserved") else None
-        if dropped and base is not None and base + "_observed" in tokens.model_trace.nodes:
+        if dropped and site["name"] in missing_value_sites(tokens.model_trace):
             # Pyro's draws of another site's missing values that the model reads (token_site keeps
             # them as latents then): the advice to mask or obs_mask= was no help
+            base = site["name"][: -len("_unobserved")]
             raise ValueError(
                 f"{who}: latent site {site['name']!r} holds Pyro's draws of the missing values of observed "
                 f"site {base!r} (obs_mask=), and the model reads them (another site depends on {base!r}'s "

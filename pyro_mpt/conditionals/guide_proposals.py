@@ -161,13 +161,17 @@ class AutoguideProposal:
         # refused as "not a latent of the model", of an autoguide built from this model)
         self._skip = missing_value_sites(tokens.model_trace) - latent
         for part in self.parts:
-            for name, _ in _latent_nodes(part):
-                if name not in latent and name not in self._skip:
+            for name, _ in self._estimated_nodes(part):
+                if name not in latent:
                     raise ValueError(
                         f"{who}: autoguide site {name!r} is not a latent of the model (latents: "
                         f"{', '.join(map(repr, tokens.latent_names))}); build the autoguide from "
                         f"this model."
                     )
+
+    def _estimated_nodes(self, part):
+        """The part's latent sites less the missing-value draws (``_skip``)."""
+        return [(name, site) for name, site in _latent_nodes(part) if name not in self._skip]
 
     # ------------------------------------------------------------------ draws
     def sample(self, rows):
@@ -235,9 +239,7 @@ class AutoguideProposal:
     def _normal_part(self, part, trace, values, rows):
         r = self.runner
         out = 0.0
-        for name, _ in _latent_nodes(part):
-            if name in self._skip:
-                continue
+        for name, _ in self._estimated_nodes(part):
             aux = trace.nodes[name + "_unconstrained"]
             u, jac = self._site_transform(name, values[name])
             lq = aux["fn"].log_prob(u.reshape(u.shape[:1] + aux["value"].shape[1:]))
@@ -247,9 +249,7 @@ class AutoguideProposal:
     def _joint_part(self, part, values, rows):
         r = self.runner
         us, jac = [], 0.0
-        for name, _ in _latent_nodes(part):
-            if name in self._skip:
-                continue
+        for name, _ in self._estimated_nodes(part):
             u, j = self._site_transform(name, values[name])
             us.append(u.reshape(rows, -1))
             jac = jac + r.per_datapoint(j, rows)

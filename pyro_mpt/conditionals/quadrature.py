@@ -474,7 +474,7 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
         state = on_grid(nodes, log_W, frame, missing)
         Q = nodes.shape[1]
         if frame is not None and self.check_modes and Q > 1 and state.streamed_slices() == []:
-            moved = self._unresolved_to_larger_mode(state, search, runner, coarse, missing)
+            moved = self._unresolved_to_larger_mode(state, search, coarse, missing)
             if moved is not None:
                 frame, missing = moved
                 self._remember_centre(tokens, model, frame[0])
@@ -519,7 +519,7 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
             self.memory.warm_key = (key, x.detach().clone(), tuple(t.clone() for t in sub))
             self.memory.warm_centres = centre.detach()
 
-    def _unresolved_to_larger_mode(self, state, search, runner, coarse, missing):
+    def _unresolved_to_larger_mode(self, state, search, coarse, missing):
         """Where the grid does not resolve a datapoint's posterior (fewer than
         ``RESOLVED_AXIS_ESS`` effective nodes along an axis), look for a larger mode nearer
         than the rule's outermost node too, and take it: the second-mode search looks only
@@ -534,7 +534,7 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
             low = axis.amin(-1) < RESOLVED_AXIS_ESS
             if not bool(low.any()):
                 return None
-            log_ratio, other, S2 = search.other_modes(runner, c, S, coarse)
+            log_ratio, other, S2 = search.other_modes(state.runner, c, S, coarse)
             larger = low & (log_ratio > 0)
             if not bool(larger.any()):
                 return None
