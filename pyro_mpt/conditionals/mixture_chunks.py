@@ -140,6 +140,23 @@ class MixtureChunk:
             return self._mask_partials_exact(ctx)
         return num.transpose(0, 1), den.T
 
+    def target_partials(self, ctx, target):
+        r"""Partial log-sums of queries with one target each: ``(num, den)``, both ``(n,)``.
+
+        Row :math:`i`'s query has context ``ctx[i]`` and the single target token
+        ``target[i]``: ``num[i] = logsumexp_k(logw_k + (T_i ctx_i)_k + T_{ik,target_i})`` and
+        ``den[i] = logsumexp_k(logw_k + (T_i ctx_i)_k)``. One pass over the table, where
+        :meth:`mask_partials` makes every token's numerator (a ``D`` times larger result,
+        and its exp-space table).
+
+        :param torch.Tensor ctx: float context masks, 1 in the context, ``(n, D)``.
+        :param torch.Tensor target: long token indices ``(n,)``.
+        """
+        T = self.table
+        base = self.log_weights + _context_sums(T, ctx.to(T.dtype).unsqueeze(0))[:, 0]  # (n, Q_c)
+        picked = torch.gather(T, 2, target.view(-1, 1, 1).expand(-1, T.shape[1], 1)).squeeze(-1)
+        return stable_logsumexp(base + picked, -1), stable_logsumexp(base, -1)
+
     def _mask_partials_exact(self, ctx):
         """:meth:`mask_partials` by autograd, with an exact log-sum-exp where the products underflow."""
         logw, T = self.log_weights, self.table

@@ -751,27 +751,40 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                 if quad.gaussian_rows is None:
                     quad.gaussian_rows = gaussian_datapoints(quad, e, log_w, state.detached_parts())
                 bad &= ~quad.gaussian_rows[None, :, None]
-            a, j = bad.any(1).nonzero(as_tuple=True)
-        if a.numel() == 0:
-            return num
-        with torch.no_grad():
+            a, i, j = bad.nonzero(as_tuple=True)
+            if a.numel() == 0:
+                return num
+            # each unresolved (query, datapoint, target) takes a slot of a (B, n) batch in
+            # its datapoint's column, so that one model run over the n datapoints serves B
+            # targets of each: B is the most that any one datapoint has, not the number of
+            # distinct (query, target) pairs (a trained linear VAE, masks per datapoint:
+            # 64 pairs, 6 slots)
+            count = torch.bincount(i, minlength=n)
+            by_row = torch.argsort(i, stable=True)
+            a, i, j = a[by_row], i[by_row], j[by_row]
+            slot = torch.arange(i.shape[0], device=num.device) - (count.cumsum(0) - count)[i]
+            B = int(count.max())
+            # a slot no target takes holds query 0 and token 0 of its datapoint, made and unread
+            A = torch.zeros(B, n, dtype=torch.long, device=num.device)
+            J = torch.zeros(B, n, dtype=torch.long, device=num.device)
+            A[slot, i] = a
+            J[slot, i] = j
+            rows = torch.arange(n, device=num.device).expand(B, n)
             # the numerator's Gaussian model: the context's plus the target's quadratic
-            hj = h[a] + quad.grad[:, j].transpose(0, 1)
-            Cj = C[a] + quad.hess[:, j].transpose(0, 1)
+            hj = h[A, rows] + quad.grad[rows, J]
+            Cj = C[A, rows] + quad.hess[rows, J]
             tf = context_frames(quad, hj, model_precision(quad, Cj), Cj, c, S)
             # centred on the numerator; the corrections add target j's quadratic to the context's
-            tf.grad, tf.precision, tf.curvature = h[a], P[a], C[a]
-            pick = torch.arange(a.shape[0], device=num.device)
-            one = torch.zeros(a.shape[0], n, D, dtype=torch.bool, device=num.device)
-            one[pick, :, j] = True
+            tf.grad, tf.precision, tf.curvature = h[A, rows], P[A, rows], C[A, rows]
+            one = torch.zeros(B, n, D, dtype=torch.bool, device=num.device)
+            one[slot, i, j] = True
             dnum, _ = gaussian_corrections(quad, tf, one, e, log_w, self.max_elements)
         tnum, _ = context_partials(
-            state.runner, e, log_w, tf.centre, tf.sqrt_cov, ctx[a], self.max_elements,
-            keep_elements=self.cache_elements - len(state.chunks or ()) * state.node_chunk * n * D,
+            state.runner, e, log_w, tf.centre, tf.sqrt_cov, ctx.expand(-1, n, D)[A, rows], self.max_elements,
+            keep_elements=self.cache_elements - len(state.chunks or ()) * state.node_chunk * n * D, targets=J,
         )
-        value = tnum[pick, :, j] + dnum[pick, :, j].to(tnum.dtype)  # (t, n)
         out = num.clone()
-        out[a, :, j] = torch.where(bad[a, :, j], value, num[a, :, j])
+        out[a, i, j] = tnum[slot, i] + dnum[slot, i, j].to(tnum.dtype)
         return out
 
     def _uses_context_grids(self, state):

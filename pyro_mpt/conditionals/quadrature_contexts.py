@@ -670,7 +670,7 @@ def gaussian_corrections(quad, frames, target, std_nodes, std_log_weights, max_e
     return dnum, dden
 
 
-def context_partials(runner, std_nodes, std_log_weights, centre, sqrt_cov, ctx, max_elements, keep_elements=0):
+def context_partials(runner, std_nodes, std_log_weights, centre, sqrt_cov, ctx, max_elements, keep_elements=0, targets=None):
     r"""Numerators and normalizers of every query on its own grid.
 
     :param runner: the :class:`~pyro_mpt.conditionals.quadrature_nodes.NodeRunner`.
@@ -683,6 +683,10 @@ def context_partials(runner, std_nodes, std_log_weights, centre, sqrt_cov, ctx, 
     :param int keep_elements: keep the tables with their graph when all of
         them hold at most this many entries; otherwise each chunk runs under
         activation checkpointing (the backward pass runs the model again).
+    :param torch.Tensor targets: optional long ``(q, n)``: each query's single
+        target token, whose numerator alone is made
+        (:meth:`~pyro_mpt.conditionals.mixture_chunks.MixtureChunk.target_partials`);
+        ``num`` is then ``(q, n)``.
     :returns: ``(num (q, n, D), den (q, n))``: the log-sums
         :math:`\log\sum_k W_k \pi(u_k) p(x_{\mathcal R}, x_j\mid u_k)` and
         :math:`\log\sum_k W_k \pi(u_k) p(x_{\mathcal R}\mid u_k)` over the
@@ -720,7 +724,9 @@ def context_partials(runner, std_nodes, std_log_weights, centre, sqrt_cov, ctx, 
                 logp = logp.reshape(qc, Qk, n, D).permute(0, 2, 1, 3)  # (qc, n, Qk, D)
                 logw = (log_W[qsl, :, ksl] + log_pi).reshape(qc * n, Qk)
                 chunk = MixtureChunk(logw, logp.reshape(qc * n, Qk, D))
-                return chunk.mask_partials(c_ctx)
+                if targets is None:
+                    return chunk.mask_partials(c_ctx)
+                return chunk.target_partials(c_ctx[0], targets[qsl].reshape(qc * n))
 
             if torch.is_grad_enabled() and q * per_query > keep_elements:
                 part = recomputed(run, c_ctx)
@@ -728,7 +734,7 @@ def context_partials(runner, std_nodes, std_log_weights, centre, sqrt_cov, ctx, 
                 part = run(c_ctx)
             total = combine_partials(total, part)
         num, den = total
-        nums.append(num.reshape(qc, n, D))
+        nums.append(num.reshape((qc, n, D) if targets is None else (qc, n)))
         dens.append(den.reshape(qc, n))
     return torch.cat(nums, 0), torch.cat(dens, 0)
 
