@@ -85,6 +85,10 @@ def test_non_quadratic_part_of_each_token_matches_a_least_squares_fit(float64):
             assert abs(nonquadratic[i, d].item() - rms) < 1e-6, (i, d)  # sqrt(eps) of the values: a difference of squares
     assert nonquadratic[1, 2].item() > 1e-2
     assert gaussian_datapoints(quad, e, log_w, parts).tolist() == [True, False, True]
+    # asked for some datapoints, the table's rows of those only are read (T's other rows NaN here)
+    hidden = [(sl, lp, torch.where(torch.tensor([False, False, True])[:, None, None], math.nan, t)) for sl, lp, t in parts]
+    assert quad.gaussian_rows(torch.tensor([True, True, False]), e, log_w, hidden)[:2].tolist() == [True, False]
+    assert quad.gaussian_rows(torch.tensor([False, False, True]), e, log_w, parts).tolist() == [True, False, True]
 
 
 def test_target_grids_leave_gaussian_models_alone_and_serve_the_others(float64, monkeypatch):

@@ -129,7 +129,6 @@ from .quadrature_contexts import (
     full_frames,
     full_grid_resolves,
     gaussian_corrections,
-    gaussian_datapoints,
     model_precision,
     prior_quadratic,
     resolved_tol,
@@ -748,9 +747,7 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                 # where the prior and every token are quadratic (e.g. PPCA) the corrections on
                 # the query's grid are exact: a grid of its own, a model run per target, adds
                 # nothing; asked only now, since it is a second pass over the table, and once
-                if quad.gaussian_rows is None:
-                    quad.gaussian_rows = gaussian_datapoints(quad, e, log_w, state.detached_parts())
-                bad &= ~quad.gaussian_rows[None, :, None]
+                bad &= ~quad.gaussian_rows(bad.any(2).any(0), e, log_w, state.detached_parts())[None, :, None]
             a, i, j = bad.nonzero(as_tuple=True)
             if a.numel() == 0:
                 return num

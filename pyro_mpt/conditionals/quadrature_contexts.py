@@ -216,8 +216,26 @@ class TokenQuadratics:
         self.grad = grad
         self.hess = hess
         self.finite = finite
-        # gaussian_datapoints of the same table, once asked (a second pass over it)
-        self.gaussian_rows = None
+        # gaussian_datapoints of the same table, for the datapoints asked so far
+        self._gaussian = self._asked = None
+
+    def gaussian_rows(self, need, std_nodes, std_log_weights, parts):
+        """:func:`gaussian_datapoints` of the same table, ``(n,)`` bool, right at least
+        where ``need`` (``(n,)`` bool) is True: a pass over the rows of the table not
+        asked before only (the rows of a few unresolved targets, not the whole table).
+
+        :param parts: the table's parts, as :func:`token_quadratics` takes them.
+        """
+        if self._gaussian is None:
+            self._gaussian = torch.zeros_like(self.finite)
+            self._asked = torch.zeros_like(self.finite)
+        todo = need & ~self._asked
+        if bool(todo.any()):
+            rows = todo.nonzero().squeeze(-1)
+            sub = ((sl, lp if lp.shape[0] == 1 else lp[rows], T[rows]) for sl, lp, T in parts)
+            self._gaussian[rows] = gaussian_datapoints(self, std_nodes, std_log_weights, sub, rows)
+            self._asked |= todo
+        return self._gaussian
 
 
 def _project(T, basis):
@@ -410,7 +428,7 @@ def nonquadratic_rms(std_nodes, std_log_weights, parts):
     return _nonquadratic(t_proj, t_sq, K), _nonquadratic(p_proj, p_sq, K), scale
 
 
-def gaussian_datapoints(quad, std_nodes, std_log_weights, parts):
+def gaussian_datapoints(quad, std_nodes, std_log_weights, parts, rows=None):
     r"""``(n,)`` bool: datapoints whose prior and every token's log-likelihood are quadratic
     in :math:`e` over the grid, to rounding, e.g. PPCA: their Gaussian corrections
     (:func:`gaussian_corrections`) are then exact for every query and target.
@@ -423,6 +441,8 @@ def gaussian_datapoints(quad, std_nodes, std_log_weights, parts):
     :param TokenQuadratics quad: from :func:`token_quadratics` (its ``finite``; its dtype
         is the table's).
     :param parts: the table's parts, as :func:`token_quadratics` takes them.
+    :param torch.Tensor rows: optional long ``(r,)``: ``parts`` hold these datapoints'
+        rows only, and the answer is theirs, ``(r,)``.
 
     Example::
 
@@ -431,7 +451,8 @@ def gaussian_datapoints(quad, std_nodes, std_log_weights, parts):
     tokens, prior, scale = nonquadratic_rms(std_nodes, std_log_weights, parts)
     worst = tokens.amax(-1).maximum(prior)
     rel = max(30 * math.sqrt(torch.finfo(torch.float64).eps), 1000 * torch.finfo(quad.grad.dtype).eps)
-    return quad.finite & (worst <= torch.clamp_min(rel * scale, GAUSSIAN_TOL))
+    finite = quad.finite if rows is None else quad.finite[rows]
+    return finite & (worst <= torch.clamp_min(rel * scale, GAUSSIAN_TOL))
 
 
 def _nonquadratic(proj, mean_sq, K):

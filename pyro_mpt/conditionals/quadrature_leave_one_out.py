@@ -21,7 +21,6 @@ from .quadrature_contexts import (
     full_frames,
     full_grid_resolves,
     gaussian_corrections,
-    gaussian_datapoints,
     model_precision,
     resolved_tol,
 )
@@ -123,9 +122,7 @@ class QuadratureLeaveOneOut:
         bad = check.abs() > resolved_tol(check.dtype)
         if bool(bad.any()):
             # exact corrections where the prior and every token are quadratic (see _target_grids)
-            if quad.gaussian_rows is None:
-                quad.gaussian_rows = gaussian_datapoints(quad, e, log_w, state.detached_parts())
-            if bool((bad & ~quad.gaussian_rows).any()):
+            if bool((bad & ~quad.gaussian_rows(bad, e, log_w, state.detached_parts())).any()):
                 return None
         return dnum, dden, own
 
