@@ -24,6 +24,11 @@ def _():
     QuadratureConditionals(max_latent_dim=5)
 
 
+@trigger("quadrature-target-grids")
+def _():
+    QuadratureConditionals(target_grids=-1)
+
+
 @trigger("quadrature-rule-num-nodes")
 def _():
     hermite_rule(0)
