@@ -32,7 +32,7 @@ clean:
 	rm -rf $(VENV) build *.egg-info docs/_build
 
 # Paper-figure gallery: Fig. 1-6, Table 1-2 and two figures beyond the paper, PNGs and RESULTS.md in
-# docs/gallery/. Offline on CPU (about 40 minutes on 2 cores; each section's time is in RESULTS.md); each script takes --quick, --out-dir, --seed.
+# docs/gallery/. Offline on CPU (about 25 minutes on 2 cores; each section's time is in RESULTS.md); each script takes --quick, --out-dir, --seed.
 .PHONY: gallery
 gallery: $(STAMP)
 	mkdir -p docs/gallery

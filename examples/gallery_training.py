@@ -25,7 +25,8 @@ Runs three examples in-process and records their numbers in RESULTS.md:
   since encode-decode conditionals and the evaluation both lean on the encoder
   as a posterior approximation, which the MPT loss does not ask it to be.
 
-Run ``python examples/gallery_training.py`` (3-4 minutes on 2 CPU cores) or
+Run ``python examples/gallery_training.py`` (about 10 minutes on 2 CPU cores, 7 of
+them the linear VAE; each section's time is in RESULTS.md) or
 ``--quick`` (each example's reduced setting).
 """
 

@@ -49,13 +49,15 @@ ELBO), float32, the same decoder initialization for both (W ~ 0.1 N(0, 1), b at
 the logits of the pixel means). The ELBO needs the smaller rate: on digits, from
 this initialization, Adam at 0.02 or more drives W to ~0 within 100 epochs (the
 posterior-collapse optimum: the LML then stays at the independent-pixel value,
-about -24.4 nats per image), whereas 0.01 escapes it. On 2 idle CPU cores
-an MPT epoch costs about 0.2 s on digits (the quadrature table has
-1797 x 64 nodes x 64 tokens, and each masked image's context grid as many) and
-about 13 s on 2000 MNIST images
-(2000 x 64 x 784); an ELBO epoch costs a few milliseconds. Run
-``python examples/linear_vae.py`` (digits, about 80 s on one CPU core) or add ``--quick``
-for a reduced setting used by the tests.
+about -24.4 nats per image), whereas 0.01 escapes it. On one CPU core an MPT
+epoch costs about 0.2 s on digits at the start and 1.1-1.4 s once the decoder
+has trained (the quadrature table has 1797 x 64 nodes x 64 tokens, each masked
+image's context grid as many, and as the decoder sharpens, more masked pixels
+get grids of their own: docs/quadrature.md, "Context grids"), and about 13 s at
+the start on 2000 MNIST images (2000 x 64 x 784; not measured trained); an ELBO
+epoch costs a few milliseconds. Run ``python examples/linear_vae.py`` (digits,
+about 7 minutes on one CPU core: 445 s in the gallery's last run, beside other
+work) or add ``--quick`` for a reduced setting used by the tests.
 
 What to expect on digits (measured): both objectives track the LML (the
 negative MPT loss is an unbiased estimate of it, noisy with one mask per image;
