@@ -774,9 +774,9 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
             # nearly all of them unresolved (a trained linear VAE, float64, up to 16 a
             # datapoint: 4.7 s a step, 2.4 s with 4 a query at the same mean error per
             # datapoint, 1.5e-3 nats; 1.7 s with 2, 1.65e-3; Bernoulli loadings of scale 3:
-            # 19.4 s, 1.3 s with 4). Ranked on a log scale of 1/16
-            # octave, then in token order, so that rounding (the chunking) does not reorder
-            # near-equal ones; per query, so that the blocks of queries do not matter
+            # 19.4 s, 1.3 s with 4). Ranked on a log scale of 1/16 octave, then in token
+            # order, so that rounding (the chunking) does not reorder near-equal ones; per
+            # query, so that how the queries are split into blocks does not matter
             miss = torch.floor(16 * torch.log2(dnum[a, i, j].abs().double()))
             first = torch.argsort(miss, descending=True, stable=True)
             first = first[torch.argsort((a * n + i)[first], stable=True)]
