@@ -462,9 +462,9 @@ class MaskedPretrainingLoss(ELBO):
         **Masks are shared by the batch by default** (unless the loss was built
         with ``share_masks=False`` or with a schedule instance): one random mask
         per size and repetition for all datapoints, as the paper's code draws
-        them. With the Gaussian engine this is 30--70 times faster (load_digits
-        PPCA, :math:`D = 64`, :math:`K = 40`, :math:`N = 1797`: 0.5--0.8 s
-        instead of 20--75 s, ``benchmarks/defaults_speed.py``) and the curve's expectation is the same, but its mask noise no
+        them. With the Gaussian engine this is about 16 times faster (load_digits
+        PPCA, :math:`D = 64`, :math:`K = 40`, :math:`N = 1797`, one thread: 0.073 s
+        instead of 1.16 s, ``benchmarks/defaults_speed.py curve``) and the curve's expectation is the same, but its mask noise no
         longer averages over the data: the spread of the curve and of its area
         over mask seeds shrinks as :math:`1/\sqrt P` with ``num_masks``, not as
         :math:`1/\sqrt{NP}`; the curve's ``stderr`` and
