@@ -176,6 +176,14 @@ def rule_rounding(value):
     """
     return 8 * torch.finfo(value.dtype).eps * (value.abs() + 1)
 
+
+def _ranks_in_groups(keys, num_groups):
+    """Each entry's position among the entries of its group, for ``keys`` (long, sorted,
+    in ``[0, num_groups)``); and each group's size, ``(num_groups,)``."""
+    size = torch.bincount(keys, minlength=num_groups)
+    return torch.arange(keys.shape[0], device=keys.device) - (size.cumsum(0) - size)[keys], size
+
+
 #: the default ``check_tol`` of :class:`QuadratureConditionals` (nats per conditional):
 #: the accuracy the docs state for the default grids' conditionals, else a warning (it was
 #: 0.1, and errors of 1e-2 -- HalfCauchy scales, the default Dirichlet grid -- never warned)
@@ -780,9 +788,7 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
             miss = torch.floor(16 * torch.log2(dnum[a, i, j].abs().double()))
             first = torch.argsort(miss, descending=True, stable=True)
             first = first[torch.argsort((a * n + i)[first], stable=True)]
-            group = (a * n + i)[first]
-            size = torch.bincount(group, minlength=num.shape[0] * n)
-            rank = torch.arange(first.shape[0], device=num.device) - (size.cumsum(0) - size)[group]
+            rank, _ = _ranks_in_groups((a * n + i)[first], num.shape[0] * n)
             first = first[rank < self.target_grids]
             if first.numel() == 0:
                 return num
@@ -791,8 +797,7 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
             # most any one datapoint has, not the number of distinct (query, target) pairs
             by_row = first[torch.argsort(i[first], stable=True)]
             a, i, j = a[by_row], i[by_row], j[by_row]
-            count = torch.bincount(i, minlength=n)
-            slot = torch.arange(i.shape[0], device=num.device) - (count.cumsum(0) - count)[i]
+            slot, count = _ranks_in_groups(i, n)
             B = int(count.max())
             # a slot no target takes holds query 0 and token 0 of its datapoint, made and unread
             A = torch.zeros(B, n, dtype=torch.long, device=num.device)
@@ -808,13 +813,13 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
             tf.grad, tf.precision, tf.curvature = h[A, rows], P[A, rows], C[A, rows]
             one = torch.zeros(B, n, D, dtype=torch.bool, device=num.device)
             one[slot, i, j] = True
-            dnum, _ = gaussian_corrections(quad, tf, one, e, log_w, self.max_elements)
+            tdnum, _ = gaussian_corrections(quad, tf, one, e, log_w, self.max_elements)
         tnum, _ = context_partials(
             state.runner, e, log_w, tf.centre, tf.sqrt_cov, ctx.expand(-1, n, D)[A, rows], self.max_elements,
             keep_elements=self.cache_elements - len(state.chunks or ()) * state.node_chunk * n * D, targets=J,
         )
         out = num.clone()
-        out[a, i, j] = tnum[slot, i] + dnum[slot, i, j].to(tnum.dtype)
+        out[a, i, j] = tnum[slot, i] + tdnum[slot, i, j].to(tnum.dtype)
         return out
 
     def _uses_context_grids(self, state):
