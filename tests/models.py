@@ -52,6 +52,18 @@ def make_ppca(D, K, N, seed=0, sigma=0.5, dtype=torch.float64, device="cpu"):
     return model, x, exact
 
 
+def fit_guide(model, guide, *args, steps=300, lr=0.05):
+    """``guide`` fitted to ``model`` at ``args`` by ``steps`` steps of Trace_ELBO with Adam
+    (the tests' proposals for the importance engine and evidence); returns it."""
+    from pyro.infer import SVI, Trace_ELBO
+    from pyro.optim import Adam
+
+    svi = SVI(model, guide, Adam({"lr": lr}), Trace_ELBO())
+    for _ in range(steps):
+        svi.step(*args)
+    return guide
+
+
 def exact_posterior_guide(x):
     """The exact posterior q(z | x) = p(z | x) of :func:`make_ppca`'s model, computed from
     its current params (in their dtype, on their device): a zero-variance proposal."""

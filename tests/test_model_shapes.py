@@ -1556,9 +1556,9 @@ def test_autoguides_of_a_model_with_missing_tokens_are_proposals(float64):
     marginal over z: AutoNormal, AutoDiagonalNormal and AutoMultivariateNormal fitted by
     Trace_ELBO give Evidence and the importance engine's "order" score within 5 standard errors
     (Evidence's own) and 0.1 nats of the exact log p(x_obs)."""
-    from pyro.infer import SVI, Trace_ELBO
     from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
-    from pyro.optim import Adam
+
+    from models import fit_guide
 
     g = torch.Generator().manual_seed(3)
     W0, b0 = torch.randn(D, K, generator=g), torch.randn(D, generator=g)
@@ -1570,10 +1570,7 @@ def test_autoguides_of_a_model_with_missing_tokens_are_proposals(float64):
     for make in (AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal):
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
-        guide = make(model)
-        svi = SVI(model, guide, Adam({"lr": 0.05}), Trace_ELBO())
-        for _ in range(300):
-            svi.step(x)
+        guide = fit_guide(model, make(model), x)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             est = Evidence(model, guide, method="importance", num_samples=2000).estimate(x)

@@ -176,15 +176,11 @@ def test_autocontinuous_guides_are_densities_not_point_masses():
     # the evidence of the whole dataset, with the AutoMultivariateNormal as proposal, within 4 standard errors
     cov = np.kron(np.ones((3, 3)), np.eye(2)) + np.kron(np.eye(3), np.ones((2, 2)) + 0.49 * np.eye(2))
     exact = multivariate_normal(np.zeros(6), cov).logpdf(x.numpy().ravel())
-    from pyro.infer import SVI, Trace_ELBO
-    from pyro.optim import Adam
+    from models import fit_guide
 
     pyro.clear_param_store()
     pyro.set_rng_seed(1)
-    guide = AutoMultivariateNormal(model)
-    svi = SVI(model, guide, Adam({"lr": 0.05}), Trace_ELBO())
-    for _ in range(300):
-        svi.step(x)
+    guide = fit_guide(model, AutoMultivariateNormal(model), x)
     res = Evidence(model, guide, method="importance", num_samples=4000, token_plates=("data",)).estimate(x)
     assert abs(float(res.log_evidence) - exact) < 4 * float(res.stderr) + 1e-3
 

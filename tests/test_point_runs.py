@@ -13,13 +13,15 @@ import torch
 
 import pyro
 import pyro.distributions as dist
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import SVI
 from pyro.infer.autoguide import AutoMultivariateNormal
 from pyro.nn import PyroModule, PyroSample
 from pyro.optim import Adam
 
 from pyro_mpt import Evidence, MaskedPretrainingLoss
 from pyro_mpt.conditionals import SlowEngineWarning
+
+from models import fit_guide
 
 N, D, K = 6, 3, 1
 
@@ -60,10 +62,7 @@ def _fitted():
     pyro.set_rng_seed(0)
     c, x = _data()
     model = BayesianLinear()
-    guide = AutoMultivariateNormal(model)
-    svi = SVI(model, guide, Adam({"lr": 0.05}), Trace_ELBO())
-    for _ in range(300):
-        svi.step(c, x)
+    guide = fit_guide(model, AutoMultivariateNormal(model), c, x)
     return c, x, model, guide
 
 
