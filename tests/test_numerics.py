@@ -345,7 +345,7 @@ def test_tabled_engines_sum_weights_in_log_space_where_exp_underflows(engine):
     g = torch.Generator().manual_seed(1)
     mask = torch.rand(3, 1, D, generator=g) < torch.tensor([0.1, 0.5, 0.9])[:, None, None]
     out = eng.mask_log_prob(state, x, mask)
-    chunks = [state.chunk] if hasattr(state, "chunk") else state.chunks
+    chunks = list(state.table.parts()) if hasattr(state, "table") else state.chunks
     logw = torch.cat([c.log_weights for c in chunks], -1)  # (r, S)
     T = torch.cat([c.table for c in chunks], 1)  # (n, S, D)
     ctx = (~mask).to(T.dtype).expand(3, N, D)
@@ -413,7 +413,7 @@ def test_empty_context_and_empty_target_masks_give_finite_values_and_gradients(n
     elif name == "quadrature-prior":
         assert torch.allclose(full, marginals.expand(2, N), atol=5e-4, rtol=0)  # measured 4.5e-5
     elif name == "importance-prior":
-        chunks = [state.chunk] if hasattr(state, "chunk") else state.chunks
+        chunks = list(state.table.parts()) if hasattr(state, "table") else state.chunks
         logw = torch.cat([c.log_weights for c in chunks], -1).detach()  # (1 or n, S)
         T = torch.cat([c.table for c in chunks], 1).detach()  # (n, S, D): log p(x_d | z_s)
         # an empty context has normalizer one: each target is the mixture sum_s w_s p(x_j | z_s)

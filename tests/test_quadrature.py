@@ -574,6 +574,20 @@ def test_mask_sums_stay_exact_when_the_matrix_product_underflows(float64):
     assert torch.isfinite(num).all() and float(num[:, :, 0].max()) < -800
     assert torch.allclose(num, num_ref, rtol=1e-12, atol=1e-9)
     assert torch.allclose(den, den_ref, rtol=1e-12, atol=1e-9)
+    # gradients too, against autograd of the plain log-sum-exps: the underflowing entries
+    # get theirs from the exact path alone, the others from the products
+    T, logw = T.clone().requires_grad_(), logw.clone().requires_grad_()
+    G = torch.randn(q, n, D, generator=g, dtype=T.dtype)
+    h = torch.randn(q, n, generator=g, dtype=T.dtype)
+    num, den = MixtureChunk(logw, T).mask_partials(ctx)
+    got = torch.autograd.grad((num * G).sum() + (den * h).sum(), (T, logw))
+    base = logw[:, None, :] + torch.einsum("qnd,nkd->nqk", ctx, T)
+    num_ref = torch.logsumexp(base[..., None] + T[:, None], 2).transpose(0, 1)
+    den_ref = torch.logsumexp(base, -1).T
+    want = torch.autograd.grad((num_ref * G).sum() + (den_ref * h).sum(), (T, logw))
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all()
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-10)
 
 
 # ---------------------------------------------------------------------- issue 11 i, j

@@ -108,11 +108,12 @@ from .base import ConditionalEngine, EngineNotApplicable, ordering_ranks
 from .distributions import check_factorized
 from .encode_decode import initial_tokens
 from .data_args import guide_latents, locate_data_arg, refuse_missing, whole_datapoints_missing
-from .importance_guide import autoguide_table, guide_draws
+from .draw_table import DrawTable
+from .importance_guide import autoguide_draws, guide_draws
 from .importance_self_normalized import self_normalized_conditionals
 from .latent_runs import GuideMemory, LatentRunner, check_draws_log_density, logmeanexp
-from .mixture import chain_terms, normalize_empty
-from .mixture_chunks import MixtureChunk
+from .mixture import chain_terms, combine_partials, normalize_empty
+from ..recompute import recomputed
 
 __all__ = ["ImportanceConditionals", "ImportanceState"]
 
@@ -131,8 +132,9 @@ class ImportanceState:
     """State of one loss evaluation.
 
     :param str proposal: ``"prior"`` or ``"guide"``.
-    :param chunk: for the prior: the table of ``S`` draws (log-weights
-        ``(1, S)``, :math:`T` ``(n, S, D)``).
+    :param table: for the prior (or an autoguide): the
+        :class:`~pyro_mpt.conditionals.draw_table.DrawTable` of the ``S`` draws shared by
+        every query (log-weights ``(1|n, S)``, :math:`T` ``(n, S, D)``, in chunks).
     :param runner: the :class:`~pyro_mpt.conditionals.latent_runs.LatentRunner`.
     :param init: for the guide: initial masked tokens ``(n|1, D)``.
     :param bool imputed: for the guide: whether it sees imputed data.
@@ -142,7 +144,7 @@ class ImportanceState:
     num_data: int
     num_tokens: int
     runner: LatentRunner = field(repr=False)
-    chunk: Optional[object] = field(default=None, repr=False)
+    table: Optional[DrawTable] = field(default=None, repr=False)
     init: Optional[torch.Tensor] = None
     imputed: bool = True
     #: the weights' diagnostics over this evaluation, per datapoint: ``"khat"``
@@ -203,7 +205,16 @@ class ImportanceConditionals(ConditionalEngine):
     :param bool psis: fit :math:`\hat k` (PSIS, as ``arviz.psislw``); False judges the
         weights by their ESS alone.
     :param int max_elements: bound on ``S * q * n * D`` per chunk of queries
-        (guide) and on intermediates of the ordering path (prior).
+        (guide; every chunk after the first is recomputed in the backward pass), on
+        ``S_c * n * D`` per chunk of the shared table's draws (prior, autoguide) and on
+        intermediates of the ordering path.
+    :param int cache_elements: for the draws shared by every query (prior, autoguide):
+        table entries (``S * n * D``) kept for the whole evaluation, in chunks of draws
+        from the first; the other chunks are drawn again at every block of queries and in
+        the backward pass, so that peak memory is about ``cache_elements`` kept entries (each
+        with its exp-space copy and gradient: three numbers, not the model's intermediates)
+        plus one chunk's working set, whatever ``S * n * D``. 0 streams every chunk. See
+        :mod:`~pyro_mpt.conditionals.draw_table`.
 
     Example::
 
@@ -231,6 +242,7 @@ class ImportanceConditionals(ConditionalEngine):
         min_ess=10.0,
         psis=True,
         max_elements=2**24,
+        cache_elements=2**27,
     ):
         super().__init__(max_elements=max_elements)
         #: evaluations whose weights were poor (the first one warns)
@@ -245,6 +257,12 @@ class ImportanceConditionals(ConditionalEngine):
             raise ValueError(
                 f"ImportanceConditionals(prior_weight={prior_weight!r}): give a fraction in [0, 1)."
             )
+        if not is_count(cache_elements, minimum=0):
+            raise ValueError(
+                f"ImportanceConditionals(cache_elements={cache_elements!r}): give an integer >= 0, the "
+                f"table entries kept for every query (0 streams the draws)."
+            )
+        self.cache_elements = int(cache_elements)
         if not is_count(num_chains):
             raise ValueError(f"ImportanceConditionals(num_chains={num_chains!r}): give a positive integer.")
         self.prior_weight = float(prior_weight)
@@ -286,32 +304,31 @@ class ImportanceConditionals(ConditionalEngine):
             )
             if is_autoguide(guide):
                 # it does not read the data, so missing tokens are no obstacle
-                runner, chunk = autoguide_table(
-                    tokens, model, guide, args, kwargs, who, self.num_samples, self.prior_weight, self.max_elements,
-                    self.guide_grad,
+                runner, draw = autoguide_draws(
+                    tokens, model, guide, args, kwargs, who, self.num_samples, self.prior_weight, self.guide_grad,
                 )
                 return ImportanceState(
-                    "guide", tokens.num_data, tokens.num_tokens, runner, chunk=chunk, imputed=False, present=present
+                    "guide", tokens.num_data, tokens.num_tokens, runner, table=self._table(draw, tokens),
+                    imputed=False, present=present,
                 )
             refuse_missing(tokens, f"{who} with proposal='guide'")
         n, D = tokens.num_data, tokens.num_tokens
         if proposal == "prior":
             runner = LatentRunner(tokens, model, None, args, kwargs, None, who)
             S = self.num_samples
-            # one model run per chunk of draws; the table is kept whole (S * n * D)
-            step = max(1, self.max_elements // max(1, n * D))
-            parts, scores = [], []
-            for s in range(0, S, step):
-                dec = runner.sample_prior(min(step, S - s))
-                parts.append(dec.token_log_prob(tokens.value))
-                scores.append(dec.drawn_score_terms())
-            T = torch.cat(parts, 0).transpose(0, 1).contiguous()  # (n, S, D)
-            check_draws_log_density(runner, T, "the prior")
-            logw = T.new_full((1, S), -math.log(S))
-            if all(t is not None for t in scores):
-                # discrete draws carry their prior's parameters' gradient by the score function
-                logw = logw + torch.cat(scores, 0).T.to(logw.dtype)
-            return ImportanceState("prior", n, D, runner, chunk=MixtureChunk(logw, T), present=present)
+
+            def draw(start, rows):
+                dec = runner.sample_prior(rows)
+                T = dec.token_log_prob(tokens.value).transpose(0, 1)  # (n, rows, D)
+                check_draws_log_density(runner, T, "the prior")
+                logw = T.new_full((1, rows), -math.log(S))
+                score = dec.drawn_score_terms()
+                if score is not None:
+                    # discrete draws carry their prior's parameters' gradient by the score function
+                    logw = logw + score.T.to(logw.dtype)
+                return logw, T
+
+            return ImportanceState("prior", n, D, runner, table=self._table(draw, tokens), present=present)
         if not covered:
             raise ValueError(
                 f"{who} with proposal='guide' needs a guide that samples the model's "
@@ -337,6 +354,11 @@ class ImportanceConditionals(ConditionalEngine):
         init = initial_tokens(runner, self.init, who) if data is not None else None
         return ImportanceState("guide", n, D, runner, init=init, imputed=data is not None, present=present)
 
+    def _table(self, draw, tokens):
+        n, D = tokens.num_data, tokens.num_tokens
+        step = max(1, self.max_elements // max(1, n * D))
+        return DrawTable(draw, self.num_samples, step, self.cache_elements, n, D)
+
     # ------------------------------------------------------------------ queries
     def mask_log_prob(self, state, x, mask):
         return self.mask_log_prob_and_diagnostics(state, x, mask)[0]
@@ -356,14 +378,19 @@ class ImportanceConditionals(ConditionalEngine):
             >>> diag["ess"].min(), diag["khat"].max()
         """
         self._check_x(state, x)
-        if state.chunk is not None:
+        if state.table is not None:
             return self._prior_mask(state, mask)
         S = self.num_samples
         n, D = x.shape
         per = max(1, self.max_elements // (S * n * D))
         outs, ess, err, khats = [], [], [], []
         for start in range(0, mask.shape[0], per):
-            o, e, s, k = self._guide_block(state, x, mask[start : start + per])
+            # every chunk of queries after the first is recomputed in the backward pass: kept,
+            # each would hold its S * q * n * D draws' intermediates to the end
+            if start == 0:
+                o, e, s, k = self._guide_block(state, x, mask[start : start + per])
+            else:
+                o, e, s, k = recomputed(self._guide_block, state, x, mask[start : start + per])
             outs.append(o)
             ess.append(e)
             err.append(s)
@@ -389,47 +416,55 @@ class ImportanceConditionals(ConditionalEngine):
         as there. None for draws per query (a guide run on each context), a token
         impossible at a draw, or one token."""
         self._check_x(state, x)
-        chunk = state.chunk
-        if chunk is None or state.num_tokens < 2 or observed is not None:
+        table = state.table
+        if table is None or state.num_tokens < 2 or observed is not None:
             return None
-        num, den = chunk.leave_one_out_partials()  # (n,), (n, D)
+        num, den = table.reduce(lambda chunk: chunk.leave_one_out_partials())  # (n,), (n, D)
         if not (bool(torch.isfinite(num).all()) and bool(torch.isfinite(den).all())):
             return None
         if self.diagnostics:
             with torch.no_grad():
-                lw, T = chunk.log_weights.detach(), chunk.table.detach()
-                _, den2 = MixtureChunk(2 * lw, 2 * T).leave_one_out_partials()
+                (den2,) = _combined(chunk.squared().leave_one_out_partials()[1:] for chunk in table.parts())
                 ess = torch.exp(2 * den.detach() - den2)  # 1 / sum of the squared normalized weights
                 worst = ess.argmin(-1)  # each datapoint's query with the fewest effective samples
-                rows = torch.arange(T.shape[0], device=T.device)
-                log_weights = chunk.joint().detach() - T[rows, :, worst]  # (n, S)
+                rows = torch.arange(x.shape[0], device=x.device)
+                log_weights = torch.cat([c.joint() - c.table[rows, :, worst] for c in table.parts()], -1)  # (n, S)
                 self._check_weights(state, log_weights.T, ess.amin(-1))
         return num.unsqueeze(-1) - den
 
     def _prior_mask(self, state, mask):
-        chunk = state.chunk
-        ctx = (~mask).to(chunk.table.dtype)
-        num, den = chunk.mask_partials(ctx)
+        table = state.table
+        num, den = table.reduce(lambda chunk, m: chunk.mask_partials((~m).to(chunk.table.dtype)), mask)
         den = normalize_empty(den, ~mask)
         out = num - den.unsqueeze(-1)
         diagnostics = None
         if self.diagnostics:
             with torch.no_grad():
-                lw, T = chunk.log_weights.detach(), chunk.table.detach()
-                b2, a2 = MixtureChunk(2 * lw, 2 * T).mask_partials(ctx)
-                c, _ = MixtureChunk(2 * lw, T).mask_partials(2 * ctx)
+                ctx = (~mask).to(out.dtype)
+
+                def second_moments(chunk):
+                    sq = chunk.squared()
+                    b2, a2 = sq.mask_partials(ctx)
+                    c, _ = chunk.reweighted(sq.log_weights).mask_partials(2 * ctx)
+                    return b2, a2, c
+
+                b2, a2, c = _combined(second_moments(chunk) for chunk in table.parts())
                 a, b = den.detach(), num.detach()
                 sum_w2 = torch.exp(a2 - 2 * a)
-                var = torch.exp(b2 - 2 * b) - 2 * torch.exp(c - a.unsqueeze(-1) - b) + sum_w2.unsqueeze(-1)
                 S = self.num_samples
+                var = torch.exp(b2 - 2 * b) - 2 * torch.exp(c - a.unsqueeze(-1) - b) + sum_w2.unsqueeze(-1)
+                # an empty context's conditional is the plain average sum_s w_s p(x_j | z_s) (its
+                # normalizer is 1, not the weights' sum): its delta-method variance has the equal
+                # shares 1/S where the self-normalized one has omega_s. Equal for the prior's equal
+                # weights; an autoguide's weights gave standard errors 0.7x the scatter over seeds
+                empty = ~(ctx > 0).any(-1, keepdim=True)  # (q, n|1, 1)
+                var = torch.where(empty, torch.exp(b2 - 2 * b) - 1.0 / S, var)
                 err = (var.clamp_min(0) * S / max(S - 1, 1)).sqrt()
                 ess = 1.0 / sum_w2
                 n = ess.shape[1]
                 worst = ess.argmin(0)  # each datapoint's query with the fewest effective samples
                 ctx_w = ctx.expand(ess.shape + ctx.shape[-1:])[worst, torch.arange(n, device=worst.device)]
-                # the draws' own log-weights too: an autoguide's table weighs them by p(z) / r(z)
-                # (constant for the prior); without them its k-hat was that of the likelihood alone
-                khat = self._check_weights(state, torch.einsum("nsd,nd->sn", T, ctx_w) + lw.T, ess.amin(0))
+                khat = self._check_weights(state, _context_log_weights(table, ctx_w), ess.amin(0))
                 diagnostics = {
                     "ess": ess,
                     "stderr": err,
@@ -481,20 +516,21 @@ class ImportanceConditionals(ConditionalEngine):
             >>> terms.sum(-1), diag["ess"].min()
         """
         self._check_x(state, x)
-        if state.chunk is None:
+        table = state.table
+        if table is None:
             terms = super().chain_log_prob(state, x, order)
             return terms, {"num_samples": self.num_samples, "proposal": state.proposal} if self.diagnostics else None
-        chunk = state.chunk
-        L = chunk.chain_partials(order, self.max_elements)
+        (L,) = table.reduce(lambda chunk, o: (chunk.chain_partials(o, self.max_elements),), order)
         diagnostics = None
         if self.diagnostics:
             with torch.no_grad():
-                lw, T = chunk.log_weights.detach(), chunk.table.detach()
-                L2 = MixtureChunk(2 * lw, 2 * T).chain_partials(order, self.max_elements)
-                L1 = MixtureChunk(lw, T).chain_partials(order, self.max_elements)
+                L2, L1 = _combined(
+                    (chunk.squared().chain_partials(order, self.max_elements), chunk.chain_partials(order, self.max_elements))
+                    for chunk in table.parts()
+                )
                 # weights of position t use the context after it: entry t + 1
                 ess = torch.exp(2 * L1[..., 1:] - L2[..., 1:])
-                khat = self._check_chain(state, lw, T, order, ess)
+                khat = self._check_chain(state, table, order, ess)
                 diagnostics = {
                     "ess": ess, "khat": khat, "num_samples": self.num_samples, "proposal": state.proposal
                 }
@@ -504,13 +540,13 @@ class ImportanceConditionals(ConditionalEngine):
     def log_evidence(self, state, x):
         r"""Importance-sampled :math:`\log p(x_i)`, ``(n,)``: the prior draws' mixture, or the guide on the full data."""
         self._check_x(state, x)
-        if state.chunk is not None:
-            joint = state.chunk.joint()  # (n, S)
+        if state.table is not None:
+            (value,) = state.table.reduce(lambda chunk: (torch.logsumexp(chunk.joint(), -1),))
             if self.diagnostics:
+                lw = state.table.joints().T  # (S, n)
                 with torch.no_grad():
-                    lw = joint.detach().T
                     self._check_weights(state, lw, effective_sample_size(lw))
-            return torch.logsumexp(joint, -1)
+            return value
         lw = state.runner.log_weights(self.num_samples)
         if self.diagnostics:
             with torch.no_grad():
@@ -551,14 +587,34 @@ class ImportanceConditionals(ConditionalEngine):
                 )
         return khat
 
-    def _check_chain(self, state, log_weights, T, order, ess):
+    def _check_chain(self, state, table, order, ess):
         """:meth:`_check_weights` for orderings: each datapoint's position with the fewest
-        effective samples, ``ess`` ``(p, n, D)``; ``log_weights`` ``(1|n, S)`` those of the draws."""
+        effective samples, ``ess`` ``(p, n, D)``; ``table`` the draws."""
         p, n, D = ess.shape
         k = ess.permute(1, 0, 2).reshape(n, p * D).argmin(1)
         i, t = k // D, k % D
         ranks = ordering_ranks(order)
         ranks = ranks.expand(p, n, D)[i, torch.arange(n, device=order.device)]  # (n, D)
-        ctx = (ranks > t[:, None]).to(T.dtype)  # the context after position t
-        lw = torch.einsum("nsd,nd->sn", T, ctx) + log_weights.T
-        return self._check_weights(state, lw, ess.permute(1, 0, 2).reshape(n, -1).amin(1))
+        ctx = ranks > t[:, None]  # the context after position t
+        return self._check_weights(state, _context_log_weights(table, ctx), ess.permute(1, 0, 2).reshape(n, -1).amin(1))
+
+
+def _combined(parts):
+    """The chunks' partial log-sums (an iterable of tuples), combined with logaddexp."""
+    total = None
+    for part in parts:
+        total = combine_partials(total, part)
+    return total
+
+
+def _context_log_weights(table, ctx):
+    r"""Each draw's log-weight given one context per datapoint, ``(S, n)``: :math:`\log w_{is} +
+    \sum_d c_{id} T_{isd}` for ``ctx`` ``(n, D)`` (bool or float), detached. The draws' own
+    log-weights are in it: an autoguide's table weighs them by :math:`p(z)/r(z)` (constant for the
+    prior); without them its k-hat was that of the likelihood alone."""
+    with torch.no_grad():
+        parts = []
+        for chunk in table.parts():
+            c = ctx.to(chunk.table.dtype)
+            parts.append(torch.einsum("nsd,nd->sn", chunk.table, c) + chunk.log_weights.T)
+        return torch.cat(parts, 0)

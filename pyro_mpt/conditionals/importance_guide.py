@@ -11,7 +11,6 @@ import torch
 from .guide_proposals import AutoguideProposal
 from .encode_decode import run_chains
 from .latent_runs import LatentRunner, check_draws_log_density
-from .mixture_chunks import MixtureChunk
 
 
 def through_draws(log_q, log_q_fixed):
@@ -49,8 +48,8 @@ def _joined(first, then):
     return {k: torch.cat([v, then[k]], 0) for k, v in first.items()}
 
 
-def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_weight, max_elements, guide_grad=False):
-    r"""The table of one set of draws shared by every query, for a Pyro autoguide.
+def autoguide_draws(tokens, model, guide, args, kwargs, who, num_samples, prior_weight, guide_grad=False):
+    r"""The draws of one set shared by every query, for a Pyro autoguide.
 
     An autoguide does not read the data (its parameters are per datapoint or
     global), so imputing the masked tokens would not change it: the
@@ -60,24 +59,21 @@ def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_
 
     :param int num_samples: :math:`S`, the draws.
     :param float prior_weight: the share :math:`\alpha` of them taken from the prior.
-    :param int max_elements: bound on the elements of one chunk's table.
     :param bool guide_grad: let the estimate's gradient reach the guide's parameters
         (see :class:`~pyro_mpt.conditionals.importance.ImportanceConditionals`).
-    :returns: ``(runner, chunk)``: the
-        :class:`~pyro_mpt.conditionals.latent_runs.LatentRunner` and the
-        :class:`~pyro_mpt.conditionals.mixture_chunks.MixtureChunk` of the
-        log-weights ``(n, S)`` and the table ``(n, S, D)``.
+    :returns: ``(runner, draw)``: the
+        :class:`~pyro_mpt.conditionals.latent_runs.LatentRunner` and ``draw(start, rows)``
+        -> the log-weights ``(n, rows)`` and the table ``(n, rows, D)`` of the draws
+        ``start .. start + rows - 1``, as :class:`~pyro_mpt.conditionals.draw_table.DrawTable`
+        takes it (the prior's share spread over the chunks so that the whole set has it).
     """
     runner = LatentRunner(tokens, model, guide, args, kwargs, None, who)
     source = AutoguideProposal(guide, runner, who)
-    n, D = tokens.num_data, tokens.num_tokens
     S = num_samples
     S_p = min(S - 1, int(round(prior_weight * S)))
     alpha = S_p / S
-    step = max(1, max_elements // max(1, n * D))
-    logws, tables = [], []
-    for start in range(0, S, step):
-        rows = min(step, S - start)
+
+    def draw(start, rows):
         # this chunk's share of prior draws, so that the whole set has S_p of them
         k_p = (start + rows) * S_p // S - start * S_p // S
         values, trace = source.sample(rows)
@@ -93,11 +89,9 @@ def autoguide_table(tokens, model, guide, args, kwargs, who, num_samples, prior_
         log_r = log_q
         if S_p:
             log_r = torch.logaddexp(log_q + math.log1p(-alpha), log_p + math.log(alpha))
-        logws.append((log_p - log_r).T)
-        tables.append(dec.token_log_prob(tokens.value).transpose(0, 1))
-    logw = torch.cat(logws, 1) - math.log(S)  # (n, S)
-    T = torch.cat(tables, 1).contiguous()  # (n, S, D)
-    return runner, MixtureChunk(logw, T)
+        return (log_p - log_r).T - math.log(S), dec.token_log_prob(tokens.value).transpose(0, 1)
+
+    return runner, draw
 
 
 def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_chains, num_iterations, guide_grad=False):

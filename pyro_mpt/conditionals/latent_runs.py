@@ -245,7 +245,11 @@ class LatentRunner:
                 raise ValueError(str(e)) from e
             key = callable_key(self.model)
             if self.memory.verified != key:
-                self._check_first_point(decoded, rows)
+                # a comparison of values, once per model: without a graph, so that a recomputed
+                # region (a kept chunk of draws) whose first run made it and whose second does not
+                # saves the same tensors in both
+                with torch.no_grad():
+                    self._check_first_point(decoded, rows)
                 self.memory.verified = key
             return decoded
 

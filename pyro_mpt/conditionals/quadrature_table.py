@@ -4,18 +4,19 @@ r"""The quadrature engine's table: the rule's nodes and the token log-likelihood
 rule and the table :math:`T_{iqd} = \log p(x_{id} \mid z_q)` in chunks of
 nodes (:class:`~pyro_mpt.conditionals.mixture_chunks.MixtureChunk`): the leading
 chunks kept (all of them when the table is small), the others streamed -- rebuilt
-by the model run at each pass, under activation checkpointing -- and reduced
-chunk by chunk (:meth:`QuadratureState.reduce`).
+by the model run at each pass -- and reduced chunk by chunk
+(:meth:`QuadratureState.reduce`, :func:`~pyro_mpt.conditionals.streamed_sums.streamed_log_sums`).
 """
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from ..recompute import recomputed
 
 from .mixture import combine_partials
 from .mixture_chunks import MixtureChunk
+from .streamed_sums import streamed_log_sums
 
 __all__ = ["QuadratureState"]
 
@@ -121,8 +122,9 @@ class QuadratureState:
         """Apply ``reducer(chunk, *inputs)`` to every chunk of the table; combine with logaddexp.
 
         The kept chunks are reduced as they are; the streamed ones are rebuilt
-        chunk by chunk under activation checkpointing, so that the backward pass
-        recomputes each of them instead of keeping it. On the first pass over a streamed table with
+        chunk by chunk (:func:`~pyro_mpt.conditionals.streamed_sums.streamed_log_sums`: a
+        pass without a graph for the value, one recomputed region per chunk for the
+        gradient), so that none of them, nor its partial sums, is kept. On the first pass over a streamed table with
         ``ess_pending``, ``check_ess(state, log_joints)`` gets the per-node log
         joints ``(n, Q)`` (no extra pass).
 
@@ -136,19 +138,10 @@ class QuadratureState:
             if self.ess_pending:
                 joints.append(chunk.joint().detach())
             total = combine_partials(total, reducer(chunk, *inputs))
-        for sl in self.streamed_slices():
-
-            def run(*inp, sl=sl):
-                chunk = self.compute_chunk(sl)
-                if self.ess_pending:  # not during the backward recomputation
-                    joints.append(chunk.joint().detach())
-                return reducer(chunk, *inp)
-
-            if torch.is_grad_enabled():
-                part = recomputed(run, *inputs)
-            else:
-                part = run(*inputs)
-            total = combine_partials(total, part)
+        makers = [functools.partial(self.compute_chunk, sl) for sl in self.streamed_slices()]
+        if makers:
+            visit = (lambda chunk: joints.append(chunk.joint())) if self.ess_pending else None
+            total = combine_partials(total, streamed_log_sums(makers, reducer, *inputs, visit=visit))
         if self.ess_pending:
             self.ess_pending = False
             if check_ess is not None:

@@ -142,6 +142,11 @@ def _():
     ImportanceConditionals(num_chains=0)
 
 
+@trigger("importance-cache-elements")
+def _():
+    ImportanceConditionals(cache_elements=-1)
+
+
 @trigger("importance-guide-needed")
 def _():
     model, x = _ppca()
