@@ -67,8 +67,9 @@ class DrawTable:
         self.draw_chunk = max(1, int(draw_chunk))
         self.num_data, self.num_tokens = int(num_data), int(num_tokens)
         # one number from the global stream: the table is reproducible under a seed set
-        # before it, and the next evaluation (the global stream moved on) draws anew
-        self.seed = int(torch.randint(0, 2**62, ()).item())
+        # before it, and the next evaluation (the global stream moved on) draws anew; on the
+        # CPU stream explicitly (a default device of "meta" or CUDA would not give the number)
+        self.seed = int(torch.randint(0, 2**62, (), device="cpu").item())
         per_chunk = self.draw_chunk * self.num_data * self.num_tokens
         slices = self.slices()
         keep = len(slices) if self.num_samples * self.num_data * self.num_tokens <= cache_elements else (
