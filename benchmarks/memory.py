@@ -29,6 +29,7 @@ Usage::
     .venv/bin/python benchmarks/memory.py                      # full run (~10 min on 2 loaded cores)
     .venv/bin/python benchmarks/memory.py --quick              # small sizes (< 1 min)
     .venv/bin/python benchmarks/memory.py --out-md docs/benchmarks.md
+    .venv/bin/python benchmarks/memory.py --tables draws      # the importance engine's draws (~3 min)
 """
 
 import argparse
@@ -46,6 +47,8 @@ from harness import PeakRSS, fmt_ratio, fmt_s, machine_line, max_rss_mb, write_m
 
 MD_BEGIN = "<!-- memory:begin -->"
 MD_END = "<!-- memory:end -->"
+DRAWS_BEGIN = "<!-- memory-draws:begin -->"
+DRAWS_END = "<!-- memory-draws:end -->"
 
 
 # --------------------------------------------------------------------------- problems
@@ -90,7 +93,7 @@ def gmm_problem(N, D, K, dtype, seed=0):
     return gmm, x
 
 
-def engine_of(name):
+def engine_of(name, cfg=None):
     from pyro_mpt.conditionals import (
         EnumerateConditionals,
         GaussianConditionals,
@@ -101,7 +104,10 @@ def engine_of(name):
     return {
         "gaussian": lambda: GaussianConditionals(),
         "quadrature": lambda: QuadratureConditionals(),
-        "importance": lambda: ImportanceConditionals(64, proposal="prior"),
+        "importance": lambda: ImportanceConditionals(
+            cfg.get("num_samples", 64), proposal="prior",
+            **({"cache_elements": cfg["cache_elements"]} if "cache_elements" in cfg else {}),
+        ),
         "enumerate": lambda: EnumerateConditionals(),
     }[name]()
 
@@ -120,7 +126,7 @@ def run_one(cfg):
     model(x)  # register the parameters
     leaves = [p.unconstrained() for p in pyro.get_param_store().values()]
     loss = MaskedPretrainingLoss(
-        masks=cfg["masks"], share_masks=cfg["share"], conditionals=engine_of(cfg["engine"]), num_masks=1
+        masks=cfg["masks"], share_masks=cfg["share"], conditionals=engine_of(cfg["engine"], cfg), num_masks=1
     )
     pyro.set_rng_seed(0)
     before = PeakRSS.rss()
@@ -182,6 +188,9 @@ def main():
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per subprocess")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out-md", default=None, help="write the tables into this markdown file")
+    parser.add_argument("--tables", nargs="+", default=["schedules", "draws"], choices=["schedules", "draws"],
+                        help="which tables: every schedule and engine with the chunk_size bound (schedules), "
+                             "the importance engine's shared draws kept and streamed (draws)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
@@ -199,6 +208,12 @@ def main():
         "| time, indep | time, shared | indep / shared |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    if "draws" in args.tables:
+        draws = [lines[0]] + draws_table(args.quick, common)
+        if args.out_md:
+            write_markdown(args.out_md, "\n".join(draws), DRAWS_BEGIN, DRAWS_END)
+    if "schedules" not in args.tables:
+        return
     print("\n".join(lines), flush=True)
     target = None
     for label, cfg in configurations(args.quick):
@@ -213,10 +228,16 @@ def main():
         )
         lines.append(line)
         print(line, flush=True)
+    lines += bounded_table(target, common)
+    if args.out_md:
+        write_markdown(args.out_md, "\n".join(lines), MD_BEGIN, MD_END)
 
-    # bounded: the same schedule at N/4 and N (4x the blocks), with glibc's default
-    # malloc and with a fixed mmap threshold
+
+def bounded_table(target, common):
+    """The same schedule at N/4 and N (4x the blocks), with glibc's default malloc and with
+    a fixed mmap threshold."""
     cfg, full = target
+    lines = []
     N, D = cfg["N"], cfg["D"]
     lines += [
         "",
@@ -239,8 +260,37 @@ def main():
         )
         lines.append(line)
         print(line, flush=True)
-    if args.out_md:
-        write_markdown(args.out_md, "\n".join(lines), MD_BEGIN, MD_END)
+    return lines
+
+
+def draws_table(quick, common):
+    """The importance engine's draws shared by every query, kept (default ``cache_elements``)
+    or streamed (0), independent masks, both allocators."""
+    N, D, K, S = (400, 64, 10, 64) if quick else (2000, 200, 10, 256)
+    lines = [
+        "",
+        f"The importance engine's prior draws shared by every query (`ImportanceConditionals({S}, "
+        f'proposal="prior")`): PPCA N={N} D={D} K={K}, a table of S n D = {S * N * D:.3g} entries, '
+        "masks per datapoint, kept (default `cache_elements=2**27`) or streamed (`cache_elements=0`):",
+        "",
+        "| masks | table | peak RSS, default malloc | step peak, default | peak RSS, fixed mmap threshold "
+        "| step peak, fixed | time, default | time, fixed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    for masks in ("uniform", "all"):
+        for label, extra in (("kept", {}), ("streamed", {"cache_elements": 0})):
+            cfg = dict(common, model="ppca", N=N, D=D, K=K, masks=masks, engine="importance", num_samples=S,
+                       share=False, **extra)
+            default, fixed = in_subprocess(cfg), in_subprocess(cfg, MALLOC_ENV)
+            line = (
+                f"| `{masks}` | {label} | {cell(default, 'peak_mb', mb)} | {cell(default, 'step_mb', mb)} "
+                f"| {cell(fixed, 'peak_mb', mb)} | {cell(fixed, 'step_mb', mb)} "
+                f"| {cell(default, 'seconds', fmt_s)} s | {cell(fixed, 'seconds', fmt_s)} s |"
+            )
+            lines.append(line)
+            print(line, flush=True)
+    return lines
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ class MixtureChunk:
         Both are matrix products in exp-space with max shifts, differentiated by
         hand (``_MaskPartials``); where a product underflows against the
         clamped exponents, those entries alone are computed again by an exact
-        log-sum-exp, with autograd (:meth:`_exact_at`).
+        log-sum-exp, with autograd (``_exact_at``).
         """
         B, mT = self.exp_table()  # (n, Qc, D), (n, 1, D)
         ctx = ctx.to(self.table.dtype)
