@@ -441,14 +441,7 @@ class ImportanceConditionals(ConditionalEngine):
         if self.diagnostics:
             with torch.no_grad():
                 ctx = (~mask).to(out.dtype)
-
-                def second_moments(chunk):
-                    sq = chunk.squared()
-                    b2, a2 = sq.mask_partials(ctx)
-                    c, _ = chunk.reweighted(sq.log_weights).mask_partials(2 * ctx)
-                    return b2, a2, c
-
-                b2, a2, c = _combined(second_moments(chunk) for chunk in table.parts())
+                b2, a2, c = _combined(chunk.second_moments(ctx) for chunk in table.parts())
                 a, b = den.detach(), num.detach()
                 sum_w2 = torch.exp(a2 - 2 * a)
                 S = self.num_samples
