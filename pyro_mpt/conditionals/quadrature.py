@@ -94,13 +94,16 @@ rule along orderings uses cumulative sums of the table. The table is built in
 chunks of ``Q_c = max(1, max_elements // (n D))`` nodes; the leading chunks, up to
 ``cache_elements`` entries (all of them when the table is that small), are kept
 with their graph for the loss evaluation, the others are streamed: every query
-block re-runs the model on them chunk by chunk under activation checkpointing,
-so that peak memory is about ``cache_elements`` kept entries (each with the
-model's intermediates) plus ``(c + 3) * max(max_elements, n D)`` elements
-(``c`` the model's own intermediates per table entry; a chunk holds at least one
-node, and the model runs on the whole batch) plus the block's ``q n D``
-outputs, whatever ``Q``. A streamed chunk costs one more model run per pass
-(the backward pass runs it again), so the default cache (``2**27`` entries,
+block re-runs the model on them chunk by chunk
+(:func:`~pyro_mpt.conditionals.streamed_sums.streamed_log_sums`: the value from
+a pass without a graph, the gradient from one recomputed region per chunk, so
+that neither a chunk nor its partial sums are kept), so that peak memory is
+about ``cache_elements`` kept entries (each with the model's intermediates) plus
+``(c + 3) * max(max_elements, n D)`` elements (``c`` the model's own
+intermediates per table entry; a chunk holds at least one node, and the model
+runs on the whole batch) plus the block's ``q n D`` outputs, whatever ``Q``. A
+streamed chunk costs model runs per pass (one without a graph, one with it, one
+more in the backward pass), so the default cache (``2**27`` entries,
 about 2 GB with the tutorial VAE's decoder) keeps the tables of typical
 minibatches whole: Pyro's tutorial VAE (batch 256, 625 nodes) streamed cost
 1.8-2.0 times the model evaluations it needs, kept 1.25 times
@@ -309,7 +312,8 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
     :param int max_latent_dim: refuse models with more latent dims than this.
     :param int cache_elements: keep the ``n x Q x D`` table, chunk by chunk from the
         first, up to this many entries (all of it when it has at most this many);
-        stream the other chunks (each costs one more model run per pass). The
+        stream the other chunks (each costs model runs at every pass: without and with
+        a graph, and in the backward pass). The
         context grids' tables of one query block are kept with their graph when
         they fit in what the full table leaves of it, else each of their chunks is
         recomputed in the backward pass.
