@@ -13,9 +13,10 @@ later pass, and a seed set before the loss still fixes every draw.
   stay for every query of the evaluation, but not the model's intermediates that made
   them. Each is made in a recomputed region (:func:`~pyro_mpt.recompute.recomputed`), so
   the backward pass runs the model on its draws once more, after every query's gradient
-  has reached the table: a kept entry costs its value, its exp-space copy and its
-  gradient (three numbers), where the model's saved intermediates cost several more (a
-  PPCA's table of 1e8 entries with them: 4.4 GB).
+  has reached the table: a kept entry costs its value, its exp-space copy, its
+  gradient's buffer and one block's gradient (about 18 bytes at the peak in float32),
+  where the model's saved intermediates cost several more (a PPCA's table of 1e8 entries
+  with them: 4.4 GB; without, 2.2 GB).
 * The other chunks are **streamed**: drawn and reduced chunk by chunk at every pass
   (:meth:`DrawTable.reduce`, :func:`~pyro_mpt.conditionals.streamed_sums.streamed_log_sums`),
   so that the peak memory is the kept entries plus one chunk's working set whatever

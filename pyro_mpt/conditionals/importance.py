@@ -212,8 +212,10 @@ class ImportanceConditionals(ConditionalEngine):
         table entries (``S * n * D``) kept for the whole evaluation, in chunks of draws
         from the first; the other chunks are drawn again at every block of queries and in
         the backward pass, so that peak memory is about ``cache_elements`` kept entries (each
-        with its exp-space copy and gradient: three numbers, not the model's intermediates)
-        plus one chunk's working set, whatever ``S * n * D``. 0 streams every chunk. See
+        with its exp-space copy, gradient buffer and one block's gradient, about 18 bytes in
+        float32; not the model's intermediates) plus one chunk's working set (``max_elements``
+        entries with the model's intermediates), whatever ``S * n * D``. 0 streams every
+        chunk, at the price of model runs at every block of queries. See
         :mod:`~pyro_mpt.conditionals.draw_table`.
 
     Example::
