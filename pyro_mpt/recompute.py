@@ -26,11 +26,13 @@ import contextlib
 
 import torch
 
-__all__ = ["recomputed", "not_recomputed", "recomputing"]
+__all__ = ["recomputed", "not_recomputed", "recomputing", "rerunning"]
 
 # regions entered and not left, the backward pass's second runs included; within
 # not_recomputed, 0 (autograd's backward runs each second run to its end before the next)
 _depth = 0
+# second runs in progress (the backward pass's), within not_recomputed too
+_reruns = 0
 
 
 class _Region:
@@ -64,7 +66,8 @@ class _Region:
                     torch.cuda.set_rng_state(self.cuda_state, self.cuda_device)
                 # run to its end: stopping it once every position is saved again would mean
                 # raising from inside the model, whose callers may catch exceptions
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self.keep, _identity), _entered():
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self.keep, _identity), _entered(), \
+                        _rerun():
                     self.fn(*self.args)
             if len(self.saved) != self.count:
                 raise RuntimeError(
@@ -110,6 +113,16 @@ def _entered(depth=None):
 
 
 @contextlib.contextmanager
+def _rerun():
+    global _reruns
+    _reruns += 1
+    try:
+        yield
+    finally:
+        _reruns -= 1
+
+
+@contextlib.contextmanager
 def not_recomputed():
     """Within it, the tensors autograd saves are kept by the graph as usual, not by an
     enclosing recomputed region: for results that outlive the region's first run
@@ -134,6 +147,21 @@ def recomputing():
     :returns: bool.
     """
     return _depth > 0
+
+
+def rerunning():
+    """Whether the caller runs in a region's second run, the backward pass's: what only
+    reports on the values (diagnostics, warnings) and saves no tensor for the graph may
+    be skipped there, since the first run made it on the same values.
+
+    :returns: bool.
+
+    Example::
+
+        >>> if diagnostics and not rerunning():
+        ...     report(out.detach())
+    """
+    return _reruns > 0
 
 
 def recomputed(fn, *args):

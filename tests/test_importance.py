@@ -1086,3 +1086,32 @@ def test_streamed_draw_table_equals_the_kept_one_and_saves_one_chunk(kind, masks
     kept_few, kept_many = kept[0], run(96, 16)[0]
     assert streamed_many - streamed_few <= 0.1 * streamed_few
     assert kept_many - kept_few >= 2 * kept_few
+
+
+@pytest.mark.filterwarnings("ignore::pyro_mpt.ImportanceSamplingWarning")
+def test_weight_diagnostics_are_made_once_per_block_not_again_in_the_backward_pass(monkeypatch):
+    """The prior table's diagnostics (second moments of the weights) are made in a block's
+    first run only: the backward pass's second run of a recomputed block skips them (before,
+    every block after the first made them twice), and a streamed chunk's come from the pass
+    that draws it for the value (no draw of their own)."""
+    from pyro_mpt.conditionals.mixture_chunks import MixtureChunk
+
+    pyro.clear_param_store()
+    model, x, _ = make_ppca(5, 2, N=10)
+    n, D = x.shape
+    leaves = [p.unconstrained() for p in pyro.get_param_store().values()]
+    calls = []
+    original = MixtureChunk.second_moments
+    monkeypatch.setattr(MixtureChunk, "second_moments", lambda self, ctx: calls.append(1) or original(self, ctx))
+    for cache in (None, 0):
+        extra = {} if cache is None else {"cache_elements": 0}
+        engine = ImportanceConditionals(24, proposal="prior", max_elements=6 * n * D, **extra)
+        loss = MaskedPretrainingLoss(masks="uniform", num_masks=3, share_masks=False, conditionals=engine,
+                                     chunk_size=n * D)
+        pyro.set_rng_seed(0)
+        calls.clear()
+        value = loss.differentiable_loss(model, None, x)
+        forward = len(calls)
+        torch.autograd.grad(value, leaves)
+        assert forward == 3 * 4  # 3 blocks of one query, 4 chunks of draws each
+        assert len(calls) == forward  # none in the backward pass

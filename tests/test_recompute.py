@@ -648,3 +648,32 @@ def test_importance_guide_queries_within_one_block_keep_one_chunk_of_draws():
     assert many - few <= 0.05 * few
     grads = torch.autograd.grad(value, params())
     assert all(bool(torch.isfinite(g).all()) and float(g.abs().max()) > 0 for g in grads)
+
+
+def test_rerunning_is_true_in_the_backward_pass_second_run_only():
+    """rerunning() tells a region's second run (the backward pass's) from its first, nested
+    regions included, so that what only reports on values (the importance engine's
+    diagnostics) is made once; recomputing() is true in both."""
+    from pyro_mpt.recompute import recomputed, recomputing, rerunning
+
+    seen = []
+
+    def inner(a):
+        seen.append(("inner", recomputing(), rerunning()))
+        return (a.exp() * a).sum()
+
+    def outer(a):
+        seen.append(("outer", recomputing(), rerunning()))
+        return recomputed(inner, a.sin()) * 2
+
+    x = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64, requires_grad=True)
+    assert not recomputing() and not rerunning()
+    y = recomputed(outer, x)
+    assert seen == [("outer", True, False), ("inner", True, False)]
+    (g,) = torch.autograd.grad(y, x)
+    assert not rerunning()
+    # the backward pass reran the outer region (its inner one inside it, a first run there
+    # too, but within a second run) and then the inner region's own second run
+    assert all(r for _, _, r in seen[2:]) and len(seen) >= 3
+    u = x.detach().sin()
+    assert torch.allclose(g, 2 * (u.exp() * (1 + u)) * x.detach().cos(), rtol=1e-12, atol=0)

@@ -119,7 +119,7 @@ class DrawTable:
             log_weights, table = self.draw(sl.start, sl.stop - sl.start)
         return MixtureChunk(log_weights, table)
 
-    def reduce(self, reducer, *inputs):
+    def reduce(self, reducer, *inputs, visit=None):
         """Apply ``reducer(chunk, *inputs)`` to every chunk; combine with logaddexp.
 
         The kept chunks are reduced as they are; the streamed ones are drawn again chunk by
@@ -128,12 +128,20 @@ class DrawTable:
         outlives its reduction.
 
         :param callable reducer: ``reducer(chunk, *inputs)`` -> a tuple of partial log-sums.
+        :param callable visit: called without a graph with every chunk, detached (the kept
+            draws chunk by chunk, as :meth:`parts`; a streamed chunk as its value's pass
+            draws it, so that what ``visit`` computes costs no model run of its own).
         :returns: the combined tuple (:func:`~pyro_mpt.conditionals.mixture.combine_partials`).
         """
         total = None if self.kept is None else reducer(self.kept, *inputs)
+        if visit is not None and self.kept is not None:
+            with torch.no_grad():
+                for part in self._kept_parts():
+                    visit(part)
         makers = [functools.partial(self.compute_chunk, sl) for sl in self.streamed_slices()]
         if makers:
-            total = combine_partials(total, streamed_log_sums(makers, reducer, *inputs))
+            seen = None if visit is None else (lambda chunk: visit(chunk.detached()))
+            total = combine_partials(total, streamed_log_sums(makers, reducer, *inputs, visit=seen))
         return total
 
     def parts(self):
@@ -142,6 +150,11 @@ class DrawTable:
 
         :returns: an iterator of :class:`~pyro_mpt.conditionals.mixture_chunks.MixtureChunk`.
         """
+        yield from self._kept_parts()
+        for sl in self.streamed_slices():
+            yield self.compute_chunk(sl).detached()
+
+    def _kept_parts(self):
         if self.kept is not None:
             kept = self.kept.detached()
             for sl in self.slices():
@@ -149,8 +162,6 @@ class DrawTable:
                     # views of the kept table, chunk by chunk: what a diagnostic makes of each
                     # (squares, copies) stays the size of a chunk
                     yield kept.narrowed(sl)
-        for sl in self.streamed_slices():
-            yield self.compute_chunk(sl).detached()
 
     def joints(self):
         """The draws' log-joints :math:`\\log w_{is} + \\sum_d T_{isd}`, ``(n, S)``, detached."""

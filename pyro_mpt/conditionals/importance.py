@@ -113,7 +113,7 @@ from .importance_guide import autoguide_draws, guide_draws
 from .importance_self_normalized import self_normalized_conditionals
 from .latent_runs import GuideMemory, LatentRunner, check_draws_log_density, logmeanexp
 from .mixture import chain_terms, combine_partials, normalize_empty
-from ..recompute import recomputed
+from ..recompute import recomputed, rerunning
 
 __all__ = ["ImportanceConditionals", "ImportanceState"]
 
@@ -424,7 +424,7 @@ class ImportanceConditionals(ConditionalEngine):
         num, den = table.reduce(lambda chunk: chunk.leave_one_out_partials())  # (n,), (n, D)
         if not (bool(torch.isfinite(num).all()) and bool(torch.isfinite(den).all())):
             return None
-        if self.diagnostics:
+        if self.diagnostics and not rerunning():
             with torch.no_grad():
                 (den2,) = _combined(chunk.squared().leave_one_out_partials()[1:] for chunk in table.parts())
                 ess = torch.exp(2 * den.detach() - den2)  # 1 / sum of the squared normalized weights
@@ -436,14 +436,18 @@ class ImportanceConditionals(ConditionalEngine):
 
     def _prior_mask(self, state, mask):
         table = state.table
-        num, den = table.reduce(lambda chunk, m: chunk.mask_partials((~m).to(chunk.table.dtype)), mask)
+        # the backward pass's second run of a block reports nothing: the first run did
+        diagnose = self.diagnostics and not rerunning()
+        moments = []  # each chunk's second moments, made as the value's pass draws it
+        visit = (lambda chunk: moments.append(chunk.second_moments(~mask))) if diagnose else None
+        num, den = table.reduce(lambda chunk, m: chunk.mask_partials((~m).to(chunk.table.dtype)), mask, visit=visit)
         den = normalize_empty(den, ~mask)
         out = num - den.unsqueeze(-1)
         diagnostics = None
-        if self.diagnostics:
+        if diagnose:
             with torch.no_grad():
                 ctx = (~mask).to(out.dtype)
-                b2, a2, c = _combined(chunk.second_moments(ctx) for chunk in table.parts())
+                b2, a2, c = _combined(moments)
                 a, b = den.detach(), num.detach()
                 sum_w2 = torch.exp(a2 - 2 * a)
                 S = self.num_samples
@@ -517,7 +521,7 @@ class ImportanceConditionals(ConditionalEngine):
             return terms, {"num_samples": self.num_samples, "proposal": state.proposal} if self.diagnostics else None
         (L,) = table.reduce(lambda chunk, o: (chunk.chain_partials(o, self.max_elements),), order)
         diagnostics = None
-        if self.diagnostics:
+        if self.diagnostics and not rerunning():
             with torch.no_grad():
                 L2, L1 = _combined(
                     (chunk.squared().chain_partials(order, self.max_elements), chunk.chain_partials(order, self.max_elements))

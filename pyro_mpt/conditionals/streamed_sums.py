@@ -34,7 +34,8 @@ def streamed_log_sums(makers, reducer, *inputs, visit=None):
         are called again for the gradient and in the backward pass).
     :param callable reducer: ``reducer(chunk, *inputs)`` -> a tuple of partial log-sums.
     :param callable visit: called with each chunk of the pass without a graph (once per
-        chunk and call), e.g. for checks on the table.
+        chunk and call), e.g. for checks or diagnostics on the table: what it computes costs
+        no model run of its own.
     :returns: the combined tuple, as
         :func:`~pyro_mpt.conditionals.mixture.combine_partials` of every chunk's would be
         (None without chunks); with gradients on, differentiable.
