@@ -14,11 +14,12 @@ before the trace still fixes the draw. What the trace draws through Pyro's own m
 under ``Trace_ELBO``.
 """
 
+import contextlib
 import hashlib
 
 import torch
 
-__all__ = ["state_seed", "draw_apart"]
+__all__ = ["state_seed", "seeded_streams", "draw_apart"]
 
 
 def state_seed(key):
@@ -39,6 +40,26 @@ def state_seed(key):
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
+@contextlib.contextmanager
+def seeded_streams(seed):
+    """Within it, torch's random streams (the CPU's and, where CUDA is in use, every
+    device's) are seeded with ``seed``; the global ones are restored after it.
+
+    Example::
+
+        >>> with seeded_streams(7):
+        ...     a = torch.randn(3)
+        >>> with seeded_streams(7):
+        ...     torch.equal(a, torch.randn(3))
+        True
+    """
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if cuda else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 def draw_apart(site=None):
     """A Pyro init strategy (:class:`~pyro.infer.autoguide.initialization.InitMessenger`):
     the site's prior draw, on torch's random streams seeded by :func:`state_seed` of its
@@ -51,11 +72,7 @@ def draw_apart(site=None):
     """
     if site is None:
         return draw_apart
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    devices = list(range(torch.cuda.device_count())) if cuda else []
-    seed = state_seed(site["name"])
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+    with seeded_streams(state_seed(site["name"])):
         value = site["fn"].sample().detach()
     value._pyro_custom_init = False
     return value

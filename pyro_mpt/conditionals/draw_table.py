@@ -29,6 +29,7 @@ import functools
 
 import torch
 
+from ..random_streams import seeded_streams
 from ..recompute import recomputed
 from .mixture import combine_partials
 from .mixture_chunks import MixtureChunk
@@ -111,11 +112,8 @@ class DrawTable:
 
         :rtype: ~pyro_mpt.conditionals.mixture_chunks.MixtureChunk
         """
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        devices = list(range(torch.cuda.device_count())) if cuda else []
         index = sl.start // self.draw_chunk
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed((self.seed + _GOLDEN * (index + 1)) % 2**63)
+        with seeded_streams((self.seed + _GOLDEN * (index + 1)) % 2**63):
             log_weights, table = self.draw(sl.start, sl.stop - sl.start)
         return MixtureChunk(log_weights, table)
 

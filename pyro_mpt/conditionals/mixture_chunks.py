@@ -30,6 +30,13 @@ def exp_floor(dtype):
     return 0.5 * math.log(torch.finfo(dtype).tiny)
 
 
+def _floored_square(t):
+    """``t ** 2`` of exp-space factors clamped at ``exp(exp_floor)``, in place: the square of a
+    factor at the floor is tiny, and products of two such squares are subnormal (a matrix
+    product of them ran 20 times slower)."""
+    return t.square_().clamp_min_(math.exp(exp_floor(t.dtype)))
+
+
 def stable_logsumexp(t, dim):
     """``torch.logsumexp`` without subnormals (see :func:`exp_floor`); keeps ``-inf``.
 
@@ -134,10 +141,7 @@ class MixtureChunk:
         two passes."""
         B, m = self.exp_table()
         out = MixtureChunk(2 * self.log_weights.detach(), 2 * self.table.detach())
-        # clamped at the floor again, as a new exponential would be: the squares reach tiny,
-        # and the matrix products of two such factors met subnormals (20 times slower)
-        B2 = B.square().clamp_min_(math.exp(exp_floor(B.dtype)))
-        out._exp_table, out._shift, out._impossible = B2, 2 * m, self._impossible
+        out._exp_table, out._shift, out._impossible = _floored_square(B.clone()), 2 * m, self._impossible
         return out
 
     def joint(self):
@@ -196,13 +200,10 @@ class MixtureChunk:
             base = logw[:, None, :] + _context_sums(T, ctx.to(T.dtype), self.impossible())  # (n, q, Qc)
             mb = base.amax(-1, keepdim=True)
             mb = torch.where(torch.isfinite(mb), mb, torch.zeros_like(mb))
-            floor = math.exp(exp_floor(T.dtype))
-            # squares clamped at the floor again: products of two squares at tiny each are
-            # subnormal, and a matrix product of them ran 20 times slower
-            A2 = (base - mb).clamp_min_(exp_floor(T.dtype)).exp_().square_().clamp_min_(floor)
+            A2 = _floored_square((base - mb).clamp_min_(exp_floor(T.dtype)).exp_())
             a2 = 2 * mb.squeeze(-1) + A2.sum(-1).log()
             out = []
-            for table, shift, power in ((B.square().clamp_min_(floor), 2 * mT, 2.0), (B, mT, 1.0)):
+            for table, shift, power in ((_floored_square(B.clone()), 2 * mT, 2.0), (B, mT, 1.0)):
                 S = torch.bmm(A2, table)  # (n, q, D)
                 bad = _underflow(S, Qc)
                 part = torch.where(bad, torch.ones_like(S), S).log_().add_(2 * mb).add_(shift)
@@ -286,9 +287,8 @@ def _context_sums(T, ctx, impossible=None):
     if impossible is None:
         impossible = bool(torch.isneginf(T).any())
     if impossible:
-        impossible = torch.isneginf(T)
         floor = torch.finfo(T.dtype).min / (4 * (T.shape[-1] + 1))
-        sums = _context_sums(torch.where(impossible, torch.full_like(T, floor), T), ctx, False)
+        sums = _context_sums(torch.where(torch.isneginf(T), torch.full_like(T, floor), T), ctx, False)
         return sums.masked_fill(sums < floor / 2, -math.inf)
     if ctx.shape[1] == 1:  # a batched product: T may be a strided view
         return torch.matmul(T, ctx[:, 0, :].T).transpose(1, 2)
