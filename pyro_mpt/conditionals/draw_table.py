@@ -161,11 +161,6 @@ class DrawTable:
                     # (squares, copies) stays the size of a chunk
                     yield kept.narrowed(sl)
 
-    def joints(self):
-        """The draws' log-joints :math:`\\log w_{is} + \\sum_d T_{isd}`, ``(n, S)``, detached."""
-        with torch.no_grad():
-            return torch.cat([chunk.joint() for chunk in self.parts()], -1)
-
     def __repr__(self):
         return f"DrawTable(num_samples={self.num_samples}, kept={self.num_kept}, streamed={self.num_samples - self.num_kept})"
 

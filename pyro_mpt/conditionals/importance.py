@@ -421,12 +421,15 @@ class ImportanceConditionals(ConditionalEngine):
         table = state.table
         if table is None or state.num_tokens < 2 or observed is not None:
             return None
-        num, den = table.reduce(lambda chunk: chunk.leave_one_out_partials())  # (n,), (n, D)
+        diagnose = self.diagnostics and not rerunning()
+        moments = []  # each chunk's squared partials, made as the value's pass draws it
+        visit = (lambda chunk: moments.append(chunk.squared().leave_one_out_partials()[1:])) if diagnose else None
+        num, den = table.reduce(lambda chunk: chunk.leave_one_out_partials(), visit=visit)  # (n,), (n, D)
         if not (bool(torch.isfinite(num).all()) and bool(torch.isfinite(den).all())):
             return None
-        if self.diagnostics and not rerunning():
+        if diagnose:
             with torch.no_grad():
-                (den2,) = _combined(chunk.squared().leave_one_out_partials()[1:] for chunk in table.parts())
+                (den2,) = _combined(moments)
                 ess = torch.exp(2 * den.detach() - den2)  # 1 / sum of the squared normalized weights
                 worst = ess.argmin(-1)  # each datapoint's query with the fewest effective samples
                 rows = torch.arange(x.shape[0], device=x.device)
@@ -519,16 +522,17 @@ class ImportanceConditionals(ConditionalEngine):
         if table is None:
             terms = super().chain_log_prob(state, x, order)
             return terms, {"num_samples": self.num_samples, "proposal": state.proposal} if self.diagnostics else None
-        (L,) = table.reduce(lambda chunk, o: (chunk.chain_partials(o, self.max_elements),), order)
+        diagnose = self.diagnostics and not rerunning()
+        moments = []  # each chunk's squared partials, made as the value's pass draws it
+        visit = (lambda chunk: moments.append((chunk.squared().chain_partials(order, self.max_elements),))) if diagnose else None
+        (L,) = table.reduce(lambda chunk, o: (chunk.chain_partials(o, self.max_elements),), order, visit=visit)
         diagnostics = None
-        if self.diagnostics and not rerunning():
+        if diagnose:
             with torch.no_grad():
-                L2, L1 = _combined(
-                    (chunk.squared().chain_partials(order, self.max_elements), chunk.chain_partials(order, self.max_elements))
-                    for chunk in table.parts()
-                )
-                # weights of position t use the context after it: entry t + 1
-                ess = torch.exp(2 * L1[..., 1:] - L2[..., 1:])
+                (L2,) = _combined(moments)
+                # weights of position t use the context after it: entry t + 1 (the partials of
+                # the weights themselves are L's, made above)
+                ess = torch.exp(2 * L.detach()[..., 1:] - L2[..., 1:])
                 khat = self._check_chain(state, table, order, ess)
                 diagnostics = {
                     "ess": ess, "khat": khat, "num_samples": self.num_samples, "proposal": state.proposal
@@ -540,9 +544,11 @@ class ImportanceConditionals(ConditionalEngine):
         r"""Importance-sampled :math:`\log p(x_i)`, ``(n,)``: the prior draws' mixture, or the guide on the full data."""
         self._check_x(state, x)
         if state.table is not None:
-            (value,) = state.table.reduce(lambda chunk: (torch.logsumexp(chunk.joint(), -1),))
+            joints = []  # each chunk's log-joints (n, S_c), made as the value's pass draws it
+            visit = (lambda chunk: joints.append(chunk.joint())) if self.diagnostics else None
+            (value,) = state.table.reduce(lambda chunk: (torch.logsumexp(chunk.joint(), -1),), visit=visit)
             if self.diagnostics:
-                lw = state.table.joints().T  # (S, n)
+                lw = torch.cat(joints, -1).T  # (S, n)
                 with torch.no_grad():
                     self._check_weights(state, lw, effective_sample_size(lw))
             return value
