@@ -77,10 +77,14 @@ class DrawTable:
         keep = len(slices) if self.num_samples * self.num_data * self.num_tokens <= cache_elements else (
             int(cache_elements) // max(1, per_chunk)
         )
-        #: the draws kept, the leading ``num_kept``, as one
+        #: the draws kept, the leading :attr:`num_kept`, as one
         #: :class:`~pyro_mpt.conditionals.mixture_chunks.MixtureChunk` (None when none is kept)
         self.kept = self._kept_table(slices[:keep]) if keep else None
-        self.num_kept = sum(sl.stop - sl.start for sl in slices[:keep])
+
+    @property
+    def num_kept(self):
+        """The draws kept, the leading ones."""
+        return 0 if self.kept is None else self.kept.table.shape[1]
 
     def _kept_table(self, slices):
         """The kept chunks as one table, each chunk copied in as it is made: one reduction per
