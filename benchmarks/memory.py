@@ -29,7 +29,7 @@ Usage::
     .venv/bin/python benchmarks/memory.py                      # full run (~10 min on 2 loaded cores)
     .venv/bin/python benchmarks/memory.py --quick              # small sizes (< 1 min)
     .venv/bin/python benchmarks/memory.py --out-md docs/benchmarks.md
-    .venv/bin/python benchmarks/memory.py --tables draws      # the importance engine's draws (~3 min)
+    .venv/bin/python benchmarks/memory.py --tables draws      # the importance engine's draws (~10 min)
 """
 
 import argparse
@@ -178,6 +178,15 @@ def cell(r, key, fmt):
     return r["error"][:40] if "error" in r else fmt(r[key])
 
 
+def allocator_cells(default, fixed):
+    """The cells of one run with glibc's default malloc and with a fixed mmap threshold: peak
+    RSS and step peak of each, then the time of each."""
+    return (
+        f"{cell(default, 'peak_mb', mb)} | {cell(default, 'step_mb', mb)} | {cell(fixed, 'peak_mb', mb)} "
+        f"| {cell(fixed, 'step_mb', mb)} | {cell(default, 'seconds', fmt_s)} s | {cell(fixed, 'seconds', fmt_s)} s"
+    )
+
+
 def mb(v):
     return f"{v:.0f} MB"
 
@@ -254,9 +263,7 @@ def bounded_table(target, common):
         fixed = in_subprocess(dict(common, **dict(cfg, N=n, share=False)), MALLOC_ENV)
         blocks = math.ceil(D / max(1, 2**22 // (n * D)))
         line = (
-            f"| {n} | {blocks} | {cell(default, 'peak_mb', mb)} | {cell(default, 'step_mb', mb)} "
-            f"| {cell(fixed, 'peak_mb', mb)} | {cell(fixed, 'step_mb', mb)} "
-            f"| {cell(default, 'seconds', fmt_s)} s | {cell(fixed, 'seconds', fmt_s)} s |"
+            f"| {n} | {blocks} | {allocator_cells(default, fixed)} |"
         )
         lines.append(line)
         print(line, flush=True)
@@ -286,9 +293,7 @@ def draws_table(quick, common):
                        share=False, **extra)
             default, fixed = in_subprocess(cfg), in_subprocess(cfg, MALLOC_ENV)
             line = (
-                f"| `{masks}` | {N} | {label}, {S * N * D:.3g} entries | {cell(default, 'peak_mb', mb)} "
-                f"| {cell(default, 'step_mb', mb)} | {cell(fixed, 'peak_mb', mb)} | {cell(fixed, 'step_mb', mb)} "
-                f"| {cell(default, 'seconds', fmt_s)} s | {cell(fixed, 'seconds', fmt_s)} s |"
+                f"| `{masks}` | {N} | {label}, {S * N * D:.3g} entries | {allocator_cells(default, fixed)} |"
             )
             lines.append(line)
             print(line, flush=True)
