@@ -112,7 +112,6 @@ With the defaults (``max_elements = 2**24``) N=2000, D=784, K=2 runs in about
 1.1 GB (float32, adaptive 8 x 8 grid; see ``docs/quadrature.md``).
 """
 
-import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -358,7 +357,7 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
                     f"QuadratureConditionals({label}={value!r}): give a positive "
                     f"integer (nodes per latent dimension) or None for the default."
                 )
-        if isinstance(target_grids, bool) or not isinstance(target_grids, numbers.Integral) or target_grids < 0:
+        if not is_count(target_grids, minimum=0):
             raise ValueError(
                 f"QuadratureConditionals(target_grids={target_grids!r}): give a non-negative "
                 f"integer (numerators per query and datapoint that get grids of their own; "
