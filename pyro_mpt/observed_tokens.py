@@ -17,8 +17,9 @@ records a ``<name>_observed`` site and a ``<name>_unobserved`` latent, which is
 dropped here: the missing tokens are integrated out), ``dist.mask(m)`` on the
 observation, or ``poutine.mask``. The ``observed`` field of :class:`ObservedTokens` marks
 the observed tokens; missing ones are never context and never targets, and the
-values they carry are replaced by an observed value of the same token (so that
-every engine sees finite numbers in the support).
+values they carry are replaced by an observed value of the same token, or by a
+draw of the site's distribution where that value lies outside the datapoint's
+support (so that every engine sees finite numbers in the support).
 
 **Validation.** While Pyro's validation is on (``pyro.enable_validation``, its
 default; :func:`pyro.infer.util.is_validation_enabled`), each trace checks the
@@ -53,7 +54,7 @@ from pyro.poutine.indep_messenger import IndepMessenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 
-from .random_streams import draw_apart
+from .random_streams import draw_apart, seeded_streams
 from .site_checks import (check_dtype, check_extra_sites, check_integer_data, check_latent_dtypes, check_shape,
                           observation_dtype, validate_values)
 from .token_layout import TokenLayout
@@ -459,6 +460,30 @@ def _fill_missing(value, observed):
     return torch.where(observed, value, per_token.expand_as(value))
 
 
+def _in_support(fn, value):
+    """Whether ``value`` lies in the support of ``fn`` everywhere (True where the support
+    cannot be checked)."""
+    try:
+        return bool(fn.support.check(value).all())
+    except NotImplementedError:
+        return True
+
+
+def _fill_from_draw(layout, fn, value, observed):
+    """``value`` ``(n, D)`` with each missing token set to a draw of the site's distribution,
+    on a random stream of its own (the global one left as it was): where the support differs
+    by datapoint (a ``Binomial``'s ``total_count``), another datapoint's value of the token
+    can lie outside it (7 successes where the datapoint has 2 trials), and Pyro refused the
+    site at every estimate. Left as it is where the distribution cannot draw."""
+    try:
+        with seeded_streams(0), torch.no_grad():
+            draw = fn.sample()
+    except NotImplementedError:
+        return value
+    draw = layout.to_tokens(draw.expand(layout.site_shape)).reshape(value.shape)
+    return torch.where(observed, value, draw.to(value.dtype))
+
+
 def _empty_plate(error):
     """The name of the ``pyro.plate`` whose size 0 raised ``error`` (a ZeroDivisionError
     from Pyro's plate constructor), or None when it came from elsewhere."""
@@ -552,6 +577,9 @@ def _token_values(layout, site, dtype, validate):
     # fill the raw values once and cast
     raw_flat = _fill_missing(raw_flat, observed)
     site_value = layout.to_site(raw_flat)
+    if not _in_support(site["fn"], site_value):
+        raw_flat = _fill_from_draw(layout, site["fn"], raw_flat, observed)
+        site_value = layout.to_site(raw_flat)
     return raw_flat.to(dtype), observed, site_value if torch.is_floating_point(raw) else site_value.to(dtype)
 
 

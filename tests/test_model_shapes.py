@@ -525,6 +525,56 @@ def test_missing_integer_tokens_are_filled_once_for_both_layouts():
     assert torch.equal(tokens.value, expected.to(tokens.value.dtype))
 
 
+def test_missing_tokens_get_a_value_in_their_own_datapoints_support(float64):
+    """A Binomial whose total_count differs by datapoint, a token missing where the datapoint
+    has 2 trials: the other datapoint's value of that token (7) was put there, outside the
+    support, and every estimate failed with Pyro's support error on valid data. Such a token now
+    gets a draw of the site's distribution (the global random stream left as it was): the
+    quadrature evidence and "order" score, and the enumerated mixture's, equal scipy's
+    references over the observed tokens."""
+    from scipy import integrate, stats
+    from scipy.special import logsumexp
+
+    tot = torch.tensor([[10.0, 10.0], [2.0, 10.0]])
+    x = torch.tensor([[7.0, 3.0], [1.0, 4.0]])
+    m = torch.tensor([[True, True], [False, True]])
+
+    def latent(tot, x, m):
+        with pyro.plate("data", 2):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0), 1.0))
+            pyro.sample("x", dist.Binomial(tot, logits=z[..., None]).mask(m).to_event(1), obs=x)
+
+    probs = [[0.3, 0.6], [0.7, 0.2]]
+
+    def mixture(tot, x, m):
+        with pyro.plate("data", 2):
+            c = pyro.sample("c", dist.Categorical(torch.tensor([0.5, 0.5])))
+            pyro.sample("x", dist.Binomial(tot, probs=torch.tensor(probs)[c]).mask(m).to_event(1), obs=x)
+
+    def observed_terms(i, p):
+        return sum(stats.binom.logpmf(x[i, d].item(), tot[i, d].item(), p[d]) for d in range(2) if m[i, d])
+
+    def latent_ref(i):
+        f = lambda z: math.exp(stats.norm.logpdf(z) + observed_terms(i, [1 / (1 + math.exp(-z))] * 2))  # noqa: E731
+        return math.log(integrate.quad(f, -15, 15, epsabs=0, epsrel=1e-12)[0])
+
+    latent_want = torch.tensor([latent_ref(0), latent_ref(1)])
+    mixture_want = torch.tensor([logsumexp([math.log(0.5) + observed_terms(i, probs[k]) for k in range(2)]) for i in range(2)])
+    state = torch.get_rng_state()
+    tokens = trace_tokens(latent, None, (tot, x, m), {})
+    assert torch.equal(torch.get_rng_state(), state)
+    assert bool(((tokens.site_value >= 0) & (tokens.site_value <= tot)).all())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the quadrature engine's accuracy notes
+        torch.testing.assert_close(Evidence(latent, method="quadrature", num_nodes=64)(tot, x, m), latent_want,
+                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(MaskedPretrainingLoss(masks="order", conditionals="quadrature", num_nodes=64)
+                                   .score(latent, None, tot, x, m), latent_want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(Evidence(mixture)(tot, x, m), mixture_want, rtol=0, atol=1e-10)
+    torch.testing.assert_close(MaskedPretrainingLoss(masks="order").score(mixture, None, tot, x, m), mixture_want,
+                               rtol=0, atol=1e-10)
+
+
 def test_missing_tokens_refused_where_the_guide_reads_the_data(float64):
     W, b, x = _params()
     m = _mask()

@@ -1204,6 +1204,39 @@ def test_a_model_that_mixes_the_nodes_dim_into_the_datapoints_is_run_one_node_at
     assert (np.abs(est.log_evidence.numpy() - ref) < 4 * est.stderr.numpy() + 1e-3).all()
 
 
+def test_the_node_check_waits_for_nodes_that_differ_by_datapoint():
+    """The same z[:, None] model whose adaptive rule's search starts every datapoint at one
+    point: the check of the first vectorized run was made there, where a model that moves the
+    datapoints onto the tokens gives the right numbers, so it passed and the search's next
+    nodes, which differ by datapoint, read each datapoint's likelihood at the others' latents
+    (-0.15, +2.07, +0.42 nats against scipy's quad, no warning but a Newton one). The check now
+    waits for nodes that differ: Evidence and the "order" score equal scipy's quad."""
+    from scipy import integrate
+    from scipy.stats import norm, poisson
+
+    from pyro_mpt.conditionals import SlowEngineWarning
+
+    b = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    x = torch.tensor([[3.0, 0.0, 1.0], [0.0, 2.0, 5.0], [1.0, 1.0, 4.0]], dtype=torch.float64)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+            pyro.sample("x", dist.Poisson((b + 2.0 * z[:, None]).exp()).to_event(1), obs=x)
+
+    def quad(xi):
+        f = lambda z: np.exp(norm.logpdf(z) + poisson.logpmf(xi, np.exp(b.numpy() + 2.0 * z)).sum())  # noqa: E731
+        return np.log(integrate.quad(f, -12, 12, epsabs=0, epsrel=1e-12, limit=200)[0])
+
+    ref = np.array([quad(xi) for xi in x.numpy()])
+    with pytest.warns(SlowEngineWarning, match="differs when the model runs at many nodes at once"):
+        got = Evidence(model, method="quadrature")(x)
+    np.testing.assert_allclose(got.numpy(), ref, atol=1e-6)
+    with pytest.warns(SlowEngineWarning):
+        score = MaskedPretrainingLoss(masks="order", conditionals="quadrature").score(model, None, x)
+    np.testing.assert_allclose(score.numpy(), ref, atol=1e-6)
+
+
 def test_tokens_impossible_at_some_nodes_are_left_out_not_multiplied_by_zero(float64):
     """Poisson(relu(2 + a)): at nodes with a <= -2 the rate is 0 and every count above 0 has
     log-likelihood -inf. The masked conditionals summed each context as 0/1 mask times the
