@@ -72,19 +72,19 @@ def test_offline_errors_are_fast_and_clear(bert_dir, tmp_path, capsys, monkeypat
     d, texts = bert_dir
     t0 = time.perf_counter()
     with pytest.raises(SystemExit) as err:
-        main(["mlm-curve", "no-such-org/no-such-model", "--text-file", str(texts), "--json", str(tmp_path / "x.json")])
+        run(["mlm-curve", "no-such-org/no-such-model", "--text-file", str(texts), "--json", str(tmp_path / "x.json")])
     assert err.value.code == 2 and time.perf_counter() - t0 < 3.0
     msg = capsys.readouterr().err
     assert "no-such-org/no-such-model" in msg and "HF_HUB_OFFLINE" in msg and "local directory" in msg
     assert not (tmp_path / "x.json").exists()
     if importlib.util.find_spec("datasets") is not None:  # without it: the test below
         with pytest.raises(SystemExit) as err:
-            main(["mlm-curve", str(d), "--dataset", "glue", "--dataset-config", "cola", "--split", "validation"])
+            run(["mlm-curve", str(d), "--dataset", "glue", "--dataset-config", "cola", "--split", "validation"])
         assert err.value.code == 2
         msg = capsys.readouterr().err
         assert "'glue'" in msg and "--text-file" in msg and "save_to_disk" in msg
     with pytest.raises(SystemExit) as err:
-        main(["mae-curve", "facebook/vit-mae-base", "--image-folder", str(tmp_path)])
+        run(["mae-curve", "facebook/vit-mae-base", "--image-folder", str(tmp_path)])
     assert err.value.code == 2  # no images in the folder
     assert "No images" in capsys.readouterr().err
 
@@ -111,10 +111,50 @@ def test_mae_curve_end_to_end(tmp_path):
     assert data["sigma2"] == pytest.approx(np.mean(data["per_image"]["mse"]))
 
 
+def test_main_returns_the_exit_status(capsys):
+    """main() returns 0, 2 or 1, as its docstring and docs/cli.rst say (it raised SystemExit,
+    so that rc = main([...]) in a script failed on every error); run() raises."""
+    assert main(["compare", "--epochs", "0"]) == 2
+    assert "--epochs" in capsys.readouterr().err
+    assert main(["mae-curve", "--help"]) == 0
+    with pytest.raises(SystemExit) as err:
+        run(["compare", "--epochs", "0"])
+    assert err.value.code == 2
+
+
+def test_mae_curve_fills_zero_position_embeddings_on_request(tmp_path):
+    """A checkpoint saved with zero position embeddings (built from a config by transformers 5):
+    the command warned and a user of the command line could not call init_position_embeddings;
+    --init-position-embeddings fills them (no warning) and changes the scores."""
+    from PIL import Image
+
+    model = tiny_vit_mae(init=False, image_size=16, hidden_size=32, intermediate_size=64, decoder_hidden_size=16,
+                         decoder_intermediate_size=32)
+    if model.vit.embeddings.position_embeddings.any():
+        pytest.skip("this transformers version initializes the position embeddings itself")
+    model_dir = tmp_path / "mae"
+    model.save_pretrained(model_dir)
+    transformers.ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(model_dir)
+    images = tmp_path / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(images / f"{i}.png")
+    argv = ["mae-curve", str(model_dir), "--image-folder", str(images), "--rates", "0.5", "--no-plot"]
+    with pytest.warns(UserWarning, match="--init-position-embeddings"):
+        zero = run([*argv, "--json", str(tmp_path / "zero.json")])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*position embeddings")
+        filled = run([*argv, "--init-position-embeddings", "--json", str(tmp_path / "filled.json")])
+    assert filled["per_image"]["mse"] != zero["per_image"]["mse"]
+
+
 def test_help_reads_well(capsys):
     for cmd in ("mlm-curve", "mae-curve"):
         with pytest.raises(SystemExit) as err:
-            main([cmd, "--help"])
+            run([cmd, "--help"])
         assert err.value.code == 0
         text = capsys.readouterr().out
         assert "examples:" in text and "--rates" in text and "--json" in text
@@ -197,14 +237,14 @@ def test_counts_are_refused_before_loading(flag, value, tmp_path, capsys):
     """Refused at parse time: the model named here does not exist, and is never looked up."""
     t0 = time.perf_counter()
     with pytest.raises(SystemExit) as err:
-        main(["mlm-curve", "no-such-org/no-such-model", "--text-file", "missing.txt", flag, value])
+        run(["mlm-curve", "no-such-org/no-such-model", "--text-file", "missing.txt", flag, value])
     assert err.value.code == 2 and time.perf_counter() - t0 < 1.0
     assert f"argument {flag}: must be a positive integer, got '{value}'" in capsys.readouterr().err
 
 
 def test_mae_batch_size_zero_is_refused(capsys):
     with pytest.raises(SystemExit) as err:
-        main(["mae-curve", "no-such-org/no-such-model", "--image-folder", ".", "--batch-size", "0"])
+        run(["mae-curve", "no-such-org/no-such-model", "--image-folder", ".", "--batch-size", "0"])
     assert err.value.code == 2
     assert "argument --batch-size: must be a positive integer, got '0'" in capsys.readouterr().err
 
@@ -215,7 +255,7 @@ def test_empty_input_is_refused_before_the_model_loads(tmp_path, capsys, monkeyp
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
     with pytest.raises(SystemExit) as err:
-        main(["mlm-curve", "no-such-org/no-such-model", "--text-file", str(empty)])
+        run(["mlm-curve", "no-such-org/no-such-model", "--text-file", str(empty)])
     assert err.value.code == 2
     msg = capsys.readouterr().err
     assert f"no sequences to score: --text-file '{empty}' is empty" in msg and "no-such-model" not in msg
@@ -246,7 +286,7 @@ def test_empty_or_unreadable_data_is_a_usage_error_naming_it(bert_dir, tmp_path,
         mp.chdir(tmp_path)
         for data, line in cases:
             with pytest.raises(SystemExit) as err:
-                main(["mlm-curve", "no-such-org/no-such-model", *data, "--no-plot"])
+                run(["mlm-curve", "no-such-org/no-such-model", *data, "--no-plot"])
             out = capsys.readouterr()
             assert err.value.code == 2, out.err
             assert out.err.startswith(f"pyro-mpt: error: {line}") and out.err.count("\n") == 1, out.err
@@ -274,7 +314,7 @@ def test_split_and_config_of_a_saved_dataset_that_has_none_are_refused(bert_dir,
     )
     for (folder, *extra), line in cases:
         with pytest.raises(SystemExit) as err:
-            main(["mlm-curve", "no-such-org/no-such-model", "--dataset", str(tmp_path / folder), *extra, "--no-plot"])
+            run(["mlm-curve", "no-such-org/no-such-model", "--dataset", str(tmp_path / folder), *extra, "--no-plot"])
         out = capsys.readouterr()
         assert err.value.code == 2 and out.err.startswith(f"pyro-mpt: error: {line}"), out.err
     js = tmp_path / "r.json"
@@ -323,7 +363,7 @@ def test_model_dir_without_tokenizer_is_refused(tmp_path, capsys):
     texts = tmp_path / "t.txt"
     texts.write_text("a b c\n")
     with pytest.raises(SystemExit) as err:
-        main(["mlm-curve", str(tmp_path / "m"), "--text-file", str(texts), "--no-plot"])
+        run(["mlm-curve", str(tmp_path / "m"), "--text-file", str(texts), "--no-plot"])
     assert err.value.code == 2
     msg = capsys.readouterr().err
     assert f"has 5 tokens but the model's vocabulary (config.vocab_size) has {len(TINY_VOCAB)}" in msg
@@ -339,7 +379,7 @@ def test_unknown_residues_exit_2_with_the_reason(bert_dir, tmp_path, capsys):
     texts = tmp_path / "upper.txt"
     texts.write_text("a b c\nA B C\n")  # the tiny vocabulary is lower case
     with pytest.raises(SystemExit) as err:
-        main(["mlm-curve", str(d), "--text-file", str(texts), "--no-plot"])
+        run(["mlm-curve", str(d), "--text-file", str(texts), "--no-plot"])
     assert err.value.code == 2
     msg = capsys.readouterr().err
     assert "Sequence 1 has no maskable token: all its 3 token(s) are the unknown token '[UNK]'" in msg
@@ -455,12 +495,12 @@ def test_dataset_options_need_a_dataset_and_default_with_one(bert_dir, tmp_path,
     for extra, names in ((["--split", "test"], "--split chooses"),
                          (["--column", "a", "b", "--dataset-config", "c"], "--dataset-config and --column choose")):
         with pytest.raises(SystemExit) as err:
-            main(["mlm-curve", "no-such-org/no-such-model", "--text-file", str(texts), *extra])
+            run(["mlm-curve", "no-such-org/no-such-model", "--text-file", str(texts), *extra])
         assert err.value.code == 2
         msg = capsys.readouterr().err
         assert f"{names} what to read from --dataset; with --text-file" in msg and "no-such-model" not in msg
     with pytest.raises(SystemExit) as err:
-        main(["mae-curve", "no-such-org/no-such-model", "--image-folder", str(tmp_path), "--split", "train"])
+        run(["mae-curve", "no-such-org/no-such-model", "--image-folder", str(tmp_path), "--split", "train"])
     assert err.value.code == 2 and "with --image-folder it would be ignored" in capsys.readouterr().err
     pytest.importorskip("datasets")
     csv = tmp_path / "d.csv"
@@ -521,7 +561,7 @@ def test_a_checkpoint_of_another_kind_is_refused_with_or_without_random_init(ber
     for argv, line in cases:
         for extra in ([], ["--random-init"]):
             with pytest.raises(SystemExit) as err:
-                main([*map(str, argv), *extra, "--rates", "0.5", "--no-plot", "--json", str(tmp_path / "x.json")])
+                run([*map(str, argv), *extra, "--rates", "0.5", "--no-plot", "--json", str(tmp_path / "x.json")])
             out = capsys.readouterr()
             assert err.value.code == 2 and out.out == "", out.err
             lines = out.err.strip().splitlines()

@@ -146,6 +146,40 @@ def test_zero_position_embeddings_are_restored_and_flagged():
     assert all(not torch.equal(t, torch.full_like(t, 0.125 * (k + 1))) for k, t in enumerate(others))
 
 
+def test_position_embeddings_of_a_loaded_checkpoint_are_filled(tmp_path):
+    """A checkpoint saved with zero tables (built from a config by transformers 5) and loaded
+    with from_pretrained: its tensors are flagged as initialized, which the model's initializer
+    skips, so init_position_embeddings left the tables at zero (and MAEScorer warned again).
+    They now equal the tables of the same model built from its config and filled, the other
+    weights are kept, and the flags are as they were."""
+    import warnings
+
+    from transformers import ViTMAEForPreTraining
+
+    model = tiny_vit_mae(init=False, patch_size=2, decoder_hidden_size=16, decoder_intermediate_size=32)
+    if model.vit.embeddings.position_embeddings.any():
+        pytest.skip("this transformers version initializes the position embeddings itself")
+    model.save_pretrained(tmp_path)
+    loaded = ViTMAEForPreTraining.from_pretrained(tmp_path)
+    assert not loaded.vit.embeddings.position_embeddings.any()
+    flags = {name: getattr(t, "_is_hf_initialized", None) for name, t in loaded.named_parameters()}
+    kept = {name: t.detach().clone() for name, t in loaded.named_parameters() if "pos_embed" not in name
+            and "position_embeddings" not in name}
+    init_position_embeddings(loaded)
+    want = init_position_embeddings(ViTMAEForPreTraining(loaded.config))
+    torch.testing.assert_close(loaded.vit.embeddings.position_embeddings, want.vit.embeddings.position_embeddings,
+                               rtol=0, atol=0)
+    torch.testing.assert_close(loaded.decoder.decoder_pos_embed, want.decoder.decoder_pos_embed, rtol=0, atol=0)
+    assert loaded.vit.embeddings.position_embeddings.abs().max() > 0.5
+    for name, t in loaded.named_parameters():
+        assert getattr(t, "_is_hf_initialized", None) == flags[name]
+        if name in kept:
+            assert torch.equal(t, kept[name]), name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MAEScorer(loaded)
+
+
 def _hand_mse(model, x, M, ranks, dtype):
     """Masked-patch MSE of each image by the model's own forward and patchify, one image at a time."""
     N = ranks.shape[-1]

@@ -141,7 +141,7 @@ def test_a_learning_rate_that_blows_up_training_is_named_as_the_reason(capsys):
     and the table said the guide was a point mass and a MAP guide (AutoDelta, dist.Delta) cannot
     be a proposal, of a Normal encoder. Now it says training diverged and names the learning rate."""
     with pytest.raises(SystemExit) as err:
-        cli_main(["compare", "--losses", "elbo", "--lr", "1e6", "--epochs", "1", "--n-train", "200", "--n-test", "20",
+        cli_run(["compare", "--losses", "elbo", "--lr", "1e6", "--epochs", "1", "--n-train", "200", "--n-test", "20",
                   "--final-samples", "20", "--quiet"])
     assert err.value.code == 1
     table = capsys.readouterr().out
@@ -166,7 +166,7 @@ def test_cli_compare_prints_a_table_and_writes_json(tmp_path, capsys):
     assert all(r["error"] is None for r in data["results"])
     assert res["elbo"].heldout == pytest.approx(data["results"][1]["heldout"])
     with pytest.raises(SystemExit):
-        cli_main([])  # a subcommand is required
+        cli_run([])  # a subcommand is required
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -187,7 +187,7 @@ def test_cli_compare_refuses_data_rates_and_particles_before_training(argv, mess
     arg 3 must not be zero"), status 1 after the other losses' training."""
     monkeypatch.setitem(__import__("sys").modules, "torchvision", None)  # import torchvision fails
     with pytest.raises(SystemExit) as exit_:
-        cli_main(["compare", "--epochs", "1", *argv])
+        cli_run(["compare", "--epochs", "1", *argv])
     assert exit_.value.code == 2
     out, err = capsys.readouterr()
     assert out == "" and "Traceback" not in err

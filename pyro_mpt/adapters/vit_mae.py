@@ -73,16 +73,25 @@ def init_position_embeddings(model, reinit=False):
     proj = emb.patch_embeddings.projection
     kept = [] if reinit else [proj.weight, emb.cls_token, model.decoder.mask_token]
     saved = [t.detach().clone() for t in kept]
-    # the initializer skips modules already flagged as initialized
-    flag = getattr(proj, "_is_hf_initialized", None)
-    proj._is_hf_initialized = False
-    with torch.no_grad():
-        emb.initialize_weights()
-        model.decoder.initialize_weights(emb.patch_embeddings.num_patches)
-        for t, value in zip(kept, saved):
-            t.copy_(value)
-    if flag is not None:
-        proj._is_hf_initialized = flag
+    # the initializer skips the modules and the tensors flagged as initialized, which every
+    # tensor that from_pretrained loaded is: the tables of a loaded model stayed zero
+    flagged = [proj, proj.weight, emb.position_embeddings, emb.cls_token, model.decoder.decoder_pos_embed,
+               model.decoder.mask_token]
+    flags = [getattr(obj, "_is_hf_initialized", None) for obj in flagged]
+    for obj in flagged:
+        obj._is_hf_initialized = False
+    try:
+        with torch.no_grad():
+            emb.initialize_weights()
+            model.decoder.initialize_weights(emb.patch_embeddings.num_patches)
+            for t, value in zip(kept, saved):
+                t.copy_(value)
+    finally:
+        for obj, flag in zip(flagged, flags):
+            if flag is None:
+                del obj._is_hf_initialized
+            else:
+                obj._is_hf_initialized = flag
     return model
 
 
@@ -190,8 +199,8 @@ class MAEScorer:
             warnings.warn(
                 "This ViT-MAE has all-zero position embeddings (transformers 5 leaves them so when a model is "
                 "built from a config); call pyro_mpt.adapters.vit_mae.init_position_embeddings(model) first, "
-                "which fills the fixed sin-cos tables and keeps the other weights (a checkpoint trained with "
-                "zero position embeddings is scored as it is).",
+                "which fills the fixed sin-cos tables and keeps the other weights (pyro-mpt mae-curve: "
+                "--init-position-embeddings; a checkpoint trained with zero position embeddings is scored as it is).",
                 stacklevel=user_stacklevel(),
             )
         self.patch_dim = cfg.patch_size**2 * cfg.num_channels

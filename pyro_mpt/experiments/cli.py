@@ -162,8 +162,21 @@ def main(argv=None):
 
     :param list argv: arguments (default ``sys.argv[1:]``).
     :rtype: int
+
+    Example::
+
+        >>> main(["compare", "--epochs", "0"])  # a usage error: one line on stderr
+        2
     """
-    run(argv)
+    try:
+        run(argv)
+    except SystemExit as exit:
+        # run() exits as argparse does; the status is returned here, as documented (it was raised,
+        # so that rc = main([...]) in a script failed on every error)
+        if exit.code is None or isinstance(exit.code, int):
+            return exit.code or 0
+        print(exit.code, file=sys.stderr)
+        return 1
     return 0
 
 

@@ -148,6 +148,9 @@ def _add_mae_arguments(p):
     m = p.add_argument_group("model")
     m.add_argument("--processor", default=None, metavar="PATH", help="image processor directory or hub name (default: the model's)")
     m.add_argument("--random-init", action="store_true", help="same architecture, random weights")
+    m.add_argument("--init-position-embeddings", action="store_true",
+                   help="fill the fixed sin-cos position embeddings of a checkpoint saved with them at zero "
+                        "(a model built from a config by transformers 5); the other weights are kept")
     d = p.add_argument_group("data (one source)")
     d.add_argument("--image-folder", default=None, metavar="DIR", help="folder of png/jpg images (recursive)")
     d.add_argument("--dataset", default=None, metavar="NAME", help="datasets hub name, save_to_disk directory or data file")
@@ -477,7 +480,10 @@ def _run_mae(args):
     except (ResourceUnavailable, ValueError) as err:
         _fail(err)
     acc, device = _setup(args)
-    from ..adapters.vit_mae import MAEScorer
+    from ..adapters.vit_mae import MAEScorer, init_position_embeddings
+
+    if args.init_position_embeddings:
+        init_position_embeddings(model)
 
     label = args.label or (os.path.basename(os.path.normpath(args.model)) + (" (random init)" if args.random_init else ""))
     scorer = MAEScorer(model, proc, batch_size=args.batch_size, sigma2=sigma2, device=None if acc else device,
