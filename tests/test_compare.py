@@ -10,7 +10,7 @@ import pyro
 from pyro.infer import RenyiELBO, Trace_ELBO
 
 from pyro_mpt import EncodeDecodeConditionals, ImportanceConditionals, ImportanceWeightedELBO, MaskedPretrainingLoss
-from pyro_mpt.experiments.cli import main as cli_main, run as cli_run
+from pyro_mpt.experiments.cli import run as cli_run
 from pyro_mpt.experiments.compare import compare, heldout_evidence, khat_summary, make_loss
 from pyro_mpt.experiments.datasets import load_dataset
 from pyro_mpt.guide_elbo import WithGuideELBO
