@@ -59,7 +59,7 @@ def test_mlm_curve_end_to_end(bert_dir, tmp_path, capsys):
 def test_mlm_curve_paper_grid_reports_table2(bert_dir, tmp_path):
     d, texts = bert_dir
     js = tmp_path / "t2.json"
-    main(["mlm-curve", str(d), "--text-file", str(texts), "--scores", "--no-plot", "--json", str(js)])
+    assert main(["mlm-curve", str(d), "--text-file", str(texts), "--scores", "--no-plot", "--json", str(js)]) == 0
     data = json.loads(js.read_text())
     assert len(data["rates"]) == 99
     assert data["table2_area"] == pytest.approx(sum(data["score"]) * 0.01 * 512)
@@ -102,8 +102,8 @@ def test_mae_curve_end_to_end(tmp_path):
     for i in range(3):
         Image.fromarray(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)).save(images / f"{i}.png")
     js, png = tmp_path / "mae.json", tmp_path / "mae.png"
-    main(["mae-curve", str(model_dir), "--image-folder", str(tmp_path / "images"), "--rates", "0.25,0.5,0.75",
-          "--sigma2", "mle", "--json", str(js), "--plot", str(png)])
+    assert main(["mae-curve", str(model_dir), "--image-folder", str(tmp_path / "images"), "--rates", "0.25,0.5,0.75",
+                 "--sigma2", "mle", "--json", str(js), "--plot", str(png)]) == 0
     data = json.loads(js.read_text())
     assert data["num_images"] == 3 and data["num_patches"] == 16 and data["rates"] == [0.25, 0.5, 0.75]
     assert len(data["per_image"]["mse"]) == 3 and png.stat().st_size > 1000

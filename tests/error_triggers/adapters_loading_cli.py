@@ -242,12 +242,12 @@ def _():
 def _cli(argv):
     """Run ``pyro-mpt argv``; turn its exit (status 2, message on stderr) into SystemExit(message)."""
     pytest.importorskip("transformers")
-    from pyro_mpt.experiments.cli import main
+    from pyro_mpt.experiments.cli import run
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            main(argv)
+            run(argv)
         except SystemExit as e:
             assert e.code == 2, e.code
             raise SystemExit(err.getvalue()) from None
@@ -326,14 +326,14 @@ def _():
 
 @trigger("cli-compare-failed")
 def _():
-    from pyro_mpt.experiments.cli import main
+    from pyro_mpt.experiments.cli import run
 
     mp = pytest.MonkeyPatch()
     mp.setattr(pyro_mpt.experiments.compare, "heldout_evidence", lambda *a, **k: 1 / 0)  # fails after training
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            main(["compare", "--n-train", "8", "--n-test", "4", "--epochs", "1", "--hidden", "4", "--losses", "elbo",
+            run(["compare", "--n-train", "8", "--n-test", "4", "--epochs", "1", "--hidden", "4", "--losses", "elbo",
                   "--quiet"])
     except SystemExit as e:
         assert e.code == 1, e.code
