@@ -206,16 +206,15 @@ def test_quadrature_remembers_the_per_node_mode(float64):
     b = MaskedPretrainingLoss(conditionals=QuadratureConditionals(num_nodes=12, adaptive=False, min_ess=None),
                               masks="exhaustive").score(broadcast, None, x)
     assert float((a - b).abs().max()) < 1e-8
-    # second call: the same runs less the two failing vectorized ones ("compact", "full") and the
-    # hidden-randomness check's two (its trace and its second run: once per model), no warning.
-    # The vectorized run at the Laplace search's prior start (one node, equal for every
-    # datapoint, where the model's reshape is right) is not checked against a run at one node
-    # alone: nodes equal for every datapoint cannot tell (the check waits for nodes that differ)
+    # second call: the same runs less the two failing vectorized ones ("compact", "full"), the
+    # hidden-randomness check's two (its trace and its second run: once per model) and the two
+    # runs at probe nodes, one a mode, that found "compact" and "full" wrong (each ran at the
+    # Laplace search's one node, where the model's reshape is right), no warning
     runs.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", SlowEngineWarning)
         c = loss.score(fixed, None, x)
-    assert first - len(runs) == 2 + 2
+    assert first - len(runs) == 2 + 2 + 2
     assert float((c - a).abs().max()) < 1e-12
 
 
@@ -406,3 +405,37 @@ def test_reaches_points_reads_each_parameter_in_its_own_layout(float64):
     assert reaches_points(dist.TransformedDistribution(dist.Normal(moved, 1.0), [shift]).to_event(1), 2)
     assert not reaches_points(dist.LogNormal(moved, 1.0).to_event(1), 2)
     assert reaches_points(dist.LogNormal(varied, 1.0).to_event(1), 2)
+
+
+def test_latents_stacked_along_the_datapoints_dim_with_as_many_datapoints_as_latents(float64):
+    """z = torch.stack([z1, z2], 1) of two latents per datapoint, with N = K = 2: the points'
+    plate puts the points first, so stack(..., 1) transposes datapoints and latents where the
+    sizes agree, and the runs succeed with wrong numbers. The quadrature engine checked its first
+    nodes that differed by datapoint, (0, 0) and (0, 1.36), whose table is symmetric, so the
+    check passed and Evidence and the score were 1.4 nats off (the accuracy warning blamed the
+    nodes); the Gaussian marginal came out transposed and was refused as "affine near the prior
+    but not where the data put the posterior". Both now compare runs at random probe points
+    with runs at each point alone, run the model point by point (the quadrature engine with a
+    SlowEngineWarning), and equal the closed-form Gaussian density."""
+    from scipy.stats import multivariate_normal
+
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(4, 2, generator=g)
+    b = 0.3 * torch.randn(4, generator=g)
+    s = 0.6
+    x = torch.randn(2, 2, generator=g) @ W.T + b + s * torch.randn(2, 4, generator=g)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z1 = pyro.sample("z1", dist.Normal(torch.tensor(0.0), 1.0))
+            z2 = pyro.sample("z2", dist.Normal(torch.tensor(0.0), 1.0))
+            pyro.sample("x", dist.Normal(torch.stack([z1, z2], 1) @ W.T + b, s).to_event(1), obs=x)
+
+    cov = (W @ W.T).numpy() + s**2 * np.eye(4)
+    want = torch.tensor(multivariate_normal(b.numpy(), cov).logpdf(x.numpy()))
+    torch.testing.assert_close(Evidence(model)(x), want, rtol=0, atol=1e-10)  # 6 runs: not warned
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the adaptive rule's Newton note
+        with pytest.warns(SlowEngineWarning, match="differs when the model runs at many nodes at once"):
+            got = Evidence(model, method="quadrature")(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -53,8 +53,8 @@ from .distributions import affine_normal, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
 from .marginal_rows import basis_rows, common_rows, rows_equal, shared_loading
 from .structural_zeros import diagonal_variances
-from .plate_runs import (PROBE_REACH, CoordinateLatents, alternating_signs, fixed_probes, latent_layout,
-                         reaches_points, run_in_plate, run_with_fallback)
+from .plate_runs import (PROBE_REACH, PROBE_SEED, CoordinateLatents, agrees_with_point_run, alternating_signs,
+                         fixed_probes, latent_layout, reaches_points, run_in_plate, run_with_fallback)
 from ..code_origin import user_stacklevel
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "loading_nonzeros_in_chunks", "NotLinearGaussianError", "RUN_MODES"]
@@ -296,6 +296,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
             # zero loading, 16.6 nats off at n = 4, K = 2): the next mode fails
             # on such a reshape or runs point by point
             raise _LayoutDeclined()
+        check_probes("compact" if compact else "full", compact)
         loc, noise, batch_shape = _observation_parts(fn, tokens)
         _check_run_rows(batch_shape, tokens)
         for name, scale in scales.items():
@@ -303,6 +304,34 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
         return basis_rows(loc, noise, batch_shape[1:], P)
 
     n = value.shape[0]
+
+    def check_probes(mode, compact):
+        # once per model and mode: the run at two probe points, each datapoint at its own
+        # coordinates, against runs at each point alone. The points shared by the batch
+        # cannot tell a model that moves the datapoints elsewhere where the sizes agree
+        # (torch.stack([z1, z2], 1) with as many datapoints as latents transposes them): its
+        # loading came out transposed, and Evidence refused a linear model as "affine near
+        # the prior but not where the data put the posterior"
+        detail = (mode, tuple(value.shape), K)
+        if n == 1 or _PROBES_PASSED.passed(model, detail):
+            return
+        generator = torch.Generator(device="cpu").manual_seed(PROBE_SEED)
+        u = torch.randn(2, n, K, generator=generator, dtype=value.dtype).to(value.device)
+        try:
+            with torch.no_grad():
+                fn, _ = run(CoordinateLatents(layout, u, mpn + 1, tokens.batch_shape, compact=compact), 2)
+                loc = _observation_parts(fn, tokens)[0]
+                together = loc.reshape((2, -1, loc.shape[-1]))
+                alone = per_point(list(u))[0]
+                agree = together.shape[1] in (1, n) and agrees_with_point_run(*torch.broadcast_tensors(together, alone))
+        except Exception:  # noqa: BLE001 -- points per datapoint the model cannot take (latents shared by the batch) cannot tell
+            agree = True
+        if not agree:
+            raise _LayoutDeclined(
+                "its observation at points that differ by datapoint differs from runs at each point "
+                "alone (e.g. torch.stack(..., 1) or z[:, None] where dim=-1 or z[..., None] keeps the left dims)"
+            )
+        _PROBES_PASSED.add(model, detail)
 
     def by_rows(vectorized):
         # three points, each datapoint at its own coordinates: 0, e_i for the
@@ -545,6 +574,9 @@ def _check_scale_rows(name, scale):
 #: the posterior checks that passed, per model: the last few fingerprints of each (a training
 #: step that moves the parameters makes a new one)
 _POSTERIOR_PASSED = PassedChecks(keep=8)
+
+#: the probe checks of vectorized runs that passed, per model: ``(mode, data shape, K)``
+_PROBES_PASSED = PassedChecks(keep=8)
 
 
 def _posterior_fingerprint(x, mu, W):

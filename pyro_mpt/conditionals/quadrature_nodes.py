@@ -24,7 +24,7 @@ from torch.distributions import biject_to
 from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable, SlowEngineWarning
 from .distributions import token_log_prob, unwrap
-from .plate_runs import (CoordinateLatents, RunMemory, agrees_with_point_run, latent_layout, reaches_points,
+from .plate_runs import (PROBE_SEED, CoordinateLatents, RunMemory, agrees_with_point_run, latent_layout, reaches_points,
                          run_in_plate, run_with_fallback)
 from ..code_origin import user_stacklevel
 from ..model_keys import callable_key
@@ -269,10 +269,9 @@ class NodeRunner:
                 parts = [self._run(u[p], compact=False, plate=False) for p in range(u.shape[0])]
                 return torch.cat([lp for lp, _ in parts]), torch.cat([t for _, t in parts])
             out = self._run(u, compact=mode == "compact")
-            # once per model and mode, at the first nodes that differ by datapoint (nodes shared
-            # by the datapoints broadcast right even where the model mixes the dims up)
             key = (callable_key(self.model), mode)
-            if u.shape[1] > 1 and self.memory.verified != key and self._check_first_node(u, out[1]):
+            if self.memory.verified != key:
+                self._check_probe_nodes(u.shape[-1], u.dtype, u.device, compact=mode == "compact")
                 self.memory.verified = key
             return out
 
@@ -282,30 +281,33 @@ class NodeRunner:
         )
         return out
 
-    def _check_first_node(self, u, logp):
-        """Compare a new mode's first node whose coordinates differ by datapoint with a run
-        at that node alone: a model that broadcasts the node plate into the datapoints' dim
-        runs without error where the sizes happen to agree (``z[:, None] + b`` with as many
-        datapoints as tokens puts each datapoint's latent on the token axis), and every number
-        is then wrong (2.4 nats at N = D = 3). Raises ``ValueError`` there, so that the next
-        mode is tried. Returns whether the comparison could tell: at nodes equal for every
-        datapoint (the adaptive rule's search starts all of them at one point) such a model
-        gives the right numbers, so the check waits for nodes that differ (made there, it
-        passed, and the search's next nodes were off by up to 2 nats, without a warning)."""
-        differs = (u != u[:, :1]).flatten(1).any(1).nonzero()
-        if not len(differs):
-            return False
-        p = int(differs[0, 0])
-        alone = self._run(u[p], compact=False, plate=False)[1][0]
-        if not agrees_with_point_run(logp[p], alone):
-            raise ValueError(
-                f"Observed site {self.tokens.name!r}'s log-density at a quadrature node "
-                f"differs when the model runs at many nodes at once in the pyro.plate at dim "
-                f"{-self.node_dim} from when it runs at that node alone: the model broadcasts the "
-                f"nodes' dim into the datapoints' or tokens' (e.g. z[:, None] where z[..., None] keeps "
-                f"the left dims)."
-            )
-        return True
+    def _check_probe_nodes(self, K, dtype, device, compact):
+        """Compare a run at two probe nodes in the node plate, each datapoint at its own
+        coordinates (drawn from a generator seeded with ``PROBE_SEED``), with runs at each
+        node alone, once per model and mode: a model that broadcasts the node plate into the
+        datapoints' dim runs without error where the sizes happen to agree (``z[:, None] + b``
+        with as many datapoints as tokens puts each datapoint's latent on the token axis;
+        ``torch.stack([z1, z2], 1)`` with as many datapoints as latents transposes them), and
+        every number is then wrong. The check was made at the engine's own first nodes that
+        differed by datapoint, where such a model can give the right numbers by coincidence
+        (the adaptive search's start, one point for all; a symmetric table of coordinates):
+        it passed, and the next nodes were off by up to 2 nats, without a warning. Raises
+        ``ValueError`` there, so that the next mode is tried."""
+        n = self.tokens.num_data
+        generator = torch.Generator(device="cpu").manual_seed(PROBE_SEED)
+        probe = torch.randn(2, n, K, generator=generator, dtype=dtype).to(device)
+        with torch.no_grad():
+            together = self._run(probe, compact)[1]
+            for p in range(probe.shape[0]):
+                alone = self._run(probe[p], compact=False, plate=False)[1][0]
+                if not agrees_with_point_run(together[p], alone):
+                    raise ValueError(
+                        f"Observed site {self.tokens.name!r}'s log-density at a quadrature node "
+                        f"differs when the model runs at many nodes at once in the pyro.plate at dim "
+                        f"{-self.node_dim} from when it runs at that node alone: the model broadcasts the "
+                        f"nodes' dim into the datapoints' or tokens' (e.g. z[:, None] where z[..., None] "
+                        f"keeps the left dims, or torch.stack(..., 1) where dim=-1 does)."
+                    )
 
     def _run(self, u, compact, plate=True):
         # u (P, r, K) in the node plate; (r, K), one node, without it
