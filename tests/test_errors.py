@@ -146,7 +146,8 @@ INTERNAL = {
     "conditionals/latent_runs.py::LatentRunner._guide_values": "caught by encode, which falls back",
     "conditionals/latent_runs.py::LatentRunner.encode": "engines encode only after locate_data_arg",
     "conditionals/quadrature_nodes.py::NodeRunner._run": "models that do not broadcast fail earlier",
-    "conditionals/quadrature_nodes.py::NodeRunner._check_first_node": "caught by the run fallback; shown in its warning",
+    "conditionals/quadrature_nodes.py::NodeRunner._check_probe_nodes": "caught by the run fallback; shown in its warning",
+    "conditionals/gaussian_marginal.py::gaussian_marginal.check_probes": "caught by the run fallback; shown in its warning",
     "conditionals/latent_runs.py::LatentRunner._check_first_point": "caught by the run fallback; shown in its warning or refusal",
     "conditionals/gaussian_groups.py::LoadingColors.basis": "caught by colored_marginal, which derives the loading whole",
 }
