@@ -1532,3 +1532,54 @@ def test_mixture_of_linear_gaussian_hierarchies_with_a_latent_per_item(float64):
     # the hierarchical engine's refusal of the discrete latent now points here
     with pytest.raises(EngineNotApplicable, match="latent site 'c' is Categorical.*Use conditionals='enumerate'"):
         MaskedPretrainingLoss(conditionals="hierarchical", **plates).score(model, None, y)
+
+
+def test_a_model_that_moves_the_enumerated_dims_is_named_and_its_keepdim_twin_is_exact(float64):
+    """Bernoulli features in a plate summed with .sum(-3): it runs on sampled values, but on the
+    enumerated ones the features' dim lands in the datapoints'. The engine failed with torch's
+    raw shape error from inside its table ("The expanded size of the tensor (1) must match..."),
+    "auto" passed over it without saying why, and Evidence(method='exact') opened with the
+    Gaussian route's advice to use the enumerate engine. The engine now says what the model
+    does and what to write; "auto" warns that it fell back; Evidence leads with that reason;
+    the keepdim=True twin is served by enumeration and equals a brute-force sum over the
+    2^3 feature values."""
+    from pyro_mpt.conditionals import EngineFallbackWarning, EngineNotApplicable
+
+    g = torch.Generator().manual_seed(0)
+    L, D = 3, 6
+    W = torch.randn(L, D, generator=g)
+    x = torch.bernoulli(torch.full((20, D), 0.4), generator=g)
+
+    def moved(x):
+        with pyro.plate("data", x.shape[0]):
+            with pyro.plate("features", L):
+                f = pyro.sample("f", dist.Bernoulli(0.3))
+            pyro.sample("x", dist.Bernoulli(logits=(f.unsqueeze(-1) * W.unsqueeze(-2)).sum(-3)).to_event(1), obs=x)
+
+    def kept(x):
+        with pyro.plate("data", x.shape[0]):
+            with pyro.plate("features", L):
+                f = pyro.sample("f", dist.Bernoulli(0.3))
+            logits = (f.unsqueeze(-1) * W.unsqueeze(-2)).sum(-3, keepdim=True)  # (..., 1, n, D)
+            pyro.sample("x", dist.Bernoulli(logits=logits).to_event(1), obs=x)
+
+    with pytest.raises(EngineNotApplicable, match=r"keepdim=True"):
+        MaskedPretrainingLoss(conditionals="enumerate").loss(moved, None, x)
+    with pytest.warns(EngineFallbackWarning, match=r"moves the enumerated dims"):
+        MaskedPretrainingLoss(masks="order").score(moved, None, x)
+    with pytest.raises(EngineNotApplicable, match=r"^Evidence\(method='exact'\): the 'enumerate' route"):
+        Evidence(moved)(x)
+
+    xs, Ws = x.numpy(), W.numpy()
+    want = []
+    for xi in xs:
+        terms = []
+        for f in itertools.product([0, 1], repeat=L):
+            logits = np.array(f) @ Ws
+            terms.append(np.log(0.3) * sum(f) + np.log(0.7) * (L - sum(f))
+                         + (xi * logits - np.logaddexp(0, logits)).sum())
+        want.append(logsumexp(terms))
+    # the observation's batch shape is (1, n): the estimates keep it
+    torch.testing.assert_close(Evidence(kept)(x).reshape(-1), torch.tensor(want), rtol=0, atol=1e-10)
+    score = MaskedPretrainingLoss(masks="order", conditionals="enumerate").score(kept, None, x)
+    torch.testing.assert_close(score.reshape(-1), torch.tensor(want), rtol=0, atol=1e-10)

@@ -140,6 +140,8 @@ def model_failed(error):
         ... except EngineNotApplicable as e:
         ...     model_failed(e)   # True for a shape bug in the model
     """
+    if getattr(error, "blames_model", False):
+        return True  # an engine that ran the model and found its output shaped wrong says so
     root = error
     while root.__cause__ is not None:
         root = root.__cause__

@@ -472,6 +472,28 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 f"latent (e.g. locs[z]) instead of branching on its value, or use "
                 f"conditionals='importance'."
             ) from e
+        try:
+            return self._tables(tokens, model, args, kwargs, trace, sizes, continuous, per_token, mpn)
+        except RuntimeError as e:
+            if isinstance(e, torch.linalg.LinAlgError):
+                raise
+            # the model ran, but its log-densities do not keep the enumerated values in the dims
+            # left of the plates (a reduction or index counted from the left): a raw shape error of
+            # torch's from inside the engine before, with nothing on what to change in the model
+            error = EngineNotApplicable(
+                f"{_WHO} ran the model with all values of the discrete latents "
+                f"({', '.join(map(repr, sizes))}) at once, in batch dims left of dim -{mpn}, and the "
+                f"log-densities it gave do not keep those values in those dims ({type(e).__name__}: "
+                f"{str(e).splitlines()[0]}): the model moves the enumerated dims, e.g. a sum over a "
+                f"plate of latents counted from the left (.sum(-3)) or indexing like z[:, None]. Count "
+                f"dims from the right (keepdim=True, '...' indexing, z[..., None]) so that extra batch "
+                f"dims on the left pass through, or use conditionals='importance'."
+            )
+            error.blames_model = True
+            raise error from e
+
+    def _tables(self, tokens, model, args, kwargs, trace, sizes, continuous, per_token, mpn):
+        """The prepared state from the enumerated trace (see :meth:`prepare`)."""
         # a dim of its own for each (_GlobalEnumDims)
         dims = {name: trace.nodes[name]["infer"]["_enumerate_dim"] for name in [*sizes, *per_token]}
         L = len(dims)

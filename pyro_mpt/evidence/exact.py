@@ -29,7 +29,7 @@ from ..conditionals import (
     HierarchicalGaussianConditionals,
     QuadratureConditionals,
 )
-from ..conditionals.base import EngineNotApplicable
+from ..conditionals.base import EngineNotApplicable, model_failed
 from .engine_advice import in_evidence_terms
 from .result import EvidenceResult
 
@@ -80,7 +80,7 @@ def exact_evidence(evidence, tokens, args, kwargs):
     except EngineNotApplicable as e:
         # a linear-Gaussian hierarchy (local latents in a token plate), or exact sums
         # over discrete latents (a finite mixture, or an HMM's chain)
-        declined = []
+        declined, failed = [], []
         routes = [("hierarchical", HierarchicalGaussianConditionals()),
                   ("enumerate", EnumerateConditionals(**enumerate_options)), ("hmm", DiscreteHMMConditionals())]
         if not tokens.latent_names:
@@ -92,10 +92,15 @@ def exact_evidence(evidence, tokens, args, kwargs):
                 break
             except EngineNotApplicable as why:
                 declined.append(f"{label!r}: {why}")
+                if model_failed(why):
+                    failed.append(f"the {label!r} route, made for this form, ran the model and it failed: {why}")
         else:
-            # every route's reason: the one that nearly applies is often not the Gaussian one
+            # every route's reason: the one that nearly applies is often not the Gaussian one; a
+            # route under which the model itself failed first (it opened with the Gaussian route's
+            # advice to use the engine that had just failed, its reason deep in the paragraph)
             raise type(e)(in_evidence_terms(
-                f"Evidence(method='exact') needs a model with a Gaussian marginal (also a "
+                "".join(f"Evidence(method='exact'): {f} " for f in failed)
+                + f"Evidence(method='exact') needs a model with a Gaussian marginal (also a "
                 f"linear-Gaussian hierarchy), discrete latents (a finite mixture, also of "
                 f"linear-Gaussian components), or a DiscreteHMM observation. {e} The other exact "
                 f"routes declined -- " + " ".join(declined)

@@ -74,6 +74,25 @@ def _():
     MaskedPretrainingLoss(conditionals="enumerate").loss(_categorical_model("reshape"), None, _x())
 
 
+def _features_summed_from_the_left():
+    W = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+
+    def feat(x):
+        with pyro.plate("data", x.shape[0]):
+            with pyro.plate("features", 3):
+                f = pyro.sample("f", dist.Bernoulli(0.3))
+            logits = (f.unsqueeze(-1) * W.unsqueeze(-2)).sum(-3)  # keepdim=True and .sum(-2) keep the left dims
+            pyro.sample("x", dist.Bernoulli(logits=logits).to_event(1), obs=x)
+
+    return feat
+
+
+@trigger("enumerate-enumerated-dims-moved")
+def _():
+    x = torch.bernoulli(torch.full((50, 6), 0.4), generator=torch.Generator().manual_seed(0))
+    MaskedPretrainingLoss(conditionals="enumerate").loss(_features_summed_from_the_left(), None, x)
+
+
 @trigger("sites-markov-observed-sites")
 def _():
     probs = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
