@@ -78,13 +78,14 @@ def _():
     import pyro
     import pyro.distributions as dist
 
-    locs = torch.tensor([[-3.0, 0.0], [3.0, 1.0]])
+    # more components than the enumerate engine runs one value at a time (MAX_VALUE_RUNS = 64)
+    locs = torch.randn(65, 2, generator=torch.Generator().manual_seed(0))
     x = torch.tensor([[-3.1, 0.2], [2.9, 1.1], [3.2, 0.8]])
 
     def gmm(x):
         n = x.shape[0]
         with pyro.plate("data", n):
-            assignment = pyro.sample("assignment", dist.Categorical(torch.ones(2) / 2))
+            assignment = pyro.sample("assignment", dist.Categorical(torch.ones(65) / 65))
             loc = locs[assignment.reshape(-1, n)].reshape(assignment.shape + (2,))
             pyro.sample("obs", dist.Normal(loc, 1.0).to_event(1), obs=x)
 

@@ -69,9 +69,43 @@ def _():
     MaskedPretrainingLoss(conditionals="enumerate").loss(_categorical_model("student"), None, _x())
 
 
+def _wide_reshape_model(K=65):
+    # more values than the engine runs one at a time (MAX_VALUE_RUNS = 64)
+    locs = torch.randn(K, 3, generator=torch.Generator().manual_seed(0))
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Categorical(torch.ones(K) / K))
+            pyro.sample("x", dist.Normal(locs[z].reshape(x.shape), 1.0).to_event(1), obs=x)
+
+    return model
+
+
 @trigger("enumerate-model-failed")
 def _():
+    MaskedPretrainingLoss(conditionals="enumerate").loss(_wide_reshape_model(), None, _x())
+
+
+@trigger("enumerate-per-value")
+def _():
     MaskedPretrainingLoss(conditionals="enumerate").loss(_categorical_model("reshape"), None, _x())
+
+
+@trigger("enumerate-fails-per-value")
+def _():
+    locs = torch.randn(3, 3, generator=torch.Generator().manual_seed(0))
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Categorical(torch.ones(3) / 3))
+            # fails on the enumerated values (a reshape to the data's shape) and where every
+            # datapoint has one class (a value check of the model's own)
+            if bool((z == z.reshape(-1)[0]).all()):
+                raise ValueError("this model needs two classes in a batch")
+            pyro.sample("x", dist.Normal(locs[z].reshape(x.shape), 1.0).to_event(1), obs=x)
+
+    pyro.set_rng_seed(1)  # a draw with two classes for the model's trace
+    MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, _x())
 
 
 def _features_summed_from_the_left():
