@@ -439,3 +439,27 @@ def test_latents_stacked_along_the_datapoints_dim_with_as_many_datapoints_as_lat
         with pytest.warns(SlowEngineWarning, match="differs when the model runs at many nodes at once"):
             got = Evidence(model, method="quadrature")(x)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_the_probe_check_is_made_again_for_another_batch_size(float64):
+    """The quadrature engine remembered its probe check by model and mode: a reused Evidence
+    checked at one datapoint (nothing to mix up there) took z[:, None] as checked for four
+    datapoints, as many as its tokens, and was 55 nats off without a warning. The check is now
+    remembered with the data's shape: the reused estimator equals the closed form."""
+    D, s = 4, 0.5
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(D, generator=g), torch.randn(D, generator=g)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0), 1.0))
+            pyro.sample("x", dist.Normal(z[:, None] * w + b, s).to_event(1), obs=x)
+
+    x1, x4 = torch.randn(1, D, generator=g), 1.5 * torch.randn(D, D, generator=g)
+    want = torch.distributions.MultivariateNormal(b, w[:, None] * w + s**2 * torch.eye(D)).log_prob(x4)
+    evidence = Evidence(model, method="quadrature")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the run fallback's note at the second call
+        evidence(x1)
+        got = evidence(x4)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

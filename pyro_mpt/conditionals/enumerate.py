@@ -85,7 +85,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.infer.inspect import get_dependencies
 
 from ..code_origin import user_stacklevel
-from ..model_keys import callable_key
+from ..model_keys import PassedChecks, callable_key
 from ..observed_tokens import check_local_latent
 from ..token_site import vectorized_frames
 from .base import ConditionalEngine, EngineNotApplicable, SlowEngineWarning
@@ -96,10 +96,14 @@ from .hierarchical import hierarchical_marginal
 from .hmm import DiscreteHMMMixture, discrete_hmm_state
 from .leave_one_out_queries import LeaveOneOutQueries
 from .mixture import MixtureTable
+from .plate_runs import agrees_with_point_run
 
 __all__ = ["EnumerateConditionals", "EnumerateState"]
 
 _WHO = "conditionals='enumerate'"
+
+#: the models whose enumerated table agreed with runs at single values (``(data shape, sizes)``)
+_VALUE_RUNS_AGREE = PassedChecks(keep=8)
 
 #: the most joint values of the discrete latents for which a model that does not run on all
 #: of them at once is run once per value (each run a model run with its graph, every step)
@@ -471,8 +475,9 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
         if joint:
             configured = _JointEnumeration(joint)(configured)
         configured = _GlobalEnumDims()(configured)
-        by_value = not (continuous or per_token or joint) and math.prod(sizes.values()) <= MAX_VALUE_RUNS and \
-            _hmm_observation(tokens) is None and _gaussian_observation(tokens) is None
+        checkable = not (continuous or per_token or joint) and _hmm_observation(tokens) is None and \
+            _gaussian_observation(tokens) is None
+        by_value = checkable and math.prod(sizes.values()) <= MAX_VALUE_RUNS
         if by_value and callable_key(model) in self.per_value_models:
             return self._per_value(tokens, model, args, kwargs, sizes)
         try:
@@ -488,7 +493,7 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 f"conditionals='importance'."
             ) from e
         try:
-            return self._tables(tokens, model, args, kwargs, trace, sizes, continuous, per_token, mpn)
+            state = self._tables(tokens, model, args, kwargs, trace, sizes, continuous, per_token, mpn)
         except RuntimeError as e:
             if isinstance(e, torch.linalg.LinAlgError):
                 raise
@@ -508,6 +513,32 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             )
             error.blames_model = True
             raise error from e
+        detail = (tuple(tokens.value.shape), tuple(sizes.items()))
+        if checkable and not _VALUE_RUNS_AGREE.passed(model, detail):
+            # once per model: the table at the first and the last joint value against runs at
+            # each alone. A model that moves the enumerated values into the datapoints' dim
+            # where the sizes happen to agree runs without error and gives a wrong table
+            ends = [tuple(0 for _ in sizes), tuple(size - 1 for size in sizes.values())]
+            log_w, table = self._value_runs(tokens, model, args, kwargs, sizes, ends)
+            rows = [0, state.mixture.table.shape[0] - 1]
+            together = (state.mixture.log_weights[rows].expand_as(log_w), state.mixture.table[rows])
+            if not all(agrees_with_point_run(a, b) for a, b in zip(together, (log_w, table))):
+                error = ValueError(
+                    f"the log-densities of observed site {tokens.name!r} at a joint value of the latents "
+                    f"differ from those of a run at that value alone: the model moves the enumerated values "
+                    f"into the datapoints' or tokens' dims (e.g. z[:, None] where z[..., None] keeps the "
+                    f"left dims)"
+                )
+                if by_value:
+                    return self._falling_back(tokens, model, args, kwargs, sizes, error)
+                refusal = EngineNotApplicable(f"{_WHO} ran the model with all values of the discrete latents "
+                                              f"({', '.join(map(repr, sizes))}) at once, and {error}. Count dims "
+                                              f"from the right ('...' indexing, keepdim=True), or use "
+                                              f"conditionals='importance'.")
+                refusal.blames_model = True
+                raise refusal
+            _VALUE_RUNS_AGREE.add(model, detail)
+        return state
 
     def _falling_back(self, tokens, model, args, kwargs, sizes, error):
         """The state from runs at one joint value of the latents each, after the run at all
@@ -533,14 +564,23 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
         """:class:`EnumerateState` from one model run per joint value of the latents in
         ``sizes`` (each set for every datapoint at once): the prior's log-density of the value
         and the observation's per-token log-densities, stacked into the mixture's table."""
+        indices = itertools.product(*(range(size) for size in sizes.values()))
+        log_w, table = self._value_runs(tokens, model, args, kwargs, sizes, indices, error)
+        mixture = MixtureTable(log_w, table, max_elements=self.max_elements)
+        return EnumerateState(mixture, tokens.num_data, tokens.num_tokens, sizes)
+
+    def _value_runs(self, tokens, model, args, kwargs, sizes, indices, error=None):
+        """``(log p(z) (k, n), table (k, n, D))`` from one model run at each joint value of
+        ``indices`` (a support index per latent of ``sizes``), set for every datapoint."""
         names = list(sizes)
         sites = {name: tokens.model_trace.nodes[name] for name in names}
         supports = [sites[name]["fn"].enumerate_support(expand=False) for name in names]
         replayed = poutine.replay(model, trace=tokens.subsample_trace())
         n, D = tokens.num_data, tokens.num_tokens
         log_w, table = [], []
-        for values in itertools.product(*supports):
-            data = {name: v.expand(sites[name]["value"].shape) for name, v in zip(names, values)}
+        for index in indices:
+            data = {name: support[i].expand(sites[name]["value"].shape)
+                    for name, support, i in zip(names, supports, index)}
             try:
                 trace = poutine.trace(poutine.condition(replayed, data=data)).get_trace(*args, **kwargs)
             except Exception as e:
@@ -559,8 +599,7 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             obs = trace.nodes[tokens.name]
             lp = token_log_prob(unwrap(obs["fn"], masks=True)[0], tokens.site_value)
             table.append(tokens.to_tokens(lp.expand(tokens.site_shape)).reshape(n, D))
-        mixture = MixtureTable(torch.stack(log_w), torch.stack(table), max_elements=self.max_elements)
-        return EnumerateState(mixture, n, D, sizes)
+        return torch.stack(log_w), torch.stack(table)
 
     def _tables(self, tokens, model, args, kwargs, trace, sizes, continuous, per_token, mpn):
         """The prepared state from the enumerated trace (see :meth:`prepare`)."""

@@ -551,7 +551,7 @@ class RunMemory:
 
     :param tuple key: ``callable_key(fn)`` of the callable (see ``model_keys``).
     :param str mode: the mode that worked for it.
-    :param tuple verified: ``(key, mode)`` of a callable whose vectorized runs in ``mode`` a
+    :param tuple verified: ``(key, mode, data shape)`` of a callable whose vectorized runs in ``mode`` a
         caller checked against unvectorized ones (the quadrature engine's first node).
     """
 

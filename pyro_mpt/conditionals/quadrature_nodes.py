@@ -269,7 +269,9 @@ class NodeRunner:
                 parts = [self._run(u[p], compact=False, plate=False) for p in range(u.shape[0])]
                 return torch.cat([lp for lp, _ in parts]), torch.cat([t for _, t in parts])
             out = self._run(u, compact=mode == "compact")
-            key = (callable_key(self.model), mode)
+            # the data's shape too: a model checked at one datapoint (nothing to mix up) was
+            # taken as checked for four, as many as its tokens, and was then 55 nats off
+            key = (callable_key(self.model), mode, tuple(self.tokens.value.shape))
             if self.memory.verified != key:
                 self._check_probe_nodes(u.shape[-1], u.dtype, u.device, compact=mode == "compact")
                 self.memory.verified = key

@@ -127,6 +127,31 @@ def _():
     MaskedPretrainingLoss(conditionals="enumerate").loss(_features_summed_from_the_left(), None, x)
 
 
+def _squeezed_mixture(K):
+    # locs[z.squeeze(-1)]: a no-op on sampled values (n,), and on the enumerated ones (K, 1) it puts the
+    # K values on the datapoints' dim, which Pyro's plate takes for the datapoints where K = n
+    locs = torch.randn(K, 2, generator=torch.Generator().manual_seed(0))
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            z = pyro.sample("z", dist.Categorical(torch.ones(K) / K))
+            pyro.sample("x", dist.Normal(locs[z.squeeze(-1)], 1.0).to_event(1), obs=x)
+
+    return model, torch.randn(K, 2, generator=torch.Generator().manual_seed(1))
+
+
+@trigger("enumerate-values-moved")
+def _():
+    model, x = _squeezed_mixture(65)
+    MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, x)
+
+
+@trigger("enumerate-per-value-values-moved")
+def _():
+    model, x = _squeezed_mixture(3)
+    MaskedPretrainingLoss(conditionals="enumerate").loss(model, None, x)
+
+
 @trigger("sites-markov-observed-sites")
 def _():
     probs = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
