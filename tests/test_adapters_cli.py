@@ -122,6 +122,20 @@ def test_main_returns_the_exit_status(capsys):
     assert err.value.code == 2
 
 
+def test_main_returns_2_for_an_unreadable_image_and_1_for_an_unexpected_error(tmp_path, capsys, monkeypatch):
+    """A file in --image-folder that is no image: PIL's UnidentifiedImageError came out of main()
+    after the model had loaded; it is now a usage error (2) naming the file, before any model
+    loads. An unexpected error: its traceback on stderr and status 1, returned."""
+    (tmp_path / "0.png").write_bytes(b"not a png at all")
+    assert main(["mae-curve", "no-such-org/no-such-model", "--image-folder", str(tmp_path), "--no-plot"]) == 2
+    assert "0.png" in capsys.readouterr().err
+    import pyro_mpt.experiments.cli as cli
+
+    monkeypatch.setattr(cli, "run", lambda argv=None: 1 / 0)
+    assert cli.main(["compare"]) == 1
+    assert "ZeroDivisionError" in capsys.readouterr().err
+
+
 def test_mae_curve_fills_zero_position_embeddings_on_request(tmp_path):
     """A checkpoint saved with zero position embeddings (built from a config by transformers 5):
     the command warned and a user of the command line could not call init_position_embeddings;

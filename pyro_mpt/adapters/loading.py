@@ -574,8 +574,23 @@ class _ImageFiles:
     def __getitem__(self, i):
         from PIL import Image
 
-        with Image.open(self.paths[i]) as im:
-            return im.convert("RGB")
+        try:
+            with Image.open(self.paths[i]) as im:
+                return im.convert("RGB")
+        except OSError as e:  # PIL's UnidentifiedImageError, a truncated file
+            raise ValueError(f"Image file {self.paths[i]!r} cannot be read ({e}); remove or re-save it.") from e
+
+    def check(self):
+        """Open each file's header (no pixels decoded), so that a file that is no image is a
+        usage error before the model loads, not a traceback midway through the scoring."""
+        for i in range(len(self.paths)):
+            from PIL import Image
+
+            try:
+                Image.open(self.paths[i]).close()
+            except OSError as e:
+                raise ValueError(f"Image file {self.paths[i]!r} cannot be read ({e}); remove or re-save it.") from e
+        return self
 
 
 def load_images(image_folder=None, dataset=None, config=None, split="test", column="image", limit=None):
@@ -594,7 +609,7 @@ def load_images(image_folder=None, dataset=None, config=None, split="test", colu
         )
         if not paths:
             raise ValueError(f"No images ({', '.join(IMAGE_EXTENSIONS)}) under {image_folder!r}.")
-        return _ImageFiles(paths[:limit] if limit else paths)
+        return _ImageFiles(paths[:limit] if limit else paths).check()
     ds = load_dataset_split(dataset, config, split)
     if column not in ds.column_names:
         guess = [c for c in ds.column_names if c in ("img", "image", "pixel_values")]

@@ -316,7 +316,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
         if n == 1 or _PROBES_PASSED.passed(model, detail):
             return
         generator = torch.Generator(device="cpu").manual_seed(PROBE_SEED)
-        u = torch.randn(2, n, K, generator=generator, dtype=value.dtype).to(value.device)
+        u = torch.randn(2, n, K, generator=generator, dtype=value.dtype, device="cpu").to(value.device)
         try:
             with torch.no_grad():
                 fn, _ = run(CoordinateLatents(layout, u, mpn + 1, tokens.batch_shape, compact=compact), 2)

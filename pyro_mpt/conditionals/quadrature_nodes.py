@@ -297,7 +297,7 @@ class NodeRunner:
         ``ValueError`` there, so that the next mode is tried."""
         n = self.tokens.num_data
         generator = torch.Generator(device="cpu").manual_seed(PROBE_SEED)
-        probe = torch.randn(2, n, K, generator=generator, dtype=dtype).to(device)
+        probe = torch.randn(2, n, K, generator=generator, dtype=dtype, device="cpu").to(device)
         with torch.no_grad():
             together = self._run(probe, compact)[1]
             for p in range(probe.shape[0]):

@@ -17,6 +17,7 @@ held-out log-likelihoods with standard errors and wall times
 import argparse
 import json
 import sys
+import traceback
 
 from .curve_cli import check_output_path, positive_float, positive_int, seed_int
 
@@ -176,6 +177,9 @@ def main(argv=None):
         if exit.code is None or isinstance(exit.code, int):
             return exit.code or 0
         print(exit.code, file=sys.stderr)
+        return 1
+    except Exception:  # noqa: BLE001 -- an unexpected error: its traceback on stderr, status 1
+        traceback.print_exc()
         return 1
     return 0
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import io
+import os
 import sys
 import types
 from pathlib import Path
@@ -256,6 +257,14 @@ def _cli(argv):
 @trigger("cli-sigma2")
 def _():
     _cli(["mae-curve", "model", "--image-folder", _tmpdir(), "--sigma2", "big"])
+
+
+@trigger("cli-image-unreadable")
+def _():
+    folder = _tmpdir()
+    with open(os.path.join(folder, "0.png"), "wb") as f:
+        f.write(b"not a png at all")
+    _cli(["mae-curve", "model", "--image-folder", folder])
 
 
 @trigger("cli-device")
