@@ -17,9 +17,10 @@ records a ``<name>_observed`` site and a ``<name>_unobserved`` latent, which is
 dropped here: the missing tokens are integrated out), ``dist.mask(m)`` on the
 observation, or ``poutine.mask``. The ``observed`` field of :class:`ObservedTokens` marks
 the observed tokens; missing ones are never context and never targets, and the
-values they carry are replaced by an observed value of the same token, or by a
-draw of the site's distribution where that value lies outside the datapoint's
-support (so that every engine sees finite numbers in the support).
+values they carry are kept where finite and in the support, else replaced by an
+observed value of the same token, or by a draw of the site's distribution where
+that value lies outside the datapoint's support (so that every engine sees finite
+numbers in the support).
 
 **Validation.** While Pyro's validation is on (``pyro.enable_validation``, its
 default; :func:`pyro.infer.util.is_validation_enabled`), each trace checks the
@@ -460,6 +461,28 @@ def _fill_missing(value, observed):
     return torch.where(observed, value, per_token.expand_as(value))
 
 
+def _valid_placeholders(layout, site, value):
+    """Which tokens of ``value`` ``(n, D)`` are finite and in the support of the site's
+    distribution (at the trace's latents), elementwise; all False where the support cannot be
+    checked token by token (event dims of the distribution's own)."""
+    fn = site["fn"]
+    while isinstance(fn, (torch.distributions.Independent, dist.MaskedDistribution)):
+        fn = fn.base_dist
+    none = torch.zeros(value.shape, dtype=torch.bool, device=value.device)
+    if fn.event_shape:
+        return none
+    at_site = layout.to_site(value)
+    try:
+        ok = fn.support.check(at_site if torch.is_floating_point(at_site) else at_site.to(torch.get_default_dtype()))
+    except (NotImplementedError, RuntimeError):
+        return none
+    ok = ok & torch.isfinite(at_site) if torch.is_floating_point(at_site) else ok
+    try:
+        return layout.to_tokens(ok.expand(layout.site_shape)).reshape(value.shape)
+    except RuntimeError:
+        return none
+
+
 def _in_support(fn, value):
     """Whether ``value`` lies in the support of ``fn`` everywhere (True where the support
     cannot be checked)."""
@@ -574,8 +597,12 @@ def _token_values(layout, site, dtype, validate):
     at_site = raw if torch.is_floating_point(raw) else raw.to(dtype)
     if observed is None:
         return raw_flat.to(dtype), None, at_site.expand(layout.site_shape)
-    # fill the raw values once and cast
-    raw_flat = _fill_missing(raw_flat, observed)
+    # fill the raw values once and cast; a placeholder the user gave that is finite and in the
+    # support stays (one valid under every value of an enumerated latent, e.g. the lower end of
+    # a Uniform whose width depends on the class, was replaced by another datapoint's value,
+    # outside some class's support, and Pyro refused the site)
+    kept = observed | _valid_placeholders(layout, site, raw_flat)
+    raw_flat = torch.where(kept, raw_flat, _fill_missing(raw_flat, observed))
     site_value = layout.to_site(raw_flat)
     if not _in_support(site["fn"], site_value):
         raw_flat = _fill_from_draw(layout, site["fn"], raw_flat, observed)

@@ -507,10 +507,11 @@ def test_order_with_missing_tokens_uses_one_exact_evaluation(method):
 
 
 def test_missing_integer_tokens_are_filled_once_for_both_layouts():
-    """Missing tokens get an observed value of the same token; the token matrix and the
-    site's value are the float cast of the (integer) data, filled the same way (the site's
-    value stayed integer, and a Poisson's lgamma(x + 1) there ran in torch's default dtype)."""
-    x = torch.tensor([[0, 1, 2], [2, 0, 1], [1, 2, 0], [2, 2, 2]])
+    """Missing tokens get an observed value of the same token where their own is not a value
+    of the site (here 7, or -1, for a Categorical of 3); the token matrix and the site's value
+    are the float cast of the (integer) data, filled the same way (the site's value stayed
+    integer, and a Poisson's lgamma(x + 1) there ran in torch's default dtype)."""
+    x = torch.tensor([[7, 1, 2], [2, -1, 1], [1, 2, 0], [7, 7, 2]])
     observed = torch.tensor([[False, True, True], [True, False, True], [True, True, True], [False, False, True]])
 
     def model(x):
@@ -573,6 +574,43 @@ def test_missing_tokens_get_a_value_in_their_own_datapoints_support(float64):
     torch.testing.assert_close(Evidence(mixture)(tot, x, m), mixture_want, rtol=0, atol=1e-10)
     torch.testing.assert_close(MaskedPretrainingLoss(masks="order").score(mixture, None, tot, x, m), mixture_want,
                                rtol=0, atol=1e-10)
+
+
+def test_a_valid_placeholder_at_a_missing_token_is_kept(float64):
+    """A class per datapoint sets the upper end of a Uniform (lo_i, lo_i + w_i (1 + e^{s_c})), a
+    token missing with the placeholder lo_i + 0.01, which every class's support holds: it was
+    replaced by another datapoint's value of the token, outside some class's interval, and the
+    enumeration failed with Pyro's support error (as Pyro's TraceEnum_ELBO does not). A
+    placeholder that is finite and in the support now stays: Evidence and the "order" score
+    equal numpy's log-sum-exp over the classes."""
+    from scipy.special import logsumexp
+
+    lo = torch.tensor([0.0, 5.0, 1.0, -3.0])
+    wd = torch.tensor([1.0, 2.0, 3.0, 1.5])
+    s = torch.tensor([-2.0, 0.0, 2.0])  # widths that differ by the class: a draw at one class lies outside another
+    logits = torch.tensor([-0.8646, 0.2990, 0.4192])
+    m = torch.tensor([[False, True, True], [True, True, True], [True, False, True], [True, True, False]])
+    x = torch.tensor([[0.5, 0.2, 0.9], [6.9, 5.1, 6.0], [3.9, 2.2, 1.5], [-2.0, -1.7, -2.9]])
+    x = torch.where(m, x, lo[:, None] + 0.01)
+
+    def model(x):
+        with pyro.plate("data", 4):
+            c = pyro.sample("c", dist.Categorical(logits=logits))
+            high = lo[:, None] + wd[:, None] * (1 + s[c].exp()[..., None])
+            pyro.sample("x", dist.Uniform(lo[:, None].expand(high.shape), high).mask(m).to_event(1), obs=x)
+
+    log_pi = torch.log_softmax(logits, -1).numpy()
+    want = []
+    for i in range(4):
+        terms = []
+        for c in range(3):
+            high = float(lo[i] + wd[i] * (1 + s[c].exp()))
+            inside = all(lo[i] <= x[i, d] < high for d in range(3) if m[i, d])
+            terms.append(log_pi[c] - int(m[i].sum()) * np.log(high - float(lo[i])) if inside else -np.inf)
+        want.append(logsumexp(terms))
+    want = torch.tensor(want)
+    torch.testing.assert_close(Evidence(model)(x), want, rtol=0, atol=1e-10)
+    torch.testing.assert_close(MaskedPretrainingLoss(masks="order").score(model, None, x), want, rtol=0, atol=1e-10)
 
 
 def test_missing_tokens_refused_where_the_guide_reads_the_data(float64):
