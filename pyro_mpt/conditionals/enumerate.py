@@ -475,9 +475,9 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
         if joint:
             configured = _JointEnumeration(joint)(configured)
         configured = _GlobalEnumDims()(configured)
-        checkable = not (continuous or per_token or joint) and _hmm_observation(tokens) is None and \
-            _gaussian_observation(tokens) is None
-        by_value = checkable and math.prod(sizes.values()) <= MAX_VALUE_RUNS
+        by_value = not (continuous or per_token or joint) and _hmm_observation(tokens) is None and \
+            _gaussian_observation(tokens) is None and math.prod(sizes.values()) <= MAX_VALUE_RUNS
+        at_values = replayed  # the continuous latents held at their traced values, as in the enumerated run
         if by_value and callable_key(model) in self.per_value_models:
             return self._per_value(tokens, model, args, kwargs, sizes)
         try:
@@ -513,16 +513,14 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             )
             error.blames_model = True
             raise error from e
-        detail = (tuple(tokens.value.shape), tuple(sizes.items()))
-        if checkable and not _VALUE_RUNS_AGREE.passed(model, detail):
-            # once per model: the table at the first and the last joint value against runs at
-            # each alone. A model that moves the enumerated values into the datapoints' dim
-            # where the sizes happen to agree runs without error and gives a wrong table
-            ends = [tuple(0 for _ in sizes), tuple(size - 1 for size in sizes.values())]
-            log_w, table = self._value_runs(tokens, model, args, kwargs, sizes, ends)
-            rows = [0, state.mixture.table.shape[0] - 1]
-            together = (state.mixture.log_weights[rows].expand_as(log_w), state.mixture.table[rows])
-            if not all(agrees_with_point_run(a, b) for a, b in zip(together, (log_w, table))):
+        enumerated = {**sizes, **{name: _support_size(tokens.model_trace.nodes[name]["fn"]) for name in per_token}}
+        detail = (tuple(tokens.value.shape), tuple(enumerated.items()))
+        if not joint and not _VALUE_RUNS_AGREE.passed(model, detail):
+            # once per model: the log-densities of the enumerated run at the first and the last
+            # joint value against runs at each alone. A model that moves the enumerated values
+            # into the datapoints' dim where the sizes happen to agree (locs[a.squeeze()] with as
+            # many datapoints as classes) runs without error and every number is wrong
+            if not self._agrees_with_value_runs(tokens, at_values, args, kwargs, trace, enumerated):
                 error = ValueError(
                     f"the log-densities of observed site {tokens.name!r} at a joint value of the latents "
                     f"differ from those of a run at that value alone: the model moves the enumerated values "
@@ -532,13 +530,45 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 if by_value:
                     return self._falling_back(tokens, model, args, kwargs, sizes, error)
                 refusal = EngineNotApplicable(f"{_WHO} ran the model with all values of the discrete latents "
-                                              f"({', '.join(map(repr, sizes))}) at once, and {error}. Count dims "
+                                              f"({', '.join(map(repr, enumerated))}) at once, and {error}. Count dims "
                                               f"from the right ('...' indexing, keepdim=True), or use "
                                               f"conditionals='importance'.")
                 refusal.blames_model = True
                 raise refusal
             _VALUE_RUNS_AGREE.add(model, detail)
         return state
+
+    def _agrees_with_value_runs(self, tokens, at_values, args, kwargs, trace, enumerated):
+        """Whether the enumerated ``trace``'s log-densities (each enumerated site's and the
+        observation's, at the tokens with missing ones filled) at the first and at the last
+        value of every enumerated site equal those of runs of ``at_values`` with the sites set
+        to those values. Log-densities that cannot be evaluated there cannot tell (True)."""
+        names = [*enumerated, tokens.name]
+        for end in (0, -1):
+            data = {}
+            for name in enumerated:
+                node = tokens.model_trace.nodes[name]
+                data[name] = node["fn"].enumerate_support(expand=False)[end].expand(node["value"].shape)
+            try:
+                with torch.no_grad():
+                    alone = poutine.trace(poutine.condition(at_values, data=data)).get_trace(*args, **kwargs)
+                    for name in names:
+                        node = trace.nodes[name]
+                        value = tokens.site_value if name == tokens.name else node["value"]
+                        together = node["fn"].log_prob(value)
+                        index = [slice(None)] * together.dim()
+                        for other in enumerated:
+                            d = together.dim() + trace.nodes[other]["infer"]["_enumerate_dim"]
+                            if 0 <= d:
+                                index[d] = end if together.shape[d] > 1 else 0
+                        together = together[tuple(index)]
+                        value = tokens.site_value if name == tokens.name else alone.nodes[name]["value"]
+                        single = alone.nodes[name]["fn"].log_prob(value)
+                        if not agrees_with_point_run(*torch.broadcast_tensors(together, single)):
+                            return False
+            except (ValueError, RuntimeError):  # noqa: BLE001 -- not evaluable at these values: cannot tell
+                return True
+        return True
 
     def _falling_back(self, tokens, model, args, kwargs, sizes, error):
         """The state from runs at one joint value of the latents each, after the run at all
