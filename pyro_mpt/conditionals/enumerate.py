@@ -520,7 +520,10 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             # joint value against runs at each alone. A model that moves the enumerated values
             # into the datapoints' dim where the sizes happen to agree (locs[a.squeeze()] with as
             # many datapoints as classes) runs without error and every number is wrong
-            if not self._agrees_with_value_runs(tokens, at_values, args, kwargs, trace, enumerated):
+            # with Normal latents beside, only the discrete sites' log p(z) is read from this run (each
+            # component's Gaussian is derived by runs of its own): the observation's is not compared
+            if not self._agrees_with_value_runs(tokens, at_values, args, kwargs, trace, enumerated,
+                                                observation=not continuous):
                 error = ValueError(
                     f"the log-densities of observed site {tokens.name!r} at a joint value of the latents "
                     f"differ from those of a run at that value alone: the model moves the enumerated values "
@@ -538,12 +541,12 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             _VALUE_RUNS_AGREE.add(model, detail)
         return state
 
-    def _agrees_with_value_runs(self, tokens, at_values, args, kwargs, trace, enumerated):
+    def _agrees_with_value_runs(self, tokens, at_values, args, kwargs, trace, enumerated, observation=True):
         """Whether the enumerated ``trace``'s log-densities (each enumerated site's and the
         observation's, at the tokens with missing ones filled) at the first and at the last
         value of every enumerated site equal those of runs of ``at_values`` with the sites set
         to those values. Log-densities that cannot be evaluated there cannot tell (True)."""
-        names = [*enumerated, tokens.name]
+        names = [*enumerated, tokens.name] if observation else list(enumerated)
         for end in (0, -1):
             data = {}
             for name in enumerated:
