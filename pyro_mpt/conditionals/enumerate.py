@@ -102,7 +102,7 @@ __all__ = ["EnumerateConditionals", "EnumerateState"]
 
 _WHO = "conditionals='enumerate'"
 
-#: the models whose enumerated table agreed with runs at single values (``(data shape, sizes)``)
+#: the models whose enumerated run's log-densities agreed with runs at single values (``(data shape, sizes)``)
 _VALUE_RUNS_AGREE = PassedChecks(keep=8)
 
 #: the most joint values of the discrete latents for which a model that does not run on all
@@ -519,8 +519,8 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             # once per model: the log-densities of the enumerated run at the first and the last
             # joint value against runs at each alone. A model that moves the enumerated values
             # into the datapoints' dim where the sizes happen to agree (locs[a.squeeze()] with as
-            # many datapoints as classes) runs without error and every number is wrong
-            # with Normal latents beside, only the discrete sites' log p(z) is read from this run (each
+            # many datapoints as classes) runs without error and every number is wrong. With Normal
+            # latents beside, only the discrete sites' log p(z) is read from this run (each
             # component's Gaussian is derived by runs of its own): the observation's is not compared
             if not self._agrees_with_value_runs(tokens, at_values, args, kwargs, trace, enumerated,
                                                 observation=not continuous):
