@@ -286,7 +286,7 @@ class NodeRunner:
     def _check_probe_nodes(self, K, dtype, device, compact):
         """Compare a run at two probe nodes in the node plate, each datapoint at its own
         coordinates (drawn from a generator seeded with ``PROBE_SEED``), with runs at each
-        node alone, once per model and mode: a model that broadcasts the node plate into the
+        node alone, once per model, mode and data shape: a model that broadcasts the node plate into the
         datapoints' dim runs without error where the sizes happen to agree (``z[:, None] + b``
         with as many datapoints as tokens puts each datapoint's latent on the token axis;
         ``torch.stack([z1, z2], 1)`` with as many datapoints as latents transposes them), and
