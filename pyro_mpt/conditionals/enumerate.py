@@ -476,7 +476,7 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             configured = _JointEnumeration(joint)(configured)
         configured = _GlobalEnumDims()(configured)
         by_value = not (continuous or per_token or joint) and _hmm_observation(tokens) is None and \
-            _gaussian_observation(tokens) is None and math.prod(sizes.values()) <= MAX_VALUE_RUNS
+            math.prod(sizes.values()) <= MAX_VALUE_RUNS
         at_values = replayed  # the continuous latents held at their traced values, as in the enumerated run
         if by_value and callable_key(model) in self.per_value_models:
             return self._per_value(tokens, model, args, kwargs, sizes)
@@ -599,12 +599,17 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
         and the observation's per-token log-densities, stacked into the mixture's table."""
         indices = itertools.product(*(range(size) for size in sizes.values()))
         log_w, table = self._value_runs(tokens, model, args, kwargs, sizes, indices, error)
-        mixture = MixtureTable(log_w, table, max_elements=self.max_elements)
+        if isinstance(table, tuple):  # a Gaussian observation: its components' means and covariances
+            mixture = GaussianMixtureTable(log_w, *table, tokens.value, max_elements=self.max_elements)
+        else:
+            mixture = MixtureTable(log_w, table, max_elements=self.max_elements)
         return EnumerateState(mixture, tokens.num_data, tokens.num_tokens, sizes)
 
     def _value_runs(self, tokens, model, args, kwargs, sizes, indices, error=None):
         """``(log p(z) (k, n), table (k, n, D))`` from one model run at each joint value of
-        ``indices`` (a support index per latent of ``sizes``), set for every datapoint."""
+        ``indices`` (a support index per latent of ``sizes``), set for every datapoint; for a
+        Gaussian observation (``MultivariateNormal(locs[z], ...)``, tokens not independent)
+        the table is ``(means (k, n, D), covariances (k, n|1, D, D))``."""
         names = list(sizes)
         sites = {name: tokens.model_trace.nodes[name] for name in names}
         supports = [sites[name]["fn"].enumerate_support(expand=False) for name in names]
@@ -630,8 +635,20 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 w = w + node["fn"].log_prob(node["value"])
             log_w.append(torch.as_tensor(w).expand(tokens.batch_shape).reshape(n))
             obs = trace.nodes[tokens.name]
+            if _gaussian_observation(tokens) is not None:
+                gaussian = base_distribution(obs["fn"])
+                cov = compact(gaussian.covariance_matrix)
+                rows = n if math.prod(cov.shape[:-2]) > 1 else 1
+                table.append((gaussian.loc.expand(tokens.batch_shape + (D,)).reshape(n, D),
+                              cov.expand(tokens.batch_shape + (D, D)).reshape(n, D, D) if rows > 1
+                              else cov.reshape(1, D, D)))
+                continue
             lp = token_log_prob(unwrap(obs["fn"], masks=True)[0], tokens.site_value)
             table.append(tokens.to_tokens(lp.expand(tokens.site_shape)).reshape(n, D))
+        if table and isinstance(table[0], tuple):
+            rows = max(c.shape[0] for _, c in table)
+            return torch.stack(log_w), (torch.stack([m for m, _ in table]),
+                                        torch.stack([c.expand(rows, D, D) for _, c in table]))
         return torch.stack(log_w), torch.stack(table)
 
     def _tables(self, tokens, model, args, kwargs, trace, sizes, continuous, per_token, mpn):
