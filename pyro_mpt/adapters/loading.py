@@ -578,19 +578,23 @@ class _ImageFiles:
             with Image.open(self.paths[i]) as im:
                 return im.convert("RGB")
         except OSError as e:  # PIL's UnidentifiedImageError, a truncated file
-            raise ValueError(f"Image file {self.paths[i]!r} cannot be read ({e}); remove or re-save it.") from e
+            raise _unreadable(self.paths[i], e) from e
 
     def check(self):
         """Open each file's header (no pixels decoded), so that a file that is no image is a
         usage error before the model loads, not a traceback midway through the scoring."""
-        for i in range(len(self.paths)):
-            from PIL import Image
+        from PIL import Image
 
+        for path in self.paths:
             try:
-                Image.open(self.paths[i]).close()
+                Image.open(path).close()
             except OSError as e:
-                raise ValueError(f"Image file {self.paths[i]!r} cannot be read ({e}); remove or re-save it.") from e
+                raise _unreadable(path, e) from e
         return self
+
+
+def _unreadable(path, error):
+    return ValueError(f"Image file {path!r} cannot be read ({error}); remove or re-save it.")
 
 
 def load_images(image_folder=None, dataset=None, config=None, split="test", column="image", limit=None):
