@@ -57,7 +57,7 @@ from pyro.poutine.util import site_is_subsample
 
 from .random_streams import draw_apart, seeded_streams
 from .site_checks import (check_dtype, check_extra_sites, check_integer_data, check_latent_dtypes, check_shape,
-                          observation_dtype, validate_values)
+                          observation_dtype, tokens_in_support, validate_values)
 from .token_layout import TokenLayout
 from .token_site import locate_site, missing_value_sites, sample_sites, site_layout, vectorized_frames
 
@@ -461,37 +461,6 @@ def _fill_missing(value, observed):
     return torch.where(observed, value, per_token.expand_as(value))
 
 
-def _valid_placeholders(layout, site, value):
-    """Which tokens of ``value`` ``(n, D)`` are finite and in the support of the site's
-    distribution (at the trace's latents), elementwise; all False where the support cannot be
-    checked token by token (event dims of the distribution's own)."""
-    fn = site["fn"]
-    while isinstance(fn, (torch.distributions.Independent, dist.MaskedDistribution)):
-        fn = fn.base_dist
-    none = torch.zeros(value.shape, dtype=torch.bool, device=value.device)
-    if fn.event_shape:
-        return none
-    at_site = layout.to_site(value)
-    try:
-        ok = fn.support.check(at_site if torch.is_floating_point(at_site) else at_site.to(torch.get_default_dtype()))
-    except (NotImplementedError, RuntimeError):
-        return none
-    ok = ok & torch.isfinite(at_site) if torch.is_floating_point(at_site) else ok
-    try:
-        return layout.to_tokens(ok.expand(layout.site_shape)).reshape(value.shape)
-    except RuntimeError:
-        return none
-
-
-def _in_support(fn, value):
-    """Whether ``value`` lies in the support of ``fn`` everywhere (True where the support
-    cannot be checked)."""
-    try:
-        return bool(fn.support.check(value).all())
-    except NotImplementedError:
-        return True
-
-
 def _fill_from_draw(layout, fn, value, observed):
     """``value`` ``(n, D)`` with each missing token set to a draw of the site's distribution,
     on a random stream of its own (the global one left as it was): where the support differs
@@ -601,10 +570,12 @@ def _token_values(layout, site, dtype, validate):
     # support stays (one valid under every value of an enumerated latent, e.g. the lower end of
     # a Uniform whose width depends on the class, was replaced by another datapoint's value,
     # outside some class's support, and Pyro refused the site)
-    kept = observed | _valid_placeholders(layout, site, raw_flat)
+    valid = tokens_in_support(layout, site)  # the raw values (n, D), or None
+    kept = observed if valid is None else observed | (valid & torch.isfinite(raw_flat))
     raw_flat = torch.where(kept, raw_flat, _fill_missing(raw_flat, observed))
     site_value = layout.to_site(raw_flat)
-    if not _in_support(site["fn"], site_value):
+    filled_ok = tokens_in_support(layout, site, site_value)
+    if filled_ok is not None and not bool(filled_ok.all()):
         raw_flat = _fill_from_draw(layout, site["fn"], raw_flat, observed)
         site_value = layout.to_site(raw_flat)
     return raw_flat.to(dtype), observed, site_value if torch.is_floating_point(raw) else site_value.to(dtype)

@@ -25,6 +25,7 @@ __all__ = [
     "check_integer_data",
     "check_shape",
     "support_ok",
+    "tokens_in_support",
     "validate_values",
 ]
 
@@ -293,19 +294,31 @@ def _support(site):
     return support
 
 
-def support_ok(layout, site, support):
+def support_ok(layout, site, support, value=None):
     """Bool ``(n, D)``: True where a token's observed value is in the support of the
     site's distribution; None when the support cannot be checked.
 
     :param ~pyro_mpt.token_layout.TokenLayout layout: the site's token layout.
     :param dict site: the observed trace site.
     :param support: the site's elementwise support (``_support``), or None.
+    :param value: the values to check, at the site's shape (default: the site's own).
     """
     if support is None or constraints.is_dependent(support):
         return None
-    ok = support.check(site["value"].expand(layout.site_shape))
+    ok = support.check((site["value"] if value is None else value).expand(layout.site_shape))
     ok = ok.reshape(ok.shape + (1,) * (len(layout.site_shape) - ok.dim())).expand(layout.site_shape)
     return layout.to_tokens(ok).reshape(layout.num_data, -1)
+
+
+def tokens_in_support(layout, site, value=None):
+    """:func:`support_ok` with the site's own elementwise support: bool ``(n, D)``, or None
+    when the support cannot be checked token by token.
+
+    Example::
+
+        >>> tokens_in_support(tokens.layout, tokens.site)  # (n, D)
+    """
+    return support_ok(layout, site, _support(site), value)
 
 
 #: said where the support's bounds differ between tokens or datapoints: they may come from a
