@@ -53,8 +53,8 @@ from .distributions import affine_normal, unwrap
 from .gaussian_blocks import block_diagonal_parts, is_block_gaussian
 from .marginal_rows import basis_rows, common_rows, rows_equal, shared_loading
 from .structural_zeros import diagonal_variances
-from .plate_runs import (PROBE_REACH, PROBE_SEED, CoordinateLatents, agrees_with_point_run, alternating_signs,
-                         fixed_probes, latent_layout, reaches_points, run_in_plate, run_with_fallback)
+from .plate_runs import (PROBE_REACH, CoordinateLatents, agrees_with_point_run, alternating_signs, fixed_probes,
+                         latent_layout, probe_coordinates, reaches_points, run_in_plate, run_with_fallback)
 from ..code_origin import user_stacklevel
 
 __all__ = ["GaussianMarginal", "gaussian_marginal", "loading_nonzeros_in_chunks", "NotLinearGaussianError", "RUN_MODES"]
@@ -315,8 +315,7 @@ def gaussian_marginal(tokens, model, args, kwargs, vectorize=True, memory=None, 
         detail = (mode, tuple(value.shape), K)
         if n == 1 or _PROBES_PASSED.passed(model, detail):
             return
-        generator = torch.Generator(device="cpu").manual_seed(PROBE_SEED)
-        u = torch.randn(2, n, K, generator=generator, dtype=value.dtype, device="cpu").to(value.device)
+        u = probe_coordinates(n, K, value.dtype, value.device)
         try:
             with torch.no_grad():
                 fn, _ = run(CoordinateLatents(layout, u, mpn + 1, tokens.batch_shape, compact=compact), 2)

@@ -48,7 +48,7 @@ from ..model_keys import callable_key
 from .base import EngineNotApplicable
 from .distributions import affine_normal, compact, unwrap
 
-__all__ = ["LatentSlice", "latent_layout", "PROBE_REACH", "PROBE_SEED", "affinity_probes", "fixed_probes", "alternating_signs", "reaches_points", "CoordinateLatents", "MeanLatents", "most_probable", "run_in_plate", "RunMemory", "agrees_with_point_run", "run_with_fallback"]
+__all__ = ["LatentSlice", "latent_layout", "PROBE_REACH", "PROBE_SEED", "affinity_probes", "fixed_probes", "probe_coordinates", "alternating_signs", "reaches_points", "CoordinateLatents", "MeanLatents", "most_probable", "run_in_plate", "RunMemory", "agrees_with_point_run", "run_with_fallback"]
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -176,6 +176,20 @@ def fixed_probes(K, dtype, device):
     generator.set_state(state)
     # a copy: the kept draw must not change with what a caller does to its probes
     return probes.to(device, copy=True), generator
+
+
+def probe_coordinates(n, K, dtype, device):
+    """Two probe points, each datapoint at its own coordinates, ``(2, n, K)``: standard normal
+    draws from a generator seeded with :data:`PROBE_SEED` (on the CPU, whatever the default
+    device), for the checks of a vectorized run against runs at each point alone.
+
+    Example::
+
+        >>> probe_coordinates(3, 2, torch.float64, "cpu").shape
+        torch.Size([2, 3, 2])
+    """
+    generator = torch.Generator(device="cpu").manual_seed(PROBE_SEED)
+    return torch.randn(2, n, K, generator=generator, dtype=dtype, device="cpu").to(device)
 
 
 @functools.lru_cache(maxsize=64)

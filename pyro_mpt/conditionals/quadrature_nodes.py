@@ -24,7 +24,7 @@ from torch.distributions import biject_to
 from ..observed_tokens import check_local_latent
 from .base import EngineNotApplicable, SlowEngineWarning
 from .distributions import token_log_prob, unwrap
-from .plate_runs import (PROBE_SEED, CoordinateLatents, RunMemory, agrees_with_point_run, latent_layout, reaches_points,
+from .plate_runs import (CoordinateLatents, RunMemory, agrees_with_point_run, latent_layout, probe_coordinates, reaches_points,
                          run_in_plate, run_with_fallback)
 from ..code_origin import user_stacklevel
 from ..model_keys import callable_key
@@ -285,7 +285,7 @@ class NodeRunner:
 
     def _check_probe_nodes(self, K, dtype, device, compact):
         """Compare a run at two probe nodes in the node plate, each datapoint at its own
-        coordinates (drawn from a generator seeded with ``PROBE_SEED``), with runs at each
+        coordinates (``plate_runs.probe_coordinates``), with runs at each
         node alone, once per model, mode and data shape: a model that broadcasts the node plate into the
         datapoints' dim runs without error where the sizes happen to agree (``z[:, None] + b``
         with as many datapoints as tokens puts each datapoint's latent on the token axis;
@@ -296,8 +296,7 @@ class NodeRunner:
         it passed, and the next nodes were off by up to 2 nats, without a warning. Raises
         ``ValueError`` there, so that the next mode is tried."""
         n = self.tokens.num_data
-        generator = torch.Generator(device="cpu").manual_seed(PROBE_SEED)
-        probe = torch.randn(2, n, K, generator=generator, dtype=dtype, device="cpu").to(device)
+        probe = probe_coordinates(n, K, dtype, device)
         with torch.no_grad():
             together = self._run(probe, compact)[1]
             for p in range(probe.shape[0]):
