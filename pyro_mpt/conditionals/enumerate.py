@@ -477,7 +477,6 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
         configured = _GlobalEnumDims()(configured)
         by_value = not (continuous or per_token or joint) and _hmm_observation(tokens) is None and \
             math.prod(sizes.values()) <= MAX_VALUE_RUNS
-        at_values = replayed  # the continuous latents held at their traced values, as in the enumerated run
         if by_value and callable_key(model) in self.per_value_models:
             return self._per_value(tokens, model, args, kwargs, sizes)
         try:
@@ -522,7 +521,8 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             # many datapoints as classes) runs without error and every number is wrong. With Normal
             # latents beside, only the discrete sites' log p(z) is read from this run (each
             # component's Gaussian is derived by runs of its own): the observation's is not compared
-            if not self._agrees_with_value_runs(tokens, at_values, args, kwargs, trace, enumerated,
+            # (replayed holds the continuous latents at their traced values, as the enumerated run does)
+            if not self._agrees_with_value_runs(tokens, replayed, args, kwargs, trace, enumerated,
                                                 observation=not continuous):
                 error = ValueError(
                     f"the log-densities of observed site {tokens.name!r} at a joint value of the latents "
@@ -615,6 +615,7 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
         supports = [sites[name]["fn"].enumerate_support(expand=False) for name in names]
         replayed = poutine.replay(model, trace=tokens.subsample_trace())
         n, D = tokens.num_data, tokens.num_tokens
+        gaussian = _gaussian_observation(tokens) is not None
         log_w, table = [], []
         for index in indices:
             data = {name: support[i].expand(sites[name]["value"].shape)
@@ -635,17 +636,16 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
                 w = w + node["fn"].log_prob(node["value"])
             log_w.append(torch.as_tensor(w).expand(tokens.batch_shape).reshape(n))
             obs = trace.nodes[tokens.name]
-            if _gaussian_observation(tokens) is not None:
-                gaussian = base_distribution(obs["fn"])
-                cov = compact(gaussian.covariance_matrix)
-                rows = n if math.prod(cov.shape[:-2]) > 1 else 1
-                table.append((gaussian.loc.expand(tokens.batch_shape + (D,)).reshape(n, D),
-                              cov.expand(tokens.batch_shape + (D, D)).reshape(n, D, D) if rows > 1
+            if gaussian:
+                component = base_distribution(obs["fn"])
+                cov = compact(component.covariance_matrix)
+                table.append((component.loc.expand(tokens.batch_shape + (D,)).reshape(n, D),
+                              cov.expand(tokens.batch_shape + (D, D)).reshape(n, D, D) if math.prod(cov.shape[:-2]) > 1
                               else cov.reshape(1, D, D)))
                 continue
             lp = token_log_prob(unwrap(obs["fn"], masks=True)[0], tokens.site_value)
             table.append(tokens.to_tokens(lp.expand(tokens.site_shape)).reshape(n, D))
-        if table and isinstance(table[0], tuple):
+        if gaussian:
             rows = max(c.shape[0] for _, c in table)
             return torch.stack(log_w), (torch.stack([m for m, _ in table]),
                                         torch.stack([c.expand(rows, D, D) for _, c in table]))
