@@ -532,10 +532,7 @@ def _draws_read(model, args, kwargs, model_trace, name):
     model run, for the missing-value draws of an observed site other than the token site."""
     node = model_trace.nodes[name]
     trace = model_trace.copy()
-    value = node["value"]
-    devices = [value.device] if value.is_cuda else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():  # the user's random streams are left as they were
-        torch.manual_seed(0)
+    with seeded_streams(0), torch.no_grad():  # the user's random streams are left as they were
         other = node["fn"].sample()
         trace.nodes[name] = dict(node, value=other)
         with poutine.block(), dist.validation_enabled(False):

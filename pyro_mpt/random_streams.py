@@ -56,7 +56,13 @@ def seeded_streams(seed):
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     devices = list(range(torch.cuda.device_count())) if cuda else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+        # the streams fork_rng restores, not torch.manual_seed: that also seeds the backends
+        # not in use (CUDA before its first use, XPU, MTIA) by a call queued for their
+        # initialization, where it replaced the seed the user had set (and formatted the
+        # stack for it: 0.7 ms a call)
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.manual_seed_all(seed)
         yield
 
 

@@ -640,3 +640,21 @@ def test_a_bare_vocab_file_is_read_alike_from_the_model_directory_and_as_tokeniz
         ok = _pyro_mpt("mlm-curve", lower, *extra, *common, "--json", tmp_path / "l.json", cwd=tmp_path)
         assert ok.returncode == 0, ok.stderr
         assert json.loads((tmp_path / "l.json").read_text())["per_sequence"]["pll"] == runs["dir"]["per_sequence"]["pll"]
+
+
+def test_random_init_is_seeded_and_leaves_the_global_stream_alone(bert_dir):
+    """load_masked_lm(random_init=True) initialized the weights after torch.manual_seed(seed),
+    which left the caller's global stream reseeded; the weights are drawn on a stream of their
+    own now: the same weights under one seed, other weights under another, the caller's state
+    as it was."""
+    import torch
+
+    from pyro_mpt.adapters.loading import load_masked_lm
+
+    d, _ = bert_dir
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    weights = [load_masked_lm(str(d), random_init=True, seed=s, quiet=True)[0].state_dict() for s in (0, 0, 1)]
+    assert torch.equal(torch.get_rng_state(), state)
+    name = next(k for k, v in weights[0].items() if v.dtype.is_floating_point and v.std() > 0)
+    assert torch.equal(weights[0][name], weights[1][name]) and not torch.equal(weights[0][name], weights[2][name])

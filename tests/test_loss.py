@@ -405,6 +405,39 @@ def test_a_trace_draws_its_latents_without_moving_the_global_stream():
     assert not torch.equal(draws[0][0], draws[0][1]) and not torch.equal(draws[0][0], draws[2][0])
 
 
+def test_streams_of_their_own_leave_the_backends_not_in_use_alone(monkeypatch):
+    """The draws on streams of their own (the trace's latents, a missing token's fill, a
+    sequence's masks) seeded torch.manual_seed, which also queues a seed for each backend not
+    in use (CUDA before its first use, XPU, MTIA): that seed replaced the user's once the
+    backend started. Now only the streams that are forked and restored are seeded."""
+    from pyro_mpt.adapters.mlm_jobs import schedule_jobs
+    from pyro_mpt.masks import UniformSizes
+    from pyro_mpt.random_streams import seeded_streams
+
+    seeded = []
+    for backend in ("cuda", "xpu", "mtia"):
+        module = getattr(torch, backend)
+        monkeypatch.setattr(module, "manual_seed_all", lambda seed, b=backend: seeded.append((b, seed)))
+    torch.manual_seed(3)
+    assert len(seeded) == 3  # the patch sees what torch.manual_seed does
+    seeded.clear()
+
+    def model(x):
+        with pyro.plate("data", x.shape[0]):
+            a = pyro.sample("a", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal(a.unsqueeze(-1).expand(x.shape), 1.0).to_event(1), obs=x)
+
+    state = torch.get_rng_state()
+    trace = trace_tokens(model, None, (torch.zeros(4, 3),), {}).model_trace
+    mask, _ = schedule_jobs(UniformSizes(2), 0, 5, 7)
+    with seeded_streams(11):
+        first = torch.rand(2)
+    with seeded_streams(11):
+        assert torch.equal(first, torch.rand(2))
+    assert seeded == [] and torch.equal(torch.get_rng_state(), state)
+    assert trace.nodes["a"]["value"].shape == (4,) and mask.shape[1] == 7
+
+
 def test_a_reused_loss_does_not_hand_a_new_model_a_collected_models_engine(float64):
     """The loss remembers the engine "auto" chose per model; keyed by id() alone, a new model
     whose function object took a collected model's address inherited its engine: a

@@ -242,7 +242,6 @@ def _load_model(name, label, hint, from_config, from_pretrained, random_init, se
     where = _resolve_hub(name, "model", hint)
     if quiet:
         quiet_transformers()
-    import torch
 
     AutoConfig = optional_import("transformers", f"Loading {label} {name!r}").AutoConfig
 
@@ -263,8 +262,11 @@ def _load_model(name, label, hint, from_config, from_pretrained, random_init, se
         )
     try:
         if random_init:
-            torch.manual_seed(seed)
-            model = from_config(config)
+            from ..random_streams import seeded_streams
+
+            # the user's random streams are left as they were
+            with seeded_streams(seed):
+                model = from_config(config)
         else:
             model, info = from_pretrained(name, output_loading_info=True, **kw)
     except (OSError, ValueError) as err:  # missing files; a config transformers cannot read

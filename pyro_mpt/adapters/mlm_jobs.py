@@ -14,6 +14,7 @@ tokens and scatters the results back per sequence.
 import torch
 
 from ..mask_blocks import ChainBlock, MaskBlock
+from ..random_streams import seeded_streams
 from .batching import group_by_length, pack
 from .rates import item_seed
 
@@ -57,8 +58,7 @@ def schedule_jobs(schedule, seed, item, L):
     :param schedule: a :class:`~pyro_mpt.masks.MaskSchedule`.
     :returns: ``(mask, weight)``, bool and float64 ``(J, L)``.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(item_seed(seed, item))
+    with seeded_streams(item_seed(seed, item)):
         blocks = list(schedule.blocks(1, L, max_elements=max(2**22, 4 * L * L), device="cpu"))
     masks, weights = [], []
     for b in blocks:
