@@ -487,7 +487,9 @@ class EnumerateConditionals(LeaveOneOutQueries, ConditionalEngine):
             raise EngineNotApplicable(
                 f"{_WHO} runs the model with all values of the discrete latents "
                 f"({', '.join(map(repr, sizes))}) at once, in batch dims left of dim -{mpn}, and "
-                f"the model failed there ({type(e).__name__}: {e}). Index parameters with the "
+                f"the model failed there ({type(e).__name__}: {e}). Each latent has a dim of its "
+                f"own there: broadcast latents before combining them (torch.stack(torch.broadcast_"
+                f"tensors(*states), -1), not torch.stack(states, -1)), index parameters with the "
                 f"latent (e.g. locs[z]) instead of branching on its value, or use "
                 f"conditionals='importance'."
             ) from e
