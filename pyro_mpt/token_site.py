@@ -16,7 +16,10 @@ datapoints themselves). The flattened token order is the site's layout: the
 token-plate dims in their batch order, then the event dims. Latents one per
 token as well (a zero-inflation switch ``with pyro.plate("tokens", D)`` beside
 a datapoint's class) leave the plates that every latent sits in as the data
-plates, when some latent sits in those alone.
+plates, when some latent sits in those alone. Plates are told apart by the latents
+in them, first on the plates of more than one element, then, where those leave no
+token plate, on all: a batch of one datapoint and one token per datapoint keep the
+roles their plates have in larger batches.
 """
 
 import re
@@ -90,24 +93,21 @@ def _token_frames(site, latents, token_plates):
                 f"{', '.join(map(repr, unknown))}; its plates: {_describe_plates(frames) or 'none'}."
             )
         return {f for f in frames if f.name in names}
-    # latents are matched to plates by identity, whatever their size (a data plate
-    # of one datapoint still holds the latents); only token candidates need size > 1,
-    # and plates of size 1 cannot tell the latents' layouts apart
+    # latents are matched to plates by identity, whatever their size (a data plate of one
+    # datapoint still holds the latents). Plates of size 1 are left out first: the layouts
+    # of the latents are read on the plates that tell them apart (a latent also in a plate
+    # "groups" of one element, beside latents in the data plate alone); where those find no
+    # token plate, they count too: a minibatch of one, a lone group of a hierarchy (its
+    # members were taken for datapoints and its latent for a global one), one member per
+    # group (refused as having no tokens)
     in_latents = [vectorized_frames(s) & frames for s in latents]
-    holding = set().union(*in_latents) if in_latents else set()
-    candidates = {f for f in frames - holding if f.size > 1}
-    local = [{f for f in fr if f.size > 1} for fr in in_latents if fr]
-    if candidates and local and all(fr == {f for f in holding if f.size > 1} for fr in local):
-        return candidates
-    if local:
-        # latents one per token too (a zero-inflation switch in plates "data" and "tok"):
-        # the plates that every latent sits in are the data plates when some latent sits in
-        # those alone (a datapoint's own latent; were "tok" a data plate, that latent would be
-        # shared by its elements), and the observed site's other plates are the token plates
-        inner = set.intersection(*local)
-        rest = {f for f in frames if f.size > 1} - inner
-        if inner and rest and any(fr == inner for fr in local):
-            return rest
+    for min_size in (2, 1):
+        found = _token_plates_beside(
+            {f for f in frames if f.size >= min_size},
+            [{f for f in fr if f.size >= min_size} for fr in in_latents if fr],
+        )
+        if found:
+            return found
     big = {f for f in frames if f.size > 1}
     if not site["fn"].event_shape and len(big) > 1:
         raise ValueError(
@@ -117,6 +117,25 @@ def _token_frames(site, latents, token_plates):
             f"Pass token_plates=(<names>) to MaskedPretrainingLoss / Evidence, "
             f"or: {_EVENT_DIMS_HINT}."
         )
+    return set()
+
+
+def _token_plates_beside(frames, local):
+    """The token plates among ``frames`` (the observed site's) given ``local``, the plates
+    among them of each latent that sits in any; empty when these do not tell."""
+    holding = set().union(*local) if local else set()
+    candidates = frames - holding
+    if candidates and local and all(fr == holding for fr in local):
+        return candidates
+    if local:
+        # latents one per token too (a zero-inflation switch in plates "data" and "tok"):
+        # the plates that every latent sits in are the data plates when some latent sits in
+        # those alone (a datapoint's own latent; were "tok" a data plate, that latent would be
+        # shared by its elements), and the observed site's other plates are the token plates
+        inner = set.intersection(*local)
+        rest = frames - inner
+        if inner and rest and any(fr == inner for fr in local):
+            return rest
     return set()
 
 

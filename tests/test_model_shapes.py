@@ -265,6 +265,46 @@ def test_token_plate_detection_ignores_size_one_plates_of_the_latents():
         assert float((value[0] - truth[:n]).abs().max()) < 1e-10
 
 
+def test_plates_of_one_element_keep_their_role(float64):
+    """A hierarchy's plates are told apart by their latents whatever their size: a batch of
+    one group (a minibatch of one) had its members taken for datapoints and the group's
+    latent for a global one (refused by every engine, "auto" too), and one member per group
+    was refused as having no tokens. Against scipy's multivariate normal of each group."""
+    mu0, tau, om, sig = 0.5, 1.3, 0.6, 0.4
+
+    def three_levels(x):  # groups x members x K measurements
+        G, M, K = x.shape
+        with pyro.plate("groups", G, dim=-2):
+            th = pyro.sample("th", dist.Normal(torch.tensor(mu0), tau).expand([G, 1]))
+            with pyro.plate("members", M, dim=-1):
+                u = pyro.sample("u", dist.Normal(th, om))
+                pyro.sample("x", dist.Normal(u.unsqueeze(-1).expand(u.shape + (K,)), sig).to_event(1), obs=x)
+
+    def two_levels(x):  # members x groups, no event dims
+        M, G = x.shape
+        with pyro.plate("groups", G, dim=-1):
+            th = pyro.sample("th", dist.Normal(torch.tensor(mu0), tau))
+            with pyro.plate("members", M, dim=-2):
+                pyro.sample("x", dist.Normal(th, sig), obs=x)
+
+    def truth(group, member_of, member_sd):
+        same = member_of[:, None] == member_of[None, :]
+        cov = sig**2 * np.eye(len(group)) + member_sd**2 * same + tau**2
+        return scipy.stats.multivariate_normal(np.full(len(group), mu0), cov).logpdf(group)
+
+    x = torch.randn(3, 4, 2, generator=torch.Generator().manual_seed(0))
+    for G, M in ((3, 4), (1, 4), (1, 1), (2, 1)):
+        xs = x[:G, :M]
+        want = np.array([truth(g.reshape(-1).numpy(), np.repeat(np.arange(M), 2), om) for g in xs])
+        for value in (Evidence(three_levels)(xs), MaskedPretrainingLoss(masks="order").score(three_levels, None, xs)):
+            assert value.shape == (G,) and np.abs(value.detach().numpy() - want).max() < 1e-10
+    y = x[..., 0].T  # (members, groups)
+    for M in (4, 1):
+        want = np.array([truth(col.numpy(), np.arange(M), 0.0) for col in y[:M].T])
+        for value in (Evidence(two_levels)(y[:M]), MaskedPretrainingLoss(masks="order").score(two_levels, None, y[:M])):
+            assert value.shape == (3,) and np.abs(value.detach().numpy() - want).max() < 1e-10
+
+
 def test_token_plate_scale_per_datapoint_is_read_without_expanding_over_tokens():
     """poutine.scale with one weight per datapoint (shape (n, 1), broadcast over the
     token plate) weights each datapoint; a weight per token is refused."""
