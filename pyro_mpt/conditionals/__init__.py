@@ -69,6 +69,7 @@ from .base import (
     QuadratureAccuracyWarning,
     SlowEngineWarning,
     model_failed,
+    fits_form,
 )
 from .gaussian import GaussianConditionals
 from .gaussian_hmm import AUTO_MIN_TOKENS, GaussianHMMConditionals, GaussianHMMState
@@ -330,7 +331,7 @@ def auto_engine(tokens, model, guide, args, kwargs, **options):
             state = engine.prepare(tokens, model, guide, args, kwargs)
         except EngineNotApplicable as e:
             reasons[name] = str(e)
-            if model_failed(e):
+            if model_failed(e) or fits_form(e):
                 failed[name] = str(e)
             continue
         _report_choice(tokens, name, state, reasons)
@@ -354,7 +355,8 @@ def _warn_fallback(tokens, name, failed):
         EngineFallbackWarning(
             f"conditionals='auto' chose {name!r} for observed site {tokens.name!r} after "
             f"passing over {', '.join(map(repr, failed))}, made for models of this form, "
-            f"because the model failed when run there:\n{listed}\nFix the model as that says "
+            f"because the model failed when run there or is written in a way it does not "
+            f"read:\n{listed}\nFix the model as that says "
             f"(the earlier engine is exact or cheaper), or choose conditionals={name!r} by name "
             f"to keep it and silence this warning.",
             engine=name,

@@ -30,6 +30,7 @@ __all__ = [
     "QuadratureAccuracyWarning",
     "SlowEngineWarning",
     "model_failed",
+    "fits_form",
     "ordering_ranks",
 ]
 
@@ -153,6 +154,23 @@ def model_failed(error):
         if not is_library(frame.filename):
             return True
     return False
+
+
+def fits_form(error):
+    """Whether an engine's refusal ``error`` (an :class:`EngineNotApplicable`) is of an
+    engine made for the model's form that cannot read the way it is written, and says what to
+    write instead (a hierarchy's groups declared inside their observations): the refusals that
+    ``Evidence(method='exact')`` puts first and that ``"auto"`` warns about when it goes on,
+    as for :func:`model_failed`. The engine sets ``error.fits_form = True``.
+
+    Example::
+
+        >>> try:
+        ...     HierarchicalGaussianConditionals().prepare(tokens, model, None, args, kwargs)
+        ... except EngineNotApplicable as e:
+        ...     fits_form(e)   # True: "Declare the plates the other way round ..."
+    """
+    return bool(getattr(error, "fits_form", False))
 
 
 class ConditionalEngine(ABC):

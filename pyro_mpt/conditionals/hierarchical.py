@@ -221,13 +221,15 @@ def hierarchical_loadings(tokens, model, args, kwargs):
             K_g += numel
     if K_l == 0 and inner_units:
         inner = ", ".join(map(repr, sorted(inner_units)))
-        raise NotHierarchicalError(
+        refusal = NotHierarchicalError(
             f"{_WHO} takes the outermost token plate {unit_plate!r} of observed site {tokens.name!r} "
             f"as its units (each unit's tokens must be contiguous), but the local latents sit in "
             f"token plate(s) {inner}, declared inside it. Declare the plates the other way round, "
             f"the units' plate at the dim further left (e.g. pyro.plate({sorted(inner_units)[0]!r}, "
             f"dim={unit_dim}) around pyro.plate({unit_plate!r}, dim=-1), the data transposed to match)."
         )
+        refusal.fits_form = True  # the model's form is this engine's: Evidence leads with this, "auto" warns
+        raise refusal
     if K_l == 0:
         raise NotHierarchicalError(
             f"{_WHO} serves latents inside the token plate {unit_plate!r} of observed site "

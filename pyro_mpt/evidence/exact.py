@@ -29,7 +29,7 @@ from ..conditionals import (
     HierarchicalGaussianConditionals,
     QuadratureConditionals,
 )
-from ..conditionals.base import EngineNotApplicable, model_failed
+from ..conditionals.base import EngineNotApplicable, fits_form, model_failed
 from .engine_advice import in_evidence_terms
 from .result import EvidenceResult
 
@@ -94,6 +94,8 @@ def exact_evidence(evidence, tokens, args, kwargs):
                 declined.append(f"{label!r}: {why}")
                 if model_failed(why):
                     failed.append(f"the {label!r} route, made for this form, ran the model and it failed: {why}")
+                elif fits_form(why):
+                    failed.append(f"the {label!r} route, made for this form, needs the model written otherwise: {why}")
         else:
             # every route's reason: the one that nearly applies is often not the Gaussian one; a
             # route under which the model itself failed first (it opened with the Gaussian route's
