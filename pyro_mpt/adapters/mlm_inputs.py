@@ -375,9 +375,11 @@ class _Source:
             out_ids.append(x)
             out_mask.append(maskable)
             if types is not None:
-                out_types.append(torch.as_tensor(types[i], dtype=torch.long, device="cpu").reshape(-1)[keep])
+                t = torch.as_tensor(types[i], dtype=torch.long, device="cpu").reshape(-1)
+                out_types.append(t[_one_per_token("token_type_ids", t, i, keep)])
             if words is not None:
-                w = torch.tensor([-1 if v is None else int(v) for v in words[i]], dtype=torch.long, device="cpu")[keep]
+                w = torch.tensor([-1 if v is None else int(v) for v in words[i]], dtype=torch.long, device="cpu")
+                w = w[_one_per_token("word_ids", w, i, keep)]
                 # word indices restart in the second segment of a pair; segments are separated by
                 # tokens without a word (CLS, SEP), so (tokens without a word so far, word index)
                 # identifies a word across segments
@@ -396,3 +398,17 @@ class _Source:
                 stacklevel=user_stacklevel(),
             )
         return Encoded(out_ids, out_types, out_mask, out_words if words is not None else None)
+
+
+def _one_per_token(name, values, i, keep):
+    """``keep`` (the tokens of ``input_ids[i]`` that are not padding), after checking that
+    ``values`` (``name``'s entries for sequence ``i``) has one entry per token of
+    ``input_ids[i]`` as given, padding included (a list of the unpadded tokens' entries
+    beside padded ids failed with torch's IndexError on a boolean mask's shape)."""
+    if values.shape != keep.shape:
+        raise ValueError(
+            f"{name}[{i}] has {values.numel()} entries but input_ids[{i}] has {keep.numel()} tokens "
+            f"(padding included); give one entry per token of input_ids[{i}], at padding too "
+            f"(word_ids: None there), or pass input_ids without padding."
+        )
+    return keep

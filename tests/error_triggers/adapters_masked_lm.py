@@ -89,6 +89,13 @@ def _():
     _scorer().curve({"input_ids": [[2, 5, 6, 3]], "attention_mask": [[1, 1, 1]]}, rates=[0.5])
 
 
+@trigger("mlm-per-token-entries-length")
+def _():
+    # padded ids (the padding id 0) beside the unpadded tokens' word indices
+    _scorer().pll({"input_ids": [[2, 5, 6, 3, 0]], "attention_mask": [[1, 1, 1, 1, 0]],
+                   "word_ids": [[None, 0, 1, None]]}, word_l2r=True)
+
+
 @trigger("mlm-no-maskable-token")
 def _():
     _scorer().curve({"input_ids": [[2, 3]]}, rates=[0.5])
