@@ -137,6 +137,7 @@ from .quadrature_contexts import (
     resolved_tol,
     token_quadratics,
     unresolved_targets,
+    with_models,
 )
 from .quadrature_leave_one_out import QuadratureLeaveOneOut
 from .quadrature_table import QuadratureState
@@ -723,18 +724,21 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
             # leave-one-out contexts) keeps it: no model run; the numerators' integrands
             # lie between that posterior and the full one, which the grid is built for
             own = ~full_grid_resolves(quad, full, state.nodes_per_dim, self.max_elements)  # (q,)
+        # the corrections from the projection with the table's graph, on the grids fitted without it
+        graded = self._graded_quadratics(state)
+        models = context_models(graded, ctx) if graded is not quad else (h, P, C)
         kept = (~own).nonzero().squeeze(-1)
         rows = own.nonzero().squeeze(-1)
         parts = []
         if kept.numel() > 0:
-            with torch.no_grad():
-                dnum, dden = gaussian_corrections(quad, full, target, e, log_w, self.max_elements)
+            dnum, dden = gaussian_corrections(graded, with_models(full, *models), target, e, log_w, self.max_elements)
             num, den = self._reduce(state, MixtureChunk.mask_partials, ctx[kept])
             parts.append((kept, num + dnum[kept].to(num.dtype), den + dden[kept].to(den.dtype), dnum[kept]))
         if rows.numel() > 0:
             with torch.no_grad():
                 frames = context_frames(quad, h[rows], P[rows], C[rows], c, S)
-                dnum, dden = gaussian_corrections(quad, frames, target[rows], e, log_w, self.max_elements)
+            frames = with_models(frames, *(t[rows] for t in models))
+            dnum, dden = gaussian_corrections(graded, frames, target[rows], e, log_w, self.max_elements)
             num, den = context_partials(
                 state.runner, e, log_w, frames.centre, frames.sqrt_cov, ctx[rows], self.max_elements,
                 # one cache for both tables: what the full one keeps, the context ones cannot
@@ -746,18 +750,20 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
         else:
             order = torch.argsort(torch.cat([kept, rows]))
             num, den, dnum = (torch.cat([parts[0][k], parts[1][k]])[order] for k in (1, 2, 3))
-        num = self._target_grids(state, quad, (h, P, C), own, target, ctx, num, dnum)
+        num = self._target_grids(state, quad, (h, P, C), own, target, ctx, num, dnum, graded, models)
         # the prior integrates to one: an empty context has normalizer exactly 1
         return num - normalize_empty(den, ~target).unsqueeze(-1)
 
-    def _target_grids(self, state, quad, models, own, target, ctx, num, dnum):
+    def _target_grids(self, state, quad, models, own, target, ctx, num, dnum, graded, graded_models):
         """Numerators that the grid of their context does not resolve, each on a grid
         of its own (:func:`~pyro_mpt.conditionals.quadrature_contexts.unresolved_targets`);
         ``dnum`` are the numerators' corrections on their queries' grids; ``models`` the
-        contexts' ``(h, P, C)`` (:func:`~pyro_mpt.conditionals.quadrature_contexts.context_models`)."""
+        contexts' ``(h, P, C)`` (:func:`~pyro_mpt.conditionals.quadrature_contexts.context_models`);
+        ``graded`` and ``graded_models`` the same with the table's graph (the corrections')."""
         h, P, C = models
         c, S, e, log_w = state.frame
         n, D = state.num_data, state.num_tokens
+        dnum = dnum.detach()
         with torch.no_grad():
             if state.nodes_per_dim <= KEEP_RULE_NODES:
                 # the test's rule is the grid's own: its corrections are at hand
@@ -812,11 +818,12 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
             hj = h[A, rows] + quad.grad[rows, J]
             Cj = C[A, rows] + quad.hess[rows, J]
             tf = context_frames(quad, hj, model_precision(quad, Cj), Cj, c, S)
-            # centred on the numerator; the corrections add target j's quadratic to the context's
-            tf.grad, tf.precision, tf.curvature = h[A, rows], P[A, rows], C[A, rows]
             one = torch.zeros(B, n, D, dtype=torch.bool, device=num.device)
             one[slot, i, j] = True
-            tdnum, _ = gaussian_corrections(quad, tf, one, e, log_w, self.max_elements)
+        # centred on the numerator; the corrections add target j's quadratic to the context's
+        hg, Pg, Cg = graded_models
+        tf_models = with_models(tf, hg[A, rows], Pg[A, rows], Cg[A, rows])
+        tdnum, _ = gaussian_corrections(graded, tf_models, one, e, log_w, self.max_elements)
         tnum, _ = context_partials(
             state.runner, e, log_w, tf.centre, tf.sqrt_cov, ctx.expand(-1, n, D)[A, rows], self.max_elements,
             keep_elements=self.cache_elements - len(state.chunks or ()) * state.node_chunk * n * D, targets=J,
@@ -828,6 +835,24 @@ class QuadratureConditionals(QuadratureLeaveOneOut, ConditionalEngine):
     def _uses_context_grids(self, state):
         # the projection onto quadratics is exact only with at least 3 nodes per dim
         return self.context_grids and state.frame is not None and state.nodes_per_dim >= 3
+
+    def _graded_quadratics(self, state):
+        """:meth:`_quadratics` with the table's graph where it has one (its gradient is that of
+        the Gaussian corrections), else the same object; once per state."""
+        if not state.has_graph():
+            return self._quadratics(state)
+        if state.graded_quadratics is None:
+            quad = self._quadratics(state)
+            _, _, e, log_w = state.frame
+            # kept on the state for later blocks: made outside a recomputed block's count
+            with not_recomputed():
+                graded = token_quadratics(e, log_w, state.graded_parts())
+            # the prior's quadratic as the detached projection has it: the standard normal's
+            # (whitened normal latents, fixed), or its Laplace quadratic (see _quadratics),
+            # held fixed; and that projection's verdict on finite rows
+            graded.prior_grad, graded.prior_hess, graded.finite = quad.prior_grad, quad.prior_hess, quad.finite
+            state.graded_quadratics = graded
+        return state.graded_quadratics
 
     def _quadratics(self, state):
         """The table's projection onto quadratics, once per state (one more pass over a

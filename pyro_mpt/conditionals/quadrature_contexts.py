@@ -67,7 +67,7 @@ from .quadrature_rules import affine_grid, gaussian_grid
 
 __all__ = [
     "KEEP_RULE_NODES", "GAUSSIAN_TOL", "nonquadratic_rms", "concave_part", "model_precision", "gaussian_datapoints", "resolved_tol", "full_grid_resolves", "unresolved_targets", "prior_quadratic", "TokenQuadratics", "ContextFrames", "token_quadratics", "context_models",
-    "full_frames", "context_frames", "PRIOR_REACH", "gaussian_corrections", "context_partials",
+    "full_frames", "context_frames", "with_models", "PRIOR_REACH", "gaussian_corrections", "context_partials",
 ]
 
 
@@ -316,8 +316,8 @@ def token_quadratics(std_nodes, std_log_weights, parts):
             # a constant per token (and for the prior) leaves b and A unchanged (E[e] = 0,
             # E[e e^T - I] = 0 over the whole grid) and keeps a large log-likelihood from
             # swamping them in rounding: take the first node's values
-            shift_T = torch.nan_to_num(T[:, :1], nan=0.0, posinf=0.0, neginf=0.0)
-            shift_pi = torch.nan_to_num(log_pi[:, :1], nan=0.0, posinf=0.0, neginf=0.0)
+            shift_T = torch.nan_to_num(T[:, :1].detach(), nan=0.0, posinf=0.0, neginf=0.0)
+            shift_pi = torch.nan_to_num(log_pi[:, :1].detach(), nan=0.0, posinf=0.0, neginf=0.0)
         # the K first and K^2 second Hermite functions, weighted: one matrix product each
         basis = w[:, None] * torch.cat([e, (e[:, :, None] * e[:, None, :] - eye).reshape(-1, K * K)], -1)
         Tc, lc = T - shift_T, log_pi - shift_pi
@@ -379,9 +379,21 @@ def concave_part(hess):
     convex = info != 0
     if not bool(convex.any()):
         return hess
-    lam, V = torch.linalg.eigh(hess[convex])
+    H = hess[convex]
+    with torch.no_grad():
+        lam, V = torch.linalg.eigh(H)
+        # the divided differences of min(lam, 0) (Daleckii-Krein): V (G o V^T H V) V^T is
+        # V min(Lambda, 0) V^T at H, and linear in H with the clip's derivative, also where
+        # eigenvalues repeat (eigh's own backward divides by their differences)
+        neg = lam.clamp_max(0)
+        gap = lam.unsqueeze(-1) - lam.unsqueeze(-2)
+        slope = (lam < 0).to(lam.dtype)
+        tied = gap.abs() <= 1e-12 * lam.abs().amax(-1, keepdim=True).unsqueeze(-1).clamp_min(1.0)
+        G = torch.where(tied, 0.5 * (slope.unsqueeze(-1) + slope.unsqueeze(-2)),
+                        (neg.unsqueeze(-1) - neg.unsqueeze(-2)) / torch.where(tied, torch.ones_like(gap), gap))
+    Vt = V.transpose(-1, -2)
     out = hess.clone()
-    out[convex] = (V * lam.clamp_max(0).unsqueeze(-2)) @ V.transpose(-1, -2)
+    out[convex] = V @ (G * (Vt @ H @ V)) @ Vt
     return out
 
 
@@ -491,6 +503,20 @@ class ContextFrames:
         self.precision = precision
         self.fitted = fitted
         self.curvature = curvature
+
+
+def with_models(frames, h, P, C):
+    r"""``frames`` with the Gaussian models ``(h, P, C)`` in place of their own, the grids
+    (``centre``, ``sqrt_cov``, ``shift``, ``root``, ``fitted``) kept: the models of the
+    table's projection with its graph (:func:`token_quadratics` of parts that have one),
+    where the frames were fitted without it. The corrections of :func:`gaussian_corrections`
+    are then differentiable in the model's parameters on grids that are not: the corrected
+    log-sums' gradient is that of their value (without it, the rule's own gradient on a grid
+    that does not resolve the integrand: 6 % off a linear-Gaussian model's, up to 118 %).
+
+    :returns: :class:`ContextFrames`.
+    """
+    return ContextFrames(frames.centre, frames.sqrt_cov, frames.shift, frames.root, h, P, frames.fitted, C)
 
 
 def context_models(quad, ctx):

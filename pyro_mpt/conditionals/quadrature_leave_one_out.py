@@ -78,8 +78,7 @@ class QuadratureLeaveOneOut:
             return None  # the context is empty: its normalizer is exactly one (normalize_empty)
         corrections = None
         if self._uses_context_grids(state):
-            with torch.no_grad():
-                corrections = self._leave_one_out_corrections(state)
+            corrections = self._leave_one_out_corrections(state)
             if corrections is None:
                 return None
         num, den = self._reduce(state, MixtureChunk.leave_one_out_partials)  # (n,), (n, D)
@@ -100,30 +99,27 @@ class QuadratureLeaveOneOut:
         contexts the full grid does not resolve (they take grids of their own, as in
         ``_context_log_prob``); None where the full model is not resolved (the test of
         ``_target_grids``)."""
-        quad = self._quadratics(state)
         m = state.nodes_per_dim
         _, _, e, log_w = state.frame
-        # each context's Gaussian model is the full one less its target's quadratic
-        h_full = quad.prior_grad + quad.grad.sum(1)  # (n, K)
-        C_full = quad.hess.sum(1)  # (n, K, K)
-        h = (h_full.unsqueeze(1) - quad.grad).transpose(0, 1)  # (D, n, K)
-        C = (C_full.unsqueeze(1) - quad.hess).transpose(0, 1)
-        contexts = full_frames(quad, h, model_precision(quad, C), C)
-        own = ~full_grid_resolves(quad, contexts, m, self.max_elements)
-        dden = gaussian_corrections(quad, contexts, None, e, log_w, self.max_elements)[1].T
-        whole = full_frames(quad, h_full[None], model_precision(quad, C_full[None]), C_full[None])
-        dnum = gaussian_corrections(quad, whole, None, e, log_w, self.max_elements)[1][0]
-        if m <= KEEP_RULE_NODES:
-            check = dnum  # the test's rule is the grid's own
-        else:
-            K, dtype = quad.grad.shape[-1], quad.grad.dtype
-            ek, lk = gaussian_grid(KEEP_RULE_NODES, K, dtype, quad.grad.device)
-            check = gaussian_corrections(quad, whole, None, ek, lk, self.max_elements)[1][0]
-        bad = check.abs() > resolved_tol(check.dtype)
-        if bool(bad.any()):
+        with torch.no_grad():
+            quad = self._quadratics(state)
+            contexts, whole = _leave_one_out_frames(quad)
+            own = ~full_grid_resolves(quad, contexts, m, self.max_elements)
+            if m <= KEEP_RULE_NODES:
+                check = gaussian_corrections(quad, whole, None, e, log_w, self.max_elements)[1][0]  # the grid's own rule
+            else:
+                K, dtype = quad.grad.shape[-1], quad.grad.dtype
+                ek, lk = gaussian_grid(KEEP_RULE_NODES, K, dtype, quad.grad.device)
+                check = gaussian_corrections(quad, whole, None, ek, lk, self.max_elements)[1][0]
+            bad = check.abs() > resolved_tol(check.dtype)
             # exact corrections where the prior and every token are quadratic (see _target_grids)
-            if bool((bad & ~quad.gaussian_rows(bad, e, log_w, state.detached_parts())).any()):
+            if bool(bad.any()) and bool((bad & ~quad.gaussian_rows(bad, e, log_w, state.detached_parts())).any()):
                 return None
+        # the corrections from the projection with the table's graph (see _context_log_prob)
+        graded = self._graded_quadratics(state)
+        contexts, whole = _leave_one_out_frames(graded)
+        dden = gaussian_corrections(graded, contexts, None, e, log_w, self.max_elements)[1].T
+        dnum = gaussian_corrections(graded, whole, None, e, log_w, self.max_elements)[1][0]
         return dnum, dden, own
 
     def _check_leave_one_out(self, state, x, table):
@@ -157,3 +153,15 @@ class QuadratureLeaveOneOut:
             lp = engine.mask_log_prob(state, x, mask)  # (t', n, D)
             cols.append(lp[torch.arange(j.shape[0], device=x.device), :, j])  # (t', n): each query's target
         return torch.cat(cols).T
+
+
+def _leave_one_out_frames(quad):
+    """``(contexts, whole)``: the full grid as the frame of each leave-one-out context's
+    Gaussian model (the full one less its target's quadratic) and of the full model."""
+    h_full = quad.prior_grad + quad.grad.sum(1)  # (n, K)
+    C_full = quad.hess.sum(1)  # (n, K, K)
+    h = (h_full.unsqueeze(1) - quad.grad).transpose(0, 1)  # (D, n, K)
+    C = (C_full.unsqueeze(1) - quad.hess).transpose(0, 1)
+    contexts = full_frames(quad, h, model_precision(quad, C), C)
+    whole = full_frames(quad, h_full[None], model_precision(quad, C_full[None]), C_full[None])
+    return contexts, whole

@@ -17,6 +17,7 @@ import torch
 from .mixture import combine_partials
 from .mixture_chunks import MixtureChunk
 from .streamed_sums import streamed_log_sums
+from ..recompute import recomputed
 
 __all__ = ["QuadratureState"]
 
@@ -55,6 +56,8 @@ class QuadratureState:
     :param quadratics: the table's projection onto quadratics
         (:func:`~pyro_mpt.conditionals.quadrature_contexts.token_quadratics`),
         computed by the first query that needs it.
+    :param graded_quadratics: the same projection with the table's graph, for
+        corrections that carry the gradient; computed by the first query that needs it.
     """
 
     nodes: torch.Tensor
@@ -71,6 +74,7 @@ class QuadratureState:
     prior_frame: Optional[tuple] = field(default=None, repr=False)
     missing_mass: Optional[torch.Tensor] = field(default=None, repr=False)
     quadratics: object = field(default=None, repr=False)
+    graded_quadratics: object = field(default=None, repr=False)
 
     @property
     def num_nodes(self):
@@ -117,6 +121,25 @@ class QuadratureState:
                 # the chunk's weights are the rule's times the prior density at the nodes
                 log_prior = chunk.log_weights.detach() - self.log_weights[:, sl].to(chunk.log_weights.dtype)
                 yield sl, log_prior, chunk.table.detach()
+
+    def graded_parts(self):
+        """``(slice, log_prior (r, Q_c), table (n, Q_c, D))`` per chunk with their graph: the
+        kept chunks as they are, the streamed ones run again under activation recomputation
+        (:func:`~pyro_mpt.recompute.recomputed`: the backward pass runs them once more)."""
+        for sl in self.slices():
+            index = sl.start // self.node_chunk
+            kept = self.chunks is not None and index < len(self.chunks)
+            chunk = self.chunks[index] if kept else recomputed(self.compute_chunk, sl)
+            log_prior = chunk.log_weights - self.log_weights[:, sl].to(chunk.log_weights.dtype)
+            yield sl, log_prior, chunk.table
+
+    def has_graph(self):
+        """Whether the table carries a graph, or may (a streamed table is not run to tell)."""
+        if not torch.is_grad_enabled():
+            return False
+        if len(self.chunks or ()) < len(self.slices()):
+            return True
+        return any(c.table.requires_grad or c.log_weights.requires_grad for c in self.chunks)
 
     def reduce(self, reducer, *inputs, check_ess=None):
         """Apply ``reducer(chunk, *inputs)`` to every chunk of the table; combine with logaddexp.
