@@ -363,7 +363,9 @@ class Exhaustive(MaskSchedule):
             raise ValueError(
                 f'masks="exhaustive" enumerates 2^D - 1 masks and supports '
                 f"D <= {MAX_EXHAUSTIVE_TOKENS} tokens, got D={D} ({2**D - 1} masks). "
-                f'Use masks="order" (exact for closed-form conditionals) or "all".'
+                f'Use masks="order" (the chain rule along random orderings: exact where the engine '
+                f'computes the model\'s conditionals exactly, e.g. a Gaussian model\'s; an unbiased '
+                f'estimate of the sum otherwise, a masked LM\'s included) or "all".'
             )
 
     def blocks(self, n, D, *, max_elements=2**22, device=None, observed=None):

@@ -292,6 +292,25 @@ class _Source:
             data["word_ids"] = word_ids
         return self.from_ids(data, pretokenized=False, texts=(texts, pairs))
 
+    def warn_untyped_pairs(self, ids):
+        """Warn where ids without ``token_type_ids`` hold the separator token twice or more (a
+        pair of segments) for a model that tells segments apart (``type_vocab_size`` > 1):
+        the model reads them all as the first segment, and the scores are another model's."""
+        sep = getattr(self.tokenizer, "sep_token_id", None) if self.tokenizer is not None else None
+        if sep is None or getattr(self.config, "type_vocab_size", 1) < 2:
+            return
+        paired = [i for i, x in enumerate(ids) if int((x == sep).sum()) >= 2]
+        if paired:
+            warnings.warn(
+                f"{len(paired)} of {len(ids)} sequence(s) hold the separator token "
+                f"{self.tokenizer.sep_token!r} twice or more (sequence {paired[0]} first: a pair of "
+                f"segments?) but no token_type_ids were given, so the model reads every token as "
+                f"the first segment (token type 0) and scores the pair as one segment (AntiBERTy's "
+                f"PLL of two pairs: -41.57 and -38.60 so, -38.62 and -40.49 with the types). Pass "
+                f"token_type_ids with the input_ids, or the texts as (text, text_pair) tuples.",
+                stacklevel=user_stacklevel(),
+            )
+
     def cased_words(self, texts, i):
         """The words of text ``i`` (and its pair) with upper-case letters that the tokenizer's
         vocabulary holds as written, when the tokenizer lower-cases: the words it turns into
@@ -386,6 +405,8 @@ class _Source:
                 segment = torch.cumsum(w < 0, 0)
                 key = torch.where(w >= 0, segment * (int(w.max()) + 1) + w, -1)
                 out_words.append(key[maskable])
+        if types is None:
+            self.warn_untyped_pairs(out_ids)
         if with_unknown:
             first, count = with_unknown[0]
             total = sum(c for _, c in with_unknown)

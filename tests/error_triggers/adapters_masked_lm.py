@@ -121,6 +121,13 @@ def _():
     _scorer().encode(["a zzz b"])
 
 
+@trigger("mlm-pair-without-token-types")
+def _():
+    scorer = _scorer()
+    enc = scorer.tokenizer("a b", "c d")
+    scorer.encode({"input_ids": [enc["input_ids"]]})
+
+
 @trigger("mlm-max-length-beyond-positions")
 def _():
     _scorer(max_length=64)
