@@ -19,7 +19,10 @@ a datapoint's class) leave the plates that every latent sits in as the data
 plates, when some latent sits in those alone. Plates are told apart by the latents
 in them, first on the plates of more than one element, then, where those leave no
 token plate, on all: a batch of one datapoint and one token per datapoint keep the
-roles their plates have in larger batches.
+roles their plates have in larger batches. A plate's size is the data set's
+(:func:`plate_size`: a subsampled plate's ``full_size``), not the minibatch's, and a
+scalar observation in several plates whose latents do not tell their roles apart is
+refused whatever their sizes.
 """
 
 import re
@@ -29,12 +32,20 @@ from pyro.poutine.util import site_is_subsample
 from .site_checks import data_event_shape, elementwise, is_factor
 from .token_layout import TokenLayout
 
-__all__ = ["locate_site", "site_layout", "vectorized_frames", "sample_sites", "missing_value_sites"]
+__all__ = ["locate_site", "site_layout", "vectorized_frames", "plate_size", "sample_sites", "missing_value_sites"]
+
+
+def plate_size(frame):
+    """The number of elements of a plate frame in the whole data set: its ``full_size``
+    where it subsamples (a minibatch of one from a plate of N is a plate of N), else its
+    size. Plates play their roles (datapoints, tokens, a global latent's outside) by it."""
+    return frame.size if frame.full_size is None else frame.full_size
 
 
 def vectorized_frames(site, min_size=1):
-    """The vectorized plate frames of a trace site with at least ``min_size`` elements."""
-    return {f for f in site["cond_indep_stack"] if f.vectorized and f.size >= min_size}
+    """The vectorized plate frames of a trace site with at least ``min_size`` elements
+    (:func:`plate_size`)."""
+    return {f for f in site["cond_indep_stack"] if f.vectorized and plate_size(f) >= min_size}
 
 
 def sample_sites(trace):
@@ -103,17 +114,24 @@ def _token_frames(site, latents, token_plates):
     in_latents = [vectorized_frames(s) & frames for s in latents]
     for min_size in (2, 1):
         found = _token_plates_beside(
-            {f for f in frames if f.size >= min_size},
-            [{f for f in fr if f.size >= min_size} for fr in in_latents if fr],
+            {f for f in frames if plate_size(f) >= min_size},
+            [{f for f in fr if plate_size(f) >= min_size} for fr in in_latents if fr],
         )
         if found:
             return found
-    big = {f for f in frames if f.size > 1}
-    if not site["fn"].event_shape and len(big) > 1:
+    # every plate, whatever its size: the roles are as ambiguous with one datapoint or one
+    # token (a per-token switch alone was refused at 2 x 3 and read as 3 datapoints at 1 x 3)
+    if not site["fn"].event_shape and len(frames) > 1:
+        where = "; ".join(
+            f"{s['name']!r} in {', '.join(repr(f.name) for f in sorted(fr, key=lambda f: f.dim))}"
+            for s, fr in zip(latents, in_latents) if fr
+        )
         raise ValueError(
             f"Observed site {name!r} has no event dims and sits in the plates "
-            f"{_describe_plates(big)}; which of them run over tokens and which over "
-            f"datapoints is ambiguous (the latent sites do not tell them apart). "
+            f"{_describe_plates(frames)}; which of them run over tokens and which over "
+            f"datapoints is ambiguous (the latent sites do not tell them apart"
+            f"{': ' + where if where else ''}; a latent in some of these plates and not the "
+            f"others is shared by the others' elements, a global latent there). "
             f"Pass token_plates=(<names>) to MaskedPretrainingLoss / Evidence, "
             f"or: {_EVENT_DIMS_HINT}."
         )
@@ -278,7 +296,7 @@ def site_layout(site, latents, token_plates):
     tframes = _token_frames(site, latents, token_plates)
     if not tframes and not event_shape and not (token_plates is None and _one_token_per_datapoint(site, latents)):
         named = "" if token_plates is None else f" and token_plates={token_plates!r} names none of its plates"
-        big = sorted((f for f in vectorized_frames(site) if f.size > 1), key=lambda f: f.dim)
+        big = sorted(vectorized_frames(site, 2), key=lambda f: f.dim)
         if token_plates is None and big and latents and not any(vectorized_frames(s) & set(big) for s in latents):
             # Pyro's Bayesian regression: weights outside the data plate, a scalar observation in it
             shared = ", ".join(repr(s["name"]) for s in latents)

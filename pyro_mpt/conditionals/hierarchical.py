@@ -70,6 +70,7 @@ from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes im
 
 from ..code_origin import user_stacklevel
 from ..observed_tokens import check_local_latent
+from ..token_site import vectorized_frames
 from .base import ConditionalEngine, EngineNotApplicable, NumericalWarning, ordering_ranks
 from .distributions import affine_normal, unwrap
 from .gaussian_leave_one_out import leave_one_out_from_full, leave_one_out_targets
@@ -193,7 +194,7 @@ def hierarchical_loadings(tokens, model, args, kwargs):
             raise _not_linear_gaussian(tokens.name, f"latent site {site['name']!r} is {type(base).__name__}, "
                                        f"not Normal or MultivariateNormal", discrete=site["fn"].support.is_discrete)
         check_local_latent(tokens, site, NotHierarchicalError, allow_token_plates=True, consequence=f"{_WHO} cannot serve it")
-        frames = {f.name: f for f in site["cond_indep_stack"] if f.vectorized and f.size > 1}
+        frames = {f.name: f for f in vectorized_frames(site, 2)}
         local = unit_plate in frames
         others = [f for f in frames if f != unit_plate and f not in {g.name for g in tokens.data_frames}]
         lacking = [f for f in others if f not in tokens.token_plates]
