@@ -108,9 +108,9 @@ def _token_frames(site, latents, token_plates):
     # datapoint still holds the latents). Plates of size 1 are left out first: the layouts
     # of the latents are read on the plates that tell them apart (a latent also in a plate
     # "groups" of one element, beside latents in the data plate alone); where those find no
-    # token plate, they count too: a minibatch of one, a lone group of a hierarchy (its
-    # members were taken for datapoints and its latent for a global one), one member per
-    # group (refused as having no tokens)
+    # token plate, they count too: a data set of one datapoint, a lone group of a hierarchy
+    # (its members were taken for datapoints and its latent for a global one), one member
+    # per group (refused as having no tokens)
     in_latents = [vectorized_frames(s) & frames for s in latents]
     for min_size in (2, 1):
         found = _token_plates_beside(
