@@ -34,6 +34,8 @@ flows). Other guides keep the generic path of
 :class:`~pyro_mpt.conditionals.latent_runs.LatentRunner`.
 """
 
+import contextlib
+
 import torch
 import pyro
 from pyro import poutine
@@ -209,7 +211,7 @@ class AutoguideProposal:
         return dec.log_prior() + dec.obs_log_prob() - log_q
 
     # ------------------------------------------------------------------ density
-    def log_prob(self, trace, values, rows):
+    def log_prob(self, trace, values, rows, fixed_guide=False):
         r""":math:`\log q(z)` per datapoint at latent values ``values``, ``(rows, n)``.
 
         :param trace: a trace of the guide in a particle plate of ``rows`` (from
@@ -217,6 +219,9 @@ class AutoguideProposal:
             (subsampled like the minibatch).
         :param dict values: latent name -> value ``(rows, ...)`` in the particle
             plate's layout (e.g. the guide's own draws, or prior draws).
+        :param bool fixed_guide: the guide's parameters as constants (the joint autoguides'
+            posterior made without a graph; ``AutoNormal``'s comes from ``trace``, sampled
+            without one for this): the gradient reaches ``values`` alone.
         """
         r = self.runner
         total = r.tokens.value.new_zeros(rows, r.tokens.num_data)
@@ -224,7 +229,7 @@ class AutoguideProposal:
             if isinstance(part, AutoNormal):
                 total = total + self._normal_part(part, trace, values, rows)
             else:
-                total = total + self._joint_part(part, values, rows)
+                total = total + self._joint_part(part, values, rows, fixed_guide)
         return total
 
     def _site_transform(self, name, z):
@@ -246,7 +251,7 @@ class AutoguideProposal:
             out = out + r.per_datapoint(lq, rows) + r.per_datapoint(jac, rows)
         return out
 
-    def _joint_part(self, part, values, rows):
+    def _joint_part(self, part, values, rows, fixed_guide=False):
         r = self.runner
         us, jac = [], 0.0
         for name, _ in self._estimated_nodes(part):
@@ -256,7 +261,8 @@ class AutoguideProposal:
         if not us:
             return 0.0  # a part that holds only missing-value draws: no latent of the estimate
         u = torch.cat(us, -1)  # the packed unconstrained vector, in Pyro's order, less the skipped sites
-        posterior = part.get_posterior(*r.args, **r.kwargs)
+        with torch.no_grad() if fixed_guide else contextlib.nullcontext():
+            posterior = part.get_posterior(*r.args, **r.kwargs)
         if r.tokens.num_data == 1 and not any(name in self._skip for name, _ in _latent_nodes(part)):
             return posterior.log_prob(u).reshape(rows, 1) + jac
         # positions in the posterior's vector (with the skipped sites) and in u (without them)
