@@ -222,13 +222,16 @@ def test_with_guide_elbo_takes_a_0_dim_tensor_weight_and_refuses_bad_ones():
         WithGuideELBO(MaskedPretrainingLoss(), Trace_ELBO)
 
 
-@pytest.mark.parametrize("proposal", ["autoguide", "encoder", "encoder-original"])
+@pytest.mark.parametrize("proposal", ["autoguide", "diagonal", "multivariate", "lowrank", "encoder", "encoder-original"])
 def test_the_importance_proposal_leaves_the_guide_untouched(proposal):
     """Without guide_grad the importance proposal's guide gets no gradient at all: its
     parameters met the estimate through two paths that cancelled up to rounding (1e-17), and
     Adam, which normalizes a gradient's scale away, moved an AutoNormal's scales by 1.6e-2 in
-    100 steps from 0.1. After 30 Adam steps every guide parameter is where it started, while
-    the model's loading has moved."""
+    100 steps from 0.1; and an AutoDiagonalNormal's posterior, made without a graph, still held
+    its loc parameter itself (a Normal keeps it as given), which got the full gradient (0.4 in
+    10 steps). After 30 Adam steps every guide parameter is where it started, while the model's
+    loading has moved."""
+    from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoMultivariateNormal
     x, _, _ = _small_ppca(3)
 
     def model(x):
@@ -239,8 +242,10 @@ def test_the_importance_proposal_leaves_the_guide_untouched(proposal):
 
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    if proposal == "autoguide":
-        guide = AutoNormal(model)
+    autoguides = {"autoguide": AutoNormal, "diagonal": AutoDiagonalNormal, "multivariate": AutoMultivariateNormal,
+                  "lowrank": AutoLowRankMultivariateNormal}
+    if proposal in autoguides:
+        guide = autoguides[proposal](model)
     else:
         encoder = torch.nn.Linear(3, 2)
 
