@@ -238,10 +238,11 @@ class GuideTrainingCheck:
 
     A parameter counts as reached where its gradient is not None and not all zeros at some
     step: the exact engines leave the guide out of the graph (None), the importance proposal
-    (``guide_grad=False``) makes the guide's distributions without a graph (None; they met it
-    through two paths that cancelled, leaving an ``AutoNormal``'s scales a gradient of rounding,
-    1e-17, which went unnamed and which Adam turned into steps of its full size). No threshold
-    on the gradient's size: Adam trains a
+    (``guide_grad=False``) detaches an autoguide's distributions (None; they met it through two
+    paths that cancelled, leaving an ``AutoNormal``'s scales a gradient of rounding, 1e-17,
+    which went unnamed and which Adam turned into steps of its full size) and meets a guide of
+    the user's through detached draws (zeros, or such rounding). No threshold on the
+    gradient's size: Adam trains a
     parameter whatever its gradient's scale (an encoder behind a factor of 1e-5 was named
     untrained by one). Two steps, not one: a layer behind a zero-initialized one (a residual
     encoder's start) gets a zero gradient at the first step only.

@@ -14,6 +14,27 @@ from .encode_decode import run_chains
 from .latent_runs import LatentRunner, check_draws_log_density
 
 
+def through_draws(log_q, log_q_fixed):
+    r""":math:`\log q(z)` with its gradient through the draws :math:`z` alone.
+
+    ``log_q_fixed`` is the same density at the detached draws, so its gradient is
+    the guide parameters' part of ``log_q``'s; subtracting it leaves the draws'
+    part (a prior draw's, which depends on the model's parameters), with the value
+    unchanged. The two parts cancel to rounding, not exactly: the autoguides' proposal
+    detaches the guide's distributions instead (``AutoguideProposal.log_prob`` with
+    ``fixed_guide``); a guide of the user's cannot be detached generically.
+
+    :param torch.Tensor log_q: :math:`\log q_\phi(z)` at the draws.
+    :param torch.Tensor log_q_fixed: :math:`\log q_\phi(\bar z)` at the detached draws.
+    :returns: a tensor equal to ``log_q`` whose gradient reaches no guide parameter.
+
+    Example::
+
+        >>> log_q = through_draws(proposal.log_prob(trace, values, S), proposal.log_prob(trace, fixed, S))
+    """
+    return log_q - log_q_fixed + log_q_fixed.detach()
+
+
 def _detached(values):
     return {k: v.detach() for k, v in values.items()}
 
@@ -83,7 +104,7 @@ def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_c
     the guide run on the states of ``num_chains`` encode--decode chains after
     ``num_iterations`` rounds from ``init``; else the guide on the original data.
     Without ``guide_grad`` no gradient reaches the guide's parameters (the prior
-    draws keep theirs: the guide's distributions are made without a graph, ``fixed_guide``).
+    draws keep theirs, through :func:`through_draws`).
 
     :returns: ``(lw0, T)``: :math:`\log p(z_s) - \log r(z_s)` ``(S, q, n)`` and
         :math:`\log p(x_d \mid z_s)` ``(S, q, n, D)``, as
@@ -107,8 +128,9 @@ def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_c
             log_r = enc.log_q.reshape(S, q, n)
             log_r = log_r if guide_grad else log_r.detach()
         else:
-            # without guide_grad, the gradient through the prior draws alone (the guide's own are detached)
-            scores = runner.guide_log_prob(xt, values, S, fixed_guide=not guide_grad)  # (S, C, q, n)
+            scores = runner.guide_log_prob(xt, values, S)  # (S, C, q, n)
+            if not guide_grad:
+                scores = through_draws(scores, runner.guide_log_prob(xt, _detached(values), S)) if S_p else scores.detach()
             log_r = torch.logsumexp(scores, 1) - math.log(C)
     else:
         # the guide on the original data, q(z | x), is as narrow as the posterior given all D
@@ -122,7 +144,9 @@ def guide_draws(runner, x, mask, init, imputed, num_samples, prior_weight, num_c
         if S_p:
             # one component (no chains): only the prior draws need the guide's density
             prior = _prior_draws(runner, values, S_p)
-            log_q_prior = runner.guide_log_prob_original(prior, S_p, fixed_guide=not guide_grad)
+            log_q_prior = runner.guide_log_prob_original(prior, S_p)
+            if not guide_grad:
+                log_q_prior = through_draws(log_q_prior, runner.guide_log_prob_original(_detached(prior), S_p))
             values, log_q = _joined(values, prior), torch.cat([log_q, log_q_prior], 0)
         log_r = log_q.unsqueeze(1).expand(S, q, n)
         values = {k: v.repeat_interleave(q, 0) if q > 1 else v for k, v in values.items()}

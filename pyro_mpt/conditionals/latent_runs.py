@@ -35,7 +35,6 @@ subsampled plates, other per-datapoint arguments) it falls back to one guide
 call per imputed version, each vectorized over particles and datapoints.
 """
 
-import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -486,7 +485,7 @@ class LatentRunner:
         )
         return out
 
-    def guide_log_prob(self, xt, values, num_particles, fixed_guide=False):
+    def guide_log_prob(self, xt, values, num_particles):
         r"""Guide log-densities :math:`\log q(z_s \mid \tilde x_b)` of given latents under several inputs.
 
         :param torch.Tensor xt: ``(B, n, D)`` inputs, ``B = C * Q``; input ``b``
@@ -494,9 +493,6 @@ class LatentRunner:
         :param dict values: latent name -> value ``(S * Q, ...)`` in the layout of
             ``values`` of :class:`~pyro_mpt.conditionals.decoded.Encoded` (draws outer, queries inner).
         :param int num_particles: ``S``.
-        :param bool fixed_guide: the guide's distributions made without a graph, so that the
-            densities' gradient reaches the draws alone, not the guide's parameters (not even
-            the rounding of two paths that cancel, which Adam turns into steps of its full size).
         :returns: ``(S, C, Q, n)``: every draw of query ``j`` scored under each of
             that query's ``C`` inputs.
         """
@@ -515,8 +511,7 @@ class LatentRunner:
                 stacked[name] = v.movedim((1, 2), (i - 2, i - 1)).flatten(i - 2, i)
             replay = self._replay_with(stacked, subsample=False)
             args, kwargs = self.data.substitute(self.args, self.kwargs, xt)
-            with _graph_unless(fixed_guide):
-                trace = self._run(self.guide, S, args, kwargs, replay)
+            trace = self._run(self.guide, S, args, kwargs, replay)
             self._refuse_auxiliary(trace)
             _, log_q = self._guide_values(trace, S, B, stacked=True)
             return log_q.reshape(S, C, Q, n)
@@ -525,8 +520,7 @@ class LatentRunner:
             j = b % Q
             replay = self._replay_with({name: v.reshape((S, Q) + tuple(v.shape[1:]))[:, j] for name, v in values.items()})
             args, kwargs = self.data.substitute(self.args, self.kwargs, xt[b])
-            with _graph_unless(fixed_guide):
-                trace = self._run(self.guide, S, args, kwargs, replay)
+            trace = self._run(self.guide, S, args, kwargs, replay)
             self._refuse_auxiliary(trace)
             out.append(self._guide_values(trace, S, 1, stacked=False)[1][:, 0])
         return torch.stack(out, 1).reshape(S, C, Q, n)
@@ -557,16 +551,14 @@ class LatentRunner:
         values, log_q = self._guide_values(trace, rows, 1, stacked=False)
         return Encoded(values, log_q, rows, 1)
 
-    def guide_log_prob_original(self, values, rows, fixed_guide=False):
+    def guide_log_prob_original(self, values, rows):
         r"""Guide log-densities :math:`\log q(z_s \mid x)` of given latents ``values`` (``rows``
         draws each) under the guide run on the original data, ``(rows, n)``.
 
         :param dict values: latent name -> value ``(rows, ...)`` as :meth:`encode_original` gives them.
         :param int rows: the number of draws.
-        :param bool fixed_guide: as :meth:`guide_log_prob`'s.
         """
-        with _graph_unless(fixed_guide):
-            trace = self._guide_run(self.args, self.kwargs, rows, False, self._replay_with(values))
+        trace = self._guide_run(self.args, self.kwargs, rows, False, self._replay_with(values))
         self._refuse_auxiliary(trace)
         return self._guide_values(trace, rows, 1, stacked=False)[1][:, 0]
 
@@ -583,10 +575,3 @@ class LatentRunner:
         enc = self.encode_original(rows)
         dec = self.decode(enc.values, rows)
         return dec.log_prior() + dec.obs_log_prob() - enc.log_q[:, 0]
-
-
-def _graph_unless(fixed):
-    """``torch.no_grad()`` where ``fixed``: a guide run without a graph makes its distributions'
-    parameters constants, while the values replayed into it keep theirs (the densities are
-    computed from the trace afterwards, :func:`site_log_prob`)."""
-    return torch.no_grad() if fixed else contextlib.nullcontext()
