@@ -114,24 +114,23 @@ class QuadratureState:
         """``(slice, log_prior (r, Q_c), table (n, Q_c, D))`` per chunk, detached: the kept
         chunks as they are, the streamed ones run again without a graph."""
         with torch.no_grad():
-            for sl in self.slices():
-                index = sl.start // self.node_chunk
-                kept = self.chunks is not None and index < len(self.chunks)
-                chunk = self.chunks[index] if kept else self.compute_chunk(sl)
-                # the chunk's weights are the rule's times the prior density at the nodes
-                log_prior = chunk.log_weights.detach() - self.log_weights[:, sl].to(chunk.log_weights.dtype)
-                yield sl, log_prior, chunk.table.detach()
+            for sl, log_prior, table in self._parts(self.compute_chunk):
+                yield sl, log_prior.detach(), table.detach()
 
     def graded_parts(self):
         """``(slice, log_prior (r, Q_c), table (n, Q_c, D))`` per chunk with their graph: the
         kept chunks as they are, the streamed ones run again under activation recomputation
         (:func:`~pyro_mpt.recompute.recomputed`: the backward pass runs them once more)."""
+        return self._parts(lambda sl: recomputed(self.compute_chunk, sl))
+
+    def _parts(self, make):
+        # the kept chunks, and the streamed ones made by ``make(slice)``; the chunk's weights
+        # are the rule's times the prior density at the nodes
         for sl in self.slices():
             index = sl.start // self.node_chunk
             kept = self.chunks is not None and index < len(self.chunks)
-            chunk = self.chunks[index] if kept else recomputed(self.compute_chunk, sl)
-            log_prior = chunk.log_weights - self.log_weights[:, sl].to(chunk.log_weights.dtype)
-            yield sl, log_prior, chunk.table
+            chunk = self.chunks[index] if kept else make(sl)
+            yield sl, chunk.log_weights - self.log_weights[:, sl].to(chunk.log_weights.dtype), chunk.table
 
     def has_graph(self):
         """Whether the table carries a graph, or may (a streamed table is not run to tell)."""
